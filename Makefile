@@ -1,0 +1,45 @@
+# Two commands for a fresh machine:  make demo   |   make test
+# Both bootstrap .venv (Python 3.11) on first use: pinned deps, the msg/ build, the package.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+DEPS   := $(VENV)/.deps-stamp
+SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) setup.py
+MSGS   := $(wildcard msg/*.msg) CMakeLists.txt package.xml scripts/build_msgs.sh
+
+.PHONY: demo test install msgs models clean help
+
+help:
+	@echo "make demo  [ARGS='...']  run the main job on the embedded default models"
+	@echo "make test               run the test suite"
+	@echo "make models             retrain the embedded default models"
+
+$(DEPS): requirements/dev.txt requirements/msgs-build.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements/dev.txt -r requirements/msgs-build.txt
+	touch $@
+
+$(VENV)/.msgs-stamp: $(DEPS) $(MSGS)
+	scripts/build_msgs.sh $(VENV)
+	touch $@
+
+# setuptools builds in-tree (build/lib) and never prunes it: a deleted module would be installed
+# again from there, so drop its leftovers first (build/msgs is the cmake build, kept).
+$(VENV)/.pkg-stamp: $(DEPS) $(SRC) $(VENV)/.msgs-stamp
+	rm -rf build/lib build/bdist.*
+	$(PIP) install -q --no-deps --no-build-isolation .
+	scripts/build_msgs.sh $(VENV) --install-only
+	touch $@
+
+install: $(VENV)/.pkg-stamp
+
+demo: install
+	$(VENV)/bin/edgespec-demo $(ARGS)
+
+test: install
+	$(VENV)/bin/pytest $(ARGS)
+
+clean:
+	rm -rf build edgespec_ros.egg-info $(VENV)/.pkg-stamp $(VENV)/.msgs-stamp

@@ -1,0 +1,236 @@
+"""Draft and target engines over HuggingFace models, with a KV cache kept across rounds.
+
+A ``LoadedModel`` (weights, tokenizer, image processor) is shared; each decoding sequence has its
+own ``Sequence`` (KV cache, M-RoPE offset, tokens not yet fed), so a verifier serves many
+sessions from one model. Positions are always passed explicitly: after image tokens, Qwen2-VL's
+M-RoPE text positions are not the token count (they are shifted by ``rope_delta``), and the
+model's own cached ``rope_deltas`` attribute is shared module state we must not rely on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+from .inputs import PromptInputs
+from .sampling import STREAM_DRAFT, SamplingParams, keyed_uniform, probs_from_logits, sample_from
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+class ModelLoadError(RuntimeError):
+    """A model path is missing or does not hold a loadable model."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    image_processor: object | None
+    path: str
+    is_vlm: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        cfg_eos = getattr(self.model.generation_config, "eos_token_id", None) or getattr(self.model.config, "eos_token_id", None)
+        if isinstance(cfg_eos, int):
+            ids.add(cfg_eos)
+        elif cfg_eos:
+            ids.update(int(i) for i in cfg_eos)
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok) if self.tokenizer is not None else None
+            if isinstance(tid, int) and tid >= 0 and tid != getattr(self.tokenizer, "unk_token_id", None):
+                ids.add(tid)
+        return ids
+
+    def fingerprint(self) -> str:
+        """Hash of the tokenizer vocabulary and the LM head size: edge and cloud must agree on it."""
+        return vocab_fingerprint(self.tokenizer, self.vocab_size)
+
+    def new_sequence(self) -> "Sequence":
+        return Sequence(self)
+
+
+def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
+    return hashlib.sha256(blob + str(vocab_size).encode()).hexdigest()[:32]
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """Load a Qwen2-VL or causal LM (with tokenizer and, for VLMs, image processor) from a local dir."""
+    if not path or not os.path.isdir(path):
+        raise ModelLoadError(f"model path {path!r} is not a directory: give a local model directory "
+                             "(config.json, weights, tokenizer), e.g. the committed defaults or Qwen2-VL-2B-Instruct")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ModelLoadError(f"{path!r} has no config.json: not a HuggingFace model directory")
+    try:
+        with open(cfg_file) as f:
+            model_type = json.load(f).get("model_type", "")
+        from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if model_type == "qwen2_vl":
+            from transformers import Qwen2VLForConditionalGeneration
+            model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
+            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+            is_vlm = True
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            image_processor, is_vlm = None, False
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model from {path!r}: {type(exc).__name__}: {exc}") from exc
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, image_processor, path, is_vlm)
+
+
+def wrap_model(model: torch.nn.Module, tokenizer=None, image_processor=None, path: str = "<memory>") -> LoadedModel:
+    """A LoadedModel for a model built in memory (tests)."""
+    is_vlm = model.config.model_type == "qwen2_vl"
+    return LoadedModel(model.eval(), tokenizer, image_processor, path, is_vlm)
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Drop cached positions beyond the first ``keep`` (transformers 4.x and 5.x semantics)."""
+    current = cache.get_seq_length()
+    if current <= keep:
+        return
+    cache.crop(keep - current if _TRANSFORMERS_MAJOR >= 5 else keep)
+
+
+@dataclass
+class Sequence:
+    """One decoding sequence on a model: KV cache of fed tokens plus tokens waiting to be fed."""
+
+    lm: LoadedModel
+    cache: object = None
+    fed: int = 0  # positions in the KV cache
+    rope_delta: int = 0  # M-RoPE text position = cache index + rope_delta
+    pending: list[int] = field(default_factory=list)  # committed tokens not yet fed
+    last_logits: torch.Tensor | None = None  # next-token logits after the last fed token
+    generated: list[int] = field(default_factory=list)  # committed tokens after the prompt
+
+    def _positions(self, n: int) -> torch.Tensor:
+        pos = torch.arange(self.fed, self.fed + n) + self.rope_delta
+        if self.lm.is_vlm:
+            return pos.view(1, 1, n).expand(3, 1, n)
+        return pos.view(1, n)
+
+    @torch.inference_mode()
+    def prefill(self, inputs: PromptInputs) -> torch.Tensor:
+        """Reset and feed the prompt; returns next-token logits [V]."""
+        from transformers import DynamicCache
+        model = self.lm.model
+        self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
+        self.fed, self.rope_delta, self.pending, self.generated = 0, 0, [], []
+        kwargs = inputs.model_kwargs()
+        n = inputs.num_tokens
+        if self.lm.is_vlm and inputs.pixel_values is not None:
+            position_ids, deltas = model.model.get_rope_index(
+                inputs.input_ids, mm_token_type_ids=inputs.mm_token_type_ids,
+                image_grid_thw=inputs.image_grid_thw, attention_mask=inputs.attention_mask)
+            self.rope_delta = int(deltas.view(-1)[0])
+        else:
+            position_ids = self._positions(n)
+            kwargs.pop("mm_token_type_ids", None)
+        out = model(**kwargs, position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+        self.fed = n
+        self.last_logits = out.logits[0, -1].float()
+        return self.last_logits
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed tokens through the model; returns logits [len, V] (row i predicts after token i)."""
+        if self.cache is None:
+            raise RuntimeError("feed() before prefill()")
+        n = len(token_ids)
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        out = self.lm.model(input_ids=ids, attention_mask=torch.ones(1, self.fed + n, dtype=torch.long),
+                            position_ids=self._positions(n), past_key_values=self.cache, use_cache=True)
+        self.fed += n
+        logits = out.logits[0].float()
+        self.last_logits = logits[-1]
+        return logits
+
+    def crop(self, keep: int) -> None:
+        """Roll the KV cache back to its first ``keep`` positions."""
+        if keep > self.fed:
+            raise ValueError(f"cannot crop to {keep}: only {self.fed} positions are cached")
+        crop_cache(self.cache, keep)
+        self.fed = keep
+        self.last_logits = None
+
+    def next_logits(self) -> torch.Tensor:
+        """Logits for the next token: feeds pending tokens first."""
+        if self.pending:
+            pending, self.pending = self.pending, []
+            return self.feed(pending)[-1]
+        if self.last_logits is None:
+            raise RuntimeError("no next-token logits: the sequence was cropped without pending tokens")
+        return self.last_logits
+
+    # --- the two roles -------------------------------------------------------------------
+
+    def draft(self, gamma: int, params: SamplingParams, seed: int) -> tuple[list[int], torch.Tensor]:
+        """Sample gamma draft tokens; returns (ids, q [gamma, V] they were sampled from).
+
+        Leaves the first gamma - 1 drafts in the cache; call ``commit_draft`` with the verdict.
+        """
+        base = len(self.generated)
+        ids, qs = [], []
+        logits = self.next_logits()
+        self._draft_base = self.fed
+        for i in range(gamma):
+            q = probs_from_logits(logits, params)
+            x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
+            ids.append(x)
+            qs.append(q)
+            if i < gamma - 1:
+                logits = self.feed([x])[-1]
+        return ids, torch.stack(qs) if qs else torch.zeros(0, self.lm.vocab_size, dtype=torch.float64)
+
+    def commit_draft(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
+        """Apply a verdict to the drafter's state: keep accepted drafts, queue next_token."""
+        base = self._draft_base
+        in_cache = min(accepted, len(draft_ids) - 1)
+        self.crop(base + in_cache)
+        self.pending = list(draft_ids[in_cache:accepted]) + [int(next_token)]
+        self.generated.extend(int(t) for t in draft_ids[:accepted])
+        self.generated.append(int(next_token))
+
+    def target_logits(self, draft_ids: list[int]) -> torch.Tensor:
+        """Target logits [gamma + 1, V] for verifying draft_ids (feeds pending + drafts)."""
+        if self.pending:
+            pending, self.pending = self.pending, []
+            self._verify_base = self.fed + len(pending)
+            return self.feed(pending + list(draft_ids))[len(pending) - 1:]
+        first = self.last_logits
+        if first is None:
+            raise RuntimeError("target has no next-token logits")
+        self._verify_base = self.fed
+        if not draft_ids:
+            return first.view(1, -1)
+        return torch.cat([first.view(1, -1), self.feed(list(draft_ids))], dim=0)
+
+    def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
+        """Keep the accepted drafts in the target cache and queue next_token."""
+        self.crop(self._verify_base + accepted)
+        self.pending = [int(next_token)]
+        self.generated.extend(int(t) for t in draft_ids[:accepted])
+        self.generated.append(int(next_token))
+
+    def append_generated(self, token: int) -> None:
+        """Commit one AR-decoded token (fed on the next ``next_logits``)."""
+        self.pending = [int(token)]
+        self.generated.append(int(token))

@@ -1,0 +1,123 @@
+"""Per-decision metrics and their aggregation over many decisions (vLLM spec_decode/metrics style)."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DecisionMetrics:
+    """What one decision cost. Times in seconds; acceptance is kept per draft position."""
+
+    mode: str = "sd"
+    gamma: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # count accepted at position i
+    drafted_per_position: list[int] = field(default_factory=list)  # count drafted at position i
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    t_draft: float = 0.0
+    t_uplink: float = 0.0
+    t_verify: float = 0.0
+    t_downlink: float = 0.0
+    wall_s: float = 0.0
+
+    def add_link(self, up: int, down: int) -> None:
+        self.uplink_bytes += up
+        self.downlink_bytes += down
+
+    def record_round(self, reply, n_drafted: int) -> None:
+        """Account one verification round from a VerifyReply."""
+        self.rounds += 1
+        self.drafted += n_drafted
+        self.accepted += reply.accepted
+        while len(self.drafted_per_position) < n_drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(n_drafted):
+            self.drafted_per_position[i] += 1
+            if i < len(reply.accepted_mask) and reply.accepted_mask[i]:
+                self.accepted_per_position[i] += 1
+        self.t_verify += reply.verify_s
+        self.t_uplink += reply.uplink_s
+        self.t_downlink += reply.downlink_s
+        self.add_link(reply.uplink_bytes, reply.downlink_bytes)
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate)
+        return d
+
+
+@dataclass
+class RunSummary:
+    """Aggregate of decisions of one mode on one link/compute profile (one bench row)."""
+
+    mode: str
+    link: str
+    compute: str
+    decisions: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    wall_s: float = 0.0
+    t_draft: float = 0.0
+    t_uplink: float = 0.0
+    t_verify: float = 0.0
+    t_downlink: float = 0.0
+    gamma: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    decision_ms: list[float] = field(default_factory=list)
+
+    def add(self, m: DecisionMetrics) -> None:
+        self.decisions += 1
+        self.gamma = m.gamma
+        for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
+                     "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink"):
+            setattr(self, name, getattr(self, name) + getattr(m, name))
+        for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
+            if i >= len(self.drafted_per_position):
+                self.drafted_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += a
+            self.drafted_per_position[i] += d
+        self.decision_ms.append(m.wall_s * 1000)
+
+    def row(self) -> dict:
+        """The JSON row of edgespec-bench."""
+        per_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return {
+            "mode": self.mode,
+            "link": self.link,
+            "compute": self.compute,
+            "gamma": self.gamma if self.mode != "ar" else 0,
+            "decisions": self.decisions,
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "tau": self.tokens / self.rounds if self.rounds else 0.0,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "acceptance_per_position": per_pos,
+            "ms_per_token": 1000 * self.wall_s / self.tokens if self.tokens else None,
+            "ms_per_decision": statistics.median(self.decision_ms) if self.decision_ms else None,
+            "ms_per_decision_mean": 1000 * self.wall_s / self.decisions if self.decisions else None,
+            "uplink_bytes": self.uplink_bytes,
+            "downlink_bytes": self.downlink_bytes,
+            "uplink_bytes_per_draft_token": self.uplink_bytes / self.drafted if self.drafted else None,
+            "time_split_s": {"draft": self.t_draft, "uplink": self.t_uplink, "verify": self.t_verify,
+                             "downlink": self.t_downlink, "wall": self.wall_s},
+        }

@@ -1,0 +1,132 @@
+"""Speculative verification: draft tokens + the exact q they came from + target logits -> tokens.
+
+One pure function, like vLLM's rejection sampler. Two modes:
+- ``rejection`` (lossless, Leviathan et al. / Chen et al.): accept draft x_i with probability
+  min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from norm(max(0, p_i - q_i)); when
+  all gamma drafts are accepted, sample a bonus token from p_gamma. The output is distributed
+  exactly as sampling from the target alone, provided q is exactly what the draft sampled from.
+- ``greedy``: accept while the draft equals the target argmax; the next token is the target
+  argmax at the first mismatch (or the bonus position). Token-identical to target greedy AR.
+
+Temperature, top-k and top-p are applied to the target logits here exactly as the drafter
+applied them to its own (see ``sampling.probs_from_logits``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import (
+    STREAM_ACCEPT,
+    STREAM_RESAMPLE,
+    SamplingParams,
+    keyed_uniform,
+    probs_from_logits,
+    sample_from,
+)
+
+MODES = ("rejection", "greedy")
+_Q_SUM_TOL = 1e-3
+
+
+class DraftDistributionError(ValueError):
+    """The q sent with a draft is not a valid distribution for the drafted tokens."""
+
+
+@dataclass
+class VerifyResult:
+    accepted: int  # number of leading draft tokens accepted (0..gamma)
+    next_token: int  # the token that follows them (resampled at a rejection, or the bonus)
+    accepted_mask: list[bool] = field(default_factory=list)  # per draft position; False after the first rejection
+    resampled: bool = False  # True when next_token came from the residual of a rejection
+
+    def committed_tokens(self, draft_ids) -> list[int]:
+        """The tokens this round commits: the accepted draft prefix, then next_token."""
+        return [int(t) for t in list(draft_ids)[: self.accepted]] + [int(self.next_token)]
+
+
+def check_draft_probs(draft_ids: torch.Tensor, draft_probs: torch.Tensor, vocab_size: int) -> None:
+    """Raise DraftDistributionError unless draft_probs is [gamma, V] finite, >= 0, rows summing
+    to 1, with positive mass on each drafted token."""
+    gamma = draft_ids.shape[0]
+    if draft_probs.dim() != 2 or draft_probs.shape[0] != gamma or draft_probs.shape[1] != vocab_size:
+        raise DraftDistributionError(
+            f"draft q has shape {tuple(draft_probs.shape)}, expected ({gamma}, {vocab_size})")
+    if not torch.isfinite(draft_probs).all():
+        raise DraftDistributionError("draft q contains NaN or infinite values")
+    if (draft_probs < 0).any():
+        raise DraftDistributionError("draft q contains negative probabilities")
+    sums = draft_probs.to(torch.float64).sum(dim=-1)
+    bad = (sums - 1.0).abs() > _Q_SUM_TOL
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise DraftDistributionError(f"draft q row {i} sums to {float(sums[i]):.6f}, not 1 (unnormalised)")
+    on_draft = draft_probs.gather(1, draft_ids.view(-1, 1).long()).view(-1)
+    if (on_draft <= 0).any():
+        i = int((on_draft <= 0).nonzero()[0])
+        raise DraftDistributionError(
+            f"draft token {int(draft_ids[i])} at position {i} has q = 0: q is not what the draft sampled from")
+
+
+def verify(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    seed: int,
+    start_position: int,
+    mode: str = "rejection",
+) -> VerifyResult:
+    """Verify gamma draft tokens against target logits [gamma + 1, V].
+
+    draft_probs: [gamma, V], the exact distributions the drafts were sampled from (rejection
+    mode; ignored in greedy mode, where it may be None). Randomness is keyed by
+    (seed, start_position + i) so that results do not depend on earlier wasted work.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown verification mode {mode!r}; expected one of {MODES}")
+    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
+    gamma = draft_ids.shape[0]
+    if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
+        raise ValueError(f"target_logits must be [gamma + 1, V] = [{gamma + 1}, V], got {tuple(target_logits.shape)}")
+    vocab = target_logits.shape[1]
+    if gamma and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab):
+        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids.tolist()}")
+
+    if mode == "greedy":
+        target_argmax = target_logits.argmax(dim=-1)
+        mask: list[bool] = []
+        for i in range(gamma):
+            ok = bool(draft_ids[i] == target_argmax[i])
+            mask.append(ok)
+            if not ok:
+                mask.extend([False] * (gamma - i - 1))
+                return VerifyResult(i, int(target_argmax[i]), mask, resampled=True)
+        return VerifyResult(gamma, int(target_argmax[gamma]), mask)
+
+    if draft_probs is None:
+        raise DraftDistributionError("rejection sampling needs the draft distributions q")
+    draft_probs = torch.as_tensor(draft_probs)
+    check_draft_probs(draft_ids, draft_probs, vocab)
+    p = probs_from_logits(target_logits, params)
+    q = draft_probs.to(torch.float64)
+    q = q / q.sum(dim=-1, keepdim=True)
+    mask = []
+    for i in range(gamma):
+        pos = start_position + i
+        x = int(draft_ids[i])
+        coin = keyed_uniform(seed, pos, STREAM_ACCEPT)
+        # accept iff coin < p/q, written without the division
+        if coin * float(q[i, x]) < float(p[i, x]):
+            mask.append(True)
+            continue
+        mask.extend([False] * (gamma - i))
+        residual = torch.clamp(p[i] - q[i], min=0.0)
+        if float(residual.sum()) <= 0.0:
+            residual = p[i]  # p == q up to rounding: a rejection is then (measure-)impossible
+        token = sample_from(residual, keyed_uniform(seed, pos, STREAM_RESAMPLE))
+        return VerifyResult(i, token, mask, resampled=True)
+    bonus = sample_from(p[gamma], keyed_uniform(seed, start_position + gamma, STREAM_RESAMPLE))
+    return VerifyResult(gamma, bonus, mask)

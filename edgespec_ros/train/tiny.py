@@ -1,0 +1,62 @@
+"""Small Qwen2-VL and causal-LM architectures built from a config in memory.
+
+Same classes as Qwen2-VL-2B/7B (``Qwen2VLForConditionalGeneration``), only narrower and shallower,
+so every loader, input builder and engine path is exercised exactly as with the real checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tokenizer import SPECIAL_TOKENS
+
+
+def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 112 * 112):
+    """Qwen2-VL image processor (PIL backend: no torchvision). 112x112 -> 8x8 patches -> 16 tokens."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def qwen2vl_config(tokenizer, *, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                   intermediate: int | None = None, vision_depth: int = 2, vision_dim: int = 64):
+    """A Qwen2VLConfig sized for CPU training whose special-token ids match ``tokenizer``."""
+    from transformers import Qwen2VLConfig
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = hidden // heads
+    # M-RoPE splits head_dim/2 rotary frequencies into (temporal, height, width) sections.
+    half = head_dim // 2
+    hw = (half - half // 4) // 2
+    section = [half - 2 * hw, hw, hw]  # e.g. head_dim 128 -> [16, 24, 24] as in Qwen2-VL
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": section},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+        tie_word_embeddings=True, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"])
+    vision_config = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=4,
+                         mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = Qwen2VLConfig(text_config=text_config, vision_config=vision_config,
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                        tie_word_embeddings=True)
+    return cfg
+
+
+def tiny_qwen2vl(tokenizer, seed: int = 0, **kw):
+    """A random-weight Qwen2VLForConditionalGeneration (fp32, eval mode)."""
+    from transformers import Qwen2VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(qwen2vl_config(tokenizer, **kw))
+    return model.eval()
+
+
+def tiny_causal_lm(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 64, eos_token_id: int = 0):
+    """A random-weight Qwen2ForCausalLM (text only)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+                      tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()

@@ -1,0 +1,39 @@
+"""pip install . -> the ROS-free core and the cloud verifier (no ROS needed).
+
+On a robot, `colcon build` uses CMakeLists.txt instead (messages + nodes + launch files).
+The dev/CI venv pins exact versions in requirements/dev.txt (torch==2.13.0 CPU there); the
+ranges below are for real deployments (a GPU server picks its own CUDA torch).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="edgespec_ros",
+    version="0.1.0",
+    description="Edge-cloud speculative decoding of VLM control for legged robots",
+    packages=find_packages(include=["edgespec_ros", "edgespec_ros.*"]),
+    package_data={"edgespec_ros": ["models/**/*", "sim/scenarios/*.json"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "transformers>=4.49,<6",
+        "tokenizers",
+        "websockets>=13",
+        "numpy",
+        "scipy",
+        "safetensors",
+        "pillow",
+        "tqdm",
+    ],
+    extras_require={
+        "robot": ["opencv-python-headless", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+    },
+    entry_points={
+        "console_scripts": [
+            "edgespec-verifier = edgespec_ros.wire.server:main",
+            "edgespec-bench = edgespec_ros.bench.cli:main",
+            "edgespec-demo = edgespec_ros.demo:main",
+        ],
+    },
+)
