@@ -12,6 +12,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from ..codecs import get_codec
 from .engines import LoadedModel
 from .inputs import PromptInputs, build_inputs, encode_jpeg
 from .metrics import DecisionMetrics
@@ -29,12 +30,14 @@ class DecodeConfig:
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     verify_mode: str = "rejection"  # or "greedy"
+    codec: str = "dense32"  # uplink codec for q (edgespec_ros.codecs)
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
             raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
         if not 1 <= self.gamma <= 64:
             raise ValueError(f"gamma (draft length) must be in 1..64, got {self.gamma}")
+        get_codec(self.codec)  # raises on an unknown name
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -206,13 +209,14 @@ class EdgeDecoder:
             if self.draft is None:
                 raise ValueError("sd mode needs a draft model")
             seq = self.draft.new_sequence()
+            codec = get_codec(cfg.codec)
             t0 = time.perf_counter()
             seq.prefill(inputs)
             m.t_draft += time.perf_counter() - t0
             finished = False
             while not finished:
                 t0 = time.perf_counter()
-                draft_ids, q = seq.draft(cfg.gamma, cfg.params, cfg.seed)
+                draft_ids, q = seq.draft(cfg.gamma, cfg.params, cfg.seed, prepare=codec.prepare)
                 m.t_draft += time.perf_counter() - t0
                 reply = self.verifier.verify(draft_ids, q)
                 m.record_round(reply, len(draft_ids))

@@ -182,8 +182,10 @@ class Sequence:
 
     # --- the two roles -------------------------------------------------------------------
 
-    def draft(self, gamma: int, params: SamplingParams, seed: int) -> tuple[list[int], torch.Tensor]:
+    def draft(self, gamma: int, params: SamplingParams, seed: int, prepare=None) -> tuple[list[int], torch.Tensor]:
         """Sample gamma draft tokens; returns (ids, q [gamma, V] they were sampled from).
+
+        prepare(q) -> q' is the uplink codec's quantizer: the draft samples from q' itself.
 
         Leaves the first gamma - 1 drafts in the cache; call ``commit_draft`` with the verdict.
         """
@@ -193,6 +195,8 @@ class Sequence:
         self._draft_base = self.fed
         for i in range(gamma):
             q = probs_from_logits(logits, params)
+            if prepare is not None:
+                q = prepare(q)
             x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
             ids.append(x)
             qs.append(q)

@@ -1,0 +1,172 @@
+"""The edge client: a Verifier that talks to edgespec-verifier over websockets.
+
+Synchronous (the drafter's loop is synchronous torch code) with a timeout on every wait: a lost
+link or a silent server raises ``LinkLostError``/``VerifierTimeout`` instead of hanging, and a
+server-side refusal raises ``VerifierRefused`` with the server's code and message.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from ..codecs import get_codec
+from ..spec.decode import DecodeConfig, Prompt, VerifyReply
+from . import protocol as P
+from .link import DOWN, UP, LinkModel, LinkProfile
+
+
+class VerifierError(RuntimeError):
+    """The cloud verifier cannot be used for this decision; the caller must stop the robot."""
+
+
+class LinkLostError(VerifierError):
+    pass
+
+
+class VerifierTimeout(VerifierError):
+    pass
+
+
+class VerifierRefused(VerifierError):
+    def __init__(self, code: int, message: str):
+        super().__init__(f"verifier refused (code {code}): {message}")
+        self.code = code
+        self.server_message = message
+
+
+class RemoteVerifier:
+    """Verifier over a websocket connection; one decision at a time."""
+
+    def __init__(self, url: str, *, fingerprint: str, vocab_size: int, token: str = "", codec: str = "dense32",
+                 timeout_s: float = 10.0, connect_timeout_s: float = 5.0, max_frame: int = P.DEFAULT_MAX_FRAME,
+                 link_profile: LinkProfile | None = None, client_name: str = "edgespec-edge"):
+        self.url = url
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        self.token = token
+        self.codec = get_codec(codec)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame = max_frame
+        self.link_model = LinkModel(link_profile) if link_profile else None
+        self.client_name = client_name
+        self.ws = None
+        self.welcome: P.Welcome | None = None
+        self.decision = 0
+        self.round = 0
+        self.last_generate_uplink = 0
+        self.last_generate_downlink = 0
+
+    # --- connection ----------------------------------------------------------------------
+
+    def connect(self) -> P.Welcome:
+        from websockets.sync.client import connect
+        try:
+            self.ws = connect(self.url, open_timeout=self.connect_timeout_s, close_timeout=2,
+                              max_size=2 * self.max_frame + 1024, compression=None)
+        except (OSError, TimeoutError) as exc:
+            raise LinkLostError(f"cannot reach the verifier at {self.url}: {exc}") from exc
+        except Exception as exc:  # websockets.InvalidHandshake and friends
+            raise LinkLostError(f"cannot open a websocket to {self.url}: {exc}") from exc
+        self._send(P.Hello(self.token, self.fingerprint, self.vocab_size, self.codec.name, self.client_name))
+        welcome, _ = self._recv(P.Welcome, self.connect_timeout_s)
+        self.welcome = welcome
+        return welcome
+
+    def close(self) -> None:
+        if self.ws is not None:
+            try:
+                self._send(P.Close("bye"))
+                self.ws.close()
+            except Exception:
+                pass
+            self.ws = None
+
+    def __enter__(self):
+        if self.ws is None:
+            self.connect()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _send(self, msg) -> int:
+        if self.ws is None:
+            raise LinkLostError("not connected to the verifier")
+        frame = P.encode(msg)
+        try:
+            self.ws.send(frame)
+        except Exception as exc:
+            raise LinkLostError(f"link to the verifier lost while sending: {exc}") from exc
+        return len(frame)
+
+    def _recv(self, expected, timeout: float | None = None):
+        from websockets.exceptions import ConnectionClosed
+        timeout = self.timeout_s if timeout is None else timeout
+        try:
+            raw = self.ws.recv(timeout=timeout)
+        except TimeoutError:
+            raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
+        except ConnectionClosed as exc:
+            raise LinkLostError(f"link to the verifier lost: {exc}") from exc
+        msg = P.decode(raw, self.max_frame)
+        if isinstance(msg, P.Error):
+            raise VerifierRefused(msg.code, msg.message)
+        if not isinstance(msg, expected):
+            raise VerifierError(f"expected {expected.__name__}, got {type(msg).__name__}")
+        return msg, len(raw)
+
+    # --- the Verifier protocol -----------------------------------------------------------
+
+    def start(self, prompt: Prompt, cfg: DecodeConfig) -> dict:
+        if self.ws is None:
+            self.connect()
+        if cfg.codec != self.codec.name:
+            raise ValueError(f"decision codec {cfg.codec!r} differs from the session's {self.codec.name!r}")
+        self.decision += 1
+        self.round = 0
+        up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
+                                  cfg.seed, cfg.params.temperature, cfg.params.top_k, cfg.params.top_p,
+                                  cfg.verify_mode))
+        reply, down = self._recv(P.PrefillOk)
+        return {"prefill_s": reply.prefill_ms / 1e3, "uplink_bytes": up, "downlink_bytes": down}
+
+    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor) -> VerifyReply:
+        self.round += 1
+        t0 = time.perf_counter()
+        up = self._send(P.Verify(self.decision, self.round, list(draft_ids),
+                                 self.codec.encode(draft_ids, draft_probs)))
+        verdict, down = self._recv(P.Verdict)
+        rtt = time.perf_counter() - t0
+        if verdict.round != self.round or verdict.decision != self.decision:
+            raise VerifierError(f"verdict for round {verdict.round} of decision {verdict.decision}, "
+                                f"expected {self.round} of {self.decision}")
+        if verdict.accepted > len(draft_ids) or verdict.next_token >= self.vocab_size:
+            raise VerifierError("verdict out of range: the verifier speaks another model")
+        verify_s = verdict.verify_ms / 1e3
+        up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s), up, down)
+        mask = [True] * verdict.accepted + [False] * (len(draft_ids) - verdict.accepted)
+        return VerifyReply(verdict.accepted, verdict.next_token, mask, verify_s=verify_s, uplink_bytes=up,
+                           downlink_bytes=down, uplink_s=up_s, downlink_s=down_s)
+
+    def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
+        self.last_generate_uplink = self._send(P.Generate(self.decision, max_new_tokens))
+        self.last_generate_downlink = 0
+        while True:
+            msg, down = self._recv(P.Token)
+            self.last_generate_downlink += down
+            yield msg.token, msg.step_ms / 1e3
+            if msg.last:
+                return
+
+    def _split_link_time(self, link_s: float, up_bytes: int, down_bytes: int) -> tuple[float, float]:
+        """Split the round's link time into uplink/downlink: by the profile's expected one-way
+        times when emulated, else evenly."""
+        if self.link_model is None:
+            return link_s / 2, link_s / 2
+        eu = self.link_model.one_way_s(up_bytes, UP)
+        ed = self.link_model.one_way_s(down_bytes, DOWN)
+        share = eu / (eu + ed) if eu + ed > 0 else 0.5
+        return link_s * share, link_s * (1 - share)

@@ -1,0 +1,269 @@
+"""The edge <-> cloud binary protocol (one websocket binary message = one frame).
+
+Frame = 12-byte header + payload, little-endian:
+    magic b"ESPD" | version u16 | type u8 | flags u8 | payload_len u32
+Payload fields are typed (u8/u16/u32/u64/f32, str = u16 length + UTF-8, blob = u32 length +
+bytes, ids = u32 count + u32 each). Decoding checks the magic, version, type, the declared
+length against the real one, every field's bounds, and that nothing is left over. Token ids go
+on the wire, never re-tokenized text.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAGIC = b"ESPD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sHBBI")
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A frame is malformed, of the wrong version or type, or too large."""
+
+    def __init__(self, message: str, code: int = 400):
+        super().__init__(message)
+        self.code = code
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 400
+    UNAUTHORIZED = 401
+    VERSION_MISMATCH = 426
+    MODEL_MISMATCH = 409
+    TOO_LARGE = 413
+    BAD_REQUEST = 422  # well-formed but invalid content (token ids, q, state)
+    INTERNAL = 500
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    ERROR = 3
+    PREFILL = 4
+    PREFILL_OK = 5
+    VERIFY = 6
+    VERDICT = 7
+    GENERATE = 8
+    TOKEN = 9
+    CLOSE = 10
+
+
+class _Writer:
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def u8(self, v): self.parts.append(struct.pack("<B", v)); return self
+    def u16(self, v): self.parts.append(struct.pack("<H", v)); return self
+    def u32(self, v): self.parts.append(struct.pack("<I", v)); return self
+    def u64(self, v): self.parts.append(struct.pack("<Q", v)); return self
+    def f32(self, v): self.parts.append(struct.pack("<f", v)); return self
+
+    def str(self, v: str):
+        b = v.encode("utf-8")
+        if len(b) > 0xFFFF:
+            raise ProtocolError(f"string field too long ({len(b)} bytes)")
+        return self.u16(len(b)).raw(b)
+
+    def blob(self, v: bytes): return self.u32(len(v)).raw(bytes(v))
+
+    def ids(self, v):
+        arr = np.asarray(v, dtype="<u4")
+        return self.u32(arr.size).raw(arr.tobytes())
+
+    def raw(self, b: bytes): self.parts.append(b); return self
+
+    def bytes(self) -> bytes: return b"".join(self.parts)
+
+
+class _Reader:
+    def __init__(self, data: bytes, frame: str):
+        self.data, self.pos, self.frame = memoryview(data), 0, frame
+
+    def _take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise ProtocolError(f"{self.frame} frame truncated reading {what} "
+                                f"(need {n} bytes at offset {self.pos}, have {len(self.data) - self.pos})")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self, w="u8"): return struct.unpack("<B", self._take(1, w))[0]
+    def u16(self, w="u16"): return struct.unpack("<H", self._take(2, w))[0]
+    def u32(self, w="u32"): return struct.unpack("<I", self._take(4, w))[0]
+    def u64(self, w="u64"): return struct.unpack("<Q", self._take(8, w))[0]
+    def f32(self, w="f32"): return struct.unpack("<f", self._take(4, w))[0]
+
+    def str(self, w="string"):
+        raw = bytes(self._take(self.u16(w + " length"), w))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{self.frame} frame: {w} is not valid UTF-8") from None
+
+    def blob(self, w="blob"): return bytes(self._take(self.u32(w + " length"), w))
+
+    def ids(self, w="ids"):
+        n = self.u32(w + " count")
+        return np.frombuffer(bytes(self._take(4 * n, w)), dtype="<u4").astype(np.int64).tolist()
+
+    def done(self):
+        if self.pos != len(self.data):
+            raise ProtocolError(f"{self.frame} frame has {len(self.data) - self.pos} unexpected trailing bytes")
+
+
+# --- messages -----------------------------------------------------------------------------
+
+@dataclass
+class Hello:
+    token: str
+    fingerprint: str
+    vocab_size: int
+    codec: str = "dense32"
+    client: str = "edgespec-edge"
+
+
+@dataclass
+class Welcome:
+    fingerprint: str
+    vocab_size: int
+    model: str
+    max_frame: int
+    server: str = ""
+
+
+@dataclass
+class Error:
+    code: int
+    message: str
+
+
+@dataclass
+class Prefill:
+    decision: int
+    instruction: str
+    jpeg: bytes
+    prompt_ids: list[int]
+    seed: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    verify_mode: str = "rejection"
+
+
+@dataclass
+class PrefillOk:
+    decision: int
+    prefill_ms: float
+
+
+@dataclass
+class Verify:
+    decision: int
+    round: int
+    draft_ids: list[int]
+    q_payload: bytes = b""
+
+
+@dataclass
+class Verdict:
+    decision: int
+    round: int
+    accepted: int
+    next_token: int
+    verify_ms: float
+    n_drafted: int = 0
+
+
+@dataclass
+class Generate:
+    decision: int
+    max_new_tokens: int
+
+
+@dataclass
+class Token:
+    decision: int
+    index: int
+    token: int
+    step_ms: float
+    last: bool
+
+
+@dataclass
+class Close:
+    reason: str = ""
+
+
+_ENCODERS = {
+    Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)),
+    Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame).str(m.server)),
+    Error: (FrameType.ERROR, lambda m, w: w.u16(m.code).str(m.message)),
+    Prefill: (FrameType.PREFILL, lambda m, w: w.u32(m.decision).str(m.instruction).blob(m.jpeg).ids(m.prompt_ids)
+              .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode)),
+    PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
+    Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)),
+    Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
+              .f32(m.verify_ms).u16(m.n_drafted)),
+    Generate: (FrameType.GENERATE, lambda m, w: w.u32(m.decision).u32(m.max_new_tokens)),
+    Token: (FrameType.TOKEN, lambda m, w: w.u32(m.decision).u32(m.index).u32(m.token).f32(m.step_ms).u8(int(m.last))),
+    Close: (FrameType.CLOSE, lambda m, w: w.str(m.reason)),
+}
+
+_DECODERS = {
+    FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client")),
+    FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"), r.str("server")),
+    FrameType.ERROR: lambda r: Error(r.u16("code"), r.str("message")),
+    FrameType.PREFILL: lambda r: Prefill(r.u32("decision"), r.str("instruction"), r.blob("jpeg"), r.ids("prompt_ids"),
+                                         r.u64("seed"), r.f32("temperature"), r.u32("top_k"), r.f32("top_p"),
+                                         r.str("verify_mode")),
+    FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
+    FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload")),
+    FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
+                                         r.f32("verify_ms"), r.u16("n_drafted")),
+    FrameType.GENERATE: lambda r: Generate(r.u32("decision"), r.u32("max_new_tokens")),
+    FrameType.TOKEN: lambda r: Token(r.u32("decision"), r.u32("index"), r.u32("token"), r.f32("step_ms"), bool(r.u8("last"))),
+    FrameType.CLOSE: lambda r: Close(r.str("reason")),
+}
+
+
+def encode(msg) -> bytes:
+    """Frame bytes for a message dataclass."""
+    try:
+        ftype, writer = _ENCODERS[type(msg)]
+    except KeyError:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a protocol message") from None
+    try:
+        payload = writer(msg, _Writer()).bytes()
+    except struct.error as exc:
+        raise ProtocolError(f"{type(msg).__name__} field out of range: {exc}") from None
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), 0, len(payload)) + payload
+
+
+def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME):
+    """Parse one frame; raises ProtocolError naming what is wrong."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("expected a binary websocket message, got text", ErrorCode.BAD_FRAME)
+    if len(frame) > max_frame:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame} bytes", ErrorCode.TOO_LARGE)
+    if len(frame) < HEADER.size:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
+    magic, version, ftype, _flags, length = HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not an edgespec frame")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION}); "
+                            "upgrade edgespec_ros on both robot and cloud", ErrorCode.VERSION_MISMATCH)
+    if length != len(frame) - HEADER.size:
+        raise ProtocolError(f"header declares a {length}-byte payload but {len(frame) - HEADER.size} bytes follow")
+    try:
+        ftype = FrameType(ftype)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    reader = _Reader(bytes(frame[HEADER.size:]), ftype.name)
+    msg = _DECODERS[ftype](reader)
+    reader.done()
+    return msg

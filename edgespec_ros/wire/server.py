@@ -1,0 +1,308 @@
+"""edgespec-verifier: the cloud verifier, serving a target model over websockets.
+
+One model, many sessions: each connection gets its own TargetSession (KV cache, M-RoPE offset);
+model compute runs on one worker thread so the event loop keeps serving handshakes, errors and
+other clients. Any bad input closes only that session, with an ERROR frame and a log line.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..codecs import CodecError, get_codec
+from ..spec.decode import DecodeConfig, Prompt, TargetSession
+from ..spec.engines import LoadedModel, ModelLoadError, load_model
+from ..spec.sampling import SamplingParams
+from ..spec.verify import MODES, DraftDistributionError
+from . import protocol as P
+from .compute import ComputeProfile, get_compute
+
+log = logging.getLogger("edgespec.verifier")
+
+
+class SessionError(Exception):
+    """Ends one session with an ERROR frame (code, message)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = int(code)
+
+
+class VerifierServer:
+    def __init__(self, lm: LoadedModel, *, token: str | None = None, max_frame: int = P.DEFAULT_MAX_FRAME,
+                 compute: ComputeProfile | None = None, handshake_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 300.0, model_name: str | None = None):
+        self.lm = lm
+        self.token = token
+        self.max_frame = max_frame
+        self.compute = compute or get_compute("native")
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.model_name = model_name or lm.path
+        self.fingerprint = lm.fingerprint()
+        self.vocab = lm.vocab_size
+        self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.sessions_served = 0
+        self.errors: list[str] = []  # last error messages, for tests and diagnostics
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._compute_pool, fn, *args)
+
+    async def handler(self, ws):
+        peer = getattr(ws, "remote_address", None)
+        try:
+            await self._session(ws, peer)
+        except SessionError as exc:
+            msg = f"session {peer}: {exc} (code {exc.code})"
+            log.warning(msg)
+            self.errors.append(str(exc))
+            try:
+                await ws.send(P.encode(P.Error(exc.code, str(exc))))
+                await ws.close(1008 if exc.code < 500 else 1011, str(exc)[:120])
+            except Exception:
+                pass
+        except Exception as exc:  # the client vanished, or a bug: log it, keep serving others
+            from websockets.exceptions import ConnectionClosed
+            if isinstance(exc, ConnectionClosed):
+                log.info("session %s: client closed the connection (%s)", peer, exc)
+            else:
+                log.exception("session %s: internal error", peer)
+                self.errors.append(f"internal: {exc}")
+                try:
+                    await ws.send(P.encode(P.Error(P.ErrorCode.INTERNAL, f"internal error: {exc}")))
+                    await ws.close(1011, "internal error")
+                except Exception:
+                    pass
+        finally:
+            self.sessions_served += 1
+
+    async def _recv(self, ws, timeout: float):
+        try:
+            raw = await asyncio.wait_for(ws.recv(), timeout)
+        except asyncio.TimeoutError:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"no frame within {timeout:g} s: closing idle session") from None
+        try:
+            return P.decode(raw, self.max_frame)
+        except P.ProtocolError as exc:
+            raise SessionError(exc.code, str(exc)) from None
+
+    async def _session(self, ws, peer):
+        hello = await self._recv(ws, self.handshake_timeout_s)
+        if not isinstance(hello, P.Hello):
+            raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(hello).__name__}")
+        if self.token is not None and not hmac.compare_digest(hello.token.encode(), self.token.encode()):
+            raise SessionError(P.ErrorCode.UNAUTHORIZED, "bad or missing auth token (see --token-file)")
+        if hello.fingerprint != self.fingerprint or hello.vocab_size != self.vocab:
+            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
+                               f"model mismatch: edge tokenizer {hello.fingerprint[:12]}.. vocab {hello.vocab_size}, "
+                               f"verifier {self.fingerprint[:12]}.. vocab {self.vocab}: draft and target must share "
+                               "one tokenizer")
+        try:
+            codec = get_codec(hello.codec)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
+        await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame, "edgespec-verifier")))
+        log.info("session %s: open (client %s, codec %s)", peer, hello.client, codec.name)
+        session = TargetSession(self.lm)
+        decision = None
+        while True:
+            msg = await self._recv(ws, self.idle_timeout_s)
+            if isinstance(msg, P.Close):
+                log.info("session %s: closed by client (%s)", peer, msg.reason)
+                await ws.close()
+                return
+            if isinstance(msg, P.Prefill):
+                decision = msg.decision
+                cfg = self._decode_config(msg, codec.name)
+                prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
+                try:
+                    dt = await self._run(session.start, prompt, cfg)
+                except ValueError as exc:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
+                await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
+            elif isinstance(msg, P.Verify):
+                self._check_decision(msg.decision, decision)
+                if not 1 <= len(msg.draft_ids) <= 64:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"draft length {len(msg.draft_ids)} not in 1..64")
+                if max(msg.draft_ids) >= self.vocab:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST,
+                                       f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
+                try:
+                    q = codec.decode(msg.q_payload, msg.draft_ids, self.vocab)
+                    started = time.perf_counter()
+                    result, _ = await self._run(session.verify, msg.draft_ids, q)
+                except (CodecError, DraftDistributionError) as exc:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
+                elapsed = await self._pad(started, self.compute.verify_s)
+                await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, result.next_token,
+                                                 elapsed * 1e3, len(msg.draft_ids))))
+            elif isinstance(msg, P.Generate):
+                self._check_decision(msg.decision, decision)
+                eos = self.lm.eos_token_ids
+                for i in range(msg.max_new_tokens):
+                    started = time.perf_counter()
+                    token, _ = await self._run(session.ar_step)
+                    elapsed = await self._pad(started, self.compute.ar_step_s)
+                    last = token in eos or i == msg.max_new_tokens - 1
+                    await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
+                    if last:
+                        break
+            else:
+                raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+
+    async def _pad(self, started: float, target_s: float) -> float:
+        remaining = target_s - (time.perf_counter() - started)
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+        return time.perf_counter() - started
+
+    @staticmethod
+    def _check_decision(got: int, current: int | None) -> None:
+        if current is None:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "VERIFY/GENERATE before PREFILL")
+        if got != current:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"frame for decision {got}, current decision is {current}")
+
+    @staticmethod
+    def _decode_config(msg: P.Prefill, codec: str) -> DecodeConfig:
+        if msg.verify_mode not in MODES:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {MODES}")
+        if not math.isfinite(msg.temperature) or not math.isfinite(msg.top_p):
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "sampling parameters must be finite")
+        try:
+            params = SamplingParams(msg.temperature, msg.top_k, msg.top_p)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
+        return DecodeConfig(mode="sd", params=params, seed=msg.seed, verify_mode=msg.verify_mode, codec=codec)
+
+    async def serve(self, host: str, port: int, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
+        from websockets.asyncio.server import serve
+        # Frames above max_frame get a clear ERROR frame from decode(); far larger ones are cut
+        # by the websocket layer itself (close code 1009) before they fill memory.
+        async with serve(self.handler, host, port, max_size=2 * self.max_frame + 1024, compression=None,
+                         ping_interval=20, ping_timeout=20) as server:
+            self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
+            log.info("edgespec-verifier listening on ws://%s:%d (model %s, vocab %d, compute %s)",
+                     host, self.port, self.model_name, self.vocab, self.compute.name)
+            if ready is not None:
+                ready.set()
+            await (stop.wait() if stop is not None else asyncio.Future())
+
+
+class ServerThread:
+    """Run a VerifierServer on its own event loop in a daemon thread (tests, in-process bench)."""
+
+    def __init__(self, server: VerifierServer, host: str = "127.0.0.1", port: int = 0):
+        self.server, self.host, self.port = server, host, port
+        self._loop = self._stop = self._thread = None
+
+    def start(self) -> "ServerThread":
+        import threading
+        ready = threading.Event()
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            self._stop = asyncio.Event()
+            started = asyncio.Event()
+
+            async def main():
+                task = asyncio.ensure_future(self.server.serve(self.host, self.port, started, self._stop))
+                await started.wait()
+                self.port = self.server.port
+                ready.set()
+                await task
+
+            self._loop.run_until_complete(main())
+
+        self._thread = threading.Thread(target=run, name="verifier", daemon=True)
+        self._thread.start()
+        if not ready.wait(15):
+            raise RuntimeError("verifier thread failed to start")
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)
+            self._loop = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def read_token_file(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"edgespec-verifier: cannot read --token-file {path!r}: {exc.strerror}")
+    if not token:
+        raise SystemExit(f"edgespec-verifier: --token-file {path!r} is empty")
+    return token
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="edgespec-verifier",
+        description="Cloud verifier for edge-cloud speculative decoding: serves a target (Qwen2-VL or causal LM) "
+                    "over websockets; robots connect with the edge client (modes ar and sd).")
+    ap.add_argument("--model", default=None,
+                    help="local directory of the target model (config.json, weights, tokenizer); "
+                         "default: the embedded target model shipped with the package")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    ap.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free port)")
+    ap.add_argument("--token-file", default=None,
+                    help="file holding the shared auth token; clients must present it (default: no auth)")
+    ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
+                    help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
+    ap.add_argument("--compute", default="native", choices=["native", "go2-paper"],
+                    help="pad target compute to a hardware profile (go2-paper: 620 ms/verify, 354 ms/AR step)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="weights dtype (default float32)")
+    ap.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
+    ap.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this many seconds")
+    ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    from ..models import default_model_path
+    path = args.model or default_model_path("target")
+    token = read_token_file(args.token_file)
+    try:
+        lm = load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
+    except ModelLoadError as exc:
+        print(f"edgespec-verifier: {exc}", file=sys.stderr)
+        return 2
+    server = VerifierServer(lm, token=token, max_frame=args.max_frame, compute=get_compute(args.compute),
+                            idle_timeout_s=args.idle_timeout)
+    try:
+        asyncio.run(server.serve(args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"edgespec-verifier: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
