@@ -15,6 +15,7 @@ import torch
 from ..codecs import get_codec
 from .engines import LoadedModel
 from .inputs import PromptInputs, build_inputs, encode_jpeg
+from .compute import pad_to
 from .metrics import DecisionMetrics
 from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
 from .verify import VerifyResult, verify
@@ -171,8 +172,10 @@ class Decision:
 class EdgeDecoder:
     """The robot side: builds the prompt, drafts (sd) and asks the verifier, or just asks (ar)."""
 
-    def __init__(self, draft: LoadedModel | None, verifier: Verifier, tokenizer=None, image_processor=None):
+    def __init__(self, draft: LoadedModel | None, verifier: Verifier, tokenizer=None, image_processor=None,
+                 draft_compute=None):
         self.draft = draft
+        self.draft_compute = draft_compute  # wire.compute.ComputeProfile: pad drafting (emulation)
         self.verifier = verifier
         self.tokenizer = tokenizer or (draft.tokenizer if draft else None)
         self.image_processor = image_processor or (draft.image_processor if draft else None)
@@ -217,6 +220,8 @@ class EdgeDecoder:
             while not finished:
                 t0 = time.perf_counter()
                 draft_ids, q = seq.draft(cfg.gamma, cfg.params, cfg.seed, prepare=codec.prepare)
+                if self.draft_compute is not None and self.draft_compute.draft_token_s:
+                    pad_to(t0, len(draft_ids) * self.draft_compute.draft_token_s)
                 m.t_draft += time.perf_counter() - t0
                 reply = self.verifier.verify(draft_ids, q)
                 m.record_round(reply, len(draft_ids))

@@ -60,3 +60,48 @@ def tiny_causal_lm(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int 
                       max_position_embeddings=1024, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
                       tie_word_embeddings=True)
     return Qwen2ForCausalLM(cfg).eval()
+
+
+UNTRAINED_CORPUS = [
+    "I see a silver bottle ahead on the left. Action: turn left small.",
+    "The red chair is straight ahead and far away. Action: move forward large.",
+    "There is a silver box on the right, but that is not a bottle. Action: turn left medium.",
+    "I do not see the green ball yet. Action: turn left large.",
+    "The blue cone is right in front of me. Action: stop.",
+    "The yellow ball is slightly to the right. Action: turn right small.",
+]
+
+
+def write_untrained_pair(out_dir: str, seed: int = 0) -> tuple[str, str]:
+    """Save a random target and a perturbed copy as draft (partial agreement) to out_dir/{draft,target}.
+
+    Only a stand-in until the trained defaults exist: its text is meaningless.
+    """
+    import os
+    tok = train_tokenizer_cached()
+    ip = image_processor()
+    target = tiny_qwen2vl(tok, seed=seed, layers=4, hidden=128)
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    draft = tiny_qwen2vl(tok, seed=seed, layers=4, hidden=128)
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.03)
+    paths = []
+    for name, model in (("draft", draft), ("target", target)):
+        path = os.path.join(out_dir, name)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        ip.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def train_tokenizer_cached():
+    from .tokenizer import train_tokenizer
+    return train_tokenizer(UNTRAINED_CORPUS * 20, vocab_size=300)

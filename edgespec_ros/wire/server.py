@@ -21,7 +21,7 @@ from ..spec.engines import LoadedModel, ModelLoadError, load_model
 from ..spec.sampling import SamplingParams
 from ..spec.verify import MODES, DraftDistributionError
 from . import protocol as P
-from .compute import ComputeProfile, get_compute
+from ..spec.compute import ComputeProfile, get_compute
 
 log = logging.getLogger("edgespec.verifier")
 

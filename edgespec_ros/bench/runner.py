@@ -1,0 +1,163 @@
+"""Side-by-side runs of decoding modes over a real websocket through an emulated link.
+
+The verifier runs as its own process (``python -m edgespec_ros.wire.server``), as it would in
+the cloud; the edge (drafter + client) runs here; a LinkProxy on loopback shapes the traffic.
+Used by ``edgespec-bench`` and ``edgespec-demo``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..models import default_model_path, have_default_models
+from ..spec.decode import DecodeConfig, EdgeDecoder
+from ..spec.engines import LoadedModel, load_model
+from ..spec.metrics import RunSummary
+from ..spec.sampling import SamplingParams
+from ..wire.client import RemoteVerifier
+from ..spec.compute import ComputeProfile, get_compute, pad_to
+from ..wire.link import LinkProxy, get_profile
+
+
+@dataclass
+class ModelPair:
+    draft_path: str
+    target_path: str
+    label: str  # shown to the user: which models these are
+    _tmp: object = field(default=None, repr=False)
+
+
+def resolve_models(draft: str | None, target: str | None) -> ModelPair:
+    """Given paths, or the embedded defaults, or (before `make models`) an untrained pair."""
+    if draft and target:
+        return ModelPair(draft, target, f"draft {draft}, target {target}")
+    if have_default_models():
+        return ModelPair(draft or default_model_path("draft"), target or default_model_path("target"),
+                         "embedded default models (edgespec_ros/models)")
+    tmp = tempfile.TemporaryDirectory(prefix="edgespec-untrained-")
+    from ..train.tiny import write_untrained_pair
+    d, t = write_untrained_pair(tmp.name)
+    return ModelPair(draft or d, target or t, "UNTRAINED random pair (run `make models` to train the real defaults)",
+                     tmp)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def verifier_process(model: str, compute: str = "native", token_file: str | None = None, timeout_s: float = 120.0):
+    """Start edgespec-verifier in a subprocess on a free loopback port; yields its port."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "edgespec_ros.wire.server", "--model", model, "--port", str(port),
+           "--compute", compute, "--log-level", "WARNING"]
+    if token_file:
+        cmd += ["--token-file", token_file]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"edgespec-verifier exited with code {proc.returncode}:\n{proc.stdout.read()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"edgespec-verifier did not start listening within {timeout_s:g} s")
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
+    """(instruction, camera image) pairs: first frames of held-out simulated scenarios."""
+    try:
+        from ..sim.dataset import heldout_prompts
+    except ImportError:  # the simulator is optional for the bench: fall back to plain images
+        rng = np.random.default_rng(seed)
+        return [("find the silver bottle", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)) for _ in range(n)]
+    return heldout_prompts(n, seed)
+
+
+def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
+              gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
+              codec: str = "dense32", token: str = "", on_decision=None) -> dict[str, RunSummary]:
+    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode."""
+    profile = get_profile(link)
+    summaries = {}
+    for mode in modes:
+        summary = RunSummary(mode=mode, link=link, compute=compute.name)
+        verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
+                                  token=token, codec=codec, link_profile=profile, timeout_s=60.0)
+        with verifier:
+            decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
+            for i, (instruction, image) in enumerate(prompts):
+                cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
+                                   seed=seed + i, codec=codec)
+                decision = decoder.decide(instruction, image, cfg)
+                summary.add(decision.metrics)
+                if on_decision:
+                    on_decision(mode, i, instruction, decision)
+        summaries[mode] = summary
+    return summaries
+
+
+@contextlib.contextmanager
+def emulated_setup(pair: ModelPair, link: str, compute: str):
+    """Verifier process + link proxy; yields (draft LoadedModel, proxy url)."""
+    draft_lm = load_model(pair.draft_path)
+    with verifier_process(pair.target_path, compute) as port:
+        with LinkProxy(get_profile(link), "127.0.0.1", port) as proxy:
+            yield draft_lm, proxy.url
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """speedup_vs_<mode> = that mode's ms/token divided by this row's, for ar and sd rows present."""
+    by_mode = {r["mode"]: r for r in rows}
+    for r in rows:
+        for ref in ("ar", "sd"):
+            base = by_mode.get(ref)
+            if base and base["ms_per_token"] and r["ms_per_token"]:
+                r[f"speedup_vs_{ref}"] = base["ms_per_token"] / r["ms_per_token"]
+    return rows
+
+
+def format_table(rows: list[dict], emulated: bool) -> str:
+    """A fixed-width table of bench rows (emulated compute is labelled)."""
+    head = ["mode", "link", "compute", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
+            "ms/token", "ms/decision", "up B/draft tok", "x vs AR"]
+    lines = []
+    for r in rows:
+        acc = r["acceptance_rate"]
+        lines.append([
+            r["mode"], r["link"], r["compute"] + (" (emulated)" if emulated else ""), str(r["gamma"] or "-"),
+            str(r["decisions"]), str(r["tokens"]), str(r["rounds"]), f"{r['tau']:.2f}",
+            "-" if acc is None else f"{acc:.3f}", f"{r['ms_per_token']:.1f}", f"{r['ms_per_decision']:.0f}",
+            "-" if r["uplink_bytes_per_draft_token"] is None else f"{r['uplink_bytes_per_draft_token']:.0f}",
+            f"{r.get('speedup_vs_ar', float('nan')):.2f}x"])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def env_threads() -> None:
+    """Two processes share this machine's cores: keep torch from oversubscribing them."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
