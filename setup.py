@@ -34,6 +34,8 @@ setup(
             "edgespec-verifier = edgespec_ros.wire.server:main",
             "edgespec-bench = edgespec_ros.bench.cli:main",
             "edgespec-demo = edgespec_ros.demo:main",
+            "edgespec-sim = edgespec_ros.sim.cli:main",
+            "edgespec-train = edgespec_ros.train.cli:main",
         ],
     },
 )

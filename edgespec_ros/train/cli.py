@@ -1,0 +1,143 @@
+"""edgespec-train: reproduce the embedded default models from the simulator.
+
+    edgespec-train all                 # data -> tokenizer -> target -> draft -> card (make models)
+    edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
+
+The work directory (default build/train) holds the generated dataset and tokenizer; the models
+go to --out (default: the package's models directory, used by demo, tests and benchmarks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..models import MODELS_DIR
+
+# Sizes: the target is the "7B", the draft the "2B": narrower, shallower, trained for less.
+MODEL_SPECS = {
+    "target": dict(layers=6, hidden=128, heads=4, kv_heads=2, intermediate=384, vision_depth=3, vision_dim=96),
+    "draft": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=192, vision_depth=1, vision_dim=48),
+}
+
+
+@dataclass
+class PipelineConfig:
+    train_scenarios: int = 1500
+    tokenizer_vocab: int = 1024
+    target_steps: int = 2400
+    target_budget_s: float = 900.0
+    draft_steps: int = 600
+    draft_budget_s: float = 240.0
+    batch_size: int = 32
+    seed: int = 0
+
+
+def stage_data(work: str, cfg: PipelineConfig) -> str:
+    from tqdm import tqdm
+    from ..sim.dataset import generate_examples
+    os.makedirs(work, exist_ok=True)
+    images, instructions, texts = [], [], []
+    for ex in tqdm(generate_examples("train", cfg.train_scenarios), desc="data (expert rollouts)", unit="ex"):
+        images.append(ex.image)
+        instructions.append(ex.instruction)
+        texts.append(ex.text)
+    path = os.path.join(work, "dataset.npz")
+    np.savez_compressed(path, images=np.stack(images), instructions=np.array(instructions), texts=np.array(texts))
+    print(f"data: {len(texts)} examples from {cfg.train_scenarios} training scenarios -> {path}")
+    return path
+
+
+def load_dataset(work: str):
+    from ..sim.dataset import Example
+    path = os.path.join(work, "dataset.npz")
+    if not os.path.isfile(path):
+        raise SystemExit(f"edgespec-train: {path} not found: run `edgespec-train data --work {work}` first")
+    d = np.load(path)
+    return [Example(img, str(i), str(t)) for img, i, t in zip(d["images"], d["instructions"], d["texts"])]
+
+
+def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
+    from .data import corpus_texts
+    from .tokenizer import train_tokenizer
+    examples = load_dataset(work)
+    tok = train_tokenizer(corpus_texts(examples), vocab_size=cfg.tokenizer_vocab)
+    path = os.path.join(work, "tokenizer")
+    tok.save_pretrained(path)
+    print(f"tokenizer: {len(tok)} tokens -> {path}")
+    return path
+
+
+def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
+    import torch
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+    from . import tiny
+    from .data import encode_example
+    from .trainer import TrainConfig, train_model
+    tok_dir = os.path.join(work, "tokenizer")
+    if not os.path.isdir(tok_dir):
+        raise SystemExit(f"edgespec-train: {tok_dir} not found: run `edgespec-train tokenizer` first")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ip = tiny.image_processor()
+    examples = load_dataset(work)
+    encoded = [encode_example(tok, ip, e.image, e.instruction, e.text)
+               for e in tqdm(examples, desc=f"{role}: encode", unit="ex")]
+    spec = MODEL_SPECS[role]
+    model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
+    steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
+                     else (cfg.draft_steps, cfg.draft_budget_s))
+    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget)
+    t0 = time.monotonic()
+    losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train")
+    path = os.path.join(out, role)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    ip.save_pretrained(path)
+    info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
+            "steps": len(losses), "batch_size": cfg.batch_size, "train_seconds": round(time.monotonic() - t0, 1),
+            "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
+    with open(os.path.join(path, "training.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(f"{role}: {info['params'] / 1e6:.2f} M params, {info['steps']} steps, loss {info['final_loss']:.3f} -> {path}")
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft"])
+    ap.add_argument("--work", default="build/train", help="work dir for dataset and tokenizer (default build/train)")
+    ap.add_argument("--out", default=MODELS_DIR, help="where model dirs go (default: the package models dir)")
+    for name, value in asdict(PipelineConfig()).items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})
+    t0 = time.monotonic()
+    stages = ["data", "tokenizer", "target", "draft"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        if stage == "data":
+            stage_data(args.work, cfg)
+        elif stage == "tokenizer":
+            stage_tokenizer(args.work, cfg)
+        else:
+            stage_model(stage, args.work, args.out, cfg)
+    print(f"edgespec-train {args.stage}: done in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""A VLM deciding alone (temperature 0): the policy used by closed-loop evaluation and the agreement metric."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..actions import ActionParseError, parse_action
+from ..spec.decode import DecodeConfig, target_generate
+from ..spec.engines import LoadedModel
+from ..spec.inputs import build_inputs
+from .data import jpeg_roundtrip
+
+
+@dataclass
+class PolicyOutput:
+    text: str
+    action: object | None  # actions.Action, or None when the text does not parse
+    error: str | None
+    tokens: int
+
+
+class VLMPolicy:
+    def __init__(self, lm: LoadedModel, max_new_tokens: int = 96):
+        self.lm = lm
+        self.cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
+
+    def generate_text(self, image, instruction: str) -> tuple[str, int]:
+        inputs = build_inputs(self.lm.tokenizer, instruction, jpeg_roundtrip(image), self.lm.image_processor)
+        tokens = target_generate(self.lm, inputs, self.cfg)
+        text = self.lm.tokenizer.decode([t for t in tokens if t not in self.lm.eos_token_ids],
+                                        skip_special_tokens=True)
+        return text, len(tokens)
+
+    def decide(self, image, instruction: str) -> PolicyOutput:
+        text, n = self.generate_text(image, instruction)
+        try:
+            return PolicyOutput(text, parse_action(text), None, n)
+        except ActionParseError as exc:
+            return PolicyOutput(text, None, str(exc), n)
+
