@@ -102,6 +102,8 @@ class TargetSession:
     def start(self, prompt: Prompt, cfg: DecodeConfig) -> float:
         """Prefill the target on the prompt; returns compute seconds."""
         vocab = self.lm.vocab_size
+        if not prompt.prompt_ids:
+            raise ValueError("prompt has no token ids")
         if any(not 0 <= t < vocab for t in prompt.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         t0 = time.perf_counter()

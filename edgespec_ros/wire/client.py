@@ -64,8 +64,9 @@ class RemoteVerifier:
     def connect(self) -> P.Welcome:
         from websockets.sync.client import connect
         try:
+            # __enter__: the plain connection on websockets 13..17+ (connect() without "with" is deprecated)
             self.ws = connect(self.url, open_timeout=self.connect_timeout_s, close_timeout=2,
-                              max_size=2 * self.max_frame + 1024, compression=None)
+                              max_size=2 * self.max_frame + 1024, compression=None).__enter__()
         except (OSError, TimeoutError) as exc:
             raise LinkLostError(f"cannot reach the verifier at {self.url}: {exc}") from exc
         except Exception as exc:  # websockets.InvalidHandshake and friends
@@ -99,24 +100,44 @@ class RemoteVerifier:
         try:
             self.ws.send(frame)
         except Exception as exc:
+            self._drop()
             raise LinkLostError(f"link to the verifier lost while sending: {exc}") from exc
         return len(frame)
 
     def _recv(self, expected, timeout: float | None = None):
+        """The next frame, of type expected. On any failure the connection is dropped, so that the
+        next decision reconnects instead of reading a stale reply of this one."""
+        try:
+            return self._recv_frame(expected, self.timeout_s if timeout is None else timeout)
+        except VerifierError:
+            self._drop()
+            raise
+
+    def _recv_frame(self, expected, timeout: float):
         from websockets.exceptions import ConnectionClosed
-        timeout = self.timeout_s if timeout is None else timeout
         try:
             raw = self.ws.recv(timeout=timeout)
         except TimeoutError:
             raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
         except ConnectionClosed as exc:
             raise LinkLostError(f"link to the verifier lost: {exc}") from exc
-        msg = P.decode(raw, self.max_frame)
+        try:
+            msg = P.decode(raw, self.max_frame)
+        except P.ProtocolError as exc:
+            raise VerifierError(f"bad frame from the verifier: {exc}") from exc
         if isinstance(msg, P.Error):
             raise VerifierRefused(msg.code, msg.message)
         if not isinstance(msg, expected):
             raise VerifierError(f"expected {expected.__name__}, got {type(msg).__name__}")
         return msg, len(raw)
+
+    def _drop(self) -> None:
+        if self.ws is not None:
+            try:
+                self.ws.close()
+            except Exception:
+                pass
+            self.ws = None
 
     # --- the Verifier protocol -----------------------------------------------------------
 

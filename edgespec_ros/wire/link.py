@@ -126,6 +126,7 @@ class LinkProxy:
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             self._loop.run_forever()
+            self._loop.close()
 
         self._thread = threading.Thread(target=run, name="link-proxy", daemon=True)
         self._thread.start()

@@ -106,6 +106,12 @@ class _Reader:
 
     def blob(self, w="blob"): return bytes(self._take(self.u32(w + " length"), w))
 
+    def flag(self, w="flag"):
+        value = self.u8(w)
+        if value > 1:
+            raise ProtocolError(f"{self.frame} frame: {w} must be 0 or 1, got {value}")
+        return bool(value)
+
     def ids(self, w="ids"):
         n = self.u32(w + " count")
         return np.frombuffer(bytes(self._take(4 * n, w)), dtype="<u4").astype(np.int64).tolist()
@@ -225,7 +231,7 @@ _DECODERS = {
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
                                          r.f32("verify_ms"), r.u16("n_drafted")),
     FrameType.GENERATE: lambda r: Generate(r.u32("decision"), r.u32("max_new_tokens")),
-    FrameType.TOKEN: lambda r: Token(r.u32("decision"), r.u32("index"), r.u32("token"), r.f32("step_ms"), bool(r.u8("last"))),
+    FrameType.TOKEN: lambda r: Token(r.u32("decision"), r.u32("index"), r.u32("token"), r.f32("step_ms"), r.flag("last")),
     FrameType.CLOSE: lambda r: Close(r.str("reason")),
 }
 
@@ -238,7 +244,7 @@ def encode(msg) -> bytes:
         raise ProtocolError(f"cannot encode {type(msg).__name__}: not a protocol message") from None
     try:
         payload = writer(msg, _Writer()).bytes()
-    except struct.error as exc:
+    except (struct.error, OverflowError) as exc:  # OverflowError: numpy ids, f32 overflow
         raise ProtocolError(f"{type(msg).__name__} field out of range: {exc}") from None
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), 0, len(payload)) + payload
 

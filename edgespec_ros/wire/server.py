@@ -13,6 +13,7 @@ import logging
 import math
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from ..codecs import CodecError, get_codec
@@ -24,6 +25,7 @@ from . import protocol as P
 from ..spec.compute import ComputeProfile, get_compute
 
 log = logging.getLogger("edgespec.verifier")
+MAX_NEW_TOKENS = 4096
 
 
 class SessionError(Exception):
@@ -49,7 +51,7 @@ class VerifierServer:
         self.vocab = lm.vocab_size
         self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.sessions_served = 0
-        self.errors: list[str] = []  # last error messages, for tests and diagnostics
+        self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._compute_pool, fn, *args)
@@ -144,6 +146,9 @@ class VerifierServer:
                                                  elapsed * 1e3, len(msg.draft_ids))))
             elif isinstance(msg, P.Generate):
                 self._check_decision(msg.decision, decision)
+                if not 1 <= msg.max_new_tokens <= MAX_NEW_TOKENS:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST,
+                                       f"max_new_tokens {msg.max_new_tokens} not in 1..{MAX_NEW_TOKENS}")
                 eos = self.lm.eos_token_ids
                 for i in range(msg.max_new_tokens):
                     started = time.perf_counter()
@@ -219,6 +224,7 @@ class ServerThread:
                 await task
 
             self._loop.run_until_complete(main())
+            self._loop.close()
 
         self._thread = threading.Thread(target=run, name="verifier", daemon=True)
         self._thread.start()

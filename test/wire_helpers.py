@@ -1,0 +1,121 @@
+"""Shared pieces of the wire tests: a tiny random draft/target pair, raw websocket sessions, and
+waiting for the server to finish a session.
+
+The pair shares one tokenizer (so fingerprints match). The target's weights are redrawn with a
+large scale so greedy output varies from token to token, and the draft is the target plus small
+noise, so speculative rounds see a mix of accepted and rejected drafts rather than all or none.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, Prompt, target_generate
+from edgespec_ros.spec.engines import LoadedModel, wrap_model
+from edgespec_ros.wire import protocol as P
+
+CORPUS = ["I see a red chair on the left. Action: turn left small.",
+          "The silver bottle is ahead. Action: move forward medium."] * 50
+INSTRUCTIONS = ("find the silver bottle", "turn left at the red chair")
+DEADLINE_S = 15.0
+
+
+@dataclass
+class ModelPair:
+    draft: LoadedModel
+    target: LoadedModel
+    image: np.ndarray
+    _prompts: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def vocab(self) -> int:
+        return self.target.vocab_size
+
+    def prompt(self, instruction: str = INSTRUCTIONS[0]) -> Prompt:
+        """The edge's PREFILL content for instruction and the pair's image (cached)."""
+        if instruction not in self._prompts:
+            prompt, _ = EdgeDecoder(self.draft, LocalVerifier(self.target)).make_prompt(instruction, self.image)
+            self._prompts[instruction] = prompt
+        return self._prompts[instruction]
+
+    def reference(self, instruction: str, cfg: DecodeConfig) -> list[int]:
+        """The target's own greedy/sampled AR tokens for this instruction (the ground truth)."""
+        _, inputs = EdgeDecoder(self.draft, LocalVerifier(self.target)).make_prompt(instruction, self.image)
+        return target_generate(self.target, inputs, cfg)
+
+
+def make_pair(draft_noise: float = 0.005) -> ModelPair:
+    from edgespec_ros.train import tiny
+    from edgespec_ros.train.tokenizer import train_tokenizer
+    tokenizer = train_tokenizer(CORPUS, vocab_size=300)
+    image_processor = tiny.image_processor()
+    model = tiny.tiny_qwen2vl(tokenizer, seed=1, layers=2, hidden=64)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    draft_model = copy.deepcopy(model)
+    noise = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in draft_model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=noise) * draft_noise)
+    image = (np.random.RandomState(0).rand(112, 112, 3) * 255).astype(np.uint8)
+    return ModelPair(wrap_model(draft_model, tokenizer, image_processor),
+                     wrap_model(model, tokenizer, image_processor), image)
+
+
+def raw_connect(url: str):
+    """A plain websocket client (no edgespec client logic) for sending hand-made frames."""
+    from websockets.sync.client import connect
+    # __enter__ gives the plain connection on every websockets version (calling connect() without
+    # "with" is deprecated since 17.1); the caller closes it.
+    return connect(url, open_timeout=5, close_timeout=2, compression=None, max_size=None).__enter__()
+
+
+def raw_session(url: str, pair: ModelPair, *, prefill: bool = True, token: str = "",
+                cfg: DecodeConfig | None = None, instruction: str = INSTRUCTIONS[0]):
+    """Open a websocket, do HELLO/WELCOME and (optionally) PREFILL/PREFILL_OK by hand."""
+    cfg = cfg or DecodeConfig()
+    prompt = pair.prompt(instruction)  # before connecting: servers with short idle timeouts
+    ws = raw_connect(url)
+    ws.send(P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, cfg.codec)))
+    assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.Welcome)
+    if prefill:
+        ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg, prompt.prompt_ids, cfg.seed,
+                                   cfg.params.temperature, cfg.params.top_k, cfg.params.top_p,
+                                   cfg.verify_mode)))
+        assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.PrefillOk)
+    return ws
+
+
+def expect_error_then_close(ws, code: int, *fragments: str) -> P.Error:
+    """The server answers with one ERROR frame (code, message naming the problem), then closes."""
+    from websockets.exceptions import ConnectionClosed
+    reply = P.decode(ws.recv(timeout=DEADLINE_S))
+    assert isinstance(reply, P.Error), f"expected an ERROR frame, got {reply}"
+    assert reply.code == code, reply
+    for fragment in fragments:
+        assert fragment.lower() in reply.message.lower(), (fragment, reply.message)
+    try:
+        extra = ws.recv(timeout=DEADLINE_S)
+    except ConnectionClosed:
+        pass
+    else:
+        raise AssertionError(f"session stayed open after the ERROR frame (got {extra!r})")
+    finally:
+        ws.close()
+    return reply
+
+
+def wait_until(predicate, timeout: float = DEADLINE_S, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
