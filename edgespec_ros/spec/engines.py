@@ -41,7 +41,9 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> set[int]:
         ids = set()
-        cfg_eos = getattr(self.model.generation_config, "eos_token_id", None) or getattr(self.model.config, "eos_token_id", None)
+        cfg_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if cfg_eos is None:
+            cfg_eos = getattr(self.model.config, "eos_token_id", None)
         if isinstance(cfg_eos, int):
             ids.add(cfg_eos)
         elif cfg_eos:
