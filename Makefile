@@ -17,7 +17,6 @@ help:
 
 $(DEPS): requirements/dev.txt requirements/msgs-build.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements/dev.txt -r requirements/msgs-build.txt
 	touch $@
 
@@ -40,6 +39,9 @@ demo: install
 
 test: install
 	$(VENV)/bin/pytest $(ARGS)
+
+models: install
+	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)
 
 clean:
 	rm -rf build edgespec_ros.egg-info $(VENV)/.pkg-stamp $(VENV)/.msgs-stamp

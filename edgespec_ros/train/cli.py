@@ -3,6 +3,8 @@
     edgespec-train all                 # data -> tokenizer -> target -> draft -> card (make models)
     edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
 
+card measures the models on held-out data and writes the model card (README.md, metrics.json).
+
 The work directory (default build/train) holds the generated dataset and tokenizer; the models
 go to --out (default: the package's models directory, used by demo, tests and benchmarks).
 """
@@ -111,7 +113,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft"])
+    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "card"])
     ap.add_argument("--work", default="build/train", help="work dir for dataset and tokenizer (default build/train)")
     ap.add_argument("--out", default=MODELS_DIR, help="where model dirs go (default: the package models dir)")
     for name, value in asdict(PipelineConfig()).items():
@@ -127,12 +129,17 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})
     t0 = time.monotonic()
-    stages = ["data", "tokenizer", "target", "draft"] if args.stage == "all" else [args.stage]
+    stages = ["data", "tokenizer", "target", "draft", "card"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "data":
             stage_data(args.work, cfg)
         elif stage == "tokenizer":
             stage_tokenizer(args.work, cfg)
+        elif stage == "card":
+            from .card import measure, write_card
+            torch.set_num_threads(1)  # small decode steps: one thread is faster than two
+            path = write_card(args.out, measure(args.out))
+            print(f"card: {path}")
         else:
             stage_model(stage, args.work, args.out, cfg)
     print(f"edgespec-train {args.stage}: done in {time.monotonic() - t0:.0f} s")

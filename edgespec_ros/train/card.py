@@ -1,0 +1,110 @@
+"""Measure the embedded models and write their model card (models/README.md + metrics.json).
+
+Metrics (all on held-out scenarios/frames, never seen in training):
+- closed-loop success of each model deciding alone at temperature 0 (`edgespec-sim eval`),
+- action agreement with the expert on held-out frames,
+- speculative decoding of draft against target at gamma = 4: per-token acceptance and tau,
+  at temperature 0 and 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+from itertools import islice
+
+from ..sim.dataset import generate_examples, iter_scenarios
+from ..sim.evaluate import action_agreement, evaluate_closed_loop
+from ..spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
+from ..spec.engines import load_model
+from ..spec.metrics import RunSummary
+from ..spec.sampling import SamplingParams
+from .policy import VLMPolicy
+
+
+def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, temperature: float = 0.0,
+                  seed: int = 0) -> dict:
+    """Acceptance rate and tau of SD (draft vs target, in-process) over example frames."""
+    from tqdm import tqdm
+    draft, target = load_model(draft_dir), load_model(target_dir)
+    decoder = EdgeDecoder(draft, LocalVerifier(target))
+    summary = RunSummary(mode="sd", link="in-process", compute="native")
+    for i, ex in enumerate(tqdm(examples, desc=f"SD gamma={gamma} T={temperature:g}", unit="dec")):
+        cfg = DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=96, seed=seed + i,
+                           params=SamplingParams(temperature=temperature))
+        summary.add(decoder.decide(ex.instruction, ex.image, cfg).metrics)
+    row = summary.row()
+    return {"gamma": gamma, "temperature": temperature, "decisions": row["decisions"],
+            "acceptance_rate": row["acceptance_rate"], "tau": row["tau"],
+            "acceptance_per_position": row["acceptance_per_position"]}
+
+
+def measure(models_dir: str, n_scenarios: int = 40, n_frames: int = 200, n_sd: int = 40) -> dict:
+    scenarios = list(iter_scenarios("heldout", n_scenarios))
+    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5), n_frames))
+    metrics = {"heldout_scenarios": n_scenarios, "heldout_frames": len(frames)}
+    for role in ("target", "draft"):
+        policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
+        loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
+        agree = action_agreement(policy, frames, desc=f"{role}: agreement")
+        metrics[role] = {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
+                         "collisions": loop["collisions"], "unparseable_decisions": loop["unparseable_decisions"],
+                         "action_agreement": agree["agreement"]}
+    sd_frames = frames[:n_sd]
+    d, t = os.path.join(models_dir, "draft"), os.path.join(models_dir, "target")
+    metrics["sd"] = [sd_acceptance(d, t, sd_frames, 4, 0.0), sd_acceptance(d, t, sd_frames, 4, 1.0)]
+    return metrics
+
+
+def write_card(models_dir: str, metrics: dict) -> str:
+    training = {}
+    for role in ("target", "draft"):
+        path = os.path.join(models_dir, role, "training.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                training[role] = json.load(f)
+    with open(os.path.join(models_dir, "metrics.json"), "w") as f:
+        json.dump({"metrics": metrics, "training": training}, f, indent=2)
+
+    def pct(x):
+        return f"{100 * x:.1f}%"
+
+    lines = [
+        "# Embedded default models: a draft/target Qwen2-VL pair trained in the simulated Go2 world",
+        "",
+        "Both are `Qwen2VLForConditionalGeneration` with the project's own byte-level BPE tokenizer",
+        "(Qwen2-VL special tokens and chat template) and the Qwen2-VL image processor (112x112 frames",
+        "-> 16 merged image tokens). The target plays Qwen2-VL-7B, the draft Qwen2-VL-2B: narrower,",
+        "shallower and trained for less, so it agrees with the target only partly.",
+        "",
+        "Reproduce everything (about 25-30 min on 2 CPU cores): `make models` (= `edgespec-train all`).",
+        "Re-measure this card: `edgespec-train card`.",
+        "",
+        "| model | params | layers x width | vision depth x dim | steps x batch | train s | final loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for role in ("target", "draft"):
+        t = training.get(role, {})
+        s = t.get("spec", {})
+        lines.append(f"| {role} | {t.get('params', 0) / 1e6:.2f} M | {s.get('layers')} x {s.get('hidden')} | "
+                     f"{s.get('vision_depth')} x {s.get('vision_dim')} | {t.get('steps')} x {t.get('batch_size')} | "
+                     f"{t.get('train_seconds')} | {t.get('final_loss', float('nan')):.3f} |")
+    lines += ["", f"## Quality on held-out data ({metrics['heldout_scenarios']} scenarios, "
+                  f"{metrics['heldout_frames']} frames)", "",
+              "| model | closed-loop success (T=0) | mean steps | collisions | unparseable | action agreement with expert |",
+              "|---|---|---|---|---|---|"]
+    for role in ("target", "draft"):
+        m = metrics[role]
+        lines.append(f"| {role} | {pct(m['success_rate'])} | {m['mean_steps']:.1f} | {m['collisions']} | "
+                     f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} |")
+    lines += ["", "## Speculative decoding, draft vs target (gamma = 4, in-process)", "",
+              "| temperature | decisions | per-token acceptance | tau (tokens/round) | acceptance by position |",
+              "|---|---|---|---|---|"]
+    for r in metrics["sd"]:
+        per = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"| {r['temperature']:g} | {r['decisions']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | {per} |")
+    lines += ["", "Closed loop: `edgespec-sim eval --model edgespec_ros/models/target --scenarios DIR --json OUT`",
+              "(held-out scenarios: `edgespec-sim heldout --out DIR`).", ""]
+    path = os.path.join(models_dir, "README.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
