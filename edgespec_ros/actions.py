@@ -295,9 +295,9 @@ def _parse_amount(tokens: list[str], head: str, units: frozenset[str], unit_hint
             raise ActionParseError(f"missing unit after {token!r}; write e.g. '{head} {example}'", text)
         if rest[0] not in units:
             other = ANGLE_UNITS if units is DISTANCE_UNITS else DISTANCE_UNITS
-            kind = "distance" if units is DISTANCE_UNITS else "angle"
+            kind = "a distance" if units is DISTANCE_UNITS else "an angle"
             if rest[0] in other:
-                raise ActionParseError(f"unit {rest[0]!r} is not a {kind} unit; '{head}' takes "
+                raise ActionParseError(f"unit {rest[0]!r} is not {kind} unit; '{head}' takes "
                                        f"{unit_hint}, e.g. '{head} {example}'", text)
             raise ActionParseError(f"unknown unit {rest[0]!r} after {token!r}; write e.g. "
                                    f"'{head} {example}'", text)

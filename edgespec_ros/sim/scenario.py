@@ -276,6 +276,14 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: {err.field_path}" if err.field_path else str(path), err.problem) from None
 
 
+BUILTIN_SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+
+
+def builtin_scenarios() -> dict[str, Path]:
+    """The scenarios shipped with the package: ``{name: path}`` (name = file stem)."""
+    return {path.stem: path for path in sorted(BUILTIN_SCENARIO_DIR.glob("*.json"))}
+
+
 def write_scenario(scenario: Scenario, path: str | Path) -> Path:
     """Write ``scenario`` as indented JSON to ``path`` (parent folders created); returns the path."""
     path = Path(path)

@@ -1,0 +1,150 @@
+"""``edgespec-sim``: look at scenarios and roll out the expert (``python -m edgespec_ros.sim.cli``).
+
+    edgespec-sim render  --scenario FILE|NAME --out view.png [--width --height --fov --pose X Y YAW]
+    edgespec-sim expert  --scenario FILE|NAME [--seed N] [--trace trace.png]
+    edgespec-sim heldout --out DIR [--n N] [--seed S]
+
+NAME is one of the scenarios shipped in ``edgespec_ros/sim/scenarios/`` (e.g.
+``silver-bottle-distractor``). Subcommands are registered in ``_SUBCOMMANDS`` so that later
+ones (``eval`` with a model) plug in the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .render import CameraConfig, compose_side_by_side, render_camera, render_topdown
+from .scenario import Pose, Scenario, ScenarioError, builtin_scenarios, load_scenario
+
+
+def resolve_scenario(spec: str) -> Scenario:
+    """Load a scenario from a JSON path, or by the name of a shipped scenario."""
+    path = Path(spec)
+    if path.exists() or spec.endswith(".json"):
+        return load_scenario(path)
+    shipped = builtin_scenarios()
+    if spec in shipped:
+        return load_scenario(shipped[spec])
+    raise ScenarioError(spec, f"no such file, and not a shipped scenario ({', '.join(sorted(shipped))})")
+
+
+def _camera_from_args(args: argparse.Namespace) -> CameraConfig:
+    return CameraConfig(width=args.width, height=args.height, hfov_deg=args.fov)
+
+
+def _save_png(image, out: str) -> Path:
+    from PIL import Image
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(path)
+    return path
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    """Write the camera view (upscaled) beside the top-down map."""
+    scenario = resolve_scenario(args.scenario)
+    camera = _camera_from_args(args)
+    pose = scenario.robot if args.pose is None else Pose.from_degrees(*args.pose)
+    view = render_camera(scenario, pose, camera)
+    topdown = render_topdown(scenario, pose, camera=camera, size_px=args.size)
+    path = _save_png(compose_side_by_side([view, topdown], height=args.size), args.out)
+    print(f"wrote {path} ({scenario.name}: camera {camera.width}x{camera.height}, "
+          f"fov {camera.hfov_deg:g} deg, pose x={pose.x:.2f} y={pose.y:.2f} yaw={pose.yaw_deg:.0f} deg)")
+    return 0
+
+
+def cmd_expert(args: argparse.Namespace) -> int:
+    """Roll out the expert; one line per decision, then the result."""
+    from .expert import ExpertPolicy, run_expert_episode
+
+    scenario = resolve_scenario(args.scenario)
+    camera = _camera_from_args(args)
+    policy = ExpertPolicy(camera=camera, seed=args.seed)
+    episode = run_expert_episode(scenario, policy)
+    print(f"{scenario.name}: {scenario.instruction!r} (goal {scenario.goal.object_id}, "
+          f"radius {scenario.goal.radius_m} m, max_steps {scenario.max_steps})")
+    for step, (pose, decision, result) in enumerate(episode.decisions, 1):
+        bump = f" [hit {result.hit}]" if result.collided else ""
+        print(f"{step:3d} ({pose.x:5.2f}, {pose.y:5.2f}, {pose.yaw_deg:5.0f} deg) {decision.text}{bump}")
+    print(f"result: success={episode.success} steps={episode.steps} collisions={episode.collisions} "
+          f"({episode.outcome})")
+    if args.trace:
+        final = episode.trajectory[-1]
+        image = compose_side_by_side([render_camera(scenario, final, camera),
+                                      render_topdown(scenario, final, episode.trajectory, camera=camera)])
+        print(f"wrote {_save_png(image, args.trace)}")
+    return 0 if episode.success else 1
+
+
+def cmd_heldout(args: argparse.Namespace) -> int:
+    """Write held-out scenarios as JSON files."""
+    from .dataset import write_heldout_scenarios
+
+    paths = write_heldout_scenarios(args.out, args.n, args.seed)
+    print(f"wrote {len(paths)} held-out scenarios to {args.out}")
+    return 0
+
+
+def _add_camera_args(parser: argparse.ArgumentParser) -> None:
+    defaults = CameraConfig()
+    parser.add_argument("--width", type=int, default=defaults.width, help="camera width in pixels")
+    parser.add_argument("--height", type=int, default=defaults.height, help="camera height in pixels")
+    parser.add_argument("--fov", type=float, default=defaults.hfov_deg, help="horizontal field of view, degrees")
+
+
+def _setup_render(sub) -> None:
+    parser = sub.add_parser("render", help="render the camera view beside the top-down map")
+    parser.add_argument("--scenario", required=True, help="scenario JSON file or shipped name")
+    parser.add_argument("--out", required=True, help="PNG to write")
+    _add_camera_args(parser)
+    parser.add_argument("--pose", type=float, nargs=3, metavar=("X", "Y", "YAW_DEG"),
+                        help="render from this pose instead of the scenario's start")
+    parser.add_argument("--size", type=int, default=448, help="height of the output image in pixels")
+    parser.set_defaults(func=cmd_render)
+
+
+def _setup_expert(sub) -> None:
+    parser = sub.add_parser("expert", help="roll out the expert policy and print its decisions")
+    parser.add_argument("--scenario", required=True, help="scenario JSON file or shipped name")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the expert's wording")
+    parser.add_argument("--trace", help="also write a PNG of the final view and the trajectory")
+    _add_camera_args(parser)
+    parser.set_defaults(func=cmd_expert)
+
+
+def _setup_heldout(sub) -> None:
+    parser = sub.add_parser("heldout", help="write held-out random scenarios as JSON files")
+    parser.add_argument("--out", required=True, help="directory to write into")
+    parser.add_argument("--n", type=int, default=50, help="how many scenarios")
+    parser.add_argument("--seed", type=int, default=0, help="first held-out index")
+    parser.set_defaults(func=cmd_heldout)
+
+
+_SUBCOMMANDS: list[Callable] = [_setup_render, _setup_expert, _setup_heldout]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with one subparser per entry of ``_SUBCOMMANDS``."""
+    parser = argparse.ArgumentParser(prog="edgespec-sim", description="Simulated Go2 world: "
+                                     "render scenarios and roll out the expert.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for setup in _SUBCOMMANDS:
+        setup(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status (0 ok, 1 expert failed, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ScenarioError, ValueError) as err:
+        print(f"edgespec-sim {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

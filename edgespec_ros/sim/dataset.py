@@ -1,0 +1,215 @@
+"""Random scenarios and expert-labelled training examples.
+
+Every random scenario comes from one integer seed, and the splits use disjoint seed ranges:
+``train`` seeds are [0, 1e9), ``heldout`` seeds are [1e9, 2e9). An example is
+``(image, instruction, text)``: a camera frame (H, W, 3) uint8, the instruction, and the
+expert's answer ``"<reasoning> Action: <action>."``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+from ..actions import DEFAULT_ACTION_CONFIG, ActionConfig
+from .expert import ExpertConfig, ExpertPolicy
+from .render import DEFAULT_CAMERA, CameraConfig, render_view
+from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
+                       ScenarioError, scenario_from_dict, write_scenario)
+from .world import SimWorld, pose_collision
+
+SPLITS = ("train", "heldout")
+SPLIT_SEED_BASE = {"train": 0, "heldout": 1_000_000_000}
+SPLIT_SIZE = 1_000_000_000
+
+INSTRUCTION_TEMPLATES = (
+    "find the {color} {type}",
+    "go to the {color} {type}",
+    "walk to the {color} {type}",
+    "navigate to the {color} {type}",
+    "approach the {color} {type}",
+    "find the {color} {type} and stop next to it",
+)
+
+
+class Example(NamedTuple):
+    """One training example: camera frame, instruction, expert answer."""
+
+    image: np.ndarray
+    instruction: str
+    text: str
+
+
+def split_seeds(split: str, n: int, start: int = 0) -> range:
+    """The scenario seeds ``start .. start + n - 1`` of ``split`` (train or heldout)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+    if n < 0 or start < 0 or start + n > SPLIT_SIZE:
+        raise ValueError(f"split_seeds: need 0 <= start and start + n <= {SPLIT_SIZE}, got start={start}, n={n}")
+    base = SPLIT_SEED_BASE[split]
+    return range(base + start, base + start + n)
+
+
+def seed_split(seed: int) -> str:
+    """Which split a scenario seed belongs to."""
+    for split, base in SPLIT_SEED_BASE.items():
+        if base <= seed < base + SPLIT_SIZE:
+            return split
+    raise ValueError(f"seed {seed} is in no split; seeds lie in [0, {2 * SPLIT_SIZE})")
+
+
+def random_scenario(rng: np.random.Generator | int, *, name: str | None = None,
+                    width_range: tuple[float, float] = (4.0, 8.0),
+                    depth_range: tuple[float, float] = (4.0, 7.0),
+                    n_objects_range: tuple[int, int] = (2, 5),
+                    distractor_probability: float = 0.75,
+                    max_steps: int = 40) -> Scenario:
+    """A random valid scenario: a room, 2-5 objects (often with a look-alike of the goal: same
+    colour and another type, or same type and another colour), the robot at a random pose at
+    least a metre outside the goal radius, and a templated instruction naming the goal.
+
+    ``rng`` is a numpy Generator or an int seed; the same seed always gives the same scenario.
+    """
+    rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+    for _ in range(1000):
+        data = _draw_scenario(rng, name or "random", width_range, depth_range, n_objects_range,
+                              distractor_probability, max_steps)
+        if data is None:
+            continue
+        try:
+            return scenario_from_dict(data)
+        except ScenarioError:
+            continue
+    raise RuntimeError("random_scenario: could not place the objects; widen the room ranges")
+
+
+def scenario_for_seed(seed: int, **kwargs) -> Scenario:
+    """The random scenario of ``seed`` (named ``<split>-<seed>``)."""
+    return random_scenario(np.random.default_rng(seed), name=f"{seed_split(seed)}-{seed}", **kwargs)
+
+
+def iter_scenarios(split: str, n: int, start: int = 0, **kwargs) -> Iterator[Scenario]:
+    """The scenarios of ``split_seeds(split, n, start)``, in order."""
+    for seed in split_seeds(split, n, start):
+        yield scenario_for_seed(seed, **kwargs)
+
+
+def write_heldout_scenarios(directory: str | Path, n: int, seed: int = 0) -> list[Path]:
+    """Write held-out scenarios ``seed .. seed + n - 1`` (indices into the held-out seed range)
+    as JSON files ``<directory>/heldout-<seed>.json``; returns their paths."""
+    directory = Path(directory)
+    paths = []
+    for scenario in iter_scenarios("heldout", n, seed):
+        paths.append(write_scenario(scenario, directory / f"{scenario.name}.json"))
+    return paths
+
+
+def heldout_prompts(n: int, seed: int = 0, camera: CameraConfig = DEFAULT_CAMERA) -> list[tuple[str, np.ndarray]]:
+    """``(instruction, first camera frame)`` of held-out scenarios ``seed .. seed + n - 1``."""
+    return [(s.instruction, render_view(s, s.robot, camera).rgb) for s in iter_scenarios("heldout", n, seed)]
+
+
+def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
+                      perturbations_per_step: float = 0.5,
+                      camera: CameraConfig = DEFAULT_CAMERA,
+                      action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
+                      expert_config: ExpertConfig = ExpertConfig()) -> Iterator[Example]:
+    """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
+
+    For each scenario the expert is rolled out and every decision frame becomes an example;
+    in addition, on average ``perturbations_per_step`` poses per decision are drawn near the
+    trajectory (position jitter ~0.3 m, heading jitter up to 60 degrees) and labelled by the
+    expert, for states the expert itself would not visit. Deterministic given the arguments.
+    """
+    for seed in split_seeds(split, n_scenarios, start):
+        scenario = scenario_for_seed(seed)
+        rng = np.random.default_rng([seed, 1])
+        policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
+        world = SimWorld(scenario, camera, action_config)
+        while not world.done:
+            pose = world.pose
+            view = world.camera_view()
+            decision = policy.decide(scenario, pose, view)
+            yield Example(view.rgb, scenario.instruction, decision.text)
+            for _ in range(rng.poisson(perturbations_per_step)):
+                jittered = _perturb(scenario, pose, rng)
+                if jittered is not None:
+                    jittered_view = render_view(scenario, jittered, camera)
+                    yield Example(jittered_view.rgb, scenario.instruction,
+                                  policy.decide(scenario, jittered, jittered_view).text)
+            world.step(decision.action)
+
+
+def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose | None:
+    for _ in range(10):
+        candidate = Pose(float(pose.x + rng.normal(0.0, 0.3)), float(pose.y + rng.normal(0.0, 0.3)),
+                         float(pose.yaw_rad + rng.uniform(-1.0, 1.0) * math.radians(60.0)))
+        if pose_collision(scenario, candidate.x, candidate.y) is None:
+            return candidate
+    return None
+
+
+def _draw_scenario(rng: np.random.Generator, name: str, width_range, depth_range, n_objects_range,
+                   distractor_probability: float, max_steps: int) -> dict | None:
+    width = float(np.round(rng.uniform(*width_range) * 2) / 2)
+    depth = float(np.round(rng.uniform(*depth_range) * 2) / 2)
+    goal_type = str(rng.choice(OBJECT_TYPES))
+    goal_color = str(rng.choice(COLORS))
+    kinds = [(goal_type, goal_color)]
+    n_objects = int(rng.integers(n_objects_range[0], n_objects_range[1] + 1))
+    if rng.random() < distractor_probability:
+        if rng.random() < 0.5:
+            kinds.append((str(rng.choice([t for t in OBJECT_TYPES if t != goal_type])), goal_color))
+        else:
+            kinds.append((goal_type, str(rng.choice([c for c in COLORS if c != goal_color]))))
+    while len(kinds) < n_objects:
+        kind = (str(rng.choice(OBJECT_TYPES)), str(rng.choice(COLORS)))
+        if kind != (goal_type, goal_color):
+            kinds.append(kind)
+
+    # Place objects with room for the robot (0.4 m wide) to pass between any two.
+    placed: list[dict] = []
+    counts: dict[str, int] = {}
+    for obj_type, color in kinds:
+        radius = FOOTPRINT_RADIUS_M[obj_type]
+        for _ in range(200):
+            x = round(float(rng.uniform(radius + 0.1, width - radius - 0.1)), 2)
+            y = round(float(rng.uniform(radius + 0.1, depth - radius - 0.1)), 2)
+            if all(math.hypot(x - p["x"], y - p["y"]) >= radius + FOOTPRINT_RADIUS_M[p["type"]] + 0.8
+                   for p in placed):
+                break
+        else:
+            return None
+        counts[obj_type] = counts.get(obj_type, 0) + 1
+        entry = {"id": f"{obj_type}{counts[obj_type]}", "type": obj_type, "color": color, "x": x, "y": y}
+        if obj_type == "chair":
+            entry["yaw_deg"] = float(rng.integers(0, 360))
+        placed.append(entry)
+    # Shuffle so the goal is not always objects[0].
+    order = rng.permutation(len(placed))
+    goal_id = placed[0]["id"]
+    objects = [placed[i] for i in order]
+
+    goal = placed[0]
+    radius = round(FOOTPRINT_RADIUS_M[goal_type] + ROBOT_RADIUS_M + float(rng.uniform(0.35, 0.5)), 2)
+    for _ in range(200):
+        rx = round(float(rng.uniform(0.4, width - 0.4)), 2)
+        ry = round(float(rng.uniform(0.4, depth - 0.4)), 2)
+        clear = all(math.hypot(rx - p["x"], ry - p["y"]) >= FOOTPRINT_RADIUS_M[p["type"]] + ROBOT_RADIUS_M + 0.3
+                    for p in placed)
+        if clear and math.hypot(rx - goal["x"], ry - goal["y"]) >= radius + 1.0:
+            break
+    else:
+        return None
+    instruction = str(rng.choice(INSTRUCTION_TEMPLATES)).format(color=goal_color, type=goal_type)
+    return {
+        "name": name,
+        "room": {"width_m": width, "depth_m": depth},
+        "objects": objects,
+        "robot": {"x": rx, "y": ry, "yaw_deg": float(rng.integers(0, 360))},
+        "instruction": instruction,
+        "goal": {"object": goal_id, "radius_m": radius},
+        "max_steps": max_steps,
+    }

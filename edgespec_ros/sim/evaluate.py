@@ -1,0 +1,73 @@
+"""Closed-loop evaluation of a VLM deciding alone in simulated scenarios, and frame agreement.
+
+``evaluate_closed_loop``: each scenario is an episode; the model sees the camera frame and the
+instruction, its text is parsed by the action grammar and executed; an unparseable text is a
+no-op decision (the robot never moves on it) that still costs a step.
+``action_agreement``: on held-out expert frames, how often the model's action equals the expert's.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from ..actions import parse_action
+from .scenario import Scenario
+from .world import SimWorld
+
+
+@dataclass
+class EpisodeResult:
+    scenario: str
+    success: bool
+    steps: int
+    collisions: int
+    unparseable: int
+    final_goal_distance_m: float
+    actions: list[str] = field(default_factory=list)
+
+
+def run_episode(policy, scenario: Scenario) -> EpisodeResult:
+    """Roll out `policy` (VLMPolicy-like: decide(image, instruction) -> .action/.text) in one scenario."""
+    world = SimWorld(scenario)
+    unparseable, actions = 0, []
+    while not world.done:
+        out = policy.decide(world.camera_image(), scenario.instruction)
+        if out.action is None:
+            unparseable += 1
+            actions.append(f"<unparseable: {out.error}>")
+            world.skip_decision(out.error)
+            continue
+        actions.append(out.action.text)
+        world.step(out.action)
+    return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
+                         round(world.goal_distance(), 3), actions)
+
+
+def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes") -> dict:
+    """Run every scenario; returns {'success_rate', 'episodes': [...], ...} (JSON-ready)."""
+    results = [run_episode(policy, s) for s in tqdm(scenarios, desc=desc, unit="ep")]
+    n = len(results)
+    return {
+        "success_rate": sum(r.success for r in results) / n if n else 0.0,
+        "episodes": n,
+        "mean_steps": sum(r.steps for r in results) / n if n else 0.0,
+        "collisions": sum(r.collisions for r in results),
+        "unparseable_decisions": sum(r.unparseable for r in results),
+        "per_scenario": [asdict(r) for r in results],
+    }
+
+
+def action_agreement(policy, examples, desc: str = "frames") -> dict:
+    """Fraction of frames where the model's parsed action equals the expert's (examples: sim.dataset.Example)."""
+    agree = parse_fail = 0
+    for ex in tqdm(examples, desc=desc, unit="frame"):
+        expert = parse_action(ex.text)
+        out = policy.decide(ex.image, ex.instruction)
+        if out.action is None:
+            parse_fail += 1
+        elif out.action.text == expert.text:
+            agree += 1
+    n = len(examples)
+    return {"agreement": agree / n if n else 0.0, "frames": n, "unparseable": parse_fail}
+

@@ -1,0 +1,490 @@
+"""The expert: writes what a good VLM should write for a camera frame and an instruction.
+
+The expert knows the true state only to work out what the camera shows (which objects have
+pixels in the frame, their bearing and distance); its decision depends on nothing else, so the
+action can be inferred from the image and the instruction alone. It is memoryless, like the VLM.
+
+Perception model (what a 112 px camera lets one tell):
+- an object with at least ``min_pixels`` pixels in the frame is *seen*; its colour is known;
+- its type is known only within ``identify_range_m`` (farther objects are "something silver").
+
+Policy, in order (all geometry from the seen objects and the walls only):
+1. The goal is seen and identified: ``stop`` inside the goal radius; otherwise turn to face it
+   when it is more than ``aim_tolerance_deg`` off-centre, else move forward (the longest size
+   that touches nothing seen and does not pass the goal).
+2. Something with the goal's colour is seen but too far to identify: approach the nearest such
+   object the same way, to have a closer look (the goal itself, or a look-alike distractor).
+3. Nothing of interest is seen: walk ahead if the floor ahead is open for at least
+   ``explore_clearance_m``, otherwise turn left (``search_turn``) to look around.
+
+Obstacles: when a seen object blocks the straight line to the target, the robot goes around
+it on the target's side. A memoryless robot forgets whatever leaves the frame, so detours keep
+both the blocker and the target in view (turning by a metric angle, a multiple of 5 degrees,
+when even a small turn would lose one of them) and no move ends where the blocker would block
+the way from outside the frame. Moves end ``personal_space_m`` clear of seen objects.
+
+The wording varies with a seeded rng (several templates); the action is a pure function of the
+state. Reasoning never contains the ``Action:`` marker, so every text parses.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
+from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
+from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
+from .world import SimWorld, StepResult, forward_clearance, wrap_angle
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """Perception and policy knobs of the expert (see the module docstring)."""
+
+    identify_range_m: float = 3.0
+    min_pixels: int = 2
+    aim_tolerance_deg: float = 10.0
+    search_turn: str = "large"
+    # Keep this much air between the robot and anything it drives towards or past.
+    clearance_margin_m: float = 0.05
+    # Searching: walk ahead when the floor ahead is open at least this far (None: only turn),
+    # stopping this far short of what is ahead, so that hidden corners get looked into.
+    explore_clearance_m: float | None = 3.0
+    explore_stop_short_m: float = 1.5
+    # No move ends closer than this to a seen object (beyond touching it), except the target.
+    personal_space_m: float = 0.15
+    # While going around an obstacle, keep the target at least this far inside the frame edge.
+    keep_in_view_margin_deg: float = 10.0
+
+    def __post_init__(self):
+        if self.search_turn not in SIZES:
+            raise ValueError(f"ExpertConfig.search_turn: {self.search_turn!r} is not one of {SIZES}")
+        if self.identify_range_m <= 0 or self.min_pixels < 1 or self.aim_tolerance_deg <= 0:
+            raise ValueError("ExpertConfig: identify_range_m, min_pixels and aim_tolerance_deg must be positive")
+
+
+@dataclass(frozen=True)
+class SeenObject:
+    """An object with pixels in the frame: where it is relative to the robot and what can be told."""
+
+    index: int
+    object: SceneObject
+    pixels: int
+    bearing_rad: float
+    distance_m: float
+    identified: bool
+
+
+@dataclass(frozen=True)
+class ExpertDecision:
+    """The expert's answer for one frame: ``text`` is ``"<reasoning> Action: <action>."``."""
+
+    action: Action
+    reasoning: str
+    situation: str
+    seen: tuple[SeenObject, ...] = field(default=(), repr=False)
+
+    @property
+    def text(self) -> str:
+        """The full answer a VLM should produce."""
+        return f"{self.reasoning} Action: {self.action.text}."
+
+
+@dataclass
+class ExpertEpisode:
+    """One expert rollout: the outcome and, per decision, the pose it was made at and its result."""
+
+    scenario: Scenario
+    success: bool
+    steps: int
+    collisions: int
+    outcome: str
+    trajectory: list[Pose]
+    decisions: list[tuple[Pose, ExpertDecision, StepResult]]
+
+
+class ExpertPolicy:
+    """Maps (scenario, pose) to an :class:`ExpertDecision`; see the module docstring."""
+
+    def __init__(self, action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
+                 camera: CameraConfig = DEFAULT_CAMERA, config: ExpertConfig = ExpertConfig(),
+                 seed: int = 0):
+        self.action_config = action_config
+        self.camera = camera
+        self.config = config
+        self._rng = random.Random(seed)
+
+    # ------------------------------------------------------------------ perception
+
+    def observe(self, scenario: Scenario, pose: Pose, view: CameraView | None = None) -> tuple[SeenObject, ...]:
+        """Objects with at least one pixel in the frame from ``pose`` (rendered if ``view`` is None)."""
+        view = render_view(scenario, pose, self.camera) if view is None else view
+        counts = view.pixel_counts(len(scenario.objects))
+        seen = []
+        for i, obj in enumerate(scenario.objects):
+            if counts[i] == 0:
+                continue
+            dx, dy = obj.x - pose.x, obj.y - pose.y
+            distance = math.hypot(dx, dy)
+            bearing = wrap_angle(math.atan2(dy, dx) - pose.yaw_rad)
+            identified = distance <= self.config.identify_range_m and counts[i] >= self.config.min_pixels
+            seen.append(SeenObject(i, obj, int(counts[i]), bearing, distance, identified))
+        return tuple(seen)
+
+    # ------------------------------------------------------------------ policy
+
+    def decide(self, scenario: Scenario, pose: Pose, view: CameraView | None = None) -> ExpertDecision:
+        """The expert's decision for the frame seen from ``pose``; pass ``view`` if already rendered."""
+        seen = self.observe(scenario, pose, view)
+        goal = scenario.goal_object
+        visible = [s for s in seen if s.pixels >= self.config.min_pixels]
+        goal_seen = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
+        words = _Words(self._rng, goal, visible)
+        if goal_seen is not None:
+            if goal_seen.distance_m <= scenario.goal.radius_m:
+                return self._decision(Action.stop(), words.reached(goal_seen), "stop", seen)
+            action, situation, blocker = self._approach(scenario, pose, goal_seen, seen, final=True)
+            return self._decision(action, words.approach(goal_seen, action, situation, blocker), situation, seen)
+        candidates = [s for s in visible if not s.identified and s.object.color == goal.color]
+        if candidates:
+            target = min(candidates, key=lambda s: s.distance_m)
+            action, situation, blocker = self._approach(scenario, pose, target, seen, final=False)
+            return self._decision(action, words.inspect(target, action, situation, blocker),
+                                  "inspect-" + situation, seen)
+        explore = self._explore_move(scenario, pose, seen)
+        if explore is not None:
+            return self._decision(explore, words.explore(), "explore", seen)
+        action = Action.turn("left", self.config.search_turn, self.action_config)
+        return self._decision(action, words.search(), "search", seen)
+
+    def _explore_move(self, scenario: Scenario, pose: Pose, seen: Sequence[SeenObject]) -> Action | None:
+        """A forward move into open floor when nothing of interest is seen, or None to turn instead."""
+        threshold = self.config.explore_clearance_m
+        if threshold is None:
+            return None
+        clearance, _ = forward_clearance(scenario, pose, [s.object for s in seen])
+        if clearance < threshold:
+            return None
+        c, s_ = math.cos(pose.yaw_rad), math.sin(pose.yaw_rad)
+        for size in reversed(SIZES):
+            distance = self.action_config.move_distance_m(size)
+            ex, ey = pose.x + distance * c, pose.y + distance * s_
+            if (distance <= clearance - self.config.explore_stop_short_m
+                    and not any(self._too_close(ex, ey, o.object) for o in seen)):
+                return Action.move_forward(size, self.action_config)
+        return None
+
+    def _decision(self, action: Action, reasoning: str, situation: str, seen) -> ExpertDecision:
+        return ExpertDecision(action, reasoning, situation, tuple(seen))
+
+    def _approach(self, scenario: Scenario, pose: Pose, target: SeenObject,
+                  seen: Sequence[SeenObject], final: bool) -> tuple[Action, str, SeenObject | None]:
+        """Turn towards or drive at ``target``, around the nearest seen object blocking the way.
+        Returns (action, situation, blocker) with situation in turn/move/detour-turn/detour-move.
+
+        Going around an obstacle must work without memory, so every frame of a detour shows both
+        the target and the blocker: the robot turns only as far as keeps both in the frame, then
+        drives past the blocker while it is still in view. From outside the blocker's detour
+        radius (see :meth:`_detour_radius`) a blocker is always in the frame when facing the
+        target, and no move ends inside that radius while the blocker still blocks the way.
+        """
+        tolerance = math.radians(self.config.aim_tolerance_deg)
+        keep = self._keep_in_view_rad()
+        others = [s for s in seen if s.index != target.index]
+        blocker = self._blocker(pose.x, pose.y, target, others)
+        if blocker is None and abs(target.bearing_rad) > tolerance:
+            return self._turn_towards(target.bearing_rad), "turn", None
+        if blocker is None or abs(target.bearing_rad) <= keep:
+            move, crowding = self._safe_move(scenario, pose, target, seen, final)
+            if move is not None:
+                return move, ("move" if blocker is None else "detour-move"), blocker
+            blocker = blocker or crowding
+            if blocker is None:  # a wall right ahead: turn towards the target's side
+                direction = "left" if target.bearing_rad >= 0 else "right"
+                return Action.turn(direction, "medium", self.action_config), "turn", None
+        turn = self._detour_turn(target, blocker)
+        if turn is not None:
+            return turn, "detour-turn", blocker
+        # Facing the widest berth that keeps both in view, but every move ends where the blocker
+        # would drop out of view while still in the way: brush past it anyway (collision-free).
+        move, _ = self._safe_move(scenario, pose, target, seen, final, keep_blockers_in_view=False)
+        if move is not None:
+            return move, "detour-move", blocker
+        side = "left" if wrap_angle(target.bearing_rad - blocker.bearing_rad) >= 0 else "right"
+        return Action.turn(side, "small", self.action_config), "detour-turn", blocker
+
+    def _keep_in_view_rad(self) -> float:
+        return self.camera.half_hfov_rad - math.radians(self.config.keep_in_view_margin_deg)
+
+    def _detour_turn(self, target: SeenObject, blocker: SeenObject) -> Action | None:
+        """Turn towards a heading that clears ``blocker`` on the target's side of it, no farther
+        than keeps both the blocker and the target in the frame; None when already facing it."""
+        keep = self._keep_in_view_rad()
+        b, bo = target.bearing_rad, blocker.bearing_rad
+        side = 1.0 if wrap_angle(b - bo) >= 0 else -1.0
+        clear = math.asin(min(1.0, self._block_radius(blocker.object) / max(blocker.distance_m, 1e-6)))
+        wanted = wrap_angle(bo + side * (clear + math.radians(5.0)))
+        low, high = max(bo, b) - keep, min(bo, b) + keep
+        heading = min(max(wanted, low), high)
+        if abs(heading) < math.radians(2.0):
+            return None  # already facing the best heading that keeps both in view
+        # Turn by the size closest to the wanted angle among those that keep both in view.
+        limit = high if heading > 0 else -low
+        return self._turn_towards(heading, max_turn_rad=limit)
+
+    def _block_radius(self, obj: SceneObject) -> float:
+        """Robot centres closer than this to ``obj`` (plus the margin) touch it."""
+        return obj.footprint_radius_m + ROBOT_RADIUS_M + self.config.clearance_margin_m
+
+    def _detour_radius(self, obj: SceneObject) -> float:
+        """From farther than this, an obstacle blocking the line to the target lies within
+        (half FOV - keep_in_view_margin) of the target's direction, i.e. in the frame."""
+        return self._block_radius(obj) / math.sin(self._keep_in_view_rad())
+
+    def _blocks(self, x: float, y: float, target: SeenObject, obj: SceneObject) -> bool:
+        """Does ``obj`` block the straight line from (x, y) to the target?"""
+        vx, vy = target.object.x - x, target.object.y - y
+        length = math.hypot(vx, vy)
+        if length < 1e-9:
+            return False
+        ox, oy = obj.x - x, obj.y - y
+        along = (ox * vx + oy * vy) / length
+        across = abs(ox * vy - oy * vx) / length
+        return 0.0 < along < length and across < self._block_radius(obj)
+
+    def _hidden_blocker_at(self, x: float, y: float, target: SeenObject, obj: SceneObject) -> bool:
+        """Would ``obj`` block the line from (x, y) to the target while lying outside the frame
+        of a robot there facing the target? (Such a position would make the robot forget it.)"""
+        return (math.hypot(obj.x - x, obj.y - y) < self._detour_radius(obj)
+                and self._blocks(x, y, target, obj))
+
+    def _too_close(self, x: float, y: float, obj: SceneObject) -> bool:
+        """Would a robot at (x, y) stand closer to ``obj`` than the personal-space margin?"""
+        reach = obj.footprint_radius_m + ROBOT_RADIUS_M + self.config.personal_space_m
+        return math.hypot(obj.x - x, obj.y - y) < reach
+
+    def _blocker(self, x: float, y: float, target: SeenObject,
+                 others: Sequence[SeenObject]) -> SeenObject | None:
+        """The nearest seen object that blocks the straight line from (x, y) to the target."""
+        blocking = [o for o in others if self._blocks(x, y, target, o.object)]
+        return min(blocking, key=lambda o: o.distance_m) if blocking else None
+
+    def _safe_move(self, scenario: Scenario, pose: Pose, target: SeenObject,
+                   seen: Sequence[SeenObject], final: bool,
+                   keep_blockers_in_view: bool = True) -> tuple[Action | None, SeenObject | None]:
+        """The longest forward move that touches nothing seen, does not pass the target, and
+        does not end inside the detour radius of an object still blocking the way; with no such
+        move, (None, the object that ruled the moves out, or None for a wall)."""
+        cfg = self.config
+        reach_target = target.object.footprint_radius_m + ROBOT_RADIUS_M
+        clearance, _ = forward_clearance(scenario, pose, [s.object for s in seen])
+        along_target = target.distance_m * math.cos(target.bearing_rad)
+        if final:
+            # Inside the goal radius but outside the collision distance is where we want to end.
+            margin = min(cfg.clearance_margin_m, (scenario.goal.radius_m - reach_target) / 2.0)
+            limit = min(clearance - margin, along_target - 0.1)
+        else:
+            limit = min(clearance - cfg.clearance_margin_m, along_target - reach_target)
+        sizes: list[str | float] = [s for s in reversed(SIZES) if self.action_config.move_distance_m(s) <= limit + 1e-9]
+        if not sizes and limit >= 0.05:
+            sizes = [math.floor(limit * 20.0) / 20.0]
+        others = [s for s in seen if s.index != target.index]
+        crowding = None
+        c, s_ = math.cos(pose.yaw_rad), math.sin(pose.yaw_rad)
+        for size in sizes:
+            distance = self.action_config.move_distance_m(size) if isinstance(size, str) else size
+            ex, ey = pose.x + distance * c, pose.y + distance * s_
+            if final and math.hypot(target.object.x - ex, target.object.y - ey) <= scenario.goal.radius_m:
+                return Action.move_forward(size, self.action_config), None
+            crowded = [o for o in others
+                       if (keep_blockers_in_view and self._hidden_blocker_at(ex, ey, target, o.object))
+                       or self._too_close(ex, ey, o.object)]
+            if not crowded:
+                return Action.move_forward(size, self.action_config), None
+            crowding = crowding or min(crowded, key=lambda o: o.distance_m)
+        return None, crowding
+
+    def _turn_towards(self, heading_rad: float, max_turn_rad: float = math.inf) -> Action:
+        """Turn by the size closest to ``heading_rad``, among sizes no larger than ``max_turn_rad``;
+        a metric turn (whole multiples of 5 degrees) when even the small size is too large."""
+        direction = "left" if heading_rad > 0 else "right"
+        magnitude = math.degrees(abs(heading_rad))
+        allowed = [s for s in SIZES if self.action_config.turn_angle_deg(s) <= math.degrees(max_turn_rad) + 1e-9]
+        if allowed:
+            size = min(allowed, key=lambda s: abs(self.action_config.turn_angle_deg(s) - magnitude))
+            return Action.turn(direction, size, self.action_config)
+        degrees = max(5.0, 5.0 * math.floor(min(magnitude, math.degrees(max_turn_rad)) / 5.0))
+        return Action.turn(direction, degrees, self.action_config)
+
+
+def run_expert_episode(scenario: Scenario, policy: ExpertPolicy | None = None,
+                       world: SimWorld | None = None) -> ExpertEpisode:
+    """Roll the expert out in ``scenario`` until the episode ends; returns the outcome and every
+    decision (pose, decision, step result)."""
+    policy = ExpertPolicy() if policy is None else policy
+    world = SimWorld(scenario, policy.camera, policy.action_config) if world is None else world
+    decisions = []
+    while not world.done:
+        pose = world.pose
+        decision = policy.decide(scenario, pose, world.camera_view())
+        result = world.step(decision.action)
+        decisions.append((pose, decision, result))
+    return ExpertEpisode(scenario, world.success, world.steps, world.collisions, world.outcome,
+                         list(world.trajectory), decisions)
+
+
+# ---------------------------------------------------------------------- wording
+
+class _Words:
+    """Sentence templates grounded in what is seen; the rng only picks among equivalent wordings."""
+
+    def __init__(self, rng: random.Random, goal: SceneObject, visible: Sequence[SeenObject]):
+        self.rng = rng
+        self.goal = goal
+        self.visible = visible
+        self.target = f"the {goal.description}"
+
+    def pick(self, *options: str) -> str:
+        return self.rng.choice(options)
+
+    def where(self, seen: SeenObject) -> str:
+        degrees = math.degrees(seen.bearing_rad)
+        if abs(degrees) <= 10.0:
+            return self.pick("straight ahead", "ahead", "in front of me")
+        side = "left" if degrees > 0 else "right"
+        if abs(degrees) <= 25.0:
+            return self.pick(f"slightly to the {side}", f"a little to the {side}")
+        return self.pick(f"on the {side}", f"to my {side}", f"on my {side}")
+
+    def how_far(self, seen: SeenObject) -> str:
+        d = seen.distance_m
+        if d <= 1.2:
+            return self.pick("very close", "close by", "just a short step away")
+        if d <= 2.5:
+            return self.pick("nearby", "a couple of metres away", "not far away")
+        if d <= 4.0:
+            return self.pick("a few metres away", "some distance away")
+        return self.pick("far away", "in the distance", "far off")
+
+    def distractor(self) -> str | None:
+        """A sentence about the first identified look-alike in view (same colour or same type)."""
+        goal = self.goal
+        for seen in self.visible:
+            obj = seen.object
+            if not seen.identified or obj.id == goal.id:
+                continue
+            if obj.color == goal.color and obj.type != goal.type:
+                return self.pick(
+                    f"I see {_a(obj.description)} {self.where(seen)}, but that is not {_a(goal.type)}.",
+                    f"There is {_a(obj.description)} {self.where(seen)}; it is {obj.color} too, "
+                    f"but it is {_a(obj.type)}, not {_a(goal.type)}.",
+                    f"The {obj.color} object {self.where(seen)} is {_a(obj.type)}, not the {goal.type} I want.")
+            if obj.type == goal.type and obj.color != goal.color:
+                return self.pick(
+                    f"I see {_a(obj.description)} {self.where(seen)}, but it is {obj.color}, not {goal.color}.",
+                    f"The {obj.type} {self.where(seen)} is {obj.color}, so it is not the one I am looking for.",
+                    f"There is {_a(obj.description)} {self.where(seen)}, but I need the {goal.color} one.")
+        return None
+
+    def others(self) -> str | None:
+        """A clause listing up to two other identified objects in view."""
+        named = [s for s in self.visible if s.object.id != self.goal.id and s.identified][:2]
+        if not named:
+            return None
+        return " and ".join(f"{_a(s.object.description)} {self.where(s)}" for s in named)
+
+    def join(self, *sentences: str | None) -> str:
+        return " ".join(s for s in sentences if s)
+
+    def detour_plan(self, target: SeenObject, blocker: SeenObject, action: Action) -> str:
+        """What the detour step does, e.g. 'turn right to pass it on the right'."""
+        side = "left" if wrap_angle(target.bearing_rad - blocker.bearing_rad) >= 0 else "right"
+        if action.kind == "turn":
+            return f"turn {action.direction} to pass it on the {side}"
+        return self.pick(f"keep going and pass it on the {side}", f"walk on and go around it on the {side}")
+
+    def reached(self, goal: SeenObject) -> str:
+        main = self.pick(
+            f"I have reached {self.target}; it is {self.where(goal)} and very close.",
+            f"{_cap(self.target)} is right here, {self.where(goal)}, close enough to stop.",
+            f"I am next to {self.target} now, so the task is done.")
+        return self.join(self.distractor(), main)
+
+    def approach(self, goal: SeenObject, action: Action, situation: str, blocker: SeenObject | None) -> str:
+        where, far = self.where(goal), self.how_far(goal)
+        if situation == "turn":
+            turn = action.direction
+            main = self.pick(
+                f"I see {self.target} {where}, {far}, so I will turn {turn} to face it.",
+                f"{_cap(self.target)} is {where}, {far}, so I am turning {turn} to line up with it.",
+                f"There is {self.target}, {where} and {far}; I need to turn {turn} towards it.")
+        elif situation == "move":
+            main = self.pick(
+                f"{_cap(self.target)} is {where}, {far}, so I will move forward towards it.",
+                f"I can see {self.target} {where}, {far}; moving closer.",
+                f"{_cap(self.target)} is {far}, {where}, and I will walk towards it.")
+        else:
+            assert blocker is not None
+            obstacle = f"the {blocker.object.description}"
+            go = self.detour_plan(goal, blocker, action)
+            main = self.pick(
+                f"{_cap(self.target)} is {where}, but {obstacle} is in the way, so I will {go}.",
+                f"{_cap(obstacle)} blocks the path to {self.target}; I will {go}.",
+                f"I see {self.target} {where}, {far}, with {obstacle} in between; I will {go}.")
+        return self.join(self.distractor(), main)
+
+    def inspect(self, candidate: SeenObject, action: Action, situation: str, blocker: SeenObject | None) -> str:
+        color, where, goal = self.goal.color, self.where(candidate), self.goal.type
+        if blocker is not None:
+            plan = f"the {blocker.object.description} is in the way, so I will {self.detour_plan(candidate, blocker, action)}."
+        elif action.kind == "turn":
+            plan = self.pick(f"I will turn {action.direction} towards it.",
+                             f"turning {action.direction} to face it.")
+        else:
+            plan = self.pick("I will move closer to check.", "moving forward to get a better look.")
+        main = self.pick(
+            f"There is something {color} {where}, far away, and it could be {self.target}",
+            f"I see {_a(color)} object {where} in the distance but cannot tell yet if it is the {goal}",
+            f"Something {color} is {where}, too far to make out, and it might be {self.target}")
+        return self.join(self.distractor(), f"{main}; {plan}")
+
+    def explore(self) -> str:
+        others = self.others()
+        context = (self.pick(f"I see {others}, but no {self.goal.description}.",
+                             f"Only {others} here, not {self.target}.") if others else None)
+        main = self.pick(
+            f"I don't see {self.target}, and the way ahead is open, so I will move forward to explore.",
+            f"{_cap(self.target)} is not in view. The floor ahead is clear; I will walk on and look further.",
+            f"No {self.goal.description} in sight. I will go forward into the open space to search.")
+        lead = self.distractor() or context
+        if lead:
+            main = self.pick("The way ahead is open, so I will move forward to explore.",
+                             "I will walk forward into the open space and keep looking.")
+        return self.join(lead, main)
+
+    def search(self) -> str:
+        turn = "turn left"
+        distractor = self.distractor()
+        others = self.others()
+        if distractor is None and others is not None:
+            distractor = self.pick(f"I see {others}, but no {self.goal.description}.",
+                                   f"There is {others} here, but not {self.target}.")
+        main = self.pick(
+            f"I don't see {self.target}, so I will {turn} to look around.",
+            f"{_cap(self.target)} is not in view; I will {turn} to search for it.",
+            f"No {self.goal.description} in sight yet. I will {turn} and keep looking.")
+        if distractor is not None:
+            main = self.pick(f"I will {turn} to keep searching for {self.target}.",
+                             f"I need to {turn} and keep looking for {self.target}.")
+        return self.join(distractor, main)
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _a(noun_phrase: str) -> str:
+    """The noun phrase with its indefinite article: 'a red box', 'an orange cone'."""
+    return ("an " if noun_phrase[:1] in "aeiou" else "a ") + noun_phrase

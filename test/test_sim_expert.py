@@ -1,0 +1,191 @@
+"""The expert policy and the dataset generator."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from edgespec_ros.actions import Action, parse_action, split_reasoning_action
+from edgespec_ros.sim.dataset import (SPLIT_SIZE, generate_examples, iter_scenarios, random_scenario,
+                                      scenario_for_seed, seed_split, split_seeds, write_heldout_scenarios)
+from edgespec_ros.sim.expert import ExpertPolicy, run_expert_episode
+from edgespec_ros.sim.scenario import Pose, builtin_scenarios, load_scenario, scenario_from_dict
+
+ROBOT = Pose(1.0, 3.0, 0.0)
+
+
+def make_scenario(objects, goal="o0", radius=0.8):
+    """Robot at (1, 3) facing +x in an 8 x 6 room; objects given as (type, color, x, y)."""
+    entries = [{"id": f"o{i}", "type": t, "color": c, "x": x, "y": y} for i, (t, c, x, y) in enumerate(objects)]
+    return scenario_from_dict({
+        "name": "expert-test", "room": {"width_m": 8.0, "depth_m": 6.0}, "objects": entries,
+        "robot": {"x": ROBOT.x, "y": ROBOT.y, "yaw_deg": 0.0}, "instruction": "find it",
+        "goal": {"object": goal, "radius_m": radius}, "max_steps": 40})
+
+
+def at_bearing(distance, bearing_deg):
+    return ROBOT.x + distance * math.cos(math.radians(bearing_deg)), ROBOT.y + distance * math.sin(math.radians(bearing_deg))
+
+
+@pytest.fixture(scope="module")
+def heldout_episodes():
+    policy = ExpertPolicy(seed=7)
+    return [run_expert_episode(s, policy) for s in iter_scenarios("heldout", 50)]
+
+
+def test_expert_solves_heldout_scenarios(heldout_episodes):
+    successes = sum(e.success for e in heldout_episodes)
+    assert successes >= 48, [(e.scenario.name, e.outcome) for e in heldout_episodes if not e.success]
+    for episode in heldout_episodes:
+        assert episode.steps <= episode.scenario.max_steps
+
+
+def test_expert_text_always_parses_to_its_action(heldout_episodes):
+    for episode in heldout_episodes:
+        for _, decision, _ in episode.decisions:
+            assert parse_action(decision.text) == decision.action
+            reasoning, _ = split_reasoning_action(decision.text)
+            assert reasoning == decision.reasoning and reasoning
+            assert reasoning.count(".") in (1, 2)  # one or two sentences
+
+
+@pytest.mark.parametrize("name", sorted(builtin_scenarios()))
+def test_expert_solves_every_shipped_scenario(name):
+    episode = run_expert_episode(load_scenario(builtin_scenarios()[name]))
+    assert episode.success, episode.outcome
+    assert episode.collisions == 0
+
+
+def test_wording_varies_with_the_seed_but_actions_do_not():
+    scenario = load_scenario(builtin_scenarios()["silver-bottle-distractor"])
+    first = run_expert_episode(scenario, ExpertPolicy(seed=1))
+    second = run_expert_episode(scenario, ExpertPolicy(seed=2))
+    assert [d.action for _, d, _ in first.decisions] == [d.action for _, d, _ in second.decisions]
+    assert [d.reasoning for _, d, _ in first.decisions] != [d.reasoning for _, d, _ in second.decisions]
+
+
+def test_distractor_is_named_and_rejected():
+    scenario = load_scenario(builtin_scenarios()["silver-bottle-distractor"])
+    texts = [d.text for _, d, _ in run_expert_episode(scenario, ExpertPolicy(seed=3)).decisions]
+    assert any("box" in t and ("not" in t) for t in texts)
+
+
+def test_goal_visible_to_the_left_means_turn_left():
+    x, y = at_bearing(2.0, 30.0)
+    decision = ExpertPolicy().decide(make_scenario([("ball", "red", x, y)]), ROBOT)
+    assert decision.action == Action.turn("left", "medium")
+    assert "left" in decision.reasoning and "red ball" in decision.reasoning
+
+
+def test_goal_ahead_means_move_forward_without_passing_it():
+    decision = ExpertPolicy().decide(make_scenario([("box", "green", 2.5, 3.0)]), ROBOT)
+    assert decision.action.kind == "move"
+    assert decision.action.distance_m <= 1.5 - 0.29 - 0.2  # never into the box
+
+
+def test_goal_within_radius_means_stop():
+    decision = ExpertPolicy().decide(make_scenario([("ball", "blue", 1.7, 3.0)], radius=0.8), ROBOT)
+    assert decision.action == Action.stop()
+
+
+def test_goal_behind_facing_a_wall_means_search_by_turning_left():
+    decision = ExpertPolicy().decide(make_scenario([("cone", "orange", 2.0, 3.0)]), Pose(6.5, 3.0, 0.0))
+    assert decision.action == Action.turn("left", "large") and decision.situation == "search"
+    assert "orange cone" in decision.reasoning
+
+
+def test_goal_behind_facing_open_floor_means_explore_forward():
+    decision = ExpertPolicy().decide(make_scenario([("cone", "orange", 0.5, 1.0)]), Pose(1.6, 3.0, 0.0))
+    assert decision.action.kind == "move" and decision.situation == "explore"
+
+
+def test_far_lookalike_is_approached_then_rejected_when_identified():
+    # Goal: the silver bottle behind the robot. A silver box far ahead looks like a candidate.
+    far = make_scenario([("bottle", "silver", 0.5, 0.5), ("box", "silver", 6.5, 3.0)])
+    assert ExpertPolicy().decide(far, ROBOT).action.kind == "move"
+    near = make_scenario([("bottle", "silver", 0.5, 0.5), ("box", "silver", 3.5, 3.0)])
+    decision = ExpertPolicy().decide(near, ROBOT)
+    assert decision.action == Action.turn("left", "large")
+    assert "box" in decision.reasoning and "not" in decision.reasoning
+
+
+def test_decision_ignores_objects_outside_the_frame():
+    x, y = at_bearing(2.5, 15.0)
+    alone = make_scenario([("chair", "yellow", x, y)])
+    with_hidden = make_scenario([("chair", "yellow", x, y), ("ball", "yellow", 0.5, 5.5), ("box", "red", 0.5, 1.0)])
+    policy = ExpertPolicy()
+    assert policy.decide(alone, ROBOT).action == policy.decide(with_hidden, ROBOT).action
+
+
+def test_goes_around_an_obstacle_without_touching_it():
+    scenario = make_scenario([("ball", "red", 6.0, 3.45), ("box", "blue", 3.5, 3.0)], radius=0.8)
+    first = ExpertPolicy().decide(scenario, ROBOT)
+    assert "detour" in first.situation and "blue box is in the way" in first.reasoning
+    episode = run_expert_episode(scenario)
+    assert episode.success and episode.collisions == 0
+    assert any("detour" in d.situation for _, d, _ in episode.decisions)
+
+
+def test_split_seed_ranges_are_disjoint():
+    train, heldout = set(split_seeds("train", 5000)), set(split_seeds("heldout", 5000))
+    assert not train & heldout
+    assert all(seed_split(s) == "train" for s in list(train)[:50])
+    assert all(seed_split(s) == "heldout" for s in list(heldout)[:50])
+    assert max(split_seeds("train", 1, SPLIT_SIZE - 1)) < min(split_seeds("heldout", 1))
+    with pytest.raises(ValueError, match="split"):
+        split_seeds("test", 3)
+    with pytest.raises(ValueError):
+        split_seeds("train", 2, SPLIT_SIZE - 1)
+
+
+def test_random_scenarios_are_deterministic_and_varied():
+    assert scenario_for_seed(12) == scenario_for_seed(12)
+    scenarios = [scenario_for_seed(s) for s in split_seeds("train", 100)]
+    lookalikes = 0
+    for scenario in scenarios:
+        goal = scenario.goal_object
+        assert 2 <= len(scenario.objects) <= 5
+        assert goal.color in scenario.instruction and goal.type in scenario.instruction
+        others = [o for o in scenario.objects if o.id != goal.id]
+        assert all((o.type, o.color) != (goal.type, goal.color) for o in others)
+        lookalikes += any(o.type == goal.type or o.color == goal.color for o in others)
+    assert lookalikes >= 60
+    assert len({s.room for s in scenarios}) > 10 and len({s.goal_object.type for s in scenarios}) == 5
+
+
+def test_random_scenario_accepts_a_generator():
+    rng = np.random.default_rng(5)
+    scenario = random_scenario(rng, name="custom", max_steps=25)
+    assert scenario.name == "custom" and scenario.max_steps == 25
+
+
+def test_examples_have_images_instructions_and_parseable_text():
+    examples = list(generate_examples("train", 2, perturbations_per_step=1.0))
+    first_scenario = scenario_for_seed(split_seeds("train", 1)[0])
+    assert len(examples) > run_expert_episode(first_scenario).steps
+    for image, instruction, text in examples:
+        assert image.shape == (112, 112, 3) and image.dtype == np.uint8
+        assert isinstance(instruction, str) and instruction
+        parse_action(text)
+    again = list(generate_examples("train", 2, perturbations_per_step=1.0))
+    assert [e.text for e in again] == [e.text for e in examples]
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(again, examples))
+
+
+def test_heldout_scenarios_are_written_as_json(tmp_path):
+    paths = write_heldout_scenarios(tmp_path, 3, seed=10)
+    assert [p.name for p in paths] == [f"heldout-{s}.json" for s in split_seeds("heldout", 3, 10)]
+    for path, seed in zip(paths, split_seeds("heldout", 3, 10)):
+        assert load_scenario(path) == scenario_for_seed(seed)
+        assert json.loads(path.read_text())["name"] == f"heldout-{seed}"
+
+
+def test_heldout_prompts_are_first_frames_of_heldout_scenarios():
+    from edgespec_ros.sim.dataset import heldout_prompts
+    from edgespec_ros.sim.render import render_camera
+
+    prompts = heldout_prompts(2, seed=5)
+    scenarios = list(iter_scenarios("heldout", 2, 5))
+    for (instruction, image), scenario in zip(prompts, scenarios):
+        assert instruction == scenario.instruction
+        assert np.array_equal(image, render_camera(scenario, scenario.robot))
