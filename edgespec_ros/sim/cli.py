@@ -3,6 +3,7 @@
     edgespec-sim render  --scenario FILE|NAME --out view.png [--width --height --fov --pose X Y YAW]
     edgespec-sim expert  --scenario FILE|NAME [--seed N] [--trace trace.png]
     edgespec-sim heldout --out DIR [--n N] [--seed S]
+    edgespec-sim eval    --model DIR --scenarios DIR [--json OUT]
 
 NAME is one of the scenarios shipped in ``edgespec_ros/sim/scenarios/`` (e.g.
 ``silver-bottle-distractor``). Subcommands are registered in ``_SUBCOMMANDS`` so that later
@@ -123,7 +124,49 @@ def _setup_heldout(sub) -> None:
     parser.set_defaults(func=cmd_heldout)
 
 
-_SUBCOMMANDS: list[Callable] = [_setup_render, _setup_expert, _setup_heldout]
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Closed-loop episodes with a model deciding alone (temperature 0); JSON with success_rate."""
+    import json
+
+    from ..spec.engines import ModelLoadError, load_model
+    from ..train.policy import VLMPolicy
+    from .evaluate import evaluate_closed_loop
+
+    directory = Path(args.scenarios)
+    files = sorted(directory.glob("*.json")) if directory.is_dir() else [directory]
+    if not files or not files[0].exists():
+        raise ValueError(f"--scenarios {args.scenarios!r}: no scenario JSON files there "
+                         "(write some with `edgespec-sim heldout --out DIR`)")
+    scenarios = [load_scenario(f) for f in files]
+    try:
+        policy = VLMPolicy(load_model(args.model), max_new_tokens=args.max_new_tokens)
+    except ModelLoadError as err:
+        raise ValueError(str(err)) from None
+    report = evaluate_closed_loop(policy, scenarios)
+    report["model"] = args.model
+    for ep in report["per_scenario"]:
+        print(f"  {ep['scenario']:<32} {'success' if ep['success'] else 'FAIL   '} steps {ep['steps']:>3} "
+              f"collisions {ep['collisions']} unparseable {ep['unparseable']}")
+    print(f"success rate {report['success_rate']:.1%} over {report['episodes']} episodes "
+          f"(mean steps {report['mean_steps']:.1f}, collisions {report['collisions']}, "
+          f"unparseable decisions {report['unparseable_decisions']})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _setup_eval(sub) -> None:
+    parser = sub.add_parser("eval", help="closed-loop episodes with a model deciding alone (temperature 0)")
+    parser.add_argument("--model", required=True, help="model directory (e.g. edgespec_ros/models/target)")
+    parser.add_argument("--scenarios", required=True, help="directory of scenario JSON files (or one file)")
+    parser.add_argument("--json", help="write the report (top-level success_rate, per-scenario results) here")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.set_defaults(func=cmd_eval)
+
+
+_SUBCOMMANDS: list[Callable] = [_setup_render, _setup_expert, _setup_heldout, _setup_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

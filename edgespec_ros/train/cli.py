@@ -124,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})

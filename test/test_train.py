@@ -1,0 +1,113 @@
+"""Training pipeline smoke runs (seconds) and the committed default models."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from edgespec_ros.models import default_model_path, have_default_models
+from edgespec_ros.sim.dataset import generate_examples, iter_scenarios
+from edgespec_ros.sim.evaluate import action_agreement, run_episode
+from edgespec_ros.spec.engines import load_model
+from edgespec_ros.spec.inputs import build_inputs
+from edgespec_ros.train import cli as train_cli
+from edgespec_ros.train.data import IGNORE, collate, encode_example
+from edgespec_ros.train.policy import VLMPolicy
+from edgespec_ros.train.tokenizer import SPECIAL_TOKENS
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Every stage of edgespec-train on a tiny dataset, with tiny step counts."""
+    work = tmp_path_factory.mktemp("work")
+    out = tmp_path_factory.mktemp("models")
+    common = ["--work", str(work), "--out", str(out), "--train-scenarios", "6", "--batch-size", "4",
+              "--tokenizer-vocab", "400"]
+    assert train_cli.main(["data"] + common) == 0
+    assert train_cli.main(["tokenizer"] + common) == 0
+    assert train_cli.main(["target", "--target-steps", "3"] + common) == 0
+    assert train_cli.main(["draft", "--draft-steps", "3"] + common) == 0
+    return work, out
+
+
+def test_data_stage_writes_images_instructions_and_expert_texts(pipeline):
+    work, _ = pipeline
+    data = np.load(os.path.join(work, "dataset.npz"))
+    assert data["images"].ndim == 4 and data["images"].shape[1:] == (112, 112, 3)
+    assert len(data["texts"]) == len(data["instructions"]) == len(data["images"]) > 6
+    assert all("Action:" in str(t) for t in data["texts"])
+
+
+def test_tokenizer_stage_has_qwen2vl_special_tokens_and_round_trips(pipeline):
+    from transformers import AutoTokenizer
+    work, _ = pipeline
+    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
+    for special in SPECIAL_TOKENS:
+        tid = tok.convert_tokens_to_ids(special)
+        assert tok.convert_ids_to_tokens(tid) == special
+        assert tok(special, add_special_tokens=False)["input_ids"] == [tid]
+    text = "I see a silver box on the right, but that is not a bottle. Action: turn left 30 degrees."
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_model_stages_save_loadable_qwen2vl_models_with_tokenizer_and_processor(pipeline):
+    _, out = pipeline
+    for role in ("target", "draft"):
+        lm = load_model(os.path.join(out, role))
+        assert lm.is_vlm and lm.image_processor is not None
+        info = json.load(open(os.path.join(out, role, "training.json")))
+        assert info["steps"] == 3 and np.isfinite(info["final_loss"])
+    target = load_model(os.path.join(out, "target"))
+    draft = load_model(os.path.join(out, "draft"))
+    assert target.fingerprint() == draft.fingerprint()
+    n = lambda lm: sum(p.numel() for p in lm.model.parameters())  # noqa: E731
+    assert n(draft) < n(target) / 3, "the draft must be much smaller than the target"
+
+
+def test_training_reduces_loss_on_a_fixed_batch(pipeline):
+    from transformers import AutoTokenizer
+    from edgespec_ros.train import tiny
+    from edgespec_ros.train.trainer import TrainConfig, train_model
+    work, _ = pipeline
+    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
+    ip = tiny.image_processor()
+    examples = [encode_example(tok, ip, e.image, e.instruction, e.text)
+                for e in list(generate_examples("train", 1))[:4]]
+    model = tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
+    losses = train_model(model, examples, tok, ip, TrainConfig(steps=25, batch_size=4, warmup=2, lr=3e-3))
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3])
+
+
+def test_labels_cover_only_the_answer_and_inputs_match_the_run_time_builder(pipeline):
+    from transformers import AutoTokenizer
+    from edgespec_ros.train import tiny
+    work, _ = pipeline
+    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
+    ip = tiny.image_processor()
+    ex = next(iter(generate_examples("train", 1)))
+    enc = encode_example(tok, ip, ex.image, ex.instruction, ex.text)
+    prompt = build_inputs(tok, ex.instruction, enc.image, ip)
+    n = prompt.num_tokens
+    assert enc.input_ids[:n] == prompt.input_ids[0].tolist()
+    assert all(label == IGNORE for label in enc.labels[:n])
+    answer = [t for t in enc.labels[n:]]
+    assert tok.decode(answer) == ex.text + "<|im_end|>"
+    batch = collate([enc, enc], tok, ip)
+    assert torch.equal(batch["pixel_values"][:64], prompt.pixel_values)
+    assert int(batch["mm_token_type_ids"][0].sum()) == 16
+
+
+@pytest.mark.skipif(not have_default_models(), reason="embedded models not trained yet (make models)")
+def test_committed_models_load_and_decide_an_episode():
+    target = load_model(default_model_path("target"))
+    draft = load_model(default_model_path("draft"))
+    assert target.fingerprint() == draft.fingerprint()
+    scenario = next(iter(iter_scenarios("heldout", 1)))
+    result = run_episode(VLMPolicy(target), scenario)
+    assert result.steps >= 1
+    assert result.unparseable == 0, result.actions
+    frames = list(generate_examples("heldout", 2))[:6]
+    assert action_agreement(VLMPolicy(target), frames)["unparseable"] == 0
