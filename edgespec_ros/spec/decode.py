@@ -13,7 +13,7 @@ from typing import Iterator, Protocol
 import torch
 
 from ..codecs import get_codec
-from .engines import LoadedModel
+from .engines import LoadedModel, eos_token_ids
 from .inputs import PromptInputs, build_inputs, encode_jpeg
 from .compute import pad_to
 from .metrics import DecisionMetrics
@@ -31,14 +31,14 @@ class DecodeConfig:
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     verify_mode: str = "rejection"  # or "greedy"
-    codec: str = "dense32"  # uplink codec for q (edgespec_ros.codecs)
+    codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
             raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
         if not 1 <= self.gamma <= 64:
             raise ValueError(f"gamma (draft length) must be in 1..64, got {self.gamma}")
-        get_codec(self.codec)  # raises on an unknown name
+        get_codec(self.codec)  # raises on an unknown name or a bad parameter
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -183,7 +183,7 @@ class EdgeDecoder:
         self.image_processor = image_processor or (draft.image_processor if draft else None)
         if self.tokenizer is None:
             raise ValueError("EdgeDecoder needs a tokenizer (from the draft model or given)")
-        self.eos_ids = draft.eos_token_ids if draft else _eos_from_tokenizer(self.tokenizer)
+        self.eos_ids = draft.eos_token_ids if draft else eos_token_ids(self.tokenizer)
 
     def make_prompt(self, instruction: str, image=None) -> tuple[Prompt, PromptInputs]:
         """Encode the frame as JPEG once; both sides see the decoded JPEG, so they agree."""
@@ -214,7 +214,7 @@ class EdgeDecoder:
             if self.draft is None:
                 raise ValueError("sd mode needs a draft model")
             seq = self.draft.new_sequence()
-            codec = get_codec(cfg.codec)
+            codec = get_codec(cfg.codec)  # fresh per decision: stateful codecs (csqs) start over
             t0 = time.perf_counter()
             seq.prefill(inputs)
             m.t_draft += time.perf_counter() - t0
@@ -227,6 +227,7 @@ class EdgeDecoder:
                 m.t_draft += time.perf_counter() - t0
                 reply = self.verifier.verify(draft_ids, q)
                 m.record_round(reply, len(draft_ids))
+                codec.feedback(reply.accepted, len(draft_ids))
                 seq.commit_draft(draft_ids, reply.accepted, reply.next_token)
                 new = draft_ids[: reply.accepted] + [reply.next_token]
                 out, finished = truncate_at_stop(out + new, self.eos_ids, cfg.max_new_tokens)
@@ -237,17 +238,6 @@ class EdgeDecoder:
         m.wall_s = time.perf_counter() - t_start
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)
-
-
-def _eos_from_tokenizer(tokenizer) -> set[int]:
-    ids = set()
-    for tok in ("<|im_end|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid >= 0:
-            ids.add(tid)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
 
 
 def target_generate(lm: LoadedModel, prompt_inputs: PromptInputs, cfg: DecodeConfig) -> list[int]:

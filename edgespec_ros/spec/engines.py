@@ -40,19 +40,10 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids = set()
         cfg_eos = getattr(self.model.generation_config, "eos_token_id", None)
         if cfg_eos is None:
             cfg_eos = getattr(self.model.config, "eos_token_id", None)
-        if isinstance(cfg_eos, int):
-            ids.add(cfg_eos)
-        elif cfg_eos:
-            ids.update(int(i) for i in cfg_eos)
-        for tok in ("<|im_end|>", "<|endoftext|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(tok) if self.tokenizer is not None else None
-            if isinstance(tid, int) and tid >= 0 and tid != getattr(self.tokenizer, "unk_token_id", None):
-                ids.add(tid)
-        return ids
+        return eos_token_ids(self.tokenizer, cfg_eos)
 
     def fingerprint(self) -> str:
         """Hash of the tokenizer vocabulary and the LM head size: edge and cloud must agree on it."""
@@ -60,6 +51,23 @@ class LoadedModel:
 
     def new_sequence(self) -> "Sequence":
         return Sequence(self)
+
+
+def eos_token_ids(tokenizer, config_eos=None) -> set[int]:
+    """Ids that end a decision: the config's eos id(s) plus the chat end tokens the tokenizer has."""
+    ids = set()
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif config_eos:
+        ids.update(int(i) for i in config_eos)
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None and config_eos is None:
+            ids.add(int(tokenizer.eos_token_id))
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
+                ids.add(tid)
+    return ids
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
@@ -187,7 +195,9 @@ class Sequence:
     def draft(self, gamma: int, params: SamplingParams, seed: int, prepare=None) -> tuple[list[int], torch.Tensor]:
         """Sample gamma draft tokens; returns (ids, q [gamma, V] they were sampled from).
 
-        prepare(q) -> q' is the uplink codec's quantizer: the draft samples from q' itself.
+        prepare(q) -> q' is the uplink codec's quantizer: the draft samples from q' itself. It
+        returns None when the codec's per-round bit budget cannot carry another token: the round
+        then ends early (fewer than gamma drafts, at least one).
 
         Leaves the first gamma - 1 drafts in the cache; call ``commit_draft`` with the verdict.
         """
@@ -199,6 +209,8 @@ class Sequence:
             q = probs_from_logits(logits, params)
             if prepare is not None:
                 q = prepare(q)
+                if q is None:
+                    break
             x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
             ids.append(x)
             qs.append(q)

@@ -19,6 +19,8 @@ class DecisionMetrics:
     drafted_per_position: list[int] = field(default_factory=list)  # count drafted at position i
     uplink_bytes: int = 0
     downlink_bytes: int = 0
+    draft_uplink_bytes: int = 0  # the VERIFY frames alone: draft ids + encoded q + framing
+    resampled: int = 0  # rounds that ended in a rejection (a token resampled by the cloud)
     t_draft: float = 0.0
     t_uplink: float = 0.0
     t_verify: float = 0.0
@@ -34,6 +36,8 @@ class DecisionMetrics:
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += reply.accepted
+        self.resampled += reply.accepted < n_drafted
+        self.draft_uplink_bytes += reply.uplink_bytes
         while len(self.drafted_per_position) < n_drafted:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
@@ -74,6 +78,8 @@ class RunSummary:
     accepted: int = 0
     uplink_bytes: int = 0
     downlink_bytes: int = 0
+    draft_uplink_bytes: int = 0
+    resampled: int = 0
     wall_s: float = 0.0
     t_draft: float = 0.0
     t_uplink: float = 0.0
@@ -88,7 +94,7 @@ class RunSummary:
         self.decisions += 1
         self.gamma = m.gamma
         for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
-                     "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink"):
+                     "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
             if i >= len(self.drafted_per_position):
@@ -117,7 +123,9 @@ class RunSummary:
             "ms_per_decision_mean": 1000 * self.wall_s / self.decisions if self.decisions else None,
             "uplink_bytes": self.uplink_bytes,
             "downlink_bytes": self.downlink_bytes,
-            "uplink_bytes_per_draft_token": self.uplink_bytes / self.drafted if self.drafted else None,
+            # Measured VERIFY frames (ids + encoded q + framing) per drafted token; the PREFILL is in uplink_bytes.
+            "uplink_bytes_per_draft_token": self.draft_uplink_bytes / self.drafted if self.drafted else None,
+            "resampling_rate": self.resampled / self.rounds if self.rounds and self.drafted else None,
             "time_split_s": {"draft": self.t_draft, "uplink": self.t_uplink, "verify": self.t_verify,
                              "downlink": self.t_downlink, "wall": self.wall_s},
         }
