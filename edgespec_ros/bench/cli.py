@@ -7,6 +7,7 @@ import sys
 
 from tqdm import tqdm
 
+from ..codecs import get_codec
 from ..spec.compute import COMPUTE_PROFILES, get_compute
 from ..spec.decode import DECODING_MODES
 from ..spec.sampling import SamplingParams
@@ -26,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--codec", default="dense32", help="uplink codec for q")
+    ap.add_argument("--codec", default="dense32",
+                    help="uplink codec spec for q: dense32, dense16, topk:k=8, ksqs:k=8,l=32, "
+                         "csqs:l=100,eta=0.001,alpha=0.0005, ids (default dense32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft", default=None, help="draft model dir (default: embedded draft)")
     ap.add_argument("--target", default=None, help="target model dir (default: embedded target)")
@@ -40,6 +43,11 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in DECODING_MODES]
     if bad:
         print(f"edgespec-bench: unknown mode(s) {bad}; choose from {DECODING_MODES}", file=sys.stderr)
+        return 2
+    try:
+        args.codec = get_codec(args.codec).spec
+    except ValueError as exc:
+        print(f"edgespec-bench: --codec: {exc}", file=sys.stderr)
         return 2
     env_threads()
     compute = get_compute(args.compute)

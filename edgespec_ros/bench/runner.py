@@ -138,15 +138,18 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict], emulated: bool) -> str:
     """A fixed-width table of bench rows (emulated compute is labelled)."""
-    head = ["mode", "link", "compute", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
-            "ms/token", "ms/decision", "up B/draft tok", "x vs AR"]
+    head = ["mode", "link", "compute", "codec", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
+            "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR"]
     lines = []
     for r in rows:
         acc = r["acceptance_rate"]
         lines.append([
-            r["mode"], r["link"], r["compute"] + (" (emulated)" if emulated else ""), str(r["gamma"] or "-"),
+            r["mode"], r["link"], r["compute"] + (" (emulated)" if emulated else ""),
+            r.get("codec", "-") if r["mode"] != "ar" else "-", str(r["gamma"] or "-"),
             str(r["decisions"]), str(r["tokens"]), str(r["rounds"]), f"{r['tau']:.2f}",
-            "-" if acc is None else f"{acc:.3f}", f"{r['ms_per_token']:.1f}", f"{r['ms_per_decision']:.0f}",
+            "-" if acc is None else f"{acc:.3f}",
+            "-" if r.get("resampling_rate") is None else f"{r['resampling_rate']:.2f}",
+            f"{r['ms_per_token']:.1f}", f"{r['ms_per_decision']:.0f}",
             "-" if r["uplink_bytes_per_draft_token"] is None else f"{r['uplink_bytes_per_draft_token']:.0f}",
             f"{r.get('speedup_vs_ar', float('nan')):.2f}x"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]

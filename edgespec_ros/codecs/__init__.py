@@ -1,70 +1,62 @@
-"""Uplink codecs for draft distributions q.
+"""Uplink codecs for draft distributions q, chosen per session by a spec string.
 
-A codec does two things, and lossless decoding depends on both:
-- ``prepare(q)``: the distribution the drafter actually samples from (quantize-and-sample): the
-  cloud decodes exactly this, so verification sees the true q.
-- ``encode(draft_ids, q) -> bytes`` / ``decode(payload, draft_ids, vocab) -> q``: the wire form.
+A spec is ``name`` or ``name:key=value,...`` (e.g. ``ksqs:k=8,l=32``); ``get_codec`` parses it
+into a fresh codec, and the HELLO frame carries the canonical ``codec.spec`` so that the cloud
+builds the same one. The contract every codec keeps (quantize-and-sample, bit-exact round trip,
+CodecError on bad payloads) is in ``base.py``.
+
+| codec     | drafter samples from                       | bits per draft token                              |
+|-----------|--------------------------------------------|---------------------------------------------------|
+| dense32   | q rounded to float32                       | 32 V                                              |
+| dense16   | q rounded to (scaled) float16              | 16 V + 8                                          |
+| topk      | softmax over the top-K (float32)           | K (32 + ceil(log2 V))                             |
+| ksqs      | top-K on the resolution-l lattice          | ceil(log2 C(V,K)) + ceil(log2 C(l+K-1,K-1))       |
+| csqs      | {q >= beta} on the lattice (Eq. 8 beta)    | ceil(log2 V) + the ksqs bits with K = K_n         |
+| ids       | the one-hot of the argmax (greedy drafts)  | 0                                                 |
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
+from .base import Codec
+from .bits import CodecError
+from .dense import Dense16, Dense32, IdsOnly
+from .sqs import CSQS, KSQS
+from .topk import TopK
+
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (Dense32, Dense16, TopK, KSQS, CSQS, IdsOnly)}
+
+__all__ = ["CODECS", "Codec", "CodecError", "get_codec", "parse_spec"]
 
 
-class CodecError(ValueError):
-    """An encoded draft distribution cannot be decoded (malformed, out of range)."""
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """'ksqs:k=8,l=32' -> ('ksqs', {'k': '8', 'l': '32'}); ValueError on a malformed spec."""
+    name, _, rest = spec.strip().partition(":")
+    params: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ValueError(f"codec spec {spec!r}: {item!r} is not key=value (example: ksqs:k=8,l=32)")
+        if key.strip() in params:
+            raise ValueError(f"codec spec {spec!r}: {key.strip()!r} given twice")
+        params[key.strip()] = value.strip()
+    return name.strip(), params
 
 
-class Dense32:
-    """The full draft distribution as float32 (4 V bytes per draft token)."""
-
-    name = "dense32"
-    code = 1
-
-    def prepare(self, q: torch.Tensor) -> torch.Tensor:
-        q32 = q.to(torch.float32).to(torch.float64)
-        return q32 / q32.sum(dim=-1, keepdim=True)
-
-    def encode(self, draft_ids: list[int], q: torch.Tensor) -> bytes:
-        return q.to(torch.float32).numpy().astype("<f4", copy=False).tobytes()
-
-    def decode(self, payload: bytes, draft_ids: list[int], vocab: int) -> torch.Tensor:
-        expected = 4 * vocab * len(draft_ids)
-        if len(payload) != expected:
-            raise CodecError(f"dense32 payload is {len(payload)} bytes, expected {expected} "
-                             f"({len(draft_ids)} drafts x {vocab} vocab x 4)")
-        arr = np.frombuffer(payload, dtype="<f4").reshape(len(draft_ids), vocab)
-        return torch.from_numpy(arr.astype(np.float64))
-
-
-class IdsOnly:
-    """Argmax drafts: only ids go up; q is the one-hot of each id (valid for greedy drafting)."""
-
-    name = "ids"
-    code = 2
-
-    def prepare(self, q: torch.Tensor) -> torch.Tensor:
-        one_hot = torch.zeros_like(q, dtype=torch.float64)
-        one_hot.scatter_(-1, q.argmax(dim=-1, keepdim=True), 1.0)
-        return one_hot
-
-    def encode(self, draft_ids: list[int], q: torch.Tensor) -> bytes:
-        return b""
-
-    def decode(self, payload: bytes, draft_ids: list[int], vocab: int) -> torch.Tensor:
-        if payload:
-            raise CodecError(f"ids codec carries no q payload, got {len(payload)} bytes")
-        q = torch.zeros(len(draft_ids), vocab, dtype=torch.float64)
-        q[torch.arange(len(draft_ids)), torch.tensor(draft_ids, dtype=torch.long)] = 1.0
-        return q
-
-
-CODECS = {c.name: c for c in (Dense32(), IdsOnly())}
-
-
-def get_codec(name: str):
-    """The codec registered under name; a clear error lists the known ones."""
+def get_codec(spec: str) -> Codec:
+    """A fresh codec for spec (name[:key=value,...]); a clear ValueError names the problem."""
+    name, params = parse_spec(spec)
     try:
-        return CODECS[name]
+        cls = CODECS[name]
     except KeyError:
         raise ValueError(f"unknown codec {name!r}; known: {', '.join(sorted(CODECS))}") from None
+    unknown = sorted(set(params) - set(cls.PARAMS))
+    if unknown:
+        known = ", ".join(cls.PARAMS) or "none"
+        raise ValueError(f"codec {name} has no parameter {unknown[0]!r} (its parameters: {known})")
+    converted = {}
+    for key, text in params.items():
+        kind = cls.PARAMS[key][0]
+        try:
+            converted[key] = kind(text)
+        except ValueError:
+            raise ValueError(f"codec {name}: {key}={text!r} is not a valid {kind.__name__}") from None
+    return cls(**converted)

@@ -71,7 +71,7 @@ class RemoteVerifier:
             raise LinkLostError(f"cannot reach the verifier at {self.url}: {exc}") from exc
         except Exception as exc:  # websockets.InvalidHandshake and friends
             raise LinkLostError(f"cannot open a websocket to {self.url}: {exc}") from exc
-        self._send(P.Hello(self.token, self.fingerprint, self.vocab_size, self.codec.name, self.client_name))
+        self._send(P.Hello(self.token, self.fingerprint, self.vocab_size, self.codec.spec, self.client_name))
         welcome, _ = self._recv(P.Welcome, self.connect_timeout_s)
         self.welcome = welcome
         return welcome
@@ -144,8 +144,8 @@ class RemoteVerifier:
     def start(self, prompt: Prompt, cfg: DecodeConfig) -> dict:
         if self.ws is None:
             self.connect()
-        if cfg.codec != self.codec.name:
-            raise ValueError(f"decision codec {cfg.codec!r} differs from the session's {self.codec.name!r}")
+        if get_codec(cfg.codec).spec != self.codec.spec:
+            raise ValueError(f"decision codec {cfg.codec!r} differs from the session's {self.codec.spec!r}")
         self.decision += 1
         self.round = 0
         up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,

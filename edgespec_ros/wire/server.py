@@ -110,7 +110,7 @@ class VerifierServer:
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame, "edgespec-verifier")))
-        log.info("session %s: open (client %s, codec %s)", peer, hello.client, codec.name)
+        log.info("session %s: open (client %s, codec %s)", peer, hello.client, codec.spec)
         session = TargetSession(self.lm)
         decision = None
         while True:
@@ -121,7 +121,7 @@ class VerifierServer:
                 return
             if isinstance(msg, P.Prefill):
                 decision = msg.decision
-                cfg = self._decode_config(msg, codec.name)
+                cfg = self._decode_config(msg, codec.spec)
                 prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
                 try:
                     dt = await self._run(session.start, prompt, cfg)
@@ -135,9 +135,11 @@ class VerifierServer:
                 if max(msg.draft_ids) >= self.vocab:
                     raise SessionError(P.ErrorCode.BAD_REQUEST,
                                        f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
+                started = time.perf_counter()  # verify time includes decoding q
                 try:
-                    q = codec.decode(msg.q_payload, msg.draft_ids, self.vocab)
-                    started = time.perf_counter()
+                    # On the compute thread: decoding a large sparse support takes milliseconds and
+                    # must not stall the event loop that serves the other sessions.
+                    q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
                     result, _ = await self._run(session.verify, msg.draft_ids, q)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
