@@ -32,10 +32,10 @@ MODEL_SPECS = {
 class PipelineConfig:
     train_scenarios: int = 1500
     tokenizer_vocab: int = 1024
-    target_steps: int = 2400
-    target_budget_s: float = 900.0
+    target_steps: int = 3000
+    target_budget_s: float = 0.0  # optional wall-clock cap in seconds (0 = none)
     draft_steps: int = 600
-    draft_budget_s: float = 240.0
+    draft_budget_s: float = 0.0
     batch_size: int = 32
     seed: int = 0
 

@@ -22,7 +22,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
-    time_budget_s: float | None = None  # stop early (cosine schedule still ends at min_lr) when reached
+    time_budget_s: float | None = None  # safety cap: stop when reached (the schedule is shrunk to fit)
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -50,11 +50,10 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     for step in bar:
         if cfg.time_budget_s and step > cfg.warmup:
             elapsed = time.monotonic() - started
-            # shrink the schedule so it still decays fully within the budget
-            projected = int(step * cfg.time_budget_s / max(elapsed, 1e-6))
-            total = max(step + 1, min(cfg.steps, projected))
-            if step >= total:
+            if elapsed >= cfg.time_budget_s:
                 break
+            # shrink the schedule so the learning rate still decays fully within the budget
+            total = max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg, total)
         idx = rng.choice(len(examples), size=min(cfg.batch_size, len(examples)), replace=False)
