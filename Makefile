@@ -5,13 +5,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 DEPS   := $(VENV)/.deps-stamp
-SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) setup.py
-MSGS   := $(wildcard msg/*.msg) CMakeLists.txt package.xml scripts/build_msgs.sh
+SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) setup.py \
+          $(wildcard config/* launch/*)
+# scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
+MSGS   := $(wildcard msg/*.msg) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
 .PHONY: demo test install msgs models clean help
 
 help:
-	@echo "make demo  [ARGS='...']  run the main job on the embedded default models"
+	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
+	@echo "           ARGS='--scenario red-chair --mode ar --link go2-paper'  (edgespec-demo --help)"
+	@echo "           ARGS='--compare'  the one-frame AR vs SD comparison"
 	@echo "make test               run the test suite"
 	@echo "make models             retrain the embedded default models"
 

@@ -36,6 +36,13 @@ setup(
             "edgespec-demo = edgespec_ros.demo:main",
             "edgespec-sim = edgespec_ros.sim.cli:main",
             "edgespec-train = edgespec_ros.train.cli:main",
+            "edgespec-bringup = edgespec_ros.bringup:main",
+            # the ROS 2 nodes (colcon installs the same entry points as lib/edgespec_ros/<node>)
+            "edgespec-camera = edgespec_ros.nodes.camera:main",
+            "edgespec-drafter = edgespec_ros.nodes.drafter:main",
+            "edgespec-navigator = edgespec_ros.nodes.navigator:main",
+            "edgespec-monitor = edgespec_ros.nodes.monitor:main",
+            "edgespec-sim-robot = edgespec_ros.nodes.sim_robot:main",
         ],
     },
 )

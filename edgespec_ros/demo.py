@@ -1,7 +1,10 @@
-"""edgespec-demo: one camera frame + instruction decoded by cloud AR and by edge-cloud SD.
+"""edgespec-demo: the closed loop (default) or the one-frame AR vs SD comparison (--compare).
 
-Runs the verifier as a separate process behind an emulated link and prints what each mode
-produced and what it cost, side by side.
+    edgespec-demo [--scenario S] [--mode M] [--link L] ...   the closed loop: edgespec_ros.bringup
+    edgespec-demo --compare [--link L] [--compute C] ...     one camera frame + instruction decoded by
+                                                             cloud AR and by edge-cloud SD, side by side
+
+Both run the verifier as a separate process behind an emulated link.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from .wire.link import PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="edgespec-demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="edgespec-demo --compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
     ap.add_argument("--compute", default="native", choices=list(COMPUTE_PROFILES))
@@ -30,6 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--compare" in argv:
+        argv.remove("--compare")
+        return compare(argv)
+    from .bringup import main as closed_loop
+    if argv in (["-h"], ["--help"]):
+        print("edgespec-demo: the closed loop (below); `edgespec-demo --compare --help` for the one-frame AR vs SD "
+              "comparison.\n")
+    return closed_loop(argv)
+
+
+def compare(argv=None) -> int:
+    """One frame decoded by cloud AR and by edge-cloud SD; returns 1 if greedy outputs differ."""
     args = build_parser().parse_args(argv)
     env_threads()
     compute = get_compute(args.compute)

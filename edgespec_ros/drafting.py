@@ -1,0 +1,424 @@
+"""The drafter's decision loop without ROS: command and frame bookkeeping, one decision at a time,
+deadlines, cancellation, faults, and the running decoding statistics.
+
+The drafter node owns a :class:`DrafterCore` and only translates: a command message calls
+:meth:`DrafterCore.set_command`, an image :meth:`DrafterCore.set_frame`, the navigator's state
+:meth:`DrafterCore.note_motion`; its decision timer runs ``begin`` + ``run``, and a supervisor
+timer calls :meth:`DrafterCore.check_deadline`. Every :class:`DecisionOutcome` returned is
+published. Decoding itself is ``spec.decode.EdgeDecoder.decide``.
+
+Safety rules enforced here:
+* a decision is made only on a frame newer than the previous decision's, at most
+  ``max_frame_age_s`` old, and (``wait_for_motion``) captured after the navigator finished the
+  previous decision's motion;
+* a verifier error or any decoding error gives a ``stop`` outcome with ``fault`` set;
+* a decision still running at its deadline gives a ``stop`` outcome with ``fault`` set at the
+  deadline, and its late result is discarded;
+* a new command (or an empty one) cancels the running decision (its result is discarded) and
+  gives a ``stop`` outcome, so the robot never finishes a motion of the old command.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .actions import ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
+from .spec.decode import DECODING_MODES, DecodeConfig
+from .spec.metrics import DecisionMetrics
+from .spec.sampling import SamplingParams
+
+NS = 1_000_000_000
+
+
+class DecisionCancelled(Exception):
+    """Raised inside the decoder's token callback to abandon a decision (new command, deadline)."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A camera frame: RGB (H, W, 3) uint8 and its capture stamp (ns on the node clock)."""
+
+    image: np.ndarray
+    stamp_ns: int
+    frame_id: str = ""
+
+
+@dataclass
+class DecisionOutcome:
+    """What one decision produced: the fields of a VerifiedAction message (plus the metrics)."""
+
+    instruction: str
+    stamp_ns: int                 # capture stamp of the frame used (fault: when the fault happened)
+    frame_id: str = ""
+    text: str = ""
+    action: str = ""              # canonical action text; "" when unparseable
+    reasoning: str = ""
+    parsed: bool = False
+    parse_error: str = ""
+    mode: str = ""
+    tokens: int = 0
+    rounds: int = 0
+    tau: float = 0.0
+    latency_s: float = 0.0        # frame capture -> outcome ready
+    fault: str = ""
+    metrics: DecisionMetrics | None = None
+
+    @property
+    def is_fault(self) -> bool:
+        return bool(self.fault)
+
+
+def outcome_from_text(text: str, *, instruction: str, stamp_ns: int, frame_id: str = "", mode: str = "",
+                      config: ActionConfig = DEFAULT_ACTION_CONFIG) -> DecisionOutcome:
+    """Parse verified text with the action grammar: the action and reasoning, or why it failed."""
+    out = DecisionOutcome(instruction, stamp_ns, frame_id, text=text, mode=mode)
+    try:
+        out.reasoning, _ = split_reasoning_action(text)
+        out.action = parse_action(text, config).text
+        out.parsed = True
+    except ActionParseError as exc:
+        out.parse_error = exc.reason
+    return out
+
+
+def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = "", frame_id: str = "",
+                  text: str = "") -> DecisionOutcome:
+    """A safety stop: action ``stop``, ``fault`` says why."""
+    return DecisionOutcome(instruction, stamp_ns, frame_id, text=text, action="stop", parsed=True,
+                           reasoning=fault, mode=mode, fault=fault)
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    """Decoding and scheduling settings of the drafter (the node's parameters)."""
+
+    mode: str = "sd"
+    gamma: int = 4
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    seed: int = 0
+    codec: str = "dense32"
+    deadline_s: float = 8.0
+    retry_interval_s: float = 1.0
+    max_frame_age_s: float = 1.0
+    wait_for_motion: bool = True
+    motion_wait_timeout_s: float = 15.0
+    finish_on_stop: bool = True
+    max_decisions: int = 0  # per command; 0 = unlimited
+
+    def __post_init__(self):
+        if self.mode not in DECODING_MODES:
+            raise ValueError(f"mode {self.mode!r} is not available; choose one of {', '.join(DECODING_MODES)}")
+        for name in ("deadline_s", "retry_interval_s", "max_frame_age_s", "motion_wait_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.max_decisions < 0:
+            raise ValueError(f"max_decisions must be >= 0 (0 = unlimited), got {self.max_decisions}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.decode_config(0)  # validates gamma, codec, max_new_tokens
+
+    def decode_config(self, decision_index: int) -> DecodeConfig:
+        return DecodeConfig(mode=self.mode, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
+                            params=SamplingParams(self.temperature), seed=self.seed + decision_index,
+                            codec=self.codec)
+
+
+@dataclass
+class Ticket:
+    """One decision in flight."""
+
+    generation: int
+    instruction: str
+    frame: Frame
+    index: int
+    started_ns: int
+    deadline_ns: int
+    abandoned: bool = False
+
+
+def classify_error(exc: BaseException) -> str:
+    """A fault text for an exception raised while deciding (names the verifier problem)."""
+    from .wire.client import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout
+    if isinstance(exc, LinkLostError):
+        return f"verifier unreachable: {exc}"
+    if isinstance(exc, VerifierTimeout):
+        return f"verifier timeout: {exc}"
+    if isinstance(exc, VerifierRefused):
+        return f"verifier refused: {exc}"
+    if isinstance(exc, VerifierError):
+        return f"verifier error: {exc}"
+    return f"decoding error: {type(exc).__name__}: {exc}"
+
+
+class DrafterCore:
+    """Thread-safe bookkeeping around an ``EdgeDecoder``-like ``decoder`` (``decide(instruction,
+    image, cfg, on_tokens=...)`` and a ``verifier`` with ``close()``).
+
+    ``clock_ns`` is the clock the frame stamps use (the node's clock).
+    """
+
+    def __init__(self, decoder, settings: DrafterSettings, clock_ns: Callable[[], int],
+                 action_config: ActionConfig = DEFAULT_ACTION_CONFIG, tokenizer=None):
+        self.decoder = decoder
+        self.settings = settings
+        self.clock_ns = clock_ns
+        self.action_config = action_config
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(decoder, "tokenizer", None)
+        self._lock = threading.Lock()
+        self.generation = 0
+        self.instruction = ""
+        self.active = False
+        self.finished_reason = ""
+        self.frame: Frame | None = None
+        self.decisions = 0            # decisions made for the current command
+        self.in_flight: Ticket | None = None
+        self.last_frame_ns = -1       # stamp of the frame the last decision used
+        self.last_outcome_ns: int | None = None   # when the last outcome was produced
+        self.awaiting_motion_stamp: int | None = None  # decision whose motion we wait for
+        self.motion_idle_since_ns: int | None = None
+        self.retry_after_ns = 0
+        self.stats = DecodingStatsAggregator(settings.mode)
+
+    # ------------------------------------------------------------------ inputs
+
+    def set_command(self, text: str) -> DecisionOutcome | None:
+        """Start a new command (cancelling the current one); empty text only cancels.
+        Returns a cancellation stop outcome when something was running, else None."""
+        text = (text or "").strip()
+        now = self.clock_ns()
+        with self._lock:
+            was_running = self.active or self.in_flight is not None
+            previous = self.instruction
+            self.generation += 1
+            if self.in_flight is not None:
+                self.in_flight.abandoned = True
+            self.instruction = text
+            self.active = bool(text)
+            self.finished_reason = "" if text else "cancelled"
+            self.decisions = 0
+            self.awaiting_motion_stamp = None
+            self.retry_after_ns = 0
+        if not was_running:
+            return None
+        why = f"new command {text!r}" if text else "empty command"
+        return fault_outcome(f"command cancelled: {previous!r} replaced by {why}", instruction=previous,
+                             stamp_ns=now, mode=self.settings.mode)
+
+    def set_frame(self, frame: Frame) -> None:
+        """The latest camera frame (only the latest is kept)."""
+        with self._lock:
+            if self.frame is None or frame.stamp_ns >= self.frame.stamp_ns:
+                self.frame = frame
+
+    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int) -> None:
+        """The navigator reported ``state`` (idle|moving|estop|watchdog) for the decision whose
+        frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``."""
+        with self._lock:
+            if self.awaiting_motion_stamp is None or decision_stamp_ns != self.awaiting_motion_stamp:
+                return
+            if state != "moving":
+                self.awaiting_motion_stamp = None
+                self.motion_idle_since_ns = state_stamp_ns
+
+    # ------------------------------------------------------------------ deciding
+
+    def why_not_ready(self, now_ns: int) -> str:
+        """'' when a decision may start now, else the reason it may not."""
+        s = self.settings
+        if not self.active:
+            return f"no active command ({self.finished_reason or 'waiting for one'})"
+        if self.in_flight is not None:
+            return "a decision is in flight"
+        if now_ns < self.retry_after_ns:
+            return "backing off after a fault"
+        frame = self.frame
+        if frame is None:
+            return "no camera frame yet"
+        if frame.stamp_ns <= self.last_frame_ns:
+            return "no frame newer than the last decision's"
+        if now_ns - frame.stamp_ns > s.max_frame_age_s * NS:
+            return f"latest frame is {(now_ns - frame.stamp_ns) / NS:.1f} s old (max_frame_age_s {s.max_frame_age_s:g})"
+        if s.wait_for_motion and self.awaiting_motion_stamp is not None:
+            if self.last_outcome_ns is not None and now_ns - self.last_outcome_ns > s.motion_wait_timeout_s * NS:
+                return ""  # navigator silent: decide anyway (on a fresh frame)
+            return "waiting for the navigator to finish the last motion"
+        if s.wait_for_motion and self.motion_idle_since_ns is not None and frame.stamp_ns < self.motion_idle_since_ns:
+            return "waiting for a frame captured after the motion ended"
+        return ""
+
+    def begin(self) -> Ticket | None:
+        """Claim the next decision if one may start now (see why_not_ready)."""
+        now = self.clock_ns()
+        with self._lock:
+            if self.why_not_ready(now):
+                return None
+            if self.settings.wait_for_motion and self.awaiting_motion_stamp is not None:
+                self.awaiting_motion_stamp = None  # motion wait timed out
+            ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
+                            now + int(self.settings.deadline_s * NS))
+            self.in_flight = ticket
+            self.last_frame_ns = ticket.frame.stamp_ns
+            return ticket
+
+    def run(self, ticket: Ticket, on_partial: Callable[[str], None] | None = None) -> DecisionOutcome | None:
+        """Decode the ticket's decision (blocking). Returns the outcome to publish, or None when the
+        decision was abandoned meanwhile (a cancel or the deadline already published a stop)."""
+        s = self.settings
+        verified: list[int] = []
+        streamed = [""]
+
+        def on_tokens(new_ids):
+            if ticket.abandoned:
+                raise DecisionCancelled()
+            if on_partial is not None and self.tokenizer is not None:
+                verified.extend(int(t) for t in new_ids)
+                text = self.tokenizer.decode(verified, skip_special_tokens=True)
+                if text != streamed[0]:  # e.g. an end-of-text token adds nothing to show
+                    streamed[0] = text
+                    on_partial(text)
+
+        outcome: DecisionOutcome
+        try:
+            decision = self.decoder.decide(ticket.instruction, ticket.frame.image, s.decode_config(ticket.index),
+                                           on_tokens=on_tokens)
+        except DecisionCancelled:
+            self._drop_connection()
+            return self._finish(ticket, None)
+        except Exception as exc:  # noqa: BLE001 - any failure must become a stop, never silence
+            self._drop_connection()
+            outcome = fault_outcome(classify_error(exc), instruction=ticket.instruction, stamp_ns=self.clock_ns(),
+                                    mode=s.mode, frame_id=ticket.frame.frame_id)
+            outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
+            return self._finish(ticket, outcome)
+        outcome = outcome_from_text(decision.text, instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
+                                    frame_id=ticket.frame.frame_id, mode=s.mode, config=self.action_config)
+        m = decision.metrics
+        outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
+        outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
+        return self._finish(ticket, outcome)
+
+    def check_deadline(self) -> DecisionOutcome | None:
+        """Called periodically: when the decision in flight has passed its deadline, abandon it and
+        return the stop outcome to publish now (once per decision)."""
+        now = self.clock_ns()
+        with self._lock:
+            ticket = self.in_flight
+            if ticket is None or ticket.abandoned or now < ticket.deadline_ns:
+                return None
+            ticket.abandoned = True
+            self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
+            self.last_outcome_ns = now
+        self._drop_connection()
+        outcome = fault_outcome(f"deadline missed: no verified decision within {self.settings.deadline_s:g} s",
+                                instruction=ticket.instruction, stamp_ns=now, mode=self.settings.mode,
+                                frame_id=ticket.frame.frame_id)
+        outcome.latency_s = (now - ticket.frame.stamp_ns) / NS
+        self.stats.add_fault()
+        return outcome
+
+    def _finish(self, ticket: Ticket, outcome: DecisionOutcome | None) -> DecisionOutcome | None:
+        now = self.clock_ns()
+        with self._lock:
+            if self.in_flight is ticket:
+                self.in_flight = None
+            if ticket.abandoned or outcome is None or ticket.generation != self.generation:
+                return None
+            self.last_outcome_ns = now
+            if outcome.is_fault:
+                self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
+                self.stats.add_fault()
+                return outcome
+            self.decisions += 1
+            self.stats.add(outcome)
+            if outcome.parsed and outcome.action != "stop":
+                self.awaiting_motion_stamp = outcome.stamp_ns
+            if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":
+                self.active, self.finished_reason = False, "the model said stop: command done"
+            elif self.settings.max_decisions and self.decisions >= self.settings.max_decisions:
+                self.active = False
+                self.finished_reason = f"max_decisions ({self.settings.max_decisions}) reached"
+            return outcome
+
+    def _drop_connection(self) -> None:
+        """After an abandoned or failed decision the link may hold stale replies: reconnect next time."""
+        verifier = getattr(self.decoder, "verifier", None)
+        if verifier is not None:
+            try:
+                verifier.close()
+            except Exception:  # noqa: BLE001 - closing a broken link may fail; it is dropped anyway
+                pass
+
+
+@dataclass
+class DecodingStatsAggregator:
+    """Running totals over the decisions of a drafter (the fields of DecodingStats)."""
+
+    mode: str
+    decisions: int = 0
+    faults: int = 0
+    unparseable: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    wall_s: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    rtt_ms: deque = field(default_factory=lambda: deque(maxlen=200))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, outcome: DecisionOutcome) -> None:
+        m = outcome.metrics
+        with self._lock:
+            self.decisions += 1
+            self.unparseable += 0 if outcome.parsed else 1
+            if m is None:
+                return
+            self.tokens += m.tokens
+            self.rounds += m.rounds
+            self.drafted += m.drafted
+            self.accepted += m.accepted
+            self.uplink_bytes += m.uplink_bytes
+            self.downlink_bytes += m.downlink_bytes
+            self.wall_s += m.wall_s
+            for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
+                if i >= len(self.drafted_per_position):
+                    self.drafted_per_position.append(0)
+                    self.accepted_per_position.append(0)
+                self.accepted_per_position[i] += a
+                self.drafted_per_position[i] += d
+            if m.rounds and (m.t_uplink or m.t_downlink):
+                self.rtt_ms.append(1e3 * (m.t_uplink + m.t_downlink) / m.rounds)
+
+    def add_fault(self) -> None:
+        with self._lock:
+            self.faults += 1
+
+    def snapshot(self) -> dict:
+        """The DecodingStats fields (cache_miss_rate is NaN outside fsd)."""
+        with self._lock:
+            return {
+                "mode": self.mode,
+                "decisions": self.decisions,
+                "tokens": self.tokens,
+                "rounds": self.rounds,
+                "tau": self.tokens / self.rounds if self.rounds else 0.0,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "acceptance_per_position": [a / d if d else 0.0 for a, d in
+                                            zip(self.accepted_per_position, self.drafted_per_position)],
+                "cache_miss_rate": float("nan"),
+                "tokens_per_second": self.tokens / self.wall_s if self.wall_s else 0.0,
+                "rtt_ms": statistics.median(self.rtt_ms) if self.rtt_ms else 0.0,
+                "uplink_bytes": self.uplink_bytes,
+                "downlink_bytes": self.downlink_bytes,
+            }

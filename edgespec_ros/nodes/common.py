@@ -1,0 +1,114 @@
+"""What every node shares: parameter declaration from ``nodes.params``, QoS profiles, stamps and
+message <-> core conversions (images through ``edgespec_ros.imaging``, no cv_bridge)."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import numpy as np
+import rclpy
+from builtin_interfaces.msg import Time
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CompressedImage, Image
+
+from ..imaging import raw_from_rgb, rgb_from_compressed, rgb_from_raw
+from .params import ParamSpec
+
+# Camera images: BEST_EFFORT matches both best-effort publishers (go2_ros2_sdk's camera/image_raw)
+# and reliable ones; depth 1 keeps only the latest frame.
+SENSOR_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.BEST_EFFORT,
+                        durability=DurabilityPolicy.VOLATILE)
+# Streams of readings where a few may be lost (odometry).
+SENSOR_STREAM_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=5, reliability=ReliabilityPolicy.BEST_EFFORT,
+                               durability=DurabilityPolicy.VOLATILE)
+# Commands, decisions, stats: every message matters.
+RELIABLE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliability=ReliabilityPolicy.RELIABLE,
+                          durability=DurabilityPolicy.VOLATILE)
+# State topics: a late subscriber gets the current state.
+LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+def declare_parameters(node, specs: tuple[ParamSpec, ...]) -> dict:
+    """Declare each parameter once (read-only, described, default documented) and return the values,
+    validated against the spec (ValueError names the parameter)."""
+    values = {}
+    for spec in specs:
+        descriptor = ParameterDescriptor(description=f"{spec.description} (default: {spec.default!r})",
+                                         read_only=True)
+        if spec.choices:
+            descriptor.additional_constraints = f"one of {', '.join(map(str, spec.choices))}"
+        if isinstance(spec.default, float) and (spec.min_value is not None or spec.max_value is not None):
+            descriptor.floating_point_range = [FloatingPointRange(
+                from_value=float(spec.min_value if spec.min_value is not None else -sys.float_info.max),
+                to_value=float(spec.max_value if spec.max_value is not None else sys.float_info.max), step=0.0)]
+        elif isinstance(spec.default, int) and not isinstance(spec.default, bool) \
+                and (spec.min_value is not None or spec.max_value is not None):
+            descriptor.integer_range = [IntegerRange(
+                from_value=int(spec.min_value if spec.min_value is not None else -2**63),
+                to_value=int(spec.max_value if spec.max_value is not None else 2**63 - 1), step=1)]
+        node.declare_parameter(spec.name, spec.default, descriptor)
+        values[spec.name] = spec.validate(node.get_parameter(spec.name).value)
+    return values
+
+
+def ns_to_time(stamp_ns: int) -> Time:
+    return Time(sec=int(stamp_ns // 1_000_000_000), nanosec=int(stamp_ns % 1_000_000_000))
+
+
+def time_to_ns(stamp: Time) -> int:
+    return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)
+
+
+def now_ns(node) -> int:
+    return node.get_clock().now().nanoseconds
+
+
+def image_to_rgb(msg) -> np.ndarray:
+    """RGB array of a sensor_msgs/Image or CompressedImage (ImageFormatError if unsupported)."""
+    if isinstance(msg, CompressedImage):
+        return rgb_from_compressed(msg.data)
+    return rgb_from_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data)
+
+
+def rgb_to_image(image: np.ndarray, stamp_ns: int, frame_id: str, encoding: str = "rgb8") -> Image:
+    msg = Image()
+    msg.header.stamp = ns_to_time(stamp_ns)
+    msg.header.frame_id = frame_id
+    msg.height, msg.width, msg.step, data = raw_from_rgb(image, encoding)
+    msg.encoding = encoding
+    msg.is_bigendian = 0
+    msg.data = data
+    return msg
+
+
+def run_node(factory: Callable[[], object], args=None, threads: int = 4) -> int:
+    """Entry point body of every node executable: init, spin on a MultiThreadedExecutor, clean up.
+    A node that cannot start (bad parameter, missing message package) exits 2 with its reason."""
+    rclpy.init(args=args)
+    node = None
+    try:
+        try:
+            node = factory()
+        except (ValueError, RuntimeError, ImportError) as exc:
+            print(f"edgespec_ros: cannot start: {exc}", file=sys.stderr)
+            return 2
+        executor = MultiThreadedExecutor(num_threads=threads)
+        executor.add_node(node)
+        try:
+            executor.spin()
+        except (KeyboardInterrupt, ExternalShutdownException):
+            pass
+        finally:
+            executor.shutdown()
+        return 0
+    finally:
+        if node is not None:
+            close = getattr(node, "close", None)
+            if close:
+                close()
+            node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()

@@ -1,0 +1,316 @@
+"""drafter: a lifecycle node that turns (command, camera frame) into verified decisions.
+
+configure  loads the draft VLM (fails the transition, with the reason logged and kept in
+           ``last_error``, when it cannot) and reads the token file
+activate   loads the model again if deactivate freed it; starts the subscriptions and timers
+deactivate stops the robot (a stop decision) when a command was running, frees the model
+cleanup    drops everything
+
+Decisions run on a timer, never in a subscription callback; a supervisor timer publishes a
+``stop`` when a decision misses its deadline while the decision is still running (all in one
+reentrant callback group on a MultiThreadedExecutor). The
+scheduling rules live in ``edgespec_ros.drafting``; decoding in ``spec.decode.EdgeDecoder``.
+"""
+from __future__ import annotations
+
+import gc
+
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import String
+
+from ..drafting import DecisionOutcome, DrafterCore, DrafterSettings, Frame
+from ..imaging import ImageFormatError
+from ..msg import DecodingStats, MotionState, VerifiedAction
+from . import params
+from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, image_to_rgb, now_ns, ns_to_time, \
+    run_node, time_to_ns
+
+SUPERVISOR_PERIOD_S = 0.05  # deadline checks: a stop comes at most this late
+
+
+def read_token(path: str) -> str:
+    """The auth token in ``path`` ('' for no file); ValueError names the file and the problem."""
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"token_file {path!r} cannot be read: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"token_file {path!r} is empty")
+    return token
+
+
+class DrafterNode(LifecycleNode):
+    """``verifier_factory(draft_lm) -> Verifier`` replaces the websocket client (tests)."""
+
+    def __init__(self, verifier_factory=None, **kwargs):
+        super().__init__("drafter", **kwargs)
+        p = self.p = declare_parameters(self, params.DRAFTER)
+        self.settings = DrafterSettings(
+            mode=p["mode"], gamma=p["gamma"], max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
+            seed=p["seed"], codec=p["codec"], deadline_s=p["deadline_s"], retry_interval_s=p["retry_interval_s"],
+            max_frame_age_s=p["max_frame_age_s"], wait_for_motion=p["wait_for_motion"],
+            motion_wait_timeout_s=p["motion_wait_timeout_s"], finish_on_stop=p["finish_on_stop"],
+            max_decisions=p["max_decisions"])
+        self.verifier_factory = verifier_factory or self._remote_verifier
+        self.draft_lm = None
+        self.token = ""
+        self.core: DrafterCore | None = None
+        self.last_error = ""
+        self._lifecycle_pubs = {}
+        self._entities = []
+        # One reentrant group: DrafterCore is thread-safe and begin() admits one decision at a time,
+        # so a tick that comes while a decision runs returns at once, and the supervisor and the
+        # inputs never wait behind a decision. (Mutually exclusive groups with an entity due while
+        # busy made rclpy's MultiThreadedExecutor stall other timers.)
+        self._decide_group = self._supervisor_group = self._input_group = ReentrantCallbackGroup()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_configure(self, state) -> TransitionCallbackReturn:
+        try:
+            self.token = read_token(self.p["token_file"])
+            self._load_model()
+            self._lifecycle_pubs = {
+                "decision": self.create_lifecycle_publisher(VerifiedAction, self.p["decision_topic"], RELIABLE_QOS),
+                "partial": self.create_lifecycle_publisher(String, self.p["partial_topic"], RELIABLE_QOS),
+                "stats": self.create_lifecycle_publisher(DecodingStats, self.p["stats_topic"], RELIABLE_QOS),
+            }
+        except Exception as exc:  # noqa: BLE001 - any failure fails the transition, loudly
+            self._free_model()
+            return self._fail("configure", exc)
+        self.get_logger().info(f"configured: draft model {self.draft_lm.path}, verifier {self.p['server_url']}, "
+                               f"mode {self.settings.mode}")
+        return super().on_configure(state)
+
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        try:
+            if self.draft_lm is None:
+                self._load_model()
+            from ..spec.decode import EdgeDecoder
+            decoder = EdgeDecoder(self.draft_lm, self.verifier_factory(self.draft_lm))
+            self.core = DrafterCore(decoder, self.settings, lambda: now_ns(self))
+        except Exception as exc:  # noqa: BLE001
+            return self._fail("activate", exc)
+        try:
+            self._start_entities()
+        except Exception as exc:  # noqa: BLE001
+            self._stop_entities()
+            return self._fail("activate", exc)
+        self.get_logger().info("active: waiting for a command on " + self.resolve_topic_name(self.p["command_topic"]))
+        return super().on_activate(state)
+
+    def _start_entities(self) -> None:
+        p = self.p
+        if p["use_compressed"]:
+            image_sub = self.create_subscription(CompressedImage, p["image_topic"] + "/compressed", self.on_image,
+                                                 SENSOR_QOS, callback_group=self._input_group)
+        else:
+            image_sub = self.create_subscription(Image, p["image_topic"], self.on_image, SENSOR_QOS,
+                                                 callback_group=self._input_group)
+        self._entities = [
+            image_sub,
+            self.create_subscription(String, p["command_topic"], self.on_command, RELIABLE_QOS,
+                                     callback_group=self._input_group),
+            self.create_subscription(MotionState, p["motion_state_topic"], self.on_motion_state, LATCHED_QOS,
+                                     callback_group=self._input_group),
+            self.create_timer(p["decision_period_s"], self.on_decision_timer, callback_group=self._decide_group),
+            self.create_timer(SUPERVISOR_PERIOD_S, self.on_supervisor_timer, callback_group=self._supervisor_group),
+        ]
+
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        if self.core is not None:
+            stop = self.core.set_command("")
+            if stop is not None:
+                stop.fault = "drafter deactivated"
+                self._publish(stop)
+        self._stop_entities()
+        self._free_model()
+        self.get_logger().info("deactivated: model freed")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state) -> TransitionCallbackReturn:
+        self._stop_entities()
+        self._free_model()
+        for pub in self._lifecycle_pubs.values():
+            self.destroy_lifecycle_publisher(pub)
+        self._lifecycle_pubs = {}
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        if self.core is not None:
+            stop = self.core.set_command("")
+            if stop is not None and self._lifecycle_pubs:
+                stop.fault = "drafter shutting down"
+                self._publish(stop)
+        self._stop_entities()
+        self._free_model()
+        return super().on_shutdown(state)
+
+    def close(self) -> None:
+        self._stop_entities()
+        self._free_model()
+
+    def _fail(self, transition: str, exc: Exception) -> TransitionCallbackReturn:
+        self.last_error = f"{transition} failed: {exc}"
+        self.get_logger().error(self.last_error)
+        return TransitionCallbackReturn.FAILURE
+
+    def _load_model(self) -> None:
+        from ..models import default_model_path
+        from ..spec.engines import load_model
+        path = self.p["model_path"] or default_model_path("draft")
+        self.draft_lm = load_model(path)
+
+    def _free_model(self) -> None:
+        if self.core is not None and getattr(self.core.decoder, "verifier", None) is not None:
+            try:
+                self.core.decoder.verifier.close()
+            except Exception:  # noqa: BLE001 - a dead link may fail to close; it is dropped anyway
+                pass
+        self.core = None
+        self.draft_lm = None
+        gc.collect()
+
+    def _stop_entities(self) -> None:
+        for entity in self._entities:
+            if hasattr(entity, "cancel"):
+                entity.cancel()
+                self.destroy_timer(entity)
+            else:
+                self.destroy_subscription(entity)
+        self._entities = []
+
+    def _remote_verifier(self, draft_lm):
+        from ..wire.client import RemoteVerifier
+        timeout = self.p["verifier_timeout_s"]
+        return RemoteVerifier(self.p["server_url"], fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
+                              token=self.token, codec=self.settings.codec, timeout_s=timeout,
+                              connect_timeout_s=timeout, client_name="edgespec-drafter")
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_image(self, msg) -> None:
+        core = self.core
+        if core is None:
+            return
+        try:
+            image = image_to_rgb(msg)
+        except ImageFormatError as exc:
+            self.get_logger().warning(f"frame dropped: {exc}", throttle_duration_sec=5.0)
+            return
+        stamp = time_to_ns(msg.header.stamp) or now_ns(self)  # an unstamped frame: its arrival time
+        core.set_frame(Frame(image, stamp, msg.header.frame_id))
+
+    def on_command(self, msg: String) -> None:
+        core = self.core
+        if core is None:
+            return
+        cancelled = core.set_command(msg.data)
+        if cancelled is not None:
+            self._publish(cancelled)
+        text = msg.data.strip()
+        self.get_logger().info(f"command: {text!r}" if text else "command cancelled")
+
+    def on_motion_state(self, msg) -> None:
+        core = self.core
+        if core is not None:
+            core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp))
+
+    # ------------------------------------------------------------------ deciding
+
+    def on_decision_timer(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        ticket = core.begin()
+        if ticket is None:
+            return
+        outcome = core.run(ticket, on_partial=self._publish_partial)
+        if outcome is not None:
+            self._publish(outcome)
+
+    def on_supervisor_timer(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        outcome = core.check_deadline()
+        if outcome is not None:
+            self._publish(outcome)
+
+    def _publish_partial(self, text: str) -> None:
+        pub = self._lifecycle_pubs.get("partial")
+        if pub is not None:
+            pub.publish(String(data=text))
+
+    def _publish(self, outcome: DecisionOutcome) -> None:
+        pub = self._lifecycle_pubs.get("decision")
+        if pub is None:
+            return
+        msg = VerifiedAction()
+        msg.header.stamp = ns_to_time(outcome.stamp_ns)
+        msg.header.frame_id = outcome.frame_id
+        msg.instruction = outcome.instruction
+        msg.action = outcome.action
+        msg.reasoning = outcome.reasoning
+        msg.text = outcome.text
+        msg.mode = outcome.mode
+        msg.parsed = outcome.parsed
+        msg.tokens = outcome.tokens
+        msg.rounds = outcome.rounds
+        msg.tau = float(outcome.tau)
+        msg.latency_s = float(outcome.latency_s)
+        msg.fault = outcome.fault
+        pub.publish(msg)
+        log = self.get_logger()
+        if outcome.fault:
+            log.error(f"STOP ({outcome.fault})")
+        elif not outcome.parsed:
+            log.warning(f"unparseable decision ({outcome.parse_error}): {outcome.text!r}")
+        else:
+            log.info(f"decision: {outcome.action} ({outcome.tokens} tokens, {outcome.rounds} rounds, "
+                     f"{outcome.latency_s * 1e3:.0f} ms)")
+        core = self.core
+        stats_pub = self._lifecycle_pubs.get("stats")
+        if core is not None and stats_pub is not None:
+            stats_pub.publish(self._stats_msg(core))
+
+    def _stats_msg(self, core: DrafterCore) -> DecodingStats:
+        s = core.stats.snapshot()
+        msg = DecodingStats()
+        msg.header.stamp = ns_to_time(now_ns(self))
+        msg.header.frame_id = "edge"
+        msg.mode = s["mode"]
+        msg.link = self.p["link_name"]
+        msg.decisions, msg.tokens, msg.rounds = s["decisions"], s["tokens"], s["rounds"]
+        msg.tau, msg.acceptance_rate = float(s["tau"]), float(s["acceptance_rate"])
+        msg.acceptance_per_position = [float(a) for a in s["acceptance_per_position"]]
+        msg.cache_miss_rate = float(s["cache_miss_rate"])
+        msg.tokens_per_second = float(s["tokens_per_second"])
+        msg.rtt_ms = float(s["rtt_ms"])
+        msg.uplink_bytes, msg.downlink_bytes = int(s["uplink_bytes"]), int(s["downlink_bytes"])
+        return msg
+
+
+def make_node(**kwargs) -> DrafterNode:
+    """A drafter; with ``autostart`` it configures and activates itself (RuntimeError if it cannot)."""
+    node = DrafterNode(**kwargs)
+    if node.p["autostart"]:
+        if node.trigger_configure() != TransitionCallbackReturn.SUCCESS or \
+                node.trigger_activate() != TransitionCallbackReturn.SUCCESS:
+            error = node.last_error
+            node.destroy_node()
+            raise RuntimeError(f"drafter autostart: {error}")
+    return node
+
+
+def main(args=None) -> int:
+    return run_node(make_node, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

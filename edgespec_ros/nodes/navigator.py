@@ -1,0 +1,188 @@
+"""navigator: verified action text -> motion, through the action grammar and ``motion.MotionExecutor``.
+
+Subscribes to decisions (edgespec_ros/VerifiedAction), the e-stop (std_msgs/Bool) and odometry;
+publishes velocity commands on one backend (geometry_msgs/Twist on cmd_vel, or the unitree sport
+API when unitree_api is installed) and its state (edgespec_ros/MotionState, latched).
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+from geometry_msgs.msg import Twist
+from nav_msgs.msg import Odometry
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.node import Node
+from std_msgs.msg import Bool
+
+from ..actions import ActionParseError, parse_action
+from ..msg import MotionState, VerifiedAction
+from ..motion import SPORT_MIN_RATE_HZ, MotionExecutor, MotionLimits, Pose2D, sport_request, yaw_from_quaternion
+from . import params
+from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, declare_parameters, now_ns, ns_to_time, \
+    run_node, time_to_ns
+
+NS = 1e-9
+
+
+class TwistBackend:
+    """geometry_msgs/Twist on cmd_vel (go2_ros2_sdk, twist_mux). Note: go2_ros2_sdk drops an
+    all-zero Twist; the robot then stops because the stream ends (twist_mux's 0.5 s timeout)."""
+
+    name = "twist"
+
+    def __init__(self, node: Node, topic: str):
+        self.publisher = node.create_publisher(Twist, topic, RELIABLE_QOS)
+
+    def send(self, command) -> None:
+        msg = Twist()
+        msg.linear.x = float(command.linear_mps)
+        msg.angular.z = float(command.angular_rps)
+        self.publisher.publish(msg)
+
+
+class SportBackend:
+    """unitree_ros2 sport API: Move (1008) streamed at the control rate, StopMove (1003) for zero."""
+
+    name = "unitree_sport"
+
+    def __init__(self, node: Node, topic: str):
+        try:
+            from unitree_api.msg import Request
+        except ImportError as exc:
+            raise ImportError("backend 'unitree_sport' needs the unitree_api message package "
+                              "(github.com/unitreerobotics/unitree_ros2: build it in your workspace and source "
+                              "it), or use backend 'twist'") from exc
+        self.request_type = Request
+        self.publisher = node.create_publisher(Request, topic, RELIABLE_QOS)
+
+    def send(self, command) -> None:
+        api_id, parameter = sport_request(command)
+        msg = self.request_type()
+        msg.header.identity.api_id = api_id
+        msg.parameter = parameter
+        self.publisher.publish(msg)
+
+
+class NavigatorNode(Node):
+    def __init__(self, **kwargs):
+        super().__init__("navigator", **kwargs)
+        p = self.p = declare_parameters(self, params.NAVIGATOR)
+        if p["backend"] == "unitree_sport" and p["control_rate_hz"] < SPORT_MIN_RATE_HZ:
+            raise ValueError(f"control_rate_hz {p['control_rate_hz']} is too low for the sport API: Move must be "
+                             f"streamed at >= {SPORT_MIN_RATE_HZ:g} Hz")
+        limits = MotionLimits(p["max_linear_mps"], p["max_angular_rps"], p["max_linear_accel_mps2"],
+                              p["max_angular_accel_rps2"], p["min_linear_mps"], p["min_angular_rps"],
+                              p["position_tolerance_m"], math.radians(p["angle_tolerance_deg"]))
+        self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
+                                        p["stall_timeout_s"])
+        self._lock = threading.Lock()
+        self.backend = TwistBackend(self, p["cmd_vel_topic"]) if p["backend"] == "twist" \
+            else SportBackend(self, p["sport_topic"])
+        self.state_pub = self.create_publisher(MotionState, p["state_topic"], LATCHED_QOS)
+        self._published_state = None
+        self._state_since_ns = now_ns(self)
+
+        # Reentrant + self._lock (held only for microseconds): the e-stop never queues behind another
+        # callback in the executor, and no group has several entities due at once (a mutually
+        # exclusive group in that state made rclpy's MultiThreadedExecutor stall timers by 0.3-0.9 s).
+        control = safety = ReentrantCallbackGroup()
+        self.create_subscription(VerifiedAction, p["decision_topic"], self.on_decision, RELIABLE_QOS,
+                                 callback_group=control)
+        self.create_subscription(Bool, p["estop_topic"], self.on_estop, RELIABLE_QOS, callback_group=safety)
+        if p["use_odometry"]:
+            self.create_subscription(Odometry, p["odom_topic"], self.on_odometry, SENSOR_STREAM_QOS,
+                                     callback_group=control)
+        self.create_timer(1.0 / p["control_rate_hz"], self.on_control, callback_group=control)
+        self._publish_state()
+        longest = limits.duration_s(parse_action("move forward 2 m"))
+        if longest >= p["watchdog_timeout_s"]:
+            self.get_logger().warning(f"watchdog_timeout_s {p['watchdog_timeout_s']:g} s is shorter than the longest "
+                                   f"move ({longest:.1f} s at these limits): long moves will be cut short")
+        self.get_logger().info(f"navigator: backend {self.backend.name}, limits {limits.max_linear_mps:g} m/s "
+                               f"{limits.max_angular_rps:g} rad/s, watchdog {p['watchdog_timeout_s']:g} s")
+
+    def _now_s(self) -> float:
+        return now_ns(self) * NS
+
+    def on_decision(self, msg) -> None:
+        now = self._now_s()
+        stamp_ns = time_to_ns(msg.header.stamp)
+        age = now - stamp_ns * NS
+        action, reason = None, ""
+        if msg.fault:
+            reason = f"fault stop: {msg.fault}"
+        elif age > self.p["max_decision_age_s"]:
+            reason = f"stale decision refused: its frame is {age:.1f} s old (max_decision_age_s " \
+                     f"{self.p['max_decision_age_s']:g})"
+        else:
+            try:
+                action = parse_action(msg.text if msg.text else msg.action)
+            except ActionParseError as exc:
+                reason = f"rejected: {exc.reason}"
+        if action is None:
+            # one call site per severity: rclpy's logger refuses a call site whose severity changes
+            if msg.fault:
+                self.get_logger().error(f"no motion: {reason}")
+            else:
+                self.get_logger().warning(f"no motion: {reason}")
+        else:
+            self.get_logger().info(f"decision: {action.text}")
+        with self._lock:
+            self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason)
+            self._tick(now)
+
+    def on_estop(self, msg: Bool) -> None:
+        now = self._now_s()
+        with self._lock:
+            engaged_before = self.executor_.estop
+            self.executor_.on_estop(now, bool(msg.data))
+            if msg.data and not engaged_before:
+                self.get_logger().error("E-STOP engaged: stopping")
+            elif not msg.data and engaged_before:
+                self.get_logger().warning("e-stop released")
+            self._tick(now)
+
+    def on_odometry(self, msg: Odometry) -> None:
+        q = msg.pose.pose.orientation
+        pose = Pose2D(msg.pose.pose.position.x, msg.pose.pose.position.y, yaw_from_quaternion(q.x, q.y, q.z, q.w))
+        now = self._now_s()
+        measured = time_to_ns(msg.header.stamp) * NS
+        stamp = measured if 0.0 < measured <= now else now  # unstamped or from a skewed clock: arrival
+        with self._lock:
+            self.executor_.on_odometry(stamp, pose)
+
+    def on_control(self) -> None:
+        with self._lock:
+            self._tick(self._now_s())
+
+    def _tick(self, now: float) -> None:
+        """One control step: send what the executor wants, publish state changes (lock held)."""
+        command = self.executor_.update(now)
+        if command is not None:
+            self.backend.send(command)
+        self._publish_state()
+
+    def _publish_state(self) -> None:
+        snap = self.executor_.snapshot()
+        key = (snap.state, snap.action, snap.reason, snap.decision_id, snap.closed_loop)
+        if key == self._published_state:
+            return
+        self._published_state = key
+        msg = MotionState()
+        msg.header.stamp = ns_to_time(now_ns(self))
+        msg.header.frame_id = "base_link"
+        msg.state, msg.action, msg.reason = snap.state, snap.action, snap.reason
+        msg.decision_stamp = ns_to_time(snap.decision_id or 0)
+        msg.progress = float(snap.progress)
+        msg.backend = self.backend.name
+        msg.closed_loop = snap.closed_loop
+        self.state_pub.publish(msg)
+
+
+def main(args=None) -> int:
+    return run_node(NavigatorNode, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

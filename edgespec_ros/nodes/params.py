@@ -1,0 +1,171 @@
+"""Every parameter of every node, with its default and what it means: the one place they are
+defined. Nodes declare exactly these (``nodes.common.declare_parameters``), ``config/<role>.yaml``
+sets some of them, ``docs/parameters.md`` is generated from them
+(``python -m edgespec_ros.nodes.params > docs/parameters.md``), and a test keeps the three in step.
+
+ROS-free, so the docs and the checks need no rclpy.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    default: bool | int | float | str
+    description: str
+    choices: tuple = ()
+    min_value: float | None = None   # inclusive
+    max_value: float | None = None
+
+    def validate(self, value):
+        """Return ``value`` if allowed, else raise ValueError naming the parameter and the fix."""
+        if self.choices and value not in self.choices:
+            raise ValueError(f"parameter {self.name!r} = {value!r} is not one of {list(self.choices)}")
+        if self.min_value is not None and value < self.min_value:
+            raise ValueError(f"parameter {self.name!r} = {value!r} is below its minimum {self.min_value}")
+        if self.max_value is not None and value > self.max_value:
+            raise ValueError(f"parameter {self.name!r} = {value!r} is above its maximum {self.max_value}")
+        return value
+
+
+P = ParamSpec
+
+CAMERA = (
+    P("source", "0", "OpenCV source: a device index ('0'), a video file, a URL, or a GStreamer pipeline "
+                     "(contains '!'; the Go2's H.264 multicast: udpsrc address=230.1.1.1 port=1720 ...)"),
+    P("rate_hz", 10.0, "frames published per second (at most the source's rate)", min_value=0.1, max_value=120.0),
+    P("frame_id", "front_camera", "header.frame_id of the published images"),
+    P("image_topic", "camera/image_raw", "sensor_msgs/Image topic (bgr8)"),
+    P("publish_compressed", True, "also publish sensor_msgs/CompressedImage (JPEG) on <image_topic>/compressed"),
+    P("jpeg_quality", 85, "JPEG quality of the compressed stream", min_value=10, max_value=100),
+    P("loop_video", True, "restart a video file at its end instead of stopping"),
+    P("reliable", False, "publish RELIABLE instead of sensor-data BEST_EFFORT (for subscribers that insist)"),
+)
+
+DRAFTER = (
+    P("model_path", "", "local directory of the draft VLM; '' = the embedded default draft model"),
+    P("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier (edgespec-verifier)"),
+    P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
+    P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd when available"),
+    P("gamma", 4, "draft tokens per verification round (sd)", min_value=1, max_value=64),
+    P("max_new_tokens", 96, "token budget of one decision", min_value=1, max_value=4096),
+    P("temperature", 0.0, "sampling temperature (0 = greedy)", min_value=0.0),
+    P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
+    P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs)"),
+    P("deadline_s", 8.0, "a decision not verified within this many seconds is replaced by a stop", min_value=0.05),
+    P("verifier_timeout_s", 5.0, "timeout of each wait for the verifier (connect, every reply)", min_value=0.05),
+    P("retry_interval_s", 1.0, "pause after a fault before the next decision", min_value=0.01),
+    P("decision_period_s", 0.1, "how often the decision timer checks whether a decision may start",
+      min_value=0.005),
+    P("max_frame_age_s", 1.0, "never decide on a frame older than this", min_value=0.01),
+    P("wait_for_motion", True, "decide again only after the navigator finished the last motion and on a "
+                               "frame captured after it"),
+    P("motion_wait_timeout_s", 15.0, "decide anyway when the navigator has not reported for this long",
+      min_value=0.1),
+    P("finish_on_stop", True, "a verified 'stop' completes the command (no more decisions until the next)"),
+    P("max_decisions", 0, "decisions per command before it is dropped; 0 = unlimited", min_value=0),
+    P("link_name", "real", "link label in DecodingStats (the bring-up sets the emulated profile's name)"),
+    P("image_topic", "camera/image_raw", "camera topic (sensor-data QoS, only the latest frame is kept)"),
+    P("use_compressed", False, "subscribe to sensor_msgs/CompressedImage on <image_topic>/compressed instead"),
+    P("command_topic", "command", "std_msgs/String natural-language command; '' cancels"),
+    P("decision_topic", "decision", "edgespec_ros/VerifiedAction output"),
+    P("partial_topic", "drafter/partial_text", "std_msgs/String: verified text so far, streamed"),
+    P("stats_topic", "decoding_stats", "edgespec_ros/DecodingStats output, one per decision"),
+    P("motion_state_topic", "navigator/state", "edgespec_ros/MotionState from the navigator"),
+    P("autostart", False, "configure and activate at startup (for `ros2 run`; launch files drive the "
+                          "lifecycle themselves)"),
+)
+
+NAVIGATOR = (
+    P("backend", "twist", "twist: geometry_msgs/Twist on cmd_vel (go2_ros2_sdk, twist_mux); unitree_sport: "
+                          "unitree_api/msg/Request (Move 1008 / StopMove 1003), needs unitree_api",
+      choices=("twist", "unitree_sport")),
+    P("cmd_vel_topic", "cmd_vel", "Twist output (backend twist)"),
+    P("sport_topic", "/api/sport/request", "unitree sport-API request topic (backend unitree_sport)"),
+    P("decision_topic", "decision", "edgespec_ros/VerifiedAction input"),
+    P("estop_topic", "estop", "std_msgs/Bool: true stops at once and refuses decisions until false"),
+    P("odom_topic", "odom", "nav_msgs/Odometry for closed-loop primitives"),
+    P("state_topic", "navigator/state", "edgespec_ros/MotionState output (latched)"),
+    P("use_odometry", True, "track primitives on odometry when it is fresh (else timed)"),
+    P("odom_timeout_s", 0.5, "odometry older than this is stale: fall back to timed execution", min_value=0.01),
+    P("control_rate_hz", 20.0, "velocity command rate (the sport API needs >= 20 Hz)", min_value=1.0,
+      max_value=200.0),
+    P("max_linear_mps", 0.5, "forward speed limit", min_value=0.01),
+    P("max_angular_rps", 1.0, "yaw rate limit", min_value=0.01),
+    P("max_linear_accel_mps2", 1.0, "forward acceleration/braking limit", min_value=0.01),
+    P("max_angular_accel_rps2", 2.0, "yaw acceleration/braking limit", min_value=0.01),
+    P("min_linear_mps", 0.05, "slowest forward speed commanded while a move is unfinished", min_value=0.001),
+    P("min_angular_rps", 0.15, "slowest yaw rate commanded while a turn is unfinished", min_value=0.001),
+    P("position_tolerance_m", 0.01, "a move is done this close to its distance", min_value=0.001),
+    P("angle_tolerance_deg", 1.0, "a turn is done this close to its angle", min_value=0.01),
+    P("watchdog_timeout_s", 6.0, "motion stops (explicit zero) when the newest decision is older than this",
+      min_value=0.05),
+    P("max_decision_age_s", 5.0, "decisions whose camera frame is older than this are refused (stale)",
+      min_value=0.05),
+    P("zero_repeats", 3, "zero commands sent for each stop before going silent", min_value=1),
+    P("stall_timeout_s", 1.0, "a closed-loop primitive without odometry progress for this long is given up "
+                              "(blocked)", min_value=0.05),
+)
+
+MONITOR = (
+    P("decision_topic", "decision", "edgespec_ros/VerifiedAction input"),
+    P("stats_topic", "decoding_stats", "edgespec_ros/DecodingStats input"),
+    P("motion_state_topic", "navigator/state", "edgespec_ros/MotionState input"),
+    P("image_topic", "camera/image_raw", "camera input (sensor-data QoS)"),
+    P("odom_topic", "odom", "nav_msgs/Odometry: where to draw the markers"),
+    P("markers_topic", "monitor/markers", "visualization_msgs/MarkerArray output"),
+    P("annotated_topic", "monitor/annotated_image", "sensor_msgs/Image output: frame + action, reasoning, "
+                                                    "latency, mode"),
+    P("diagnostics_topic", "/diagnostics", "diagnostic_msgs/DiagnosticArray output"),
+    P("annotated_rate_hz", 2.0, "live annotated frames per second (plus one per decision)", min_value=0.1),
+    P("annotated_width", 448, "width of annotated frames in pixels", min_value=64, max_value=4096),
+    P("base_frame", "base_link", "frame of the markers when no odometry has arrived"),
+    P("diagnostics_rate_hz", 1.0, "diagnostics publications per second", min_value=0.1),
+)
+
+SIM_ROBOT = (
+    P("scenario", "silver-bottle-distractor", "a shipped scenario name or a scenario JSON path"),
+    P("physics_rate_hz", 30.0, "integration steps of cmd_vel per second", min_value=1.0),
+    P("camera_rate_hz", 10.0, "rendered frames per second", min_value=0.1),
+    P("odom_rate_hz", 20.0, "odometry and true-pose publications per second", min_value=1.0),
+    P("cmd_timeout_s", 0.5, "a cmd_vel older than this counts as zero (like twist_mux)", min_value=0.01),
+    P("cmd_vel_topic", "cmd_vel", "geometry_msgs/Twist input"),
+    P("decision_topic", "decision", "edgespec_ros/VerifiedAction input (counts episode steps; stop ends it)"),
+    P("image_topic", "camera/image_raw", "sensor_msgs/Image output (rgb8, sensor-data QoS)"),
+    P("odom_topic", "odom", "nav_msgs/Odometry output (odom frame = start pose)"),
+    P("pose_topic", "sim/true_pose", "geometry_msgs/PoseStamped output in the room frame"),
+    P("episode_topic", "sim/episode", "std_msgs/String JSON episode status output (latched)"),
+    P("camera_frame_id", "front_camera", "header.frame_id of the images"),
+    P("odom_frame_id", "odom", "odometry frame"),
+    P("base_frame_id", "base_link", "odometry child frame"),
+    P("map_frame_id", "map", "frame of the true pose (the room)"),
+)
+
+NODES = {
+    "camera": CAMERA,
+    "drafter": DRAFTER,
+    "navigator": NAVIGATOR,
+    "monitor": MONITOR,
+    "sim_robot": SIM_ROBOT,
+}
+
+
+def markdown() -> str:
+    """docs/parameters.md: one table per node."""
+    out = ["# Node parameters", "",
+           "Generated by `python -m edgespec_ros.nodes.params > docs/parameters.md` from",
+           "`edgespec_ros/nodes/params.py`; `config/<node>.yaml` sets some of them.", ""]
+    for node, specs in NODES.items():
+        out += [f"## {node}", "", "| parameter | default | meaning |", "|---|---|---|"]
+        for s in specs:
+            extra = f" (one of {', '.join(map(str, s.choices))})" if s.choices else ""
+            out.append(f"| `{s.name}` | `{s.default!r}` | {s.description}{extra} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

@@ -1,0 +1,102 @@
+"""The robot: drafter (lifecycle, configured and activated here), navigator, monitor and, optionally,
+the camera node, talking to a cloud verifier at ``server_url``.
+
+    ros2 launch edgespec_ros robot.launch.py server_url:=ws://cloud:8765 token_file:=/etc/edgespec/token
+    ros2 launch edgespec_ros robot.launch.py use_camera_node:=true backend:=unitree_sport
+    ros2 topic pub --once /command std_msgs/msg/String "{data: 'find the silver bottle'}"
+    ros2 topic pub --once /estop std_msgs/msg/Bool "{data: true}"
+
+Parameters come from config/<node>.yaml (``config_dir``), then ``params_file`` (optional, any node,
+e.g. ``/**/drafter: {ros__parameters: {gamma: 6}}``, which matches in any namespace), then the arguments below.
+With go2_ros2_sdk running, its ``camera/image_raw`` (BEST_EFFORT) is used directly and the
+navigator drives ``cmd_vel``; with unitree_ros2, start the camera node on the H.264 multicast
+and use ``backend:=unitree_sport``.
+"""
+import os
+
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, EmitEvent, OpaqueFunction, RegisterEventHandler
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
+from launch_ros.actions import LifecycleNode, Node
+from launch_ros.event_handlers import OnStateTransition
+from launch_ros.events.lifecycle import ChangeState
+from launch_ros.substitutions import FindPackageShare
+from launch.events import matches_action
+from lifecycle_msgs.msg import Transition
+
+PACKAGE = "edgespec_ros"
+
+# node -> {parameter: launch argument that overrides it (strings only)}
+ROLE_ARGS = {
+    "camera": {"source": "camera_source", "image_topic": "image_topic"},
+    "drafter": {"server_url": "server_url", "token_file": "token_file", "mode": "mode", "model_path": "model_path",
+                "image_topic": "image_topic"},
+    "navigator": {"backend": "backend"},
+    "monitor": {"image_topic": "image_topic"},
+}
+
+ARGUMENTS = [
+    ("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier"),
+    ("token_file", "", "file with the verifier auth token ('' = none)"),
+    ("mode", "sd", "decoding mode: ar | sd (| fsd when available)"),
+    ("model_path", "", "draft model directory ('' = the embedded default)"),
+    ("image_topic", "camera/image_raw", "camera topic (go2_ros2_sdk publishes camera/image_raw)"),
+    ("use_camera_node", "false", "start the camera node (OpenCV/GStreamer source) instead of using an existing topic"),
+    ("camera_source", "0", "camera node source: device index, video file or GStreamer pipeline"),
+    ("backend", "twist", "navigator backend: twist (cmd_vel) | unitree_sport"),
+    ("use_monitor", "true", "start the monitor (markers, annotated image, diagnostics)"),
+    ("rviz", "false", "start rviz2 with config/edgespec.rviz"),
+    ("namespace", "", "namespace of all nodes"),
+    ("config_dir", "", "directory of the <node>.yaml files ('' = this package's share/config)"),
+    ("params_file", "", "extra parameters YAML applied after the config files ('' = none)"),
+]
+
+
+def _true(context, name):
+    return LaunchConfiguration(name).perform(context).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _parameters(context, role):
+    """config_dir/<role>.yaml, then params_file, then the launch arguments of ROLE_ARGS[role]."""
+    config_dir = LaunchConfiguration("config_dir").perform(context) or \
+        PathJoinSubstitution([FindPackageShare(PACKAGE), "config"]).perform(context)
+    params = [os.path.join(config_dir, f"{role}.yaml")]
+    params_file = LaunchConfiguration("params_file").perform(context)
+    if params_file:
+        params.append(params_file)
+    params.append({param: LaunchConfiguration(arg).perform(context) for param, arg in ROLE_ARGS.get(role, {}).items()})
+    return params
+
+
+def _launch_setup(context, *args, **kwargs):
+    namespace = LaunchConfiguration("namespace").perform(context)
+    actions = []
+    if _true(context, "use_camera_node"):
+        actions.append(Node(package=PACKAGE, executable="camera", name="camera", namespace=namespace,
+                            output="screen", parameters=_parameters(context, "camera")))
+    drafter = LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
+                            output="screen", parameters=_parameters(context, "drafter"))
+    actions.append(drafter)
+    # configure -> (inactive) -> activate: the model loads on configure; a failure is logged by the node
+    actions.append(RegisterEventHandler(OnStateTransition(
+        target_lifecycle_node=drafter, goal_state="inactive",
+        entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
+                                              transition_id=Transition.TRANSITION_ACTIVATE))])))
+    actions.append(EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
+                                               transition_id=Transition.TRANSITION_CONFIGURE)))
+    actions.append(Node(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
+                        output="screen", parameters=_parameters(context, "navigator")))
+    if _true(context, "use_monitor"):
+        actions.append(Node(package=PACKAGE, executable="monitor", name="monitor", namespace=namespace,
+                            output="screen", parameters=_parameters(context, "monitor")))
+    if _true(context, "rviz"):
+        rviz_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "edgespec.rviz"]).perform(context)
+        actions.append(Node(package="rviz2", executable="rviz2", name="rviz2", arguments=["-d", rviz_config]))
+    return actions
+
+
+def generate_launch_description():
+    return LaunchDescription(
+        [DeclareLaunchArgument(name, default_value=default, description=description)
+         for name, default, description in ARGUMENTS]
+        + [OpaqueFunction(function=_launch_setup)])

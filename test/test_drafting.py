@@ -1,0 +1,251 @@
+"""The drafter's decision loop without ROS: readiness, outcomes, faults, deadlines, cancellation."""
+import threading
+
+import numpy as np
+import pytest
+
+from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame, outcome_from_text
+from edgespec_ros.spec.decode import Decision
+from edgespec_ros.spec.metrics import DecisionMetrics
+from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
+
+S = 1_000_000_000
+IMAGE = np.zeros((8, 8, 3), np.uint8)
+TEXT = "The silver bottle is ahead. Action: move forward medium."
+
+
+class Clock:
+    def __init__(self, t_ns=100 * S):
+        self.t = t_ns
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, seconds):
+        self.t += int(seconds * S)
+
+
+class FakeVerifier:
+    def __init__(self):
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
+class FakeDecoder:
+    """decide() returns `text` (reporting it as 2 chunks through on_tokens), raises `error`, or blocks on
+    `release` (calling on_tokens after release, like the next verified chunk would)."""
+
+    def __init__(self, text=TEXT, error=None, block=False):
+        self.text, self.error = text, error
+        self.verifier = FakeVerifier()
+        self.tokenizer = None
+        self.calls = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not block:
+            self.release.set()
+
+    def decide(self, instruction, image, cfg, on_tokens=None):
+        self.calls.append((instruction, cfg.seed, cfg.mode))
+        self.started.set()
+        self.release.wait(10)
+        if on_tokens:
+            on_tokens([1, 2])
+        if self.error is not None:
+            raise self.error
+        if on_tokens:
+            on_tokens([3])
+        m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma, tokens=12, rounds=4, drafted=16, accepted=8,
+                            accepted_per_position=[4, 2, 1, 1], drafted_per_position=[4, 4, 4, 4], wall_s=0.5,
+                            t_uplink=0.1, t_downlink=0.1)
+        return Decision(list(range(12)), self.text, m)
+
+
+def make(decoder=None, **settings):
+    clock = Clock()
+    core = DrafterCore(decoder or FakeDecoder(), DrafterSettings(**settings), clock)
+    return core, clock
+
+
+def frame(clock, age_s=0.0):
+    return Frame(IMAGE, clock() - int(age_s * S), "cam")
+
+
+def test_settings_validate():
+    with pytest.raises(ValueError, match="mode"):
+        DrafterSettings(mode="warp")
+    with pytest.raises(ValueError, match="deadline_s"):
+        DrafterSettings(deadline_s=0)
+    with pytest.raises(ValueError, match="gamma"):
+        DrafterSettings(gamma=0)
+
+
+def test_outcome_from_text():
+    out = outcome_from_text(TEXT, instruction="find it", stamp_ns=5, mode="sd")
+    assert out.parsed and out.action == "move forward medium" and out.reasoning == "The silver bottle is ahead."
+    bad = outcome_from_text("I will dance. Action: dance", instruction="find it", stamp_ns=5)
+    assert not bad.parsed and bad.action == "" and "unknown action 'dance'" in bad.parse_error
+
+
+def test_decision_needs_a_command_and_a_fresh_frame():
+    core, clock = make(max_frame_age_s=1.0)
+    assert "no active command" in core.why_not_ready(clock())
+    core.set_command("find the silver bottle")
+    assert core.why_not_ready(clock()) == "no camera frame yet"
+    core.set_frame(frame(clock, age_s=2.0))
+    assert "old" in core.why_not_ready(clock())
+    assert core.begin() is None
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    assert ticket is not None and ticket.instruction == "find the silver bottle"
+    clock.advance(0.25)
+    out = core.run(ticket)
+    assert out.parsed and out.action == "move forward medium" and not out.fault
+    assert out.stamp_ns == ticket.frame.stamp_ns and out.frame_id == "cam"
+    assert out.latency_s == pytest.approx(0.25)
+    assert (out.tokens, out.rounds, out.tau) == (12, 4, 3.0)
+    # the same frame is never used twice (here the motion wait also holds the next decision)
+    core.note_motion("idle", out.stamp_ns, clock())
+    assert core.begin() is None and "newer" in core.why_not_ready(clock())
+
+
+def test_wait_for_motion_then_a_frame_captured_after_it():
+    core, clock = make()
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    assert "navigator" in core.why_not_ready(clock())
+    core.note_motion("idle", out.stamp_ns + 1, clock())      # another decision's state: ignored
+    assert "navigator" in core.why_not_ready(clock())
+    core.note_motion("moving", out.stamp_ns, clock())
+    assert "navigator" in core.why_not_ready(clock())
+    clock.advance(1.0)
+    idle_at = clock()
+    core.note_motion("idle", out.stamp_ns, idle_at)
+    assert "captured after the motion" in core.why_not_ready(clock())  # the frame predates the stop
+    clock.advance(0.05)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()) == ""
+    ticket = core.begin()
+    assert ticket.frame.stamp_ns >= idle_at and ticket.index == 1
+
+
+def test_motion_wait_times_out():
+    core, clock = make(motion_wait_timeout_s=2.0)
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    core.run(core.begin())
+    clock.advance(2.5)
+    core.set_frame(frame(clock))
+    assert core.begin() is not None
+
+
+def test_unparseable_text_is_published_but_no_motion_awaited():
+    core, clock = make(decoder=FakeDecoder(text="blah blah"))
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    assert not out.parsed and out.action == "" and out.parse_error and not out.fault
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()) == ""
+
+
+@pytest.mark.parametrize("error, kind", [(LinkLostError("connection refused"), "verifier unreachable"),
+                                         (VerifierTimeout("no reply"), "verifier timeout"),
+                                         (RuntimeError("boom"), "decoding error")])
+def test_errors_become_stop_faults_with_backoff(error, kind):
+    decoder = FakeDecoder(error=error)
+    core, clock = make(decoder=decoder, retry_interval_s=1.0)
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    assert out.action == "stop" and out.parsed and out.fault.startswith(kind)
+    assert decoder.verifier.closed == 1  # reconnect next time
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()) == "backing off after a fault"
+    clock.advance(1.0)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()) == ""
+    assert core.stats.snapshot()["decisions"] == 0 and core.stats.faults == 1
+
+
+def test_deadline_publishes_stop_once_and_discards_the_late_result():
+    decoder = FakeDecoder(block=True)
+    core, clock = make(decoder=decoder, deadline_s=2.0)
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(core.run(ticket)))
+    worker.start()
+    assert decoder.started.wait(5)
+    clock.advance(1.9)
+    assert core.check_deadline() is None
+    clock.advance(0.2)
+    stop = core.check_deadline()
+    assert stop.action == "stop" and stop.fault.startswith("deadline missed")
+    assert core.check_deadline() is None  # once
+    decoder.release.set()
+    worker.join(5)
+    assert results == [None]  # the late decision is never published
+    assert decoder.verifier.closed >= 1
+
+
+def test_new_command_cancels_the_running_decision():
+    decoder = FakeDecoder(block=True)
+    core, clock = make(decoder=decoder)
+    core.set_command("find the bottle")
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(core.run(ticket)))
+    worker.start()
+    assert decoder.started.wait(5)
+    stop = core.set_command("find the chair")
+    assert stop.action == "stop" and "command cancelled" in stop.fault and stop.instruction == "find the bottle"
+    decoder.release.set()
+    worker.join(5)
+    assert results == [None]
+    assert core.instruction == "find the chair" and core.active
+    # an empty command cancels without starting anything
+    stop = core.set_command("")
+    assert stop is not None and not core.active
+    assert core.set_command("") is None  # nothing running any more
+
+
+def test_stop_finishes_the_command_and_max_decisions():
+    core, clock = make(decoder=FakeDecoder(text="I am there. Action: stop."))
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    assert out.action == "stop" and not out.fault and not core.active
+    assert "said stop" in core.why_not_ready(clock())
+    core, clock = make(decoder=FakeDecoder(text="Action: turn left small"), max_decisions=1, wait_for_motion=False)
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    core.run(core.begin())
+    assert not core.active and "max_decisions" in core.finished_reason
+
+
+def test_partial_text_and_stats():
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return ",".join(map(str, ids))
+
+    core, clock = make()
+    core.tokenizer = Tok()
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    partial = []
+    core.run(core.begin(), on_partial=partial.append)
+    assert partial == ["1,2", "1,2,3"]
+    s = core.stats.snapshot()
+    assert (s["decisions"], s["tokens"], s["rounds"], s["tau"]) == (1, 12, 4, 3.0)
+    assert s["acceptance_rate"] == 0.5 and s["acceptance_per_position"] == [1.0, 0.5, 0.25, 0.25]
+    assert s["rtt_ms"] == pytest.approx(50.0) and s["tokens_per_second"] == pytest.approx(24.0)

@@ -1,0 +1,210 @@
+"""Launch files, config and executables agree (launch and the ros2 CLI do not exist here, so the
+launch files are read with ast): every node executable a launch file names exists as a
+scripts/nodes launcher and a console-script entry point; every parameter a YAML file or a launch
+argument sets is declared by its node; every declared parameter has a documented default; and the
+nodes, built from the YAML files through rcl exactly as launch would, declare exactly those."""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgespec_ros.nodes import params
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_FILES = sorted((ROOT / "launch").glob("*.launch.py"))
+PACKAGE = "edgespec_ros"
+
+
+def module_constant(tree: ast.Module, name: str):
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"no module-level {name} = <literal>")
+
+
+def keyword(call: ast.Call, name: str, constants: dict):
+    for kw in call.keywords:
+        if kw.arg == name:
+            if isinstance(kw.value, ast.Constant):
+                return kw.value.value
+            if isinstance(kw.value, ast.Name) and kw.value.id in constants:
+                return constants[kw.value.id]
+    return None
+
+
+def launched_nodes(path: Path) -> list[tuple[str, str, str]]:
+    """(package, executable, name) of every Node/LifecycleNode call in a launch file."""
+    tree = ast.parse(path.read_text(), str(path))
+    constants = {"PACKAGE": module_constant(tree, "PACKAGE")}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Node", "LifecycleNode"):
+            found.append((keyword(node, "package", constants), keyword(node, "executable", constants),
+                          keyword(node, "name", constants)))
+    return found
+
+
+def lib_executables(path: Path) -> list[str]:
+    """Executables started by path from lib/<package>/ (PathJoinSubstitution([..., "lib", PACKAGE, exe]))."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.List):
+            items = node.elts
+            for i in range(len(items) - 2):
+                if isinstance(items[i], ast.Constant) and items[i].value == "lib" \
+                        and isinstance(items[i + 1], ast.Name) and items[i + 1].id == "PACKAGE" \
+                        and isinstance(items[i + 2], ast.Constant):
+                    names.append(items[i + 2].value)
+    return names
+
+
+def console_scripts() -> dict[str, str]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "entry_points":
+            entries = ast.literal_eval(node.value)["console_scripts"]
+            return {name.strip(): target.strip() for name, target in (e.split("=") for e in entries)}
+    raise AssertionError("setup.py has no entry_points")
+
+
+def test_there_are_launch_files():
+    assert [p.name for p in LAUNCH_FILES] == ["robot.launch.py", "sim.launch.py"]
+    for path in LAUNCH_FILES:
+        tree = ast.parse(path.read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "generate_launch_description" for n in tree.body)
+
+
+@pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
+def test_every_launched_executable_exists(path):
+    scripts = console_scripts()
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert 'scripts/nodes/*' in cmake and "DESTINATION lib/${PROJECT_NAME}" in cmake
+    nodes = [n for n in launched_nodes(path) if n[0] == PACKAGE]
+    assert nodes, f"{path.name} starts no {PACKAGE} node"
+    for package, executable, name in nodes:
+        assert executable in params.NODES, f"{path.name}: unknown node executable {executable!r}"
+        assert name == executable, f"{path.name}: node {executable} should be named {executable} (config keys)"
+        launcher = ROOT / "scripts" / "nodes" / executable
+        assert launcher.is_file() and launcher.stat().st_mode & stat.S_IXUSR, f"{launcher} missing or not executable"
+        assert f"from edgespec_ros.nodes.{executable} import main" in launcher.read_text()
+        entry = f"edgespec-{executable.replace('_', '-')}"
+        assert scripts.get(entry) == f"edgespec_ros.nodes.{executable}:main", f"setup.py lacks {entry}"
+        module = importlib.import_module(f"edgespec_ros.nodes.{executable}")
+        assert callable(module.main)
+    for executable in lib_executables(path):
+        launcher = ROOT / "scripts" / "nodes" / executable
+        assert launcher.is_file() and launcher.stat().st_mode & stat.S_IXUSR, f"{launcher} missing"
+    external = {n[0] for n in launched_nodes(path) if n[0] != PACKAGE}
+    assert external <= {"rviz2"}, f"unexpected external packages {external}"
+
+
+@pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
+def test_launch_arguments_set_declared_parameters(path):
+    tree = ast.parse(path.read_text())
+    role_args = module_constant(tree, "ROLE_ARGS")
+    declared_args = {name for name, _default, _doc in module_constant(tree, "ARGUMENTS")}
+    for role, mapping in role_args.items():
+        names = {spec.name for spec in params.NODES[role]}
+        for parameter, argument in mapping.items():
+            assert parameter in names, f"{path.name}: {role} has no parameter {parameter!r}"
+            assert argument in declared_args, f"{path.name}: launch argument {argument!r} is not declared"
+            spec = next(s for s in params.NODES[role] if s.name == parameter)
+            assert isinstance(spec.default, str), f"{path.name}: {role}.{parameter} is not a string parameter"
+    for name, default, doc in module_constant(tree, "ARGUMENTS"):
+        assert doc, f"{path.name}: launch argument {name} has no description"
+    launched = {n[1] for n in launched_nodes(path) if n[0] == PACKAGE}
+    assert set(role_args) <= launched | {"camera"}
+
+
+def yaml_parameters(role: str) -> dict:
+    data = yaml.safe_load((ROOT / "config" / f"{role}.yaml").read_text())
+    assert list(data) == ["/**"], f"config/{role}.yaml: expected the single key '/**'"
+    return data["/**"]["ros__parameters"]
+
+
+def test_one_config_file_per_node_role():
+    assert sorted(p.stem for p in (ROOT / "config").glob("*.yaml")) == sorted(params.NODES)
+    assert (ROOT / "config" / "edgespec.rviz").is_file()
+
+
+@pytest.mark.parametrize("role", sorted(params.NODES))
+def test_yaml_parameters_are_declared_with_matching_types(role):
+    specs = {s.name: s for s in params.NODES[role]}
+    for name, value in yaml_parameters(role).items():
+        assert name in specs, f"config/{role}.yaml sets {name!r}, which {role} does not declare"
+        default = specs[name].default
+        assert type(value) is type(default), \
+            f"config/{role}.yaml: {name} = {value!r} is a {type(value).__name__}, declared {type(default).__name__}"
+        specs[name].validate(value)
+
+
+@pytest.mark.parametrize("role", sorted(params.NODES))
+def test_declared_parameters_have_documented_defaults(role):
+    names = [s.name for s in params.NODES[role]]
+    assert len(names) == len(set(names)), f"{role} declares a parameter twice"
+    for spec in params.NODES[role]:
+        assert spec.default is not None and spec.description.strip(), f"{role}.{spec.name} is undocumented"
+        spec.validate(spec.default)
+
+
+def test_parameter_reference_is_up_to_date():
+    doc = (ROOT / "docs" / "parameters.md").read_text()
+    assert doc == params.markdown(), "docs/parameters.md is stale: python -m edgespec_ros.nodes.params > docs/parameters.md"
+
+
+def test_rviz_config_shows_topics_the_nodes_publish():
+    config = yaml.safe_load((ROOT / "config" / "edgespec.rviz").read_text())
+    topics = {d["Topic"]["Value"] for d in config["Visualization Manager"]["Displays"] if "Topic" in d}
+    defaults = {s.name: s.default for role in params.NODES.values() for s in role}
+    assert topics == {"/" + defaults["image_topic"], "/" + defaults["annotated_topic"],
+                      "/" + defaults["markers_topic"], "/" + defaults["odom_topic"]}
+
+
+def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):
+    """Every node, with config/<role>.yaml loaded through rcl (--params-file, as launch does),
+    declares exactly the parameters of nodes/params.py, and takes the YAML's values."""
+    import cv2
+    import numpy as np
+
+    from edgespec_ros.bringup import Graph
+    from ros_helpers import domain_id, unique_namespace
+    video = str(tmp_path / "v.avi")
+    writer = cv2.VideoWriter(video, cv2.VideoWriter_fourcc(*"MJPG"), 5, (32, 32))
+    writer.write(np.zeros((32, 32, 3), np.uint8))
+    writer.release()
+    roles = tuple(sorted(params.NODES))
+    with Graph(roles, overrides={"camera": {"source": video}}, domain_id=domain_id(),
+               namespace=unique_namespace()) as g:
+        for role in roles:
+            node = g.nodes[role]
+            declared = set(node._parameters) - {"use_sim_time", "start_type_description_service"}
+            assert declared == {s.name for s in params.NODES[role]}, role
+            for name, value in yaml_parameters(role).items():
+                if role == "camera" and name == "source":
+                    continue
+                assert node.get_parameter(name).value == value, f"{role}.{name}"
+            for spec in params.NODES[role]:
+                descriptor = node.describe_parameter(spec.name)
+                assert repr(spec.default) in descriptor.description and descriptor.read_only
+
+
+def test_parameter_precedence_config_then_params_file_then_arguments(tmp_path):
+    """As in the launch files: config/<role>.yaml < params_file < launch-argument overrides."""
+    from edgespec_ros.bringup import Graph
+    from ros_helpers import domain_id, unique_namespace
+    extra = tmp_path / "site.yaml"
+    extra.write_text("/**/navigator:\n  ros__parameters:\n    max_linear_mps: 0.3\n    max_angular_rps: 0.7\n")
+    with Graph(("navigator",), params_file=str(extra), overrides={"navigator": {"max_angular_rps": 0.4}},
+               domain_id=domain_id(), namespace=unique_namespace()) as g:
+        node = g.nodes["navigator"]
+        assert node.get_parameter("control_rate_hz").value == yaml_parameters("navigator")["control_rate_hz"]
+        assert node.get_parameter("max_linear_mps").value == 0.3
+        assert node.get_parameter("max_angular_rps").value == 0.4
+        assert node.executor_.limits.max_linear_mps == 0.3

@@ -1,0 +1,473 @@
+"""The ROS 2 nodes in-process (rclpy from the PyPI wheels): each test brings up a small graph in its
+own namespace and context, drives it through topics, and waits for what must happen with
+deadlines (never sleeps standing in for assertions)."""
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from geometry_msgs.msg import PoseStamped, Twist
+from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import Bool, String
+from visualization_msgs.msg import MarkerArray
+
+from edgespec_ros.bringup import Graph
+from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction
+from edgespec_ros.nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, rgb_to_image, \
+    time_to_ns
+from ros_helpers import Probe, ScriptedVerifier, domain_id, unique_namespace, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+ANSWER = "The silver bottle is a little to the left. Action: turn left small."
+
+
+@pytest.fixture(scope="module")
+def untrained_pair(tmp_path_factory):
+    """(draft_dir, target_dir): small random Qwen2-VL models with a shared tokenizer."""
+    from edgespec_ros.train.tiny import write_untrained_pair
+    return write_untrained_pair(str(tmp_path_factory.mktemp("models")))
+
+
+def graph(roles, overrides=None, node_kwargs=None) -> Graph:
+    return Graph(roles, overrides=overrides, node_kwargs=node_kwargs, domain_id=domain_id(),
+                 namespace=unique_namespace())
+
+
+def decision_msg(probe: Probe, text: str, fault: str = "") -> VerifiedAction:
+    msg = VerifiedAction()
+    msg.header.stamp = probe.now_stamp()
+    msg.text = text
+    msg.mode = "sd"
+    msg.parsed = True
+    msg.fault = fault
+    if fault:
+        msg.action = "stop"
+    return msg
+
+
+def state_for(probe: Probe, stamp, *, state=None, reason_prefix=None):
+    """The first MotionState reported for the decision stamped `stamp` (optionally in `state`)."""
+    for msg in probe.messages("navigator/state"):
+        if time_to_ns(msg.decision_stamp) != time_to_ns(stamp):
+            continue
+        if state is not None and msg.state != state:
+            continue
+        if reason_prefix is not None and not msg.reason.startswith(reason_prefix):
+            continue
+        return msg
+    return None
+
+
+def twists(probe: Probe) -> list:
+    return probe.timed("cmd_vel")
+
+
+def moving(entries) -> list:
+    return [(t, m) for t, m in entries if m.linear.x != 0.0 or m.angular.z != 0.0]
+
+
+def zeros(entries) -> list:
+    return [(t, m) for t, m in entries if m.linear.x == 0.0 and m.angular.z == 0.0]
+
+
+def navigator_probe(g: Graph) -> Probe:
+    probe = Probe(g)
+    probe.subscribe(Twist, "cmd_vel", RELIABLE_QOS).subscribe(MotionState, "navigator/state", LATCHED_QOS)
+    probe.publisher(VerifiedAction, "decision", RELIABLE_QOS)
+    probe.publisher(Bool, "estop", RELIABLE_QOS)
+    return probe
+
+
+# ------------------------------------------------------------------------------------------------
+# navigator (+ sim_robot)
+
+def test_decision_drives_the_sim_robot_through_cmd_vel():
+    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}}) as g:
+        probe = navigator_probe(g)
+        probe.subscribe(String, "sim/episode", LATCHED_QOS)
+        from nav_msgs.msg import Odometry
+        probe.subscribe(Odometry, "odom", SENSOR_STREAM_QOS)
+        wait_until(lambda: probe.messages("odom"), what="odometry flowing")  # so the turn runs closed loop
+        sim = g.nodes["sim_robot"]
+        yaw0 = sim.world.pose.yaw_rad
+        msg = decision_msg(probe, "The bottle is to the left. Action: turn left medium.")
+        probe.publish_when_matched("decision", msg)
+        wait_until(lambda: moving(twists(probe)), what="a non-zero Twist on cmd_vel")
+        started = wait_until(lambda: state_for(probe, msg.header.stamp, state="moving"), what="the turn starting")
+        assert started.closed_loop  # odometry was fresh: tracked on odometry, not timed
+        done = wait_until(lambda: state_for(probe, msg.header.stamp, reason_prefix="completed"),
+                          what="the navigator completing the turn")
+        assert done.state == "idle" and done.action == "turn left medium"
+        wait_until(lambda: zeros(twists(probe)), what="the explicit zero after the turn")
+        turned = math.degrees(sim.world.pose.yaw_rad - yaw0)
+        # closed loop on the sim's odometry; the margin covers the in-process executor's occasional
+        # scheduling stalls (the sim keeps applying the last cmd_vel meanwhile, as a robot would)
+        assert turned == pytest.approx(30.0, abs=3.0)
+        # the sim counted the decision as an episode step
+        wait_until(lambda: any('"steps": 1' in m.data for m in probe.messages("sim/episode")),
+                   what="sim/episode reporting 1 step")
+
+
+def test_unparseable_action_gives_no_motion():
+    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}}) as g:
+        probe = navigator_probe(g)
+        pose0 = g.nodes["sim_robot"].world.pose
+        msg = decision_msg(probe, "I think I should dance now. Action: dance wildly.")
+        probe.publish_when_matched("decision", msg)
+        state = wait_until(lambda: state_for(probe, msg.header.stamp, reason_prefix="rejected"),
+                           what="the navigator rejecting the text")
+        assert "unknown action 'dance'" in state.reason and state.state == "idle"
+        wait_until(lambda: zeros(twists(probe)), what="an explicit zero command")
+        assert moving(twists(probe)) == []
+        assert g.nodes["sim_robot"].world.pose == pose0
+
+
+def test_watchdog_publishes_zero_after_its_timeout():
+    overrides = {"navigator": {"watchdog_timeout_s": 0.6, "use_odometry": False}}
+    with graph(("navigator",), overrides=overrides) as g:
+        probe = navigator_probe(g)
+        msg = decision_msg(probe, "Action: move forward 2 m")
+        probe.publish_when_matched("decision", msg)
+        sent = time.monotonic()
+        wait_until(lambda: moving(twists(probe)), what="motion")
+        stopped = wait_until(lambda: state_for(probe, msg.header.stamp, state="watchdog"), what="the watchdog")
+        assert "no fresh decision" in stopped.reason
+        first_zero = wait_until(lambda: zeros(twists(probe)), what="the watchdog's zero Twist")[0][0]
+        assert first_zero - sent >= 0.6 - 0.05  # not before its timeout
+        # after the zero, nothing moves any more
+        last_motion = moving(twists(probe))[-1][0]
+        assert last_motion < first_zero
+
+
+def test_estop_wins_over_decisions():
+    with graph(("navigator",), overrides={"navigator": {"use_odometry": False}}) as g:
+        probe = navigator_probe(g)
+        first = decision_msg(probe, "Action: move forward 2 m")
+        probe.publish_when_matched("decision", first)
+        wait_until(lambda: moving(twists(probe)), what="motion")
+        probe.publish_when_matched("estop", Bool(data=True))
+        wait_until(lambda: state_for(probe, first.header.stamp, state="estop"), what="the e-stop state")
+        engaged_at = wait_until(lambda: [t for t, _ in zeros(twists(probe))], what="a zero Twist")[0]
+        refused = decision_msg(probe, "Action: turn left large")
+        probe.publish_when_matched("decision", refused)
+        state = wait_until(lambda: state_for(probe, refused.header.stamp, state="estop"),
+                           what="the decision refused under e-stop")
+        assert "refused" in state.reason
+        assert all(t < engaged_at for t, _ in moving(twists(probe))), "motion after the e-stop"
+        probe.publish_when_matched("estop", Bool(data=False))
+        wait_until(lambda: any(m.reason == "e-stop released" for m in probe.messages("navigator/state")),
+                   what="the release")
+        again = decision_msg(probe, "Action: turn left small")
+        probe.publish_when_matched("decision", again)
+        wait_until(lambda: [m for t, m in moving(twists(probe)) if t > engaged_at and m.angular.z > 0],
+                   what="motion after the release")
+
+
+def test_fault_stop_stops_motion_and_is_not_an_episode_step():
+    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}}) as g:
+        probe = navigator_probe(g)
+        probe.subscribe(String, "sim/episode", LATCHED_QOS)
+        go = decision_msg(probe, "Action: move forward large")
+        probe.publish_when_matched("decision", go)
+        wait_until(lambda: moving(twists(probe)), what="motion")
+        fault = decision_msg(probe, "", fault="verifier unreachable: test")
+        probe.publish_when_matched("decision", fault)
+        state = wait_until(lambda: state_for(probe, fault.header.stamp), what="the fault stop")
+        assert state.state == "idle" and state.reason.startswith("fault stop")
+        wait_until(lambda: zeros(twists(probe)), what="a zero Twist")
+        episode = g.nodes["sim_robot"].episode()
+        assert episode["steps"] == 1 and not episode["done"]
+
+
+# ------------------------------------------------------------------------------------------------
+# drafter
+
+def drafter_overrides(draft_dir, **extra):
+    values = {"model_path": draft_dir, "mode": "ar", "deadline_s": 10.0}
+    values.update(extra)
+    return values
+
+
+def test_command_to_decision_to_cmd_vel_end_to_end(untrained_pair):
+    """The whole graph: command -> drafter (AR against a scripted target) -> VerifiedAction ->
+    navigator -> cmd_vel -> sim_robot; the monitor annotates the decision's own frame."""
+    draft_dir, _ = untrained_pair
+    from edgespec_ros.spec.engines import load_model
+    tokenizer = load_model(draft_dir).tokenizer
+    factory = lambda draft_lm: ScriptedVerifier(tokenizer, ANSWER)  # noqa: E731
+    overrides = {"drafter": drafter_overrides(draft_dir), "sim_robot": {"camera_rate_hz": 5.0}}
+    with graph(("sim_robot", "drafter", "navigator", "monitor"), overrides=overrides,
+               node_kwargs={"drafter": {"verifier_factory": factory}}) as g:
+        probe = navigator_probe(g)
+        probe.subscribe(VerifiedAction, "decision", RELIABLE_QOS)
+        probe.subscribe(DecodingStats, "decoding_stats", RELIABLE_QOS)
+        probe.subscribe(String, "drafter/partial_text", RELIABLE_QOS)
+        probe.subscribe(Image, "camera/image_raw", SENSOR_QOS)
+        probe.subscribe(Image, "monitor/annotated_image", RELIABLE_QOS)
+        probe.subscribe(MarkerArray, "monitor/markers", RELIABLE_QOS)
+        probe.subscribe(DiagnosticArray, "/diagnostics", RELIABLE_QOS)
+        probe.publisher(String, "command", RELIABLE_QOS)
+        g.activate_drafter()
+        yaw0 = g.nodes["sim_robot"].world.pose.yaw_rad
+        probe.publish_when_matched("command", String(data="find the silver bottle"))
+
+        decision = wait_until(lambda: probe.messages("decision"), what="a VerifiedAction")[0]
+        assert decision.parsed and not decision.fault
+        assert decision.action == "turn left small" and decision.text == ANSWER
+        assert decision.reasoning == "The silver bottle is a little to the left."
+        assert decision.instruction == "find the silver bottle" and decision.mode == "ar"
+        assert decision.tokens == len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
+        assert decision.latency_s > 0
+        # the decision carries the capture stamp of a frame the sim published
+        wait_until(lambda: probe.messages("camera/image_raw"), what="camera frames")
+        frame_stamps = {time_to_ns(m.header.stamp) for m in probe.messages("camera/image_raw")}
+        assert time_to_ns(decision.header.stamp) in frame_stamps
+        partial = wait_until(lambda: [m.data for m in probe.messages("drafter/partial_text")
+                                      if m.data == ANSWER], what="the streamed verified text")
+        assert partial == [ANSWER]  # streamed in growing prefixes, complete once
+
+        wait_until(lambda: moving(twists(probe)), what="cmd_vel motion")
+        wait_until(lambda: state_for(probe, decision.header.stamp, reason_prefix="completed"), what="turn completed")
+        assert math.degrees(g.nodes["sim_robot"].world.pose.yaw_rad - yaw0) == pytest.approx(15.0, abs=3.0)
+
+        stats = wait_until(lambda: probe.messages("decoding_stats"), what="DecodingStats")[-1]
+        assert stats.decisions >= 1 and stats.mode == "ar" and stats.tokens >= decision.tokens
+        annotated = wait_until(lambda: [m for m in probe.messages("monitor/annotated_image")
+                                        if m.header.stamp == decision.header.stamp], what="the annotated frame")
+        assert annotated[0].width == 448
+        markers = wait_until(lambda: [m for m in probe.messages("monitor/markers")
+                                      if "turn left small" in m.markers[0].text], what="the action marker")[0]
+        assert markers.markers[0].header.frame_id == "odom" and markers.markers[1].type == markers.markers[1].ARROW
+        ns = g.namespace
+
+        def link_status():
+            for array in probe.messages("/diagnostics"):
+                for status in array.status:
+                    if status.name == "edgespec: link" and status.values:
+                        return status
+        status = wait_until(link_status, what="link diagnostics")
+        keys = {kv.key for kv in status.values}
+        assert {"rtt_ms", "tau", "acceptance_rate", "cache_miss_rate", "tokens_per_second"} <= keys, ns
+        # the drafter waited for the motion and then decided again on a newer frame
+        second = wait_until(lambda: probe.messages("decision")[1:], what="a second decision")[0]
+        assert time_to_ns(second.header.stamp) > time_to_ns(decision.header.stamp)
+
+
+def test_verifier_down_gives_a_stop_within_the_deadline(untrained_pair):
+    draft_dir, _ = untrained_pair
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    overrides = {"drafter": drafter_overrides(draft_dir, server_url=f"ws://127.0.0.1:{closed_port}", deadline_s=4.0,
+                                              mode="sd")}
+    with graph(("drafter",), overrides=overrides) as g:
+        probe = Probe(g)
+        probe.subscribe(VerifiedAction, "decision", RELIABLE_QOS)
+        probe.publisher(String, "command", RELIABLE_QOS)
+        probe.publisher(Image, "camera/image_raw", SENSOR_QOS)
+        g.activate_drafter()
+        image = np.zeros((112, 112, 3), np.uint8)
+        probe.publish_when_matched("command", String(data="find the silver bottle"))
+        sent = time.monotonic()
+        stop_frames = threading.Event()
+
+        def camera():
+            while not stop_frames.is_set():
+                probe.publishers["camera/image_raw"].publish(
+                    rgb_to_image(image, probe.node.get_clock().now().nanoseconds, "cam"))
+                stop_frames.wait(0.1)
+        thread = threading.Thread(target=camera, daemon=True)
+        thread.start()
+        try:
+            entries = wait_until(lambda: probe.timed("decision"), timeout_s=4.0 + 5.0, what="a stop decision")
+        finally:
+            stop_frames.set()
+            thread.join(2)
+        received, msg = entries[0]
+        assert msg.action == "stop" and msg.parsed and msg.fault.startswith("verifier unreachable")
+        assert received - sent < 4.0  # within the deadline: a refused connection is a fault at once
+
+
+def test_silent_verifier_misses_the_deadline_and_stops(untrained_pair):
+    """A server that accepts the connection and never answers: the stop comes at the deadline."""
+    draft_dir, _ = untrained_pair
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    overrides = {"drafter": drafter_overrides(draft_dir, server_url=f"ws://127.0.0.1:{port}", deadline_s=1.5,
+                                              verifier_timeout_s=30.0, mode="sd")}
+    try:
+        with graph(("drafter",), overrides=overrides) as g:
+            probe = Probe(g)
+            probe.subscribe(VerifiedAction, "decision", RELIABLE_QOS)
+            probe.publisher(String, "command", RELIABLE_QOS)
+            probe.publisher(Image, "camera/image_raw", SENSOR_QOS)
+            g.activate_drafter()
+            probe.publish_when_matched("command", String(data="find the silver bottle"))
+            probe.publish_when_matched("camera/image_raw", rgb_to_image(
+                np.zeros((112, 112, 3), np.uint8), probe.node.get_clock().now().nanoseconds, "cam"))
+            started = time.monotonic()
+            received, msg = wait_until(lambda: probe.timed("decision"), timeout_s=10.0, what="the deadline stop")[0]
+            assert msg.action == "stop" and msg.fault.startswith("deadline missed")
+            assert 1.5 - 0.1 <= received - started < 1.5 + 3.0  # at the deadline, not before
+            listener.close()  # resets the hanging connection, so the abandoned decision ends now
+    finally:
+        listener.close()
+
+
+def lifecycle_state(node) -> str:
+    return node._state_machine.current_state[1]
+
+
+def test_lifecycle_transitions(untrained_pair, tmp_path):
+    draft_dir, _ = untrained_pair
+    missing = str(tmp_path / "no-such-model")
+    with graph(("drafter",), overrides={"drafter": drafter_overrides(missing)}) as g:
+        drafter = g.nodes["drafter"]
+        assert lifecycle_state(drafter) == "unconfigured"
+        assert drafter.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert lifecycle_state(drafter) == "unconfigured"
+        assert missing in drafter.last_error and "not a directory" in drafter.last_error
+        assert drafter.draft_lm is None
+    token_file = str(tmp_path / "absent-token")
+    with graph(("drafter",), overrides={"drafter": drafter_overrides(draft_dir, token_file=token_file)}) as g:
+        drafter = g.nodes["drafter"]
+        assert drafter.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert "token_file" in drafter.last_error and token_file in drafter.last_error
+    with graph(("drafter",), overrides={"drafter": drafter_overrides(draft_dir)}) as g:
+        drafter = g.nodes["drafter"]
+        assert drafter.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        assert lifecycle_state(drafter) == "inactive" and drafter.draft_lm is not None
+        assert drafter.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        assert lifecycle_state(drafter) == "active" and drafter.core is not None
+        assert drafter.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+        assert lifecycle_state(drafter) == "inactive" and drafter.draft_lm is None and drafter.core is None
+        assert drafter.trigger_activate() == TransitionCallbackReturn.SUCCESS  # loads the model again
+        assert drafter.draft_lm is not None
+        assert drafter.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+        assert drafter.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+        assert lifecycle_state(drafter) == "unconfigured"
+
+
+@pytest.mark.parametrize("reliability", [ReliabilityPolicy.BEST_EFFORT, ReliabilityPolicy.RELIABLE])
+def test_image_subscriptions_match_best_effort_and_reliable_publishers(untrained_pair, reliability):
+    """go2_ros2_sdk publishes camera/image_raw BEST_EFFORT (bgr8, depth 1): drafter and monitor must
+    match it (a RELIABLE subscription would not), and reliable publishers too."""
+    draft_dir, _ = untrained_pair
+    with graph(("drafter", "monitor"), overrides={"drafter": drafter_overrides(draft_dir)}) as g:
+        g.activate_drafter()
+        probe = Probe(g)
+        pub = probe.publisher(Image, "camera/image_raw", QoSProfile(depth=1, reliability=reliability))
+        wait_until(lambda: pub.get_subscription_count() >= 2, what="drafter and monitor matching the publisher")
+        rgb = np.zeros((112, 112, 3), np.uint8)
+        rgb[:, :, 0] = 200  # red
+        stamp = probe.node.get_clock().now().nanoseconds
+        msg = rgb_to_image(rgb, stamp, "front_camera", encoding="bgr8")
+        core = g.nodes["drafter"].core
+
+        def got_frame():
+            pub.publish(msg)  # best effort may drop a frame: publish until one arrives
+            return core.frame is not None and core.frame.stamp_ns == stamp
+        wait_until(got_frame, what="the drafter receiving the frame", poll_s=0.05)
+        assert np.array_equal(core.frame.image, rgb)  # bgr8 decoded to RGB
+        assert core.frame.frame_id == "front_camera"
+
+
+def test_camera_node_publishes_stamped_frames_from_a_video(tmp_path):
+    import cv2
+    video = str(tmp_path / "walk.avi")
+    writer = cv2.VideoWriter(video, cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
+    for i in range(5):
+        writer.write(np.full((48, 64, 3), (10 * i, 100, 200), np.uint8))  # BGR
+    writer.release()
+    with graph(("camera",), overrides={"camera": {"source": video, "rate_hz": 20.0}}) as g:
+        probe = Probe(g)
+        probe.subscribe(Image, "camera/image_raw", SENSOR_QOS)
+        probe.subscribe(CompressedImage, "camera/image_raw/compressed", SENSOR_QOS)
+        frames = wait_until(lambda: probe.messages("camera/image_raw")[:6], what="camera frames")
+        wait_until(lambda: probe.messages("camera/image_raw/compressed"), what="compressed frames")
+        first = frames[0]
+        assert (first.width, first.height, first.encoding, first.header.frame_id) == (64, 48, "bgr8", "front_camera")
+        assert time_to_ns(first.header.stamp) > 0
+        wait_until(lambda: len(probe.messages("camera/image_raw")) >= 7, what="frames after the video looped")
+
+
+def test_camera_node_refuses_a_bad_source():
+    with pytest.raises(RuntimeError, match="cannot open camera source"):
+        with graph(("camera",), overrides={"camera": {"source": "/no/such/video.mp4"}}):
+            pass
+
+
+def test_sim_robot_publishes_odometry_and_true_pose():
+    with graph(("sim_robot",), overrides={"sim_robot": {"camera_rate_hz": 1.0}}) as g:
+        from nav_msgs.msg import Odometry
+        probe = Probe(g)
+        probe.subscribe(Odometry, "odom", SENSOR_STREAM_QOS).subscribe(PoseStamped, "sim/true_pose", SENSOR_STREAM_QOS)
+        odom = wait_until(lambda: probe.messages("odom"), what="odometry")[0]
+        pose = wait_until(lambda: probe.messages("sim/true_pose"), what="true pose")[0]
+        start = g.nodes["sim_robot"].scenario.robot
+        assert (odom.pose.pose.position.x, odom.pose.pose.position.y) == (0.0, 0.0)  # odometry starts at zero
+        assert (pose.pose.position.x, pose.pose.position.y) == (start.x, start.y)
+        assert pose.header.frame_id == "map" and odom.header.frame_id == "odom"
+
+
+def test_expert_decisions_through_navigator_and_sim_reach_the_goal():
+    """The motion half of the closed loop, without models: the sim's expert decides from the true
+    pose, each decision goes over the `decision` topic, the navigator executes it on odometry
+    through cmd_vel, and the next decision waits for the navigator's 'completed'. The episode must
+    end in success, as the expert's own discrete rollout does (so primitives are executed accurately)."""
+    from edgespec_ros.sim.expert import ExpertPolicy
+    fast = {"max_linear_mps": 1.0, "max_angular_rps": 2.0, "max_linear_accel_mps2": 2.0,
+            "max_angular_accel_rps2": 4.0}
+    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}, "navigator": fast}) as g:
+        probe = navigator_probe(g)
+        probe.subscribe(String, "sim/episode", LATCHED_QOS)
+        from nav_msgs.msg import Odometry
+        probe.subscribe(Odometry, "odom", SENSOR_STREAM_QOS)
+        wait_until(lambda: probe.messages("odom"), what="odometry flowing")
+        sim = g.nodes["sim_robot"]
+        expert = ExpertPolicy()
+        for _ in range(sim.scenario.max_steps):
+            decision = expert.decide(sim.scenario, sim.world.pose)
+            msg = decision_msg(probe, decision.text)
+            probe.publish_when_matched("decision", msg)
+            if decision.action.kind == "stop":
+                break
+            done = wait_until(lambda: state_for(probe, msg.header.stamp, state="idle"), what=decision.action.text)
+            assert done.reason == "completed", done.reason
+        episode = wait_until(lambda: sim.episode()["done"] and sim.episode(), what="the episode end")
+        assert episode["success"], episode
+        assert episode["collisions"] == 0
+
+
+def test_walking_into_an_object_is_one_collision_and_the_navigator_gives_up():
+    """Facing the silver box from close by, 'move forward large' is blocked: the sim stops the robot
+    at the contact, reports one collision (not one per physics step), and the navigator, seeing
+    no odometry progress, gives the move up instead of pushing until the watchdog."""
+    from edgespec_ros.sim.scenario import Pose
+    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0},
+                                                      "navigator": {"stall_timeout_s": 1.0}}) as g:
+        probe = navigator_probe(g)
+        from nav_msgs.msg import Odometry
+        probe.subscribe(Odometry, "odom", SENSOR_STREAM_QOS)
+        sim = g.nodes["sim_robot"]
+        box = sim.scenario.object_by_id("box1")
+        with sim._lock:
+            sim.world.set_pose(Pose(box.x - 0.9, box.y, 0.0))
+        wait_until(lambda: probe.messages("odom"), what="odometry flowing")
+        msg = decision_msg(probe, "Action: move forward large")
+        probe.publish_when_matched("decision", msg)
+        state = wait_until(lambda: state_for(probe, msg.header.stamp, state="idle"), what="the move ending")
+        assert state.reason.startswith("blocked"), state.reason
+        episode = sim.episode()
+        assert episode["collisions"] == 1
+        assert box.x - sim.world.pose.x == pytest.approx(box.footprint_radius_m + 0.2, abs=0.02)
