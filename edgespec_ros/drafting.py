@@ -30,7 +30,7 @@ import numpy as np
 
 from .actions import ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
 from .spec.decode import DECODING_MODES, DecodeConfig
-from .spec.metrics import DecisionMetrics
+from .spec.metrics import DecisionMetrics, RunSummary
 from .spec.sampling import SamplingParams
 
 NS = 1_000_000_000
@@ -359,23 +359,23 @@ class DrafterCore:
 
 @dataclass
 class DecodingStatsAggregator:
-    """Running totals over the decisions of a drafter (the fields of DecodingStats)."""
+    """Running totals over the decisions of a drafter (the fields of DecodingStats).
+
+    Token/round/acceptance totals are a spec.metrics.RunSummary; this adds decision, fault and
+    unparseable counts, the link round-trip window, and a lock (callbacks run on several threads).
+    """
 
     mode: str
     decisions: int = 0
     faults: int = 0
     unparseable: int = 0
-    tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    uplink_bytes: int = 0
-    downlink_bytes: int = 0
-    wall_s: float = 0.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
+    totals: RunSummary = None
     rtt_ms: deque = field(default_factory=lambda: deque(maxlen=200))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        if self.totals is None:
+            self.totals = RunSummary(mode=self.mode, link="", compute="")
 
     def add(self, outcome: DecisionOutcome) -> None:
         m = outcome.metrics
@@ -384,19 +384,7 @@ class DecodingStatsAggregator:
             self.unparseable += 0 if outcome.parsed else 1
             if m is None:
                 return
-            self.tokens += m.tokens
-            self.rounds += m.rounds
-            self.drafted += m.drafted
-            self.accepted += m.accepted
-            self.uplink_bytes += m.uplink_bytes
-            self.downlink_bytes += m.downlink_bytes
-            self.wall_s += m.wall_s
-            for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
-                if i >= len(self.drafted_per_position):
-                    self.drafted_per_position.append(0)
-                    self.accepted_per_position.append(0)
-                self.accepted_per_position[i] += a
-                self.drafted_per_position[i] += d
+            self.totals.add(m)
             if m.rounds and (m.t_uplink or m.t_downlink):
                 self.rtt_ms.append(1e3 * (m.t_uplink + m.t_downlink) / m.rounds)
 
@@ -407,18 +395,19 @@ class DecodingStatsAggregator:
     def snapshot(self) -> dict:
         """The DecodingStats fields (cache_miss_rate is NaN outside fsd)."""
         with self._lock:
+            t = self.totals
+            row = t.row()
             return {
                 "mode": self.mode,
                 "decisions": self.decisions,
-                "tokens": self.tokens,
-                "rounds": self.rounds,
-                "tau": self.tokens / self.rounds if self.rounds else 0.0,
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "acceptance_per_position": [a / d if d else 0.0 for a, d in
-                                            zip(self.accepted_per_position, self.drafted_per_position)],
+                "tokens": t.tokens,
+                "rounds": t.rounds,
+                "tau": row["tau"],
+                "acceptance_rate": row["acceptance_rate"] or 0.0,
+                "acceptance_per_position": row["acceptance_per_position"],
                 "cache_miss_rate": float("nan"),
-                "tokens_per_second": self.tokens / self.wall_s if self.wall_s else 0.0,
+                "tokens_per_second": t.tokens / t.wall_s if t.wall_s else 0.0,
                 "rtt_ms": statistics.median(self.rtt_ms) if self.rtt_ms else 0.0,
-                "uplink_bytes": self.uplink_bytes,
-                "downlink_bytes": self.downlink_bytes,
+                "uplink_bytes": t.uplink_bytes,
+                "downlink_bytes": t.downlink_bytes,
             }

@@ -22,14 +22,11 @@ def unique_namespace() -> str:
 
 def wait_until(predicate, timeout_s: float = DEADLINE_S, what: str = "condition", poll_s: float = 0.01):
     """Return predicate()'s first truthy value; fail the test naming `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(poll_s)
+    from edgespec_ros.bringup import wait_for
+    try:
+        return wait_for(predicate, timeout_s, what, poll_s)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 class Probe:
