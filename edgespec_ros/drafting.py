@@ -104,6 +104,8 @@ class DrafterSettings:
     temperature: float = 0.0
     seed: int = 0
     codec: str = "dense32"
+    predraft_workers: int = 4
+    client_queue: str = "priority"
     deadline_s: float = 8.0
     retry_interval_s: float = 1.0
     max_frame_age_s: float = 1.0
@@ -128,7 +130,7 @@ class DrafterSettings:
     def decode_config(self, decision_index: int) -> DecodeConfig:
         return DecodeConfig(mode=self.mode, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
                             params=SamplingParams(self.temperature), seed=self.seed + decision_index,
-                            codec=self.codec)
+                            codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue)
 
 
 @dataclass

@@ -544,8 +544,9 @@ class FakeVerifier:
         try:
             for raw in ws:
                 answer = self.reply(P.decode(raw))
-                if answer is not None:
-                    ws.send(answer)
+                for frame in (answer if isinstance(answer, list) else [answer]):  # a list: several frames
+                    if frame is not None:
+                        ws.send(frame)
         except ConnectionClosed:
             pass
 
@@ -617,7 +618,7 @@ def test_client_reports_an_error_frame_as_refused(pair):
 
 
 @pytest.mark.parametrize("answer,fragment", [
-    (P.HEADER.pack(P.MAGIC, 2, P.FrameType.WELCOME, 0, 0), "protocol version 2"),
+    (P.HEADER.pack(P.MAGIC, 3, P.FrameType.WELCOME, 0, 0), "protocol version 3"),
     (b"\x89PNG garbage from a web server", "bad magic"),
     ("a text frame", "got text"),
     (P.encode(P.Token(1, 0, 1, 1.0, True)), "expected Welcome, got Token"),

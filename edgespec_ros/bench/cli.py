@@ -3,26 +3,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tqdm import tqdm
 
 from ..codecs import get_codec
 from ..spec.compute import COMPUTE_PROFILES, get_compute
-from ..spec.decode import DECODING_MODES
+from ..spec.decode import DECODING_MODES, DecodeConfig
 from ..spec.sampling import SamplingParams
 from ..wire.link import PROFILES
+from .sweeps import SWEEPS, SweepOptions
 from .runner import add_speedups, bench_prompts, emulated_setup, env_threads, format_table, resolve_models, run_modes
+
+
+def gamma_arg(text: str) -> int | str:
+    """--gamma: an integer draft length or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer draft length nor 'auto'") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-bench", description=__doc__)
     ap.add_argument("--modes", default="ar,sd", help=f"comma-separated modes from {','.join(DECODING_MODES)} (default ar,sd)")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link profile")
-    ap.add_argument("--compute", default="native", choices=list(COMPUTE_PROFILES),
-                    help="native, or pad compute to the paper's Go2 hardware (go2-paper, emulated)")
-    ap.add_argument("--decisions", type=int, default=8, help="decisions (prompts) per mode")
-    ap.add_argument("--gamma", type=int, default=4, help="draft length")
+    ap.add_argument("--compute", default=None, choices=list(COMPUTE_PROFILES),
+                    help="native (default), or pad compute to the paper's Go2 hardware (go2-paper, emulated); "
+                         "with --sweep: every link's compute (default: the sweep's own)")
+    ap.add_argument("--decisions", type=int, default=None,
+                    help="decisions (prompts) per mode (default 8); with --sweep: measured decisions per setting "
+                         "(default: the sweep's, small)")
+    ap.add_argument("--gamma", type=gamma_arg, default=4,
+                    help="draft length 1..64, or auto: ODLD per round and AS2 (sd or ar) per decision on "
+                         "online estimates (spec.draft_length.AutoGamma)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -34,11 +51,58 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=None, help="draft model dir (default: embedded draft)")
     ap.add_argument("--target", default=None, help="target model dir (default: embedded target)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
+    sweep = ap.add_argument_group("sweeps", "--sweep NAME runs a named sweep instead of the mode comparison: "
+                                  + "; ".join(f"{s.name}: {s.summary}" for s in SWEEPS.values()))
+    sweep.add_argument("--sweep", default=None, choices=list(SWEEPS), help="the sweep to run")
+    sweep.add_argument("--plot", default=None, help="the sweep's PNG (default out/<sweep>.png)")
+    sweep.add_argument("--links", nargs="+", choices=list(PROFILES), default=None,
+                       help="link profiles (default: the sweep's)")
+    sweep.add_argument("--codecs", nargs="+", default=None,
+                       help="codec specs, space-separated (codecs sweep; default: its list of 15)")
+    sweep.add_argument("--gammas", nargs="+", type=int, default=None,
+                       help="fixed draft lengths (gamma-auto sweep; default 1 2 3 4 6 8); the codecs sweep "
+                            "drafts with the first (default 4)")
+    sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
+                       help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
+                            "(default 0)")
     return ap
+
+
+def run_sweep(args) -> int:
+    """--sweep NAME: measure, print the table, write the plot and (--json) the rows."""
+    try:
+        codecs = [get_codec(c).spec for c in args.codecs] if args.codecs else None
+    except ValueError as exc:
+        print(f"edgespec-bench: --codecs: {exc}", file=sys.stderr)
+        return 2
+    if args.gammas and not all(1 <= g <= 64 for g in args.gammas):
+        print(f"edgespec-bench: --gammas must be in 1..64, got {args.gammas}", file=sys.stderr)
+        return 2
+    sweep = SWEEPS[args.sweep]
+    env_threads()
+    pair = resolve_models(args.draft, args.target)
+    opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                        links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
+                        gammas=args.gammas)
+    print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
+    rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
+    print(sweep.table(rows))
+    plot = args.plot or os.path.join("out", f"{sweep.name}.png")
+    sweep.plot(rows, plot)
+    print(f"wrote {plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.sweep:
+        return run_sweep(args)
+    args.compute = args.compute or "native"
+    args.decisions = args.decisions or 8
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in DECODING_MODES]
     if bad:
@@ -48,6 +112,12 @@ def main(argv=None) -> int:
         args.codec = get_codec(args.codec).spec
     except ValueError as exc:
         print(f"edgespec-bench: --codec: {exc}", file=sys.stderr)
+        return 2
+    try:
+        for mode in modes:
+            DecodeConfig(mode=mode, gamma=args.gamma, codec=args.codec)
+    except ValueError as exc:
+        print(f"edgespec-bench: --gamma: {exc}", file=sys.stderr)
         return 2
     env_threads()
     compute = get_compute(args.compute)
@@ -65,6 +135,10 @@ def main(argv=None) -> int:
     rows = add_speedups([summaries[m].row() | {"codec": args.codec, "temperature": args.temperature}
                          for m in modes])
     print(format_table(rows, compute.emulated))
+    for r in rows:
+        if r["gamma"] == "auto":
+            print(f"gamma auto ({r['mode']} row): AS2 chose cloud AR in {r['ar_decisions']} of {r['decisions']} "
+                  f"decisions; ODLD's gamma per SD round: {r['gamma_counts'] or '-'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -95,8 +95,11 @@ def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
 
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
               gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
-              codec: str = "dense32", token: str = "", on_decision=None) -> dict[str, RunSummary]:
-    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode."""
+              codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0) -> dict[str, RunSummary]:
+    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
+
+    The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
+    (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup)."""
     profile = get_profile(link)
     summaries = {}
     for mode in modes:
@@ -109,7 +112,8 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec)
                 decision = decoder.decide(instruction, image, cfg)
-                summary.add(decision.metrics)
+                if i >= warmup:
+                    summary.add(decision.metrics)
                 if on_decision:
                     on_decision(mode, i, instruction, decision)
         summaries[mode] = summary

@@ -52,7 +52,8 @@ class DrafterNode(LifecycleNode):
         p = self.p = declare_parameters(self, params.DRAFTER)
         self.settings = DrafterSettings(
             mode=p["mode"], gamma=p["gamma"], max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
-            seed=p["seed"], codec=p["codec"], deadline_s=p["deadline_s"], retry_interval_s=p["retry_interval_s"],
+            seed=p["seed"], codec=p["codec"], predraft_workers=p["predraft_workers"],
+            client_queue=p["client_queue"], deadline_s=p["deadline_s"], retry_interval_s=p["retry_interval_s"],
             max_frame_age_s=p["max_frame_age_s"], wait_for_motion=p["wait_for_motion"],
             motion_wait_timeout_s=p["motion_wait_timeout_s"], finish_on_stop=p["finish_on_stop"],
             max_decisions=p["max_decisions"])
@@ -172,6 +173,8 @@ class DrafterNode(LifecycleNode):
                 self.core.decoder.verifier.close()
             except Exception:  # noqa: BLE001 - a dead link may fail to close; it is dropped anyway
                 pass
+        if self.core is not None and hasattr(self.core.decoder, "close"):
+            self.core.decoder.close()  # fsd pre-draft worker threads
         self.core = None
         self.draft_lm = None
         gc.collect()

@@ -49,12 +49,17 @@ DRAFTER = (
     P("model_path", "", "local directory of the draft VLM; '' = the embedded default draft model"),
     P("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier (edgespec-verifier)"),
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
-    P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd when available"),
+    P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
+                    "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd)"),
     P("gamma", 4, "draft tokens per verification round (sd)", min_value=1, max_value=64),
     P("max_new_tokens", 96, "token budget of one decision", min_value=1, max_value=4096),
     P("temperature", 0.0, "sampling temperature (0 = greedy)", min_value=0.0),
     P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
     P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs)"),
+    P("predraft_workers", 4, "fsd: pre-draft worker threads (each drafts the next block for one early exit)",
+      min_value=1, max_value=64),
+    P("client_queue", "priority", "fsd: order in which received early exits are pre-drafted: priority "
+                                  "(most confident first), fifo or random"),
     P("deadline_s", 8.0, "a decision not verified within this many seconds is replaced by a stop", min_value=0.05),
     P("verifier_timeout_s", 5.0, "timeout of each wait for the verifier (connect, every reply)", min_value=0.05),
     P("retry_interval_s", 1.0, "pause after a fault before the next decision", min_value=0.01),

@@ -7,7 +7,7 @@ the same four calls. ``TargetSession`` is the cloud-side state machine the serve
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Protocol
 
 import torch
@@ -16,31 +16,43 @@ from ..codecs import get_codec
 from .engines import LoadedModel, eos_token_ids
 from .inputs import PromptInputs, build_inputs, encode_jpeg
 from .compute import pad_to
+from .draft_length import AutoGamma
 from .metrics import DecisionMetrics
 from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
 from .verify import VerifyResult, verify
 
-DECODING_MODES = ("ar", "sd")
+DECODING_MODES = ("ar", "sd", "fsd")
 
 
 @dataclass
 class DecodeConfig:
     mode: str = "sd"
-    gamma: int = 4
+    gamma: int | str = 4  # draft length, or "auto" (sd only): AutoGamma picks it per round (spec.draft_length)
     max_new_tokens: int = 64
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     verify_mode: str = "rejection"  # or "greedy"
     codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
+    workers: int = 4  # fsd: pre-draft worker threads
+    client_queue: str = "priority"  # fsd: order in which early exits are pre-drafted (priority|fifo|random)
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
             raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
-        if not 1 <= self.gamma <= 64:
-            raise ValueError(f"gamma (draft length) must be in 1..64, got {self.gamma}")
+        if self.gamma == "auto":
+            if self.mode == "fsd":
+                raise ValueError("gamma 'auto' is for sd mode (it picks sd or ar per decision); "
+                                 "give fsd an integer gamma")
+        elif isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
+            raise ValueError(f"gamma (draft length) must be in 1..64 or 'auto', got {self.gamma!r}")
         get_codec(self.codec)  # raises on an unknown name or a bad parameter
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        from .fsd import QUEUE_POLICIES
+        if self.client_queue not in QUEUE_POLICIES:
+            raise ValueError(f"client_queue must be one of {QUEUE_POLICIES}, got {self.client_queue!r}")
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"workers (pre-draft threads) must be in 1..64, got {self.workers}")
 
 
 @dataclass
@@ -53,6 +65,8 @@ class VerifyReply:
     downlink_bytes: int = 0
     uplink_s: float = 0.0  # link time, where known (emulated links); else split from the RTT
     downlink_s: float = 0.0
+    exit_layer: int = 0  # earliest early exit agreeing with the final verdict (0: no exits computed)
+    exits_received: int = 0  # early exits streamed to the robot this round
 
 
 @dataclass
@@ -66,7 +80,7 @@ class Prompt:
 
 class Verifier(Protocol):
     def start(self, prompt: Prompt, cfg: DecodeConfig) -> dict: ...
-    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor) -> VerifyReply: ...
+    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor, on_exit=None) -> VerifyReply: ...
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]: ...
     def close(self) -> None: ...
 
@@ -78,6 +92,9 @@ class TargetSession:
         self.lm = lm
         self.seq = lm.new_sequence()
         self.cfg: DecodeConfig | None = None
+        self._exit_last: dict[int, torch.Tensor] = {}
+        self.last_exits: list = []
+        self.last_exit_layer = 0
 
     def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
         """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
@@ -108,20 +125,68 @@ class TargetSession:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         t0 = time.perf_counter()
         self.cfg = cfg
-        self.seq.prefill(self.build_prompt_inputs(prompt))
+        inputs = self.build_prompt_inputs(prompt)
+        self._exit_last = {}
+        if self.lm.exits is not None:
+            # Each exit's logits at the last prompt position: the first row of round 1's verification.
+            from .exits import ExitHooks
+            with ExitHooks(self.lm.model, self.lm.exits) as hooks:
+                hooks.callback = lambda layer, logits: self._exit_last.__setitem__(layer, logits[0])
+                self.seq.prefill(inputs)
+        else:
+            self.seq.prefill(inputs)
         return time.perf_counter() - t0
 
-    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor | None) -> tuple[VerifyResult, float]:
-        """One verification round; commits accepted tokens + next token to the target state."""
+    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor | None,
+               on_exit=None) -> tuple[VerifyResult, float]:
+        """One verification round; commits accepted tokens + next token to the target state.
+
+        With early exits loaded and ``on_exit`` given, each exit's own verification of the draft
+        (Eq. 5: same rule, same keyed randomness, its own logits) is passed to on_exit(ExitResult)
+        from inside the forward pass, shallowest first. Exits never commit anything: only the
+        final layer's result does. After the call, ``last_exits`` holds every exit's result and
+        ``last_exit_layer`` the earliest exit layer whose result equals the final one
+        (``lm.num_layers`` when none does; 0 when exits were not computed).
+        """
         if self.cfg is None:
             raise RuntimeError("verify before prefill")
         t0 = time.perf_counter()
         start_position = len(self.seq.generated)
-        logits = self.seq.target_logits(draft_ids)
-        result = verify(torch.tensor(draft_ids, dtype=torch.long), draft_probs, logits, self.cfg.params,
+        ids = torch.tensor(draft_ids, dtype=torch.long)
+        self.last_exits, self.last_exit_layer = [], 0
+        if on_exit is not None and self.lm.exits is not None:
+            logits = self._target_logits_with_exits(draft_ids, ids, draft_probs, start_position, on_exit)
+        else:
+            logits = self.seq.target_logits(draft_ids)
+        result = verify(ids, draft_probs, logits, self.cfg.params,
                         seed=self.cfg.seed, start_position=start_position, mode=self.cfg.verify_mode)
+        if self.last_exits:
+            final = (result.accepted, result.next_token)
+            self.last_exit_layer = next((e.layer for e in self.last_exits if e.key == final), self.lm.num_layers)
         self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
         return result, time.perf_counter() - t0
+
+    def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:
+        from .exits import ExitHooks, ExitResult
+        rows = len(draft_ids) + 1
+        first_rows = not self.seq.pending  # round 1: row 0 comes from the prefill's last position
+
+        def exit_verified(layer: int, exit_logits: torch.Tensor) -> None:
+            z = exit_logits[0]
+            if first_rows:
+                z = torch.cat([self._exit_last[layer].view(1, -1), z], dim=0)
+            z = z[-rows:]
+            r = verify(ids, draft_probs, z, self.cfg.params, seed=self.cfg.seed,
+                       start_position=start_position, mode=self.cfg.verify_mode)
+            confidence = float(torch.softmax(z[r.accepted], dim=-1).max())  # Eq. 4 at its next token
+            res = ExitResult(layer, r.accepted, r.next_token, confidence)
+            self.last_exits.append(res)
+            on_exit(res)
+
+        with ExitHooks(self.lm.model, self.lm.exits) as hooks:
+            hooks.rows = rows - 1 if first_rows else rows
+            hooks.callback = exit_verified
+            return self.seq.target_logits(draft_ids)
 
     def ar_step(self) -> tuple[int, float]:
         """Decode one token with the target alone; returns (token, compute seconds)."""
@@ -144,9 +209,12 @@ class LocalVerifier:
     def start(self, prompt: Prompt, cfg: DecodeConfig) -> dict:
         return {"prefill_s": self.session.start(prompt, cfg)}
 
-    def verify(self, draft_ids, draft_probs) -> VerifyReply:
-        result, dt = self.session.verify(list(draft_ids), draft_probs)
-        return VerifyReply(result.accepted, result.next_token, result.accepted_mask, verify_s=dt)
+    def verify(self, draft_ids, draft_probs, on_exit=None) -> VerifyReply:
+        """on_exit(ExitResult) gets each early exit from inside the forward pass (FSD)."""
+        result, dt = self.session.verify(list(draft_ids), draft_probs, on_exit=on_exit)
+        return VerifyReply(result.accepted, result.next_token, result.accepted_mask, verify_s=dt,
+                           exit_layer=self.session.last_exit_layer,
+                           exits_received=len(self.session.last_exits))
 
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
         for _ in range(max_new_tokens):
@@ -184,6 +252,86 @@ class EdgeDecoder:
         if self.tokenizer is None:
             raise ValueError("EdgeDecoder needs a tokenizer (from the draft model or given)")
         self.eos_ids = draft.eos_token_ids if draft else eos_token_ids(self.tokenizer)
+        self._predrafter = None  # fsd: spec.fsd.PreDrafter, kept across decisions (its threads)
+        self.auto_gamma: AutoGamma | None = None  # gamma "auto": the controller, kept across decisions
+
+    def close(self) -> None:
+        """Stop the pre-draft worker threads (fsd)."""
+        if self._predrafter is not None:
+            self._predrafter.close()
+            self._predrafter = None
+
+    def _draft_token_s(self) -> float:
+        return self.draft_compute.draft_token_s if self.draft_compute is not None else 0.0
+
+    def _get_predrafter(self, cfg: DecodeConfig):
+        from .fsd import PreDrafter
+        p = self._predrafter
+        if p is None or (p.workers, p.policy, p.draft_token_s) != (cfg.workers, cfg.client_queue, self._draft_token_s()):
+            self.close()
+            self._predrafter = PreDrafter(cfg.workers, cfg.client_queue, self._draft_token_s(), seed=cfg.seed)
+        return self._predrafter
+
+    def _decide_fsd(self, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens) -> list[int]:
+        """Fast speculative decoding (FSD Algorithm 1): SD whose next draft is pre-drafted on the
+        cloud's streamed early exits; a cache hit sends it at once, a miss drafts as SD would."""
+        if self.draft is None:
+            raise ValueError("fsd mode needs a draft model")
+        pre = self._get_predrafter(cfg)
+        fork_s0 = pre.stats.fork_s
+        seq = self.draft.new_sequence()
+        codec = get_codec(cfg.codec)
+        t0 = time.perf_counter()
+        seq.prefill(inputs)
+        m.t_draft += time.perf_counter() - t0
+        out: list[int] = []
+
+        def ends_decision(new_tokens: list[int]) -> bool:
+            return truncate_at_stop(out + new_tokens, self.eos_ids, cfg.max_new_tokens)[1]
+
+        draft_ids = None
+        while True:
+            if draft_ids is None:  # first round, or a cache miss: draft as SD does
+                t0 = time.perf_counter()
+                draft_ids, q = seq.draft(cfg.gamma, cfg.params, cfg.seed, prepare=codec.prepare)
+                if self._draft_token_s():
+                    pad_to(t0, len(draft_ids) * self._draft_token_s())
+                m.t_draft += time.perf_counter() - t0
+            pre.begin(seq, codec, draft_ids, cfg.gamma, cfg.params, cfg.seed, ends_decision)
+            try:
+                reply = self.verifier.verify(draft_ids, q, on_exit=pre.offer)
+            except BaseException:
+                pre.finish(None, None)
+                raise
+            m.record_round(reply, len(draft_ids))
+            m.record_exits(reply)
+            new = draft_ids[: reply.accepted] + [reply.next_token]
+            out, finished = truncate_at_stop(out + new, self.eos_ids, cfg.max_new_tokens)
+            if on_tokens:
+                on_tokens(new)
+            if finished:
+                pre.finish(None, None)
+                break
+            entry, waited = pre.finish(reply.accepted, reply.next_token)
+            m.t_draft += waited
+            if entry is not None:  # hit: adopt the pre-drafted state and send its block at once
+                m.predraft_hits += 1
+                seq, codec, draft_ids, q = entry.seq, entry.codec, entry.ids, entry.q
+            else:
+                m.predraft_misses += 1
+                codec.feedback(reply.accepted, len(draft_ids))
+                seq.commit_draft(draft_ids, reply.accepted, reply.next_token)
+                draft_ids = None
+        m.fork_s = pre.stats.fork_s - fork_s0
+        return out
+
+    def _auto_gamma_for(self, cfg: DecodeConfig) -> AutoGamma | None:
+        """The persistent AutoGamma when cfg asks for gamma "auto" in sd mode, else None."""
+        if cfg.gamma != "auto" or cfg.mode != "sd":
+            return None
+        if self.auto_gamma is None:
+            self.auto_gamma = AutoGamma()
+        return self.auto_gamma
 
     def make_prompt(self, instruction: str, image=None) -> tuple[Prompt, PromptInputs]:
         """Encode the frame as JPEG once; both sides see the decoded JPEG, so they agree."""
@@ -193,6 +341,9 @@ class EdgeDecoder:
 
     def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None) -> Decision:
         """Decode one decision's text. on_tokens(list[int]) is called with each newly verified chunk."""
+        auto = self._auto_gamma_for(cfg)  # gamma "auto": None, or the controller of this decoder
+        if auto is not None and auto.begin_decision() == "ar":  # AS2 chose cloud AR for this decision
+            cfg = replace(cfg, mode="ar")
         m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma)
         t_start = time.perf_counter()
         prompt, inputs = self.make_prompt(instruction, image)
@@ -200,6 +351,7 @@ class EdgeDecoder:
         m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
         out: list[int] = []
         if cfg.mode == "ar":
+            t_generate = time.perf_counter()
             for token, step_s in self.verifier.generate(cfg.max_new_tokens):
                 out.append(token)
                 m.rounds += 1
@@ -210,6 +362,10 @@ class EdgeDecoder:
                     break
             m.uplink_bytes += getattr(self.verifier, "last_generate_uplink", 0)
             m.downlink_bytes += getattr(self.verifier, "last_generate_downlink", 0)
+            if auto is not None:  # gamma "auto": AR step time, and the stream's round trip (wall - steps)
+                auto.observe_ar(m.rounds, m.t_verify, time.perf_counter() - t_generate - m.t_verify)
+        elif cfg.mode == "fsd":
+            out = self._decide_fsd(inputs, cfg, m, on_tokens)
         else:
             if self.draft is None:
                 raise ValueError("sd mode needs a draft model")
@@ -220,13 +376,19 @@ class EdgeDecoder:
             m.t_draft += time.perf_counter() - t0
             finished = False
             while not finished:
+                gamma = cfg.gamma if auto is None else auto.next_gamma()
                 t0 = time.perf_counter()
-                draft_ids, q = seq.draft(cfg.gamma, cfg.params, cfg.seed, prepare=codec.prepare)
+                draft_ids, q = seq.draft(gamma, cfg.params, cfg.seed, prepare=codec.prepare)
                 if self.draft_compute is not None and self.draft_compute.draft_token_s:
                     pad_to(t0, len(draft_ids) * self.draft_compute.draft_token_s)
-                m.t_draft += time.perf_counter() - t0
+                draft_s = time.perf_counter() - t0
+                m.t_draft += draft_s
                 reply = self.verifier.verify(draft_ids, q)
                 m.record_round(reply, len(draft_ids))
+                if auto is not None:  # gamma "auto": feed the measured round to the controller
+                    m.gamma_per_round.append(gamma)
+                    auto.observe_round(len(draft_ids), reply.accepted, draft_s, reply.uplink_s + reply.downlink_s,
+                                       reply.verify_s)
                 codec.feedback(reply.accepted, len(draft_ids))
                 seq.commit_draft(draft_ids, reply.accepted, reply.next_token)
                 new = draft_ids[: reply.accepted] + [reply.next_token]

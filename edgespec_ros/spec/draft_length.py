@@ -90,3 +90,196 @@ def adaptive_selection(alpha: float, b: float, c: float, gamma_max: int = GAMMA_
     """AS2 (Algorithm 2): speculate with gamma* unless the predicted speedup is below 1."""
     gamma, s = optimal_draft_length(alpha, b, c, gamma_max)
     return DraftPlan("sd" if s >= 1.0 else "ar", gamma, s, gamma0(alpha, b + c))
+
+
+# --- --gamma auto: ODLD and AS2 on online estimates ------------------------------------------------
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What AutoGamma's model predicts now (times in seconds; b, c in units of round_s)."""
+
+    mode: str  # "sd" or "ar": AS2 on the measured AR step time
+    gamma: int  # ODLD's gamma* for (alpha, b, c)
+    alpha: float  # per-position acceptance probability
+    b: float  # uplink + downlink time per drafted token / round_s
+    c: float  # drafting time per drafted token / round_s
+    round_s: float  # fixed cost of one SD round: verification + link round trip (the paper's T_LLM)
+    ar_step_s: float  # cloud AR time per token
+    speedup: float  # predicted SD throughput over AR throughput at gamma*: S11(gamma*) ar_step_s / round_s
+
+
+class _Ew:
+    """Exponentially weighted sums: each new observation has weight 1, older ones decay by (1 - rate)."""
+
+    def __init__(self, rate: float, n: int):
+        self.rate = rate
+        self.sums = [0.0] * n
+        self.count = 0
+
+    def add(self, *values: float) -> None:
+        keep = 1.0 - self.rate
+        self.sums = [keep * s + v for s, v in zip(self.sums, values)]
+        self.count += 1
+
+
+class AutoGamma:
+    """``--gamma auto``: choose gamma each SD round by ODLD and SD vs cloud AR each decision by AS2,
+    on exponentially weighted estimates from measured rounds. Pure: no clock, no I/O.
+
+    The model. One SD round drafting n tokens costs
+
+        T_round(n) = t_verify + t_rtt + n (t_draft + t_tx),
+
+    a fixed part F = t_verify + t_rtt (the verification forward and the link's round trip, paid
+    once per round whatever n) and a per-token part (drafting plus the uplink bytes of one token).
+    TK-SLT's Eq. 4 is this with t_rtt = 0 and F = T_LLM; with F in the role of T_LLM,
+    b = t_tx / F and c = t_draft / F, a round yields (1 - alpha^(n+1)) / (1 - alpha) tokens in
+    (1 + n L) F seconds, so SD's throughput is S11(n) / F with S11 = Eq. 11, and ODLD's gamma*
+    maximises it. Cloud AR streams one token per t_ar (its step time; the per-decision round trip
+    is paid by both modes), so SD beats AR by S = S11(gamma*) t_ar / F; AS2 picks AR when S < 1.
+    With t_rtt = 0 and t_ar = t_verify this is exactly the paper's Algorithm 2. (Folding the
+    round trip into b instead, as a per-token cost, would charge it gamma times per round and push
+    gamma* towards 1 on every high-latency link.)
+
+    The estimators (rate ``smoothing``: each new round weighs 1, older ones decay by 1 - smoothing):
+    - alpha: the maximum-likelihood estimate of the i.i.d. acceptance model behind Eq. 11:
+      accepted draft positions over attempted ones, where a round that accepted a of n drafts
+      attempted a + 1 positions if a < n (the first rejection ends it) and n if all were accepted.
+      (accepted / drafted would count never-attempted positions as rejections and bias alpha low.)
+    - t_draft: drafting seconds over drafted tokens; t_verify: mean verification seconds per round.
+    - t_tx: the slope of link seconds in n, from differences of consecutive rounds of a decision
+      (delta t over delta n, weighted by delta n^2, each pair's slope clipped to +- the link's mean
+      seconds per drafted token so that one retransmission does not dominate, shrunk towards 0 by
+      a ridge of one pair). Differences cancel a drifting round trip: a line through raw
+      (n, t) points would read "the round trip grew when gamma* grew" as a per-token cost. While
+      n never varies the slope stays 0 (the whole link time counts as fixed), which at worst
+      overestimates F by n t_tx.
+    - t_rtt: mean of each SD round's link seconds less n t_tx, and of each AR decision's round
+      trip (its GENERATE and TOKEN frames carry no draft), so that it follows the link while AR
+      is chosen too. (A single line through both would be pinned by old SD rounds: two x values.)
+    - t_ar: mean target step seconds of AR decisions.
+
+    Policy. The first decision is AR (measures t_ar and the round trip) unless ``ar_step_s`` gives
+    t_ar up front; the next is SD with ``gamma_init`` (measures the rest); then AS2 decides each
+    decision, and within an SD decision every round drafts ODLD's gamma* on the latest estimates.
+    While AR is chosen alpha, t_draft and t_tx cannot be measured, so every ``probe_every``
+    decisions (doubling after each probe that AR survives, up to ``probe_max``) one SD decision
+    probes again, but only when SD could pay at all: when AS2 with an optimistic acceptance
+    ``alpha_probe`` would choose SD. (A drafter slower per token than the target's verification
+    never gets probed.) A probe starts alpha afresh from its own rounds: the old estimate is the
+    one that chose AR, and mixing it in would take several probes to notice a better drafter.
+    """
+
+    def __init__(self, smoothing: float = 0.05, gamma_init: int = 4, gamma_max: int = 16, probe_every: int = 8,
+                 probe_max: int = 64, alpha_probe: float = 0.95, ar_step_s: float | None = None):
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"auto gamma: smoothing must be in (0, 1], got {smoothing}")
+        if not 1 <= gamma_init <= gamma_max <= GAMMA_MAX:
+            raise ValueError(f"auto gamma: need 1 <= gamma_init <= gamma_max <= {GAMMA_MAX}, "
+                             f"got gamma_init={gamma_init}, gamma_max={gamma_max}")
+        if probe_every < 1 or probe_max < probe_every:
+            raise ValueError(f"auto gamma: need 1 <= probe_every <= probe_max, got {probe_every}, {probe_max}")
+        self.gamma_init, self.gamma_max = gamma_init, gamma_max
+        self.probe_every, self.probe_max, self.alpha_probe = probe_every, probe_max, alpha_probe
+        self._accept = _Ew(smoothing, 2)  # accepted, attempted positions
+        self._draft = _Ew(smoothing, 2)  # draft seconds, drafted tokens
+        self._verify = _Ew(smoothing, 2)  # verify seconds, rounds
+        self._link = _Ew(smoothing, 2)  # SD rounds: link seconds, drafted tokens
+        self._slope = _Ew(smoothing, 2)  # consecutive SD rounds: sum dn^2 (dt / dn), sum dn^2
+        self._last_round: tuple[int, float] | None = None  # (n, link seconds) of this decision's last round
+        self._rtt = _Ew(smoothing, 2)  # round-trip seconds, observations
+        self._ar = _Ew(smoothing, 2)  # step seconds, steps
+        if ar_step_s is not None:
+            self._ar.add(ar_step_s, 1.0)
+        self._ar_run = 0  # AR decisions since the last SD one
+        self._probe_interval = probe_every
+        self.probes = 0  # SD decisions taken only to re-measure alpha while AR was chosen
+
+    # --- observations -------------------------------------------------------------------------
+
+    def observe_round(self, drafted: int, accepted: int, draft_s: float, link_s: float, verify_s: float) -> None:
+        """One SD round: drafted tokens, how many were accepted, and its measured times (seconds)."""
+        if drafted < 1 or not 0 <= accepted <= drafted:
+            raise ValueError(f"auto gamma: a round needs 1 <= drafted and 0 <= accepted <= drafted, "
+                             f"got drafted={drafted}, accepted={accepted}")
+        attempted = accepted + 1 if accepted < drafted else drafted
+        self._accept.add(accepted, attempted)
+        self._draft.add(max(draft_s, 0.0), drafted)
+        self._verify.add(max(verify_s, 0.0), 1.0)
+        link_s = max(link_s, 0.0)
+        self._link.add(link_s, drafted)
+        if self._last_round is not None and self._last_round[0] != drafted:
+            dn, dt = drafted - self._last_round[0], link_s - self._last_round[1]
+            cap = self._link.sums[0] / self._link.sums[1]
+            self._slope.add(dn * dn * min(max(dt / dn, -cap), cap), dn * dn)
+        self._last_round = (drafted, link_s)
+        self._rtt.add(max(link_s - drafted * self._per_token_link_s(), 0.0), 1.0)
+
+    def observe_ar(self, steps: int, step_s: float, round_trip_s: float | None = None) -> None:
+        """One AR decision: steps decoded with step_s target seconds in all, and (where measured)
+        the link round trip of its GENERATE request (stream time not spent in target steps)."""
+        if steps >= 1:
+            self._ar.add(max(step_s, 0.0), steps)
+        if round_trip_s is not None:
+            self._rtt.add(max(round_trip_s, 0.0), 1.0)
+
+    # --- estimates and choices -----------------------------------------------------------------
+
+    def _per_token_link_s(self) -> float:
+        if self._link.count == 0:
+            return 0.0
+        weighted_slopes, weight = self._slope.sums
+        slope = max(weighted_slopes / (weight + _SLOPE_RIDGE), 0.0)
+        return min(slope, self._link.sums[0] / self._link.sums[1])  # no negative round trips
+
+    def link_line(self) -> tuple[float, float]:
+        """(t_rtt, t_tx): the estimated link seconds per round and per drafted token."""
+        rtt = self._rtt.sums[0] / self._rtt.sums[1] if self._rtt.count else 0.0
+        return rtt, self._per_token_link_s()
+
+    def plan(self, alpha: float | None = None) -> AutoPlan | None:
+        """The model's prediction on the current estimates (alpha overrides the estimate); None
+        before any SD round was measured."""
+        if self._accept.count == 0:
+            return None
+        if alpha is None:
+            accepted, attempted = self._accept.sums
+            alpha = accepted / attempted if attempted > 0 else 0.0
+        t_draft = self._draft.sums[0] / self._draft.sums[1]
+        t_verify = self._verify.sums[0] / self._verify.sums[1]
+        t_rtt, t_tx = self.link_line()
+        round_s = max(t_verify + t_rtt, _MIN_S)
+        # Until AR is measured, the paper's assumption: one target forward costs the same either way.
+        t_ar = self._ar.sums[0] / self._ar.sums[1] if self._ar.count else t_verify
+        b, c = t_tx / round_s, max(t_draft / round_s, _MIN_S)
+        gamma, s11 = optimal_draft_length(min(max(alpha, 0.0), 1.0), b, c, self.gamma_max)
+        s = s11 * t_ar / round_s
+        return AutoPlan("sd" if s >= 1.0 else "ar", gamma, alpha, b, c, round_s, t_ar, s)
+
+    def begin_decision(self) -> str:
+        """The mode of the next decision ("sd" or "ar"); call once at the start of each decision."""
+        self._last_round = None
+        if self._ar.count == 0:
+            mode = "ar"  # measure the AR arm first
+        elif self._accept.count == 0:
+            mode = "sd"
+        else:
+            mode = self.plan().mode
+            if mode == "sd":
+                self._probe_interval = self.probe_every
+            elif self._ar_run >= self._probe_interval and self.plan(alpha=self.alpha_probe).mode == "sd":
+                mode = "sd"
+                self.probes += 1
+                self._accept = _Ew(self._accept.rate, 2)  # the alpha that chose AR is stale: re-measure it
+                self._probe_interval = min(2 * self._probe_interval, self.probe_max)
+        self._ar_run = self._ar_run + 1 if mode == "ar" else 0
+        return mode
+
+    def next_gamma(self) -> int:
+        """The draft length of the next SD round: gamma* on the latest estimates."""
+        plan = self.plan()
+        return self.gamma_init if plan is None else plan.gamma
+
+
+_MIN_S = 1e-9  # keeps the model's ratios finite when a time measured 0 (in-process verifiers)
+_SLOPE_RIDGE = 1.0  # the link's per-token slope is shrunk towards 0 by one pair of rounds with dn = 1

@@ -33,6 +33,12 @@ class LoadedModel:
     image_processor: object | None
     path: str
     is_vlm: bool
+    exits: object = None  # spec.exits.EarlyExits on a target serving FSD, else None
+
+    @property
+    def num_layers(self) -> int:
+        from .exits import text_stack
+        return len(text_stack(self.model)[0])
 
     @property
     def vocab_size(self) -> int:
@@ -173,6 +179,16 @@ class Sequence:
         self.last_logits = logits[-1]
         return logits
 
+    def fork(self) -> "Sequence":
+        """An independent copy (KV cache cloned): pre-drafting on it never touches this one."""
+        import copy
+        twin = Sequence(self.lm, copy.deepcopy(self.cache), self.fed, self.rope_delta, list(self.pending),
+                        self.last_logits, list(self.generated))
+        for attr in ("_draft_base", "_verify_base"):
+            if hasattr(self, attr):
+                setattr(twin, attr, getattr(self, attr))
+        return twin
+
     def crop(self, keep: int) -> None:
         """Roll the KV cache back to its first ``keep`` positions."""
         if keep > self.fed:
@@ -192,12 +208,16 @@ class Sequence:
 
     # --- the two roles -------------------------------------------------------------------
 
-    def draft(self, gamma: int, params: SamplingParams, seed: int, prepare=None) -> tuple[list[int], torch.Tensor]:
+    def draft(self, gamma: int, params: SamplingParams, seed: int, prepare=None,
+              stop=None) -> tuple[list[int], torch.Tensor]:
         """Sample gamma draft tokens; returns (ids, q [gamma, V] they were sampled from).
 
         prepare(q) -> q' is the uplink codec's quantizer: the draft samples from q' itself. It
         returns None when the codec's per-round bit budget cannot carry another token: the round
         then ends early (fewer than gamma drafts, at least one).
+
+        stop() is polled before each token (pre-draft cancellation): when it returns True the
+        drafts so far are returned and the sequence must be discarded.
 
         Leaves the first gamma - 1 drafts in the cache; call ``commit_draft`` with the verdict.
         """
@@ -206,6 +226,8 @@ class Sequence:
         logits = self.next_logits()
         self._draft_base = self.fed
         for i in range(gamma):
+            if stop is not None and stop():
+                break
             q = probs_from_logits(logits, params)
             if prepare is not None:
                 q = prepare(q)

@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, field
 class DecisionMetrics:
     """What one decision cost. Times in seconds; acceptance is kept per draft position."""
 
-    mode: str = "sd"
-    gamma: int = 0
+    mode: str = "sd"  # the mode actually used (with gamma "auto", sd or ar as AS2 chose)
+    gamma: int | str = 0  # the configured draft length, or "auto"
+    gamma_per_round: list[int] = field(default_factory=list)  # gamma "auto": each round's chosen gamma
     tokens: int = 0
     rounds: int = 0
     drafted: int = 0
@@ -26,6 +27,24 @@ class DecisionMetrics:
     t_verify: float = 0.0
     t_downlink: float = 0.0
     wall_s: float = 0.0
+    # fsd: pre-draft cache outcomes (rounds that needed a next block) and early-exit statistics
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    exit_rounds: int = 0  # rounds whose verdict reported an exit layer
+    exit_layer_sum: int = 0  # sum of the earliest exit layer agreeing with the final verdict
+    exits_received: int = 0
+    fork_s: float = 0.0  # time spent cloning the draft state for pre-drafting
+
+    def record_exits(self, reply) -> None:
+        if reply.exit_layer:
+            self.exit_rounds += 1
+            self.exit_layer_sum += reply.exit_layer
+        self.exits_received += reply.exits_received
+
+    @property
+    def cache_miss_rate(self) -> float | None:
+        n = self.predraft_hits + self.predraft_misses
+        return self.predraft_misses / n if n else None
 
     def add_link(self, up: int, down: int) -> None:
         self.uplink_bytes += up
@@ -60,7 +79,7 @@ class DecisionMetrics:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate)
+        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, cache_miss_rate=self.cache_miss_rate)
         return d
 
 
@@ -85,16 +104,27 @@ class RunSummary:
     t_uplink: float = 0.0
     t_verify: float = 0.0
     t_downlink: float = 0.0
-    gamma: int = 0
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    exit_rounds: int = 0
+    exit_layer_sum: int = 0
+    exits_received: int = 0
+    fork_s: float = 0.0
+    gamma: int | str = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     decision_ms: list[float] = field(default_factory=list)
+    decision_modes: list[str] = field(default_factory=list)  # the mode each decision actually used
+    gamma_per_round: list[int] = field(default_factory=list)  # gamma "auto": every round's chosen gamma
 
     def add(self, m: DecisionMetrics) -> None:
         self.decisions += 1
         self.gamma = m.gamma
+        self.decision_modes.append(m.mode)
+        self.gamma_per_round += m.gamma_per_round
         for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
-                     "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink"):
+                     "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
+                     "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
             if i >= len(self.drafted_per_position):
@@ -126,6 +156,26 @@ class RunSummary:
             # Measured VERIFY frames (ids + encoded q + framing) per drafted token; the PREFILL is in uplink_bytes.
             "uplink_bytes_per_draft_token": self.draft_uplink_bytes / self.drafted if self.drafted else None,
             "resampling_rate": self.resampled / self.rounds if self.rounds and self.drafted else None,
+            **(self._fsd_row() if self.mode == "fsd" else {}),
+            **(self._auto_row() if self.gamma == "auto" and self.mode == "sd" else {}),
             "time_split_s": {"draft": self.t_draft, "uplink": self.t_uplink, "verify": self.t_verify,
                              "downlink": self.t_downlink, "wall": self.wall_s},
+        }
+
+    def _auto_row(self) -> dict:
+        g = self.gamma_per_round
+        return {
+            "ar_decisions": self.decision_modes.count("ar"),  # decisions where AS2 chose cloud AR
+            "gamma_mean": sum(g) / len(g) if g else None,
+            "gamma_counts": {str(k): g.count(k) for k in sorted(set(g))},
+        }
+
+    def _fsd_row(self) -> dict:
+        n = self.predraft_hits + self.predraft_misses
+        return {
+            "cache_miss_rate": self.predraft_misses / n if n else None,
+            # earliest early exit whose verdict equals the final one (num_layers when none did)
+            "avg_exit_layer": self.exit_layer_sum / self.exit_rounds if self.exit_rounds else None,
+            "exits_per_round": self.exits_received / self.rounds if self.rounds else 0.0,
+            "fork_ms_per_round": 1000 * self.fork_s / self.rounds if self.rounds else 0.0,
         }

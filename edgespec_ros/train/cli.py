@@ -1,7 +1,8 @@
 """edgespec-train: reproduce the embedded default models from the simulator.
 
-    edgespec-train all                 # data -> tokenizer -> target -> draft -> card (make models)
+    edgespec-train all                 # data -> tokenizer -> target -> draft -> exits -> card (make models)
     edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
+    edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
 
 card measures the models on held-out data and writes the model card (README.md, metrics.json).
 
@@ -37,6 +38,10 @@ class PipelineConfig:
     draft_steps: int = 600
     draft_budget_s: float = 0.0
     batch_size: int = 32
+    exit_scenarios: int = 300  # simulator scenarios whose frames train the early-exit adapters
+    exit_steps: int = 400
+    exit_rank: int = 0  # 0: hidden // 4
+    exit_layers: str = ""  # empty: every decoder layer but the last
     seed: int = 0
 
 
@@ -110,10 +115,25 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     return path
 
 
+def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
+    from ..sim.dataset import generate_examples
+    from .exits import ExitTrainConfig, run_exits_stage
+    from tqdm import tqdm
+    train = list(tqdm(generate_examples("train", cfg.exit_scenarios), desc="exits: data", unit="ex"))
+    heldout = list(generate_examples("heldout", 20))
+    ecfg = ExitTrainConfig(steps=cfg.exit_steps, rank=cfg.exit_rank, layers=cfg.exit_layers, seed=cfg.seed)
+    return run_exits_stage(target, out, train, heldout, ecfg,
+                           command=f"edgespec-train exits --target {target} --exit-steps {cfg.exit_steps} "
+                                   f"--exit-scenarios {cfg.exit_scenarios}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "card"])
+    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "exits", "card"])
+    ap.add_argument("--target", default=None,
+                    help="exits: the target model dir to train adapters for (default: <out>/target)")
+    ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
     ap.add_argument("--work", default="build/train", help="work dir for dataset and tokenizer (default build/train)")
     ap.add_argument("--out", default=MODELS_DIR, help="where model dirs go (default: the package models dir)")
     for name, value in asdict(PipelineConfig()).items():
@@ -128,12 +148,14 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})
     t0 = time.monotonic()
-    stages = ["data", "tokenizer", "target", "draft", "card"] if args.stage == "all" else [args.stage]
+    stages = ["data", "tokenizer", "target", "draft", "exits", "card"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "data":
             stage_data(args.work, cfg)
         elif stage == "tokenizer":
             stage_tokenizer(args.work, cfg)
+        elif stage == "exits":
+            stage_exits(args.target or os.path.join(args.out, "target"), args.exits_out, cfg)
         elif stage == "card":
             from .card import measure, write_card
             torch.set_num_threads(1)  # small decode steps: one thread is faster than two

@@ -58,6 +58,8 @@ class RemoteVerifier:
         self.round = 0
         self.last_generate_uplink = 0
         self.last_generate_downlink = 0
+        self.stale_exits = 0  # early exits that arrived after their round's verdict (discarded)
+        self._on_exit = None  # the current round's early-exit receiver (fsd)
 
     # --- connection ----------------------------------------------------------------------
 
@@ -114,22 +116,37 @@ class RemoteVerifier:
             raise
 
     def _recv_frame(self, expected, timeout: float):
+        """Early EXIT frames of the current round go to the round's receiver; any others (late
+        ones, from a finished round) are counted and dropped. The timeout covers the whole wait."""
         from websockets.exceptions import ConnectionClosed
-        try:
-            raw = self.ws.recv(timeout=timeout)
-        except TimeoutError:
-            raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
-        except ConnectionClosed as exc:
-            raise LinkLostError(f"link to the verifier lost: {exc}") from exc
-        try:
-            msg = P.decode(raw, self.max_frame)
-        except P.ProtocolError as exc:
-            raise VerifierError(f"bad frame from the verifier: {exc}") from exc
-        if isinstance(msg, P.Error):
-            raise VerifierRefused(msg.code, msg.message)
-        if not isinstance(msg, expected):
-            raise VerifierError(f"expected {expected.__name__}, got {type(msg).__name__}")
-        return msg, len(raw)
+        deadline = time.monotonic() + timeout
+        extra = 0  # bytes of EXIT frames received while waiting
+        while True:
+            try:
+                raw = self.ws.recv(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
+            except ConnectionClosed as exc:
+                raise LinkLostError(f"link to the verifier lost: {exc}") from exc
+            try:
+                msg = P.decode(raw, self.max_frame)
+            except P.ProtocolError as exc:
+                raise VerifierError(f"bad frame from the verifier: {exc}") from exc
+            if isinstance(msg, P.Exit):
+                extra += len(raw)
+                if self._on_exit is not None and (msg.decision, msg.round) == (self.decision, self.round):
+                    if msg.accepted > self._n_drafted or msg.next_token >= self.vocab_size:
+                        raise VerifierError("early exit out of range: the verifier speaks another model")
+                    self._exits_received += 1
+                    self._on_exit(msg)
+                else:
+                    self.stale_exits += 1
+                continue
+            if isinstance(msg, P.Error):
+                raise VerifierRefused(msg.code, msg.message)
+            if not isinstance(msg, expected):
+                raise VerifierError(f"expected {expected.__name__}, got {type(msg).__name__}")
+            return msg, len(raw) + extra
 
     def _drop(self) -> None:
         if self.ws is not None:
@@ -154,12 +171,24 @@ class RemoteVerifier:
         reply, down = self._recv(P.PrefillOk)
         return {"prefill_s": reply.prefill_ms / 1e3, "uplink_bytes": up, "downlink_bytes": down}
 
-    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor) -> VerifyReply:
+    @property
+    def exit_layers(self) -> list[int]:
+        """Layers with early exits on the connected verifier (empty: it cannot serve fsd)."""
+        return list(self.welcome.exit_layers) if self.welcome else []
+
+    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor, on_exit=None) -> VerifyReply:
+        """One round. With on_exit (fsd) the verifier streams early exits: on_exit(P.Exit) is
+        called from this thread for each, before this returns with the final verdict."""
         self.round += 1
         t0 = time.perf_counter()
+        flags = P.VERIFY_STREAM_EXITS if on_exit is not None and self.exit_layers else 0
         up = self._send(P.Verify(self.decision, self.round, list(draft_ids),
-                                 self.codec.encode(draft_ids, draft_probs)))
-        verdict, down = self._recv(P.Verdict)
+                                 self.codec.encode(draft_ids, draft_probs), flags))
+        self._on_exit, self._n_drafted, self._exits_received = on_exit, len(draft_ids), 0
+        try:
+            verdict, down = self._recv(P.Verdict)
+        finally:
+            self._on_exit = None
         rtt = time.perf_counter() - t0
         if verdict.round != self.round or verdict.decision != self.decision:
             raise VerifierError(f"verdict for round {verdict.round} of decision {verdict.decision}, "
@@ -170,7 +199,8 @@ class RemoteVerifier:
         up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s), up, down)
         mask = [True] * verdict.accepted + [False] * (len(draft_ids) - verdict.accepted)
         return VerifyReply(verdict.accepted, verdict.next_token, mask, verify_s=verify_s, uplink_bytes=up,
-                           downlink_bytes=down, uplink_s=up_s, downlink_s=down_s)
+                           downlink_bytes=down, uplink_s=up_s, downlink_s=down_s, exit_layer=verdict.exit_layer,
+                           exits_received=self._exits_received)
 
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
         self.last_generate_uplink = self._send(P.Generate(self.decision, max_new_tokens))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags)
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -50,6 +50,10 @@ class FrameType(enum.IntEnum):
     GENERATE = 8
     TOKEN = 9
     CLOSE = 10
+    EXIT = 11
+
+
+VERIFY_STREAM_EXITS = 1  # Verify.flags bit: stream this round's early exits (fsd)
 
 
 class _Writer:
@@ -139,6 +143,8 @@ class Welcome:
     model: str
     max_frame: int
     server: str = ""
+    num_layers: int = 0  # target decoder layers
+    exit_layers: list[int] = field(default_factory=list)  # layers with early-exit adapters (empty: no fsd)
 
 
 @dataclass
@@ -172,6 +178,7 @@ class Verify:
     round: int
     draft_ids: list[int]
     q_payload: bytes = b""
+    flags: int = 0  # VERIFY_STREAM_EXITS
 
 
 @dataclass
@@ -182,6 +189,21 @@ class Verdict:
     next_token: int
     verify_ms: float
     n_drafted: int = 0
+    exit_layer: int = 0  # earliest exit whose verdict equals this one (num_layers: none; 0: not computed)
+    exits_sent: int = 0
+
+
+@dataclass
+class Exit:
+    """One early exit's guess of the verdict, streamed before the VERDICT (never commits tokens)."""
+
+    decision: int
+    round: int
+    layer: int
+    accepted: int
+    next_token: int
+    confidence: float
+    at_ms: float = 0.0  # when it became available, from the start of the verification
 
 
 @dataclass
@@ -206,14 +228,18 @@ class Close:
 
 _ENCODERS = {
     Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)),
-    Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame).str(m.server)),
+    Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame)
+              .str(m.server).u16(m.num_layers).ids(m.exit_layers)),
     Error: (FrameType.ERROR, lambda m, w: w.u16(m.code).str(m.message)),
     Prefill: (FrameType.PREFILL, lambda m, w: w.u32(m.decision).str(m.instruction).blob(m.jpeg).ids(m.prompt_ids)
               .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode)),
     PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
-    Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)),
+    Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)
+             .u8(m.flags)),
     Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
-              .f32(m.verify_ms).u16(m.n_drafted)),
+              .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent)),
+    Exit: (FrameType.EXIT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.layer).u16(m.accepted)
+           .u32(m.next_token).f32(m.confidence).f32(m.at_ms)),
     Generate: (FrameType.GENERATE, lambda m, w: w.u32(m.decision).u32(m.max_new_tokens)),
     Token: (FrameType.TOKEN, lambda m, w: w.u32(m.decision).u32(m.index).u32(m.token).f32(m.step_ms).u8(int(m.last))),
     Close: (FrameType.CLOSE, lambda m, w: w.str(m.reason)),
@@ -221,15 +247,20 @@ _ENCODERS = {
 
 _DECODERS = {
     FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client")),
-    FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"), r.str("server")),
+    FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"),
+                                         r.str("server"), r.u16("num_layers"), r.ids("exit_layers")),
     FrameType.ERROR: lambda r: Error(r.u16("code"), r.str("message")),
     FrameType.PREFILL: lambda r: Prefill(r.u32("decision"), r.str("instruction"), r.blob("jpeg"), r.ids("prompt_ids"),
                                          r.u64("seed"), r.f32("temperature"), r.u32("top_k"), r.f32("top_p"),
                                          r.str("verify_mode")),
     FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
-    FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload")),
+    FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload"),
+                                       r.u8("flags")),
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
-                                         r.f32("verify_ms"), r.u16("n_drafted")),
+                                         r.f32("verify_ms"), r.u16("n_drafted"), r.u16("exit_layer"),
+                                         r.u16("exits_sent")),
+    FrameType.EXIT: lambda r: Exit(r.u32("decision"), r.u32("round"), r.u16("layer"), r.u16("accepted"),
+                                   r.u32("next_token"), r.f32("confidence"), r.f32("at_ms")),
     FrameType.GENERATE: lambda r: Generate(r.u32("decision"), r.u32("max_new_tokens")),
     FrameType.TOKEN: lambda r: Token(r.u32("decision"), r.u32("index"), r.u32("token"), r.f32("step_ms"), r.flag("last")),
     FrameType.CLOSE: lambda r: Close(r.str("reason")),

@@ -36,10 +36,94 @@ class SessionError(Exception):
         self.code = int(code)
 
 
+EXIT_QUEUE_POLICIES = ("priority", "fifo")
+
+
+class ExitSender:
+    """The SENDER of FSD Algorithm 2 for one verification round.
+
+    The compute thread pushes each early exit as its layer finishes (through the event loop);
+    this task sends them to the robot while the forward pass goes on: among the exits available
+    now (with emulated compute, exit l of L becomes available at l/L of the verification time)
+    the most confident first (``priority``) or the oldest (``fifo``). The queue is bounded: when
+    full, the exit that would be sent last is dropped. ``finish`` drops what is left before the
+    VERDICT goes out, so no exit of a round ever follows its verdict from this server.
+    """
+
+    def __init__(self, ws, decision: int, round_: int, started: float, compute: ComputeProfile, num_layers: int,
+                 policy: str = "priority", max_queue: int = 64):
+        self.ws, self.decision, self.round, self.started = ws, decision, round_, started
+        self.compute, self.num_layers, self.policy, self.max_queue = compute, num_layers, policy, max_queue
+        self.items: list[tuple[float, int, object]] = []  # (available_at, order, ExitResult)
+        self.sent = self.dropped = 0
+        self._order = 0
+        self._closing = False
+        self._wake = asyncio.Event()
+        self.task = asyncio.ensure_future(self._run())
+
+    def _rank(self, item):  # smaller is sent first
+        at, order, res = item
+        return (-res.confidence, order) if self.policy == "priority" else (order,)
+
+    def push(self, res) -> None:
+        """Called on the event loop for each exit computed by the target."""
+        if self._closing:
+            return
+        self._order += 1
+        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers), self._order, res)
+        self.items.append(item)
+        if len(self.items) > self.max_queue:
+            worst = max(self.items, key=self._rank)
+            self.items.remove(worst)
+            self.dropped += 1
+        self._wake.set()
+
+    async def _run(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+        try:
+            while True:
+                now = time.perf_counter()
+                ready = [it for it in self.items if it[0] <= now]
+                if ready:
+                    item = min(ready, key=self._rank)
+                    self.items.remove(item)
+                    res = item[2]
+                    await self.ws.send(P.encode(P.Exit(self.decision, self.round, res.layer, res.accepted,
+                                                       res.next_token, res.confidence,
+                                                       (item[0] - self.started) * 1e3)))
+                    self.sent += 1
+                    continue
+                if self._closing:
+                    return
+                timeout = max(0.0, min(it[0] for it in self.items) - now) if self.items else None
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        except ConnectionClosed:
+            return  # the robot went away; the session handler sees it on its next receive
+
+    async def finish(self) -> int:
+        """Stop before the VERDICT: drop unsent exits, let a send in progress complete."""
+        self._closing = True
+        self.dropped += len(self.items)
+        self.items.clear()
+        self._wake.set()
+        await self.task
+        return self.sent
+
+    def cancel(self) -> None:
+        self._closing = True
+        self.items.clear()
+        self.task.cancel()
+
+
 class VerifierServer:
     def __init__(self, lm: LoadedModel, *, token: str | None = None, max_frame: int = P.DEFAULT_MAX_FRAME,
                  compute: ComputeProfile | None = None, handshake_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 300.0, model_name: str | None = None):
+                 idle_timeout_s: float = 300.0, model_name: str | None = None, exit_queue: str = "priority",
+                 exit_queue_size: int = 64):
         self.lm = lm
         self.token = token
         self.max_frame = max_frame
@@ -49,6 +133,12 @@ class VerifierServer:
         self.model_name = model_name or lm.path
         self.fingerprint = lm.fingerprint()
         self.vocab = lm.vocab_size
+        if exit_queue not in EXIT_QUEUE_POLICIES:
+            raise ValueError(f"exit queue policy must be one of {EXIT_QUEUE_POLICIES}, got {exit_queue!r}")
+        self.exit_queue, self.exit_queue_size = exit_queue, exit_queue_size
+        self.num_layers = lm.num_layers
+        self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
+        self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
         self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.sessions_served = 0
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
@@ -109,9 +199,18 @@ class VerifierServer:
             codec = get_codec(hello.codec)
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
-        await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame, "edgespec-verifier")))
+        await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
+                                         "edgespec-verifier", self.num_layers, self.exit_layers)))
         log.info("session %s: open (client %s, codec %s)", peer, hello.client, codec.spec)
         session = TargetSession(self.lm)
+        live: list[ExitSender] = []  # this session's exit sender while a round streams
+        try:
+            await self._serve_session(ws, peer, session, codec, live)
+        finally:
+            for sender in live:  # the robot vanished mid-round: stop streaming its exits
+                sender.cancel()
+
+    async def _serve_session(self, ws, peer, session, codec, live: list):
         decision = None
         while True:
             msg = await self._recv(ws, self.idle_timeout_s)
@@ -135,17 +234,31 @@ class VerifierServer:
                 if max(msg.draft_ids) >= self.vocab:
                     raise SessionError(P.ErrorCode.BAD_REQUEST,
                                        f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
+                if msg.flags & ~P.VERIFY_STREAM_EXITS:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
                 started = time.perf_counter()  # verify time includes decoding q
+                on_exit = None
+                if msg.flags & P.VERIFY_STREAM_EXITS and self.lm.exits is not None:
+                    sender = ExitSender(ws, msg.decision, msg.round, started, self.compute,
+                                        self.num_layers, self.exit_queue, self.exit_queue_size)
+                    live.append(sender)
+                    self.live_exit_senders += 1
+                    sender.task.add_done_callback(lambda _t: self._sender_done())
+                    loop = asyncio.get_running_loop()
+                    on_exit = lambda res: loop.call_soon_threadsafe(sender.push, res)  # noqa: E731
                 try:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
                     q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
-                    result, _ = await self._run(session.verify, msg.draft_ids, q)
+                    result, _ = await self._run(session.verify, msg.draft_ids, q, on_exit)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
                 elapsed = await self._pad(started, self.compute.verify_s)
+                sent = 0
+                if live:
+                    sent = await live.pop().finish()
                 await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, result.next_token,
-                                                 elapsed * 1e3, len(msg.draft_ids))))
+                                                 elapsed * 1e3, len(msg.draft_ids), session.last_exit_layer, sent)))
             elif isinstance(msg, P.Generate):
                 self._check_decision(msg.decision, decision)
                 if not 1 <= msg.max_new_tokens <= MAX_NEW_TOKENS:
@@ -162,6 +275,9 @@ class VerifierServer:
                         break
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+
+    def _sender_done(self) -> None:
+        self.live_exit_senders -= 1
 
     async def _pad(self, started: float, target_s: float) -> float:
         remaining = target_s - (time.perf_counter() - started)
@@ -268,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="edgespec-verifier",
         description="Cloud verifier for edge-cloud speculative decoding: serves a target (Qwen2-VL or causal LM) "
-                    "over websockets; robots connect with the edge client (modes ar and sd).")
+                    "over websockets; robots connect with the edge client (modes ar, sd and, with early-exit "
+                    "adapters, fsd).")
     ap.add_argument("--model", default=None,
                     help="local directory of the target model (config.json, weights, tokenizer); "
                          "default: the embedded target model shipped with the package")
@@ -284,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weights dtype (default float32)")
     ap.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
     ap.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this many seconds")
+    ap.add_argument("--exits", default="auto",
+                    help="early-exit adapters for fsd: a directory (from `edgespec-train exits`), 'auto' (those in "
+                         "<model>/exits if present; default) or 'none' (the verifier then serves ar and sd only)")
+    ap.add_argument("--exit-queue", default="priority", choices=list(EXIT_QUEUE_POLICIES),
+                    help="order in which early exits are streamed: most confident first (priority, default) or fifo")
+    ap.add_argument("--exit-queue-size", type=int, default=64,
+                    help="bound of the per-round exit send queue (default 64; beyond it the last-ranked exit is dropped)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return ap
 
@@ -300,8 +424,17 @@ def main(argv=None) -> int:
     except ModelLoadError as exc:
         print(f"edgespec-verifier: {exc}", file=sys.stderr)
         return 2
+    from ..spec.exits import ExitLoadError, attach_exits
+    try:
+        exits = attach_exits(lm, args.exits)
+    except ExitLoadError as exc:
+        print(f"edgespec-verifier: {exc}", file=sys.stderr)
+        return 2
+    log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
+             else "none (fsd unavailable: modes ar and sd)")
     server = VerifierServer(lm, token=token, max_frame=args.max_frame, compute=get_compute(args.compute),
-                            idle_timeout_s=args.idle_timeout)
+                            idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
+                            exit_queue_size=args.exit_queue_size)
     try:
         asyncio.run(server.serve(args.host, args.port))
     except KeyboardInterrupt:
