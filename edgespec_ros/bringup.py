@@ -484,7 +484,11 @@ def _metrics_rows(result: dict, stats, profile, wall_s: float) -> list[tuple[str
     if stats is not None:
         rows += [("mode", stats.mode),
                  ("tokens / rounds", f"{stats.tokens} / {stats.rounds} (tau {stats.tau:.2f} tokens per round)"),
-                 ("draft acceptance", f"{stats.acceptance_rate:.3f}" if stats.mode != "ar" else "-"),
+                 ("draft acceptance", f"{stats.acceptance_rate:.3f}" if stats.mode != "ar" else "-")]
+        if stats.mode == "fsd":
+            rows += [("pre-draft cache", f"{100 * stats.cache_miss_rate:.1f}% miss rate (early exits from the "
+                                         f"verifier; avg earliest agreeing exit: layer {stats.avg_exit_layer:.1f})")]
+        rows += [
                  ("tokens per second", f"{stats.tokens_per_second:.1f}"),
                  ("link", f"{profile.describe()}; median round trip {stats.rtt_ms:.0f} ms"),
                  ("uplink / downlink", f"{stats.uplink_bytes / 1e3:.1f} kB / {stats.downlink_bytes / 1e3:.1f} kB")]

@@ -164,6 +164,20 @@ def test_auto_closed_loop_settles_on_odld_gamma():
     assert auto.next_gamma() == optimal_draft_length(0.75, 0.0, world.c, gamma_max=16)[0]
 
 
+def test_auto_alpha_ignores_drafts_after_an_end_and_starts_from_a_weak_prior():
+    auto = AutoGamma(smoothing=1.0)  # only the last round counts (and no prior left after it)
+    auto.observe_round(8, 8, 0.1, 0.05, 0.5, useful=3)  # EOS at draft 3: 3 of 3 accepted, 5 cut anyway
+    assert auto.plan().alpha == 1.0
+    auto.observe_round(8, 5, 0.1, 0.05, 0.5, useful=3)
+    assert auto.plan().alpha == 1.0
+    auto.observe_round(8, 1, 0.1, 0.05, 0.5, useful=3)  # rejected at draft 2, before the end
+    assert auto.plan().alpha == 0.5
+    fresh = AutoGamma(gamma_max=16)
+    fresh.observe_round(4, 4, 0.288, 0.05, 0.62)  # one lucky first round
+    assert fresh.plan().alpha == pytest.approx(5 / 6, abs=0.01)
+    assert fresh.next_gamma() < 16
+
+
 def test_auto_starts_by_measuring_both_arms():
     auto = AutoGamma(gamma_init=3)
     assert auto.plan() is None

@@ -30,7 +30,35 @@ def pipeline(tmp_path_factory):
     assert train_cli.main(["tokenizer"] + common) == 0
     assert train_cli.main(["target", "--target-steps", "3"] + common) == 0
     assert train_cli.main(["draft", "--draft-steps", "3"] + common) == 0
+    assert train_cli.main(["exits", "--exit-steps", "3", "--exit-scenarios", "2"] + common) == 0
     return work, out
+
+
+def test_exits_stage_saves_adapters_the_verifier_loads_with_fig7_metrics(pipeline):
+    from edgespec_ros.spec.exits import attach_exits
+    _, out = pipeline
+    target = load_model(os.path.join(out, "target"))
+    exits = attach_exits(target, "auto")
+    assert exits is not None and exits.layers == list(range(1, target.num_layers))
+    meta = json.load(open(os.path.join(out, "target", "exits", "exits.json")))
+    rows = meta["metrics"]["per_exit"]
+    assert [r["layer"] for r in rows] == exits.layers + [target.num_layers]
+    assert all(0 <= r["match_rate"] <= 1 and 0 < r["confidence"] <= 1 for r in rows)
+    assert rows[-1]["match_rate"] == 1.0 and meta["training"]["steps"] == 3
+    assert os.path.isfile(os.path.join(out, "target", "exits", "exits.png"))
+    assert "token match with final" in open(os.path.join(out, "target", "exits", "README.md")).read()
+
+
+def test_exit_training_lowers_the_kl_to_the_final_layer(pipeline):
+    from edgespec_ros.train.exits import ExitTrainConfig, train_exits
+    _, out = pipeline
+    target = load_model(os.path.join(out, "target"))
+    examples = [encode_example(target.tokenizer, target.image_processor, e.image, e.instruction, e.text)
+                for e in list(generate_examples("train", 1))[:4]]
+    before = [p.clone() for p in target.model.parameters()]
+    _, losses = train_exits(target, examples, ExitTrainConfig(steps=30, batch_size=4, lr=1e-2))
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3])
+    assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters())), "the target stays frozen"
 
 
 def test_data_stage_writes_images_instructions_and_expert_texts(pipeline):

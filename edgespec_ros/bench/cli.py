@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uplink codec spec for q: dense32, dense16, topk:k=8, ksqs:k=8,l=32, "
                          "csqs:l=100,eta=0.001,alpha=0.0005, ids (default dense32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=4, help="fsd: pre-draft worker threads (default 4)")
+    ap.add_argument("--client-queue", default="priority", choices=["priority", "fifo", "random"],
+                    help="fsd: order in which the robot pre-drafts received early exits (default priority)")
+    ap.add_argument("--server-queue", default="priority", choices=["priority", "fifo"],
+                    help="fsd: order in which the verifier streams early exits (default priority)")
     ap.add_argument("--draft", default=None, help="draft model dir (default: embedded draft)")
     ap.add_argument("--target", default=None, help="target model dir (default: embedded target)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
@@ -62,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--gammas", nargs="+", type=int, default=None,
                        help="fixed draft lengths (gamma-auto sweep; default 1 2 3 4 6 8); the codecs sweep "
                             "drafts with the first (default 4)")
+    sweep.add_argument("--workers-list", nargs="+", type=int, default=None,
+                       help="pre-draft worker counts (fsd-workers: default 1 2 4 8 16; fsd-queues: 1 2 3)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
                        help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
                             "(default 0)")
@@ -83,7 +90,7 @@ def run_sweep(args) -> int:
     pair = resolve_models(args.draft, args.target)
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
-                        gammas=args.gammas)
+                        gammas=args.gammas, workers=args.workers, workers_list=args.workers_list)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -115,9 +122,9 @@ def main(argv=None) -> int:
         return 2
     try:
         for mode in modes:
-            DecodeConfig(mode=mode, gamma=args.gamma, codec=args.codec)
+            DecodeConfig(mode=mode, gamma=args.gamma, codec=args.codec, workers=args.workers)
     except ValueError as exc:
-        print(f"edgespec-bench: --gamma: {exc}", file=sys.stderr)
+        print(f"edgespec-bench: bad decoding settings (--gamma, --workers): {exc}", file=sys.stderr)
         return 2
     env_threads()
     compute = get_compute(args.compute)
@@ -126,15 +133,25 @@ def main(argv=None) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
           f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
-    with emulated_setup(pair, args.link, args.compute) as (draft_lm, url):
+    with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue) as (draft_lm, url):
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
         summaries = run_modes(draft_lm, url, modes, prompts, link=args.link, compute=compute, gamma=args.gamma,
                               max_new_tokens=args.max_new_tokens, params=params, seed=args.seed, codec=args.codec,
-                              on_decision=lambda *a: bar.update(1))
+                              on_decision=lambda *a: bar.update(1), workers=args.workers,
+                              client_queue=args.client_queue)
         bar.close()
+    fsd_settings = {"workers": args.workers, "client_queue": args.client_queue, "server_queue": args.server_queue}
     rows = add_speedups([summaries[m].row() | {"codec": args.codec, "temperature": args.temperature}
-                         for m in modes])
+                         | (fsd_settings if m == "fsd" else {}) for m in modes])
     print(format_table(rows, compute.emulated))
+    if "fsd" in modes or {"ar", "sd"} <= set(modes):
+        from .fsd import model_report, paper_comparison
+        print()
+        print(model_report(rows))
+        if args.link == "go2-paper" and compute.name == "go2-paper" and "fsd" in modes:
+            from ..spec.engines import load_model
+            print()
+            print(paper_comparison(rows, load_model(pair.target_path).num_layers))
     for r in rows:
         if r["gamma"] == "auto":
             print(f"gamma auto ({r['mode']} row): AS2 chose cloud AR in {r['ar_decisions']} of {r['decisions']} "

@@ -56,11 +56,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def verifier_process(model: str, compute: str = "native", token_file: str | None = None, timeout_s: float = 120.0):
+def verifier_process(model: str, compute: str = "native", token_file: str | None = None, timeout_s: float = 120.0,
+                     exit_queue: str = "priority", exits: str = "auto"):
     """Start edgespec-verifier in a subprocess on a free loopback port; yields its port."""
     port = free_port()
     cmd = [sys.executable, "-m", "edgespec_ros.wire.server", "--model", model, "--port", str(port),
-           "--compute", compute, "--log-level", "WARNING"]
+           "--compute", compute, "--log-level", "WARNING", "--exit-queue", exit_queue, "--exits", exits]
     if token_file:
         cmd += ["--token-file", token_file]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -95,11 +96,13 @@ def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
 
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
               gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
-              codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0) -> dict[str, RunSummary]:
+              codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0, workers: int = 4,
+              client_queue: str = "priority") -> dict[str, RunSummary]:
     """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
-    (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup)."""
+    (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
+    workers and client_queue set fsd's pre-drafting."""
     profile = get_profile(link)
     summaries = {}
     for mode in modes:
@@ -110,21 +113,22 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, (instruction, image) in enumerate(prompts):
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
-                                   seed=seed + i, codec=codec)
+                                   seed=seed + i, codec=codec, workers=workers, client_queue=client_queue)
                 decision = decoder.decide(instruction, image, cfg)
                 if i >= warmup:
                     summary.add(decision.metrics)
                 if on_decision:
                     on_decision(mode, i, instruction, decision)
+            decoder.close()
         summaries[mode] = summary
     return summaries
 
 
 @contextlib.contextmanager
-def emulated_setup(pair: ModelPair, link: str, compute: str):
+def emulated_setup(pair: ModelPair, link: str, compute: str, exit_queue: str = "priority"):
     """Verifier process + link proxy; yields (draft LoadedModel, proxy url)."""
     draft_lm = load_model(pair.draft_path)
-    with verifier_process(pair.target_path, compute) as port:
+    with verifier_process(pair.target_path, compute, exit_queue=exit_queue) as port:
         with LinkProxy(get_profile(link), "127.0.0.1", port) as proxy:
             yield draft_lm, proxy.url
 
@@ -143,7 +147,7 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 def format_table(rows: list[dict], emulated: bool) -> str:
     """A fixed-width table of bench rows (emulated compute is labelled)."""
     head = ["mode", "link", "compute", "codec", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
-            "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR"]
+            "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR", "x vs SD", "cache miss", "avg exit"]
     lines = []
     for r in rows:
         acc = r["acceptance_rate"]
@@ -155,7 +159,9 @@ def format_table(rows: list[dict], emulated: bool) -> str:
             "-" if r.get("resampling_rate") is None else f"{r['resampling_rate']:.2f}",
             f"{r['ms_per_token']:.1f}", f"{r['ms_per_decision']:.0f}",
             "-" if r["uplink_bytes_per_draft_token"] is None else f"{r['uplink_bytes_per_draft_token']:.0f}",
-            f"{r.get('speedup_vs_ar', float('nan')):.2f}x"])
+            f"{r.get('speedup_vs_ar', float('nan')):.2f}x", f"{r.get('speedup_vs_sd', float('nan')):.2f}x",
+            "-" if r.get("cache_miss_rate") is None else f"{100 * r['cache_miss_rate']:.1f}%",
+            "-" if r.get("avg_exit_layer") is None else f"{r['avg_exit_layer']:.1f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]

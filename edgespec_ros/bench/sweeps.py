@@ -19,7 +19,7 @@ from typing import Callable
 
 from ..codecs import get_codec
 from ..spec.compute import get_compute
-from ..spec.metrics import RunSummary
+from ..spec.metrics import DecisionMetrics, RunSummary
 from ..spec.sampling import SamplingParams
 from ..wire import protocol as P
 from ..wire.link import get_profile
@@ -41,6 +41,8 @@ class SweepOptions:
     temperatures: list[float] | None = None
     codecs: list[str] | None = None
     gammas: list[int] | None = None
+    workers: int | None = None  # fsd pre-draft workers where a sweep does not vary them
+    workers_list: list[int] | None = None  # fsd-workers / fsd-queues: the worker counts swept
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,19 @@ def fixed_width(head: list[str], lines: list[list[str]]) -> str:
 
 def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def warm_up(draft_lm, url: str, link: str, compute, prompt, max_new_tokens: int) -> None:
+    """One unmeasured SD decision on a fresh setup, so that the first measured setting does not
+    pay for cold caches (first connection, first forward passes)."""
+    run_modes(draft_lm, url, ["sd"], [prompt], link=link, compute=compute, max_new_tokens=max_new_tokens)
+
+
+def one_decision(draft_lm, url: str, prompt, **run_kwargs) -> DecisionMetrics:
+    """The metrics of one SD decision decoded through runner.run_modes (on its own connection)."""
+    metrics = []
+    run_modes(draft_lm, url, ["sd"], [prompt], on_decision=lambda *a: metrics.append(a[3].metrics), **run_kwargs)
+    return metrics[0]
 
 
 def _pyplot():
@@ -165,17 +180,23 @@ def run_codecs(opts: SweepOptions, progress) -> list[dict]:
     decisions = opts.decisions or 2
     gamma = (opts.gammas or [4])[0]
     prompts = bench_prompts(decisions, opts.seed)
-    bar = progress(len(links) * len(temperatures) * len(specs) * decisions)
+    bar = progress(len(links) * (len(temperatures) * len(specs) * decisions + 1))
     rows = []
     for link in links:
         with emulated_setup(opts.pair, link, compute.name) as (draft_lm, url):
-            for temperature in temperatures:
-                for spec in specs:
-                    bar.set_postfix_str(f"{link} T={temperature:g} {spec}")
-                    summary = run_modes(draft_lm, url, ["sd"], prompts, link=link, compute=compute, gamma=gamma,
-                                        max_new_tokens=opts.max_new_tokens, params=SamplingParams(temperature),
-                                        seed=opts.seed, codec=spec, on_decision=lambda *a: bar.update(1))["sd"]
-                    rows.append(codec_row(summary, spec, temperature, draft_lm.vocab_size))
+            warm_up(draft_lm, url, link, compute, prompts[0], opts.max_new_tokens)
+            bar.update(1)
+            summaries = {(t, spec): RunSummary("sd", link, compute.name) for t in temperatures for spec in specs}
+            # Round-robin over settings, one decision each per pass: a machine whose load drifts
+            # during the sweep then slows every codec alike instead of whichever ran last.
+            for i, prompt in enumerate(prompts):
+                for (temperature, spec), summary in summaries.items():
+                    bar.set_postfix_str(f"{link} T={temperature:g} {short_spec(spec)}")
+                    summary.add(one_decision(draft_lm, url, prompt, link=link, compute=compute, gamma=gamma,
+                                             max_new_tokens=opts.max_new_tokens, params=SamplingParams(temperature),
+                                             seed=opts.seed + i, codec=spec))
+                    bar.update(1)
+            rows += [codec_row(summary, spec, t, draft_lm.vocab_size) for (t, spec), summary in summaries.items()]
     bar.close()
     return rows
 
@@ -213,7 +234,7 @@ def plot_codecs(rows: list[dict], path: str) -> None:
                ("acceptance_rate", "acceptance rate"), ("resampling_rate", "resampling rate\n(rejections / round)")]
     fig, axes = plt.subplots(len(metrics), len(temperatures), figsize=(5.2 * len(temperatures), 2.8 * len(metrics)),
                              squeeze=False, sharex=True)
-    styles = ["-", "--", ":", "-."]
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
     colors = {}
     for col, temperature in enumerate(temperatures):
         for row_i, (key, label) in enumerate(metrics):
@@ -228,8 +249,7 @@ def plot_codecs(rows: list[dict], path: str) -> None:
                     points.sort()
                     color = colors.setdefault(family, f"C{len(colors)}")
                     xs, ys = zip(*points)
-                    ax.plot(xs, ys, styles[li % len(styles)], marker="o", ms=4, color=color,
-                            label=f"{family} ({link})" if row_i == 0 and col == 0 else None)
+                    ax.plot(xs, ys, styles[li % len(styles)], marker=markers[li % len(markers)], ms=4, color=color)
             ax.set_xscale("log")
             if key == "qwen2vl_ms_per_token_projected":
                 ax.set_yscale("log")
@@ -239,11 +259,15 @@ def plot_codecs(rows: list[dict], path: str) -> None:
             if row_i == len(metrics) - 1:
                 ax.set_xlabel("support K (dense: V; ids: 1; csqs: measured K_n)")
             ax.grid(alpha=0.3)
-    fig.legend(loc="lower center", ncol=4, fontsize=7, frameon=False)
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=color, marker="o", ms=4, label=family) for family, color in colors.items()]
+    handles += [Line2D([], [], color="black", ls=styles[li % len(styles)], marker=markers[li % len(markers)], ms=4,
+                       label=f"link {link}") for li, link in enumerate(links)]
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=7, frameon=False)
     computes = ", ".join(sorted({r["compute"] for r in rows}))
     gammas = ", ".join(sorted({str(r["gamma"]) for r in rows}))
     fig.suptitle(f"uplink codecs over emulated links ({computes} compute), gamma {gammas}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.1, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     _save(fig, path)
 
 
@@ -273,13 +297,15 @@ def run_gamma_auto(opts: SweepOptions, progress) -> list[dict]:
     prompts = bench_prompts(AUTO_WARMUP + decisions, opts.seed)
     measured = prompts[AUTO_WARMUP:]
     params = SamplingParams(opts.temperatures[0] if opts.temperatures else 0.0)
-    bar = progress(len(setups) * ((len(gammas) + 2) * decisions + AUTO_WARMUP))
+    bar = progress(len(setups) * ((len(gammas) + 2) * decisions + AUTO_WARMUP + 1))
     rows = []
     for link, compute_name in setups:
         compute = get_compute(compute_name)
         common = dict(link=link, compute=compute, max_new_tokens=opts.max_new_tokens, params=params)
         link_rows = []
         with emulated_setup(opts.pair, link, compute_name) as (draft_lm, url):
+            warm_up(draft_lm, url, link, compute, measured[0], opts.max_new_tokens)
+            bar.update(1)
             for setting in ["ar", *gammas, "auto"]:
                 bar.set_postfix_str(f"{link}/{compute_name} {'gamma ' if setting != 'ar' else ''}{setting}")
                 mode = "ar" if setting == "ar" else "sd"
@@ -387,3 +413,21 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
     Sweep("gamma-auto", "fixed gamma vs --gamma auto vs AR per link: ms/token, auto's ratio to the best",
           run_gamma_auto, table_gamma_auto, plot_gamma_auto),
 ]}
+
+
+def _register_fsd_sweeps() -> None:
+    """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
+    from . import fsd
+    for s in [
+        Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
+              fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
+        Sweep("fsd-gamma", "gamma 1..10: AR->SD, SD->FSD, AR->FSD speedups (paper Fig. 4b)",
+              fsd.sweep_gamma, fsd.table_gamma, fsd.plot_gamma),
+        Sweep("fsd-queues", "client queue (priority/random/fifo) x server queue (priority/fifo) x workers: "
+              "cache miss rate (paper Table 7)", fsd.sweep_queues, fsd.table_queues, fsd.plot_queues),
+        Sweep("fsd-links", "ar, sd and fsd on each link profile", fsd.sweep_links, fsd.table_links, fsd.plot_links),
+    ]:
+        SWEEPS[s.name] = s
+
+
+_register_fsd_sweeps()

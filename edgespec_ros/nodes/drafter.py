@@ -293,6 +293,7 @@ class DrafterNode(LifecycleNode):
         msg.tau, msg.acceptance_rate = float(s["tau"]), float(s["acceptance_rate"])
         msg.acceptance_per_position = [float(a) for a in s["acceptance_per_position"]]
         msg.cache_miss_rate = float(s["cache_miss_rate"])
+        msg.avg_exit_layer = float("nan") if s["avg_exit_layer"] is None else float(s["avg_exit_layer"])
         msg.tokens_per_second = float(s["tokens_per_second"])
         msg.rtt_ms = float(s["rtt_ms"])
         msg.uplink_bytes, msg.downlink_bytes = int(s["uplink_bytes"]), int(s["downlink_bytes"])

@@ -316,6 +316,7 @@ class EdgeDecoder:
             m.t_draft += waited
             if entry is not None:  # hit: adopt the pre-drafted state and send its block at once
                 m.predraft_hits += 1
+                m.hit_wait_s += waited
                 seq, codec, draft_ids, q = entry.seq, entry.codec, entry.ids, entry.q
             else:
                 m.predraft_misses += 1
@@ -387,8 +388,9 @@ class EdgeDecoder:
                 m.record_round(reply, len(draft_ids))
                 if auto is not None:  # gamma "auto": feed the measured round to the controller
                     m.gamma_per_round.append(gamma)
+                    useful = next((i + 1 for i, t in enumerate(draft_ids) if t in self.eos_ids), len(draft_ids))
                     auto.observe_round(len(draft_ids), reply.accepted, draft_s, reply.uplink_s + reply.downlink_s,
-                                       reply.verify_s)
+                                       reply.verify_s, useful=useful)
                 codec.feedback(reply.accepted, len(draft_ids))
                 seq.commit_draft(draft_ids, reply.accepted, reply.next_token)
                 new = draft_ids[: reply.accepted] + [reply.next_token]

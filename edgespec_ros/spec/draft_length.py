@@ -146,6 +146,8 @@ class AutoGamma:
       accepted draft positions over attempted ones, where a round that accepted a of n drafts
       attempted a + 1 positions if a < n (the first rejection ends it) and n if all were accepted.
       (accepted / drafted would count never-attempted positions as rejections and bias alpha low.)
+      Drafts after an end-of-sequence token do not count: both models agree on what follows an
+      end, and counting it would inflate alpha on the last round of every decision.
     - t_draft: drafting seconds over drafted tokens; t_verify: mean verification seconds per round.
     - t_tx: the slope of link seconds in n, from differences of consecutive rounds of a decision
       (delta t over delta n, weighted by delta n^2, each pair's slope clipped to +- the link's mean
@@ -181,7 +183,7 @@ class AutoGamma:
             raise ValueError(f"auto gamma: need 1 <= probe_every <= probe_max, got {probe_every}, {probe_max}")
         self.gamma_init, self.gamma_max = gamma_init, gamma_max
         self.probe_every, self.probe_max, self.alpha_probe = probe_every, probe_max, alpha_probe
-        self._accept = _Ew(smoothing, 2)  # accepted, attempted positions
+        self._accept = self._acceptance_prior(smoothing)  # accepted, attempted positions
         self._draft = _Ew(smoothing, 2)  # draft seconds, drafted tokens
         self._verify = _Ew(smoothing, 2)  # verify seconds, rounds
         self._link = _Ew(smoothing, 2)  # SD rounds: link seconds, drafted tokens
@@ -195,15 +197,29 @@ class AutoGamma:
         self._probe_interval = probe_every
         self.probes = 0  # SD decisions taken only to re-measure alpha while AR was chosen
 
+    @staticmethod
+    def _acceptance_prior(rate: float) -> _Ew:
+        """alpha's sums before any round: one accepted of two attempted positions (alpha = 0.5,
+        the weight of two positions), so that a first all-accepted round reads alpha = 5/6 for
+        gamma 4, not 1 (which would draft gamma_max). It decays like any old round."""
+        prior = _Ew(rate, 2)
+        prior.sums = [1.0, 2.0]
+        return prior
+
     # --- observations -------------------------------------------------------------------------
 
-    def observe_round(self, drafted: int, accepted: int, draft_s: float, link_s: float, verify_s: float) -> None:
-        """One SD round: drafted tokens, how many were accepted, and its measured times (seconds)."""
+    def observe_round(self, drafted: int, accepted: int, draft_s: float, link_s: float, verify_s: float,
+                      useful: int | None = None) -> None:
+        """One SD round: drafted tokens, how many were accepted, and its measured times (seconds).
+        useful: the drafts up to and including the first end-of-sequence token, where there is one
+        (drafts after it were paid for, but their acceptance says nothing: they are cut anyway)."""
         if drafted < 1 or not 0 <= accepted <= drafted:
             raise ValueError(f"auto gamma: a round needs 1 <= drafted and 0 <= accepted <= drafted, "
                              f"got drafted={drafted}, accepted={accepted}")
-        attempted = accepted + 1 if accepted < drafted else drafted
-        self._accept.add(accepted, attempted)
+        useful = drafted if useful is None else min(max(useful, 1), drafted)
+        accepted_useful = min(accepted, useful)
+        attempted = accepted_useful + 1 if accepted_useful < useful else useful
+        self._accept.add(accepted_useful, attempted)
         self._draft.add(max(draft_s, 0.0), drafted)
         self._verify.add(max(verify_s, 0.0), 1.0)
         link_s = max(link_s, 0.0)
@@ -270,7 +286,7 @@ class AutoGamma:
             elif self._ar_run >= self._probe_interval and self.plan(alpha=self.alpha_probe).mode == "sd":
                 mode = "sd"
                 self.probes += 1
-                self._accept = _Ew(self._accept.rate, 2)  # the alpha that chose AR is stale: re-measure it
+                self._accept = self._acceptance_prior(self._accept.rate)  # the alpha that chose AR is stale
                 self._probe_interval = min(2 * self._probe_interval, self.probe_max)
         self._ar_run = self._ar_run + 1 if mode == "ar" else 0
         return mode

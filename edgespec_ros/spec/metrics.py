@@ -34,6 +34,7 @@ class DecisionMetrics:
     exit_layer_sum: int = 0  # sum of the earliest exit layer agreeing with the final verdict
     exits_received: int = 0
     fork_s: float = 0.0  # time spent cloning the draft state for pre-drafting
+    hit_wait_s: float = 0.0  # on hits, time waited for the matching pre-draft to finish (T_r)
 
     def record_exits(self, reply) -> None:
         if reply.exit_layer:
@@ -110,6 +111,7 @@ class RunSummary:
     exit_layer_sum: int = 0
     exits_received: int = 0
     fork_s: float = 0.0
+    hit_wait_s: float = 0.0
     gamma: int | str = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -124,7 +126,7 @@ class RunSummary:
         self.gamma_per_round += m.gamma_per_round
         for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
                      "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
-                     "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s"):
+                     "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
             if i >= len(self.drafted_per_position):
@@ -145,6 +147,7 @@ class RunSummary:
             "decisions": self.decisions,
             "tokens": self.tokens,
             "rounds": self.rounds,
+            "drafted": self.drafted,
             "tau": self.tokens / self.rounds if self.rounds else 0.0,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "acceptance_per_position": per_pos,
@@ -178,4 +181,7 @@ class RunSummary:
             "avg_exit_layer": self.exit_layer_sum / self.exit_rounds if self.exit_rounds else None,
             "exits_per_round": self.exits_received / self.rounds if self.rounds else 0.0,
             "fork_ms_per_round": 1000 * self.fork_s / self.rounds if self.rounds else 0.0,
+            "predraft_hits": self.predraft_hits,
+            "predraft_misses": self.predraft_misses,
+            "t_hit_wait_s": self.hit_wait_s / self.predraft_hits if self.predraft_hits else 0.0,  # T_r
         }

@@ -1,0 +1,75 @@
+"""edgespec-bench --sweep at toy size: each sweep measures real decisions over a real verifier
+process and emulated link, and gives rows, a table and a PNG (numbers checked for being measured
+and consistent, never for being fast)."""
+import json
+
+import pytest
+from tqdm import tqdm
+
+from edgespec_ros.bench import cli
+from edgespec_ros.bench.runner import env_threads, resolve_models
+from edgespec_ros.bench.sweeps import QWEN2_VL_VOCAB, SWEEPS, SweepOptions, codec_bits
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def quiet_progress(total):
+    return tqdm(total=total, disable=True)
+
+
+def test_codecs_sweep_measures_bytes_acceptance_and_time(tmp_path):
+    env_threads()
+    sweep = SWEEPS["codecs"]
+    opts = SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=12, links=["lan"],
+                        temperatures=[1.0], codecs=["dense16", "ksqs:k=8,l=100"])
+    rows = sweep.run(opts, quiet_progress)
+    assert [(r["link"], r["temperature"], r["label"]) for r in rows] == [
+        ("lan", 1.0, "dense16"), ("lan", 1.0, "ksqs:k=8,l=100")]
+    for r in rows:
+        assert r["tokens"] > 0 and r["ms_per_token"] > 0 and 0 <= r["acceptance_rate"] <= 1
+        assert r["resampling_rate"] is not None and r["uplink_bytes_per_draft_token"] > 0
+        # The measured VERIFY frames less the protocol's framing are the formula's bits (up to < 1
+        # byte of padding per frame): the frames really carried the codec.
+        assert r["payload_bits_per_draft_token"] == pytest.approx(8 * r["formula_bytes_per_draft_token"], abs=8)
+        assert r["qwen2vl_bytes_per_draft_token"] == codec_bits(r["codec"], QWEN2_VL_VOCAB) / 8
+    dense16, ksqs = rows
+    assert 300_000 < dense16["qwen2vl_bytes_per_draft_token"] < 310_000  # the issue's ~300 KB per token
+    assert ksqs["qwen2vl_bytes_per_draft_token"] < 100
+    assert dense16["qwen2vl_ms_per_token_projected"] > dense16["ms_per_token"]
+    table = sweep.table(rows)
+    assert "dense16" in table and "ksqs:k=8,l=100" in table and f"{dense16['ms_per_token']:.1f}" in table
+    png = tmp_path / "codecs.png"
+    sweep.plot(rows, str(png))
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    json.dumps(rows)
+
+
+def test_gamma_auto_sweep_through_the_command_line(tmp_path, capsys):
+    png, out = tmp_path / "plots" / "gamma.png", tmp_path / "gamma.json"
+    assert cli.main(["--sweep", "gamma-auto", "--decisions", "1", "--gammas", "2", "--links", "lan",
+                     "--compute", "native", "--max-new-tokens", "12", "--plot", str(png), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    settings = [r for r in rows if r["kind"] == "setting"]
+    assert [r["setting"] for r in settings] == ["ar", "2", "auto"]
+    assert all(r["tokens"] > 0 and r["ms_per_token"] > 0 and r["decisions"] == 1 for r in settings)
+    auto = settings[-1]
+    assert auto["gamma"] == "auto" and auto["ar_decisions"] in (0, 1)
+    assert auto["ms_per_token_incl_warmup"] > 0
+    (summary,) = [r for r in rows if r["kind"] == "link-summary"]
+    assert summary["best_fixed_gamma"] == 2
+    assert summary["auto_vs_best_fixed"] == pytest.approx(auto["ms_per_token"] / settings[1]["ms_per_token"])
+    best = min(settings[0]["ms_per_token"], settings[1]["ms_per_token"])
+    assert summary["auto_vs_best"] == pytest.approx(auto["ms_per_token"] / best)
+    printed = capsys.readouterr().out
+    assert "auto/best g" in printed and f"{summary['auto_vs_best_fixed']:.2f}" in printed
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--sweep", "codecs", "--codecs", "topk:k=0"], "--codecs"),
+    (["--sweep", "gamma-auto", "--gammas", "0"], "--gammas"),
+    (["--gamma", "auto", "--modes", "fsd"], "--gamma"),
+])
+def test_bad_sweep_arguments_are_clear_errors(argv, fragment, capsys):
+    assert cli.main(argv) == 2
+    assert fragment in capsys.readouterr().err
