@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fsd: order in which the robot pre-drafts received early exits (default priority)")
     ap.add_argument("--server-queue", default="priority", choices=["priority", "fifo"],
                     help="fsd: order in which the verifier streams early exits (default priority)")
+    ap.add_argument("--exits", default="auto",
+                    help="the verifier's early-exit adapters: auto (beside the target; default), none, or a dir")
     ap.add_argument("--draft", default=None, help="draft model dir (default: embedded draft)")
     ap.add_argument("--target", default=None, help="target model dir (default: embedded target)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
@@ -90,7 +92,7 @@ def run_sweep(args) -> int:
     pair = resolve_models(args.draft, args.target)
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
-                        gammas=args.gammas, workers=args.workers, workers_list=args.workers_list)
+                        gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
           f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
-    with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue) as (draft_lm, url):
+    with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits) as (draft_lm, url):
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
         summaries = run_modes(draft_lm, url, modes, prompts, link=args.link, compute=compute, gamma=args.gamma,
                               max_new_tokens=args.max_new_tokens, params=params, seed=args.seed, codec=args.codec,

@@ -126,16 +126,16 @@ def paper_comparison(rows: list[dict], num_layers: int | None = None) -> str:
 # --- ablation sweeps ---------------------------------------------------------------------------
 
 def _setting_rows(pair, link, compute_name, prompts, settings, *, exit_queue="priority", progress=None,
-                  max_new_tokens=64, seed=0) -> list[dict]:
+                  max_new_tokens=64, seed=0, exits="auto") -> list[dict]:
     """settings: list of (label dict, mode, run_modes kwargs); one verifier + link for all."""
     compute = get_compute(compute_name)
     rows = []
-    with emulated_setup(pair, link, compute_name, exit_queue=exit_queue) as (draft_lm, url):
+    with emulated_setup(pair, link, compute_name, exit_queue=exit_queue, exits=exits) as (draft_lm, url):
         for label, mode, kw in settings:
             summary = run_modes(draft_lm, url, [mode], prompts, link=link, compute=compute,
                                 max_new_tokens=max_new_tokens, seed=seed,
                                 on_decision=(lambda *a: progress.update(1)) if progress else None, **kw)[mode]
-            rows.append(summary.row() | label | {"server_queue": exit_queue})
+            rows.append(summary.row() | label | {"server_queue": exit_queue, "exits": exits})
     return rows
 
 
@@ -148,7 +148,7 @@ def sweep_workers(opts, progress) -> list[dict]:
     bar = progress(len(prompts) * (len(workers) + 1))
     settings = [({"workers": 0}, "sd", {})] + [({"workers": w}, "fsd", {"workers": w}) for w in workers]
     rows = _setting_rows(opts.pair, link, compute, prompts, settings, progress=bar,
-                         max_new_tokens=opts.max_new_tokens, seed=opts.seed)
+                         max_new_tokens=opts.max_new_tokens, seed=opts.seed, exits=opts.exits)
     bar.close()
     sd = rows[0]
     for r in rows:
@@ -169,7 +169,7 @@ def sweep_gamma(opts, progress) -> list[dict]:
         settings += [({"setting": f"sd g{g}"}, "sd", {"gamma": g}),
                      ({"setting": f"fsd g{g}"}, "fsd", {"gamma": g, "workers": w})]
     rows = _setting_rows(opts.pair, link, compute, prompts, settings, progress=bar,
-                         max_new_tokens=opts.max_new_tokens, seed=opts.seed)
+                         max_new_tokens=opts.max_new_tokens, seed=opts.seed, exits=opts.exits)
     bar.close()
     ar = rows[0]
     sd_by_gamma = {r["gamma"]: r for r in rows if r["mode"] == "sd"}
@@ -195,7 +195,7 @@ def sweep_queues(opts, progress) -> list[dict]:
         settings = [({"client_queue": c, "workers": w}, "fsd", {"workers": w, "client_queue": c})
                     for c in clients for w in workers]
         rows += _setting_rows(opts.pair, link, compute, prompts, settings, exit_queue=server, progress=bar,
-                              max_new_tokens=opts.max_new_tokens, seed=opts.seed)
+                              max_new_tokens=opts.max_new_tokens, seed=opts.seed, exits=opts.exits)
     bar.close()
     return rows
 
@@ -210,7 +210,7 @@ def sweep_links(opts, progress) -> list[dict]:
     for link in links:
         got = _setting_rows(opts.pair, link, compute, prompts,
                             [({}, "ar", {}), ({}, "sd", {}), ({}, "fsd", {"workers": opts.workers or 4})],
-                            progress=bar, max_new_tokens=opts.max_new_tokens, seed=opts.seed)
+                            progress=bar, max_new_tokens=opts.max_new_tokens, seed=opts.seed, exits=opts.exits)
         from .runner import add_speedups
         rows += add_speedups(got)
     bar.close()

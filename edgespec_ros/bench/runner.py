@@ -125,10 +125,10 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
 
 
 @contextlib.contextmanager
-def emulated_setup(pair: ModelPair, link: str, compute: str, exit_queue: str = "priority"):
+def emulated_setup(pair: ModelPair, link: str, compute: str, exit_queue: str = "priority", exits: str = "auto"):
     """Verifier process + link proxy; yields (draft LoadedModel, proxy url)."""
     draft_lm = load_model(pair.draft_path)
-    with verifier_process(pair.target_path, compute, exit_queue=exit_queue) as port:
+    with verifier_process(pair.target_path, compute, exit_queue=exit_queue, exits=exits) as port:
         with LinkProxy(get_profile(link), "127.0.0.1", port) as proxy:
             yield draft_lm, proxy.url
 

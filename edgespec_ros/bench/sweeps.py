@@ -43,6 +43,7 @@ class SweepOptions:
     gammas: list[int] | None = None
     workers: int | None = None  # fsd pre-draft workers where a sweep does not vary them
     workers_list: list[int] | None = None  # fsd-workers / fsd-queues: the worker counts swept
+    exits: str = "auto"  # the verifier's early-exit adapters (edgespec-verifier --exits)
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,24 @@ def write_card(models_dir: str, metrics: dict) -> str:
         lines.append(f"| {r['temperature']:g} | {r['decisions']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | {per} |")
     lines += ["", "Closed loop: `edgespec-sim eval --model edgespec_ros/models/target --scenarios DIR --json OUT`",
               "(held-out scenarios: `edgespec-sim heldout --out DIR`).", ""]
+    lines += exits_section(models_dir)
     path = os.path.join(models_dir, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return path
+
+
+def exits_section(models_dir: str) -> list[str]:
+    """The target's early-exit adapters (FSD), from target/exits/exits.json, if trained."""
+    path = os.path.join(models_dir, "target", "exits", "exits.json")
+    if not os.path.isfile(path):
+        return []
+    from .exits import format_exit_table
+    with open(path) as f:
+        meta = json.load(f)
+    m = meta["metrics"]
+    return ["## Early-exit adapters on the target (FSD)", "",
+            f"Layers {meta['layers']}, rank {meta['rank']}, {meta['params']:,} parameters; token match with the "
+            f"final layer and mean confidence on {m['heldout_examples']} held-out frames (details and plot: "
+            "`target/exits/README.md`; reproduce: `edgespec-train exits`):", "",
+            format_exit_table(m["per_exit"], m.get("untrained_per_exit")), ""]

@@ -123,7 +123,7 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
     heldout = list(generate_examples("heldout", 20))
     ecfg = ExitTrainConfig(steps=cfg.exit_steps, rank=cfg.exit_rank, layers=cfg.exit_layers, seed=cfg.seed)
     return run_exits_stage(target, out, train, heldout, ecfg,
-                           command=f"edgespec-train exits --target {target} --exit-steps {cfg.exit_steps} "
+                           command=f"edgespec-train exits --target {os.path.relpath(target)} --exit-steps {cfg.exit_steps} "
                                    f"--exit-scenarios {cfg.exit_scenarios}")
 
 
