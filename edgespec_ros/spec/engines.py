@@ -216,6 +216,8 @@ class Sequence:
         returns None when the codec's per-round bit budget cannot carry another token: the round
         then ends early (fewer than gamma drafts, at least one).
 
+        The block also ends after an end-of-sequence token (nothing after it can be kept).
+
         stop() is polled before each token (pre-draft cancellation): when it returns True the
         drafts so far are returned and the sequence must be discarded.
 
@@ -223,6 +225,7 @@ class Sequence:
         """
         base = len(self.generated)
         ids, qs = [], []
+        eos = self.lm.eos_token_ids
         logits = self.next_logits()
         self._draft_base = self.fed
         for i in range(gamma):
@@ -236,6 +239,8 @@ class Sequence:
             x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
             ids.append(x)
             qs.append(q)
+            if x in eos:  # nothing after an end token can be kept: stop the block (same output, less work)
+                break
             if i < gamma - 1:
                 logits = self.feed([x])[-1]
         return ids, torch.stack(qs) if qs else torch.zeros(0, self.lm.vocab_size, dtype=torch.float64)
