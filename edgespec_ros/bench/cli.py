@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--links", nargs="+", choices=list(PROFILES), default=None,
                        help="link profiles (default: the sweep's)")
     sweep.add_argument("--codecs", nargs="+", default=None,
-                       help="codec specs, space-separated (codecs sweep; default: its list of 15)")
+                       help="codec specs, space-separated (codecs sweep; default: its list of 17)")
     sweep.add_argument("--gammas", nargs="+", type=int, default=None,
                        help="fixed draft lengths (gamma-auto sweep; default 1 2 3 4 6 8); the codecs sweep "
                             "drafts with the first (default 4)")

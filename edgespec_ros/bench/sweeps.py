@@ -98,7 +98,8 @@ def _save(fig, path: str) -> None:
 CODECS_DEFAULT = ["dense32", "dense16", "ids",
                   "topk:k=3", "topk:k=8", "topk:k=32", "topk:k=128", "topk:k=320",
                   "ksqs:k=3,l=100", "ksqs:k=8,l=100", "ksqs:k=32,l=100", "ksqs:k=128,l=100", "ksqs:k=8,l=32",
-                  "csqs:l=100", "csqs:l=100,budget=5000"]  # csqs: SQS's eta, alpha; with and without B
+                  "csqs:l=100", "csqs:l=100,budget=5000",  # csqs: SQS's eta, alpha; with and without B
+                  "split", "split:k=8"]  # PicoSpec separate rejection sampling: exact, and top-8 downlink (lossy)
 
 
 def verify_framing_bytes(rounds: int, drafted: int) -> int:
@@ -418,7 +419,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fsd
+    from . import fsd, split_tv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -427,6 +428,8 @@ def _register_fsd_sweeps() -> None:
         Sweep("fsd-queues", "client queue (priority/random/fifo) x server queue (priority/fifo) x workers: "
               "cache miss rate (paper Table 7)", fsd.sweep_queues, fsd.table_queues, fsd.plot_queues),
         Sweep("fsd-links", "ar, sd and fsd on each link profile", fsd.sweep_links, fsd.table_links, fsd.plot_links),
+        Sweep("split-tv", "split codec: total-variation distance of the top-K downlink's output from the target's "
+              "(K = 0 exact, 1, 3, 8, 32, 128)", split_tv.run, split_tv.table, split_tv.plot),
     ]:
         SWEEPS[s.name] = s
 

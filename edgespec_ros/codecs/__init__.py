@@ -13,6 +13,7 @@ CodecError on bad payloads) is in ``base.py``.
 | ksqs      | top-K on the resolution-l lattice          | ceil(log2 C(V,K)) + ceil(log2 C(l+K-1,K-1))       |
 | csqs      | {q >= beta} on the lattice (Eq. 8 beta)    | ceil(log2 V) + the ksqs bits with K = K_n         |
 | ids       | the one-hot of the argmax (greedy drafts)  | 0                                                 |
+| split     | q itself; only q(x) goes up (PicoSpec)     | 64 (+ p down on a rejection: 64 V, or 64 K lossy) |
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from .base import Codec
 from .bits import CodecError
 from .dense import Dense16, Dense32, IdsOnly
 from .sqs import CSQS, KSQS
+from .split import Split
 from .topk import TopK
 
-CODECS: dict[str, type[Codec]] = {c.name: c for c in (Dense32, Dense16, TopK, KSQS, CSQS, IdsOnly)}
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (Dense32, Dense16, TopK, KSQS, CSQS, IdsOnly, Split)}
 
 __all__ = ["CODECS", "Codec", "CodecError", "get_codec", "parse_spec"]
 

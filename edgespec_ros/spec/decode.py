@@ -19,7 +19,7 @@ from .compute import pad_to
 from .draft_length import AutoGamma
 from .metrics import DecisionMetrics
 from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
-from .verify import VerifyResult, verify
+from .verify import VerifyResult, verify, verify_separate
 
 DECODING_MODES = ("ar", "sd", "fsd")
 
@@ -93,6 +93,7 @@ class TargetSession:
         self.seq = lm.new_sequence()
         self.cfg: DecodeConfig | None = None
         self._exit_last: dict[int, torch.Tensor] = {}
+        self.awaiting_edge_token = False  # split codec: the robot owes the token after a rejection
         self.last_exits: list = []
         self.last_exit_layer = 0
 
@@ -125,6 +126,7 @@ class TargetSession:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         t0 = time.perf_counter()
         self.cfg = cfg
+        self.awaiting_edge_token = False
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
         if self.lm.exits is not None:
@@ -164,6 +166,32 @@ class TargetSession:
             final = (result.accepted, result.next_token)
             self.last_exit_layer = next((e.layer for e in self.last_exits if e.key == final), self.lm.num_layers)
         self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
+        return result, time.perf_counter() - t0
+
+    def verify_separate(self, draft_ids: list[int], q_at_draft: torch.Tensor,
+                        edge_token: int | None) -> tuple[VerifyResult, float]:
+        """A round of the split codec (separate rejection sampling): only q(x) of each draft is
+        known here; a rejection leaves the next token to the robot (result.next_token -1,
+        result.target_p = p there), which sends it as ``edge_token`` with the next round."""
+        if self.cfg is None:
+            raise RuntimeError("verify before prefill")
+        if self.awaiting_edge_token and edge_token is None:
+            raise ValueError("split codec: this VERIFY lacks the token the robot resampled after the last rejection")
+        if not self.awaiting_edge_token and edge_token is not None:
+            raise ValueError("split codec: an edge token came but the last round did not end in a rejection")
+        t0 = time.perf_counter()
+        if edge_token is not None:
+            if not 0 <= edge_token < self.lm.vocab_size:
+                raise ValueError(f"edge token {edge_token} out of range (vocab {self.lm.vocab_size})")
+            self.seq.append_generated(edge_token)
+            self.awaiting_edge_token = False
+        start_position = len(self.seq.generated)
+        logits = self.seq.target_logits(draft_ids)
+        result = verify_separate(draft_ids, q_at_draft, logits, self.cfg.params, seed=self.cfg.seed,
+                                 start_position=start_position)
+        rejected = result.next_token < 0
+        self.seq.commit_verified(draft_ids, result.accepted, None if rejected else result.next_token)
+        self.awaiting_edge_token = rejected
         return result, time.perf_counter() - t0
 
     def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:

@@ -268,9 +268,14 @@ class Sequence:
             return first.view(1, -1)
         return torch.cat([first.view(1, -1), self.feed(list(draft_ids))], dim=0)
 
-    def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
-        """Keep the accepted drafts in the target cache and queue next_token."""
+    def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int | None) -> None:
+        """Keep the accepted drafts in the target cache and queue next_token (None: the robot
+        resamples it, split codec; it comes with the next round through ``append_generated``)."""
         self.crop(self._verify_base + accepted)
+        if next_token is None:
+            self.pending = []
+            self.generated.extend(int(t) for t in draft_ids[:accepted])
+            return
         self.pending = [int(next_token)]
         self.generated.extend(int(t) for t in draft_ids[:accepted])
         self.generated.append(int(next_token))

@@ -40,6 +40,7 @@ class VerifyResult:
     next_token: int  # the token that follows them (resampled at a rejection, or the bonus)
     accepted_mask: list[bool] = field(default_factory=list)  # per draft position; False after the first rejection
     resampled: bool = False  # True when next_token came from the residual of a rejection
+    target_p: torch.Tensor | None = None  # separate rejection sampling: p at the rejected position (next_token -1)
 
     def committed_tokens(self, draft_ids) -> list[int]:
         """The tokens this round commits: the accepted draft prefix, then next_token."""
@@ -130,3 +131,47 @@ def verify(
         return VerifyResult(i, token, mask, resampled=True)
     bonus = sample_from(p[gamma], keyed_uniform(seed, start_position + gamma, STREAM_RESAMPLE))
     return VerifyResult(gamma, bonus, mask)
+
+
+def verify_separate(draft_ids, q_at_draft: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams, *,
+                    seed: int, start_position: int) -> VerifyResult:
+    """PicoSpec separate rejection sampling, cloud half: only q_i(x_i) is known here.
+
+    The accept test is ``verify``'s (same coins). At a rejection the residual needs the whole q_i,
+    which stayed on the robot: the result has next_token -1 and ``target_p`` = p_i, and the robot
+    finishes with ``resample_separate``. With all drafts accepted the bonus token is sampled here.
+    """
+    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
+    gamma = draft_ids.shape[0]
+    if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
+        raise ValueError(f"target_logits must be [gamma + 1, V] = [{gamma + 1}, V], got {tuple(target_logits.shape)}")
+    vocab = target_logits.shape[1]
+    if gamma and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab):
+        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids.tolist()}")
+    q = torch.as_tensor(q_at_draft, dtype=torch.float64).view(-1)
+    if q.shape[0] != gamma or not torch.isfinite(q).all() or (q <= 0).any() or (q > 1 + 1e-9).any():
+        raise DraftDistributionError(f"q(x) of the {gamma} drafted tokens must be probabilities in (0, 1]")
+    p = probs_from_logits(target_logits, params)
+    mask: list[bool] = []
+    for i in range(gamma):
+        pos = start_position + i
+        x = int(draft_ids[i])
+        if keyed_uniform(seed, pos, STREAM_ACCEPT) * float(q[i]) < float(p[i, x]):
+            mask.append(True)
+            continue
+        mask.extend([False] * (gamma - i))
+        return VerifyResult(i, -1, mask, resampled=True, target_p=p[i])
+    bonus = sample_from(p[gamma], keyed_uniform(seed, start_position + gamma, STREAM_RESAMPLE))
+    return VerifyResult(gamma, bonus, mask)
+
+
+def resample_separate(target_p: torch.Tensor, q_row: torch.Tensor, *, seed: int, position: int) -> int:
+    """PicoSpec separate rejection sampling, robot half: sample norm(max(0, p - q)) with the
+    coin the cloud would have used (so an exact p gives the dense codecs' very token)."""
+    p = torch.as_tensor(target_p, dtype=torch.float64)
+    q = torch.as_tensor(q_row, dtype=torch.float64)
+    q = q / q.sum()
+    residual = torch.clamp(p - q, min=0.0)
+    if float(residual.sum()) <= 0.0:
+        residual = p
+    return sample_from(residual, keyed_uniform(seed, position, STREAM_RESAMPLE))

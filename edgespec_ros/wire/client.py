@@ -59,6 +59,9 @@ class RemoteVerifier:
         self.last_generate_uplink = 0
         self.last_generate_downlink = 0
         self.stale_exits = 0  # early exits that arrived after their round's verdict (discarded)
+        self._edge_token = P.NO_TOKEN  # split codec: the token resampled here, owed to the verifier
+        self._position = 0  # tokens committed in this decision (the keyed-randomness position)
+        self._cfg: DecodeConfig | None = None
         self._on_exit = None  # the current round's early-exit receiver (fsd)
 
     # --- connection ----------------------------------------------------------------------
@@ -165,6 +168,7 @@ class RemoteVerifier:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the session's {self.codec.spec!r}")
         self.decision += 1
         self.round = 0
+        self._edge_token, self._position, self._cfg = P.NO_TOKEN, 0, cfg
         up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
                                   cfg.seed, cfg.params.temperature, cfg.params.top_k, cfg.params.top_p,
                                   cfg.verify_mode))
@@ -182,8 +186,12 @@ class RemoteVerifier:
         self.round += 1
         t0 = time.perf_counter()
         flags = P.VERIFY_STREAM_EXITS if on_exit is not None and self.exit_layers else 0
+        separate = getattr(self.codec, "separate", False)
+        if separate:
+            flags = 0  # no early exits with separate rejection sampling
         up = self._send(P.Verify(self.decision, self.round, list(draft_ids),
-                                 self.codec.encode(draft_ids, draft_probs), flags))
+                                 self.codec.encode(draft_ids, draft_probs), flags, self._edge_token))
+        self._edge_token = P.NO_TOKEN
         self._on_exit, self._n_drafted, self._exits_received = on_exit, len(draft_ids), 0
         try:
             verdict, down = self._recv(P.Verdict)
@@ -193,14 +201,41 @@ class RemoteVerifier:
         if verdict.round != self.round or verdict.decision != self.decision:
             raise VerifierError(f"verdict for round {verdict.round} of decision {verdict.decision}, "
                                 f"expected {self.round} of {self.decision}")
-        if verdict.accepted > len(draft_ids) or verdict.next_token >= self.vocab_size:
+        next_token = verdict.next_token
+        if verdict.p_payload or (separate and next_token == P.NO_TOKEN):
+            next_token = self._resample_separate(verdict, draft_probs)
+        if verdict.accepted > len(draft_ids) or next_token >= self.vocab_size:
+            self._drop()
             raise VerifierError("verdict out of range: the verifier speaks another model")
+        self._position += verdict.accepted + 1
         verify_s = verdict.verify_ms / 1e3
         up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s), up, down)
         mask = [True] * verdict.accepted + [False] * (len(draft_ids) - verdict.accepted)
-        return VerifyReply(verdict.accepted, verdict.next_token, mask, verify_s=verify_s, uplink_bytes=up,
+        return VerifyReply(verdict.accepted, next_token, mask, verify_s=verify_s, uplink_bytes=up,
                            downlink_bytes=down, uplink_s=up_s, downlink_s=down_s, exit_layer=verdict.exit_layer,
                            exits_received=self._exits_received)
+
+    def _resample_separate(self, verdict: P.Verdict, draft_probs) -> int:
+        """Split codec: the verifier rejected draft `accepted` and sent p there; sample the
+        residual norm(max(0, p - q)) here and owe the token to the next VERIFY."""
+        from ..spec.verify import resample_separate
+        from ..codecs import CodecError
+        if not getattr(self.codec, "separate", False) or verdict.next_token != P.NO_TOKEN or not verdict.p_payload:
+            self._drop()
+            raise VerifierError("verdict carries a target distribution without a split-codec rejection (or the "
+                                "reverse): the verifier speaks another protocol")
+        if verdict.accepted >= len(draft_probs):
+            self._drop()
+            raise VerifierError("verdict out of range: a rejection after the last draft")
+        try:
+            p = self.codec.decode_p(verdict.p_payload, self.vocab_size)
+        except CodecError as exc:
+            self._drop()
+            raise VerifierError(f"bad target distribution from the verifier: {exc}") from exc
+        token = resample_separate(p, torch.as_tensor(draft_probs)[verdict.accepted], seed=self._cfg.seed,
+                                  position=self._position + verdict.accepted)
+        self._edge_token = token
+        return token
 
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
         self.last_generate_uplink = self._send(P.Generate(self.decision, max_new_tokens))

@@ -54,6 +54,7 @@ class FrameType(enum.IntEnum):
 
 
 VERIFY_STREAM_EXITS = 1  # Verify.flags bit: stream this round's early exits (fsd)
+NO_TOKEN = 0xFFFFFFFF  # Verify.edge_token / Verdict.next_token: none (split codec)
 
 
 class _Writer:
@@ -179,6 +180,7 @@ class Verify:
     draft_ids: list[int]
     q_payload: bytes = b""
     flags: int = 0  # VERIFY_STREAM_EXITS
+    edge_token: int = NO_TOKEN  # split codec: the token the robot resampled after the last round's rejection
 
 
 @dataclass
@@ -191,6 +193,7 @@ class Verdict:
     n_drafted: int = 0
     exit_layer: int = 0  # earliest exit whose verdict equals this one (num_layers: none; 0: not computed)
     exits_sent: int = 0
+    p_payload: bytes = b""  # split codec, on a rejection: the target distribution there (next_token is NO_TOKEN)
 
 
 @dataclass
@@ -235,9 +238,9 @@ _ENCODERS = {
               .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode)),
     PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
     Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)
-             .u8(m.flags)),
+             .u8(m.flags).u32(m.edge_token)),
     Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
-              .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent)),
+              .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent).blob(m.p_payload)),
     Exit: (FrameType.EXIT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.layer).u16(m.accepted)
            .u32(m.next_token).f32(m.confidence).f32(m.at_ms)),
     Generate: (FrameType.GENERATE, lambda m, w: w.u32(m.decision).u32(m.max_new_tokens)),
@@ -255,10 +258,10 @@ _DECODERS = {
                                          r.str("verify_mode")),
     FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
     FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload"),
-                                       r.u8("flags")),
+                                       r.u8("flags"), r.u32("edge_token")),
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
                                          r.f32("verify_ms"), r.u16("n_drafted"), r.u16("exit_layer"),
-                                         r.u16("exits_sent")),
+                                         r.u16("exits_sent"), r.blob("p_payload")),
     FrameType.EXIT: lambda r: Exit(r.u32("decision"), r.u32("round"), r.u16("layer"), r.u16("accepted"),
                                    r.u32("next_token"), r.f32("confidence"), r.f32("at_ms")),
     FrameType.GENERATE: lambda r: Generate(r.u32("decision"), r.u32("max_new_tokens")),

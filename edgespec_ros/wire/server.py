@@ -236,6 +236,11 @@ class VerifierServer:
                                        f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
                 if msg.flags & ~P.VERIFY_STREAM_EXITS:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
+                if getattr(codec, "separate", False):
+                    await self._verify_separate(ws, msg, session, codec)
+                    continue
+                if msg.edge_token != P.NO_TOKEN:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, "an edge token is only valid with the split codec")
                 started = time.perf_counter()  # verify time includes decoding q
                 on_exit = None
                 if msg.flags & P.VERIFY_STREAM_EXITS and self.lm.exits is not None:
@@ -275,6 +280,22 @@ class VerifierServer:
                         break
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+
+    async def _verify_separate(self, ws, msg: P.Verify, session: TargetSession, codec) -> None:
+        """A split-codec round: q(x) of each draft only; on a rejection p goes down, not a token.
+        (No early exits: an exit could not name its next token without the robot's q.)"""
+        started = time.perf_counter()
+        edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
+        try:
+            q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
+            result, _ = await self._run(session.verify_separate, msg.draft_ids, q, edge)
+            p_payload = b"" if result.target_p is None else await self._run(codec.encode_p, result.target_p)
+        except (CodecError, DraftDistributionError, ValueError) as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
+        elapsed = await self._pad(started, self.compute.verify_s)
+        next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
+        await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
+                                         len(msg.draft_ids), 0, 0, p_payload)))
 
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
