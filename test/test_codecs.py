@@ -59,7 +59,7 @@ def test_specs_parse_to_canonical_strings_with_every_parameter():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("zstd", "unknown codec 'zstd'; known: csqs, dense16, dense32, ids, ksqs, topk"),
+    ("zstd", "unknown codec 'zstd'; known: csqs, dense16, dense32, ids, ksqs, split, topk"),
     ("ksqs:q=3", "codec ksqs has no parameter 'q' (its parameters: k, l)"),
     ("dense32:k=3", "codec dense32 has no parameter 'k' (its parameters: none)"),
     ("ksqs:k=eight", "codec ksqs: k='eight' is not a valid int"),
