@@ -270,18 +270,14 @@ def table_links(rows: list[dict]) -> str:
 
 
 def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    from .sweeps import _pyplot
+    return _pyplot()
 
 
 def _save(fig, path):
-    import os
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    from . import sweeps
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    sweeps._save(fig, path)
 
 
 def plot_workers(rows, path):

@@ -70,6 +70,18 @@ def check_draft_probs(draft_ids: torch.Tensor, draft_probs: torch.Tensor, vocab_
             f"draft token {int(draft_ids[i])} at position {i} has q = 0: q is not what the draft sampled from")
 
 
+def _check_round(draft_ids, target_logits: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(draft ids as a long vector, gamma, V); target_logits must be [gamma + 1, V], ids in range."""
+    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
+    gamma = draft_ids.shape[0]
+    if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
+        raise ValueError(f"target_logits must be [gamma + 1, V] = [{gamma + 1}, V], got {tuple(target_logits.shape)}")
+    vocab = target_logits.shape[1]
+    if gamma and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab):
+        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids.tolist()}")
+    return draft_ids, gamma, vocab
+
+
 def verify(
     draft_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
@@ -88,13 +100,7 @@ def verify(
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; expected one of {MODES}")
-    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
-    gamma = draft_ids.shape[0]
-    if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
-        raise ValueError(f"target_logits must be [gamma + 1, V] = [{gamma + 1}, V], got {tuple(target_logits.shape)}")
-    vocab = target_logits.shape[1]
-    if gamma and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab):
-        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids.tolist()}")
+    draft_ids, gamma, vocab = _check_round(draft_ids, target_logits)
 
     if mode == "greedy":
         target_argmax = target_logits.argmax(dim=-1)
@@ -141,13 +147,7 @@ def verify_separate(draft_ids, q_at_draft: torch.Tensor, target_logits: torch.Te
     which stayed on the robot: the result has next_token -1 and ``target_p`` = p_i, and the robot
     finishes with ``resample_separate``. With all drafts accepted the bonus token is sampled here.
     """
-    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
-    gamma = draft_ids.shape[0]
-    if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
-        raise ValueError(f"target_logits must be [gamma + 1, V] = [{gamma + 1}, V], got {tuple(target_logits.shape)}")
-    vocab = target_logits.shape[1]
-    if gamma and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab):
-        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids.tolist()}")
+    draft_ids, gamma, vocab = _check_round(draft_ids, target_logits)
     q = torch.as_tensor(q_at_draft, dtype=torch.float64).view(-1)
     if q.shape[0] != gamma or not torch.isfinite(q).all() or (q <= 0).any() or (q > 1 + 1e-9).any():
         raise DraftDistributionError(f"q(x) of the {gamma} drafted tokens must be probabilities in (0, 1]")
