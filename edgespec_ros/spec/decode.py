@@ -292,6 +292,14 @@ class EdgeDecoder:
     def _draft_token_s(self) -> float:
         return self.draft_compute.draft_token_s if self.draft_compute is not None else 0.0
 
+    def _draft_block(self, seq, gamma: int, cfg: DecodeConfig, codec) -> tuple[list[int], torch.Tensor, float]:
+        """Draft one block (padded to the emulated robot compute, if any); returns (ids, q, seconds)."""
+        t0 = time.perf_counter()
+        draft_ids, q = seq.draft(gamma, cfg.params, cfg.seed, prepare=codec.prepare)
+        if self._draft_token_s():
+            pad_to(t0, len(draft_ids) * self._draft_token_s())
+        return draft_ids, q, time.perf_counter() - t0
+
     def _get_predrafter(self, cfg: DecodeConfig):
         from .fsd import PreDrafter
         p = self._predrafter
@@ -320,11 +328,8 @@ class EdgeDecoder:
         draft_ids = None
         while True:
             if draft_ids is None:  # first round, or a cache miss: draft as SD does
-                t0 = time.perf_counter()
-                draft_ids, q = seq.draft(cfg.gamma, cfg.params, cfg.seed, prepare=codec.prepare)
-                if self._draft_token_s():
-                    pad_to(t0, len(draft_ids) * self._draft_token_s())
-                m.t_draft += time.perf_counter() - t0
+                draft_ids, q, draft_s = self._draft_block(seq, cfg.gamma, cfg, codec)
+                m.t_draft += draft_s
             pre.begin(seq, codec, draft_ids, cfg.gamma, cfg.params, cfg.seed, ends_decision)
             try:
                 reply = self.verifier.verify(draft_ids, q, on_exit=pre.offer)
@@ -406,11 +411,7 @@ class EdgeDecoder:
             finished = False
             while not finished:
                 gamma = cfg.gamma if auto is None else auto.next_gamma()
-                t0 = time.perf_counter()
-                draft_ids, q = seq.draft(gamma, cfg.params, cfg.seed, prepare=codec.prepare)
-                if self.draft_compute is not None and self.draft_compute.draft_token_s:
-                    pad_to(t0, len(draft_ids) * self.draft_compute.draft_token_s)
-                draft_s = time.perf_counter() - t0
+                draft_ids, q, draft_s = self._draft_block(seq, gamma, cfg, codec)
                 m.t_draft += draft_s
                 reply = self.verifier.verify(draft_ids, q)
                 m.record_round(reply, len(draft_ids))
