@@ -100,6 +100,7 @@ class DrafterSettings:
 
     mode: str = "sd"
     gamma: int = 4
+    auto_gamma: bool = False  # sd only: gamma "auto" (spec.draft_length.AutoGamma)
     max_new_tokens: int = 96
     temperature: float = 0.0
     seed: int = 0
@@ -128,7 +129,8 @@ class DrafterSettings:
         self.decode_config(0)  # validates gamma, codec, max_new_tokens
 
     def decode_config(self, decision_index: int) -> DecodeConfig:
-        return DecodeConfig(mode=self.mode, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
+        return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
+                            max_new_tokens=self.max_new_tokens,
                             params=SamplingParams(self.temperature), seed=self.seed + decision_index,
                             codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue)
 

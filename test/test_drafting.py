@@ -249,3 +249,10 @@ def test_partial_text_and_stats():
     assert (s["decisions"], s["tokens"], s["rounds"], s["tau"]) == (1, 12, 4, 3.0)
     assert s["acceptance_rate"] == 0.5 and s["acceptance_per_position"] == [1.0, 0.5, 0.25, 0.25]
     assert s["rtt_ms"] == pytest.approx(50.0) and s["tokens_per_second"] == pytest.approx(24.0)
+
+
+def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():
+    assert DrafterSettings(mode="sd", auto_gamma=True).decode_config(3).gamma == "auto"
+    assert DrafterSettings(mode="sd", gamma=6).decode_config(0).gamma == 6
+    with pytest.raises(ValueError, match="auto"):
+        DrafterSettings(mode="fsd", auto_gamma=True)

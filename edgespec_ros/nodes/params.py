@@ -51,7 +51,9 @@ DRAFTER = (
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
     P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
                     "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd)"),
-    P("gamma", 4, "draft tokens per verification round (sd)", min_value=1, max_value=64),
+    P("gamma", 4, "draft tokens per verification round (sd, fsd)", min_value=1, max_value=64),
+    P("auto_gamma", False, "sd only: choose gamma every round (ODLD) and sd or cloud ar every decision (AS2) from "
+                           "measured rounds; gamma is then ignored"),
     P("max_new_tokens", 96, "token budget of one decision", min_value=1, max_value=4096),
     P("temperature", 0.0, "sampling temperature (0 = greedy)", min_value=0.0),
     P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
