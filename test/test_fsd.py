@@ -7,7 +7,6 @@ import copy
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from edgespec_ros.spec.verify import verify
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.server import ExitSender, ServerThread, VerifierServer
-from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_session, wait_until
+from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_session, server_copy, wait_until
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -214,7 +213,8 @@ def test_fsd_over_the_wire_with_emulated_compute_is_identical_and_hits(committed
 
 def test_fsd_against_a_verifier_without_exits_is_sd(pair):
     """No adapters on the server: WELCOME says so, no exits are asked for, every round misses."""
-    plain = wrap_model(copy.deepcopy(pair.target.model), pair.target.tokenizer, pair.target.image_processor)
+    plain = server_copy(pair.target)
+    plain.exits = None
     with ServerThread(VerifierServer(plain)) as st:
         with RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab) as rv:
             assert rv.exit_layers == []
@@ -335,9 +335,7 @@ def test_finish_cancels_stale_work_waits_for_a_running_hit_and_resets():
 
 @pytest.fixture(scope="module")
 def exit_verifier(pair):
-    target = wrap_model(copy.deepcopy(pair.target.model), pair.target.tokenizer, pair.target.image_processor)
-    target.exits = copy.deepcopy(pair.target.exits)
-    with ServerThread(VerifierServer(target, compute=ComputeProfile("slow", verify_s=0.3))) as st:
+    with ServerThread(VerifierServer(server_copy(pair.target), compute=ComputeProfile("slow", verify_s=0.3))) as st:
         yield st
 
 

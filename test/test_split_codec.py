@@ -4,7 +4,6 @@ variant is token-identical to local dense SD; the top-K variant is lossy and its
 distance from the target's distribution is measured."""
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -13,13 +12,12 @@ import torch
 from edgespec_ros.codecs import CodecError, get_codec
 from edgespec_ros.codecs.split import separate_output_tv
 from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
-from edgespec_ros.spec.engines import wrap_model
 from edgespec_ros.spec.sampling import SamplingParams
 from edgespec_ros.spec.verify import resample_separate, verify, verify_separate
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier, VerifierError
 from edgespec_ros.wire.server import ServerThread, VerifierServer
-from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_session
+from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_session, server_copy
 
 SAMPLED = SamplingParams(temperature=1.0)
 
@@ -110,8 +108,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def verifier(pair):
-    target = wrap_model(copy.deepcopy(pair.target.model), pair.target.tokenizer, pair.target.image_processor)
-    with ServerThread(VerifierServer(target)) as st:
+    with ServerThread(VerifierServer(server_copy(pair.target))) as st:
         yield st
 
 

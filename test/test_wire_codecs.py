@@ -2,7 +2,6 @@
 cloud, decisions stay exact (greedy = target AR, sampled = local SD), VERIFY frames are exactly the
 papers' bits plus the documented framing, and bad codec payloads close only their own session.
 """
-import copy
 import math
 
 import pytest
@@ -10,13 +9,12 @@ import pytest
 from edgespec_ros.codecs import get_codec
 from edgespec_ros.codecs.bits import BitWriter, bits_for, compositions
 from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
-from edgespec_ros.spec.engines import wrap_model
 from edgespec_ros.spec.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.server import ServerThread, VerifierServer
 
-from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect, raw_session
+from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy
 
 SPECS = ["dense16", "topk:k=8", "ksqs:k=8,l=32", "csqs:l=100,eta=0.01,alpha=0.05,beta0=0.01"]
 SAMPLED = SamplingParams(temperature=1.0)
@@ -29,8 +27,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def verifier(pair):
-    target = wrap_model(copy.deepcopy(pair.target.model), pair.target.tokenizer, pair.target.image_processor)
-    with ServerThread(VerifierServer(target)) as st:
+    with ServerThread(VerifierServer(server_copy(pair.target))) as st:
         yield st
 
 

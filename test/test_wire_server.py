@@ -4,7 +4,6 @@ clients that vanish, a client that never hangs, and the edgespec-verifier comman
 
 Every check of time is a generous "does not hang" bound or a lower bound set by an emulated delay.
 """
-import copy
 import logging
 import os
 import socket
@@ -19,7 +18,6 @@ import torch
 
 from edgespec_ros.spec.compute import ComputeProfile
 from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, Prompt
-from edgespec_ros.spec.engines import wrap_model
 from edgespec_ros.spec.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire import server as server_module
@@ -28,7 +26,7 @@ from edgespec_ros.wire.link import DOWN, PROFILES, UP, LinkProfile, LinkProxy
 from edgespec_ros.wire.server import ServerThread, VerifierServer
 
 from wire_helpers import (DEADLINE_S, INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect,
-                          raw_session, wait_until)
+                          raw_session, server_copy, wait_until)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "s3cret-robot-token"
@@ -59,7 +57,7 @@ def refs(pair):
 
 def _server_target(pair):
     """The server's own copy of the target: no model object is shared with the test's references."""
-    return wrap_model(copy.deepcopy(pair.target.model), pair.target.tokenizer, pair.target.image_processor)
+    return server_copy(pair.target)
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,14 @@ def make_pair(draft_noise: float = 0.005) -> ModelPair:
                      wrap_model(model, tokenizer, image_processor), image)
 
 
+def server_copy(lm: LoadedModel) -> LoadedModel:
+    """The server's own copy of a model (weights and early exits): no module is shared with the
+    test's local references, so a server bug cannot hide behind a shared object."""
+    twin = wrap_model(copy.deepcopy(lm.model), lm.tokenizer, lm.image_processor)
+    twin.exits = copy.deepcopy(lm.exits)
+    return twin
+
+
 def raw_connect(url: str):
     """A plain websocket client (no edgespec client logic) for sending hand-made frames."""
     from websockets.sync.client import connect
