@@ -1,6 +1,7 @@
 """Training pipeline smoke runs (seconds) and the committed default models."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -139,3 +140,93 @@ def test_committed_models_load_and_decide_an_episode():
     assert result.unparseable == 0, result.actions
     frames = list(generate_examples("heldout", 2))[:6]
     assert action_agreement(VLMPolicy(target), frames)["unparseable"] == 0
+
+
+def test_dense_labels_mark_each_object_class_where_its_pixels_are():
+    from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, dense_labels, object_class
+    from edgespec_ros.sim.render import render_view
+    scenario = next(iter(iter_scenarios("heldout", 1)))
+    view = render_view(scenario, scenario.robot)
+    labels = dense_labels(view, scenario)
+    assert labels.present.shape == labels.log_depth.shape == (16, 16)
+    for i, obj in enumerate(scenario.objects):
+        has_pixels = (view.object_index == i).reshape(16, 7, 16, 7).any(axis=(1, 3))
+        marked = (labels.present >> np.uint64(object_class(obj))) & np.uint64(1)
+        assert np.array_equal(marked.astype(bool), has_pixels), obj.id
+    assert all(0 <= object_class(o) < NUM_OBJECT_CLASSES for o in scenario.objects)
+    expected = np.log(view.depth[:7, :7]).mean()
+    assert abs(float(labels.log_depth[0, 0]) - expected) < 1e-2
+    with pytest.raises(ValueError, match="7-pixel cells"):
+        dense_labels(dataclasses.replace(view, object_index=view.object_index[:100], depth=view.depth[:100]),
+                     scenario)
+
+
+def test_aux_targets_follow_the_merged_image_token_order_of_the_processor():
+    """A label cell must land on the merged token whose pixels it covers (Qwen2-VL reorders patches)."""
+    from PIL import Image
+    from edgespec_ros.sim.dataset import DenseLabels
+    from edgespec_ros.train import tiny
+    from edgespec_ros.train.data import EncodedExample, aux_targets
+    ip = tiny.image_processor()
+    image = np.zeros((112, 112, 3), np.uint8)
+    image[14 * 3 + 7:14 * 4, 14 * 6:14 * 6 + 7] = 255  # one 7-pixel cell: cell row 7, cell col 12
+    present = np.zeros((16, 16), np.uint64)
+    present[7, 12] = np.uint64(1) << np.uint64(5)
+    depth = np.arange(256, dtype=np.float16).reshape(16, 16)
+    ex = EncodedExample([], [], image, DenseLabels(present, depth))
+    target_present, target_depth, where = aux_targets([ex, ex], ip, num_classes=40)
+    assert where.shape == (32, 2) and where[0].tolist() == [-1.5, -1.5] and where[7].tolist() == [1.5, -0.5]
+    assert target_present.shape == (32, 16, 40) and target_depth.shape == (32, 16)
+    pixels = ip(images=[Image.fromarray(image)], return_tensors="pt")["pixel_values"]
+    black = ip(images=[Image.fromarray(np.zeros_like(image))], return_tensors="pt")["pixel_values"]
+    bright_patch = int(torch.nonzero((pixels != black).any(1))[0, 0])
+    token, cell, cls = (int(i) for i in torch.nonzero(target_present[:16])[0])
+    assert token == bright_patch // 4 and cls == 5  # the patch merger joins 4 consecutive patches
+    assert torch.nonzero(target_present).shape[0] == 2  # once per image
+    assert float(target_depth[token, cell]) == 7 * 16 + 12
+    ex_without = EncodedExample([], [], image, None)
+    assert aux_targets([ex, ex_without], ip, num_classes=40) is None
+
+
+def test_aux_perception_loss_trains_the_vision_tower_and_is_not_saved(pipeline, tmp_path):
+    from transformers import AutoTokenizer
+    from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES
+    from edgespec_ros.train import tiny
+    from edgespec_ros.train.trainer import TrainConfig, train_model
+    work, _ = pipeline
+    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
+    ip = tiny.image_processor()
+    examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
+                for e in list(generate_examples("train", 2, with_labels=True))[:8]]
+    model = tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
+    hooks = len(model.model.visual.merger._forward_hooks)
+    cfg = TrainConfig(steps=25, batch_size=4, warmup=2, lr=3e-3, aux_weight=1.0)
+    losses = train_model(model, examples, tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES)
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3])
+    assert len(model.model.visual.merger._forward_hooks) == hooks, "the probe's hook is removed"
+    model.save_pretrained(tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert not any("head" in k and "lm_head" not in k for k in f.keys()), "the probe is not saved"
+    with pytest.raises(ValueError, match="dense labels"):
+        train_model(model, [encode_example(tok, ip, e.image, e.instruction, e.text) for e in
+                            list(generate_examples("train", 1))[:4]], tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_image_token_columns_get_rotary_frequencies_that_tell_them_apart(role, tmp_path):
+    """M-RoPE gives width the lowest frequencies; with Qwen2-VL's theta of 1e6 neighbouring columns of
+    a 4 x 4 token grid rotate by ~1e-4 rad and the model cannot tell left from right."""
+    from transformers import Qwen2VLConfig
+    from edgespec_ros.train import tiny
+    tok = tiny.train_tokenizer_cached()
+    cfg = tiny.qwen2vl_config(tok, **train_cli.MODEL_SPECS[role])
+    cfg.save_pretrained(tmp_path)
+    rope = Qwen2VLConfig.from_pretrained(tmp_path).text_config.rope_parameters
+    head_dim = cfg.text_config.hidden_size // cfg.text_config.num_attention_heads
+    section = rope["mrope_section"]
+    assert sum(section) == head_dim // 2 and section[2] > section[1] >= section[0] >= 1
+    inv_freq = rope["rope_theta"] ** (-np.arange(0, head_dim, 2) / head_dim)
+    width = inv_freq[section[0] + section[1]:]
+    assert width.max() >= 0.2, "neighbouring image columns must rotate apart by a usable angle"
+    assert width.min() * 100 < 2 * np.pi, "text positions (~100 tokens) must not wrap the slowest frequency"

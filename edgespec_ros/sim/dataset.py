@@ -35,11 +35,46 @@ INSTRUCTION_TEMPLATES = (
 
 
 class Example(NamedTuple):
-    """One training example: camera frame, instruction, expert answer."""
+    """One training example: camera frame, instruction, expert answer, and (when asked for) the
+    frame's dense scene labels (:func:`dense_labels`)."""
 
     image: np.ndarray
     instruction: str
     text: str
+    labels: "DenseLabels | None" = None
+
+
+# One class per (colour, type) pair: what the auxiliary perception loss teaches the vision tower.
+NUM_OBJECT_CLASSES = len(COLORS) * len(OBJECT_TYPES)
+
+
+class DenseLabels(NamedTuple):
+    """What a frame shows, cell by cell (``cell`` x ``cell`` pixel squares):
+    ``present`` (rows, cols) uint64, bit ``c`` set when the cell has a pixel of object class ``c``
+    (``colour_index * len(OBJECT_TYPES) + type_index``); ``log_depth`` (rows, cols) float16, the
+    cell's mean log distance along the optical axis in metres (walls, floor and objects)."""
+
+    present: np.ndarray
+    log_depth: np.ndarray
+
+
+def object_class(obj) -> int:
+    """The (colour, type) class index of a scene object, in [0, NUM_OBJECT_CLASSES)."""
+    return COLORS.index(obj.color) * len(OBJECT_TYPES) + OBJECT_TYPES.index(obj.type)
+
+
+def dense_labels(view, scenario: Scenario, cell: int = 7) -> DenseLabels:
+    """Cell-level labels of a rendered frame (free from the renderer's object index and depth):
+    the training target of the auxiliary perception loss, never an input of the models."""
+    h, w = view.object_index.shape
+    if h % cell or w % cell:
+        raise ValueError(f"dense_labels: a {w}x{h} frame does not split into {cell}-pixel cells")
+    bits = np.array([1 << object_class(o) for o in scenario.objects] + [0], dtype=np.uint64)
+    per_pixel = bits[view.object_index.astype(np.int64)]  # index -1 -> the last entry: no class
+    blocks = per_pixel.reshape(h // cell, cell, w // cell, cell).transpose(0, 2, 1, 3).reshape(h // cell, w // cell, -1)
+    present = np.bitwise_or.reduce(blocks, axis=-1)
+    depth = np.log(np.maximum(view.depth, 1e-3)).reshape(h // cell, cell, w // cell, cell).mean(axis=(1, 3))
+    return DenseLabels(present.astype(np.uint64), depth.astype(np.float16))
 
 
 def split_seeds(split: str, n: int, start: int = 0) -> range:
@@ -115,13 +150,15 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       perturbations_per_step: float = 0.5,
                       camera: CameraConfig = DEFAULT_CAMERA,
                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
-                      expert_config: ExpertConfig = ExpertConfig()) -> Iterator[Example]:
+                      expert_config: ExpertConfig = ExpertConfig(),
+                      with_labels: bool = False) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
     in addition, on average ``perturbations_per_step`` poses per decision are drawn near the
     trajectory (position jitter ~0.3 m, heading jitter up to 60 degrees) and labelled by the
     expert, for states the expert itself would not visit. Deterministic given the arguments.
+    ``with_labels`` adds each frame's :func:`dense_labels` (for the auxiliary perception loss).
     """
     for seed in split_seeds(split, n_scenarios, start):
         scenario = scenario_for_seed(seed)
@@ -132,13 +169,15 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
             pose = world.pose
             view = world.camera_view()
             decision = policy.decide(scenario, pose, view)
-            yield Example(view.rgb, scenario.instruction, decision.text)
+            yield Example(view.rgb, scenario.instruction, decision.text,
+                          dense_labels(view, scenario) if with_labels else None)
             for _ in range(rng.poisson(perturbations_per_step)):
                 jittered = _perturb(scenario, pose, rng)
                 if jittered is not None:
                     jittered_view = render_view(scenario, jittered, camera)
                     yield Example(jittered_view.rgb, scenario.instruction,
-                                  policy.decide(scenario, jittered, jittered_view).text)
+                                  policy.decide(scenario, jittered, jittered_view).text,
+                                  dense_labels(jittered_view, scenario) if with_labels else None)
             world.step(decision.action)
 
 

@@ -37,6 +37,8 @@ class PipelineConfig:
     target_budget_s: float = 0.0  # optional wall-clock cap in seconds (0 = none)
     draft_steps: int = 600
     draft_budget_s: float = 0.0
+    target_aux_weight: float = 1.0  # auxiliary perception loss (dense scene labels) for the target
+    draft_aux_weight: float = 0.0  # the draft learns from the text alone: a weaker "2B"
     batch_size: int = 32
     exit_scenarios: int = 300  # simulator scenarios whose frames train the early-exit adapters
     exit_steps: int = 400
@@ -49,24 +51,33 @@ def stage_data(work: str, cfg: PipelineConfig) -> str:
     from tqdm import tqdm
     from ..sim.dataset import generate_examples
     os.makedirs(work, exist_ok=True)
-    images, instructions, texts = [], [], []
-    for ex in tqdm(generate_examples("train", cfg.train_scenarios), desc="data (expert rollouts)", unit="ex"):
+    images, instructions, texts, present, depth = [], [], [], [], []
+    for ex in tqdm(generate_examples("train", cfg.train_scenarios, with_labels=True),
+                   desc="data (expert rollouts)", unit="ex"):
         images.append(ex.image)
         instructions.append(ex.instruction)
         texts.append(ex.text)
+        present.append(ex.labels.present)
+        depth.append(ex.labels.log_depth)
     path = os.path.join(work, "dataset.npz")
-    np.savez_compressed(path, images=np.stack(images), instructions=np.array(instructions), texts=np.array(texts))
+    np.savez_compressed(path, images=np.stack(images), instructions=np.array(instructions), texts=np.array(texts),
+                        present=np.stack(present), log_depth=np.stack(depth))
     print(f"data: {len(texts)} examples from {cfg.train_scenarios} training scenarios -> {path}")
     return path
 
 
 def load_dataset(work: str):
-    from ..sim.dataset import Example
+    from ..sim.dataset import DenseLabels, Example
     path = os.path.join(work, "dataset.npz")
     if not os.path.isfile(path):
         raise SystemExit(f"edgespec-train: {path} not found: run `edgespec-train data --work {work}` first")
     d = np.load(path)
-    return [Example(img, str(i), str(t)) for img, i, t in zip(d["images"], d["instructions"], d["texts"])]
+    if "present" in d:
+        labels = [DenseLabels(p, z) for p, z in zip(d["present"], d["log_depth"])]
+    else:  # a dataset written before dense labels existed
+        labels = [None] * len(d["texts"])
+    return [Example(img, str(i), str(t), lab)
+            for img, i, t, lab in zip(d["images"], d["instructions"], d["texts"], labels)]
 
 
 def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
@@ -93,21 +104,28 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     ip = tiny.image_processor()
     examples = load_dataset(work)
-    encoded = [encode_example(tok, ip, e.image, e.instruction, e.text)
+    from ..sim.dataset import NUM_OBJECT_CLASSES
+    aux_weight = cfg.target_aux_weight if role == "target" else cfg.draft_aux_weight
+    if aux_weight > 0 and any(e.labels is None for e in examples):
+        raise SystemExit(f"edgespec-train: the dataset in {work} has no dense labels for the auxiliary "
+                         f"perception loss: rerun `edgespec-train data --work {work}` (or pass "
+                         f"--{role}-aux-weight 0)")
+    encoded = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels if aux_weight > 0 else None)
                for e in tqdm(examples, desc=f"{role}: encode", unit="ex")]
     spec = MODEL_SPECS[role]
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
-    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget)
+    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
+                       aux_weight=aux_weight)
     t0 = time.monotonic()
-    losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train")
+    losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES)
     path = os.path.join(out, role)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     ip.save_pretrained(path)
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
-            "steps": len(losses), "batch_size": cfg.batch_size, "train_seconds": round(time.monotonic() - t0, 1),
+            "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight, "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
     with open(os.path.join(path, "training.json"), "w") as f:
         json.dump(info, f, indent=2)

@@ -2,6 +2,8 @@
 
 Images pass through the same JPEG round trip as at run time (the edge sends JPEG), so the
 models train on what they will see. Loss is on the assistant answer (and its <|im_end|>) only.
+Frames may carry dense scene labels (``sim.dataset.dense_labels``): :func:`aux_targets` lays
+them out per merged image token for the auxiliary perception loss (``trainer.AuxPerception``).
 """
 from __future__ import annotations
 
@@ -32,15 +34,49 @@ class EncodedExample:
     input_ids: list[int]
     labels: list[int]
     image: np.ndarray  # uint8 HxWx3 after the JPEG round trip
+    scene: object = None  # sim.dataset.DenseLabels of the frame, or None
 
 
-def encode_example(tokenizer, image_processor, image: np.ndarray, instruction: str, text: str) -> EncodedExample:
+def encode_example(tokenizer, image_processor, image: np.ndarray, instruction: str, text: str,
+                   scene=None) -> EncodedExample:
     image = jpeg_roundtrip(image)
     prompt = build_inputs(tokenizer, instruction, image, image_processor)
     answer = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
     ids = prompt.input_ids[0].tolist() + answer
     labels = [IGNORE] * prompt.num_tokens + answer
-    return EncodedExample(ids, labels, image)
+    return EncodedExample(ids, labels, image, scene)
+
+
+def aux_targets(batch: list[EncodedExample], image_processor, num_classes: int):
+    """Dense labels of a batch in merged-image-token order, or None when a frame has none.
+
+    Returns ``present`` (tokens, cells, num_classes) float, ``log_depth`` (tokens, cells) float and
+    ``where`` (tokens, 2) float, each token's (column, row) in the token grid relative to its
+    centre, where tokens run over the batch's images in order, each image's merged tokens
+    row-major (the order Qwen2-VL's image processor and patch merger give them) and cells run
+    row-major over the label cells inside one merged token. The frames must not be resized by the
+    processor.
+    """
+    if any(e.scene is None for e in batch):
+        return None
+    span = image_processor.patch_size * image_processor.merge_size  # pixels per merged token side
+    present, depth, where = [], [], []
+    for e in batch:
+        rows, cols = e.scene.present.shape
+        h, w = e.image.shape[:2]
+        if h % rows or h // rows != w // cols or span % (h // rows) or h % span or w % span:
+            raise ValueError(f"aux_targets: {rows}x{cols} label cells do not tile {w}x{h} frames into "
+                             f"{span}-pixel merged tokens")
+        sub = span // (h // rows)  # label cells per merged token side
+        bits = e.scene.present.astype(np.uint64)[..., None] >> np.arange(num_classes, dtype=np.uint64)
+        onehot = (bits & np.uint64(1)).astype(np.float32)  # rows, cols, classes
+        for grid, out in ((onehot, present), (e.scene.log_depth.astype(np.float32)[..., None], depth)):
+            g = grid.reshape(rows // sub, sub, cols // sub, sub, -1).transpose(0, 2, 1, 3, 4)
+            out.append(g.reshape((rows // sub) * (cols // sub), sub * sub, -1))
+        r, c = np.meshgrid(np.arange(rows // sub), np.arange(cols // sub), indexing="ij")
+        where.append(np.stack([c.ravel() - (cols // sub - 1) / 2, r.ravel() - (rows // sub - 1) / 2], 1))
+    return (torch.from_numpy(np.concatenate(present)), torch.from_numpy(np.concatenate(depth)[..., 0]),
+            torch.from_numpy(np.concatenate(where).astype(np.float32)))
 
 
 def collate(batch: list[EncodedExample], tokenizer, image_processor) -> dict:

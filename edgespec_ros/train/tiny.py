@@ -16,21 +16,38 @@ def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 112 * 112):
     return Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
 
 
+def mrope_section(head_dim: int) -> list[int]:
+    """How the head's head_dim/2 rotary frequencies are split between (temporal, height, width).
+
+    Qwen2-VL gives the sections in that order from the highest frequency down, and its own split
+    ([16, 24, 24] of 64) leaves width the lowest frequencies, which a real model's long position
+    ranges (tens of tokens per row) still resolve. A 112-pixel frame is a 4 x 4 token grid: width
+    positions differ by 1-3, so width gets most frequencies and time (a single frame) the fewest.
+    """
+    half = head_dim // 2
+    temporal = max(1, half // 8)
+    height = (half - temporal) // 3
+    return [temporal, height, half - temporal - height]  # 32 -> [2, 4, 10], 16 -> [1, 2, 5]
+
+
 def qwen2vl_config(tokenizer, *, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-                   intermediate: int | None = None, vision_depth: int = 2, vision_dim: int = 64):
-    """A Qwen2VLConfig sized for CPU training whose special-token ids match ``tokenizer``."""
+                   intermediate: int | None = None, vision_depth: int = 2, vision_dim: int = 64,
+                   rope_theta: float = 30.0):
+    """A Qwen2VLConfig sized for CPU training whose special-token ids match ``tokenizer``.
+
+    ``rope_theta`` is small (Qwen2-VL: 1e6) so that the few image-token positions of a small frame
+    rotate by a usable angle: with 1e6 neighbouring width positions differ by ~1e-4 rad and the
+    language model cannot tell left from right. Sequences here are ~100 tokens, far below the
+    ~150-token period of the slowest frequency at 30.
+    """
     from transformers import Qwen2VLConfig
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    head_dim = hidden // heads
-    # M-RoPE splits head_dim/2 rotary frequencies into (temporal, height, width) sections.
-    half = head_dim // 2
-    hw = (half - half // 4) // 2
-    section = [half - 2 * hw, hw, hw]  # e.g. head_dim 128 -> [16, 24, 24] as in Qwen2-VL
+    section = mrope_section(hidden // heads)
+    rope = {"type": "mrope", "rope_type": "default", "mrope_section": section, "rope_theta": rope_theta}
     text_config = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": section},
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+        max_position_embeddings=2048, rope_scaling=dict(rope), rope_parameters=dict(rope), rope_theta=rope_theta,
         tie_word_embeddings=True, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
         bos_token_id=ids["<|endoftext|>"])
     vision_config = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=4,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .data import collate
+from .data import aux_targets, collate
 
 
 @dataclass
@@ -23,6 +23,48 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     time_budget_s: float | None = None  # safety cap: stop when reached (the schedule is shrunk to fit)
+    aux_weight: float = 0.0  # weight of the auxiliary perception loss (needs frames with dense labels)
+
+
+class AuxPerception(torch.nn.Module):
+    """Auxiliary dense perception loss on the vision tower's output (training only, never saved).
+
+    A linear probe reads each merged image token (what the language model receives) and predicts,
+    for every label cell inside it, which (colour, type) classes have pixels there (binary cross
+    entropy, summed over classes) and the cell's mean log depth (smooth L1), and the token's own
+    place in the frame (column and row, squared error). The answer text only says "slightly to the
+    left" once per frame; these labels tell the vision tower where every object is, at a
+    quarter-token resolution, in every frame, at almost no cost.
+
+    The place matters most: Qwen2-VL's vision tower has only relative (rotary) positions and the
+    language model's M-RoPE only weights attention by position, so without it what a text token
+    reads from an image token says *what* is there but not *where*: a small model then guesses
+    left or right from its prior.
+    """
+
+    def __init__(self, model, num_classes: int, cells: int):
+        super().__init__()
+        self.num_classes, self.cells = num_classes, cells
+        hidden = model.model.visual.merger.mlp[-1].out_features
+        self.head = torch.nn.Linear(hidden, cells * (num_classes + 1) + 2)
+        self._tokens = None
+        self._handle = model.model.visual.merger.register_forward_hook(self._capture)
+
+    def _capture(self, module, inputs, output):
+        self._tokens = output
+
+    def loss(self, present: torch.Tensor, log_depth: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        if self._tokens is None or self._tokens.shape[0] != present.shape[0]:
+            raise RuntimeError("AuxPerception: the forward pass gave no image tokens matching the labels")
+        head = self.head(self._tokens)
+        self._tokens = None
+        out = head[:, 2:].reshape(-1, self.cells, self.num_classes + 1)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(out[..., :-1], present, reduction="none")
+        return (bce.sum(-1).mean() + torch.nn.functional.smooth_l1_loss(out[..., -1], log_depth)
+                + torch.nn.functional.mse_loss(head[:, :2], where))
+
+    def remove(self):
+        self._handle.remove()
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -33,17 +75,27 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 
 
 def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, desc: str = "train",
-                params=None) -> list[float]:
-    """Train `model` (or only `params`) on encoded examples with AdamW; returns per-step losses."""
+                params=None, num_classes: int = 0) -> list[float]:
+    """Train `model` (or only `params`) on encoded examples with AdamW; returns per-step losses
+    (the language-model loss; with ``cfg.aux_weight`` > 0 the auxiliary perception loss over
+    ``num_classes`` object classes is added to what is optimised and shown as ``aux``)."""
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     model.train()
     trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
+    aux = None
+    if cfg.aux_weight > 0:
+        if num_classes < 1 or any(e.scene is None for e in examples):
+            raise ValueError("train_model: aux_weight > 0 needs examples with dense labels and num_classes")
+        scene = examples[0].scene.present.shape[0]
+        cells = (image_processor.patch_size * image_processor.merge_size * scene // examples[0].image.shape[0]) ** 2
+        aux = AuxPerception(model, num_classes, cells)
+        trainable += list(aux.parameters())
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    losses = []
+    losses, aux_losses = [], []
     started = time.monotonic()
     total = cfg.steps
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
@@ -60,13 +112,22 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         batch = collate([examples[i] for i in idx], tokenizer, image_processor)
         out = model(**batch)
         loss = out.loss
+        losses.append(loss.item())
+        if aux is not None:
+            aux_loss = aux.loss(*aux_targets([examples[i] for i in idx], image_processor, num_classes))
+            aux_losses.append(aux_loss.item())
+            loss = loss + cfg.aux_weight * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
         opt.step()
-        losses.append(loss.item())
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+            shown = dict(loss=f"{np.mean(losses[-10:]):.3f}")
+            if aux_losses:
+                shown["aux"] = f"{np.mean(aux_losses[-10:]):.3f}"
+            bar.set_postfix(**shown, lr=f"{opt.param_groups[0]['lr']:.1e}")
     bar.close()
+    if aux is not None:
+        aux.remove()
     model.eval()
     return losses
