@@ -14,10 +14,10 @@ import os
 import pytest
 
 from edgespec_ros.models import MODELS_DIR, default_model_path, have_default_models
+from edgespec_ros.train.card import TARGET_SUCCESS_BAR as SUCCESS_BAR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SUCCESS_BAR = 0.9
 
 
 def target_success_rate():

@@ -230,3 +230,22 @@ def test_image_token_columns_get_rotary_frequencies_that_tell_them_apart(role, t
     width = inv_freq[section[0] + section[1]:]
     assert width.max() >= 0.2, "neighbouring image columns must rotate apart by a usable angle"
     assert width.min() * 100 < 2 * np.pi, "text positions (~100 tokens) must not wrap the slowest frequency"
+
+
+def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tmp_path):
+    from edgespec_ros.train.card import write_card
+    sd = [{"gamma": 4, "temperature": t, "decisions": 2, "acceptance_rate": 0.7, "tau": 3.1,
+           "acceptance_per_position": [0.9, 0.7, 0.6, 0.5]} for t in (0.0, 1.0)]
+    role = {"success_rate": 0.95, "mean_steps": 9.0, "collisions": 0, "unparseable_decisions": 0,
+            "action_agreement": 0.97}
+    metrics = {"heldout_scenarios": 2, "heldout_frames": 4, "target": role, "draft": dict(role, success_rate=0.2),
+               "sd": sd}
+    (tmp_path / "pipeline.json").write_text(json.dumps(
+        {"stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "took 25.0 min" in text and "target 20.0" in text
+    assert "meets the project's bars" in text and "Below" not in text
+    metrics["target"] = dict(role, action_agreement=0.5)
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
+    assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5

@@ -167,7 +167,14 @@ def main(argv=None) -> int:
     cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})
     t0 = time.monotonic()
     stages = ["data", "tokenizer", "target", "draft", "exits", "card"] if args.stage == "all" else [args.stage]
+    timings = {}
     for stage in stages:
+        if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
+            with open(os.path.join(args.out, "pipeline.json"), "w") as f:
+                json.dump({"command": "edgespec-train all", "config": asdict(cfg), "stage_seconds": timings,
+                           "total_seconds_before_card": round(time.monotonic() - t0, 1),
+                           "threads": torch.get_num_threads()}, f, indent=2)
+        started = time.monotonic()
         if stage == "data":
             stage_data(args.work, cfg)
         elif stage == "tokenizer":
@@ -181,6 +188,7 @@ def main(argv=None) -> int:
             print(f"card: {path}")
         else:
             stage_model(stage, args.work, args.out, cfg)
+        timings[stage] = round(time.monotonic() - started, 1)
     print(f"edgespec-train {args.stage}: done in {time.monotonic() - t0:.0f} s")
     return 0
 
