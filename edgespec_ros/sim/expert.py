@@ -45,7 +45,11 @@ class ExpertConfig:
 
     identify_range_m: float = 3.0
     min_pixels: int = 2
-    aim_tolerance_deg: float = 10.0
+    # Drive at a target within this bearing (a small turn is 15 degrees, so a target just outside
+    # ends up inside after one); the text calls it "ahead" exactly then, "slightly" left or right
+    # up to ``slight_deg`` (turn small; beyond it turns are medium or large).
+    aim_tolerance_deg: float = 15.0
+    slight_deg: float = 22.5
     search_turn: str = "large"
     # Keep this much air between the robot and anything it drives towards or past.
     clearance_margin_m: float = 0.05
@@ -141,7 +145,7 @@ class ExpertPolicy:
         goal = scenario.goal_object
         visible = [s for s in seen if s.pixels >= self.config.min_pixels]
         goal_seen = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
-        words = _Words(self._rng, goal, visible)
+        words = _Words(self._rng, goal, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
         if goal_seen is not None:
             if goal_seen.distance_m <= scenario.goal.radius_m:
                 return self._decision(Action.stop(), words.reached(goal_seen), "stop", seen)
@@ -340,7 +344,9 @@ def run_expert_episode(scenario: Scenario, policy: ExpertPolicy | None = None,
 class _Words:
     """Sentence templates grounded in what is seen; the rng only picks among equivalent wordings."""
 
-    def __init__(self, rng: random.Random, goal: SceneObject, visible: Sequence[SeenObject]):
+    def __init__(self, rng: random.Random, goal: SceneObject, visible: Sequence[SeenObject],
+                 ahead_deg: float = 15.0, slight_deg: float = 22.5):
+        self.ahead_deg, self.slight_deg = ahead_deg, slight_deg
         self.rng = rng
         self.goal = goal
         self.visible = visible
@@ -351,10 +357,10 @@ class _Words:
 
     def where(self, seen: SeenObject) -> str:
         degrees = math.degrees(seen.bearing_rad)
-        if abs(degrees) <= 10.0:
+        if abs(degrees) <= self.ahead_deg:
             return self.pick("straight ahead", "ahead", "in front of me")
         side = "left" if degrees > 0 else "right"
-        if abs(degrees) <= 25.0:
+        if abs(degrees) <= self.slight_deg:
             return self.pick(f"slightly to the {side}", f"a little to the {side}")
         return self.pick(f"on the {side}", f"to my {side}", f"on my {side}")
 
