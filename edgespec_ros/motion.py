@@ -6,9 +6,9 @@ robot (a ``geometry_msgs/Twist`` or a unitree sport-API request). The rules:
 
 * ``move forward <d>`` / ``turn <dir> <a>`` run a velocity profile that accelerates at most at the
   acceleration limit, cruises at most at the velocity limit and brakes so as to stop at the goal.
-  A primitive that starts with fresh odometry is tracked on it (closed loop; the odometry's age
-  is made up by the command sent since); one that starts without runs timed (open loop, from
-  integrating the commands sent).
+  A primitive that starts with fresh odometry is tracked on it (closed loop; the odometry's age,
+  up to ``max_extrapolation_s``, is made up by the command sent since); one that starts without
+  runs timed (open loop, from integrating the commands sent).
 * ``stop``, an unparseable text, a stale decision or a fault stop the robot: an explicit zero.
 * The watchdog: motion continues only while the newest decision is younger than
   ``watchdog_timeout_s``; after that the primitive is aborted with an explicit zero, and an idle
@@ -182,7 +182,8 @@ class MotionExecutor:
     """
 
     def __init__(self, limits: MotionLimits = MotionLimits(), watchdog_timeout_s: float = 6.0,
-                 odom_timeout_s: float = 0.5, zero_repeats: int = 3, stall_timeout_s: float = 1.0):
+                 odom_timeout_s: float = 0.5, zero_repeats: int = 3, stall_timeout_s: float = 1.0,
+                 max_extrapolation_s: float = 0.1):
         if not watchdog_timeout_s > 0:
             raise ValueError(f"watchdog_timeout_s must be > 0, got {watchdog_timeout_s!r}")
         if not odom_timeout_s > 0:
@@ -191,7 +192,13 @@ class MotionExecutor:
             raise ValueError(f"zero_repeats must be >= 1, got {zero_repeats!r}")
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
+        if not max_extrapolation_s >= 0:
+            raise ValueError(f"max_extrapolation_s must be >= 0, got {max_extrapolation_s!r}")
         self.stall_timeout_s = stall_timeout_s
+        # At most this much of the odometry's age is made up from the command (two periods of a
+        # 20 Hz odometry): older odometry means the robot, or its driver, is lagging, and what it
+        # was told is not what it did: a primitive ends on measured motion, never on hope.
+        self.max_extrapolation_s = max_extrapolation_s
         self.limits = limits
         self.watchdog_timeout_s = watchdog_timeout_s
         self.odom_timeout_s = odom_timeout_s
@@ -321,7 +328,8 @@ class MotionExecutor:
                 self._velocity = ZERO
                 return ZERO
             # odometry is a little old: add what the current command did since it was measured
-            estimate = self._progress + speed_now * max(0.0, now_s - self._odom_s)
+            age = min(max(0.0, now_s - self._odom_s), self.max_extrapolation_s)
+            estimate = self._progress + speed_now * age
         else:  # timed: no fresh odometry when the primitive started
             self._progress += speed_now * dt
             estimate = self._progress

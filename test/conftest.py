@@ -89,28 +89,30 @@ def image():
     return (np.random.RandomState(0).rand(112, 112, 3) * 255).astype(np.uint8)
 
 
+# The random-weight VLMs below use Qwen2-VL's own M-RoPE (tiny.QWEN2VL_ROPE), as the real checkpoints do:
+# the engine tests depend on their behaviour (when EOS comes), not on what they can see.
 @pytest.fixture(scope="session")
 def vlm_target(tokenizer, image_processor):
-    model = mute_special_tokens(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=1), seed=1), tokenizer)
+    model = mute_special_tokens(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=1, **tiny.QWEN2VL_ROPE), seed=1), tokenizer)
     return wrap_model(model, tokenizer, image_processor)
 
 
 @pytest.fixture(scope="session")
 def vlm_draft(tokenizer, image_processor):
     """Unrelated to vlm_target (other seed): its greedy tokens almost never match the target's."""
-    model = mute_special_tokens(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=2), seed=2), tokenizer)
+    model = mute_special_tokens(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=2, **tiny.QWEN2VL_ROPE), seed=2), tokenizer)
     return wrap_model(model, tokenizer, image_processor)
 
 
 @pytest.fixture(scope="session")
 def vlm_target_with_eos(tokenizer, image_processor):
     """Special tokens not muted: greedy decoding of the test prompt stops at an EOS early."""
-    return wrap_model(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=1), seed=1), tokenizer, image_processor)
+    return wrap_model(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=1, **tiny.QWEN2VL_ROPE), seed=1), tokenizer, image_processor)
 
 
 @pytest.fixture(scope="session")
 def vlm_draft_with_eos(tokenizer, image_processor):
-    return wrap_model(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=2), seed=2), tokenizer, image_processor)
+    return wrap_model(randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=2, **tiny.QWEN2VL_ROPE), seed=2), tokenizer, image_processor)
 
 
 @pytest.fixture(scope="session")

@@ -257,3 +257,28 @@ def test_blocked_closed_loop_move_is_given_up():
     assert ex.reason.startswith("blocked") and ex.action_text == "move forward large"
     assert t < 0.2 / LIMITS.min_linear_mps  # long before a crawl to the goal would have ended
     assert ex.update(t + DT) == ZERO
+
+
+def test_a_lagging_robot_is_not_assumed_to_have_turned():
+    """Odometry that lags (a starved driver or simulator, still within odom_timeout_s) must not let
+    the executor extrapolate the command into a completed turn the robot never made."""
+    action = parse_action("turn left small")  # 15 degrees
+    ex = MotionExecutor(LIMITS, watchdog_timeout_s=30.0, odom_timeout_s=0.5)
+    yaw, t = 0.0, 0.0
+    ex.on_odometry(0.0, Pose2D(0, 0, yaw))
+    ex.on_decision(0.0, action)
+    pending = []  # (measured at, yaw): each pose arrives 0.3 s after it was measured
+    for _ in range(400):
+        t += DT
+        command = ex.update(t)
+        if command is not None:
+            yaw += command.angular_rps * DT
+        pending.append((t, yaw))
+        while pending and pending[0][0] <= t - 0.3:
+            ex.on_odometry(*(lambda s, y: (s, Pose2D(0, 0, y)))(*pending.pop(0)))
+        if ex.state == IDLE:
+            break
+    assert ex.reason == "completed"
+    assert math.degrees(yaw) >= 15.0 - 1.0, math.degrees(yaw)
+    with pytest.raises(ValueError, match="max_extrapolation_s"):
+        MotionExecutor(LIMITS, max_extrapolation_s=-1.0)

@@ -16,6 +16,18 @@ def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 112 * 112):
     return Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
 
 
+def qwen2vl_mrope_section(head_dim: int) -> list[int]:
+    """Qwen2-VL's own split of the rotary frequencies, scaled to ``head_dim`` ([16, 24, 24] at 128)."""
+    half = head_dim // 2
+    hw = (half - half // 4) // 2
+    return [half - 2 * hw, hw, hw]
+
+
+# Qwen2-VL-2B/7B's M-RoPE (theta 1e6, their frequency split): for models whose behaviour, not
+# their skill, is under test (the engine tests' random-weight models).
+QWEN2VL_ROPE = dict(rope_theta=1_000_000.0, mrope_split="qwen2vl")
+
+
 def mrope_section(head_dim: int) -> list[int]:
     """How the head's head_dim/2 rotary frequencies are split between (temporal, height, width).
 
@@ -32,17 +44,21 @@ def mrope_section(head_dim: int) -> list[int]:
 
 def qwen2vl_config(tokenizer, *, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                    intermediate: int | None = None, vision_depth: int = 2, vision_dim: int = 64,
-                   rope_theta: float = 30.0):
+                   rope_theta: float = 30.0, mrope_split: str = "grid"):
     """A Qwen2VLConfig sized for CPU training whose special-token ids match ``tokenizer``.
 
     ``rope_theta`` is small (Qwen2-VL: 1e6) so that the few image-token positions of a small frame
     rotate by a usable angle: with 1e6 neighbouring width positions differ by ~1e-4 rad and the
     language model cannot tell left from right. Sequences here are ~100 tokens, far below the
-    ~150-token period of the slowest frequency at 30.
+    ~150-token period of the slowest frequency at 30. ``mrope_split``: "grid" (:func:`mrope_section`)
+    or "qwen2vl" (:func:`qwen2vl_mrope_section`).
     """
     from transformers import Qwen2VLConfig
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    section = mrope_section(hidden // heads)
+    splits = {"grid": mrope_section, "qwen2vl": qwen2vl_mrope_section}
+    if mrope_split not in splits:
+        raise ValueError(f"mrope_split {mrope_split!r} is not one of {sorted(splits)}")
+    section = splits[mrope_split](hidden // heads)
     rope = {"type": "mrope", "rope_type": "default", "mrope_section": section, "rope_theta": rope_theta}
     text_config = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
