@@ -99,35 +99,37 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     started = time.monotonic()
     total = cfg.steps
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
-    for step in bar:
-        if cfg.time_budget_s and step > cfg.warmup:
-            elapsed = time.monotonic() - started
-            if elapsed >= cfg.time_budget_s:
-                break
-            # shrink the schedule so the learning rate still decays fully within the budget
-            total = max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, total)
-        idx = rng.choice(len(examples), size=min(cfg.batch_size, len(examples)), replace=False)
-        batch = collate([examples[i] for i in idx], tokenizer, image_processor)
-        out = model(**batch)
-        loss = out.loss
-        losses.append(loss.item())
+    try:  # the probe's hook never outlives training, even when it fails
+        for step in bar:
+            if cfg.time_budget_s and step > cfg.warmup:
+                elapsed = time.monotonic() - started
+                if elapsed >= cfg.time_budget_s:
+                    break
+                # shrink the schedule so the learning rate still decays fully within the budget
+                total = max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg, total)
+            idx = rng.choice(len(examples), size=min(cfg.batch_size, len(examples)), replace=False)
+            batch = collate([examples[i] for i in idx], tokenizer, image_processor)
+            out = model(**batch)
+            loss = out.loss
+            losses.append(loss.item())
+            if aux is not None:
+                aux_loss = aux.loss(*aux_targets([examples[i] for i in idx], image_processor, num_classes))
+                aux_losses.append(aux_loss.item())
+                loss = loss + cfg.aux_weight * aux_loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+            opt.step()
+            if step % 10 == 0:
+                shown = dict(loss=f"{np.mean(losses[-10:]):.3f}")
+                if aux_losses:
+                    shown["aux"] = f"{np.mean(aux_losses[-10:]):.3f}"
+                bar.set_postfix(**shown, lr=f"{opt.param_groups[0]['lr']:.1e}")
+    finally:
+        bar.close()
         if aux is not None:
-            aux_loss = aux.loss(*aux_targets([examples[i] for i in idx], image_processor, num_classes))
-            aux_losses.append(aux_loss.item())
-            loss = loss + cfg.aux_weight * aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-        opt.step()
-        if step % 10 == 0:
-            shown = dict(loss=f"{np.mean(losses[-10:]):.3f}")
-            if aux_losses:
-                shown["aux"] = f"{np.mean(aux_losses[-10:]):.3f}"
-            bar.set_postfix(**shown, lr=f"{opt.param_groups[0]['lr']:.1e}")
-    bar.close()
-    if aux is not None:
-        aux.remove()
+            aux.remove()
     model.eval()
     return losses
