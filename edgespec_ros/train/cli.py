@@ -125,7 +125,8 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     tok.save_pretrained(path)
     ip.save_pretrained(path)
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
-            "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight, "train_seconds": round(time.monotonic() - t0, 1),
+            "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight,
+            "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
     with open(os.path.join(path, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
