@@ -249,3 +249,24 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
     assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5
+
+
+def test_length_grouped_batches_cut_padding_and_still_draw_every_example():
+    from edgespec_ros.train.trainer import LengthGroupedSampler
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(40, 120, size=1000)
+    sampler = LengthGroupedSampler(lengths, batch_size=32, group=8, rng=np.random.default_rng(1))
+    plain = np.random.default_rng(1)
+    grouped_pad, plain_pad, seen = [], [], set()
+    for _ in range(400):
+        idx = sampler.next()
+        assert len(idx) == 32 and len(set(idx.tolist())) == 32 and idx.min() >= 0 and idx.max() < 1000
+        seen.update(idx.tolist())
+        grouped_pad.append(lengths[idx].max() * 32 - lengths[idx].sum())
+        other = plain.choice(1000, size=32, replace=False)
+        plain_pad.append(lengths[other].max() * 32 - lengths[other].sum())
+    assert len(seen) == 1000  # 12,800 draws: every example is used
+    assert np.mean(grouped_pad) < 0.3 * np.mean(plain_pad)
+    # fewer examples than a batch: one batch of all of them
+    small = LengthGroupedSampler([5, 3, 9], batch_size=32, group=8, rng=np.random.default_rng(0))
+    assert sorted(small.next().tolist()) == [0, 1, 2]
