@@ -348,7 +348,7 @@ def test_build_inputs_text_only_has_no_image_tensors(tokenizer):
 
 def test_chat_prompt_matches_the_tokenizer_chat_template(tokenizer, image_processor, image):
     with_image = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": INSTRUCTION}]}],
+        [{"role": "user", "content": [{"type": "text", "text": INSTRUCTION}, {"type": "image"}]}],
         add_generation_prompt=True, tokenize=False)
     assert chat_prompt(INSTRUCTION, True) == with_image
     text_only = tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION}],

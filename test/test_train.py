@@ -68,6 +68,12 @@ def test_data_stage_writes_images_instructions_and_expert_texts(pipeline):
     assert data["images"].ndim == 4 and data["images"].shape[1:] == (112, 112, 3)
     assert len(data["texts"]) == len(data["instructions"]) == len(data["images"]) > 6
     assert all("Action:" in str(t) for t in data["texts"])
+    # dense labels for the perception probes, with each frame's goal class (the instruction's object)
+    assert data["present"].shape[0] == data["log_depth"].shape[0] == data["goal_class"].shape[0] == len(data["texts"])
+    from edgespec_ros.sim.scenario import COLORS, OBJECT_TYPES
+    for instruction, goal in zip(data["instructions"], data["goal_class"]):
+        color, kind = COLORS[int(goal) // len(OBJECT_TYPES)], OBJECT_TYPES[int(goal) % len(OBJECT_TYPES)]
+        assert f"{color} {kind}" in str(instruction)
 
 
 def test_tokenizer_stage_has_qwen2vl_special_tokens_and_round_trips(pipeline):
@@ -173,8 +179,12 @@ def test_aux_targets_follow_the_merged_image_token_order_of_the_processor():
     present = np.zeros((16, 16), np.uint64)
     present[7, 12] = np.uint64(1) << np.uint64(5)
     depth = np.arange(256, dtype=np.float16).reshape(16, 16)
-    ex = EncodedExample([], [], image, DenseLabels(present, depth))
-    target_present, target_depth, where = aux_targets([ex, ex], ip, num_classes=40)
+    ex = EncodedExample([], [], image, DenseLabels(present, depth, goal_class=5))
+    target_present, target_depth, where, goal = aux_targets([ex, ex], ip, num_classes=40)
+    assert torch.equal(goal, target_present[..., 5])  # the goal's class, per token and cell
+    other_goal = EncodedExample([], [], image, DenseLabels(present, depth, goal_class=6))
+    assert aux_targets([ex, other_goal], ip, num_classes=40)[3][16:].sum() == 0
+    assert aux_targets([ex, EncodedExample([], [], image, DenseLabels(present, depth))], ip, 40)[3] is None
     assert where.shape == (32, 2) and where[0].tolist() == [-1.5, -1.5] and where[7].tolist() == [1.5, -0.5]
     assert target_present.shape == (32, 16, 40) and target_depth.shape == (32, 16)
     pixels = ip(images=[Image.fromarray(image)], return_tensors="pt")["pixel_values"]
@@ -199,11 +209,13 @@ def test_aux_perception_loss_trains_the_vision_tower_and_is_not_saved(pipeline, 
     examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
                 for e in list(generate_examples("train", 2, with_labels=True))[:8]]
     model = tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
-    hooks = len(model.model.visual.merger._forward_hooks)
-    cfg = TrainConfig(steps=25, batch_size=4, warmup=2, lr=3e-3, aux_weight=1.0)
+    assert all(e.scene.goal_class >= 0 for e in examples)
+    probed = [model.model.visual.merger] + list(model.model.language_model.layers)
+    hooks = [len(m._forward_hooks) for m in probed]
+    cfg = TrainConfig(steps=25, batch_size=4, warmup=2, lr=3e-3, aux_weight=1.0, goal_probe_layer=-1)
     losses = train_model(model, examples, tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES)
-    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3])
-    assert len(model.model.visual.merger._forward_hooks) == hooks, "the probe's hook is removed"
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
+    assert [len(m._forward_hooks) for m in probed] == hooks, "the probes' hooks are removed"
     model.save_pretrained(tmp_path)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
@@ -270,3 +282,38 @@ def test_length_grouped_batches_cut_padding_and_still_draw_every_example():
     # fewer examples than a batch: one batch of all of them
     small = LengthGroupedSampler([5, 3, 9], batch_size=32, group=8, rng=np.random.default_rng(0))
     assert sorted(small.next().tolist()) == [0, 1, 2]
+
+
+def test_goal_probe_learns_where_the_asked_for_object_is(pipeline):
+    """The goal probe reads the language model's image-token states: with the instruction before the
+    image they can tell the asked-for object from the others, and its loss falls with training."""
+    from transformers import AutoTokenizer
+    from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES
+    from edgespec_ros.train import tiny
+    from edgespec_ros.train.data import aux_targets, collate
+    from edgespec_ros.train.trainer import AuxPerception
+    work, _ = pipeline
+    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
+    ip = tiny.image_processor()
+    examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
+                for e in list(generate_examples("train", 2, with_labels=True))[:8]]
+    model = tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
+    probe = AuxPerception(model, NUM_OBJECT_CLASSES, cells=16, goal_layer=0)
+    batch = collate(examples, tok, ip)
+    mask = batch["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>")
+    targets = aux_targets(examples, ip, NUM_OBJECT_CLASSES)
+    assert targets[3] is not None and targets[3].sum() > 0, "some frames show their goal"
+    opt = torch.optim.Adam(list(model.parameters()) + list(probe.parameters()), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        model(**batch)
+        loss = probe.loss(*targets, image_mask=mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    model(**batch)
+    with pytest.raises(RuntimeError, match="goal probe"):
+        probe.loss(*targets, image_mask=mask[:, :-1] & False)
+    probe.remove()

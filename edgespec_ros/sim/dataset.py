@@ -52,10 +52,12 @@ class DenseLabels(NamedTuple):
     """What a frame shows, cell by cell (``cell`` x ``cell`` pixel squares):
     ``present`` (rows, cols) uint64, bit ``c`` set when the cell has a pixel of object class ``c``
     (``colour_index * len(OBJECT_TYPES) + type_index``); ``log_depth`` (rows, cols) float16, the
-    cell's mean log distance along the optical axis in metres (walls, floor and objects)."""
+    cell's mean log distance along the optical axis in metres (walls, floor and objects);
+    ``goal_class``, the class of the scenario's goal object (unique in a scenario), or -1."""
 
     present: np.ndarray
     log_depth: np.ndarray
+    goal_class: int = -1
 
 
 def object_class(obj) -> int:
@@ -74,7 +76,7 @@ def dense_labels(view, scenario: Scenario, cell: int = 7) -> DenseLabels:
     blocks = per_pixel.reshape(h // cell, cell, w // cell, cell).transpose(0, 2, 1, 3).reshape(h // cell, w // cell, -1)
     present = np.bitwise_or.reduce(blocks, axis=-1)
     depth = np.log(np.maximum(view.depth, 1e-3)).reshape(h // cell, cell, w // cell, cell).mean(axis=(1, 3))
-    return DenseLabels(present.astype(np.uint64), depth.astype(np.float16))
+    return DenseLabels(present.astype(np.uint64), depth.astype(np.float16), object_class(scenario.goal_object))
 
 
 def split_seeds(split: str, n: int, start: int = 0) -> range:

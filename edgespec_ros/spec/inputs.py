@@ -105,12 +105,18 @@ def prepare_image(image, image_processor) -> Image.Image:
 
 
 def chat_prompt(instruction: str, has_image: bool, system: str | None = DEFAULT_SYSTEM) -> str:
-    """The Qwen2-VL chat format, generation prompt included (one image pad before the text)."""
+    """The Qwen2-VL chat format, generation prompt included (one image pad after the text).
+
+    The instruction comes before the image (the chat template of a user message whose content
+    is [text, image]): with causal attention, image tokens then see what was asked for and can
+    mark where it is while the frame is read, instead of the answer having to search the whole
+    frame for it afterwards. Qwen2-VL takes text and images in any order.
+    """
     parts = []
     if system:
         parts.append(f"<|im_start|>system\n{system}<|im_end|>\n")
     vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}" if has_image else ""
-    parts.append(f"<|im_start|>user\n{vision}{instruction}<|im_end|>\n<|im_start|>assistant\n")
+    parts.append(f"<|im_start|>user\n{instruction}{vision}<|im_end|>\n<|im_start|>assistant\n")
     return "".join(parts)
 
 

@@ -33,7 +33,7 @@ MODEL_SPECS = {
 class PipelineConfig:
     train_scenarios: int = 1500
     tokenizer_vocab: int = 1024
-    target_steps: int = 2400
+    target_steps: int = 3600
     target_budget_s: float = 1200.0  # wall-clock cap in seconds (0 = none): keeps `make models` within 30 min
     draft_steps: int = 600
     draft_budget_s: float = 0.0
@@ -51,7 +51,7 @@ def stage_data(work: str, cfg: PipelineConfig) -> str:
     from tqdm import tqdm
     from ..sim.dataset import generate_examples
     os.makedirs(work, exist_ok=True)
-    images, instructions, texts, present, depth = [], [], [], [], []
+    images, instructions, texts, present, depth, goal = [], [], [], [], [], []
     for ex in tqdm(generate_examples("train", cfg.train_scenarios, with_labels=True),
                    desc="data (expert rollouts)", unit="ex"):
         images.append(ex.image)
@@ -59,9 +59,10 @@ def stage_data(work: str, cfg: PipelineConfig) -> str:
         texts.append(ex.text)
         present.append(ex.labels.present)
         depth.append(ex.labels.log_depth)
+        goal.append(ex.labels.goal_class)
     path = os.path.join(work, "dataset.npz")
     np.savez_compressed(path, images=np.stack(images), instructions=np.array(instructions), texts=np.array(texts),
-                        present=np.stack(present), log_depth=np.stack(depth))
+                        present=np.stack(present), log_depth=np.stack(depth), goal_class=np.array(goal, np.int16))
     print(f"data: {len(texts)} examples from {cfg.train_scenarios} training scenarios -> {path}")
     return path
 
@@ -73,7 +74,8 @@ def load_dataset(work: str):
         raise SystemExit(f"edgespec-train: {path} not found: run `edgespec-train data --work {work}` first")
     d = np.load(path)
     if "present" in d:
-        labels = [DenseLabels(p, z) for p, z in zip(d["present"], d["log_depth"])]
+        goal = d["goal_class"] if "goal_class" in d else np.full(len(d["texts"]), -1)
+        labels = [DenseLabels(p, z, int(g)) for p, z, g in zip(d["present"], d["log_depth"], goal)]
     else:  # a dataset written before dense labels existed
         labels = [None] * len(d["texts"])
     return [Example(img, str(i), str(t), lab)

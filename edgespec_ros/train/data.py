@@ -50,9 +50,10 @@ def encode_example(tokenizer, image_processor, image: np.ndarray, instruction: s
 def aux_targets(batch: list[EncodedExample], image_processor, num_classes: int):
     """Dense labels of a batch in merged-image-token order, or None when a frame has none.
 
-    Returns ``present`` (tokens, cells, num_classes) float, ``log_depth`` (tokens, cells) float and
+    Returns ``present`` (tokens, cells, num_classes) float, ``log_depth`` (tokens, cells) float,
     ``where`` (tokens, 2) float, each token's (column, row) in the token grid relative to its
-    centre, where tokens run over the batch's images in order, each image's merged tokens
+    centre, and ``goal`` (tokens, cells) float, 1 where the frame's goal object has pixels (None
+    when a frame does not know its goal), where tokens run over the batch's images in order, each image's merged tokens
     row-major (the order Qwen2-VL's image processor and patch merger give them) and cells run
     row-major over the label cells inside one merged token. The frames must not be resized by the
     processor.
@@ -60,7 +61,7 @@ def aux_targets(batch: list[EncodedExample], image_processor, num_classes: int):
     if any(e.scene is None for e in batch):
         return None
     span = image_processor.patch_size * image_processor.merge_size  # pixels per merged token side
-    present, depth, where = [], [], []
+    present, depth, where, goal = [], [], [], []
     for e in batch:
         rows, cols = e.scene.present.shape
         h, w = e.image.shape[:2]
@@ -75,8 +76,11 @@ def aux_targets(batch: list[EncodedExample], image_processor, num_classes: int):
             out.append(g.reshape((rows // sub) * (cols // sub), sub * sub, -1))
         r, c = np.meshgrid(np.arange(rows // sub), np.arange(cols // sub), indexing="ij")
         where.append(np.stack([c.ravel() - (cols // sub - 1) / 2, r.ravel() - (rows // sub - 1) / 2], 1))
+        goal_class = getattr(e.scene, "goal_class", -1)
+        goal.append(present[-1][..., goal_class] if 0 <= goal_class < num_classes else None)
+    goal_t = None if any(g is None for g in goal) else torch.from_numpy(np.concatenate(goal))
     return (torch.from_numpy(np.concatenate(present)), torch.from_numpy(np.concatenate(depth)[..., 0]),
-            torch.from_numpy(np.concatenate(where).astype(np.float32)))
+            torch.from_numpy(np.concatenate(where).astype(np.float32)), goal_t)
 
 
 def collate(batch: list[EncodedExample], tokenizer, image_processor) -> dict:

@@ -25,6 +25,8 @@ class TrainConfig:
     time_budget_s: float | None = None  # safety cap: stop when reached (the schedule is shrunk to fit)
     group_batches: int = 8  # batches drawn together and grouped by length (less padding); 1: plain random
     aux_weight: float = 0.0  # weight of the auxiliary perception loss (needs frames with dense labels)
+    # decoder layer whose image-token states the goal probe reads (negative: from the end; None: off)
+    goal_probe_layer: int | None = -4
 
 
 class AuxPerception(torch.nn.Module):
@@ -41,31 +43,56 @@ class AuxPerception(torch.nn.Module):
     language model's M-RoPE only weights attention by position, so without it what a text token
     reads from an image token says *what* is there but not *where*: a small model then guesses
     left or right from its prior.
+
+    A second probe reads the language model's hidden state at each image token after decoder layer
+    ``goal_layer`` and predicts, per cell, whether the *goal* (the object the instruction asks
+    for) is there. The prompt puts the instruction before the image, so image tokens can attend to
+    it; this loss teaches them to compare what they show with what was asked for (the answer's
+    first words, "I see the silver bottle" or "that is a box, not a bottle", hinge on exactly that).
     """
 
-    def __init__(self, model, num_classes: int, cells: int):
+    def __init__(self, model, num_classes: int, cells: int, goal_layer: int | None = None):
         super().__init__()
         self.num_classes, self.cells = num_classes, cells
         hidden = model.model.visual.merger.mlp[-1].out_features
         self.head = torch.nn.Linear(hidden, cells * (num_classes + 1) + 2)
-        self._tokens = None
-        self._handle = model.model.visual.merger.register_forward_hook(self._capture)
+        self._tokens = self._states = None
+        self._handles = [model.model.visual.merger.register_forward_hook(self._capture_tokens)]
+        self.goal_head = None
+        if goal_layer is not None:
+            layer = model.model.language_model.layers[goal_layer]
+            self.goal_head = torch.nn.Linear(model.config.text_config.hidden_size, cells)
+            self._handles.append(layer.register_forward_hook(self._capture_states))
 
-    def _capture(self, module, inputs, output):
+    def _capture_tokens(self, module, inputs, output):
         self._tokens = output
 
-    def loss(self, present: torch.Tensor, log_depth: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    def _capture_states(self, module, inputs, output):
+        self._states = output[0] if isinstance(output, tuple) else output
+
+    def loss(self, present: torch.Tensor, log_depth: torch.Tensor, where: torch.Tensor,
+             goal: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The probes' loss for the last forward pass; ``goal`` (tokens, cells) and the batch's
+        image-token positions ``image_mask`` (batch, length) bool feed the goal probe."""
         if self._tokens is None or self._tokens.shape[0] != present.shape[0]:
             raise RuntimeError("AuxPerception: the forward pass gave no image tokens matching the labels")
         head = self.head(self._tokens)
         self._tokens = None
         out = head[:, 2:].reshape(-1, self.cells, self.num_classes + 1)
         bce = torch.nn.functional.binary_cross_entropy_with_logits(out[..., :-1], present, reduction="none")
-        return (bce.sum(-1).mean() + torch.nn.functional.smooth_l1_loss(out[..., -1], log_depth)
+        loss = (bce.sum(-1).mean() + torch.nn.functional.smooth_l1_loss(out[..., -1], log_depth)
                 + torch.nn.functional.mse_loss(head[:, :2], where))
+        if self.goal_head is not None and goal is not None:
+            states, self._states = self._states, None
+            if states is None or image_mask is None or int(image_mask.sum()) != goal.shape[0]:
+                raise RuntimeError("AuxPerception: the goal probe's image tokens do not match the labels")
+            logits = self.goal_head(states[image_mask])
+            loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(logits, goal, reduction="none").sum(-1).mean()
+        return loss
 
     def remove(self):
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -116,7 +143,11 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
             raise ValueError("train_model: aux_weight > 0 needs examples with dense labels and num_classes")
         scene = examples[0].scene.present.shape[0]
         cells = (image_processor.patch_size * image_processor.merge_size * scene // examples[0].image.shape[0]) ** 2
-        aux = AuxPerception(model, num_classes, cells)
+        goal_layer = None
+        if cfg.goal_probe_layer is not None:
+            goal_layer = cfg.goal_probe_layer % model.config.text_config.num_hidden_layers
+        aux = AuxPerception(model, num_classes, cells, goal_layer)
+        image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         trainable += list(aux.parameters())
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
@@ -143,7 +174,8 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
             loss = out.loss
             losses.append(loss.item())
             if aux is not None:
-                aux_loss = aux.loss(*aux_targets([examples[i] for i in idx], image_processor, num_classes))
+                aux_loss = aux.loss(*aux_targets([examples[i] for i in idx], image_processor, num_classes),
+                                    image_mask=batch["input_ids"] == image_token)
                 aux_losses.append(aux_loss.item())
                 loss = loss + cfg.aux_weight * aux_loss
             opt.zero_grad(set_to_none=True)
