@@ -254,8 +254,12 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
                "sd": sd}
     (tmp_path / "pipeline.json").write_text(json.dumps(
         {"stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
+    for role_name, weight in (("target", 1.0), ("draft", 0.0)):
+        (tmp_path / role_name).mkdir()
+        (tmp_path / role_name / "training.json").write_text(json.dumps({"aux_weight": weight, "spec": {}}))
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "took 25.0 min" in text and "target 20.0" in text
+    assert "the target with the perception and goal probes" in text and "the draft from the answer text alone" in text
     assert "meets the project's bars" in text and "Below" not in text
     metrics["target"] = dict(role, action_agreement=0.5)
     text = open(write_card(str(tmp_path), metrics)).read()

@@ -75,6 +75,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
         "(Qwen2-VL special tokens and chat template) and the Qwen2-VL image processor (112x112 frames",
         "-> 16 merged image tokens). The target plays Qwen2-VL-7B, the draft Qwen2-VL-2B: narrower,",
         "shallower and trained for less, so it agrees with the target only partly.",
+        probe_line(training),
         "",
         *reproduce_lines(models_dir),
         "Re-measure this card: `edgespec-train card`.",
@@ -128,6 +129,16 @@ def reproduce_lines(models_dir: str) -> list[str]:
     return [f"Reproduce everything: `make models` (= `edgespec-train all`); the committed run took "
             f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
             f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a few more)."]
+
+
+def probe_line(training: dict) -> str:
+    """How the models were taught to look (training.json of each role)."""
+    said = []
+    for role in ("target", "draft"):
+        weight = training.get(role, {}).get("aux_weight", 0)
+        said.append(f"the {role} with the perception and goal probes (`AuxPerception`, weight {weight:g}; "
+                    "thrown away after training)" if weight else f"the {role} from the answer text alone")
+    return f"The prompt puts the instruction before the image; {said[0]}, {said[1]}."
 
 
 def quality_bar_lines(metrics: dict) -> list[str]:
