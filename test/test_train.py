@@ -259,7 +259,7 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
         (tmp_path / role_name / "training.json").write_text(json.dumps({"aux_weight": weight, "spec": {}}))
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "took 25.0 min" in text and "target 20.0" in text
-    assert "the target with the perception and goal probes" in text and "the draft from the answer text alone" in text
+    assert "the target trained with the perception and goal probes" in text and "the draft trained on the answer text alone" in text
     assert "meets the project's bars" in text and "Below" not in text
     metrics["target"] = dict(role, action_agreement=0.5)
     text = open(write_card(str(tmp_path), metrics)).read()

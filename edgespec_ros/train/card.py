@@ -136,8 +136,8 @@ def probe_line(training: dict) -> str:
     said = []
     for role in ("target", "draft"):
         weight = training.get(role, {}).get("aux_weight", 0)
-        said.append(f"the {role} with the perception and goal probes (`AuxPerception`, weight {weight:g}; "
-                    "thrown away after training)" if weight else f"the {role} from the answer text alone")
+        said.append(f"the {role} trained with the perception and goal probes (`AuxPerception`, weight {weight:g}; "
+                    "thrown away after training)" if weight else f"the {role} trained on the answer text alone")
     return f"The prompt puts the instruction before the image; {said[0]}, {said[1]}."
 
 
