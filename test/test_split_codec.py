@@ -136,9 +136,16 @@ def test_exact_split_is_token_identical_to_local_dense_sd(pair, verifier, params
 
 def test_top_k_split_runs_and_is_marked_lossy(pair, verifier):
     assert not get_codec("split:k=8").exact and get_codec("split").exact
-    remote, _ = _decide(pair, verifier.url, "split:k=8", 0)
-    assert remote.tokens and remote.metrics.resampled > 0
-    assert remote.metrics.downlink_bytes < 2000  # top-8 ids + values per rejection, not 300 x 8 bytes
+    resampled = 0
+    for seed in range(8):  # the draft is the target plus a little noise: rejections are rare
+        remote, _ = _decide(pair, verifier.url, "split:k=8", seed)
+        assert remote.tokens
+        resampled += remote.metrics.resampled
+        # top-8 ids + values per rejection, not 300 x 8 bytes
+        assert remote.metrics.downlink_bytes < 500 + 1500 * remote.metrics.resampled
+        if resampled:
+            break
+    assert resampled > 0, "no rejection in 8 decisions: the lossy path was not exercised"
 
 
 def _verify(ids, q_values, edge_token=P.NO_TOKEN, rnd=1):
