@@ -198,17 +198,23 @@ def test_aux_targets_follow_the_merged_image_token_order_of_the_processor():
     assert aux_targets([ex, ex_without], ip, num_classes=40) is None
 
 
-def test_aux_perception_loss_trains_the_vision_tower_and_is_not_saved(pipeline, tmp_path):
+def _labelled_draft_setup(pipeline):
+    """The pipeline's tokenizer, the image processor, 8 encoded frames with dense labels and a fresh
+    draft-sized model."""
     from transformers import AutoTokenizer
-    from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES
     from edgespec_ros.train import tiny
-    from edgespec_ros.train.trainer import TrainConfig, train_model
     work, _ = pipeline
     tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
     ip = tiny.image_processor()
     examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
                 for e in list(generate_examples("train", 2, with_labels=True))[:8]]
-    model = tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
+    return tok, ip, examples, tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
+
+
+def test_aux_perception_loss_trains_the_vision_tower_and_is_not_saved(pipeline, tmp_path):
+    from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES
+    from edgespec_ros.train.trainer import TrainConfig, train_model
+    tok, ip, examples, model = _labelled_draft_setup(pipeline)
     assert all(e.scene.goal_class >= 0 for e in examples)
     probed = [model.model.visual.merger] + list(model.model.language_model.layers)
     hooks = [len(m._forward_hooks) for m in probed]
@@ -291,17 +297,10 @@ def test_length_grouped_batches_cut_padding_and_still_draw_every_example():
 def test_goal_probe_learns_where_the_asked_for_object_is(pipeline):
     """The goal probe reads the language model's image-token states: with the instruction before the
     image they can tell the asked-for object from the others, and its loss falls with training."""
-    from transformers import AutoTokenizer
     from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES
-    from edgespec_ros.train import tiny
     from edgespec_ros.train.data import aux_targets, collate
     from edgespec_ros.train.trainer import AuxPerception
-    work, _ = pipeline
-    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
-    ip = tiny.image_processor()
-    examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
-                for e in list(generate_examples("train", 2, with_labels=True))[:8]]
-    model = tiny.tiny_qwen2vl(tok, **train_cli.MODEL_SPECS["draft"])
+    tok, ip, examples, model = _labelled_draft_setup(pipeline)
     probe = AuxPerception(model, NUM_OBJECT_CLASSES, cells=16, goal_layer=0)
     batch = collate(examples, tok, ip)
     mask = batch["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>")
