@@ -53,9 +53,9 @@ def aux_targets(batch: list[EncodedExample], image_processor, num_classes: int):
     Returns ``present`` (tokens, cells, num_classes) float, ``log_depth`` (tokens, cells) float,
     ``where`` (tokens, 2) float, each token's (column, row) in the token grid relative to its
     centre, and ``goal`` (tokens, cells) float, 1 where the frame's goal object has pixels (None
-    when a frame does not know its goal), where tokens run over the batch's images in order, each image's merged tokens
-    row-major (the order Qwen2-VL's image processor and patch merger give them) and cells run
-    row-major over the label cells inside one merged token. The frames must not be resized by the
+    when a frame does not know its goal). Tokens run over the batch's images in order, each
+    image's merged tokens row-major (the order Qwen2-VL's image processor and patch merger give
+    them), and cells run row-major over the label cells inside one merged token. The frames must not be resized by the
     processor.
     """
     if any(e.scene is None for e in batch):
