@@ -128,6 +128,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     ip.save_pretrained(path)
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
             "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight,
+            "goal_probe_layer": tcfg.goal_probe_layer if aux_weight > 0 else None,
             "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
     with open(os.path.join(path, "training.json"), "w") as f:
