@@ -9,6 +9,7 @@ from edgespec_ros.actions import Action, parse_action, split_reasoning_action
 from edgespec_ros.sim.dataset import (SPLIT_SIZE, generate_examples, iter_scenarios, random_scenario,
                                       scenario_for_seed, seed_split, split_seeds, write_heldout_scenarios)
 from edgespec_ros.sim.expert import ExpertPolicy, run_expert_episode
+from edgespec_ros.sim.world import SimWorld
 from edgespec_ros.sim.scenario import Pose, builtin_scenarios, load_scenario, scenario_from_dict
 
 ROBOT = Pose(1.0, 3.0, 0.0)
@@ -171,6 +172,44 @@ def test_examples_have_images_instructions_and_parseable_text():
     again = list(generate_examples("train", 2, perturbations_per_step=1.0))
     assert [e.text for e in again] == [e.text for e in examples]
     assert all(np.array_equal(a.image, b.image) for a, b in zip(again, examples))
+
+
+def test_action_noise_drifts_the_rollout_but_keeps_the_experts_answers():
+    """DART: the rollout executes random actions now and then; every frame keeps the expert's answer."""
+    clean = list(generate_examples("train", 3, perturbations_per_step=0.0))
+    noisy = list(generate_examples("train", 3, perturbations_per_step=0.0, action_noise=0.5))
+    assert noisy[0].text == clean[0].text  # the first frame comes before any noise
+    assert len(noisy) != len(clean) or any(not np.array_equal(a.image, b.image) for a, b in zip(noisy, clean))
+    assert [e.text for e in generate_examples("train", 3, perturbations_per_step=0.0, action_noise=0.5)] == \
+        [e.text for e in noisy]
+    # Replay the first scenario: every frame is the world's view and carries the expert's answer for
+    # it; the next frame follows from the expert's action or from some named move or turn (the noise).
+    seed = split_seeds("train", 1)[0]
+    scenario, policy = scenario_for_seed(seed), ExpertPolicy(seed=seed)
+    world = SimWorld(scenario)
+    candidates = [parse_action(f"{head} {size}") for head in ("move forward", "turn left", "turn right")
+                  for size in ("small", "medium", "large")]
+    noisy_steps = 0
+    for i, example in enumerate(noisy):
+        assert np.array_equal(example.image, world.camera_view().rgb)
+        decision = policy.decide(scenario, world.pose, world.camera_view())
+        assert example.text == decision.text
+        if i + 1 == len(noisy) or i + 1 >= scenario.max_steps:
+            break
+        following = noisy[i + 1].image
+        for action in [decision.action] + candidates:
+            trial = SimWorld(scenario)
+            trial.set_pose(world.pose)
+            trial.step(action)
+            if np.array_equal(trial.camera_view().rgb, following):
+                break
+        else:
+            break  # the next frame starts the next scenario
+        noisy_steps += action != decision.action
+        world.set_pose(trial.pose)
+    assert noisy_steps >= 1
+    with pytest.raises(ValueError, match="action_noise"):
+        next(generate_examples("train", 1, action_noise=1.0))
 
 
 def test_heldout_scenarios_are_written_as_json(tmp_path):

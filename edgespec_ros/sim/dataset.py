@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from ..actions import DEFAULT_ACTION_CONFIG, ActionConfig
+from ..actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
 from .expert import ExpertConfig, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
@@ -153,7 +153,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       camera: CameraConfig = DEFAULT_CAMERA,
                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
                       expert_config: ExpertConfig = ExpertConfig(),
-                      with_labels: bool = False) -> Iterator[Example]:
+                      with_labels: bool = False, action_noise: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -161,10 +161,21 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     trajectory (position jitter ~0.3 m, heading jitter up to 60 degrees) and labelled by the
     expert, for states the expert itself would not visit. Deterministic given the arguments.
     ``with_labels`` adds each frame's :func:`dense_labels` (for the auxiliary perception loss).
+
+    ``action_noise`` > 0 injects noise into the rollout itself (DART, Laskey et al. 2017): with that
+    probability the robot executes a random named move or turn instead of the expert's action,
+    while the example keeps the expert's answer. The rollout then drifts into the states a
+    learned policy's own mistakes lead to (off-centre, too close, facing a wall, half way around an
+    obstacle) and the data shows how to recover from them.
     """
+    if not 0.0 <= action_noise < 1.0:
+        raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
+    noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
+        Action.turn(direction, size, action_config) for direction in ("left", "right") for size in SIZES]
     for seed in split_seeds(split, n_scenarios, start):
         scenario = scenario_for_seed(seed)
         rng = np.random.default_rng([seed, 1])
+        noise_rng = np.random.default_rng([seed, 2])
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
         while not world.done:
@@ -180,7 +191,10 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                     yield Example(jittered_view.rgb, scenario.instruction,
                                   policy.decide(scenario, jittered, jittered_view).text,
                                   dense_labels(jittered_view, scenario) if with_labels else None)
-            world.step(decision.action)
+            executed = decision.action
+            if action_noise and noise_rng.random() < action_noise:
+                executed = noise_actions[int(noise_rng.integers(len(noise_actions)))]
+            world.step(executed)
 
 
 def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose | None:

@@ -32,6 +32,9 @@ MODEL_SPECS = {
 @dataclass
 class PipelineConfig:
     train_scenarios: int = 1500
+    # DART: the probability that a data rollout executes a random move or turn instead of the
+    # expert's action (the frames keep the expert's answers); shows how to recover from mistakes
+    action_noise: float = 0.0
     tokenizer_vocab: int = 1024
     target_steps: int = 3600
     target_budget_s: float = 1200.0  # wall-clock cap in seconds (0 = none): keeps `make models` within 30 min
@@ -52,7 +55,8 @@ def stage_data(work: str, cfg: PipelineConfig) -> str:
     from ..sim.dataset import generate_examples
     os.makedirs(work, exist_ok=True)
     images, instructions, texts, present, depth, goal = [], [], [], [], [], []
-    for ex in tqdm(generate_examples("train", cfg.train_scenarios, with_labels=True),
+    for ex in tqdm(generate_examples("train", cfg.train_scenarios, with_labels=True,
+                                           action_noise=cfg.action_noise),
                    desc="data (expert rollouts)", unit="ex"):
         images.append(ex.image)
         instructions.append(ex.instruction)
