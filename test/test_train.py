@@ -320,3 +320,21 @@ def test_goal_probe_learns_where_the_asked_for_object_is(pipeline):
     with pytest.raises(RuntimeError, match="goal probe"):
         probe.loss(*targets, image_mask=mask[:, :-1] & False)
     probe.remove()
+
+
+def test_one_run_encodes_the_dataset_once_for_both_models(pipeline, monkeypatch, tmp_path):
+    """Target and draft share the tokenizer and processor: `all` encodes the frames once; a new
+    dataset (or tokenizer) is encoded afresh."""
+    from edgespec_ros.train import data
+    work, _ = pipeline
+    calls = []
+    original = data.encode_example
+    monkeypatch.setattr(data, "encode_example", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(train_cli, "_ENCODED", {})
+    args = ["draft", "--draft-steps", "1", "--batch-size", "4", "--work", str(work), "--out", str(tmp_path)]
+    n = len(np.load(os.path.join(work, "dataset.npz"))["texts"])
+    assert train_cli.main(args) == 0 and len(calls) == n
+    assert train_cli.main(args) == 0 and len(calls) == n  # cached
+    dataset = os.path.join(work, "dataset.npz")
+    os.utime(dataset, (os.path.getatime(dataset), os.path.getmtime(dataset) + 5))
+    assert train_cli.main(args) == 0 and len(calls) == 2 * n  # the dataset changed: encoded again

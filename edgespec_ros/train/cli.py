@@ -97,6 +97,9 @@ def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
     return path
 
 
+_ENCODED: dict = {}  # (dataset, tokenizer) -> encoded examples, shared by the stages of one run
+
+
 def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     import torch
     from transformers import AutoTokenizer
@@ -109,15 +112,20 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
         raise SystemExit(f"edgespec-train: {tok_dir} not found: run `edgespec-train tokenizer` first")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     ip = tiny.image_processor()
-    examples = load_dataset(work)
     from ..sim.dataset import NUM_OBJECT_CLASSES
     aux_weight = cfg.target_aux_weight if role == "target" else cfg.draft_aux_weight
-    if aux_weight > 0 and any(e.labels is None for e in examples):
+    # `edgespec-train all` encodes the dataset once for both models (same tokenizer and processor)
+    key = (os.path.abspath(os.path.join(work, "dataset.npz")), os.path.getmtime(os.path.join(work, "dataset.npz")),
+           os.path.abspath(tok_dir), os.path.getmtime(os.path.join(tok_dir, "tokenizer.json")))
+    if key not in _ENCODED:
+        _ENCODED.clear()
+        _ENCODED[key] = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
+                         for e in tqdm(load_dataset(work), desc=f"{role}: encode", unit="ex")]
+    encoded = _ENCODED[key]
+    if aux_weight > 0 and any(e.scene is None for e in encoded):
         raise SystemExit(f"edgespec-train: the dataset in {work} has no dense labels for the auxiliary "
                          f"perception loss: rerun `edgespec-train data --work {work}` (or pass "
                          f"--{role}-aux-weight 0)")
-    encoded = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels if aux_weight > 0 else None)
-               for e in tqdm(examples, desc=f"{role}: encode", unit="ex")]
     spec = MODEL_SPECS[role]
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
