@@ -338,3 +338,15 @@ def test_one_run_encodes_the_dataset_once_for_both_models(pipeline, monkeypatch,
     dataset = os.path.join(work, "dataset.npz")
     os.utime(dataset, (os.path.getatime(dataset), os.path.getmtime(dataset) + 5))
     assert train_cli.main(args) == 0 and len(calls) == 2 * n  # the dataset changed: encoded again
+
+
+def test_card_measures_the_same_in_parallel_workers(pipeline):
+    """The card's numbers do not depend on measuring target and draft in two processes."""
+    from edgespec_ros.train.card import measure
+    _, out = pipeline
+    one = measure(str(out), n_scenarios=1, n_frames=3, n_sd=2, workers=1, max_steps=2)
+    two = measure(str(out), n_scenarios=1, n_frames=3, n_sd=2, workers=2, max_steps=2)
+    assert one == two
+    assert set(one) == {"heldout_scenarios", "heldout_frames", "target", "draft", "sd"}
+    assert one["heldout_frames"] == 3 and [r["temperature"] for r in one["sd"]] == [0.0, 1.0]
+    assert all(0 <= one[role]["success_rate"] <= 1 for role in ("target", "draft"))

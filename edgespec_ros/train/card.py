@@ -38,21 +38,47 @@ def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, tem
             "acceptance_per_position": row["acceptance_per_position"]}
 
 
-def measure(models_dir: str, n_scenarios: int = 40, n_frames: int = 200, n_sd: int = 40) -> dict:
-    scenarios = list(iter_scenarios("heldout", n_scenarios))
+def _heldout(n_scenarios: int, n_frames: int, max_steps: int = 40):
+    """The card's held-out scenarios and frames (deterministic: every worker builds the same)."""
+    scenarios = list(iter_scenarios("heldout", n_scenarios, max_steps=max_steps))
     frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5), n_frames))
-    metrics = {"heldout_scenarios": n_scenarios, "heldout_frames": len(frames)}
-    for role in ("target", "draft"):
-        policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
-        loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
-        agree = action_agreement(policy, frames, desc=f"{role}: agreement")
-        metrics[role] = {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
-                         "collisions": loop["collisions"], "unparseable_decisions": loop["unparseable_decisions"],
-                         "action_agreement": agree["agreement"]}
-    sd_frames = frames[:n_sd]
-    d, t = os.path.join(models_dir, "draft"), os.path.join(models_dir, "target")
-    metrics["sd"] = [sd_acceptance(d, t, sd_frames, 4, 0.0), sd_acceptance(d, t, sd_frames, 4, 1.0)]
-    return metrics
+    return scenarios, frames
+
+
+def _measure_role(models_dir: str, role: str, n_scenarios: int, n_frames: int, n_sd: int, max_steps: int) -> dict:
+    """One model's closed loop and agreement; the draft's job also measures SD against the target."""
+    import torch
+    torch.set_num_threads(1)  # small decode steps: one thread each is fastest
+    scenarios, frames = _heldout(n_scenarios, n_frames, max_steps)
+    policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
+    loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
+    agree = action_agreement(policy, frames, desc=f"{role}: agreement")
+    result = {role: {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
+                     "collisions": loop["collisions"], "unparseable_decisions": loop["unparseable_decisions"],
+                     "action_agreement": agree["agreement"]}}
+    if role == "draft":
+        d, t = os.path.join(models_dir, "draft"), os.path.join(models_dir, "target")
+        result["sd"] = [sd_acceptance(d, t, frames[:n_sd], 4, 0.0), sd_acceptance(d, t, frames[:n_sd], 4, 1.0)]
+    return result
+
+
+def measure(models_dir: str, n_scenarios: int = 40, n_frames: int = 200, n_sd: int = 40,
+            workers: int = 2, max_steps: int = 40) -> dict:
+    """Every number of the card. ``workers`` > 1 measures the target and the draft (with SD) in
+    parallel processes, one thread each; the results do not depend on it. ``max_steps``: the
+    decisions each closed-loop episode gets (the held-out scenarios' own limit by default)."""
+    metrics = {"heldout_scenarios": n_scenarios, "heldout_frames": len(_heldout(n_scenarios, n_frames)[1])}
+    jobs = [(models_dir, role, n_scenarios, n_frames, n_sd, max_steps) for role in ("target", "draft")]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+            results = list(pool.map(_measure_role, *zip(*jobs)))
+    else:
+        results = [_measure_role(*job) for job in jobs]
+    for result in results:
+        metrics.update(result)
+    return {k: metrics[k] for k in ("heldout_scenarios", "heldout_frames", "target", "draft", "sd")}
 
 
 def write_card(models_dir: str, metrics: dict) -> str:
