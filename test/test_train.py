@@ -350,3 +350,11 @@ def test_card_measures_the_same_in_parallel_workers(pipeline):
     assert set(one) == {"heldout_scenarios", "heldout_frames", "target", "draft", "sd"}
     assert one["heldout_frames"] == 3 and [r["temperature"] for r in one["sd"]] == [0.0, 1.0]
     assert all(0 <= one[role]["success_rate"] <= 1 for role in ("target", "draft"))
+
+
+def test_model_stage_without_a_dataset_says_which_stage_to_run(pipeline, tmp_path):
+    import shutil
+    work, _ = pipeline
+    shutil.copytree(os.path.join(work, "tokenizer"), tmp_path / "tokenizer")
+    with pytest.raises(SystemExit, match="dataset.npz not found: run `edgespec-train data"):
+        train_cli.main(["target", "--work", str(tmp_path), "--out", str(tmp_path / "out")])

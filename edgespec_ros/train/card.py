@@ -53,7 +53,7 @@ def _measure_role(models_dir: str, role: str, n_scenarios: int, n_frames: int, n
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     agree = action_agreement(policy, frames, desc=f"{role}: agreement")
-    result = {role: {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
+    result = {"heldout_frames": len(frames), role: {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
                      "collisions": loop["collisions"], "unparseable_decisions": loop["unparseable_decisions"],
                      "action_agreement": agree["agreement"]}}
     if role == "draft":
@@ -67,7 +67,7 @@ def measure(models_dir: str, n_scenarios: int = 40, n_frames: int = 200, n_sd: i
     """Every number of the card. ``workers`` > 1 measures the target and the draft (with SD) in
     parallel processes, one thread each; the results do not depend on it. ``max_steps``: the
     decisions each closed-loop episode gets (the held-out scenarios' own limit by default)."""
-    metrics = {"heldout_scenarios": n_scenarios, "heldout_frames": len(_heldout(n_scenarios, n_frames)[1])}
+    metrics = {"heldout_scenarios": n_scenarios}
     jobs = [(models_dir, role, n_scenarios, n_frames, n_sd, max_steps) for role in ("target", "draft")]
     if workers > 1:
         from concurrent.futures import ProcessPoolExecutor

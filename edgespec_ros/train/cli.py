@@ -71,12 +71,17 @@ def stage_data(work: str, cfg: PipelineConfig) -> str:
     return path
 
 
-def load_dataset(work: str):
-    from ..sim.dataset import DenseLabels, Example
+def dataset_path(work: str) -> str:
+    """The data stage's dataset.npz in ``work``; a clear error when the stage has not run."""
     path = os.path.join(work, "dataset.npz")
     if not os.path.isfile(path):
         raise SystemExit(f"edgespec-train: {path} not found: run `edgespec-train data --work {work}` first")
-    d = np.load(path)
+    return path
+
+
+def load_dataset(work: str):
+    from ..sim.dataset import DenseLabels, Example
+    d = np.load(dataset_path(work))
     if "present" in d:
         goal = d["goal_class"] if "goal_class" in d else np.full(len(d["texts"]), -1)
         labels = [DenseLabels(p, z, int(g)) for p, z, g in zip(d["present"], d["log_depth"], goal)]
@@ -115,8 +120,9 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     from ..sim.dataset import NUM_OBJECT_CLASSES
     aux_weight = cfg.target_aux_weight if role == "target" else cfg.draft_aux_weight
     # `edgespec-train all` encodes the dataset once for both models (same tokenizer and processor)
-    key = (os.path.abspath(os.path.join(work, "dataset.npz")), os.path.getmtime(os.path.join(work, "dataset.npz")),
-           os.path.abspath(tok_dir), os.path.getmtime(os.path.join(tok_dir, "tokenizer.json")))
+    data = dataset_path(work)
+    key = (os.path.abspath(data), os.path.getmtime(data), os.path.abspath(tok_dir),
+           os.path.getmtime(os.path.join(tok_dir, "tokenizer.json")))
     if key not in _ENCODED:
         _ENCODED.clear()
         _ENCODED[key] = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
