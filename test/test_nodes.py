@@ -428,11 +428,12 @@ def test_expert_decisions_through_navigator_and_sim_reach_the_goal():
     through cmd_vel, and the next decision waits for the navigator's 'completed'. The episode must
     end in success, as the expert's own discrete rollout does (so primitives are executed accurately)."""
     from edgespec_ros.sim.expert import ExpertPolicy
+    # The shipped speed limits (config/navigator.yaml): at twice them a control period delayed on a
+    # loaded machine overshot a move by centimetres, into the object the expert stopped short of.
     # stall_timeout_s: a loaded CI machine can starve the sim's odometry timer for over a second;
     # the give-up rule itself is tested in test_motion.py.
-    fast = {"max_linear_mps": 1.0, "max_angular_rps": 2.0, "max_linear_accel_mps2": 2.0,
-            "max_angular_accel_rps2": 4.0, "stall_timeout_s": 5.0}
-    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}, "navigator": fast}) as g:
+    patient = {"stall_timeout_s": 5.0}
+    with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}, "navigator": patient}) as g:
         probe = navigator_probe(g)
         probe.subscribe(String, "sim/episode", LATCHED_QOS)
         from nav_msgs.msg import Odometry

@@ -168,7 +168,13 @@ class NavigatorNode(Node):
         key = (snap.state, snap.action, snap.reason, snap.decision_id, snap.closed_loop)
         if key == self._published_state:
             return
-        self._published_state = key
+        previous, self._published_state = self._published_state, key
+        if previous is not None and previous[0] == "moving" and snap.state != "moving":
+            # one call site per severity (rclpy): a primitive cut short is worth a warning
+            if snap.reason == "completed":
+                self.get_logger().info(f"motion ended: {snap.action}: completed")
+            else:
+                self.get_logger().warning(f"motion ended early ({snap.state}): {snap.action}: {snap.reason}")
         msg = MotionState()
         msg.header.stamp = ns_to_time(now_ns(self))
         msg.header.frame_id = "base_link"
