@@ -53,7 +53,8 @@ def _measure_role(models_dir: str, role: str, n_scenarios: int, n_frames: int, n
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     agree = action_agreement(policy, frames, desc=f"{role}: agreement")
-    result = {"heldout_frames": len(frames), role: {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
+    result = {"heldout_frames": len(frames),
+              role: {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
                      "collisions": loop["collisions"], "unparseable_decisions": loop["unparseable_decisions"],
                      "action_agreement": agree["agreement"]}}
     if role == "draft":

@@ -210,6 +210,8 @@ def main(argv=None) -> int:
             print(f"card: {path}")
         else:
             stage_model(stage, args.work, args.out, cfg)
+            if args.stage == "all" and stage == "draft":
+                _ENCODED.clear()  # both models are trained: free the encoded frames (~1 GB)
         timings[stage] = round(time.monotonic() - started, 1)
     print(f"edgespec-train {args.stage}: done in {time.monotonic() - t0:.0f} s")
     return 0
