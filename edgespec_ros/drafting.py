@@ -104,6 +104,10 @@ class DrafterSettings:
     max_new_tokens: int = 96
     temperature: float = 0.0
     seed: int = 0
+    # After an unparseable decision the robot has not moved, so the next frame is the same and a
+    # greedy model would write the same text again: sample that next decision at this temperature
+    # (when above ``temperature``; a new seed either way). 0 turns it off.
+    resample_temperature: float = 0.7
     codec: str = "dense32"
     predraft_workers: int = 4
     client_queue: str = "priority"
@@ -124,14 +128,18 @@ class DrafterSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.max_decisions < 0:
             raise ValueError(f"max_decisions must be >= 0 (0 = unlimited), got {self.max_decisions}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "resample_temperature"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
         self.decode_config(0)  # validates gamma, codec, max_new_tokens
 
-    def decode_config(self, decision_index: int) -> DecodeConfig:
+    def decode_config(self, decision_index: int, resample: bool = False) -> DecodeConfig:
+        """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable one."""
+        temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
         return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
                             max_new_tokens=self.max_new_tokens,
-                            params=SamplingParams(self.temperature), seed=self.seed + decision_index,
+                            params=SamplingParams(temperature), seed=self.seed + decision_index,
                             codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue)
 
 
@@ -146,6 +154,7 @@ class Ticket:
     started_ns: int
     deadline_ns: int
     abandoned: bool = False
+    resample: bool = False  # the last decision was unparseable: sample this one (resample_temperature)
 
 
 def classify_error(exc: BaseException) -> str:
@@ -189,6 +198,7 @@ class DrafterCore:
         self.awaiting_motion_stamp: int | None = None  # decision whose motion we wait for
         self.motion_idle_since_ns: int | None = None
         self.retry_after_ns = 0
+        self.last_unparseable = False  # the last decision's text did not parse: resample the next
         self.stats = DecodingStatsAggregator(settings.mode)
 
     # ------------------------------------------------------------------ inputs
@@ -210,6 +220,7 @@ class DrafterCore:
             self.decisions = 0
             self.awaiting_motion_stamp = None
             self.retry_after_ns = 0
+            self.last_unparseable = False
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -267,7 +278,7 @@ class DrafterCore:
             if self.settings.wait_for_motion and self.awaiting_motion_stamp is not None:
                 self.awaiting_motion_stamp = None  # motion wait timed out
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
-                            now + int(self.settings.deadline_s * NS))
+                            now + int(self.settings.deadline_s * NS), resample=self.last_unparseable)
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
@@ -291,8 +302,8 @@ class DrafterCore:
 
         outcome: DecisionOutcome
         try:
-            decision = self.decoder.decide(ticket.instruction, ticket.frame.image, s.decode_config(ticket.index),
-                                           on_tokens=on_tokens)
+            decision = self.decoder.decide(ticket.instruction, ticket.frame.image,
+                                           s.decode_config(ticket.index, ticket.resample), on_tokens=on_tokens)
         except DecisionCancelled:
             self._drop_connection()
             return self._finish(ticket, None)
@@ -342,6 +353,7 @@ class DrafterCore:
                 return outcome
             self.decisions += 1
             self.stats.add(outcome)
+            self.last_unparseable = not outcome.parsed
             if outcome.parsed and outcome.action != "stop":
                 self.awaiting_motion_stamp = outcome.stamp_ns
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":

@@ -42,6 +42,7 @@ class FakeDecoder:
         self.verifier = FakeVerifier()
         self.tokenizer = None
         self.calls = []
+        self.temperatures = []
         self.started = threading.Event()
         self.release = threading.Event()
         if not block:
@@ -49,6 +50,7 @@ class FakeDecoder:
 
     def decide(self, instruction, image, cfg, on_tokens=None):
         self.calls.append((instruction, cfg.seed, cfg.mode))
+        self.temperatures.append(cfg.params.temperature)
         self.started.set()
         self.release.wait(10)
         if on_tokens:
@@ -80,6 +82,8 @@ def test_settings_validate():
         DrafterSettings(deadline_s=0)
     with pytest.raises(ValueError, match="gamma"):
         DrafterSettings(gamma=0)
+    with pytest.raises(ValueError, match="resample_temperature"):
+        DrafterSettings(resample_temperature=-1)
 
 
 def test_outcome_from_text():
@@ -153,6 +157,35 @@ def test_unparseable_text_is_published_but_no_motion_awaited():
     clock.advance(0.1)
     core.set_frame(frame(clock))
     assert core.why_not_ready(clock()) == ""
+
+
+def _decide_once(core, clock, decoder, text):
+    decoder.text = text
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    core.note_motion("idle", out.stamp_ns, clock())
+    return out
+
+
+@pytest.mark.parametrize("temperature, resample, expected", [(0.0, 0.7, [0.0, 0.0, 0.7, 0.7, 0.0]),
+                                                             (0.0, 0.0, [0.0] * 5),
+                                                             (1.0, 0.7, [1.0] * 5)])
+def test_the_decision_after_an_unparseable_one_samples(temperature, resample, expected):
+    # greedy decoding on the unchanged view would write the unparseable text again and again
+    decoder = FakeDecoder()
+    core, clock = make(decoder=decoder, temperature=temperature, resample_temperature=resample)
+    core.set_command("go")
+    parsed = [_decide_once(core, clock, decoder, text).parsed
+              for text in (TEXT, "Action: move forward turn left.", "blah", TEXT, TEXT)]
+    assert parsed == [True, False, False, True, True]
+    assert decoder.temperatures == expected
+    assert [seed for _, seed, _ in decoder.calls] == [0, 1, 2, 3, 4]  # a new seed every decision
+    # a new command starts greedy again
+    _decide_once(core, clock, decoder, "blah")
+    core.set_command("again")
+    _decide_once(core, clock, decoder, TEXT)
+    assert decoder.temperatures[-1] == temperature
 
 
 @pytest.mark.parametrize("error, kind", [(LinkLostError("connection refused"), "verifier unreachable"),

@@ -148,6 +148,36 @@ def test_committed_models_load_and_decide_an_episode():
     assert action_agreement(VLMPolicy(target), frames)["unparseable"] == 0
 
 
+class _StubbornPolicy:
+    """Writes a text the grammar rejects when greedy; a valid turn when sampling."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decide(self, image, instruction, temperature=0.0, seed=0):
+        from edgespec_ros.actions import parse_action
+        from edgespec_ros.train.policy import PolicyOutput
+        self.calls.append((temperature, seed))
+        if temperature == 0:
+            return PolicyOutput("Action: move forward turn left small.", None, "unknown size 'turn'", 8)
+        return PolicyOutput("Action: turn left small.", parse_action("Action: turn left small."), None, 6)
+
+
+@pytest.mark.parametrize("resample", [0.0, 0.7])
+def test_closed_loop_resamples_after_an_unparseable_decision_only_when_asked(resample):
+    scenario = next(iter(iter_scenarios("heldout", 1, max_steps=6)))
+    policy = _StubbornPolicy()
+    result = run_episode(policy, scenario, resample_temperature=resample)
+    assert result.steps == 6
+    if resample == 0:  # greedy on an unchanged view: the same unparseable text every time, never a move
+        assert result.unparseable == 6 and {t for t, _ in policy.calls} == {0.0}
+    else:  # unparseable, then a sampled turn, then greedy again: alternating
+        assert result.unparseable == 3
+        assert [t for t, _ in policy.calls] == [0.0, 0.7] * 3
+        assert result.actions == ["<unparseable: unknown size 'turn'>", "turn left small"] * 3
+        assert len({s for t, s in policy.calls if t > 0}) == 3  # a new seed each time
+
+
 def test_dense_labels_mark_each_object_class_where_its_pixels_are():
     from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, dense_labels, object_class
     from edgespec_ros.sim.render import render_view

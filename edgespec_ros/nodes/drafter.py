@@ -52,7 +52,7 @@ class DrafterNode(LifecycleNode):
         p = self.p = declare_parameters(self, params.DRAFTER)
         self.settings = DrafterSettings(
             mode=p["mode"], gamma=p["gamma"], auto_gamma=p["auto_gamma"], max_new_tokens=p["max_new_tokens"],
-            temperature=p["temperature"],
+            temperature=p["temperature"], resample_temperature=p["resample_temperature"],
             seed=p["seed"], codec=p["codec"], predraft_workers=p["predraft_workers"],
             client_queue=p["client_queue"], deadline_s=p["deadline_s"], retry_interval_s=p["retry_interval_s"],
             max_frame_age_s=p["max_frame_age_s"], wait_for_motion=p["wait_for_motion"],
@@ -274,7 +274,10 @@ class DrafterNode(LifecycleNode):
         if outcome.fault:
             log.error(f"STOP ({outcome.fault})")
         elif not outcome.parsed:
-            log.warning(f"unparseable decision ({outcome.parse_error}): {outcome.text!r}")
+            resample = self.settings.resample_temperature
+            then = (f"the next decision samples at temperature {max(resample, self.settings.temperature):g}"
+                    if resample > self.settings.temperature else "the robot does not move")
+            log.warning(f"unparseable decision ({outcome.parse_error}): {outcome.text!r}; {then}")
         else:
             log.info(f"decision: {outcome.action} ({outcome.tokens} tokens, {outcome.rounds} rounds, "
                      f"{outcome.latency_s * 1e3:.0f} ms)")

@@ -126,6 +126,8 @@ def _setup_heldout(sub) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Closed-loop episodes with a model deciding alone (temperature 0); JSON with success_rate."""
+    if args.resample_temperature < 0:
+        raise ValueError(f"--resample-temperature must be >= 0, got {args.resample_temperature}")
     import json
 
     from ..spec.engines import ModelLoadError, load_model
@@ -142,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         policy = VLMPolicy(load_model(args.model), max_new_tokens=args.max_new_tokens)
     except ModelLoadError as err:
         raise ValueError(str(err)) from None
-    report = evaluate_closed_loop(policy, scenarios)
+    report = evaluate_closed_loop(policy, scenarios, resample_temperature=args.resample_temperature)
     report["model"] = args.model
     for ep in report["per_scenario"]:
         print(f"  {ep['scenario']:<32} {'success' if ep['success'] else 'FAIL   '} steps {ep['steps']:>3} "
@@ -163,6 +165,9 @@ def _setup_eval(sub) -> None:
     parser.add_argument("--scenarios", required=True, help="directory of scenario JSON files (or one file)")
     parser.add_argument("--json", help="write the report (top-level success_rate, per-scenario results) here")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--resample-temperature", type=float, default=0.0,
+                        help="sample the decision after an unparseable one at this temperature, as the "
+                             "drafter node does (its default: 0.7); 0 (default): greedy throughout")
     parser.set_defaults(func=cmd_eval)
 
 

@@ -2,7 +2,9 @@
 
 ``evaluate_closed_loop``: each scenario is an episode; the model sees the camera frame and the
 instruction, its text is parsed by the action grammar and executed; an unparseable text is a
-no-op decision (the robot never moves on it) that still costs a step.
+no-op decision (the robot never moves on it) that still costs a step. With ``resample_temperature``
+the decision after an unparseable one samples at that temperature, as the drafter node does (the
+view has not changed, so greedy decoding would only repeat the text); 0 is pure greedy decoding.
 ``action_agreement``: on held-out expert frames, how often the model's action equals the expert's.
 """
 from __future__ import annotations
@@ -27,12 +29,18 @@ class EpisodeResult:
     actions: list[str] = field(default_factory=list)
 
 
-def run_episode(policy, scenario: Scenario) -> EpisodeResult:
-    """Roll out `policy` (VLMPolicy-like: decide(image, instruction) -> .action/.text) in one scenario."""
+def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0) -> EpisodeResult:
+    """Roll out `policy` (VLMPolicy-like: decide(image, instruction, temperature, seed) -> .action/.text)
+    in one scenario."""
     world = SimWorld(scenario)
     unparseable, actions = 0, []
+    resample = False
     while not world.done:
-        out = policy.decide(world.camera_image(), scenario.instruction)
+        if resample and resample_temperature > 0:
+            out = policy.decide(world.camera_image(), scenario.instruction, resample_temperature, world.steps)
+        else:
+            out = policy.decide(world.camera_image(), scenario.instruction)
+        resample = out.action is None
         if out.action is None:
             unparseable += 1
             actions.append(f"<unparseable: {out.error}>")
@@ -44,9 +52,10 @@ def run_episode(policy, scenario: Scenario) -> EpisodeResult:
                          round(world.goal_distance(), 3), actions)
 
 
-def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes") -> dict:
+def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes",
+                         resample_temperature: float = 0.0) -> dict:
     """Run every scenario; returns {'success_rate', 'episodes': [...], ...} (JSON-ready)."""
-    results = [run_episode(policy, s) for s in tqdm(scenarios, desc=desc, unit="ep")]
+    results = [run_episode(policy, s, resample_temperature) for s in tqdm(scenarios, desc=desc, unit="ep")]
     n = len(results)
     return {
         "success_rate": sum(r.success for r in results) / n if n else 0.0,
@@ -54,6 +63,7 @@ def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episode
         "mean_steps": sum(r.steps for r in results) / n if n else 0.0,
         "collisions": sum(r.collisions for r in results),
         "unparseable_decisions": sum(r.unparseable for r in results),
+        "resample_temperature": resample_temperature,
         "per_scenario": [asdict(r) for r in results],
     }
 

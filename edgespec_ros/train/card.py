@@ -13,7 +13,7 @@ import os
 from itertools import islice
 
 from ..sim.dataset import generate_examples, iter_scenarios
-from ..sim.evaluate import action_agreement, evaluate_closed_loop
+from ..sim.evaluate import action_agreement, evaluate_closed_loop, run_episode
 from ..spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
 from ..spec.engines import load_model
 from ..spec.metrics import RunSummary
@@ -56,11 +56,26 @@ def _measure_role(models_dir: str, role: str, n_scenarios: int, n_frames: int, n
     result = {"heldout_frames": len(frames),
               role: {"success_rate": loop["success_rate"], "mean_steps": loop["mean_steps"],
                      "collisions": loop["collisions"], "unparseable_decisions": loop["unparseable_decisions"],
-                     "action_agreement": agree["agreement"]}}
+                     "action_agreement": agree["agreement"], **resampled_loop(policy, scenarios, loop)}}
     if role == "draft":
         d, t = os.path.join(models_dir, "draft"), os.path.join(models_dir, "target")
         result["sd"] = [sd_acceptance(d, t, frames[:n_sd], 4, 0.0), sd_acceptance(d, t, frames[:n_sd], 4, 1.0)]
     return result
+
+
+def resampled_loop(policy, scenarios, loop: dict) -> dict:
+    """Closed-loop success as the drafter node decides: the decision after an unparseable one samples
+    at its ``resample_temperature``. Episodes without unparseable decisions are the same as greedy,
+    so only the others run again."""
+    from ..drafting import DrafterSettings
+    temperature = DrafterSettings().resample_temperature
+    episodes = loop["per_scenario"]
+    rerun = [i for i, ep in enumerate(episodes) if ep["unparseable"]]
+    success = [ep["success"] for ep in episodes]
+    for i in rerun:
+        success[i] = run_episode(policy, scenarios[i], temperature).success
+    return {"resample_temperature": temperature, "resampled_episodes": len(rerun),
+            "success_rate_resampled": sum(success) / len(success) if success else 0.0}
 
 
 def measure(models_dir: str, n_scenarios: int = 40, n_frames: int = 200, n_sd: int = 40,
@@ -124,6 +139,12 @@ def write_card(models_dir: str, metrics: dict) -> str:
         m = metrics[role]
         lines.append(f"| {role} | {pct(m['success_rate'])} | {m['mean_steps']:.1f} | {m['collisions']} | "
                      f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} |")
+    t = metrics["target"]
+    if t.get("resampled_episodes"):
+        lines += ["", f"As the drafter node decides (the decision after an unparseable one samples at temperature "
+                      f"{t['resample_temperature']:g}; the {t['resampled_episodes']} target episodes with "
+                      f"unparseable decisions ran again): target closed-loop success "
+                      f"{pct(t['success_rate_resampled'])}."]
     lines += ["", *quality_bar_lines(metrics)]
     lines += ["", "## Speculative decoding, draft vs target (gamma = 4, in-process)", "",
               "| temperature | decisions | per-token acceptance | tau (tokens/round) | acceptance by position |",

@@ -1,12 +1,13 @@
-"""A VLM deciding alone (temperature 0): the policy used by closed-loop evaluation and the agreement metric."""
+"""A VLM deciding alone (temperature 0 unless asked): the policy of closed-loop evaluation and the agreement metric."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..actions import ActionParseError, parse_action
 from ..spec.decode import DecodeConfig, target_generate
 from ..spec.engines import LoadedModel
 from ..spec.inputs import build_inputs
+from ..spec.sampling import SamplingParams
 from .data import jpeg_roundtrip
 
 
@@ -23,15 +24,16 @@ class VLMPolicy:
         self.lm = lm
         self.cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
 
-    def generate_text(self, image, instruction: str) -> tuple[str, int]:
+    def generate_text(self, image, instruction: str, temperature: float = 0.0, seed: int = 0) -> tuple[str, int]:
         inputs = build_inputs(self.lm.tokenizer, instruction, jpeg_roundtrip(image), self.lm.image_processor)
-        tokens = target_generate(self.lm, inputs, self.cfg)
+        cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed)
+        tokens = target_generate(self.lm, inputs, cfg)
         text = self.lm.tokenizer.decode([t for t in tokens if t not in self.lm.eos_token_ids],
                                         skip_special_tokens=True)
         return text, len(tokens)
 
-    def decide(self, image, instruction: str) -> PolicyOutput:
-        text, n = self.generate_text(image, instruction)
+    def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0) -> PolicyOutput:
+        text, n = self.generate_text(image, instruction, temperature, seed)
         try:
             return PolicyOutput(text, parse_action(text), None, n)
         except ActionParseError as exc:
