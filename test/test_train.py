@@ -301,6 +301,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
     assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5
+    assert "As the drafter node decides" not in text  # no unparseable decisions: nothing ran again
+    metrics["target"] = dict(role, resample_temperature=0.7, resampled_episodes=2, success_rate_resampled=0.975)
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert ("next one samples at temperature 0.7; 2 target episodes had unparseable decisions and ran again): "
+            "target closed-loop success 97.5%") in text
 
 
 def test_length_grouped_batches_cut_padding_and_still_draw_every_example():

@@ -141,9 +141,10 @@ def write_card(models_dir: str, metrics: dict) -> str:
                      f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} |")
     t = metrics["target"]
     if t.get("resampled_episodes"):
-        lines += ["", f"As the drafter node decides (the decision after an unparseable one samples at temperature "
-                      f"{t['resample_temperature']:g}; the {t['resampled_episodes']} target episodes with "
-                      f"unparseable decisions ran again): target closed-loop success "
+        n = t["resampled_episodes"]
+        lines += ["", f"As the drafter node decides (after an unparseable decision the next one samples at "
+                      f"temperature {t['resample_temperature']:g}; {n} target episode{'s' if n > 1 else ''} had "
+                      f"unparseable decisions and ran again): target closed-loop success "
                       f"{pct(t['success_rate_resampled'])}."]
     lines += ["", *quality_bar_lines(metrics)]
     lines += ["", "## Speculative decoding, draft vs target (gamma = 4, in-process)", "",
