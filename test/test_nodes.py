@@ -454,6 +454,37 @@ def test_expert_decisions_through_navigator_and_sim_reach_the_goal():
         assert episode["collisions"] == 0
 
 
+def test_a_stalled_sim_does_not_split_one_push_into_two_collisions():
+    """Contacts are told apart in simulated time: a push that the machine's load interrupts for seconds
+    (the timers did not run) stays one collision; pushing again after standing still for over
+    CONTACT_GAP_S of simulated time is a second one. (Drives the node's physics by hand, lock held.)"""
+    from edgespec_ros.nodes.sim_robot import CONTACT_GAP_S
+    from edgespec_ros.sim.scenario import Pose
+    with graph(("sim_robot",)) as g:
+        sim = g.nodes["sim_robot"]
+        box = sim.scenario.object_by_id("box1")
+        with sim._lock:
+            sim.world.set_pose(Pose(box.x - 0.9, box.y, 0.0))
+            t = sim._last_physics_ns or 0
+            contacts = sim.contacts
+
+            def run(seconds, v, step_s=0.05):
+                nonlocal t
+                for _ in range(round(seconds / step_s)):
+                    t += int(step_s * 1e9)
+                    sim._cmd, sim._cmd_ns = (v, 0.0), t
+                    sim._integrate(t)
+
+            run(2.0, 0.5)                       # drives into the box and keeps pushing
+            assert sim.contacts == contacts + 1
+            run(3.0, 0.5, step_s=3.0)           # a 3 s stall of every timer, still pushing
+            run(0.5, 0.5)
+            assert sim.contacts == contacts + 1
+            run(CONTACT_GAP_S + 0.5, 0.0)       # stands still, then pushes again
+            run(0.5, 0.5)
+            assert sim.contacts == contacts + 2
+
+
 def test_walking_into_an_object_is_one_collision_and_the_navigator_gives_up():
     """Facing the silver box from close by, 'move forward large' is blocked: the sim stops the robot
     at the contact, reports one collision (not one per physics step), and the navigator, seeing

@@ -30,7 +30,7 @@ from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, de
     ns_to_time, rgb_to_image, run_node
 
 NS = 1e-9
-CONTACT_GAP_S = 1.0  # blocked integration steps closer than this belong to one collision
+CONTACT_GAP_S = 1.0  # blocked integration steps closer than this (in simulated time) are one collision
 
 
 class SimRobotNode(Node):
@@ -45,7 +45,8 @@ class SimRobotNode(Node):
         self._last_physics_ns: int | None = None
         self._episode_published = None
         self.contacts = 0
-        self._last_contact_ns: int | None = None
+        self._sim_s = 0.0  # simulated time: wall time between physics updates, each at most 0.2 s
+        self._last_contact_s: float | None = None
         # Reentrant + one lock around the world: a mutually exclusive group with several timers due at
         # once made rclpy's MultiThreadedExecutor stall the others (measured 0.3-0.9 s).
         group = ReentrantCallbackGroup()
@@ -100,16 +101,18 @@ class SimRobotNode(Node):
         self._last_physics_ns = now
         if dt <= 0:
             return
+        self._sim_s += dt
         fresh = self._cmd_ns is not None and (now - self._cmd_ns) * NS <= self.p["cmd_timeout_s"]
         v, w = self._cmd if fresh else (0.0, 0.0)
         if v or w:
             result = self.world.apply_twist(v, w, dt)
             # SimWorld counts every blocked integration step; a robot pushing into an object for a
-            # while is one collision: a contact counts when none happened in the last CONTACT_GAP_S.
+            # while is one collision: a contact counts when none happened in the last CONTACT_GAP_S
+            # of simulated time (a loaded machine that stalls this node's timers does not split it).
             if result.collided:
-                if self._last_contact_ns is None or (now - self._last_contact_ns) * NS > CONTACT_GAP_S:
+                if self._last_contact_s is None or self._sim_s - self._last_contact_s > CONTACT_GAP_S:
                     self.contacts += 1
-                self._last_contact_ns = now
+                self._last_contact_s = self._sim_s
 
     def on_camera(self) -> None:
         with self._lock:
