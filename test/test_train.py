@@ -284,10 +284,9 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     from edgespec_ros.train.card import write_card
     sd = [{"gamma": 4, "temperature": t, "decisions": 2, "acceptance_rate": 0.7, "tau": 3.1,
            "acceptance_per_position": [0.9, 0.7, 0.6, 0.5]} for t in (0.0, 1.0)]
-    role = {"success_rate": 0.95, "mean_steps": 9.0, "collisions": 0, "unparseable_decisions": 0,
-            "action_agreement": 0.97}
-    metrics = {"heldout_scenarios": 2, "heldout_frames": 4, "target": role, "draft": dict(role, success_rate=0.2),
-               "sd": sd}
+    role = {"episodes": 3, "frames": 5, "success_rate": 0.95, "mean_steps": 9.0, "collisions": 0,
+            "unparseable_decisions": 0, "action_agreement": 0.97}
+    metrics = {"target": role, "draft": dict(role, success_rate=0.2, episodes=2, frames=4), "sd": sd}
     (tmp_path / "pipeline.json").write_text(json.dumps(
         {"stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
     for role_name, weight in (("target", 1.0), ("draft", 0.0)):
@@ -297,6 +296,7 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "took 25.0 min" in text and "target 20.0" in text
     assert "the target trained with the perception and goal probes" in text and "the draft trained on the answer text alone" in text
     assert "meets the project's bars" in text and "Below" not in text
+    assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
     metrics["target"] = dict(role, action_agreement=0.5)
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
@@ -379,11 +379,14 @@ def test_card_measures_the_same_in_parallel_workers(pipeline):
     """The card's numbers do not depend on measuring target and draft in two processes."""
     from edgespec_ros.train.card import measure
     _, out = pipeline
-    one = measure(str(out), n_scenarios=1, n_frames=3, n_sd=2, workers=1, max_steps=2)
-    two = measure(str(out), n_scenarios=1, n_frames=3, n_sd=2, workers=2, max_steps=2)
+    sizes = dict(n_scenarios=2, n_frames=4, draft_scenarios=1, draft_frames=3, n_sd=2, max_steps=2)
+    one = measure(str(out), workers=1, **sizes)
+    two = measure(str(out), workers=2, **sizes)
     assert one == two
-    assert set(one) == {"heldout_scenarios", "heldout_frames", "target", "draft", "sd"}
-    assert one["heldout_frames"] == 3 and [r["temperature"] for r in one["sd"]] == [0.0, 1.0]
+    assert set(one) == {"target", "draft", "sd"}
+    assert (one["target"]["episodes"], one["target"]["frames"]) == (2, 4)
+    assert (one["draft"]["episodes"], one["draft"]["frames"]) == (1, 3)
+    assert [r["temperature"] for r in one["sd"]] == [0.0, 1.0] and one["sd"][0]["decisions"] == 2
     assert all(0 <= one[role]["success_rate"] <= 1 for role in ("target", "draft"))
 
 

@@ -37,7 +37,7 @@ class PipelineConfig:
     action_noise: float = 0.0
     tokenizer_vocab: int = 1024
     target_steps: int = 3600
-    target_budget_s: float = 1320.0  # wall-clock cap in seconds (0 = none): keeps `make models` within 30 min
+    target_budget_s: float = 1260.0  # wall-clock cap in seconds (0 = none): keeps `make models` within 30 min
     draft_steps: int = 600
     draft_budget_s: float = 0.0
     target_aux_weight: float = 1.0  # auxiliary perception loss (dense scene labels) for the target
