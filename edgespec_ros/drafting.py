@@ -105,8 +105,9 @@ class DrafterSettings:
     temperature: float = 0.0
     seed: int = 0
     # After an unparseable decision the robot has not moved, so the next frame is the same and a
-    # greedy model would write the same text again: sample that next decision at this temperature
-    # (when above ``temperature``; a new seed either way). 0 turns it off.
+    # greedy model would write the same text again; after a move the navigator gave up as blocked
+    # (pushing into something) it would drive on into it. Sample that next decision at this
+    # temperature (when above ``temperature``; a new seed either way). 0 turns it off.
     resample_temperature: float = 0.7
     codec: str = "dense32"
     predraft_workers: int = 4
@@ -135,7 +136,8 @@ class DrafterSettings:
         self.decode_config(0)  # validates gamma, codec, max_new_tokens
 
     def decode_config(self, decision_index: int, resample: bool = False) -> DecodeConfig:
-        """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable one."""
+        """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable or
+        blocked one."""
         temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
         return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
                             max_new_tokens=self.max_new_tokens,
@@ -154,7 +156,7 @@ class Ticket:
     started_ns: int
     deadline_ns: int
     abandoned: bool = False
-    resample: bool = False  # the last decision was unparseable: sample this one (resample_temperature)
+    resample: bool = False  # the last decision was unparseable or blocked: sample this one
 
 
 def classify_error(exc: BaseException) -> str:
@@ -198,7 +200,7 @@ class DrafterCore:
         self.awaiting_motion_stamp: int | None = None  # decision whose motion we wait for
         self.motion_idle_since_ns: int | None = None
         self.retry_after_ns = 0
-        self.last_unparseable = False  # the last decision's text did not parse: resample the next
+        self.resample_next = False  # the last decision did not parse or its move was blocked
         self.stats = DecodingStatsAggregator(settings.mode)
 
     # ------------------------------------------------------------------ inputs
@@ -220,7 +222,7 @@ class DrafterCore:
             self.decisions = 0
             self.awaiting_motion_stamp = None
             self.retry_after_ns = 0
-            self.last_unparseable = False
+            self.resample_next = False
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -233,15 +235,17 @@ class DrafterCore:
             if self.frame is None or frame.stamp_ns >= self.frame.stamp_ns:
                 self.frame = frame
 
-    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int) -> None:
+    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, reason: str = "") -> None:
         """The navigator reported ``state`` (idle|moving|estop|watchdog) for the decision whose
-        frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``."""
+        frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and why (``reason``: a
+        move given up as "blocked: ..." makes the next decision sample)."""
         with self._lock:
             if self.awaiting_motion_stamp is None or decision_stamp_ns != self.awaiting_motion_stamp:
                 return
             if state != "moving":
                 self.awaiting_motion_stamp = None
                 self.motion_idle_since_ns = state_stamp_ns
+                self.resample_next = reason.startswith("blocked")
 
     # ------------------------------------------------------------------ deciding
 
@@ -278,7 +282,7 @@ class DrafterCore:
             if self.settings.wait_for_motion and self.awaiting_motion_stamp is not None:
                 self.awaiting_motion_stamp = None  # motion wait timed out
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
-                            now + int(self.settings.deadline_s * NS), resample=self.last_unparseable)
+                            now + int(self.settings.deadline_s * NS), resample=self.resample_next)
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
@@ -353,7 +357,7 @@ class DrafterCore:
                 return outcome
             self.decisions += 1
             self.stats.add(outcome)
-            self.last_unparseable = not outcome.parsed
+            self.resample_next = not outcome.parsed
             if outcome.parsed and outcome.action != "stop":
                 self.awaiting_motion_stamp = outcome.stamp_ns
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":

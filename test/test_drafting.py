@@ -188,6 +188,20 @@ def test_the_decision_after_an_unparseable_one_samples(temperature, resample, ex
     assert decoder.temperatures[-1] == temperature
 
 
+def test_the_decision_after_a_blocked_move_samples():
+    # pushing into an obstacle: greedy decoding on the unchanged view would say the same move again
+    decoder = FakeDecoder()
+    core, clock = make(decoder=decoder)
+    core.set_command("go")
+    for reason in ("blocked: no progress on odometry for 1 s", "completed", "completed"):
+        clock.advance(0.1)
+        core.set_frame(frame(clock))
+        out = core.run(core.begin())
+        core.note_motion("moving", out.stamp_ns, clock())
+        core.note_motion("idle", out.stamp_ns, clock(), reason)
+    assert decoder.temperatures == [0.0, 0.7, 0.0]
+
+
 @pytest.mark.parametrize("error, kind", [(LinkLostError("connection refused"), "verifier unreachable"),
                                          (VerifierTimeout("no reply"), "verifier timeout"),
                                          (RuntimeError("boom"), "decoding error")])

@@ -178,6 +178,31 @@ def test_closed_loop_resamples_after_an_unparseable_decision_only_when_asked(res
         assert len({s for t, s in policy.calls if t > 0}) == 3  # a new seed each time
 
 
+class _PushingPolicy:
+    """Drives ahead when greedy (into the wall it faces); turns around when sampling."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decide(self, image, instruction, temperature=0.0, seed=0):
+        from edgespec_ros.actions import parse_action
+        from edgespec_ros.train.policy import PolicyOutput
+        self.calls.append(temperature)
+        text = "Action: move forward large." if temperature == 0 else "Action: turn left large."
+        return PolicyOutput(text, parse_action(text), None, 6)
+
+
+def test_closed_loop_resamples_after_a_move_into_something():
+    from edgespec_ros.sim.scenario import Pose
+    scenario = next(iter(iter_scenarios("heldout", 1, max_steps=8)))
+    scenario = dataclasses.replace(scenario, robot=Pose(scenario.room.width_m - 0.6, 1.0, 0.0))  # facing a wall
+    greedy, resampling = _PushingPolicy(), _PushingPolicy()
+    assert run_episode(greedy, scenario).collisions >= 7  # pushes into the wall every time
+    result = run_episode(resampling, scenario, resample_temperature=0.7)
+    assert resampling.calls[:2] == [0.0, 0.7]  # the move ran into the wall: the next one samples
+    assert result.collisions < 7
+
+
 def test_dense_labels_mark_each_object_class_where_its_pixels_are():
     from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, dense_labels, object_class
     from edgespec_ros.sim.render import render_view
@@ -302,10 +327,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
     assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5
     assert "As the drafter node decides" not in text  # no unparseable decisions: nothing ran again
-    metrics["target"] = dict(role, resample_temperature=0.7, resampled_episodes=2, success_rate_resampled=0.975)
+    metrics["target"] = dict(role, resample_temperature=0.7, resampled_episodes=2, success_rate_resampled=0.975,
+                             collisions_resampled=3)
     text = open(write_card(str(tmp_path), metrics)).read()
-    assert ("next one samples at temperature 0.7; 2 target episodes had unparseable decisions and ran again): "
-            "target closed-loop success 97.5%") in text
+    assert ("next one samples at temperature 0.7; 2 target episodes had such decisions and ran again): "
+            "target closed-loop success 97.5%, 3 collisions.") in text
 
 
 def test_length_grouped_batches_cut_padding_and_still_draw_every_example():

@@ -223,7 +223,7 @@ class DrafterNode(LifecycleNode):
     def on_motion_state(self, msg) -> None:
         core = self.core
         if core is not None:
-            core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp))
+            core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp), msg.reason)
 
     # ------------------------------------------------------------------ deciding
 

@@ -3,8 +3,9 @@
 ``evaluate_closed_loop``: each scenario is an episode; the model sees the camera frame and the
 instruction, its text is parsed by the action grammar and executed; an unparseable text is a
 no-op decision (the robot never moves on it) that still costs a step. With ``resample_temperature``
-the decision after an unparseable one samples at that temperature, as the drafter node does (the
-view has not changed, so greedy decoding would only repeat the text); 0 is pure greedy decoding.
+the decision after an unparseable one, or after a move that ran into something, samples at that
+temperature, as the drafter node does (greedy decoding would repeat the text on the unchanged
+view, or drive on into the obstacle); 0 is pure greedy decoding.
 ``action_agreement``: on held-out expert frames, how often the model's action equals the expert's.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0) -
             world.skip_decision(out.error)
             continue
         actions.append(out.action.text)
-        world.step(out.action)
+        resample = world.step(out.action).collided
     return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
                          round(world.goal_distance(), 3), actions)
 

@@ -48,7 +48,7 @@ def _heldout(n_scenarios: int, n_frames: int, max_steps: int = 40):
 def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, episodes: tuple[int, int],
                   n_sd: int, max_steps: int) -> dict:
     """One worker's share of a model's measurement: the closed-loop episodes ``episodes`` (a slice
-    of the held-out scenarios, each also as the drafter node decides: see :func:`resampled_successes`), plus,
+    of the held-out scenarios, each also as the drafter node decides: see :func:`resampled_outcomes`), plus,
     when ``n_frames``, the agreement on the held-out frames and (draft) SD against the target."""
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
@@ -56,7 +56,7 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     scenarios = scenarios[slice(*episodes)]
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
-    part = {"episodes": loop["per_scenario"], "resampled": resampled_successes(policy, scenarios, loop)}
+    part = {"episodes": loop["per_scenario"], "resampled": resampled_outcomes(policy, scenarios, loop)}
     if frames:
         part["agreement"] = action_agreement(policy, frames, desc=f"{role}: agreement")["agreement"]
         part["frames"] = len(frames)
@@ -66,21 +66,24 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     return part
 
 
-def resampled_successes(policy, scenarios, loop: dict) -> list[bool]:
-    """Each episode's success as the drafter node decides: the decision after an unparseable one
-    samples at its ``resample_temperature``. Episodes without unparseable decisions are the same
-    as greedy, so only the others run again."""
+def resampled_outcomes(policy, scenarios, loop: dict) -> list[tuple[bool, int]]:
+    """Each episode's (success, collisions) as the drafter node decides: the decision after an unparseable one or
+    after a move that ran into something samples at its ``resample_temperature``. Episodes with
+    neither are the same as greedy, so only the others run again."""
     from ..drafting import DrafterSettings
     temperature = DrafterSettings().resample_temperature
-    return [run_episode(policy, scenario, temperature).success if ep["unparseable"] else ep["success"]
-            for scenario, ep in zip(scenarios, loop["per_scenario"])]
+    outcomes = []
+    for scenario, ep in zip(scenarios, loop["per_scenario"]):
+        again = run_episode(policy, scenario, temperature) if ep["unparseable"] or ep["collisions"] else None
+        outcomes.append((again.success, again.collisions) if again else (ep["success"], ep["collisions"]))
+    return outcomes
 
 
 def _summarise(parts: list[dict]) -> dict:
     """One model's card row from its workers' parts."""
     from ..drafting import DrafterSettings
     episodes = [ep for part in parts for ep in part["episodes"]]
-    resampled = [ok for part in parts for ok in part["resampled"]]
+    resampled = [outcome for part in parts for outcome in part["resampled"]]
     n = len(episodes)
     frames = next(part for part in parts if "agreement" in part)
     return {"episodes": n, "frames": frames["frames"],
@@ -90,8 +93,9 @@ def _summarise(parts: list[dict]) -> dict:
             "unparseable_decisions": sum(ep["unparseable"] for ep in episodes),
             "action_agreement": frames["agreement"],
             "resample_temperature": DrafterSettings().resample_temperature,
-            "resampled_episodes": sum(1 for ep in episodes if ep["unparseable"]),
-            "success_rate_resampled": sum(resampled) / n}
+            "resampled_episodes": sum(1 for ep in episodes if ep["unparseable"] or ep["collisions"]),
+            "success_rate_resampled": sum(ok for ok, _ in resampled) / n,
+            "collisions_resampled": sum(hits for _, hits in resampled)}
 
 
 def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_scenarios: int = 40,
@@ -162,10 +166,11 @@ def write_card(models_dir: str, metrics: dict) -> str:
                      f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} |")
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
-        lines += ["", f"As the drafter node decides (after an unparseable decision the next one samples at "
-                      f"temperature {t['resample_temperature']:g}; {n} target episode{'s' if n > 1 else ''} had "
-                      f"unparseable decisions and ran again): target closed-loop success "
-                      f"{pct(t['success_rate_resampled'])}."]
+        lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something the "
+                      f"next one samples at temperature {t['resample_temperature']:g}; "
+                      f"{n} target episode{'s' if n > 1 else ''} had such decisions and ran again): target "
+                      f"closed-loop success {pct(t['success_rate_resampled'])}, "
+                      f"{t.get('collisions_resampled', '?')} collisions."]
     lines += ["", *quality_bar_lines(metrics)]
     lines += ["", "## Speculative decoding, draft vs target (gamma = 4, in-process)", "",
               "| temperature | decisions | per-token acceptance | tau (tokens/round) | acceptance by position |",
