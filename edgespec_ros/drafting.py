@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .actions import ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
+from .motion import BLOCKED_BY_CONTACT
 from .spec.decode import DECODING_MODES, DecodeConfig
 from .spec.metrics import DecisionMetrics, RunSummary
 from .spec.sampling import SamplingParams
@@ -238,14 +239,15 @@ class DrafterCore:
     def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, reason: str = "") -> None:
         """The navigator reported ``state`` (idle|moving|estop|watchdog) for the decision whose
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and why (``reason``: a
-        move given up as "blocked: ..." makes the next decision sample)."""
+        move given up as blocked by contact makes the next decision sample)."""
         with self._lock:
             if self.awaiting_motion_stamp is None or decision_stamp_ns != self.awaiting_motion_stamp:
                 return
             if state != "moving":
                 self.awaiting_motion_stamp = None
                 self.motion_idle_since_ns = state_stamp_ns
-                self.resample_next = reason.startswith("blocked")
+                # pushing into something (not stale odometry: then the view may well have changed)
+                self.resample_next = reason.startswith(BLOCKED_BY_CONTACT)
 
     # ------------------------------------------------------------------ deciding
 

@@ -30,6 +30,10 @@ from typing import Any
 
 from .actions import Action
 
+# Why a closed-loop primitive was given up (MotionState.reason starts with one of these).
+BLOCKED_BY_CONTACT = "blocked: no progress on odometry"  # odometry fresh, robot not moving: pushing into something
+BLOCKED_NO_ODOMETRY = "blocked: no odometry"  # odometry stopped coming
+
 IDLE, MOVING, ESTOP, WATCHDOG = "idle", "moving", "estop", "watchdog"
 STATES = (IDLE, MOVING, ESTOP, WATCHDOG)
 
@@ -322,8 +326,8 @@ class MotionExecutor:
                 self._best_progress, self._best_progress_s = self._progress, now_s
             elif now_s - self._best_progress_s > self.stall_timeout_s:
                 # pushing against something, or odometry stopped coming: either way, stop
-                why = "no odometry" if not self.odometry_fresh(now_s) else "no progress on odometry"
-                self._halt(IDLE, f"blocked: {why} for {self.stall_timeout_s:g} s", action.text)
+                why = BLOCKED_NO_ODOMETRY if not self.odometry_fresh(now_s) else BLOCKED_BY_CONTACT
+                self._halt(IDLE, f"{why} for {self.stall_timeout_s:g} s", action.text)
                 self._zeros_due -= 1
                 self._velocity = ZERO
                 return ZERO
