@@ -431,8 +431,10 @@ def test_expert_decisions_through_navigator_and_sim_reach_the_goal():
     # The shipped speed limits (config/navigator.yaml): at twice them a control period delayed on a
     # loaded machine overshot a move by centimetres, into the object the expert stopped short of.
     # stall_timeout_s: a loaded CI machine can starve the sim's odometry timer for over a second;
-    # the give-up rule itself is tested in test_motion.py.
-    patient = {"stall_timeout_s": 5.0}
+    # the give-up rule itself is tested in test_motion.py. watchdog_timeout_s: the sim integrates at
+    # most 0.2 s per (late) update, so on such a machine a 1 m move has taken over 6 s of wall time
+    # and the watchdog aborted it; the watchdog is tested on its own above.
+    patient = {"stall_timeout_s": 5.0, "watchdog_timeout_s": 30.0}
     with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}, "navigator": patient}) as g:
         probe = navigator_probe(g)
         probe.subscribe(String, "sim/episode", LATCHED_QOS)
