@@ -58,8 +58,8 @@ DRAFTER = (
     P("temperature", 0.0, "sampling temperature (0 = greedy)", min_value=0.0),
     P("resample_temperature", 0.7, "after an unparseable decision (the robot did not move, so a greedy model "
                                    "would repeat it on the same view) or a move the navigator gave up as "
-                                   "blocked, the next decision samples at this temperature if above "
-                                   "temperature; 0 = off", min_value=0.0),
+                                   "blocked by contact (no progress on fresh odometry), the next decision "
+                                   "samples at this temperature if above temperature; 0 = off", min_value=0.0),
     P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
     P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs)"),
     P("predraft_workers", 4, "fsd: pre-draft worker threads (each drafts the next block for one early exit)",

@@ -166,8 +166,9 @@ def _setup_eval(sub) -> None:
     parser.add_argument("--json", help="write the report (top-level success_rate, per-scenario results) here")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--resample-temperature", type=float, default=0.0,
-                        help="sample the decision after an unparseable one at this temperature, as the "
-                             "drafter node does (its default: 0.7); 0 (default): greedy throughout")
+                        help="sample the decision after an unparseable one, or after a move into "
+                             "something, at this temperature, as the drafter node does (its default: 0.7); "
+                             "0 (default): greedy throughout")
     parser.set_defaults(func=cmd_eval)
 
 
