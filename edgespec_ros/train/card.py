@@ -48,8 +48,8 @@ def _heldout(n_scenarios: int, n_frames: int, max_steps: int = 40):
 def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, episodes: tuple[int, int],
                   n_sd: int, max_steps: int) -> dict:
     """One worker's share of a model's measurement: the closed-loop episodes ``episodes`` (a slice
-    of the held-out scenarios, each also as the drafter node decides: see :func:`resampled_outcomes`), plus,
-    when ``n_frames``, the agreement on the held-out frames and (draft) SD against the target."""
+    of the held-out scenarios, each also as the drafter node decides: :func:`resampled_outcomes`),
+    plus, when ``n_frames``, the agreement on the held-out frames and (draft) SD against the target."""
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
     scenarios, frames = _heldout(n_scenarios, n_frames, max_steps)
@@ -67,9 +67,9 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
 
 
 def resampled_outcomes(policy, scenarios, loop: dict) -> list[tuple[bool, int]]:
-    """Each episode's (success, collisions) as the drafter node decides: the decision after an unparseable one or
-    after a move that ran into something samples at its ``resample_temperature``. Episodes with
-    neither are the same as greedy, so only the others run again."""
+    """Each episode's (success, collisions) as the drafter node decides: the decision after an
+    unparseable one or after a move that ran into something samples at its ``resample_temperature``.
+    Episodes with neither are the same as greedy, so only the others run again (from the start)."""
     from ..drafting import DrafterSettings
     temperature = DrafterSettings().resample_temperature
     outcomes = []
@@ -166,7 +166,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
                      f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} |")
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
-        lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something the "
+        lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something, the "
                       f"next one samples at temperature {t['resample_temperature']:g}; "
                       f"{n} target episode{'s' if n > 1 else ''} had such decisions and ran again): target "
                       f"closed-loop success {pct(t['success_rate_resampled'])}, "
