@@ -89,6 +89,33 @@ def test_goal_within_radius_means_stop():
     assert decision.action == Action.stop()
 
 
+def test_stop_gap_stops_closer_than_a_large_radius_and_the_approach_ends_inside_it():
+    """With ``stop_gap_m`` the expert stops by how close the goal looks, not by the (invisible) radius."""
+    from edgespec_ros.sim.expert import ExpertConfig
+    from edgespec_ros.sim.world import SimWorld
+
+    policy = ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3))
+    ball = next(o for o in make_scenario([("ball", "blue", 2.0, 3.0)]).objects)
+    touching = ball.footprint_radius_m + 0.2
+    # 0.4 m from touching the ball, well inside a radius 0.5 m beyond touching
+    far_inside = make_scenario([("ball", "blue", ROBOT.x + touching + 0.4, 3.0)], radius=touching + 0.5)
+    assert ExpertPolicy().decide(far_inside, ROBOT).action == Action.stop()  # inside the radius
+    decision = policy.decide(far_inside, ROBOT)  # 0.4 m from touching: closer first
+    assert decision.action.kind == "move"
+    assert 0.05 <= 0.4 - decision.action.distance_m <= 0.3
+    near = make_scenario([("ball", "blue", ROBOT.x + touching + 0.25, 3.0)], radius=touching + 0.5)
+    assert policy.decide(near, ROBOT).action == Action.stop()
+    # a radius tighter than the gap still rules
+    tight = make_scenario([("ball", "blue", ROBOT.x + touching + 0.25, 3.0)], radius=touching + 0.2)
+    assert policy.stop_distance(tight) == pytest.approx(touching + 0.2)
+    assert policy.decide(tight, ROBOT).action.kind == "move"
+    episode = run_expert_episode(far_inside, policy)
+    assert episode.success and episode.collisions == 0
+    world = SimWorld(far_inside)
+    world.set_pose(episode.trajectory[-1])
+    assert world.goal_distance() <= touching + 0.3 + 1e-9
+
+
 def test_goal_behind_facing_a_wall_means_search_by_turning_left():
     decision = ExpertPolicy().decide(make_scenario([("cone", "orange", 2.0, 3.0)]), Pose(6.5, 3.0, 0.0))
     assert decision.action == Action.turn("left", "large") and decision.situation == "search"
@@ -210,6 +237,59 @@ def test_action_noise_drifts_the_rollout_but_keeps_the_experts_answers():
     assert noisy_steps >= 1
     with pytest.raises(ValueError, match="action_noise"):
         next(generate_examples("train", 1, action_noise=1.0))
+
+
+def test_closeups_add_frames_near_objects_mostly_look_alikes_labelled_by_the_expert():
+    """Close-ups: frames taken right in front of an object (a look-alike of the goal most often),
+    after the scenario's rollout frames, each with the expert's answer for that pose."""
+    from edgespec_ros.sim.dataset import _closeup
+    from edgespec_ros.sim.render import render_view
+    from edgespec_ros.sim.world import pose_collision, wrap_angle
+
+    picks = {"look-alike": 0, "other": 0}
+    for seed in range(60):
+        scenario = scenario_for_seed(seed)
+        goal = scenario.goal_object
+        rng = np.random.default_rng(seed)
+        for _ in range(5):
+            pose = _closeup(scenario, rng)
+            if pose is None:
+                continue
+            assert pose_collision(scenario, pose.x, pose.y) is None
+            gaps = [(math.hypot(o.x - pose.x, o.y - pose.y) - o.footprint_radius_m - 0.2, i)
+                    for i, o in enumerate(scenario.objects)]
+            near = [i for gap, i in gaps if 0.0 < gap <= 1.0 + 1e-9]
+            assert near, "a close-up is within a metre of touching some object"
+            # the object it was taken of is within 35 degrees of straight ahead, so in the frame
+            facing = [i for i in near if abs(math.degrees(wrap_angle(math.atan2(
+                scenario.objects[i].y - pose.y, scenario.objects[i].x - pose.x) - pose.yaw_rad))) <= 35.0 + 1e-6]
+            assert facing
+            obj = scenario.objects[facing[0]]
+            alike = facing[0] != scenario.goal_index and (obj.color == goal.color or obj.type == goal.type)
+            has_alike = any(i != scenario.goal_index and (o.color == goal.color or o.type == goal.type)
+                            for i, o in enumerate(scenario.objects))
+            if has_alike:
+                picks["look-alike" if alike else "other"] += 1
+    assert picks["look-alike"] > picks["other"] / 2  # twice the weight of any one other object
+
+    plain = list(generate_examples("train", 2, perturbations_per_step=0.0))
+    more = list(generate_examples("train", 2, perturbations_per_step=0.0, closeups_per_scenario=3.0))
+    assert len(more) > len(plain)
+    assert [e.text for e in generate_examples("train", 2, perturbations_per_step=0.0,
+                                              closeups_per_scenario=3.0)] == [e.text for e in more]
+    # The first scenario's rollout comes first, unchanged; its close-ups follow it.
+    seed = split_seeds("train", 1)[0]
+    scenario, policy = scenario_for_seed(seed), ExpertPolicy(seed=seed)
+    n_rollout = run_expert_episode(scenario, ExpertPolicy(seed=seed)).steps
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(more[:n_rollout], plain[:n_rollout]))
+    rng = np.random.default_rng([seed, 3])
+    closeups = [_closeup(scenario, rng) for _ in range(rng.poisson(3.0))]
+    extra = more[n_rollout:n_rollout + len([p for p in closeups if p is not None])]
+    for example, pose in zip(extra, [p for p in closeups if p is not None]):
+        assert np.array_equal(example.image, render_view(scenario, pose).rgb)
+        assert parse_action(split_reasoning_action(example.text)[1]) == policy.decide(scenario, pose).action
+    with pytest.raises(ValueError, match="closeups_per_scenario"):
+        next(generate_examples("train", 1, closeups_per_scenario=-1.0))
 
 
 def test_heldout_scenarios_are_written_as_json(tmp_path):

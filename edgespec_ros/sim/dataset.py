@@ -153,7 +153,8 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       camera: CameraConfig = DEFAULT_CAMERA,
                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
                       expert_config: ExpertConfig = ExpertConfig(),
-                      with_labels: bool = False, action_noise: float = 0.0) -> Iterator[Example]:
+                      with_labels: bool = False, action_noise: float = 0.0,
+                      closeups_per_scenario: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -170,12 +171,15 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     """
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
+    if closeups_per_scenario < 0:
+        raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
         Action.turn(direction, size, action_config) for direction in ("left", "right") for size in SIZES]
     for seed in split_seeds(split, n_scenarios, start):
         scenario = scenario_for_seed(seed)
         rng = np.random.default_rng([seed, 1])
         noise_rng = np.random.default_rng([seed, 2])
+        closeup_rng = np.random.default_rng([seed, 3])
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
         while not world.done:
@@ -195,6 +199,12 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
             if action_noise and noise_rng.random() < action_noise:
                 executed = noise_actions[int(noise_rng.integers(len(noise_actions)))]
             world.step(executed)
+        for _ in range(closeup_rng.poisson(closeups_per_scenario) if closeups_per_scenario > 0 else 0):
+            pose = _closeup(scenario, closeup_rng)
+            if pose is not None:
+                view = render_view(scenario, pose, camera)
+                yield Example(view.rgb, scenario.instruction, policy.decide(scenario, pose, view).text,
+                              dense_labels(view, scenario) if with_labels else None)
 
 
 def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose | None:
@@ -203,6 +213,24 @@ def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose |
                          float(pose.yaw_rad + rng.uniform(-1.0, 1.0) * math.radians(60.0)))
         if pose_collision(scenario, candidate.x, candidate.y) is None:
             return candidate
+    return None
+
+
+def _closeup(scenario: Scenario, rng: np.random.Generator, max_gap_m: float = 1.0,
+             max_off_deg: float = 35.0) -> Pose | None:
+    """A pose up to ``max_gap_m`` from touching an object, facing it within ``max_off_deg``; the
+    object is a look-alike of the goal (same colour or type) twice as often as any other."""
+    goal = scenario.goal_object
+    weights = np.array([2.0 if i != scenario.goal_index and (o.color == goal.color or o.type == goal.type)
+                        else 1.0 for i, o in enumerate(scenario.objects)])
+    for _ in range(10):
+        obj = scenario.objects[int(rng.choice(len(weights), p=weights / weights.sum()))]
+        distance = obj.footprint_radius_m + ROBOT_RADIUS_M + float(rng.uniform(0.03, max_gap_m))
+        around = float(rng.uniform(-math.pi, math.pi))
+        x, y = obj.x + distance * math.cos(around), obj.y + distance * math.sin(around)
+        yaw = around + math.pi + math.radians(float(rng.uniform(-max_off_deg, max_off_deg)))
+        if pose_collision(scenario, x, y) is None:
+            return Pose(x, y, math.atan2(math.sin(yaw), math.cos(yaw)))
     return None
 
 

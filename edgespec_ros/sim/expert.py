@@ -61,6 +61,10 @@ class ExpertConfig:
     personal_space_m: float = 0.15
     # While going around an obstacle, keep the target at least this far inside the frame edge.
     keep_in_view_margin_deg: float = 10.0
+    # Stop (and end the final approach) at most this far from touching the goal, even when the
+    # goal radius is larger: a camera shows how close the goal is, not how large the radius is,
+    # so a stop rule that follows the radius cannot be learnt near its edge. None: the radius.
+    stop_gap_m: float | None = None
 
     def __post_init__(self):
         if self.search_turn not in SIZES:
@@ -147,7 +151,7 @@ class ExpertPolicy:
         goal_seen = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
         words = _Words(self._rng, goal, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
         if goal_seen is not None:
-            if goal_seen.distance_m <= scenario.goal.radius_m:
+            if goal_seen.distance_m <= self.stop_distance(scenario):
                 return self._decision(Action.stop(), words.reached(goal_seen), "stop", seen)
             action, situation, blocker = self._approach(scenario, pose, goal_seen, seen, final=True)
             return self._decision(action, words.approach(goal_seen, action, situation, blocker), situation, seen)
@@ -219,6 +223,15 @@ class ExpertPolicy:
         side = "left" if wrap_angle(target.bearing_rad - blocker.bearing_rad) >= 0 else "right"
         return Action.turn(side, "small", self.action_config), "detour-turn", blocker
 
+    def stop_distance(self, scenario: Scenario) -> float:
+        """How close to the goal's centre the expert stops: the goal radius, or less with
+        ``stop_gap_m`` (never less than touching distance plus the clearance margin)."""
+        radius = scenario.goal.radius_m
+        if self.config.stop_gap_m is None:
+            return radius
+        touching = scenario.goal_object.footprint_radius_m + ROBOT_RADIUS_M
+        return min(radius, max(touching + self.config.stop_gap_m, touching + 2 * self.config.clearance_margin_m))
+
     def _keep_in_view_rad(self) -> float:
         return self.camera.half_hfov_rad - math.radians(self.config.keep_in_view_margin_deg)
 
@@ -287,7 +300,7 @@ class ExpertPolicy:
         along_target = target.distance_m * math.cos(target.bearing_rad)
         if final:
             # Inside the goal radius but outside the collision distance is where we want to end.
-            margin = min(cfg.clearance_margin_m, (scenario.goal.radius_m - reach_target) / 2.0)
+            margin = min(cfg.clearance_margin_m, (self.stop_distance(scenario) - reach_target) / 2.0)
             limit = min(clearance - margin, along_target - 0.1)
         else:
             limit = min(clearance - cfg.clearance_margin_m, along_target - reach_target)
@@ -300,7 +313,7 @@ class ExpertPolicy:
         for size in sizes:
             distance = self.action_config.move_distance_m(size) if isinstance(size, str) else size
             ex, ey = pose.x + distance * c, pose.y + distance * s_
-            if final and math.hypot(target.object.x - ex, target.object.y - ey) <= scenario.goal.radius_m:
+            if final and math.hypot(target.object.x - ex, target.object.y - ey) <= self.stop_distance(scenario):
                 return Action.move_forward(size, self.action_config), None
             crowded = [o for o in others
                        if (keep_blockers_in_view and self._hidden_blocker_at(ex, ey, target, o.object))
