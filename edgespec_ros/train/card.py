@@ -200,9 +200,17 @@ def reproduce_lines(models_dir: str) -> list[str]:
     with open(path) as f:
         run = json.load(f)
     stages = ", ".join(f"{k} {v / 60:.1f}" for k, v in run["stage_seconds"].items())
-    return [f"Reproduce everything: `make models` (= `edgespec-train all`); the committed run took "
-            f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
-            f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a few more)."]
+    cfg = run.get("config", {})
+    lines = []
+    if "train_scenarios" in cfg:
+        lines.append(f"Training data: the expert's rollouts in {cfg['train_scenarios']:,} random scenarios, "
+                     f"jittered poses near them, and {cfg.get('closeups_per_scenario', 0):g} close-ups per "
+                     "scenario on average (frames right in front of an object, look-alikes of the goal "
+                     "first), all labelled by the expert.")
+    return lines + [f"Reproduce everything: `make models` (= `edgespec-train all`); the committed run took "
+                    f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
+                    f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
+                    "few more)."]
 
 
 def probe_line(training: dict) -> str:

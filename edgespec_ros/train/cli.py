@@ -35,6 +35,8 @@ class PipelineConfig:
     # DART: the probability that a data rollout executes a random move or turn instead of the
     # expert's action (the frames keep the expert's answers); shows how to recover from mistakes
     action_noise: float = 0.0
+    # frames taken close to objects, look-alikes of the goal first (sim.dataset: _closeup), per scenario
+    closeups_per_scenario: float = 2.0
     tokenizer_vocab: int = 1024
     target_steps: int = 3600
     target_budget_s: float = 1260.0  # wall-clock cap in seconds (0 = none): keeps `make models` within 30 min
@@ -56,7 +58,8 @@ def stage_data(work: str, cfg: PipelineConfig) -> str:
     os.makedirs(work, exist_ok=True)
     images, instructions, texts, present, depth, goal = [], [], [], [], [], []
     for ex in tqdm(generate_examples("train", cfg.train_scenarios, with_labels=True,
-                                           action_noise=cfg.action_noise),
+                                     action_noise=cfg.action_noise,
+                                     closeups_per_scenario=cfg.closeups_per_scenario),
                    desc="data (expert rollouts)", unit="ex"):
         images.append(ex.image)
         instructions.append(ex.instruction)
