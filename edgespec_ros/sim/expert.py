@@ -9,9 +9,10 @@ Perception model (what a 112 px camera lets one tell):
 - its type is known only within ``identify_range_m`` (farther objects are "something silver").
 
 Policy, in order (all geometry from the seen objects and the walls only):
-1. The goal is seen and identified: ``stop`` inside the goal radius; otherwise turn to face it
-   when it is more than ``aim_tolerance_deg`` off-centre, else move forward (the longest size
-   that touches nothing seen and does not pass the goal).
+1. The goal is seen and identified: ``stop`` inside the goal radius (or closer, with
+   ``stop_gap_m``); otherwise turn to face it when it is more than ``aim_tolerance_deg``
+   off-centre, else move forward (the longest size that touches nothing seen and does not pass
+   the goal).
 2. Something with the goal's colour is seen but too far to identify: approach the nearest such
    object the same way, to have a closer look (the goal itself, or a look-alike distractor).
 3. Nothing of interest is seen: walk ahead if the floor ahead is open for at least
@@ -299,7 +300,7 @@ class ExpertPolicy:
         clearance, _ = forward_clearance(scenario, pose, [s.object for s in seen])
         along_target = target.distance_m * math.cos(target.bearing_rad)
         if final:
-            # Inside the goal radius but outside the collision distance is where we want to end.
+            # Inside the stop distance but outside the collision distance is where we want to end.
             margin = min(cfg.clearance_margin_m, (self.stop_distance(scenario) - reach_target) / 2.0)
             limit = min(clearance - margin, along_target - 0.1)
         else:

@@ -36,7 +36,7 @@ class PipelineConfig:
     # expert's action (the frames keep the expert's answers); shows how to recover from mistakes
     action_noise: float = 0.0
     # frames taken close to objects, look-alikes of the goal first (sim.dataset: _closeup), per scenario
-    closeups_per_scenario: float = 2.0
+    closeups_per_scenario: float = 0.0
     tokenizer_vocab: int = 1024
     target_steps: int = 3600
     target_budget_s: float = 1260.0  # wall-clock cap in seconds (0 = none): keeps `make models` within 30 min
