@@ -10,7 +10,7 @@ from edgespec_ros.sim.dataset import (SPLIT_SIZE, generate_examples, iter_scenar
                                       scenario_for_seed, seed_split, split_seeds, write_heldout_scenarios)
 from edgespec_ros.sim.expert import ExpertPolicy, run_expert_episode
 from edgespec_ros.sim.world import SimWorld
-from edgespec_ros.sim.scenario import Pose, builtin_scenarios, load_scenario, scenario_from_dict
+from edgespec_ros.sim.scenario import ROBOT_RADIUS_M, Pose, builtin_scenarios, load_scenario, scenario_from_dict
 
 ROBOT = Pose(1.0, 3.0, 0.0)
 
@@ -96,7 +96,7 @@ def test_stop_gap_stops_closer_than_a_large_radius_and_the_approach_ends_inside_
 
     policy = ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3))
     ball = next(o for o in make_scenario([("ball", "blue", 2.0, 3.0)]).objects)
-    touching = ball.footprint_radius_m + 0.2
+    touching = ball.footprint_radius_m + ROBOT_RADIUS_M
     # 0.4 m from touching the ball, well inside a radius 0.5 m beyond touching
     far_inside = make_scenario([("ball", "blue", ROBOT.x + touching + 0.4, 3.0)], radius=touching + 0.5)
     assert ExpertPolicy().decide(far_inside, ROBOT).action == Action.stop()  # inside the radius
@@ -256,7 +256,7 @@ def test_closeups_add_frames_near_objects_mostly_look_alikes_labelled_by_the_exp
             if pose is None:
                 continue
             assert pose_collision(scenario, pose.x, pose.y) is None
-            gaps = [(math.hypot(o.x - pose.x, o.y - pose.y) - o.footprint_radius_m - 0.2, i)
+            gaps = [(math.hypot(o.x - pose.x, o.y - pose.y) - o.footprint_radius_m - ROBOT_RADIUS_M, i)
                     for i, o in enumerate(scenario.objects)]
             near = [i for gap, i in gaps if 0.0 < gap <= 1.0 + 1e-9]
             assert near, "a close-up is within a metre of touching some object"
