@@ -92,7 +92,6 @@ def test_goal_within_radius_means_stop():
 def test_stop_gap_stops_closer_than_a_large_radius_and_the_approach_ends_inside_it():
     """With ``stop_gap_m`` the expert stops by how close the goal looks, not by the (invisible) radius."""
     from edgespec_ros.sim.expert import ExpertConfig
-    from edgespec_ros.sim.world import SimWorld
 
     policy = ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3))
     ball = next(o for o in make_scenario([("ball", "blue", 2.0, 3.0)]).objects)

@@ -226,7 +226,7 @@ class ExpertPolicy:
 
     def stop_distance(self, scenario: Scenario) -> float:
         """How close to the goal's centre the expert stops: the goal radius, or less with
-        ``stop_gap_m`` (never less than touching distance plus the clearance margin)."""
+        ``stop_gap_m`` (never less than touching distance plus twice the clearance margin)."""
         radius = scenario.goal.radius_m
         if self.config.stop_gap_m is None:
             return radius
