@@ -329,6 +329,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     metrics["target"] = dict(role, action_agreement=0.5)
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "rollouts in 1,500 random scenarios" in text and "2 close-ups per scenario" in text
+    (tmp_path / "pipeline.json").write_text(json.dumps(
+        {"config": {"train_scenarios": 1500, "closeups_per_scenario": 0.0},
+         "stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "jittered poses near them, all labelled by the expert" in text and "close-ups" not in text
     assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
     assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5
     assert "As the drafter node decides" not in text  # no unparseable decisions: nothing ran again

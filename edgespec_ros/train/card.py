@@ -203,10 +203,11 @@ def reproduce_lines(models_dir: str) -> list[str]:
     cfg = run.get("config", {})
     lines = []
     if "train_scenarios" in cfg:
-        lines.append(f"Training data: the expert's rollouts in {cfg['train_scenarios']:,} random scenarios, "
-                     f"jittered poses near them, and {cfg.get('closeups_per_scenario', 0):g} close-ups per "
-                     "scenario on average (frames right in front of an object, look-alikes of the goal "
-                     "first), all labelled by the expert.")
+        closeups = cfg.get("closeups_per_scenario", 0)
+        extra = (f", and {closeups:g} close-ups per scenario on average (frames right in front of an "
+                 "object, look-alikes of the goal first)") if closeups else ""
+        lines.append(f"Training data: the expert's rollouts in {cfg['train_scenarios']:,} random scenarios "
+                     f"and jittered poses near them{extra}, all labelled by the expert.")
     return lines + [f"Reproduce everything: `make models` (= `edgespec-train all`); the committed run took "
                     f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
                     f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
