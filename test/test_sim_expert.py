@@ -8,7 +8,7 @@ import pytest
 from edgespec_ros.actions import Action, parse_action, split_reasoning_action
 from edgespec_ros.sim.dataset import (SPLIT_SIZE, generate_examples, iter_scenarios, random_scenario,
                                       scenario_for_seed, seed_split, split_seeds, write_heldout_scenarios)
-from edgespec_ros.sim.expert import ExpertPolicy, run_expert_episode
+from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, run_expert_episode
 from edgespec_ros.sim.world import SimWorld
 from edgespec_ros.sim.scenario import ROBOT_RADIUS_M, Pose, builtin_scenarios, load_scenario, scenario_from_dict
 
@@ -91,7 +91,6 @@ def test_goal_within_radius_means_stop():
 
 def test_stop_gap_stops_closer_than_a_large_radius_and_the_approach_ends_inside_it():
     """With ``stop_gap_m`` the expert stops by how close the goal looks, not by the (invisible) radius."""
-    from edgespec_ros.sim.expert import ExpertConfig
 
     policy = ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3))
     ball = next(o for o in make_scenario([("ball", "blue", 2.0, 3.0)]).objects)
@@ -308,3 +307,34 @@ def test_heldout_prompts_are_first_frames_of_heldout_scenarios():
     for (instruction, image), scenario in zip(prompts, scenarios):
         assert instruction == scenario.instruction
         assert np.array_equal(image, render_camera(scenario, scenario.robot))
+
+
+def test_approach_turn_uses_one_size_whatever_the_bearing():
+    policy = ExpertPolicy(config=ExpertConfig(approach_turn="medium", aim_tolerance_deg=20.0))
+    for bearing, direction in ((22.0, "left"), (40.0, "left"), (-25.0, "right"), (-43.0, "right")):
+        x, y = at_bearing(2.5, bearing)
+        assert policy.decide(make_scenario([("ball", "red", x, y)]), ROBOT).action == Action.turn(direction, "medium")
+    x, y = at_bearing(2.5, 18.0)  # inside the 20-degree tolerance: walk at it
+    assert policy.decide(make_scenario([("ball", "red", x, y)]), ROBOT).action.kind == "move"
+    # the default still turns by the size closest to the bearing
+    x, y = at_bearing(2.5, 17.0)
+    assert ExpertPolicy().decide(make_scenario([("ball", "red", x, y)]), ROBOT).action == Action.turn("left", "small")
+
+
+def test_approach_moves_restricts_the_move_sizes_and_still_reaches_the_goal():
+    config = ExpertConfig(approach_moves=("small", "large"))
+    # 1.2 m ahead: medium (0.5 m) is the longest move that fits by default; restricted, small is
+    scenario = make_scenario([("box", "green", 2.2, 3.0)])
+    assert ExpertPolicy().decide(scenario, ROBOT).action == Action.move_forward("medium")
+    assert ExpertPolicy(config=config).decide(scenario, ROBOT).action == Action.move_forward("small")
+    episodes = [run_expert_episode(s, ExpertPolicy(config=config)) for s in iter_scenarios("heldout", 20)]
+    assert sum(e.success for e in episodes) >= 19
+    moves = {d.action.size for e in episodes for _, d, _ in e.decisions
+             if d.action.kind == "move" and d.situation in ("move", "inspect-move")}
+    assert "medium" not in moves
+
+
+@pytest.mark.parametrize("bad", [{"approach_turn": "huge"}, {"approach_moves": ()}, {"approach_moves": ("tiny",)}])
+def test_bad_approach_knobs_are_rejected_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ExpertConfig(**bad)

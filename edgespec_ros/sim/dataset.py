@@ -14,8 +14,8 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
-from .expert import ExpertConfig, ExpertPolicy
-from .render import DEFAULT_CAMERA, CameraConfig, render_view
+from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
+from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
                        ScenarioError, scenario_from_dict, write_scenario)
 from .world import SimWorld, pose_collision
@@ -169,6 +169,23 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     learned policy's own mistakes lead to (off-centre, too close, facing a wall, half way around an
     obstacle) and the data shows how to recover from them.
     """
+    for scenario, _pose, view, decision in expert_frames(
+            split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
+            action_config=action_config, expert_config=expert_config, action_noise=action_noise,
+            closeups_per_scenario=closeups_per_scenario):
+        yield Example(view.rgb, scenario.instruction, decision.text,
+                      dense_labels(view, scenario) if with_labels else None)
+
+
+def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
+                  perturbations_per_step: float = 0.5,
+                  camera: CameraConfig = DEFAULT_CAMERA,
+                  action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
+                  expert_config: ExpertConfig = ExpertConfig(),
+                  action_noise: float = 0.0,
+                  closeups_per_scenario: float = 0.0) -> Iterator[tuple[Scenario, Pose, CameraView, ExpertDecision]]:
+    """The frames of :func:`generate_examples` (same arguments, same order) as
+    ``(scenario, pose, view, expert decision)``: for analyses that need the pose and the situation."""
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
     if closeups_per_scenario < 0:
@@ -186,15 +203,12 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
             pose = world.pose
             view = world.camera_view()
             decision = policy.decide(scenario, pose, view)
-            yield Example(view.rgb, scenario.instruction, decision.text,
-                          dense_labels(view, scenario) if with_labels else None)
+            yield scenario, pose, view, decision
             for _ in range(rng.poisson(perturbations_per_step)):
                 jittered = _perturb(scenario, pose, rng)
                 if jittered is not None:
                     jittered_view = render_view(scenario, jittered, camera)
-                    yield Example(jittered_view.rgb, scenario.instruction,
-                                  policy.decide(scenario, jittered, jittered_view).text,
-                                  dense_labels(jittered_view, scenario) if with_labels else None)
+                    yield scenario, jittered, jittered_view, policy.decide(scenario, jittered, jittered_view)
             executed = decision.action
             if action_noise and noise_rng.random() < action_noise:
                 executed = noise_actions[int(noise_rng.integers(len(noise_actions)))]
@@ -203,8 +217,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
             pose = _closeup(scenario, closeup_rng)
             if pose is not None:
                 view = render_view(scenario, pose, camera)
-                yield Example(view.rgb, scenario.instruction, policy.decide(scenario, pose, view).text,
-                              dense_labels(view, scenario) if with_labels else None)
+                yield scenario, pose, view, policy.decide(scenario, pose, view)
 
 
 def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose | None:

@@ -66,8 +66,20 @@ class ExpertConfig:
     # goal radius is larger: a camera shows how close the goal is, not how large the radius is,
     # so a stop rule that follows the radius cannot be learnt near its edge. None: the radius.
     stop_gap_m: float | None = None
+    # Turning towards a target off-centre by more than ``aim_tolerance_deg``: None turns by the
+    # size closest to its bearing; a size name always turns by that size. One size (medium, for a
+    # 90-degree camera) brings any target in the frame back within the tolerance in one turn and
+    # removes the small/medium boundary, the decision a camera reads least reliably.
+    approach_turn: str | None = None
+    # The forward moves an approach may use, longest first among those that fit: fewer sizes put
+    # fewer distance boundaries where a small misjudgement of range changes the answer.
+    approach_moves: tuple[str, ...] = SIZES
 
     def __post_init__(self):
+        if self.approach_turn is not None and self.approach_turn not in SIZES:
+            raise ValueError(f"ExpertConfig.approach_turn: {self.approach_turn!r} is not None or one of {SIZES}")
+        if not self.approach_moves or any(s not in SIZES for s in self.approach_moves):
+            raise ValueError(f"ExpertConfig.approach_moves: {self.approach_moves!r} must name sizes from {SIZES}")
         if self.search_turn not in SIZES:
             raise ValueError(f"ExpertConfig.search_turn: {self.search_turn!r} is not one of {SIZES}")
         if self.identify_range_m <= 0 or self.min_pixels < 1 or self.aim_tolerance_deg <= 0:
@@ -204,6 +216,9 @@ class ExpertPolicy:
         others = [s for s in seen if s.index != target.index]
         blocker = self._blocker(pose.x, pose.y, target, others)
         if blocker is None and abs(target.bearing_rad) > tolerance:
+            if self.config.approach_turn is not None:
+                direction = "left" if target.bearing_rad > 0 else "right"
+                return Action.turn(direction, self.config.approach_turn, self.action_config), "turn", None
             return self._turn_towards(target.bearing_rad), "turn", None
         if blocker is None or abs(target.bearing_rad) <= keep:
             move, crowding = self._safe_move(scenario, pose, target, seen, final)
@@ -305,7 +320,8 @@ class ExpertPolicy:
             limit = min(clearance - margin, along_target - 0.1)
         else:
             limit = min(clearance - cfg.clearance_margin_m, along_target - reach_target)
-        sizes: list[str | float] = [s for s in reversed(SIZES) if self.action_config.move_distance_m(s) <= limit + 1e-9]
+        sizes: list[str | float] = [s for s in reversed(SIZES) if s in cfg.approach_moves
+                                    and self.action_config.move_distance_m(s) <= limit + 1e-9]
         if not sizes and limit >= 0.05:
             sizes = [math.floor(limit * 20.0) / 20.0]
         others = [s for s in seen if s.index != target.index]
