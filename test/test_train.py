@@ -337,6 +337,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
     assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5
     assert "As the drafter node decides" not in text  # no unparseable decisions: nothing ran again
+    assert "camera-bound learner" not in text  # no expert-noise measurement: no table
+    metrics["expert_noise"] = {"expert": {}, "levels": [{"label": "2 deg, 5% range, 5% walls", "agreement": 0.93,
+                                                         "success_rate": 0.975, "collisions": 4}]}
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "camera-bound learner" in text and "| 2 deg, 5% range, 5% walls | 93.0% | 97.5% | 4 |" in text
     metrics["target"] = dict(role, resample_temperature=0.7, resampled_episodes=2, success_rate_resampled=0.975,
                              collisions_resampled=3)
     text = open(write_card(str(tmp_path), metrics)).read()
@@ -419,7 +424,9 @@ def test_card_measures_the_same_in_parallel_workers(pipeline):
     one = measure(str(out), workers=1, **sizes)
     two = measure(str(out), workers=2, **sizes)
     assert one == two
-    assert set(one) == {"target", "draft", "sd"}
+    assert set(one) == {"target", "draft", "sd", "expert_noise"}
+    levels = one["expert_noise"]["levels"]
+    assert len(levels) == 3 and all(0 <= lv["agreement"] <= 1 and lv["frames"] == 4 for lv in levels)
     assert (one["target"]["episodes"], one["target"]["frames"]) == (2, 4)
     assert (one["draft"]["episodes"], one["draft"]["frames"]) == (1, 3)
     assert [r["temperature"] for r in one["sd"]] == [0.0, 1.0] and one["sd"][0]["decisions"] == 2

@@ -118,7 +118,20 @@ def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_
             parts = list(pool.map(_measure_part, *zip(*jobs)))
     else:
         parts = [_measure_part(*job) for job in jobs]
-    return {"target": _summarise(parts[:2]), "draft": _summarise(parts[2:]), "sd": parts[2]["sd"]}
+    return {"target": _summarise(parts[:2]), "draft": _summarise(parts[2:]), "sd": parts[2]["sd"],
+            "expert_noise": expert_ceiling(n_scenarios, n_frames)}
+
+
+def expert_ceiling(n_scenarios: int, n_frames: int) -> dict:
+    """The expert under perception noise on the card's held-out data (sim.robustness): what a
+    learner that misjudges bearings and ranges by that much could reach on both bars."""
+    from dataclasses import asdict
+
+    from ..sim.expert import ExpertConfig
+    from ..sim.robustness import DEFAULT_LEVELS, noise_report
+    rows = noise_report(DEFAULT_LEVELS[1:], ExpertConfig(), n_scenarios, n_frames)
+    return {"expert": asdict(ExpertConfig()),
+            "levels": [{k: v for k, v in row.items() if k != "per_situation"} for row in rows]}
 
 
 def write_card(models_dir: str, metrics: dict) -> str:
@@ -172,6 +185,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
                       f"closed-loop success {pct(t['success_rate_resampled'])}, "
                       f"{t.get('collisions_resampled', '?')} collisions."]
     lines += ["", *quality_bar_lines(metrics)]
+    lines += ceiling_lines(metrics)
     lines += ["", "## Speculative decoding, draft vs target (gamma = 4, in-process)", "",
               "| temperature | decisions | per-token acceptance | tau (tokens/round) | acceptance by position |",
               "|---|---|---|---|---|"]
@@ -238,6 +252,23 @@ def quality_bar_lines(metrics: dict) -> list[str]:
         missed.append(f"action agreement {t['action_agreement']:.1%} < {TARGET_AGREEMENT_BAR:.0%}")
     return [f"**Below the project's bars:** {'; '.join(missed)}. Decisions follow the target, so the demo "
             "and the closed-loop test fail when it does."]
+
+
+def ceiling_lines(metrics: dict) -> list[str]:
+    """The expert-under-noise table (metrics["expert_noise"]), if measured."""
+    ceiling = metrics.get("expert_noise")
+    if not ceiling:
+        return []
+    lines = ["", "How far a camera-bound learner can follow the expert: the expert itself deciding from "
+             "slightly wrong geometry (bearing, range and wall distance off by Gaussian noise of this size; "
+             "one pixel is 0.8 degrees, and half a pixel of floor is a ~5% range error at 2 m), on the same "
+             "held-out frames and episodes (`edgespec-sim expert-noise`):", "",
+             "| perception noise (sd) | agreement with the exact expert | closed-loop success | collisions |",
+             "|---|---|---|---|"]
+    for row in ceiling["levels"]:
+        lines.append(f"| {row['label']} | {100 * row['agreement']:.1f}% | {100 * row['success_rate']:.1f}% | "
+                     f"{row['collisions']} |")
+    return lines
 
 
 def exits_section(models_dir: str) -> list[str]:
