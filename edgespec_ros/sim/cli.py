@@ -207,6 +207,7 @@ def expert_config_from_pairs(pairs: Sequence[str]) -> "ExpertConfig":
 def cmd_expert_noise(args: argparse.Namespace) -> int:
     """The expert under perception noise: agreement ceiling and closed loop per noise level."""
     import json
+    from dataclasses import asdict
 
     from .robustness import DEFAULT_LEVELS, PerceptionNoise, noise_report
 
@@ -221,7 +222,7 @@ def cmd_expert_noise(args: argparse.Namespace) -> int:
     print(f"({rows[0]['frames']} held-out frames x 3 noise draws; {rows[0]['episodes']} held-out episodes)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"expert": config.__dict__, "levels": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"expert": asdict(config), "levels": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -133,7 +133,7 @@ def noise_report(levels: Sequence[PerceptionNoise] = DEFAULT_LEVELS, config: Exp
     for noise in tqdm(levels, desc="noise levels", unit="level"):
         agreement = noisy_agreement(frames, noise, config, seed=seed)
         loop = noisy_closed_loop(scenarios, noise, config, seed=seed)
-        rows.append({"noise": noise.__dict__, "label": noise.label, "agreement": agreement["agreement"],
+        rows.append({"noise": asdict(noise), "label": noise.label, "agreement": agreement["agreement"],
                      "per_situation": agreement["per_situation"], "success_rate": loop["success_rate"],
                      "collisions": loop["collisions"], "out_of_steps": loop["out_of_steps"],
                      "mean_steps": loop["mean_steps"], "episodes": loop["episodes"], "frames": len(frames)})
