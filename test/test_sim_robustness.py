@@ -96,6 +96,7 @@ def test_expert_noise_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert report["expert"]["stop_gap_m"] == 0.3
     exact, noisy = report["levels"]
     assert exact["agreement"] == 1.0 and exact["success_rate"] == 1.0 and exact["frames"] == 12
+    assert exact["decisions"] == 36 and "36 noisy decisions" in text
     assert noisy["agreement"] < 1.0 and noisy["per_situation"]
 
 

@@ -219,7 +219,8 @@ def cmd_expert_noise(args: argparse.Namespace) -> int:
     for row in rows:
         print(f"{row['label']:<34} {row['agreement']:>9.1%} {row['success_rate']:>8.1%} "
               f"{row['collisions']:>10d} {row['out_of_steps']:>12d}")
-    print(f"({rows[0]['frames']} held-out frames x 3 noise draws; {rows[0]['episodes']} held-out episodes)")
+    print(f"({rows[0]['frames']} held-out frames, {rows[0]['decisions']} noisy decisions; "
+          f"{rows[0]['episodes']} held-out episodes)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"expert": asdict(config), "levels": rows}, indent=2))

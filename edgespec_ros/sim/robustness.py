@@ -136,5 +136,6 @@ def noise_report(levels: Sequence[PerceptionNoise] = DEFAULT_LEVELS, config: Exp
         rows.append({"noise": asdict(noise), "label": noise.label, "agreement": agreement["agreement"],
                      "per_situation": agreement["per_situation"], "success_rate": loop["success_rate"],
                      "collisions": loop["collisions"], "out_of_steps": loop["out_of_steps"],
-                     "mean_steps": loop["mean_steps"], "episodes": loop["episodes"], "frames": len(frames)})
+                     "mean_steps": loop["mean_steps"], "episodes": loop["episodes"], "frames": len(frames),
+                     "decisions": agreement["decisions"]})
     return rows
