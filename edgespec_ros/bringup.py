@@ -313,9 +313,9 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .spec.decode import DECODING_MODES
+    from .decoding.edge import DECODING_MODES
     from .wire.link import PROFILES
-    from .spec.compute import COMPUTE_PROFILES
+    from .decoding.compute import COMPUTE_PROFILES
     ap = argparse.ArgumentParser(
         prog="edgespec-bringup",
         description="The closed loop in one process: sim_robot, drafter, navigator and monitor nodes (the graph of "
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_mode() -> str:
-    from .spec.decode import DECODING_MODES
+    from .decoding.edge import DECODING_MODES
     return "fsd" if "fsd" in DECODING_MODES else "sd"
 
 

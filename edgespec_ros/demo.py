@@ -13,8 +13,8 @@ import sys
 import textwrap
 
 from .bench.runner import add_speedups, bench_prompts, emulated_setup, env_threads, resolve_models, run_modes
-from .spec.compute import COMPUTE_PROFILES, get_compute
-from .spec.sampling import SamplingParams
+from .decoding.compute import COMPUTE_PROFILES, get_compute
+from .decoding.sampling import SamplingParams
 from .wire.link import PROFILES
 
 

@@ -5,7 +5,7 @@ The drafter node owns a :class:`DrafterCore` and only translates: a command mess
 :meth:`DrafterCore.set_command`, an image :meth:`DrafterCore.set_frame`, the navigator's state
 :meth:`DrafterCore.note_motion`; its decision timer runs ``begin`` + ``run``, and a supervisor
 timer calls :meth:`DrafterCore.check_deadline`. Every :class:`DecisionOutcome` returned is
-published. Decoding itself is ``spec.decode.EdgeDecoder.decide``.
+published. Decoding itself is ``decoding.edge.EdgeDecoder.decide``.
 
 Safety rules enforced here:
 * a decision is made only on a frame newer than the previous decision's, at most
@@ -30,9 +30,9 @@ import numpy as np
 
 from .actions import ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
 from .motion import BLOCKED_BY_CONTACT
-from .spec.decode import DECODING_MODES, DecodeConfig
-from .spec.metrics import DecisionMetrics, RunSummary
-from .spec.sampling import SamplingParams
+from .decoding.edge import DECODING_MODES, DecodeConfig
+from .decoding.metrics import DecisionMetrics, RunSummary
+from .decoding.sampling import SamplingParams
 
 NS = 1_000_000_000
 
@@ -101,7 +101,7 @@ class DrafterSettings:
 
     mode: str = "sd"
     gamma: int = 4
-    auto_gamma: bool = False  # sd only: gamma "auto" (spec.draft_length.AutoGamma)
+    auto_gamma: bool = False  # sd only: gamma "auto" (decoding.draft_length.AutoGamma)
     max_new_tokens: int = 96
     temperature: float = 0.0
     seed: int = 0
@@ -383,7 +383,7 @@ class DrafterCore:
 class DecodingStatsAggregator:
     """Running totals over the decisions of a drafter (the fields of DecodingStats).
 
-    Token/round/acceptance totals are a spec.metrics.RunSummary; this adds decision, fault and
+    Token/round/acceptance totals are a decoding.metrics.RunSummary; this adds decision, fault and
     unparseable counts, the link round-trip window, and a lock (callbacks run on several threads).
     """
 

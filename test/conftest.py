@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgespec_ros.spec.engines import wrap_model
+from edgespec_ros.decoding.engines import wrap_model
 from edgespec_ros.train import tiny
 from edgespec_ros.train.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
@@ -113,8 +113,10 @@ def vlm_target_with_eos(tokenizer, image_processor, image):
     """Special tokens not muted, and greedy decoding of the test prompt stops at an EOS within
     EOS_TEST_MAX_NEW tokens: the first seed whose random weights do that (whether one does depends
     on the prompt, so it is searched for, not hard-wired)."""
-    from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, target_generate
-    from edgespec_ros.spec.sampling import SamplingParams
+    from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+    from edgespec_ros.decoding.verifier import LocalVerifier
+    from edgespec_ros.decoding.cloud import target_generate
+    from edgespec_ros.decoding.sampling import SamplingParams
     cfg = DecodeConfig(mode="ar", max_new_tokens=EOS_TEST_MAX_NEW, params=SamplingParams(temperature=0.0))
     for seed in range(1, 64):
         model = randomize_weights(tiny.tiny_qwen2vl(tokenizer, seed=seed, **tiny.QWEN2VL_ROPE), seed=seed)

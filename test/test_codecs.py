@@ -17,8 +17,8 @@ from edgespec_ros.codecs import CODECS, CodecError, get_codec
 from edgespec_ros.codecs.bits import (BitWriter, bits_for, compositions, lattice_rank, lattice_unrank,
                                       subset_rank, subset_unrank)
 from edgespec_ros.codecs.sqs import lattice_quantize
-from edgespec_ros.spec.sampling import SamplingParams, probs_from_logits
-from edgespec_ros.spec.verify import check_draft_probs, verify
+from edgespec_ros.decoding.sampling import SamplingParams, probs_from_logits
+from edgespec_ros.decoding.verify import check_draft_probs, verify
 from edgespec_ros.wire import protocol as P
 
 from test_verify import (DRAFT_TABLE, P_VALUE_MIN, TARGET_TABLE, V_SMALL, _target_joint, chi_square_pvalue,

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from edgespec_ros.spec.draft_length import (GAMMA_MAX, AutoGamma, adaptive_selection, gamma0, optimal_draft_length,
+from edgespec_ros.decoding.draft_length import (GAMMA_MAX, AutoGamma, adaptive_selection, gamma0, optimal_draft_length,
                                             speedup)
 
 # TK-SLT Table I: optimal gamma* for alpha (rows) and L = b + c (columns); "1*" = use cloud AR.
@@ -242,8 +242,10 @@ def test_auto_bad_settings_are_clear_errors(kwargs, fragment):
 # --- gamma "auto" in the decoding loop -------------------------------------------------------------
 
 def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal_target, causal_draft):
-    from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, target_generate
-    from edgespec_ros.spec.sampling import SamplingParams
+    from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+    from edgespec_ros.decoding.verifier import LocalVerifier
+    from edgespec_ros.decoding.cloud import target_generate
+    from edgespec_ros.decoding.sampling import SamplingParams
 
     decoder = EdgeDecoder(causal_draft, LocalVerifier(causal_target))
     greedy = SamplingParams(temperature=0.0)
@@ -270,6 +272,6 @@ def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal
     ({"gamma": "automatic"}, "must be in 1..64 or 'auto'"),
 ])
 def test_decode_config_gamma_errors_are_clear(kwargs, fragment):
-    from edgespec_ros.spec.decode import DecodeConfig
+    from edgespec_ros.decoding.edge import DecodeConfig
     with pytest.raises(ValueError, match=fragment):
         DecodeConfig(**kwargs)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame, outcome_from_text
-from edgespec_ros.spec.decode import Decision
-from edgespec_ros.spec.metrics import DecisionMetrics
+from edgespec_ros.decoding.edge import Decision
+from edgespec_ros.decoding.metrics import DecisionMetrics
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
 
 S = 1_000_000_000

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, TargetSession, target_generate
-from edgespec_ros.spec.engines import ModelLoadError, load_model
-from edgespec_ros.spec.inputs import IMAGE_PAD, VISION_END, VISION_START, PromptInputs, build_inputs, chat_prompt
-from edgespec_ros.spec.sampling import (
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.cloud import TargetSession, target_generate
+from edgespec_ros.decoding.engines import ModelLoadError, load_model
+from edgespec_ros.decoding.inputs import IMAGE_PAD, VISION_END, VISION_START, PromptInputs, build_inputs, chat_prompt
+from edgespec_ros.decoding.sampling import (
     STREAM_DRAFT,
     STREAM_RESAMPLE,
     SamplingParams,

@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from edgespec_ros.models import default_model_path, have_default_models
-from edgespec_ros.spec.compute import ComputeProfile
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, TargetSession
-from edgespec_ros.spec.engines import load_model, wrap_model
-from edgespec_ros.spec.exits import (EXITS_CONFIG, EarlyExits, ExitHooks, ExitLoadError, ExitResult, attach_exits,
+from edgespec_ros.decoding.compute import ComputeProfile
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.cloud import TargetSession
+from edgespec_ros.decoding.engines import load_model, wrap_model
+from edgespec_ros.decoding.exits import (EXITS_CONFIG, EarlyExits, ExitHooks, ExitLoadError, ExitResult, attach_exits,
                                      default_exits_dir)
-from edgespec_ros.spec.fsd import PreDrafter
-from edgespec_ros.spec.sampling import SamplingParams
-from edgespec_ros.spec.verify import verify
+from edgespec_ros.decoding.fsd import PreDrafter
+from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.verify import verify
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.server import ExitSender, ServerThread, VerifierServer
@@ -138,8 +140,8 @@ def test_each_exit_verifies_the_draft_with_its_own_logits_and_never_changes_the_
     plain = copy.copy(target)
     plain.exits = None
     a, b = TargetSession(target), TargetSession(plain)
-    a.start(prompt, cfg)
-    b.start(prompt, cfg)
+    a.start(prompt, cfg.verify_settings())
+    b.start(prompt, cfg.verify_settings())
     dseq = draft.new_sequence()
     dseq.prefill(inputs)
     context = list(prompt.prompt_ids)

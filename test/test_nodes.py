@@ -201,7 +201,7 @@ def test_command_to_decision_to_cmd_vel_end_to_end(untrained_pair):
     """The whole graph: command -> drafter (AR against a scripted target) -> VerifiedAction ->
     navigator -> cmd_vel -> sim_robot; the monitor annotates the decision's own frame."""
     draft_dir, _ = untrained_pair
-    from edgespec_ros.spec.engines import load_model
+    from edgespec_ros.decoding.engines import load_model
     tokenizer = load_model(draft_dir).tokenizer
     factory = lambda draft_lm: ScriptedVerifier(tokenizer, ANSWER)  # noqa: E731
     overrides = {"drafter": drafter_overrides(draft_dir), "sim_robot": {"camera_rate_hz": 5.0}}

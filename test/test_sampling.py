@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from edgespec_ros.spec.sampling import (
+from edgespec_ros.decoding.sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_RESAMPLE,

@@ -11,9 +11,10 @@ import torch
 
 from edgespec_ros.codecs import CodecError, get_codec
 from edgespec_ros.codecs.split import separate_output_tv
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
-from edgespec_ros.spec.sampling import SamplingParams
-from edgespec_ros.spec.verify import resample_separate, verify, verify_separate
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.verify import resample_separate, verify, verify_separate
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier, VerifierError
 from edgespec_ros.wire.server import ServerThread, VerifierServer
@@ -247,7 +248,7 @@ def _split_decode(seed, n_tokens, spec, gamma=3):
     """SD rounds through the split codec on the position-indexed tables: q(x) up, verify_separate
     on the cloud, p (exact or top-K) down on a rejection, resample_separate on the robot."""
     from test_verify import DRAFT_TABLE, TARGET_TABLE, V_SMALL, draft_from
-    from edgespec_ros.spec.sampling import probs_from_logits
+    from edgespec_ros.decoding.sampling import probs_from_logits
     codec = get_codec(spec)
     committed: list[int] = []
     while len(committed) < n_tokens:

@@ -12,8 +12,8 @@ import torch
 from edgespec_ros.models import default_model_path, have_default_models
 from edgespec_ros.sim.dataset import generate_examples, iter_scenarios
 from edgespec_ros.sim.evaluate import action_agreement, run_episode
-from edgespec_ros.spec.engines import load_model
-from edgespec_ros.spec.inputs import build_inputs
+from edgespec_ros.decoding.engines import load_model
+from edgespec_ros.decoding.inputs import build_inputs
 from edgespec_ros.train import cli as train_cli
 from edgespec_ros.train.data import IGNORE, collate, encode_example
 from edgespec_ros.train.policy import VLMPolicy
@@ -36,7 +36,7 @@ def pipeline(tmp_path_factory):
 
 
 def test_exits_stage_saves_adapters_the_verifier_loads_with_fig7_metrics(pipeline):
-    from edgespec_ros.spec.exits import attach_exits
+    from edgespec_ros.decoding.exits import attach_exits
     _, out = pipeline
     target = load_model(os.path.join(out, "target"))
     exits = attach_exits(target, "auto")

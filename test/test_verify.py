@@ -11,9 +11,11 @@ import pytest
 import torch
 from scipy import stats
 
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, Prompt
-from edgespec_ros.spec.inputs import PromptInputs
-from edgespec_ros.spec.sampling import (
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.cloud import Prompt
+from edgespec_ros.decoding.inputs import PromptInputs
+from edgespec_ros.decoding.sampling import (
     STREAM_DRAFT,
     STREAM_RESAMPLE,
     SamplingParams,
@@ -21,7 +23,7 @@ from edgespec_ros.spec.sampling import (
     probs_from_logits,
     sample_from,
 )
-from edgespec_ros.spec.verify import DraftDistributionError, VerifyResult, verify
+from edgespec_ros.decoding.verify import DraftDistributionError, VerifyResult, verify
 
 from conftest import SMALL_EOS, SMALL_VOCAB
 

@@ -8,8 +8,9 @@ import pytest
 
 from edgespec_ros.codecs import get_codec
 from edgespec_ros.codecs.bits import BitWriter, bits_for, compositions
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
-from edgespec_ros.spec.sampling import SamplingParams
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.server import ServerThread, VerifierServer

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgespec_ros.spec.compute import ComputeProfile
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, Prompt
-from edgespec_ros.spec.sampling import SamplingParams
+from edgespec_ros.decoding.compute import ComputeProfile
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.cloud import Prompt
+from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire import server as server_module
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError, VerifierRefused, VerifierTimeout
@@ -123,7 +125,7 @@ class Recording:
         self.inner, self.start_info, self.replies = inner, None, []
 
     def start(self, prompt, cfg):
-        self.start_info = self.inner.start(prompt, cfg)
+        self.start_info = self.inner.start(prompt, cfg.verify_settings())
         return self.start_info
 
     def verify(self, draft_ids, draft_probs):

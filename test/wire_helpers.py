@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgespec_ros.spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, Prompt, target_generate
-from edgespec_ros.spec.engines import LoadedModel, wrap_model
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.cloud import Prompt, target_generate
+from edgespec_ros.decoding.engines import LoadedModel, wrap_model
 from edgespec_ros.wire import protocol as P
 
 CORPUS = ["I see a red chair on the left. Action: turn left small.",

@@ -9,9 +9,9 @@ import sys
 from tqdm import tqdm
 
 from ..codecs import get_codec
-from ..spec.compute import COMPUTE_PROFILES, get_compute
-from ..spec.decode import DECODING_MODES, DecodeConfig
-from ..spec.sampling import SamplingParams
+from ..decoding.compute import COMPUTE_PROFILES, get_compute
+from ..decoding.edge import DECODING_MODES, DecodeConfig
+from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from .sweeps import SWEEPS, SweepOptions
 from .runner import add_speedups, bench_prompts, emulated_setup, env_threads, format_table, resolve_models, run_modes
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the sweep's, small)")
     ap.add_argument("--gamma", type=gamma_arg, default=4,
                     help="draft length 1..64, or auto: ODLD per round and AS2 (sd or ar) per decision on "
-                         "online estimates (spec.draft_length.AutoGamma)")
+                         "online estimates (decoding.draft_length.AutoGamma)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         print()
         print(model_report(rows))
         if args.link == "go2-paper" and compute.name == "go2-paper" and "fsd" in modes:
-            from ..spec.engines import load_model
+            from ..decoding.engines import load_model
             print()
             print(paper_comparison(rows, load_model(pair.target_path).num_layers))
     for r in rows:

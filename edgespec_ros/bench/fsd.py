@@ -8,7 +8,7 @@ Every figure is measured end to end over a real websocket through the emulated l
 """
 from __future__ import annotations
 
-from ..spec.compute import get_compute
+from ..decoding.compute import get_compute
 from .runner import bench_prompts, emulated_setup, run_modes
 
 # FSD paper Table 8 (Unitree Go2 / Jetson Orin + A100, Qwen2-VL-2B/7B, gamma 4)

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..models import default_model_path, have_default_models
-from ..spec.decode import DecodeConfig, EdgeDecoder
-from ..spec.engines import LoadedModel, load_model
-from ..spec.metrics import RunSummary
-from ..spec.sampling import SamplingParams
+from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..decoding.engines import LoadedModel, load_model
+from ..decoding.metrics import RunSummary
+from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
-from ..spec.compute import ComputeProfile, get_compute, pad_to
+from ..decoding.compute import ComputeProfile, get_compute, pad_to
 from ..wire.link import LinkProxy, get_profile
 
 

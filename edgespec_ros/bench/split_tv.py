@@ -11,9 +11,11 @@ import numpy as np
 import torch
 
 from ..codecs.split import separate_output_tv
-from ..spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier, target_generate
-from ..spec.engines import load_model
-from ..spec.sampling import SamplingParams
+from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..decoding.verifier import LocalVerifier
+from ..decoding.cloud import target_generate
+from ..decoding.engines import load_model
+from ..decoding.sampling import SamplingParams
 from .runner import bench_prompts
 
 KS = [0, 1, 3, 8, 32, 128]
@@ -40,7 +42,7 @@ def run(opts, progress) -> list[dict]:
                                                    torch.zeros(1, len(gen), dtype=torch.long)], 1))
         n = inputs.num_tokens
         params = SamplingParams(temperature)
-        from ..spec.sampling import probs_from_logits
+        from ..decoding.sampling import probs_from_logits
         p = probs_from_logits(target.model(**kw).logits[0, n - 1:-1].double(), params)
         q = probs_from_logits(draft.model(**kw).logits[0, n - 1:-1].double(), params)
         for k in ks:

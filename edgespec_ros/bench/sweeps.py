@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..codecs import get_codec
-from ..spec.compute import get_compute
-from ..spec.metrics import DecisionMetrics, RunSummary
-from ..spec.sampling import SamplingParams
+from ..decoding.compute import get_compute
+from ..decoding.metrics import DecisionMetrics, RunSummary
+from ..decoding.sampling import SamplingParams
 from ..wire import protocol as P
 from ..wire.link import get_profile
 from .runner import ModelPair, bench_prompts, emulated_setup, run_modes

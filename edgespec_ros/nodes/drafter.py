@@ -9,7 +9,7 @@ cleanup    drops everything
 Decisions run on a timer, never in a subscription callback; a supervisor timer publishes a
 ``stop`` when a decision misses its deadline while the decision is still running (all in one
 reentrant callback group on a MultiThreadedExecutor). The
-scheduling rules live in ``edgespec_ros.drafting``; decoding in ``spec.decode.EdgeDecoder``.
+scheduling rules live in ``edgespec_ros.drafting``; decoding in ``decoding.edge.EdgeDecoder``.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class DrafterNode(LifecycleNode):
         try:
             if self.draft_lm is None:
                 self._load_model()
-            from ..spec.decode import EdgeDecoder
+            from ..decoding.edge import EdgeDecoder
             decoder = EdgeDecoder(self.draft_lm, self.verifier_factory(self.draft_lm))
             self.core = DrafterCore(decoder, self.settings, lambda: now_ns(self))
         except Exception as exc:  # noqa: BLE001
@@ -164,7 +164,7 @@ class DrafterNode(LifecycleNode):
 
     def _load_model(self) -> None:
         from ..models import default_model_path
-        from ..spec.engines import load_model
+        from ..decoding.engines import load_model
         path = self.p["model_path"] or default_model_path("draft")
         self.draft_lm = load_model(path)
 

@@ -131,7 +131,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--resample-temperature must be >= 0, got {args.resample_temperature}")
     import json
 
-    from ..spec.engines import ModelLoadError, load_model
+    from ..decoding.engines import ModelLoadError, load_model
     from ..train.policy import VLMPolicy
     from .evaluate import evaluate_closed_loop
 

@@ -14,10 +14,11 @@ from itertools import islice
 
 from ..sim.dataset import generate_examples, iter_scenarios
 from ..sim.evaluate import action_agreement, evaluate_closed_loop, run_episode
-from ..spec.decode import DecodeConfig, EdgeDecoder, LocalVerifier
-from ..spec.engines import load_model
-from ..spec.metrics import RunSummary
-from ..spec.sampling import SamplingParams
+from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..decoding.verifier import LocalVerifier
+from ..decoding.engines import load_model
+from ..decoding.metrics import RunSummary
+from ..decoding.sampling import SamplingParams
 from .policy import VLMPolicy
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..spec.inputs import build_inputs, chat_prompt, encode_jpeg
+from ..decoding.inputs import build_inputs, chat_prompt, encode_jpeg
 
 IGNORE = -100
 

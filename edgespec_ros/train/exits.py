@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..spec.engines import LoadedModel
-from ..spec.exits import EarlyExits, ExitHooks
+from ..decoding.engines import LoadedModel
+from ..decoding.exits import EarlyExits, ExitHooks
 from .data import IGNORE, collate, encode_example
 
 
@@ -152,7 +152,7 @@ def plot_exits(rows: list[dict], path: str, title: str, untrained: list[dict] | 
 def run_exits_stage(target_dir: str, out_dir: str | None, examples_train, examples_eval, cfg: ExitTrainConfig,
                     command: str = "") -> dict:
     """Train, measure, save (safetensors + exits.json + README.md + exits.png) beside the target."""
-    from ..spec.engines import load_model
+    from ..decoding.engines import load_model
     lm = load_model(target_dir)
     out_dir = out_dir or os.path.join(target_dir, "exits")
     encode = lambda exs: [encode_example(lm.tokenizer, lm.image_processor, e.image, e.instruction, e.text)  # noqa: E731

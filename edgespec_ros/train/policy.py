@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..actions import ActionParseError, parse_action
-from ..spec.decode import DecodeConfig, target_generate
-from ..spec.engines import LoadedModel
-from ..spec.inputs import build_inputs
-from ..spec.sampling import SamplingParams
+from ..decoding.edge import DecodeConfig
+from ..decoding.cloud import target_generate
+from ..decoding.engines import LoadedModel
+from ..decoding.inputs import build_inputs
+from ..decoding.sampling import SamplingParams
 from .data import jpeg_roundtrip
 
 

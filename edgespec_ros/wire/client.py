@@ -12,7 +12,8 @@ from typing import Iterator
 import torch
 
 from ..codecs import get_codec
-from ..spec.decode import DecodeConfig, Prompt, VerifyReply
+from ..decoding.cloud import Prompt, VerifySettings
+from ..decoding.verifier import Block, VerifyReply
 from . import protocol as P
 from .link import DOWN, UP, LinkModel, LinkProfile
 
@@ -59,10 +60,11 @@ class RemoteVerifier:
         self.last_generate_uplink = 0
         self.last_generate_downlink = 0
         self.stale_exits = 0  # early exits that arrived after their round's verdict (discarded)
-        self._edge_token = P.NO_TOKEN  # split codec: the token resampled here, owed to the verifier
-        self._position = 0  # tokens committed in this decision (the keyed-randomness position)
-        self._cfg: DecodeConfig | None = None
-        self._on_exit = None  # the current round's early-exit receiver (fsd)
+        self.epoch = 0  # the epoch of the next block (a verdict with a next token ends one)
+        self._inflight: dict[int, tuple] = {}  # round -> (Block, uplink bytes, sent at): sent, no verdict yet
+        self._exits_received: dict[int, int] = {}  # round -> early exits passed to the receiver
+        self._exit_bytes = 0  # EXIT bytes read by polls that found no verdict (counted with the next one)
+        self._on_exit = None  # the early-exit receiver while waiting for a verdict (fsd)
 
     # --- connection ----------------------------------------------------------------------
 
@@ -109,25 +111,31 @@ class RemoteVerifier:
             raise LinkLostError(f"link to the verifier lost while sending: {exc}") from exc
         return len(frame)
 
-    def _recv(self, expected, timeout: float | None = None):
-        """The next frame, of type expected. On any failure the connection is dropped, so that the
-        next decision reconnects instead of reading a stale reply of this one."""
+    def _recv(self, expected, timeout: float | None = None, poll: bool = False):
+        """The next frame, of type expected (poll: None at once when none has arrived). On any
+        failure the connection is dropped, so that the next decision reconnects instead of
+        reading a stale reply of this one."""
         try:
-            return self._recv_frame(expected, self.timeout_s if timeout is None else timeout)
+            return self._recv_frame(expected, self.timeout_s if timeout is None else timeout, poll)
         except VerifierError:
             self._drop()
             raise
 
-    def _recv_frame(self, expected, timeout: float):
-        """Early EXIT frames of the current round go to the round's receiver; any others (late
-        ones, from a finished round) are counted and dropped. The timeout covers the whole wait."""
+    def _recv_frame(self, expected, timeout: float, poll: bool = False):
+        """Early EXIT frames of a block in flight go to the receiver; any others (late ones, from
+        a finished round) are counted and dropped. The timeout covers the whole wait."""
         from websockets.exceptions import ConnectionClosed
+        if self.ws is None:
+            raise LinkLostError("not connected to the verifier")
         deadline = time.monotonic() + timeout
         extra = 0  # bytes of EXIT frames received while waiting
         while True:
             try:
-                raw = self.ws.recv(timeout=max(0.0, deadline - time.monotonic()))
+                raw = self.ws.recv(timeout=0 if poll else max(0.0, deadline - time.monotonic()))
             except TimeoutError:
+                if poll:
+                    self._exit_bytes += extra
+                    return None
                 raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
             except ConnectionClosed as exc:
                 raise LinkLostError(f"link to the verifier lost: {exc}") from exc
@@ -137,10 +145,11 @@ class RemoteVerifier:
                 raise VerifierError(f"bad frame from the verifier: {exc}") from exc
             if isinstance(msg, P.Exit):
                 extra += len(raw)
-                if self._on_exit is not None and (msg.decision, msg.round) == (self.decision, self.round):
-                    if msg.accepted > self._n_drafted or msg.next_token >= self.vocab_size:
+                entry = self._inflight.get(msg.round) if msg.decision == self.decision else None
+                if self._on_exit is not None and entry is not None:
+                    if msg.accepted > len(entry[0].draft_ids) or msg.next_token >= self.vocab_size:
                         raise VerifierError("early exit out of range: the verifier speaks another model")
-                    self._exits_received += 1
+                    self._exits_received[msg.round] = self._exits_received.get(msg.round, 0) + 1
                     self._on_exit(msg)
                 else:
                     self.stale_exits += 1
@@ -149,6 +158,7 @@ class RemoteVerifier:
                 raise VerifierRefused(msg.code, msg.message)
             if not isinstance(msg, expected):
                 raise VerifierError(f"expected {expected.__name__}, got {type(msg).__name__}")
+            extra, self._exit_bytes = extra + self._exit_bytes, 0
             return msg, len(raw) + extra
 
     def _drop(self) -> None:
@@ -161,17 +171,16 @@ class RemoteVerifier:
 
     # --- the Verifier protocol -----------------------------------------------------------
 
-    def start(self, prompt: Prompt, cfg: DecodeConfig) -> dict:
+    def start(self, prompt: Prompt, settings: VerifySettings) -> dict:
         if self.ws is None:
             self.connect()
-        if get_codec(cfg.codec).spec != self.codec.spec:
-            raise ValueError(f"decision codec {cfg.codec!r} differs from the session's {self.codec.spec!r}")
         self.decision += 1
         self.round = 0
-        self._edge_token, self._position, self._cfg = P.NO_TOKEN, 0, cfg
+        self._inflight.clear()
+        self.epoch = 0
         up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
-                                  cfg.seed, cfg.params.temperature, cfg.params.top_k, cfg.params.top_p,
-                                  cfg.verify_mode))
+                                  settings.seed, settings.params.temperature, settings.params.top_k,
+                                  settings.params.top_p, settings.verify_mode))
         reply, down = self._recv(P.PrefillOk)
         return {"prefill_s": reply.prefill_ms / 1e3, "uplink_bytes": up, "downlink_bytes": down}
 
@@ -180,62 +189,83 @@ class RemoteVerifier:
         """Layers with early exits on the connected verifier (empty: it cannot serve fsd)."""
         return list(self.welcome.exit_layers) if self.welcome else []
 
-    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor, on_exit=None) -> VerifyReply:
-        """One round. With on_exit (fsd) the verifier streams early exits: on_exit(P.Exit) is
-        called from this thread for each, before this returns with the final verdict."""
-        self.round += 1
-        t0 = time.perf_counter()
-        flags = P.VERIFY_STREAM_EXITS if on_exit is not None and self.exit_layers else 0
-        separate = getattr(self.codec, "separate", False)
-        if separate:
+    def submit(self, block: Block) -> None:
+        """Send one block (returns at once; several may be in flight). Early exits are asked for
+        when the block wants them and the verifier has them (never with the split codec)."""
+        flags = P.VERIFY_STREAM_EXITS if block.stream_exits and self.exit_layers else 0
+        if getattr(self.codec, "separate", False):
             flags = 0  # no early exits with separate rejection sampling
-        up = self._send(P.Verify(self.decision, self.round, list(draft_ids),
-                                 self.codec.encode(draft_ids, draft_probs), flags, self._edge_token))
-        self._edge_token = P.NO_TOKEN
-        self._on_exit, self._n_drafted, self._exits_received = on_exit, len(draft_ids), 0
+        if block.chained:
+            flags |= P.VERIFY_CHAINED
+        edge = P.NO_TOKEN if block.edge_token is None else int(block.edge_token)
+        up = self._send(P.Verify(self.decision, block.round, list(block.draft_ids),
+                                 self.codec.encode(block.draft_ids, block.q), flags, edge, block.epoch))
+        self._inflight[block.round] = (block, up, time.perf_counter())
+        self.round = max(self.round, block.round)
+
+    def receive(self, timeout: float | None = None, on_exit=None) -> VerifyReply | None:
+        """The next verdict: waits up to ``timeout`` seconds (None: the client's timeout, then
+        VerifierTimeout; 0: only what has arrived, None if no verdict has). Early exits met on the
+        way go to on_exit(P.Exit); blocks of an ended epoch get no verdict and are forgotten."""
+        if not self._inflight:
+            return None
+        self._on_exit = on_exit
         try:
-            verdict, down = self._recv(P.Verdict)
+            got = self._recv(P.Verdict, timeout, poll=timeout is not None and timeout <= 0)
         finally:
             self._on_exit = None
-        rtt = time.perf_counter() - t0
-        if verdict.round != self.round or verdict.decision != self.decision:
-            raise VerifierError(f"verdict for round {verdict.round} of decision {verdict.decision}, "
-                                f"expected {self.round} of {self.decision}")
-        next_token = verdict.next_token
-        if verdict.p_payload or (separate and next_token == P.NO_TOKEN):
-            next_token = self._resample_separate(verdict, draft_probs)
-        if verdict.accepted > len(draft_ids) or next_token >= self.vocab_size:
+        if got is None:
+            return None
+        verdict, down = got
+        entry = self._inflight.pop(verdict.round, None)
+        if entry is None or verdict.decision != self.decision or verdict.epoch != entry[0].epoch:
             self._drop()
-            raise VerifierError("verdict out of range: the verifier speaks another model")
-        self._position += verdict.accepted + 1
-        verify_s = verdict.verify_ms / 1e3
-        up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s), up, down)
-        mask = [True] * verdict.accepted + [False] * (len(draft_ids) - verdict.accepted)
-        return VerifyReply(verdict.accepted, next_token, mask, verify_s=verify_s, uplink_bytes=up,
-                           downlink_bytes=down, uplink_s=up_s, downlink_s=down_s, exit_layer=verdict.exit_layer,
-                           exits_received=self._exits_received)
+            raise VerifierError(f"verdict for round {verdict.round} (epoch {verdict.epoch}) of decision "
+                                f"{verdict.decision}: no such block in flight")
+        block, up, sent_at = entry
+        rtt = time.perf_counter() - sent_at
+        n = len(block.draft_ids)
+        target_p = None
+        if verdict.p_payload:
+            target_p = self._target_p(verdict, n)
+        continued = verdict.next_token == P.NO_TOKEN and target_p is None
+        if verdict.accepted > n or (not continued and target_p is None and verdict.next_token >= self.vocab_size) \
+                or (continued and (not block.chained or verdict.accepted != n)):
+            self._drop()
+            raise VerifierError("verdict out of range: the verifier speaks another model or protocol")
+        next_token = None if verdict.next_token == P.NO_TOKEN else int(verdict.next_token)
+        if next_token is not None or target_p is not None:  # the epoch ended: later blocks were dropped there
+            for stale in [r for r, (b, *_rest) in self._inflight.items() if b.epoch <= verdict.epoch]:
+                del self._inflight[stale]
+            self.epoch = verdict.epoch + 1
+        verify_s, queue_s = verdict.verify_ms / 1e3, verdict.queue_ms / 1e3
+        up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s - queue_s), up, down)
+        return VerifyReply(verdict.accepted, next_token, [True] * verdict.accepted + [False] * (n - verdict.accepted),
+                           verify_s=verify_s, uplink_bytes=up, downlink_bytes=down, uplink_s=up_s, downlink_s=down_s,
+                           exit_layer=verdict.exit_layer, exits_received=self._exits_received.pop(block.round, 0),
+                           round=block.round, epoch=block.epoch, target_p=target_p, queue_s=queue_s)
 
-    def _resample_separate(self, verdict: P.Verdict, draft_probs) -> int:
-        """Split codec: the verifier rejected draft `accepted` and sent p there; sample the
-        residual norm(max(0, p - q)) here and owe the token to the next VERIFY."""
-        from ..spec.verify import resample_separate
+    def verify(self, block: Block, on_exit=None) -> VerifyReply:
+        """Stop-and-wait: send one block and wait for its verdict (streaming its early exits to
+        on_exit(P.Exit) from this thread before returning)."""
+        self.submit(block)
+        return self.receive(None, on_exit=on_exit)
+
+    def _target_p(self, verdict: P.Verdict, n: int) -> torch.Tensor:
+        """Split codec: the verifier rejected draft `accepted` and sent p there (the robot resamples)."""
         from ..codecs import CodecError
-        if not getattr(self.codec, "separate", False) or verdict.next_token != P.NO_TOKEN or not verdict.p_payload:
+        if not getattr(self.codec, "separate", False) or verdict.next_token != P.NO_TOKEN:
             self._drop()
             raise VerifierError("verdict carries a target distribution without a split-codec rejection (or the "
                                 "reverse): the verifier speaks another protocol")
-        if verdict.accepted >= len(draft_probs):
+        if verdict.accepted >= n:
             self._drop()
             raise VerifierError("verdict out of range: a rejection after the last draft")
         try:
-            p = self.codec.decode_p(verdict.p_payload, self.vocab_size)
+            return self.codec.decode_p(verdict.p_payload, self.vocab_size)
         except CodecError as exc:
             self._drop()
             raise VerifierError(f"bad target distribution from the verifier: {exc}") from exc
-        token = resample_separate(p, torch.as_tensor(draft_probs)[verdict.accepted], seed=self._cfg.seed,
-                                  position=self._position + verdict.accepted)
-        self._edge_token = token
-        return token
 
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
         self.last_generate_uplink = self._send(P.Generate(self.decision, max_new_tokens))

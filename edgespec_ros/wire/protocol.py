@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 2  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags)
+PROTOCOL_VERSION = 3  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks (epochs, chaining)
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -54,7 +54,9 @@ class FrameType(enum.IntEnum):
 
 
 VERIFY_STREAM_EXITS = 1  # Verify.flags bit: stream this round's early exits (fsd)
-NO_TOKEN = 0xFFFFFFFF  # Verify.edge_token / Verdict.next_token: none (split codec)
+VERIFY_CHAINED = 2  # Verify.flags bit: the next block continues this one (pipe): no bonus token if all are accepted
+VERIFY_FLAGS = VERIFY_STREAM_EXITS | VERIFY_CHAINED
+NO_TOKEN = 0xFFFFFFFF  # Verify.edge_token / Verdict.next_token: none (split codec rejection; chained block continues)
 
 
 class _Writer:
@@ -179,8 +181,9 @@ class Verify:
     round: int
     draft_ids: list[int]
     q_payload: bytes = b""
-    flags: int = 0  # VERIFY_STREAM_EXITS
+    flags: int = 0  # VERIFY_STREAM_EXITS | VERIFY_CHAINED
     edge_token: int = NO_TOKEN  # split codec: the token the robot resampled after the last round's rejection
+    epoch: int = 0  # the verifier drops blocks of an epoch a verdict has ended (a pipeline interrupt)
 
 
 @dataclass
@@ -194,6 +197,8 @@ class Verdict:
     exit_layer: int = 0  # earliest exit whose verdict equals this one (num_layers: none; 0: not computed)
     exits_sent: int = 0
     p_payload: bytes = b""  # split codec, on a rejection: the target distribution there (next_token is NO_TOKEN)
+    epoch: int = 0  # the block's epoch; a verdict with a next token (or p_payload) ends it
+    queue_ms: float = 0.0  # time the block waited at the verifier behind earlier blocks of this session
 
 
 @dataclass
@@ -238,9 +243,10 @@ _ENCODERS = {
               .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode)),
     PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
     Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)
-             .u8(m.flags).u32(m.edge_token)),
+             .u8(m.flags).u32(m.edge_token).u32(m.epoch)),
     Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
-              .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent).blob(m.p_payload)),
+              .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent).blob(m.p_payload)
+              .u32(m.epoch).f32(m.queue_ms)),
     Exit: (FrameType.EXIT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.layer).u16(m.accepted)
            .u32(m.next_token).f32(m.confidence).f32(m.at_ms)),
     Generate: (FrameType.GENERATE, lambda m, w: w.u32(m.decision).u32(m.max_new_tokens)),
@@ -258,10 +264,10 @@ _DECODERS = {
                                          r.str("verify_mode")),
     FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
     FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload"),
-                                       r.u8("flags"), r.u32("edge_token")),
+                                       r.u8("flags"), r.u32("edge_token"), r.u32("epoch")),
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
                                          r.f32("verify_ms"), r.u16("n_drafted"), r.u16("exit_layer"),
-                                         r.u16("exits_sent"), r.blob("p_payload")),
+                                         r.u16("exits_sent"), r.blob("p_payload"), r.u32("epoch"), r.f32("queue_ms")),
     FrameType.EXIT: lambda r: Exit(r.u32("decision"), r.u32("round"), r.u16("layer"), r.u16("accepted"),
                                    r.u32("next_token"), r.f32("confidence"), r.f32("at_ms")),
     FrameType.GENERATE: lambda r: Generate(r.u32("decision"), r.u32("max_new_tokens")),

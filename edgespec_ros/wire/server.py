@@ -17,12 +17,12 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from ..codecs import CodecError, get_codec
-from ..spec.decode import DecodeConfig, Prompt, TargetSession
-from ..spec.engines import LoadedModel, ModelLoadError, load_model
-from ..spec.sampling import SamplingParams
-from ..spec.verify import MODES, DraftDistributionError
+from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
+from ..decoding.engines import LoadedModel, ModelLoadError, load_model
+from ..decoding.sampling import SamplingParams
+from ..decoding.verify import MODES, DraftDistributionError
 from . import protocol as P
-from ..spec.compute import ComputeProfile, get_compute
+from ..decoding.compute import ComputeProfile, get_compute
 
 log = logging.getLogger("edgespec.verifier")
 MAX_NEW_TOKENS = 4096
@@ -69,8 +69,9 @@ class ExitSender:
         """Called on the event loop for each exit computed by the target."""
         if self._closing:
             return
+        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers, self._order),
+                self._order + 1, res)
         self._order += 1
-        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers), self._order, res)
         self.items.append(item)
         if len(self.items) > self.max_queue:
             worst = max(self.items, key=self._rank)
@@ -141,6 +142,7 @@ class VerifierServer:
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
         self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.sessions_served = 0
+        self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
 
     async def _run(self, fn, *args):
@@ -174,18 +176,38 @@ class VerifierServer:
         finally:
             self.sessions_served += 1
 
-    async def _recv(self, ws, timeout: float):
+    async def _recv(self, ws, timeout: float, inbox: asyncio.Queue | None = None):
+        """The next frame (decoded) and when it arrived; from ``inbox`` once the session reads
+        ahead (pipelined blocks queue there while the target computes)."""
         try:
-            raw = await asyncio.wait_for(ws.recv(), timeout)
+            if inbox is None:
+                raw, arrived = await asyncio.wait_for(ws.recv(), timeout), time.perf_counter()
+            else:
+                raw, arrived = await asyncio.wait_for(inbox.get(), timeout)
+                if isinstance(raw, BaseException):
+                    raise raw
         except asyncio.TimeoutError:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"no frame within {timeout:g} s: closing idle session") from None
         try:
-            return P.decode(raw, self.max_frame)
+            return P.decode(raw, self.max_frame), arrived
         except P.ProtocolError as exc:
             raise SessionError(exc.code, str(exc)) from None
 
+    @staticmethod
+    async def _read_ahead(ws, inbox: asyncio.Queue) -> None:
+        """Timestamp frames as they arrive (bounded queue: a client that floods it is throttled by
+        TCP, not buffered here); a closed connection reaches the session as its next frame."""
+        try:
+            async for raw in ws:
+                await inbox.put((raw, time.perf_counter()))
+        except Exception as exc:  # ConnectionClosedError and friends
+            await inbox.put((exc, time.perf_counter()))
+            return
+        from websockets.exceptions import ConnectionClosedOK
+        await inbox.put((ConnectionClosedOK(None, None), time.perf_counter()))
+
     async def _session(self, ws, peer):
-        hello = await self._recv(ws, self.handshake_timeout_s)
+        hello, _ = await self._recv(ws, self.handshake_timeout_s)
         if not isinstance(hello, P.Hello):
             raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(hello).__name__}")
         if self.token is not None and not hmac.compare_digest(hello.token.encode(), self.token.encode()):
@@ -211,33 +233,55 @@ class VerifierServer:
                 sender.cancel()
 
     async def _serve_session(self, ws, peer, session, codec, live: list):
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=16)
+        reader = asyncio.ensure_future(self._read_ahead(ws, inbox))
+        try:
+            await self._serve_frames(ws, peer, session, codec, live, inbox)
+        finally:
+            reader.cancel()
+
+    async def _serve_frames(self, ws, peer, session, codec, live: list, inbox: asyncio.Queue):
         decision = None
+        epoch = 0  # blocks of an older epoch were drafted past a rejection: dropped unverified
+        last_done = time.perf_counter()  # when the target finished its last block for this session
         while True:
-            msg = await self._recv(ws, self.idle_timeout_s)
+            msg, arrived = await self._recv(ws, self.idle_timeout_s, inbox)
             if isinstance(msg, P.Close):
                 log.info("session %s: closed by client (%s)", peer, msg.reason)
                 await ws.close()
                 return
             if isinstance(msg, P.Prefill):
                 decision = msg.decision
-                cfg = self._decode_config(msg, codec.spec)
+                epoch = 0
+                settings = self._verify_settings(msg)
                 prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
                 try:
-                    dt = await self._run(session.start, prompt, cfg)
+                    dt = await self._run(session.start, prompt, settings)
                 except ValueError as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
                 await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
+                last_done = time.perf_counter()
             elif isinstance(msg, P.Verify):
                 self._check_decision(msg.decision, decision)
+                if msg.epoch < epoch:
+                    self.dropped_blocks += 1  # drafted past a rejection the robot had not yet heard of
+                    continue
+                if msg.epoch > epoch:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"block of epoch {msg.epoch} but the current epoch "
+                                       f"is {epoch}: the robot counts verdicts differently")
+                queue_ms = max(0.0, last_done - arrived) * 1e3  # waited behind this session's earlier work
+                chained = bool(msg.flags & P.VERIFY_CHAINED)
                 if not 1 <= len(msg.draft_ids) <= 64:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"draft length {len(msg.draft_ids)} not in 1..64")
                 if max(msg.draft_ids) >= self.vocab:
                     raise SessionError(P.ErrorCode.BAD_REQUEST,
                                        f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
-                if msg.flags & ~P.VERIFY_STREAM_EXITS:
+                if msg.flags & ~P.VERIFY_FLAGS:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
                 if getattr(codec, "separate", False):
-                    await self._verify_separate(ws, msg, session, codec)
+                    ended = await self._verify_separate(ws, msg, session, codec, chained, queue_ms)
+                    epoch += ended
+                    last_done = time.perf_counter()
                     continue
                 if msg.edge_token != P.NO_TOKEN:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, "an edge token is only valid with the split codec")
@@ -255,15 +299,20 @@ class VerifierServer:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
                     q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
-                    result, _ = await self._run(session.verify, msg.draft_ids, q, on_exit)
+                    result, _ = await self._run(session.verify, msg.draft_ids, q, on_exit, chained)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
-                elapsed = await self._pad(started, self.compute.verify_s)
+                elapsed = await self._pad(started, self.compute.verify_total_s(len(session.last_exits)))
                 sent = 0
                 if live:
                     sent = await live.pop().finish()
-                await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, result.next_token,
-                                                 elapsed * 1e3, len(msg.draft_ids), session.last_exit_layer, sent)))
+                continued = result.next_token == CONTINUE
+                await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted,
+                                                 P.NO_TOKEN if continued else result.next_token, elapsed * 1e3,
+                                                 len(msg.draft_ids), session.last_exit_layer, sent, b"", msg.epoch,
+                                                 queue_ms)))
+                epoch += not continued
+                last_done = time.perf_counter()
             elif isinstance(msg, P.Generate):
                 self._check_decision(msg.decision, decision)
                 if not 1 <= msg.max_new_tokens <= MAX_NEW_TOKENS:
@@ -278,24 +327,28 @@ class VerifierServer:
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
                     if last:
                         break
+                last_done = time.perf_counter()
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
 
-    async def _verify_separate(self, ws, msg: P.Verify, session: TargetSession, codec) -> None:
+    async def _verify_separate(self, ws, msg: P.Verify, session: TargetSession, codec, chained: bool,
+                               queue_ms: float) -> bool:
         """A split-codec round: q(x) of each draft only; on a rejection p goes down, not a token.
-        (No early exits: an exit could not name its next token without the robot's q.)"""
+        (No early exits: an exit could not name its next token without the robot's q.) Returns
+        True when the verdict ends the epoch."""
         started = time.perf_counter()
         edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
         try:
             q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
-            result, _ = await self._run(session.verify_separate, msg.draft_ids, q, edge)
+            result, _ = await self._run(session.verify_separate, msg.draft_ids, q, edge, chained)
             p_payload = b"" if result.target_p is None else await self._run(codec.encode_p, result.target_p)
         except (CodecError, DraftDistributionError, ValueError) as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
         elapsed = await self._pad(started, self.compute.verify_s)
         next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
         await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
-                                         len(msg.draft_ids), 0, 0, p_payload)))
+                                         len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
+        return result.next_token != CONTINUE
 
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
@@ -314,7 +367,7 @@ class VerifierServer:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"frame for decision {got}, current decision is {current}")
 
     @staticmethod
-    def _decode_config(msg: P.Prefill, codec: str) -> DecodeConfig:
+    def _verify_settings(msg: P.Prefill) -> VerifySettings:
         if msg.verify_mode not in MODES:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {MODES}")
         if not math.isfinite(msg.temperature) or not math.isfinite(msg.top_p):
@@ -323,7 +376,7 @@ class VerifierServer:
             params = SamplingParams(msg.temperature, msg.top_k, msg.top_p)
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
-        return DecodeConfig(mode="sd", params=params, seed=msg.seed, verify_mode=msg.verify_mode, codec=codec)
+        return VerifySettings(params, msg.seed, msg.verify_mode)
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
         from websockets.asyncio.server import serve
@@ -445,7 +498,7 @@ def main(argv=None) -> int:
     except ModelLoadError as exc:
         print(f"edgespec-verifier: {exc}", file=sys.stderr)
         return 2
-    from ..spec.exits import ExitLoadError, attach_exits
+    from ..decoding.exits import ExitLoadError, attach_exits
     try:
         exits = attach_exits(lm, args.exits)
     except ExitLoadError as exc:

@@ -291,6 +291,13 @@ class AutoGamma:
         self._ar_run = self._ar_run + 1 if mode == "ar" else 0
         return mode
 
+    def estimates(self) -> dict[str, float]:
+        """Seconds per drafted token, per verification and per round trip (nan until measured)."""
+        nan = float("nan")
+        return {"t_draft": self._draft.sums[0] / self._draft.sums[1] if self._draft.count else nan,
+                "t_verify": self._verify.sums[0] / self._verify.sums[1] if self._verify.count else nan,
+                "t_rtt": self.link_line()[0] if self._rtt.count else nan}
+
     def next_gamma(self) -> int:
         """The draft length of the next SD round: gamma* on the latest estimates."""
         plan = self.plan()

@@ -35,6 +35,14 @@ class DecisionMetrics:
     exits_received: int = 0
     fork_s: float = 0.0  # time spent cloning the draft state for pre-drafting
     hit_wait_s: float = 0.0  # on hits, time waited for the matching pre-draft to finish (T_r)
+    # pipe modes: the pipeline's behaviour
+    pipe_depth: int = 0  # blocks allowed in flight
+    max_in_flight: int = 0  # most blocks in flight at once
+    pipe_flushes: int = 0  # verdicts that voided drafting ahead (a rejection interrupting the pipeline)
+    pipe_voided_blocks: int = 0  # blocks in flight dropped by those verdicts (drafted, sent, never verified)
+    pipe_truncations: int = 0  # blocks cut short because the verifier had nothing left to verify
+    pipe_stall_s: float = 0.0  # time the robot waited with a full pipeline (its device free for pre-drafts)
+    queue_s: float = 0.0  # time blocks waited at the verifier behind earlier blocks
 
     def record_exits(self, reply) -> None:
         if reply.exit_layer:
@@ -66,6 +74,7 @@ class DecisionMetrics:
             if i < len(reply.accepted_mask) and reply.accepted_mask[i]:
                 self.accepted_per_position[i] += 1
         self.t_verify += reply.verify_s
+        self.queue_s += getattr(reply, "queue_s", 0.0)
         self.t_uplink += reply.uplink_s
         self.t_downlink += reply.downlink_s
         self.add_link(reply.uplink_bytes, reply.downlink_bytes)
@@ -112,6 +121,13 @@ class RunSummary:
     exits_received: int = 0
     fork_s: float = 0.0
     hit_wait_s: float = 0.0
+    pipe_depth: int = 0
+    max_in_flight: int = 0
+    pipe_flushes: int = 0
+    pipe_voided_blocks: int = 0
+    pipe_truncations: int = 0
+    pipe_stall_s: float = 0.0
+    queue_s: float = 0.0
     gamma: int | str = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -126,8 +142,11 @@ class RunSummary:
         self.gamma_per_round += m.gamma_per_round
         for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
                      "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
-                     "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s"):
+                     "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s",
+                     "pipe_flushes", "pipe_voided_blocks", "pipe_truncations", "pipe_stall_s", "queue_s"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
+        self.pipe_depth = max(self.pipe_depth, m.pipe_depth)
+        self.max_in_flight = max(self.max_in_flight, m.max_in_flight)
         for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position)):
             if i >= len(self.drafted_per_position):
                 self.drafted_per_position.append(0)
@@ -159,8 +178,9 @@ class RunSummary:
             # Measured VERIFY frames (ids + encoded q + framing) per drafted token; the PREFILL is in uplink_bytes.
             "uplink_bytes_per_draft_token": self.draft_uplink_bytes / self.drafted if self.drafted else None,
             "resampling_rate": self.resampled / self.rounds if self.rounds and self.drafted else None,
-            **(self._fsd_row() if self.mode == "fsd" else {}),
-            **(self._auto_row() if self.gamma == "auto" and self.mode == "sd" else {}),
+            **(self._fsd_row() if self.mode in ("fsd", "pipe+fsd") else {}),
+            **(self._pipe_row() if self.mode.startswith("pipe") else {}),
+            **(self._auto_row() if self.gamma == "auto" and self.mode != "ar" else {}),
             "time_split_s": {"draft": self.t_draft, "uplink": self.t_uplink, "verify": self.t_verify,
                              "downlink": self.t_downlink, "wall": self.wall_s},
         }
@@ -171,6 +191,17 @@ class RunSummary:
             "ar_decisions": self.decision_modes.count("ar"),  # decisions where AS2 chose cloud AR
             "gamma_mean": sum(g) / len(g) if g else None,
             "gamma_counts": {str(k): g.count(k) for k in sorted(set(g))},
+        }
+
+    def _pipe_row(self) -> dict:
+        return {
+            "pipe_depth": self.pipe_depth,
+            "max_in_flight": self.max_in_flight,
+            "pipe_flushes": self.pipe_flushes,
+            "pipe_voided_blocks": self.pipe_voided_blocks,
+            "pipe_truncations": self.pipe_truncations,
+            "pipe_stall_s": self.pipe_stall_s,
+            "verifier_queue_s": self.queue_s,
         }
 
     def _fsd_row(self) -> dict:

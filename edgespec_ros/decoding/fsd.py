@@ -13,8 +13,11 @@ touched), storing it in a cache keyed by the guess. When the final verdict arriv
 
 Every other job is cancelled and the queue and cache are cleared each round. A pre-drafted block
 is produced by exactly the operations the main path would run on the same prefix (same
-``commit_draft`` + ``draft`` code, position-keyed randomness, a copy of the codec state with the
+``reset_to`` + ``draft`` code, position-keyed randomness, a copy of the codec state with the
 same feedback), so FSD output is token-identical to SD.
+
+Workers draft on the robot's one emulated accelerator (``compute.EdgeDevice``), behind the main
+path: more workers queue for it rather than drafting in parallel on hardware the robot lacks.
 """
 from __future__ import annotations
 
@@ -63,13 +66,15 @@ class PreDraftStats:
 class PreDrafter:
     """N pre-draft worker threads with a client queue and a pre-draft cache (one round at a time)."""
 
-    def __init__(self, workers: int = 4, policy: str = "priority", draft_token_s: float = 0.0,
+    def __init__(self, workers: int = 4, policy: str = "priority", device=None,
                  max_queue: int = 64, seed: int = 0):
         if policy not in QUEUE_POLICIES:
             raise ValueError(f"unknown client queue policy {policy!r}; expected one of {QUEUE_POLICIES}")
         if not 1 <= workers <= 64:
             raise ValueError(f"pre-draft workers must be in 1..64, got {workers}")
-        self.workers, self.policy, self.draft_token_s, self.max_queue = workers, policy, draft_token_s, max_queue
+        from .compute import EdgeDevice
+        self.workers, self.policy, self.max_queue = workers, policy, max_queue
+        self.device = device if device is not None else EdgeDevice()
         self.stats = PreDraftStats()
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
@@ -89,15 +94,19 @@ class PreDrafter:
 
     # --- the round, from the decoding thread -------------------------------------------
 
-    def begin(self, seq, codec, draft_ids: list[int], gamma: int, params, seed: int, stop_after) -> None:
+    def begin(self, seq, codec, draft_ids: list[int], gamma: int, params, seed: int, stop_after,
+              history: list[int] | None = None, skip=None) -> None:
         """A draft was just sent: pre-draft on guesses about its verdict until ``finish``.
 
-        stop_after(new_tokens) -> True when the decision would end with those tokens (EOS or the
-        token limit): such guesses need no next block and are skipped.
+        seq must not change until ``finish`` (the pipeline passes a fork). history: the committed
+        tokens before the block (default: seq.generated). stop_after(new_tokens) -> True when the
+        decision would end with those tokens (EOS or the token limit): such guesses need no next
+        block and are skipped, as are those for which skip(accepted, next_token) is True.
         """
         with self._cond:
             self._round += 1
-            self._base = (seq, codec, list(draft_ids), gamma, params, seed, stop_after)
+            history = list(seq.generated if history is None else history)
+            self._base = (seq, codec, list(draft_ids), gamma, params, seed, stop_after, history, skip)
             self._queue.clear()
             self._jobs.clear()
             self._cache.clear()
@@ -112,8 +121,8 @@ class PreDrafter:
             self.stats.offered += 1
             if key in self._jobs:
                 return  # Algorithm 1: pre-draft each distinct guess once
-            _, _, draft_ids, *_rest, stop_after = self._base
-            if stop_after(draft_ids[:key[0]] + [key[1]]):
+            _, _, draft_ids, _, _, _, stop_after, _, skip = self._base
+            if stop_after(draft_ids[:key[0]] + [key[1]]) or (skip is not None and skip(*key)):
                 return
             if len(self._queue) >= self.max_queue:
                 self.stats.dropped += 1
@@ -184,19 +193,19 @@ class PreDrafter:
                     return
                 job = self._pop()
                 round_id = self._round
-                seq, codec, draft_ids, gamma, params, seed, _ = self._base
+                seq, codec, draft_ids, gamma, params, seed, _, history, _ = self._base
                 self._forking += 1
                 self._running.add(job.order)
                 self.stats.started += 1
             try:
-                self._predraft(job, round_id, seq, codec, draft_ids, gamma, params, seed)
+                self._predraft(job, round_id, seq, codec, draft_ids, gamma, params, seed, history)
             finally:
                 with self._cond:
                     self._running.discard(job.order)
                     job.done.set()
                     self._cond.notify_all()
 
-    def _predraft(self, job: _Job, round_id, seq, codec, draft_ids, gamma, params, seed) -> None:
+    def _predraft(self, job: _Job, round_id, seq, codec, draft_ids, gamma, params, seed, history) -> None:
         t0 = time.perf_counter()
         try:
             fork, fcodec = seq.fork(), copy.deepcopy(codec)
@@ -207,10 +216,9 @@ class PreDrafter:
                 self._cond.notify_all()
         accepted, next_token = job.key
         fcodec.feedback(accepted, len(draft_ids))
-        fork.commit_draft(draft_ids, accepted, next_token)
-        ids, q = fork.draft(gamma, params, seed, prepare=fcodec.prepare, stop=job.cancel.is_set)
-        if self.draft_token_s:  # emulated robot compute: pad, but wake up at once when cancelled
-            job.cancel.wait(max(0.0, len(ids) * self.draft_token_s - (time.perf_counter() - t0)))
+        fork.reset_to(history + list(draft_ids[:accepted]) + [next_token])
+        ids, q = fork.draft(gamma, params, seed, prepare=fcodec.prepare, stop=lambda _i: job.cancel.is_set(),
+                            pace=self.device.background_token)
         if job.cancel.is_set() or not ids:
             return
         with self._cond:

@@ -8,6 +8,7 @@ model's own cached ``rope_deltas`` attribute is shared module state we must not 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ class LoadedModel:
     image_processor: object | None
     path: str
     is_vlm: bool
-    exits: object = None  # spec.exits.EarlyExits on a target serving FSD, else None
+    exits: object = None  # decoding.exits.EarlyExits on a target serving FSD, else None
 
     @property
     def num_layers(self) -> int:
@@ -136,6 +137,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # committed tokens not yet fed
     last_logits: torch.Tensor | None = None  # next-token logits after the last fed token
     generated: list[int] = field(default_factory=list)  # committed tokens after the prompt
+    fed_tokens: list[int] = field(default_factory=list)  # tokens in the KV cache after the prompt (drafts too)
 
     def _positions(self, n: int) -> torch.Tensor:
         pos = torch.arange(self.fed, self.fed + n) + self.rope_delta
@@ -149,7 +151,7 @@ class Sequence:
         from transformers import DynamicCache
         model = self.lm.model
         self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
-        self.fed, self.rope_delta, self.pending, self.generated = 0, 0, [], []
+        self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = 0, 0, [], [], []
         kwargs = inputs.model_kwargs()
         n = inputs.num_tokens
         if self.lm.is_vlm and inputs.pixel_values is not None:
@@ -175,6 +177,7 @@ class Sequence:
         out = self.lm.model(input_ids=ids, attention_mask=torch.ones(1, self.fed + n, dtype=torch.long),
                             position_ids=self._positions(n), past_key_values=self.cache, use_cache=True)
         self.fed += n
+        self.fed_tokens.extend(int(t) for t in token_ids)
         logits = out.logits[0].float()
         self.last_logits = logits[-1]
         return logits
@@ -183,17 +186,20 @@ class Sequence:
         """An independent copy (KV cache cloned): pre-drafting on it never touches this one."""
         import copy
         twin = Sequence(self.lm, copy.deepcopy(self.cache), self.fed, self.rope_delta, list(self.pending),
-                        self.last_logits, list(self.generated))
-        for attr in ("_draft_base", "_verify_base"):
+                        self.last_logits, list(self.generated), list(self.fed_tokens))
+        for attr in ("_verify_base",):
             if hasattr(self, attr):
                 setattr(twin, attr, getattr(self, attr))
         return twin
 
     def crop(self, keep: int) -> None:
-        """Roll the KV cache back to its first ``keep`` positions."""
+        """Roll the KV cache back to its first ``keep`` positions (keep == fed changes nothing)."""
         if keep > self.fed:
             raise ValueError(f"cannot crop to {keep}: only {self.fed} positions are cached")
+        if keep == self.fed:
+            return
         crop_cache(self.cache, keep)
+        del self.fed_tokens[max(0, len(self.fed_tokens) - (self.fed - keep)):]
         self.fed = keep
         self.last_logits = None
 
@@ -209,7 +215,7 @@ class Sequence:
     # --- the two roles -------------------------------------------------------------------
 
     def draft(self, gamma: int, params: SamplingParams, seed: int, prepare=None,
-              stop=None) -> tuple[list[int], torch.Tensor]:
+              stop=None, pace=None) -> tuple[list[int], torch.Tensor]:
         """Sample gamma draft tokens; returns (ids, q [gamma, V] they were sampled from).
 
         prepare(q) -> q' is the uplink codec's quantizer: the draft samples from q' itself. It
@@ -218,41 +224,53 @@ class Sequence:
 
         The block also ends after an end-of-sequence token (nothing after it can be kept).
 
-        stop() is polled before each token (pre-draft cancellation): when it returns True the
-        drafts so far are returned and the sequence must be discarded.
+        stop(i) is polled before token i (pre-draft cancellation, a pipeline interrupt, truncation):
+        when it returns True the i drafts so far are returned.
 
-        Leaves the first gamma - 1 drafts in the cache; call ``commit_draft`` with the verdict.
+        pace(), when given, is a context manager entered around each token's compute: the emulated
+        robot accelerator (``compute.EdgeDevice``), one serial resource shared by every drafter.
+
+        Leaves the drafts in the cache (all but possibly the last); call ``commit_draft`` with the
+        verdict, or ``reset_to`` to move to any other token history.
         """
         base = len(self.generated)
         ids, qs = [], []
         eos = self.lm.eos_token_ids
         logits = self.next_logits()
-        self._draft_base = self.fed
         for i in range(gamma):
-            if stop is not None and stop():
+            if stop is not None and stop(i):
                 break
-            q = probs_from_logits(logits, params)
-            if prepare is not None:
-                q = prepare(q)
-                if q is None:
-                    break
-            x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
+            with pace() if pace is not None else contextlib.nullcontext():
+                if i:
+                    logits = self.feed([ids[-1]])[-1]
+                q = probs_from_logits(logits, params)
+                if prepare is not None:
+                    q = prepare(q)
+                    if q is None:
+                        break
+                x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
             ids.append(x)
             qs.append(q)
             if x in eos:  # nothing after an end token can be kept: stop the block (same output, less work)
                 break
-            if i < gamma - 1:
-                logits = self.feed([x])[-1]
         return ids, torch.stack(qs) if qs else torch.zeros(0, self.lm.vocab_size, dtype=torch.float64)
 
     def commit_draft(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
         """Apply a verdict to the drafter's state: keep accepted drafts, queue next_token."""
-        base = self._draft_base
-        in_cache = min(accepted, len(draft_ids) - 1)
-        self.crop(base + in_cache)
-        self.pending = list(draft_ids[in_cache:accepted]) + [int(next_token)]
-        self.generated.extend(int(t) for t in draft_ids[:accepted])
-        self.generated.append(int(next_token))
+        self.reset_to(self.generated + [int(t) for t in draft_ids[:accepted]] + [int(next_token)])
+
+    def reset_to(self, tokens: list[int]) -> None:
+        """Make ``tokens`` (non-empty) the committed history after the prompt, keeping the longest
+        cached prefix that agrees with it: a verdict, a pipeline rollback, or a chained block
+        taken as accepted in full. The last token is always left pending (fed on next use)."""
+        tokens = [int(t) for t in tokens]
+        common = 0
+        limit = min(len(self.fed_tokens), len(tokens) - 1)
+        while common < limit and self.fed_tokens[common] == tokens[common]:
+            common += 1
+        self.crop(self.fed - (len(self.fed_tokens) - common))
+        self.pending = tokens[common:]
+        self.generated = tokens
 
     def target_logits(self, draft_ids: list[int]) -> torch.Tensor:
         """Target logits [gamma + 1, V] for verifying draft_ids (feeds pending + drafts)."""

@@ -1,0 +1,235 @@
+"""The cloud half of decoding: one robot decision's target state (``TargetSession``).
+
+The verifier server wraps one ``TargetSession`` per connection; ``verifier.LocalVerifier`` wraps
+one in-process. It knows only what verification needs (``VerifySettings``: sampling parameters,
+seed, verification rule), never the robot's scheduling (mode, draft length, pre-draft workers).
+
+Rounds may be *chained* (the pipelined modes): the robot drafted the next block assuming this one
+is accepted in full, so when it is, no bonus token is sampled and the next block's first draft is
+verified like any other draft (``VerifyResult.next_token`` is then ``CONTINUE``). That keeps the
+output exactly the target's: every committed token is either a draft accepted by the rejection
+rule, a residual sample at a rejection, or a bonus from p at the end of an unchained block.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .engines import LoadedModel
+from .inputs import PromptInputs
+from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
+from .verify import MODES, VerifyResult, verify, verify_separate
+
+CONTINUE = -1  # VerifyResult.next_token of a chained block accepted in full: the next block follows
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """What the cloud needs to verify one decision: the same sampling rule and seed as the robot."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    verify_mode: str = "rejection"  # or "greedy"
+
+    def __post_init__(self):
+        if self.verify_mode not in MODES:
+            raise ValueError(f"verify mode {self.verify_mode!r} not in {MODES}")
+
+
+@dataclass
+class Prompt:
+    """What the edge sends once per decision: instruction, JPEG and the prompt token ids."""
+
+    instruction: str
+    jpeg: bytes | None
+    prompt_ids: list[int]
+
+
+class TargetSession:
+    """The cloud side of one decision: prefill, verify rounds (chained or not), or AR generation."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.seq = lm.new_sequence()
+        self.settings: VerifySettings | None = None
+        self._exit_last: dict[int, torch.Tensor] = {}
+        self.awaiting_edge_token = False  # split codec: the robot owes the token after a rejection
+        self.last_exits: list = []
+        self.last_exit_layer = 0
+
+    def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
+        """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
+        ids = torch.tensor([prompt.prompt_ids], dtype=torch.long)
+        inputs = PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids))
+        if prompt.jpeg is not None:
+            if not self.lm.is_vlm:
+                raise ValueError("an image was sent but the target model is text-only")
+            from .inputs import prepare_image
+            image = prepare_image(prompt.jpeg, self.lm.image_processor)
+            out = self.lm.image_processor(images=[image], return_tensors="pt")
+            image_token = self.lm.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            n_pad = int(out["image_grid_thw"][0].prod()) // (self.lm.image_processor.merge_size ** 2)
+            mm = (ids == image_token).long()
+            if int(mm.sum()) != n_pad:
+                raise ValueError(f"prompt has {int(mm.sum())} image tokens but the image needs {n_pad}: "
+                                 "edge and cloud image processors disagree")
+            inputs.pixel_values, inputs.image_grid_thw, inputs.mm_token_type_ids = (
+                out["pixel_values"], out["image_grid_thw"], mm)
+        return inputs
+
+    def start(self, prompt: Prompt, settings: VerifySettings) -> float:
+        """Prefill the target on the prompt; returns compute seconds."""
+        vocab = self.lm.vocab_size
+        if not prompt.prompt_ids:
+            raise ValueError("prompt has no token ids")
+        if any(not 0 <= t < vocab for t in prompt.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        t0 = time.perf_counter()
+        self.settings = settings
+        self.awaiting_edge_token = False
+        inputs = self.build_prompt_inputs(prompt)
+        self._exit_last = {}
+        if self.lm.exits is not None:
+            # Each exit's logits at the last prompt position: the first row of round 1's verification.
+            from .exits import ExitHooks
+            with ExitHooks(self.lm.model, self.lm.exits) as hooks:
+                hooks.callback = lambda layer, logits: self._exit_last.__setitem__(layer, logits[0])
+                self.seq.prefill(inputs)
+        else:
+            self.seq.prefill(inputs)
+        return time.perf_counter() - t0
+
+    def _require_started(self) -> VerifySettings:
+        if self.settings is None:
+            raise RuntimeError("verify before prefill")
+        return self.settings
+
+    @property
+    def position(self) -> int:
+        """Tokens committed after the prompt: the keyed-randomness position of the next token."""
+        return len(self.seq.generated)
+
+    def verify(self, draft_ids: list[int], draft_probs: torch.Tensor | None, on_exit=None,
+               chained: bool = False) -> tuple[VerifyResult, float]:
+        """One verification round; commits accepted tokens + next token to the target state.
+
+        chained: the robot's next block continues this one; accepted in full, no bonus token is
+        committed and ``result.next_token`` is ``CONTINUE``.
+
+        With early exits loaded and ``on_exit`` given, each exit's own verification of the draft
+        (Eq. 5: same rule, same keyed randomness, its own logits) is passed to on_exit(ExitResult)
+        from inside the forward pass, shallowest first. Exits never commit anything: only the
+        final layer's result does. After the call, ``last_exits`` holds every exit's result and
+        ``last_exit_layer`` the earliest exit layer whose result equals the final one
+        (``lm.num_layers`` when none does; 0 when exits were not computed).
+        """
+        settings = self._require_started()
+        if self.awaiting_edge_token:
+            raise ValueError("the last round ended in a split-codec rejection: the next round must be a split one")
+        t0 = time.perf_counter()
+        start_position = self.position
+        ids = torch.tensor(draft_ids, dtype=torch.long)
+        self.last_exits, self.last_exit_layer = [], 0
+        if on_exit is not None and self.lm.exits is not None:
+            logits = self._target_logits_with_exits(draft_ids, ids, draft_probs, start_position, on_exit)
+        else:
+            logits = self.seq.target_logits(draft_ids)
+        result = verify(ids, draft_probs, logits, settings.params,
+                        seed=settings.seed, start_position=start_position, mode=settings.verify_mode)
+        if self.last_exits:
+            final = (result.accepted, result.next_token)
+            self.last_exit_layer = next((e.layer for e in self.last_exits if e.key == final), self.lm.num_layers)
+        if chained and result.accepted == len(draft_ids):
+            self.seq.commit_verified(draft_ids, result.accepted, None)
+            result.next_token = CONTINUE
+        else:
+            self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
+        return result, time.perf_counter() - t0
+
+    def verify_separate(self, draft_ids: list[int], q_at_draft: torch.Tensor,
+                        edge_token: int | None, chained: bool = False) -> tuple[VerifyResult, float]:
+        """A round of the split codec (separate rejection sampling): only q(x) of each draft is
+        known here; a rejection leaves the next token to the robot (result.next_token -1,
+        result.target_p = p there), which sends it as ``edge_token`` with the next round."""
+        settings = self._require_started()
+        if self.awaiting_edge_token and edge_token is None:
+            raise ValueError("split codec: this VERIFY lacks the token the robot resampled after the last rejection")
+        if not self.awaiting_edge_token and edge_token is not None:
+            raise ValueError("split codec: an edge token came but the last round did not end in a rejection")
+        t0 = time.perf_counter()
+        if edge_token is not None:
+            if not 0 <= edge_token < self.lm.vocab_size:
+                raise ValueError(f"edge token {edge_token} out of range (vocab {self.lm.vocab_size})")
+            self.seq.append_generated(edge_token)
+            self.awaiting_edge_token = False
+        start_position = self.position
+        logits = self.seq.target_logits(draft_ids)
+        result = verify_separate(draft_ids, q_at_draft, logits, settings.params, seed=settings.seed,
+                                 start_position=start_position)
+        rejected = result.next_token < 0
+        if chained and result.accepted == len(draft_ids):
+            self.seq.commit_verified(draft_ids, result.accepted, None)
+            result.next_token = CONTINUE
+        else:
+            self.seq.commit_verified(draft_ids, result.accepted, None if rejected else result.next_token)
+        self.awaiting_edge_token = rejected
+        return result, time.perf_counter() - t0
+
+    def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:
+        from .exits import ExitHooks, ExitResult
+        settings = self.settings
+        rows = len(draft_ids) + 1
+        # Row 0 (the distribution at the first draft) was computed by the last forward when nothing
+        # is pending: the prefill's last position, or the last row of a chained block accepted in full.
+        first_rows = not self.seq.pending
+
+        def exit_verified(layer: int, exit_logits: torch.Tensor) -> None:
+            z = exit_logits[0]
+            if first_rows:
+                z = torch.cat([self._exit_last[layer].view(1, -1), z], dim=0)
+            z = z[-rows:]
+            self._exit_last[layer] = z[-1]  # row 0 of a chained next block, if this one is accepted in full
+            r = verify(ids, draft_probs, z, settings.params, seed=settings.seed,
+                       start_position=start_position, mode=settings.verify_mode)
+            confidence = float(torch.softmax(z[r.accepted], dim=-1).max())  # Eq. 4 at its next token
+            res = ExitResult(layer, r.accepted, r.next_token, confidence)
+            self.last_exits.append(res)
+            on_exit(res)
+
+        with ExitHooks(self.lm.model, self.lm.exits) as hooks:
+            hooks.rows = rows - 1 if first_rows else rows
+            hooks.callback = exit_verified
+            return self.seq.target_logits(draft_ids)
+
+    def ar_step(self) -> tuple[int, float]:
+        """Decode one token with the target alone; returns (token, compute seconds)."""
+        settings = self._require_started()
+        t0 = time.perf_counter()
+        pos = self.position
+        p = probs_from_logits(self.seq.next_logits(), settings.params)
+        token = sample_from(p, keyed_uniform(settings.seed, pos, STREAM_RESAMPLE))
+        self.seq.append_generated(token)
+        return token, time.perf_counter() - t0
+
+
+def target_generate(lm: LoadedModel, prompt_inputs: PromptInputs, settings, max_new_tokens: int | None = None
+                    ) -> list[int]:
+    """Reference: the target decoding alone in-process (the AR baseline's tokens). settings: a
+    VerifySettings with max_new_tokens, or a robot config (``verify_settings()``, ``max_new_tokens``)."""
+    if not isinstance(settings, VerifySettings):
+        max_new_tokens = settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        settings = settings.verify_settings()
+    if max_new_tokens is None:
+        raise ValueError("target_generate: give max_new_tokens")
+    session = TargetSession(lm)
+    session.settings = settings
+    session.seq.prefill(prompt_inputs)
+    out = []
+    for _ in range(max_new_tokens):
+        token, _ = session.ar_step()
+        out.append(token)
+        if token in lm.eos_token_ids:
+            break
+    return out
