@@ -266,7 +266,7 @@ def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    ({"mode": "fsd", "gamma": "auto"}, "gamma 'auto' is for sd mode"),
+    ({"mode": "fsd", "gamma": "auto"}, "gamma 'auto' is for the sd and pipe modes"),
     ({"gamma": 0}, "must be in 1..64 or 'auto'"),
     ({"gamma": "4"}, "must be in 1..64 or 'auto'"),
     ({"gamma": "automatic"}, "must be in 1..64 or 'auto'"),

@@ -25,7 +25,7 @@ from edgespec_ros.decoding.verify import verify
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.server import ExitSender, ServerThread, VerifierServer
-from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_session, server_copy, wait_until
+from wire_helpers import block_for, DEADLINE_S, INSTRUCTIONS, make_pair, raw_session, server_copy, wait_until
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -261,18 +261,20 @@ def test_pre_drafting_never_touches_the_main_draft_state(pair):
 class _SlowSeq:
     """A stand-in draft sequence whose drafting blocks until released (to observe scheduling)."""
 
+    generated: list = []
+
     def __init__(self, gate: threading.Event, order: list):
         self.gate, self.order = gate, order
 
     def fork(self):
         return self
 
-    def commit_draft(self, ids, accepted, nxt):
-        self.order.append((accepted, nxt))
+    def reset_to(self, tokens):  # history is empty here: tokens = drafts[:accepted] + [next]
+        self.order.append((len(tokens) - 1, tokens[-1]))
 
-    def draft(self, gamma, params, seed, prepare=None, stop=None):
+    def draft(self, gamma, params, seed, prepare=None, stop=None, pace=None):
         while not self.gate.wait(0.01):
-            if stop and stop():
+            if stop and stop(0):
                 return [], torch.zeros(0, 4)
         return [1] * gamma, torch.full((gamma, 4), 0.25)
 
@@ -432,7 +434,7 @@ def test_exits_arriving_after_the_verdict_are_ignored(pair):
             return P.encode(P.PrefillOk(msg.decision, 1.0))
         if isinstance(msg, P.Verify):
             return [P.encode(P.Exit(msg.decision, msg.round, 1, 0, 3, 0.9)),
-                    P.encode(P.Verdict(msg.decision, msg.round, 0, 3, 1.0, len(msg.draft_ids), 1, 1)),
+                    P.encode(P.Verdict(msg.decision, msg.round, 0, 3, 1.0, len(msg.draft_ids), 1, 1, b"", msg.epoch)),
                     P.encode(P.Exit(msg.decision, msg.round, 1, 0, 4, 0.8))]  # late
         return None
 
@@ -440,8 +442,8 @@ def test_exits_arriving_after_the_verdict_are_ignored(pair):
         with RemoteVerifier(fake.url, fingerprint=fp, vocab_size=pair.vocab, timeout_s=5) as rv:
             rv.start(pair.prompt(), DecodeConfig(mode="fsd"))
             seen = []
-            r1 = rv.verify([5, 6], _q(pair.vocab, 2), on_exit=seen.append)
-            r2 = rv.verify([5, 6], _q(pair.vocab, 2), on_exit=seen.append)
+            r1 = rv.verify(block_for(rv, [5, 6], _q(pair.vocab, 2)), on_exit=seen.append)
+            r2 = rv.verify(block_for(rv, [5, 6], _q(pair.vocab, 2)), on_exit=seen.append)
     assert (r1.next_token, r2.next_token) == (3, 3)
     assert [(e.round, e.next_token) for e in seen] == [(1, 3), (2, 3)]
     assert rv.stale_exits >= 1

@@ -18,7 +18,7 @@ from edgespec_ros.decoding.verify import resample_separate, verify, verify_separ
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier, VerifierError
 from edgespec_ros.wire.server import ServerThread, VerifierServer
-from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_session, server_copy
+from wire_helpers import block_for, INSTRUCTIONS, expect_error_then_close, make_pair, raw_session, server_copy
 
 SAMPLED = SamplingParams(temperature=1.0)
 
@@ -117,7 +117,7 @@ def _decide(pair, url, spec, seed, params=SAMPLED):
     cfg = DecodeConfig(mode="sd", gamma=4, max_new_tokens=20, params=params, seed=seed, codec=spec)
     with RemoteVerifier(url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, codec=spec) as rv:
         remote = EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, cfg)
-    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).decide(INSTRUCTIONS[0], pair.image, cfg)
+    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target, codec=cfg.codec)).decide(INSTRUCTIONS[0], pair.image, cfg)
     return remote, local
 
 
@@ -150,7 +150,8 @@ def test_top_k_split_runs_and_is_marked_lossy(pair, verifier):
 
 
 def _verify(ids, q_values, edge_token=P.NO_TOKEN, rnd=1):
-    return P.encode(P.Verify(1, rnd, ids, np.asarray(q_values, "<f8").tobytes(), 0, edge_token))
+    # round r follows r - 1 verdicts, each of which ended its epoch (a rejection)
+    return P.encode(P.Verify(1, rnd, ids, np.asarray(q_values, "<f8").tobytes(), 0, edge_token, rnd - 1))
 
 
 @pytest.mark.parametrize("case", ["missing-edge-token", "unexpected-edge-token", "edge-token-out-of-range"])
@@ -196,7 +197,7 @@ def test_client_refuses_a_target_distribution_it_did_not_ask_for(pair):
         with RemoteVerifier(fake.url, fingerprint=fp, vocab_size=pair.vocab, timeout_s=5) as rv:
             rv.start(pair.prompt(), DecodeConfig())
             with pytest.raises(VerifierError, match="without a split-codec rejection"):
-                rv.verify([5], torch.full((1, pair.vocab), 1.0 / pair.vocab, dtype=torch.float64))
+                rv.verify(block_for(rv, [5], torch.full((1, pair.vocab), 1.0 / pair.vocab, dtype=torch.float64)))
 
 
 def test_split_tv_sweep_measures_the_embedded_models(tmp_path):

@@ -42,9 +42,9 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.rounds = inner, []
 
-    def verify(self, draft_ids, draft_probs):
-        reply = self.inner.verify(draft_ids, draft_probs)
-        self.rounds.append((list(draft_ids), draft_probs.clone(), reply))
+    def verify(self, block, on_exit=None):
+        reply = self.inner.verify(block, on_exit)
+        self.rounds.append((list(block.draft_ids), block.q.clone(), reply))
         return reply
 
     def __getattr__(self, name):
@@ -52,19 +52,19 @@ class Recording:
 
 
 def expected_frame_bytes(codec, vocab, q_rows) -> int:
-    """VERIFY frame = ceil(sum of the per-token formula bits / 8) + 33 + 4 gamma bytes of framing."""
+    """VERIFY frame = ceil(sum of the per-token formula bits / 8) + 37 + 4 gamma bytes of framing."""
     if codec.name == "csqs":
         bits = sum(bits_for(vocab) + bits_for(math.comb(vocab, k)) + bits_for(compositions(k, codec.l))
                    for k in (int((row > 0).sum()) for row in q_rows))
     else:
         bits = len(q_rows) * codec.formula_bits(vocab)
-    return math.ceil(bits / 8) + 33 + 4 * len(q_rows)
+    return math.ceil(bits / 8) + 37 + 4 * len(q_rows)
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_codec_sessions_are_exact_and_send_the_formula_bits(pair, verifier, spec):
     cfg = DecodeConfig(mode="sd", gamma=4, max_new_tokens=16, params=SAMPLED, seed=3, codec=spec)
-    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).decide(INSTRUCTIONS[0], pair.image, cfg)
+    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target, codec=cfg.codec)).decide(INSTRUCTIONS[0], pair.image, cfg)
     with client(verifier.url, pair, codec=spec) as rv:
         recording = Recording(rv)
         remote = EdgeDecoder(pair.draft, recording).decide(INSTRUCTIONS[0], pair.image, cfg)
@@ -91,7 +91,7 @@ def test_a_csqs_bit_budget_sets_each_rounds_draft_length_over_the_wire(pair, ver
     spec = f"csqs:l=16,eta=0.002,alpha=0.1,beta0=0.01,budget={budget}"
     cfg = DecodeConfig(mode="sd", gamma=8, max_new_tokens=24, params=SamplingParams(temperature=0.5), seed=5,
                        codec=spec)
-    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).decide(INSTRUCTIONS[1], pair.image, cfg)
+    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target, codec=cfg.codec)).decide(INSTRUCTIONS[1], pair.image, cfg)
     with client(verifier.url, pair, codec=spec) as rv:
         recording = Recording(rv)
         remote = EdgeDecoder(pair.draft, recording).decide(INSTRUCTIONS[1], pair.image, cfg)
@@ -99,7 +99,7 @@ def test_a_csqs_bit_budget_sets_each_rounds_draft_length_over_the_wire(pair, ver
     lengths = [len(ids) for ids, _, _ in recording.rounds]
     assert max(lengths) < cfg.gamma and len(set(lengths)) > 1, lengths
     for ids, q, reply in recording.rounds:
-        assert reply.uplink_bytes - 33 - 4 * len(ids) <= math.ceil(budget / 8)
+        assert reply.uplink_bytes - 37 - 4 * len(ids) <= math.ceil(budget / 8)
         assert reply.uplink_bytes == expected_frame_bytes(get_codec(spec), pair.vocab, q)
 
 
@@ -107,8 +107,8 @@ def test_a_decision_with_another_codec_than_the_session_is_refused(pair, verifie
     with client(verifier.url, pair, codec="ksqs:k=8,l=32") as rv:
         EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image,
                                            DecodeConfig(max_new_tokens=2, codec="ksqs:l=32,k=8"))  # same codec
-        with pytest.raises(ValueError, match="differs from the session's 'ksqs:k=8,l=32'"):
-            rv.start(pair.prompt(), DecodeConfig(codec="ksqs:k=4,l=32"))
+        with pytest.raises(ValueError, match="differs from the verifier session's 'ksqs:k=8,l=32'"):
+            EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, DecodeConfig(codec="ksqs:k=4,l=32"))
 
 
 def _ksqs_payload(vocab, subset_code, lattice_index, k=8, l=32):

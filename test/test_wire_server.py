@@ -27,7 +27,7 @@ from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierErro
 from edgespec_ros.wire.link import DOWN, PROFILES, UP, LinkProfile, LinkProxy
 from edgespec_ros.wire.server import ServerThread, VerifierServer
 
-from wire_helpers import (DEADLINE_S, INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect,
+from wire_helpers import (block_for, DEADLINE_S, INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect,
                           raw_session, server_copy, wait_until)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,13 +124,13 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.start_info, self.replies = inner, None, []
 
-    def start(self, prompt, cfg):
-        self.start_info = self.inner.start(prompt, cfg.verify_settings())
+    def start(self, prompt, settings):
+        self.start_info = self.inner.start(prompt, settings)
         return self.start_info
 
-    def verify(self, draft_ids, draft_probs):
-        reply = self.inner.verify(draft_ids, draft_probs)
-        self.replies.append((len(draft_ids), reply))
+    def verify(self, block, on_exit=None):
+        reply = self.inner.verify(block, on_exit)
+        self.replies.append((len(block.draft_ids), reply))
         return reply
 
     def __getattr__(self, name):
@@ -414,7 +414,7 @@ def test_client_sees_a_bad_q_as_refused(pair, refs, verifier, case):
     with client(verifier.url, pair) as rv:
         rv.start(prompt, DecodeConfig())
         with pytest.raises(VerifierRefused, match=Q_MESSAGES[case]) as err:
-            rv.verify([5], q)
+            rv.verify(block_for(rv, [5], q))
         assert err.value.code == P.ErrorCode.BAD_REQUEST
     assert_serves(verifier, pair, refs)
 
@@ -422,7 +422,7 @@ def test_client_sees_a_bad_q_as_refused(pair, refs, verifier, case):
 def test_client_sees_verify_before_prefill_and_bad_prompt_ids(pair, refs, verifier):
     with client(verifier.url, pair) as rv:
         with pytest.raises(VerifierRefused, match="before PREFILL") as err:
-            rv.verify([5], uniform_q(pair.vocab))
+            rv.verify(block_for(rv, [5], uniform_q(pair.vocab)))
         assert err.value.code == P.ErrorCode.BAD_REQUEST
     with client(verifier.url, pair) as rv:
         bad = Prompt("go", None, [1, 2, pair.vocab])
@@ -431,7 +431,7 @@ def test_client_sees_verify_before_prefill_and_bad_prompt_ids(pair, refs, verifi
     with client(verifier.url, pair) as rv:
         rv.start(pair.prompt(), DecodeConfig())
         with pytest.raises(VerifierRefused, match="draft token id 300 out of range"):
-            rv.verify([pair.vocab], uniform_q(pair.vocab))
+            rv.verify(block_for(rv, [pair.vocab], uniform_q(pair.vocab)))
     assert_serves(verifier, pair, refs)
 
 
@@ -573,7 +573,7 @@ def scripted(vocab, fingerprint, silent_on=(), verdict=None):
         if isinstance(msg, P.Prefill):
             return P.encode(P.PrefillOk(msg.decision, 1.0))
         if isinstance(msg, P.Verify):
-            return P.encode(verdict(msg) if verdict else P.Verdict(msg.decision, msg.round, 0, 1, 1.0))
+            return P.encode(verdict(msg) if verdict else P.Verdict(msg.decision, msg.round, 0, 1, 1.0, epoch=msg.epoch))
         return None
     return reply
 
@@ -588,7 +588,7 @@ def test_a_silent_verifier_raises_timeout_after_timeout_s(pair, silent_on):
             rv.start(pair.prompt(), DecodeConfig())
             if silent_on == "Generate":
                 next(rv.generate(4))
-            rv.verify([5], uniform_q(pair.vocab))
+            rv.verify(block_for(rv, [5], uniform_q(pair.vocab)))
         elapsed = time.monotonic() - t0
         rv.close()
     assert 0.9 <= elapsed < 1 + 5
@@ -605,7 +605,7 @@ def test_client_refuses_a_verdict_that_does_not_fit_its_request(pair, verdict, f
         with client(fake.url, pair, timeout_s=5) as rv:
             rv.start(pair.prompt(), DecodeConfig())
             with pytest.raises(VerifierError, match=fragment):
-                rv.verify([5, 6], uniform_q(pair.vocab, 2))
+                rv.verify(block_for(rv, [5, 6], uniform_q(pair.vocab, 2)))
 
 
 def test_client_reports_an_error_frame_as_refused(pair):
@@ -648,10 +648,10 @@ def test_a_late_verdict_does_not_poison_the_next_decision(pair):
         with client(fake.url, pair, timeout_s=1) as rv:
             rv.start(pair.prompt(), DecodeConfig())
             with pytest.raises(VerifierTimeout):
-                rv.verify([5], uniform_q(pair.vocab))
+                rv.verify(block_for(rv, [5], uniform_q(pair.vocab)))
             time.sleep(0.7)  # the late verdict arrives meanwhile
             rv.start(pair.prompt(), DecodeConfig())  # the next decision
-            reply = rv.verify([5], uniform_q(pair.vocab))
+            reply = rv.verify(block_for(rv, [5], uniform_q(pair.vocab)))
     assert (reply.accepted, reply.next_token) == (0, 1)
 
 
@@ -665,7 +665,7 @@ def test_server_stopped_mid_decision_raises_link_lost_or_timeout(pair):
             t0 = time.monotonic()
             stopper.start()
             with pytest.raises((LinkLostError, VerifierTimeout)):
-                rv.verify([5], uniform_q(pair.vocab))
+                rv.verify(block_for(rv, [5], uniform_q(pair.vocab)))
             assert time.monotonic() - t0 < 3 + 5
     finally:
         stopper.join(DEADLINE_S)
@@ -681,7 +681,7 @@ def test_link_dropped_mid_decision_raises_link_lost(pair, verifier):
             t0 = time.monotonic()
             dropper.start()
             with pytest.raises((LinkLostError, VerifierTimeout)):
-                rv.verify([5], uniform_q(pair.vocab))
+                rv.verify(block_for(rv, [5], uniform_q(pair.vocab)))
             assert time.monotonic() - t0 < 3 + 5
     finally:
         dropper.join(DEADLINE_S)

@@ -23,6 +23,12 @@ from edgespec_ros.wire import protocol as P
 CORPUS = ["I see a red chair on the left. Action: turn left small.",
           "The silver bottle is ahead. Action: move forward medium."] * 50
 INSTRUCTIONS = ("find the silver bottle", "turn left at the red chair")
+
+
+def block_for(rv, draft_ids, q, **kw):
+    """The next stop-and-wait block for a RemoteVerifier driven by hand (its round and epoch)."""
+    from edgespec_ros.decoding.verifier import Block
+    return Block(rv.round + 1, rv.epoch, list(draft_ids), q, **kw)
 DEADLINE_S = 15.0
 
 

@@ -22,7 +22,7 @@ from .inputs import PromptInputs
 from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
 from .verify import MODES, VerifyResult, verify, verify_separate
 
-CONTINUE = -1  # VerifyResult.next_token of a chained block accepted in full: the next block follows
+CONTINUE = -2  # VerifyResult.next_token of a chained block accepted in full: the next block follows
 
 
 @dataclass(frozen=True)
