@@ -399,7 +399,11 @@ def _exact_two_token_law(lm, params):
 
 
 @pytest.mark.slow
-def test_sd_decode_first_two_tokens_match_exact_target_distribution(small_lm_pair):
+@pytest.mark.parametrize("mode, gamma, depth", [("sd", 2, 3), ("pipe", 1, 2), ("pipe", 2, 3)],
+                         ids=["sd", "pipe-gamma1", "pipe-gamma2"])
+def test_sd_decode_first_two_tokens_match_exact_target_distribution(small_lm_pair, mode, gamma, depth):
+    """Token 2 of a chained pipe (gamma 1) is a draft verified without a bonus in between: still
+    the target's law."""
     target, draft = small_lm_pair
     assert target.eos_token_ids == {SMALL_EOS}
     params = T1
@@ -411,7 +415,8 @@ def test_sd_decode_first_two_tokens_match_exact_target_distribution(small_lm_pai
     counts = np.zeros(len(outcomes))
     full_rounds = rejections = multi_round = 0
     for seed in range(n):
-        decision = decoder.decide("", None, DecodeConfig(mode="sd", gamma=2, max_new_tokens=3, params=params, seed=seed))
+        decision = decoder.decide("", None, DecodeConfig(mode=mode, gamma=gamma, pipe_depth=depth, max_new_tokens=3,
+                                                         params=params, seed=seed))
         tokens = decision.tokens
         assert 1 <= len(tokens) <= 3
         key = (SMALL_EOS,) if tokens[0] == SMALL_EOS else tuple(tokens[:2])

@@ -485,7 +485,8 @@ class _Pipeline:
                     if wait_started is not None:
                         self.m.pipe_stall_s += time.perf_counter() - wait_started
                         wait_started = None
-                    ids, q, _ = d.draft(self.gamma, stop=self._stop)
+                    room = d.cfg.max_new_tokens - len(d.seq.generated)  # never draft past the token limit
+                    ids, q, _ = d.draft(max(1, min(self.gamma, room)), stop=self._stop)
                     if self.finished or self.interrupted or not ids:
                         continue
                     self._send(ids, q)
