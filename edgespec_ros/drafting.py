@@ -101,7 +101,8 @@ class DrafterSettings:
 
     mode: str = "sd"
     gamma: int = 4
-    auto_gamma: bool = False  # sd only: gamma "auto" (decoding.draft_length.AutoGamma)
+    auto_gamma: bool = False  # sd, pipe: gamma "auto" (decoding.draft_length.AutoGamma); pipe: pipe_depth too
+    pipe_depth: int = 3  # pipe modes: blocks in flight
     max_new_tokens: int = 96
     temperature: float = 0.0
     seed: int = 0
@@ -143,7 +144,8 @@ class DrafterSettings:
         return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
                             max_new_tokens=self.max_new_tokens,
                             params=SamplingParams(temperature), seed=self.seed + decision_index,
-                            codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue)
+                            codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,
+                            pipe_depth="auto" if self.auto_gamma and self.mode.startswith("pipe") else self.pipe_depth)
 
 
 @dataclass

@@ -51,7 +51,8 @@ class DrafterNode(LifecycleNode):
         super().__init__("drafter", **kwargs)
         p = self.p = declare_parameters(self, params.DRAFTER)
         self.settings = DrafterSettings(
-            mode=p["mode"], gamma=p["gamma"], auto_gamma=p["auto_gamma"], max_new_tokens=p["max_new_tokens"],
+            mode=p["mode"], gamma=p["gamma"], auto_gamma=p["auto_gamma"], pipe_depth=p["pipe_depth"],
+            max_new_tokens=p["max_new_tokens"],
             temperature=p["temperature"], resample_temperature=p["resample_temperature"],
             seed=p["seed"], codec=p["codec"], predraft_workers=p["predraft_workers"],
             client_queue=p["client_queue"], deadline_s=p["deadline_s"], retry_interval_s=p["retry_interval_s"],

@@ -50,10 +50,15 @@ DRAFTER = (
     P("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier (edgespec-verifier)"),
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
     P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
-                    "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd)"),
-    P("gamma", 4, "draft tokens per verification round (sd, fsd)", min_value=1, max_value=64),
-    P("auto_gamma", False, "sd only: choose gamma every round (ODLD) and sd or cloud ar every decision (AS2) from "
-                           "measured rounds; gamma is then ignored"),
+                    "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
+                    "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
+                    "pipe+fsd (the pipeline refilled from pre-drafts on early exits after a rejection)"),
+    P("gamma", 4, "draft tokens per verification round (sd, fsd, pipe, pipe+fsd)", min_value=1, max_value=64),
+    P("auto_gamma", False, "sd: choose gamma every round (ODLD) and sd or cloud ar every decision (AS2) from "
+                           "measured rounds; pipe: gamma by ODLD and pipe_depth from the measured link and "
+                           "compute; gamma (and pipe_depth) are then ignored"),
+    P("pipe_depth", 3, "pipe, pipe+fsd: blocks in flight (drafted and sent before the earlier ones' verdicts)",
+      min_value=1, max_value=8),
     P("max_new_tokens", 96, "token budget of one decision", min_value=1, max_value=4096),
     P("temperature", 0.0, "sampling temperature (0 = greedy)", min_value=0.0),
     P("resample_temperature", 0.7, "after an unparseable decision (the robot did not move, so a greedy model "
