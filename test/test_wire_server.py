@@ -148,7 +148,7 @@ def uniform_q(vocab, n=1):
 def test_sd_over_an_emulated_link_is_token_identical_to_local_sd_and_target_ar(pair, refs, verifier, profile, codec):
     cfg = DecodeConfig(mode="sd", gamma=4, max_new_tokens=20, codec=codec)
     instruction = INSTRUCTIONS[0]
-    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).decide(instruction, pair.image, cfg)
+    local = EdgeDecoder(pair.draft, LocalVerifier(pair.target, codec=cfg.codec)).decide(instruction, pair.image, cfg)
     with LinkProxy(profile, "127.0.0.1", verifier.port) as proxy:
         with client(proxy.url, pair, codec=codec, link_profile=profile) as rv:
             recording = Recording(rv)
