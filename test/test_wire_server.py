@@ -618,7 +618,7 @@ def test_client_reports_an_error_frame_as_refused(pair):
 
 
 @pytest.mark.parametrize("answer,fragment", [
-    (P.HEADER.pack(P.MAGIC, 3, P.FrameType.WELCOME, 0, 0), "protocol version 3"),
+    (P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION + 1, P.FrameType.WELCOME, 0, 0), f"protocol version {P.PROTOCOL_VERSION + 1}"),
     (b"\x89PNG garbage from a web server", "bad magic"),
     ("a text frame", "got text"),
     (P.encode(P.Token(1, 0, 1, 1.0, True)), "expected Welcome, got Token"),
