@@ -13,6 +13,7 @@ from ..decoding.compute import COMPUTE_PROFILES, get_compute
 from ..decoding.edge import DECODING_MODES, DecodeConfig
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
+from . import pipe
 from .sweeps import SWEEPS, SweepOptions
 from .runner import add_speedups, bench_prompts, emulated_setup, env_threads, format_table, resolve_models, run_modes
 
@@ -25,6 +26,16 @@ def gamma_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer draft length nor 'auto'") from None
+
+
+def depth_arg(text: str) -> int | str:
+    """--pipe-depth: blocks in flight 1..8 or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of blocks in flight nor 'auto'") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=gamma_arg, default=4,
                     help="draft length 1..64, or auto: ODLD per round and AS2 (sd or ar) per decision on "
                          "online estimates (decoding.draft_length.AutoGamma)")
+    ap.add_argument("--pipe-depth", type=depth_arg, default=3,
+                    help="pipe, pipe+fsd: blocks in flight 1..8, or auto (covers a block's round trip with "
+                         "drafting; with --gamma auto) (default 3)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -92,7 +106,8 @@ def run_sweep(args) -> int:
     pair = resolve_models(args.draft, args.target)
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
-                        gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits)
+                        gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
+                        pipe_depth=args.pipe_depth)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -124,9 +139,10 @@ def main(argv=None) -> int:
         return 2
     try:
         for mode in modes:
-            DecodeConfig(mode=mode, gamma=args.gamma, codec=args.codec, workers=args.workers)
+            DecodeConfig(mode=mode, gamma=args.gamma, codec=args.codec, workers=args.workers,
+                         pipe_depth=args.pipe_depth)
     except ValueError as exc:
-        print(f"edgespec-bench: bad decoding settings (--gamma, --workers): {exc}", file=sys.stderr)
+        print(f"edgespec-bench: bad decoding settings (--gamma, --workers, --pipe-depth): {exc}", file=sys.stderr)
         return 2
     env_threads()
     compute = get_compute(args.compute)
@@ -140,12 +156,15 @@ def main(argv=None) -> int:
         summaries = run_modes(draft_lm, url, modes, prompts, link=args.link, compute=compute, gamma=args.gamma,
                               max_new_tokens=args.max_new_tokens, params=params, seed=args.seed, codec=args.codec,
                               on_decision=lambda *a: bar.update(1), workers=args.workers,
-                              client_queue=args.client_queue)
+                              client_queue=args.client_queue, pipe_depth=args.pipe_depth)
         bar.close()
     fsd_settings = {"workers": args.workers, "client_queue": args.client_queue, "server_queue": args.server_queue}
-    rows = add_speedups([summaries[m].row() | {"codec": args.codec, "temperature": args.temperature}
-                         | (fsd_settings if m == "fsd" else {}) for m in modes])
+    rows = pipe.annotate(add_speedups([summaries[m].row() | {"codec": args.codec, "temperature": args.temperature}
+                                       | (fsd_settings if m in ("fsd", "pipe+fsd") else {}) for m in modes]))
     print(format_table(rows, compute.emulated))
+    if pipe.report(rows):
+        print()
+        print(pipe.report(rows))
     if "fsd" in modes or {"ar", "sd"} <= set(modes):
         from .fsd import model_report, paper_comparison
         print()

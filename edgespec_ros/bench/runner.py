@@ -97,12 +97,12 @@ def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
               gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
               codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0, workers: int = 4,
-              client_queue: str = "priority") -> dict[str, RunSummary]:
+              client_queue: str = "priority", pipe_depth: int | str = 3) -> dict[str, RunSummary]:
     """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
     (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
-    workers and client_queue set fsd's pre-drafting."""
+    workers and client_queue set fsd's pre-drafting; pipe_depth the pipe modes' blocks in flight."""
     profile = get_profile(link)
     summaries = {}
     for mode in modes:
@@ -113,7 +113,8 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, (instruction, image) in enumerate(prompts):
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
-                                   seed=seed + i, codec=codec, workers=workers, client_queue=client_queue)
+                                   seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
+                                   pipe_depth=pipe_depth)
                 decision = decoder.decide(instruction, image, cfg)
                 if i >= warmup:
                     summary.add(decision.metrics)
@@ -147,7 +148,8 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 def format_table(rows: list[dict], emulated: bool) -> str:
     """A fixed-width table of bench rows (emulated compute is labelled)."""
     head = ["mode", "link", "compute", "codec", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
-            "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR", "x vs SD", "cache miss", "avg exit"]
+            "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR", "x vs SD", "cache miss", "avg exit",
+            "in flight", "flushes", "cloud idle ms/tok"]
     lines = []
     for r in rows:
         acc = r["acceptance_rate"]
@@ -161,7 +163,10 @@ def format_table(rows: list[dict], emulated: bool) -> str:
             "-" if r["uplink_bytes_per_draft_token"] is None else f"{r['uplink_bytes_per_draft_token']:.0f}",
             f"{r.get('speedup_vs_ar', float('nan')):.2f}x", f"{r.get('speedup_vs_sd', float('nan')):.2f}x",
             "-" if r.get("cache_miss_rate") is None else f"{100 * r['cache_miss_rate']:.1f}%",
-            "-" if r.get("avg_exit_layer") is None else f"{r['avg_exit_layer']:.1f}"])
+            "-" if r.get("avg_exit_layer") is None else f"{r['avg_exit_layer']:.1f}",
+            "-" if r.get("max_in_flight") is None else f"{r['max_in_flight']}/{r['pipe_depth']}",
+            "-" if r.get("pipe_flushes") is None else str(r["pipe_flushes"]),
+            "-" if r.get("cloud_idle_ms_per_token") is None else f"{r['cloud_idle_ms_per_token']:.1f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]

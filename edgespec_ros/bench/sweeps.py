@@ -44,6 +44,7 @@ class SweepOptions:
     workers: int | None = None  # fsd pre-draft workers where a sweep does not vary them
     workers_list: list[int] | None = None  # fsd-workers / fsd-queues: the worker counts swept
     exits: str = "auto"  # the verifier's early-exit adapters (edgespec-verifier --exits)
+    pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto"
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fsd, split_tv
+    from . import fsd, pipe, split_tv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -428,6 +429,9 @@ def _register_fsd_sweeps() -> None:
         Sweep("fsd-queues", "client queue (priority/random/fifo) x server queue (priority/fifo) x workers: "
               "cache miss rate (paper Table 7)", fsd.sweep_queues, fsd.table_queues, fsd.plot_queues),
         Sweep("fsd-links", "ar, sd and fsd on each link profile", fsd.sweep_links, fsd.table_links, fsd.plot_links),
+        Sweep("modes", "ar, sd, fsd, pipe and pipe+fsd on each link (default go2-paper, wifi-poor, cellular): "
+              "ms/token, blocks in flight, flushes, cloud idle time, the pipeline bound and the fraction reached",
+              pipe.sweep_modes, pipe.table_modes, pipe.plot_modes),
         Sweep("split-tv", "split codec: total-variation distance of the top-K downlink's output from the target's "
               "(K = 0 exact, 1, 3, 8, 32, 128)", split_tv.run, split_tv.table, split_tv.plot),
     ]:
