@@ -243,7 +243,7 @@ def test_frame_sizes_match_the_paper_formulas(spec, vocab):
     assert sum(codec.formula_bits(vocab, k) for k in supports) == bits
     assert len(payload) == math.ceil(bits / 8), (spec, len(payload), bits)
     frame = P.encode(P.Verify(1, 1, ids, payload))
-    assert len(frame) == len(payload) + 37 + 4 * gamma
+    assert len(frame) == len(payload) + 41 + 4 * gamma
     if vocab == QWEN_VOCAB and codec.name == "dense16":
         assert 300_000 < len(payload) / gamma < 305_000  # "about 300 KB per token"
 

@@ -17,7 +17,7 @@ from edgespec_ros.decoding.cloud import target_generate
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.exits import EarlyExits
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.decoding.verifier import Condition, EpochGate, LocalVerifier
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierTimeout
 from edgespec_ros.wire.link import LinkProfile, LinkProxy
 from edgespec_ros.wire.server import ServerThread, VerifierServer
@@ -218,3 +218,115 @@ def test_link_cut_with_blocks_in_flight_fails_and_commits_nothing_unverified(pai
     finally:
         proxy.stop()
     assert streamed == ref[:len(streamed)]
+
+
+# --- conditional blocks (pipe+fsd): the refill sent before the verdict it guesses ------------------
+
+def test_epoch_gate_admits_live_and_new_epochs_and_conditional_blocks_only_on_their_premise():
+    gate = EpochGate()
+    assert gate.admit(0) and gate.admit(0)  # the live epoch
+    gate.record(1, False, 2, None)  # round 1: a chained block accepted in full, epoch 0 goes on
+    assert gate.admit(0)
+    with pytest.raises(ValueError, match="before the verdict ending epoch 0"):
+        gate.admit(1)  # the robot cannot open an epoch it has not heard the end of
+    gate.record(2, True, 1, 7)  # round 2 rejected at draft 1, token 7 next: epoch 0 ends
+    assert not gate.admit(0)  # drafted past the rejection: dropped
+    assert not gate.admit(3, Condition(2, 1, 8))  # wrong guess: epoch 3 is void ...
+    assert not gate.admit(3)  # ... with every later block of it
+    assert gate.admit(4, Condition(2, 1, 7))  # the right guess opens its epoch at once
+    assert gate.admit(4) and not gate.admit(3)
+    gate.record(5, True, 0, 9)
+    assert not gate.admit(6, Condition(4, 0, 9))  # a premise about another round's verdict
+    assert gate.admit(7)  # the robot's next epoch after hearing round 5's verdict
+    gate.record(6, False, 2, None)
+    assert not gate.admit(8, Condition(6, 2, 3))  # round 6 continued: no premise of an end holds
+    with pytest.raises(ValueError, match="must open a new epoch"):
+        gate.admit(7, Condition(6, 0, 1))
+    gate.reset()
+    assert gate.admit(0)
+
+
+def test_condition_holds_only_for_the_verdict_it_names():
+    c = Condition(3, 1, 42)
+    assert c.holds(3, True, 1, 42)
+    assert not c.holds(3, False, 1, 42) and not c.holds(4, True, 1, 42)
+    assert not c.holds(3, True, 2, 42) and not c.holds(3, True, 1, 41) and not c.holds(3, True, 1, None)
+
+
+@pytest.fixture(scope="module")
+def committed():
+    """The committed pair with its trained early exits: their guesses are often right (hits)."""
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.decoding.exits import attach_exits
+    from edgespec_ros.models import default_model_path, have_default_models
+    if not have_default_models():
+        pytest.skip("embedded models not built")
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    assert attach_exits(target, "auto") is not None
+    from edgespec_ros.sim.dataset import heldout_prompts
+    return draft, target, heldout_prompts(4, seed=5)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_conditional_blocks_are_verified_only_on_a_right_guess_and_stay_exact(committed, params):
+    """Verdicts held back for a while after their exits (as on a real downlink): the robot sends
+    its pre-drafted continuation conditionally; a right guess heads the next epoch, a wrong one is
+    void on both sides. Output equals SD's token for token (same seeds), greedy and sampled."""
+    draft, target, prompts = committed
+    sent = hits = 0
+    for i, (instruction, image) in enumerate(prompts):
+        sd = EdgeDecoder(draft, LocalVerifier(target)).decide(instruction, image,
+                                                              DecodeConfig(mode="sd", params=params, seed=i))
+        verifier = LocalVerifier(target, eager=True, verdict_delay=40)
+        dec = EdgeDecoder(draft, verifier)
+        try:
+            got = dec.decide(instruction, image, DecodeConfig(mode="pipe+fsd", params=params, seed=i, pipe_depth=2,
+                                                              workers=2))
+        finally:
+            dec.close()
+        assert got.tokens == sd.tokens, instruction
+        m = got.metrics
+        assert m.pipe_cond_hits <= m.pipe_cond_sent and m.pipe_cond_hits <= m.predraft_hits
+        # every block the verifier dropped (or never reached: the decision ended) was void: voided
+        # by a rejection, or a refuted guess
+        unverified = verifier.dropped_blocks + len(verifier._queue)
+        assert unverified == m.pipe_voided_blocks + (m.pipe_cond_sent - m.pipe_cond_hits)
+        sent, hits = sent + m.pipe_cond_sent, hits + m.pipe_cond_hits
+    assert sent > 0 and hits > 0, "conditional blocks must have been sent and adopted"
+
+
+def test_conditional_blocks_on_bad_guesses_are_void_and_change_nothing(pair):
+    """Untrained exits guess wrong most of the time: refuted conditional blocks cost the verifier
+    nothing (dropped unverified) and greedy output stays the target's."""
+    sent = hits = 0
+    for instruction in INSTRUCTIONS:
+        ref = _reference(pair, instruction, max_new_tokens=24)
+        verifier = LocalVerifier(pair.target, eager=True, verdict_delay=40)
+        got = _decide(pair, verifier, instruction, mode="pipe+fsd", gamma=2, pipe_depth=2, max_new_tokens=24,
+                      workers=2)
+        assert got.tokens == ref
+        sent, hits = sent + got.metrics.pipe_cond_sent, hits + got.metrics.pipe_cond_hits
+    assert sent > hits, "some guesses must have been wrong"
+
+
+def test_conditional_blocks_over_the_wire(committed):
+    """Over a websocket with emulated compute: the server's gate verifies right guesses and drops
+    wrong ones; output equals SD's, greedy and sampled."""
+    from edgespec_ros.decoding.compute import ComputeProfile
+    draft, target, prompts = committed
+    compute = ComputeProfile("test", draft_token_s=0.004, verify_s=0.06)
+    sent = 0
+    with ServerThread(VerifierServer(server_copy(target), compute=compute)) as st:
+        for params in (GREEDY, SAMPLED):
+            instruction, image = prompts[0]
+            with RemoteVerifier(st.url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size) as rv:
+                sd = EdgeDecoder(draft, rv).decide(instruction, image, DecodeConfig(mode="sd", params=params, seed=1))
+                dec = EdgeDecoder(draft, rv, draft_compute=compute)
+                try:
+                    got = dec.decide(instruction, image, DecodeConfig(mode="pipe+fsd", params=params, seed=1,
+                                                                      pipe_depth=2, workers=2))
+                finally:
+                    dec.close()
+            assert got.tokens == sd.tokens
+            sent += got.metrics.pipe_cond_sent
+    assert sent > 0

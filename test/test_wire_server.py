@@ -754,3 +754,44 @@ def test_token_file_is_stripped(tmp_path):
     path.write_text(f"  {TOKEN}\n")
     assert server_module.read_token_file(str(path)) == TOKEN
     assert server_module.read_token_file(None) is None
+
+
+def _verify_frame(pair, round_, ids, epoch, condition=(), codec="dense32"):
+    """A hand-made VERIFY of the given drafts with a uniform q (every draft has probability 1/V)."""
+    import torch
+    from edgespec_ros.codecs import get_codec
+    q = torch.full((len(ids), pair.vocab), 1.0 / pair.vocab, dtype=torch.float32)
+    c = get_codec(codec)
+    return P.encode(P.Verify(1, round_, list(ids), c.encode(list(ids), c.prepare(q)), 0, P.NO_TOKEN, epoch,
+                             list(condition)))
+
+
+def test_the_server_gate_verifies_blocks_of_the_live_epoch_and_conditional_blocks_on_their_premise(pair, verifier):
+    """Raw frames: a block ends epoch 0 with (k, c); a conditional block on a wrong premise and the
+    rest of its epoch are dropped unverified, one on the right premise opens its epoch at once, a
+    late block of the ended epoch is dropped, and a conditional block that does not open a new
+    epoch is refused."""
+    ws = raw_session(verifier.url, pair, cfg=DecodeConfig(params=SamplingParams()))
+    try:
+        dropped = verifier.server.dropped_blocks
+        ws.send(_verify_frame(pair, 1, [3, 4, 5], 0))
+        first = P.decode(ws.recv(timeout=DEADLINE_S))
+        assert isinstance(first, P.Verdict) and first.next_token != P.NO_TOKEN  # unchained: it ends epoch 0
+        k, c = first.accepted, first.next_token
+        ws.send(_verify_frame(pair, 2, [6], 0))  # drafted past the end of epoch 0
+        ws.send(_verify_frame(pair, 3, [7], 1, (1, k, (c + 1) % pair.vocab)))  # a wrong guess: epoch 1 void
+        ws.send(_verify_frame(pair, 4, [8], 1))
+        ws.send(_verify_frame(pair, 5, [9], 2, (1, k, c)))  # the right guess: verified at once
+        second = P.decode(ws.recv(timeout=DEADLINE_S))
+        assert isinstance(second, P.Verdict) and (second.round, second.epoch) == (5, 2)
+        assert verifier.server.dropped_blocks - dropped == 3
+        ws.send(_verify_frame(pair, 6, [10], 2, (5, second.accepted, second.next_token)))  # not a new epoch
+        expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "block out of order", "must open a new epoch")
+    finally:
+        ws.close()
+
+
+def test_a_conditional_block_with_the_split_codec_is_refused(pair, verifier):
+    ws = raw_session(verifier.url, pair, cfg=DecodeConfig(codec="split"))
+    ws.send(_verify_frame(pair, 1, [3], 1, (0, 0, 1), codec="split"))
+    expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "conditional blocks are not valid with the split codec")

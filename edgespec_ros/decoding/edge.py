@@ -37,11 +37,12 @@ from .engines import LoadedModel, eos_token_ids
 from .inputs import PromptInputs, build_inputs, encode_jpeg
 from .metrics import DecisionMetrics
 from .sampling import SamplingParams
-from .verifier import Block, Verifier, VerifyReply
+from .verifier import Block, Condition, Verifier, VerifyReply
 from .verify import resample_separate
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
 PIPE_DEPTH_MAX = 8
+COND_SLICE_S = 0.003  # pipe+fsd: how often a waiting robot checks for a pre-draft to send conditionally
 
 
 @dataclass
@@ -109,7 +110,8 @@ class _Decision:
         self.out: list[int] = []  # committed tokens (untruncated)
         self.edge_token: int | None = None  # split codec: the token resampled here, owed to the verifier
         self.round = 0
-        self.epoch = 0  # verdicts that committed a token so far (the verifier counts the same)
+        self.epoch = 0  # the epoch blocks are drafted in now (ids increase; verifier.EpochGate)
+        self._last_epoch = 0
         if decoder.draft is None:
             raise ValueError(f"{cfg.mode} mode needs a draft model")
         self.codec = get_codec(cfg.codec)  # fresh per decision: stateful codecs (csqs) start over
@@ -127,6 +129,11 @@ class _Decision:
         self.m.t_draft += dt
         return ids, q, dt
 
+    def new_epoch(self) -> int:
+        """A fresh epoch id, greater than every one used so far in this decision."""
+        self._last_epoch += 1
+        return self._last_epoch
+
     def block(self, ids: list[int], q: torch.Tensor, *, chained: bool = False, stream_exits: bool = False) -> Block:
         """The next round's block; carries the split codec's owed token (then owed no more)."""
         self.round += 1
@@ -134,11 +141,16 @@ class _Decision:
         self.edge_token = None
         return block
 
+    def conditional_block(self, ids: list[int], q: torch.Tensor, condition: Condition, *, chained: bool) -> Block:
+        """A block of a new epoch that the verifier verifies only if ``condition`` holds."""
+        self.round += 1
+        return Block(self.round, self.new_epoch(), list(ids), q, chained, True, None, condition)
+
     def next_token(self, block: Block, reply: VerifyReply) -> int:
         """The token after the accepted drafts of a verdict that ends its epoch: the verifier's, or
         (split codec) resampled here from the target p it sent, with the position-keyed uniform
-        the cloud would have used."""
-        self.epoch += 1
+        the cloud would have used. Opens a new epoch."""
+        self.epoch = self.new_epoch()
         if reply.target_p is None:
             return int(reply.next_token)
         if not getattr(self.codec, "separate", False) or reply.accepted >= len(block.draft_ids):
@@ -342,6 +354,10 @@ class _Pipeline:
         self.refill: tuple | None = None  # pipe+fsd hit: (ids, q) to send first in the new epoch
         self.pre_round = None  # round whose exits the pre-drafter is working on
         self.sent_in_epoch = 0  # blocks sent in this epoch (the first of an epoch is never truncated)
+        # pipe+fsd: the oldest block's most confident pre-drafted continuation, sent before its
+        # verdict as a conditional block of the next epoch: (its _InFlight, the cache entry)
+        self.cond: tuple | None = None
+        self.conditional = self.pre is not None and not getattr(d.codec, "separate", False)
         self.gamma, self.depth = strategy.plan(d.cfg)
         self.m.pipe_depth = self.depth
 
@@ -394,6 +410,7 @@ class _Pipeline:
             self.s.auto.observe_round(len(block.draft_ids), reply.accepted, len(block.draft_ids) * self._token_s(),
                                       max(0.0, time.perf_counter() - head.sent_at - reply.verify_s - reply.queue_s),
                                       reply.verify_s, useful=len(block.draft_ids))
+        cond, self.cond = self.cond, None  # a conditional block sent on this verdict's guess
         if not reply.ends_epoch:  # a chained block accepted in full
             if not block.chained or reply.accepted != len(block.draft_ids):
                 raise RuntimeError("the verifier continued a block that was not chained or not accepted in full")
@@ -417,6 +434,9 @@ class _Pipeline:
         if d.commit(new):
             self.finished = True
             return
+        if cond is not None and cond[0].block.condition.holds(block.round, True, reply.accepted, token):
+            self._adopt(*cond)  # the verifier is verifying it already
+            return
         if entry is not None:  # pipe+fsd hit: the refill block is ready
             m.predraft_hits += 1
             d.seq, d.codec = entry.seq, entry.codec
@@ -427,6 +447,62 @@ class _Pipeline:
             d.codec = head.codec_after
             d.codec.feedback(reply.accepted, len(block.draft_ids))
             d.seq.reset_to(d.out)
+
+    def _adopt(self, item: _InFlight, entry) -> None:
+        """The verdict is the one a conditional block was sent on: it heads the new epoch."""
+        d, m = self.d, self.m
+        m.predraft_hits += 1
+        m.pipe_cond_hits += 1
+        d.epoch = item.block.epoch
+        d.seq, d.codec = entry.seq, entry.codec
+        ids = item.block.draft_ids
+        if item.block.chained:  # draft on as if accepted in full
+            d.codec.feedback(len(ids), len(ids))
+            d.seq.reset_to(item.history + list(ids))
+        else:
+            self.drafting_done = True
+        self.inflight.append(item)
+        self.sent_in_epoch = 1
+        self._begin_predraft()
+
+    def _can_condition(self) -> bool:
+        return (self.conditional and self.cond is None and not self.finished and bool(self.inflight)
+                and self.pre_round == self.inflight[0].block.round)
+
+    def _send_conditional(self, timeout: float = 0.0) -> None:
+        """pipe+fsd: send the most confident block pre-drafted on the oldest block's early exits,
+        before that block's verdict, as a conditional block of the next epoch. If the guess was
+        right the verifier goes on to it at once instead of idling for a round trip (downlink,
+        refill, uplink) after the rejection; if not, both sides void it."""
+        if not self._can_condition():
+            return
+        entry = self.pre.ready(timeout)
+        if entry is None or not self._can_condition():
+            return
+        head = self.inflight[0]
+        accepted, token = entry.key
+        history = head.history + list(head.block.draft_ids[:accepted]) + [token]
+        ids = list(entry.ids)
+        chained = not self.d.ends_decision(history[len(self.d.out):] + ids)
+        block = self.d.conditional_block(ids, entry.q, Condition(head.block.round, accepted, token), chained=chained)
+        self.cond = (_InFlight(block, history, copy.deepcopy(entry.codec), time.perf_counter()), entry)
+        self.d.verifier.submit(block)
+        self.m.pipe_cond_sent += 1
+
+    def _wait(self) -> VerifyReply:
+        """Wait for the next verdict with a full pipeline; pipe+fsd sends its conditional block as
+        soon as a pre-draft is ready (polling in slices of COND_SLICE_S, up to the verifier's timeout)."""
+        verifier = self.d.verifier
+        limit = time.monotonic() + getattr(verifier, "timeout_s", 60.0)
+        while self._can_condition() and time.monotonic() < limit:
+            self._send_conditional(COND_SLICE_S)
+            reply = verifier.receive(COND_SLICE_S, on_exit=self._on_exit)
+            if reply is not None:
+                return reply
+        reply = verifier.receive(None, on_exit=self._on_exit)
+        if reply is None:
+            raise RuntimeError("pipeline waiting on a verifier that holds no block")
+        return reply
 
     def _token_s(self) -> float:
         return self.d.device.draft_token_s or (self.m.t_draft / max(1, self.m.drafted))
@@ -445,6 +521,7 @@ class _Pipeline:
         self._poll()
         if self.finished or self.interrupted:
             return True
+        self._send_conditional()
         if i > 0 and not self.inflight and self.sent_in_epoch:  # drafting fell behind the verifier
             self.m.pipe_truncations += 1
             return True
@@ -494,10 +571,7 @@ class _Pipeline:
                 # The pipe is full (or nothing is left to draft): wait for the next verdict.
                 if wait_started is None:
                     wait_started = time.perf_counter()
-                reply = d.verifier.receive(None, on_exit=self._on_exit)
-                if reply is None:
-                    raise RuntimeError("pipeline waiting on a verifier that holds no block")
-                self._handle(reply)
+                self._handle(self._wait())
         finally:
             if self.pre is not None and self.pre_round is not None:
                 self.pre.finish(None, None)

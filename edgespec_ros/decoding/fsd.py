@@ -41,6 +41,7 @@ class CacheEntry:
     seq: object  # the forked engines.Sequence, drafted
     codec: object  # the forked codec, after feedback and prepare
     ready_at: float = 0.0
+    confidence: float = 0.0  # the early exit's confidence in its guess
 
 
 @dataclass
@@ -163,6 +164,16 @@ class PreDrafter:
             self._jobs.clear()
         return entry, time.perf_counter() - t0
 
+    def ready(self, timeout: float = 0.0) -> CacheEntry | None:
+        """The most confident pre-drafted block of this round, waiting up to ``timeout`` seconds for
+        one (pipe+fsd sends it as a conditional block before the verdict). None: none yet, or the
+        round is finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._cache or not self._open or self._closed, timeout)
+            if not self._open or not self._cache:
+                return None
+            return max(self._cache.values(), key=lambda e: (e.confidence, -e.ready_at))
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -223,5 +234,6 @@ class PreDrafter:
             return
         with self._cond:
             if self._round == round_id:
-                self._cache[job.key] = CacheEntry(job.key, job.layer, ids, q, fork, fcodec, time.perf_counter())
+                self._cache[job.key] = CacheEntry(job.key, job.layer, ids, q, fork, fcodec, time.perf_counter(),
+                                                  job.confidence)
                 self.stats.completed += 1

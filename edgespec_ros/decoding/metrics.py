@@ -43,6 +43,8 @@ class DecisionMetrics:
     pipe_truncations: int = 0  # blocks cut short because the verifier had nothing left to verify
     pipe_stall_s: float = 0.0  # time the robot waited with a full pipeline (its device free for pre-drafts)
     queue_s: float = 0.0  # time blocks waited at the verifier behind earlier blocks
+    pipe_cond_sent: int = 0  # pipe+fsd: conditional blocks sent before the verdict they guess
+    pipe_cond_hits: int = 0  # of those, guesses that were right (verified at once after the rejection)
 
     def record_exits(self, reply) -> None:
         if reply.exit_layer:
@@ -128,6 +130,8 @@ class RunSummary:
     pipe_truncations: int = 0
     pipe_stall_s: float = 0.0
     queue_s: float = 0.0
+    pipe_cond_sent: int = 0
+    pipe_cond_hits: int = 0
     gamma: int | str = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -143,7 +147,8 @@ class RunSummary:
         for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
                      "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
                      "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s",
-                     "pipe_flushes", "pipe_voided_blocks", "pipe_truncations", "pipe_stall_s", "queue_s"):
+                     "pipe_flushes", "pipe_voided_blocks", "pipe_truncations", "pipe_stall_s", "queue_s",
+                     "pipe_cond_sent", "pipe_cond_hits"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         self.pipe_depth = max(self.pipe_depth, m.pipe_depth)
         self.max_in_flight = max(self.max_in_flight, m.max_in_flight)
@@ -202,6 +207,8 @@ class RunSummary:
             "pipe_truncations": self.pipe_truncations,
             "pipe_stall_s": self.pipe_stall_s,
             "verifier_queue_s": self.queue_s,
+            "pipe_cond_sent": self.pipe_cond_sent,
+            "pipe_cond_hits": self.pipe_cond_hits,
         }
 
     def _fsd_row(self) -> dict:

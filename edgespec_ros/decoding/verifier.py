@@ -8,8 +8,12 @@ round trip (the uplink payload and, for the split codec, the downlink p), so eve
 runs in-process exactly as it does over the wire.
 
 Epochs: a verdict that commits a token (a rejection, or the bonus of an unchained block) ends
-its epoch; blocks of an older epoch still queued are dropped unverified (the PicoSpec interrupt).
-Robot and verifier count epochs by the same rule, so a block names the epoch it was drafted in.
+its epoch; blocks of an ended epoch still queued are dropped unverified (the PicoSpec interrupt).
+The robot names epochs (increasing ids; a new one after each verdict that ends one), and the
+verifier's ``EpochGate`` decides which arriving blocks to verify. A *conditional* block (pipe+fsd)
+opens the next epoch before the verdict it depends on has reached the robot: it was pre-drafted on
+an early exit's guess of that verdict, and is verified only if the guess was right; otherwise it
+and its epoch are void. Robot and verifier apply the same ``Condition.holds``.
 """
 from __future__ import annotations
 
@@ -24,6 +28,71 @@ from .cloud import CONTINUE, Prompt, TargetSession, VerifySettings
 from .engines import LoadedModel
 
 
+@dataclass(frozen=True)
+class Condition:
+    """A conditional block's premise: block ``round``'s verdict ends its epoch with ``accepted``
+    drafts accepted and ``token`` next (the early-exit guess the block was pre-drafted on)."""
+
+    round: int
+    accepted: int
+    token: int
+
+    def holds(self, round_: int, ends_epoch: bool, accepted: int, token: int | None) -> bool:
+        """Whether the verdict of block ``round_`` (ending its epoch, or not) makes this block valid."""
+        return round_ == self.round and ends_epoch and (accepted, token) == (self.accepted, self.token)
+
+
+class EpochGate:
+    """Which arriving blocks the verifier verifies (the cloud half of the epoch rule), shared by
+    ``LocalVerifier`` and the websocket server. Blocks are taken in the order the robot sent them.
+
+    - a block of the live epoch is verified; one of an ended, older or void epoch is dropped;
+    - a block of a newer epoch opens it, once the verdict ending the live epoch has been sent (the
+      robot opens an epoch only after hearing that verdict, or conditionally);
+    - a conditional block opens its epoch if the last verdict ended the live epoch exactly as its
+      condition says; otherwise its epoch is void (and so are the later blocks of that epoch).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.epoch = 0
+        self.ended = False
+        self.last_end: tuple | None = None  # (round, accepted, token) of the verdict that ended self.epoch
+        self.void: set[int] = set()  # conditional epochs whose condition failed
+
+    def admit(self, epoch: int, condition: Condition | None = None) -> bool:
+        """True: verify the block now; False: drop it. ValueError: a block the robot could not have sent."""
+        if condition is not None:
+            if epoch <= self.epoch or epoch in self.void:
+                raise ValueError(f"a conditional block must open a new epoch (got {epoch}, live {self.epoch})")
+            if self.ended and self.last_end is not None:
+                round_, accepted, token = self.last_end
+                if condition.holds(round_, True, accepted, token):
+                    self._open(epoch)
+                    return True
+            self.void.add(epoch)
+            return False
+        if epoch < self.epoch or epoch in self.void:
+            return False
+        if epoch == self.epoch:
+            return not self.ended
+        if not self.ended:
+            raise ValueError(f"block of epoch {epoch} before the verdict ending epoch {self.epoch}")
+        self._open(epoch)
+        return True
+
+    def _open(self, epoch: int) -> None:
+        self.epoch, self.ended, self.last_end = epoch, False, None
+        self.void = {e for e in self.void if e > epoch}
+
+    def record(self, round_: int, ends_epoch: bool, accepted: int, token: int | None) -> None:
+        """A verdict of the live epoch was sent."""
+        if ends_epoch:
+            self.ended, self.last_end = True, (round_, accepted, token)
+
+
 @dataclass
 class Block:
     """One drafted block on its way to the verifier."""
@@ -35,6 +104,7 @@ class Block:
     chained: bool = False  # the next block continues this one (pipelined modes)
     stream_exits: bool = False  # ask for early exits (fsd)
     edge_token: int | None = None  # split codec: the token the robot resampled after the last rejection
+    condition: Condition | None = None  # pipe+fsd: verify only if this verdict guess was right
 
 
 @dataclass
@@ -84,39 +154,58 @@ class LocalVerifier:
     on_exit from inside the forward pass, as they do from the server's stream. A poll
     (``receive(0)``) finds no verdict unless ``eager``: by default the robot drafts until its
     pipeline is full before anything is verified (verdicts arrive late); eager, a verdict is
-    there at the first poll after its block was sent (verdicts interrupt drafting mid-block)."""
+    there at the first poll after its block was sent (verdicts interrupt drafting mid-block).
+    ``verdict_delay`` (with eager): a verdict computed at a poll (its exits already streamed) is
+    held back for that many further polls, as a verdict still on the downlink is."""
 
-    def __init__(self, lm: LoadedModel, codec: str = "dense32", eager: bool = False):
+    def __init__(self, lm: LoadedModel, codec: str = "dense32", eager: bool = False, verdict_delay: int = 0):
         self.session = TargetSession(lm)
         self.codec = get_codec(codec)
         self.vocab = lm.vocab_size
         self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
         self._queue: deque[Block] = deque()
         self.eager = eager
-        self.epoch = 0
+        self.verdict_delay = verdict_delay
+        self._held: list = []  # [reply, polls left] of a verdict computed but not yet "arrived"
+        self.gate = EpochGate()
         self.dropped_blocks = 0  # blocks of a void epoch, dropped unverified
 
     def start(self, prompt: Prompt, settings: VerifySettings) -> dict:
         self._queue.clear()
-        self.epoch = 0
+        self._held = []
+        self.gate.reset()
         return {"prefill_s": self.session.start(prompt, settings)}
 
     def submit(self, block: Block) -> None:
         self._queue.append(block)
 
     def receive(self, timeout: float | None = None, on_exit=None) -> VerifyReply | None:
-        """The verdict of the oldest queued block of the current epoch (None: nothing queued, or
-        a poll of a lazy verifier)."""
-        if timeout is not None and timeout <= 0 and not self.eager:
+        """The verdict of the oldest queued block that the gate admits (None: nothing queued, a
+        poll of a lazy verifier, or a verdict an eager one holds back). A lazy verifier verifies at
+        once for any timeout but 0."""
+        poll = timeout is not None and timeout <= 0
+        if poll and not self.eager:
             return None
-        while self._queue and self._queue[0].epoch < self.epoch:
+        poll = poll or (self.eager and timeout is not None)  # eager: a bounded wait is a poll
+        if self._held:
+            if poll and self._held[1] > 0:
+                self._held[1] -= 1
+                return None
+            reply, self._held = self._held[0], []
+            return reply
+        while self._queue and not self.gate.admit(self._queue[0].epoch, self._queue[0].condition):
             self._queue.popleft()
             self.dropped_blocks += 1
         if not self._queue:
             return None
-        block = self._queue.popleft()
-        if block.epoch != self.epoch:
-            raise ValueError(f"block of epoch {block.epoch} ahead of the verifier's epoch {self.epoch}")
+        reply = self._verify(self._queue.popleft(), on_exit)
+        self.gate.record(reply.round, reply.ends_epoch, reply.accepted, reply.next_token)
+        if poll and self.verdict_delay > 0:
+            self._held = [reply, self.verdict_delay]
+            return None
+        return reply
+
+    def _verify(self, block: Block, on_exit) -> VerifyReply:
         payload = self.codec.encode(block.draft_ids, block.q)
         q = self.codec.decode(payload, block.draft_ids, self.vocab)
         if getattr(self.codec, "separate", False):
@@ -134,12 +223,9 @@ class LocalVerifier:
             next_token = None if result.next_token == CONTINUE else result.next_token
             target_p = None
             exit_layer, exits = self.session.last_exit_layer, len(self.session.last_exits)
-        reply = VerifyReply(result.accepted, next_token, mask_of(result.accepted, len(block.draft_ids)), verify_s=dt,
-                            exit_layer=exit_layer, exits_received=exits, round=block.round, epoch=block.epoch,
-                            target_p=target_p)
-        if reply.ends_epoch:
-            self.epoch += 1
-        return reply
+        return VerifyReply(result.accepted, next_token, mask_of(result.accepted, len(block.draft_ids)), verify_s=dt,
+                           exit_layer=exit_layer, exits_received=exits, round=block.round, epoch=block.epoch,
+                           target_p=target_p)
 
     def verify(self, block: Block, on_exit=None) -> VerifyReply:
         """Stop-and-wait: one block, its verdict."""

@@ -60,8 +60,9 @@ class RemoteVerifier:
         self.last_generate_uplink = 0
         self.last_generate_downlink = 0
         self.stale_exits = 0  # early exits that arrived after their round's verdict (discarded)
-        self.epoch = 0  # the epoch of the next block (a verdict with a next token ends one)
+        self.epoch = 0  # a stop-and-wait robot's next epoch: after every id sent, once a verdict ended one
         self._inflight: dict[int, tuple] = {}  # round -> (Block, uplink bytes, sent at): sent, no verdict yet
+        self._max_epoch = 0  # the newest epoch id a block was sent in
         self._exits_received: dict[int, int] = {}  # round -> early exits passed to the receiver
         self._exit_bytes = 0  # EXIT bytes read by polls that found no verdict (counted with the next one)
         self._on_exit = None  # the early-exit receiver while waiting for a verdict (fsd)
@@ -111,17 +112,17 @@ class RemoteVerifier:
             raise LinkLostError(f"link to the verifier lost while sending: {exc}") from exc
         return len(frame)
 
-    def _recv(self, expected, timeout: float | None = None, poll: bool = False):
-        """The next frame, of type expected (poll: None at once when none has arrived). On any
-        failure the connection is dropped, so that the next decision reconnects instead of
-        reading a stale reply of this one."""
+    def _recv(self, expected, timeout: float | None = None, poll: bool = False, soft: bool = False):
+        """The next frame, of type expected (poll: None at once when none has arrived; soft: None
+        when none came within timeout). On any failure the connection is dropped, so that the
+        next decision reconnects instead of reading a stale reply of this one."""
         try:
-            return self._recv_frame(expected, self.timeout_s if timeout is None else timeout, poll)
+            return self._recv_frame(expected, self.timeout_s if timeout is None else timeout, poll, soft)
         except VerifierError:
             self._drop()
             raise
 
-    def _recv_frame(self, expected, timeout: float, poll: bool = False):
+    def _recv_frame(self, expected, timeout: float, poll: bool = False, soft: bool = False):
         """Early EXIT frames of a block in flight go to the receiver; any others (late ones, from
         a finished round) are counted and dropped. The timeout covers the whole wait."""
         from websockets.exceptions import ConnectionClosed
@@ -133,7 +134,7 @@ class RemoteVerifier:
             try:
                 raw = self.ws.recv(timeout=0 if poll else max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                if poll:
+                if poll or soft:
                     self._exit_bytes += extra
                     return None
                 raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
@@ -177,7 +178,7 @@ class RemoteVerifier:
         self.decision += 1
         self.round = 0
         self._inflight.clear()
-        self.epoch = 0
+        self.epoch = self._max_epoch = 0
         up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
                                   settings.seed, settings.params.temperature, settings.params.top_k,
                                   settings.params.top_p, settings.verify_mode))
@@ -198,20 +199,27 @@ class RemoteVerifier:
         if block.chained:
             flags |= P.VERIFY_CHAINED
         edge = P.NO_TOKEN if block.edge_token is None else int(block.edge_token)
+        cond = block.condition
+        if cond is not None and getattr(self.codec, "separate", False):
+            raise ValueError("conditional blocks are not valid with the split codec")
         up = self._send(P.Verify(self.decision, block.round, list(block.draft_ids),
-                                 self.codec.encode(block.draft_ids, block.q), flags, edge, block.epoch))
+                                 self.codec.encode(block.draft_ids, block.q), flags, edge, block.epoch,
+                                 [] if cond is None else [cond.round, cond.accepted, cond.token]))
+        self._max_epoch = max(self._max_epoch, block.epoch)
         self._inflight[block.round] = (block, up, time.perf_counter())
         self.round = max(self.round, block.round)
 
     def receive(self, timeout: float | None = None, on_exit=None) -> VerifyReply | None:
-        """The next verdict: waits up to ``timeout`` seconds (None: the client's timeout, then
-        VerifierTimeout; 0: only what has arrived, None if no verdict has). Early exits met on the
-        way go to on_exit(P.Exit); blocks of an ended epoch get no verdict and are forgotten."""
+        """The next verdict: waits up to ``timeout`` seconds, None if none came (None: the
+        client's timeout, then VerifierTimeout; 0: only what has arrived). Early exits met on the
+        way go to on_exit(P.Exit); blocks the verifier drops (of an ended epoch, or conditional on
+        a verdict that refuted them) get no verdict and are forgotten."""
         if not self._inflight:
             return None
         self._on_exit = on_exit
         try:
-            got = self._recv(P.Verdict, timeout, poll=timeout is not None and timeout <= 0)
+            got = self._recv(P.Verdict, timeout, poll=timeout is not None and timeout <= 0,
+                             soft=timeout is not None)
         finally:
             self._on_exit = None
         if got is None:
@@ -234,10 +242,16 @@ class RemoteVerifier:
             self._drop()
             raise VerifierError("verdict out of range: the verifier speaks another model or protocol")
         next_token = None if verdict.next_token == P.NO_TOKEN else int(verdict.next_token)
-        if next_token is not None or target_p is not None:  # the epoch ended: later blocks were dropped there
-            for stale in [r for r, (b, *_rest) in self._inflight.items() if b.epoch <= verdict.epoch]:
-                del self._inflight[stale]
-            self.epoch = verdict.epoch + 1
+        ends = next_token is not None or target_p is not None
+        # Blocks the verifier drops get no verdict: later blocks of an ended epoch, and conditional
+        # blocks whose premise this verdict refutes (the same rule as its EpochGate).
+        for r, (b, *_rest) in list(self._inflight.items()):
+            if (ends and b.condition is None and b.epoch <= verdict.epoch) or (
+                    b.condition is not None and b.condition.round == verdict.round
+                    and not b.condition.holds(verdict.round, ends, verdict.accepted, next_token)):
+                del self._inflight[r]
+        if ends:
+            self.epoch = max(self._max_epoch, verdict.epoch) + 1
         verify_s, queue_s = verdict.verify_ms / 1e3, verdict.queue_ms / 1e3
         up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s - queue_s), up, down)
         return VerifyReply(verdict.accepted, next_token, [True] * verdict.accepted + [False] * (n - verdict.accepted),

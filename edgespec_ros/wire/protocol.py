@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 3  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks (epochs, chaining)
+PROTOCOL_VERSION = 4  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
+#                      (epochs, chaining); 4: conditional blocks (VERIFY condition)
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -184,6 +185,9 @@ class Verify:
     flags: int = 0  # VERIFY_STREAM_EXITS | VERIFY_CHAINED
     edge_token: int = NO_TOKEN  # split codec: the token the robot resampled after the last round's rejection
     epoch: int = 0  # the verifier drops blocks of an epoch a verdict has ended (a pipeline interrupt)
+    # pipe+fsd: [round, accepted, token]: verify only if round's verdict ends its epoch so (else the
+    # block's epoch is void); empty: unconditional
+    condition: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -243,7 +247,7 @@ _ENCODERS = {
               .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode)),
     PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
     Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)
-             .u8(m.flags).u32(m.edge_token).u32(m.epoch)),
+             .u8(m.flags).u32(m.edge_token).u32(m.epoch).ids(m.condition)),
     Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
               .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent).blob(m.p_payload)
               .u32(m.epoch).f32(m.queue_ms)),
@@ -264,7 +268,7 @@ _DECODERS = {
                                          r.str("verify_mode")),
     FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
     FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload"),
-                                       r.u8("flags"), r.u32("edge_token"), r.u32("epoch")),
+                                       r.u8("flags"), r.u32("edge_token"), r.u32("epoch"), r.ids("condition")),
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
                                          r.f32("verify_ms"), r.u16("n_drafted"), r.u16("exit_layer"),
                                          r.u16("exits_sent"), r.blob("p_payload"), r.u32("epoch"), r.f32("queue_ms")),

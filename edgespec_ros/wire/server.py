@@ -20,6 +20,7 @@ from ..codecs import CodecError, get_codec
 from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
 from ..decoding.engines import LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
+from ..decoding.verifier import Condition, EpochGate
 from ..decoding.verify import MODES, DraftDistributionError
 from . import protocol as P
 from ..decoding.compute import ComputeProfile, get_compute
@@ -242,7 +243,7 @@ class VerifierServer:
 
     async def _serve_frames(self, ws, peer, session, codec, live: list, inbox: asyncio.Queue):
         decision = None
-        epoch = 0  # blocks of an older epoch were drafted past a rejection: dropped unverified
+        gate = EpochGate()  # which blocks to verify: live epoch, void epochs, conditional blocks
         last_done = time.perf_counter()  # when the target finished its last block for this session
         while True:
             msg, arrived = await self._recv(ws, self.idle_timeout_s, inbox)
@@ -252,7 +253,7 @@ class VerifierServer:
                 return
             if isinstance(msg, P.Prefill):
                 decision = msg.decision
-                epoch = 0
+                gate.reset()
                 settings = self._verify_settings(msg)
                 prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
                 try:
@@ -263,12 +264,14 @@ class VerifierServer:
                 last_done = time.perf_counter()
             elif isinstance(msg, P.Verify):
                 self._check_decision(msg.decision, decision)
-                if msg.epoch < epoch:
-                    self.dropped_blocks += 1  # drafted past a rejection the robot had not yet heard of
+                condition = self._condition(msg, codec)
+                try:
+                    admitted = gate.admit(msg.epoch, condition)
+                except ValueError as exc:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"block out of order: {exc}") from None
+                if not admitted:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
+                    self.dropped_blocks += 1
                     continue
-                if msg.epoch > epoch:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"block of epoch {msg.epoch} but the current epoch "
-                                       f"is {epoch}: the robot counts verdicts differently")
                 queue_ms = max(0.0, last_done - arrived) * 1e3  # waited behind this session's earlier work
                 chained = bool(msg.flags & P.VERIFY_CHAINED)
                 if not 1 <= len(msg.draft_ids) <= 64:
@@ -280,7 +283,7 @@ class VerifierServer:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
                 if getattr(codec, "separate", False):
                     ended = await self._verify_separate(ws, msg, session, codec, chained, queue_ms)
-                    epoch += ended
+                    gate.record(msg.round, ended, 0, None)  # conditional blocks are refused with split
                     last_done = time.perf_counter()
                     continue
                 if msg.edge_token != P.NO_TOKEN:
@@ -311,7 +314,7 @@ class VerifierServer:
                                                  P.NO_TOKEN if continued else result.next_token, elapsed * 1e3,
                                                  len(msg.draft_ids), session.last_exit_layer, sent, b"", msg.epoch,
                                                  queue_ms)))
-                epoch += not continued
+                gate.record(msg.round, not continued, result.accepted, None if continued else result.next_token)
                 last_done = time.perf_counter()
             elif isinstance(msg, P.Generate):
                 self._check_decision(msg.decision, decision)
@@ -349,6 +352,17 @@ class VerifierServer:
         await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
                                          len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
         return result.next_token != CONTINUE
+
+    @staticmethod
+    def _condition(msg: P.Verify, codec) -> Condition | None:
+        if not msg.condition:
+            return None
+        if len(msg.condition) != 3:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY condition is [round, accepted, token]")
+        if getattr(codec, "separate", False):
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "conditional blocks are not valid with the split codec "
+                                                        "(the robot resamples after a rejection)")
+        return Condition(*msg.condition)
 
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
