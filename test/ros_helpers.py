@@ -82,7 +82,7 @@ class ScriptedVerifier:
         self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
         self.decisions = 0
 
-    def start(self, prompt, cfg):
+    def start(self, prompt, cfg, wait=True):
         self.decisions += 1
         return {}
 

@@ -124,8 +124,8 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.start_info, self.replies = inner, None, []
 
-    def start(self, prompt, settings):
-        self.start_info = self.inner.start(prompt, settings)
+    def start(self, prompt, settings, wait=True):
+        self.start_info = self.inner.start(prompt, settings, wait)
         return self.start_info
 
     def verify(self, block, on_exit=None):

@@ -71,8 +71,10 @@ def pad_to(started: float, target_s: float) -> float:
 class EdgeDevice:
     """The robot's accelerator under emulation: ``units`` (1 on a Jetson) serial slots that every
     drafting thread shares. Each drafted token holds a slot for ``draft_token_s`` (real compute
-    included); the decision's own drafting (``main``) goes before queued pre-draft tokens. With
-    no emulated cost (``native``) it only counts: real compute contends for the real CPU anyway."""
+    included); the decision's own drafting (``main``) goes before queued pre-draft tokens, except
+    ``urgent`` ones (pipe+fsd: the pre-draft of a guessed rejection, which voids the main path's
+    drafting ahead). With no emulated cost (``native``) it only counts: real compute contends for
+    the real CPU anyway."""
 
     def __init__(self, draft_token_s: float = 0.0, units: int = 1):
         if units < 1:
@@ -83,6 +85,7 @@ class EdgeDevice:
         self._cond = threading.Condition()
         self._busy = 0
         self._main_waiting = 0
+        self._urgent_waiting = 0
 
     @classmethod
     def for_profile(cls, profile: "ComputeProfile | None") -> "EdgeDevice":
@@ -91,8 +94,9 @@ class EdgeDevice:
         return cls(profile.draft_token_s, profile.edge_units)
 
     @contextlib.contextmanager
-    def token(self, main: bool = True):
-        """Hold a slot for one drafted token (the body is that token's real compute)."""
+    def token(self, main: bool = True, urgent: bool = False):
+        """Hold a slot for one drafted token (the body is that token's real compute). Order:
+        urgent, then main, then the rest."""
         if self.draft_token_s <= 0:
             t0 = time.perf_counter()
             try:
@@ -102,12 +106,17 @@ class EdgeDevice:
                     self.tokens += 1
                     self.busy_s += time.perf_counter() - t0
             return
+        urgent = urgent and not main
         with self._cond:
             self._main_waiting += main
+            self._urgent_waiting += urgent
             try:
-                self._cond.wait_for(lambda: self._busy < self.units and (main or not self._main_waiting))
+                self._cond.wait_for(lambda: self._busy < self.units and (
+                    urgent or (main and not self._urgent_waiting)
+                    or not (self._main_waiting or self._urgent_waiting)))
             finally:
                 self._main_waiting -= main
+                self._urgent_waiting -= urgent
             self._busy += 1
         t0 = time.perf_counter()
         try:

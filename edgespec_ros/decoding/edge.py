@@ -43,6 +43,7 @@ from .verify import resample_separate
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
 PIPE_DEPTH_MAX = 8
 COND_SLICE_S = 0.003  # pipe+fsd: how often a waiting robot checks for a pre-draft to send conditionally
+COND_MAX = 3  # pipe+fsd: conditional blocks per verdict at most (one per distinct guess of the deepest exit)
 
 
 @dataclass
@@ -354,9 +355,10 @@ class _Pipeline:
         self.refill: tuple | None = None  # pipe+fsd hit: (ids, q) to send first in the new epoch
         self.pre_round = None  # round whose exits the pre-drafter is working on
         self.sent_in_epoch = 0  # blocks sent in this epoch (the first of an epoch is never truncated)
-        # pipe+fsd: the oldest block's most confident pre-drafted continuation, sent before its
-        # verdict as a conditional block of the next epoch: (its _InFlight, the cache entry)
-        self.cond: tuple | None = None
+        # pipe+fsd: continuations of the oldest block pre-drafted on the guess of its deepest early
+        # exit so far, sent before its verdict as conditional blocks: [(their _InFlight, cache entry)]
+        self.conds: list[tuple] = []
+        self.guess: tuple | None = None  # (layer, (accepted, token)) of the oldest block's deepest exit
         self.conditional = self.pre is not None and not getattr(d.codec, "separate", False)
         self.gamma, self.depth = strategy.plan(d.cfg)
         self.m.pipe_depth = self.depth
@@ -367,6 +369,14 @@ class _Pipeline:
         rnd = getattr(exit_result, "round", None)
         if self.pre is not None and (rnd is None or rnd == self.pre_round):
             self.pre.offer(exit_result)
+            layer = int(exit_result.layer)
+            if self.conditional and self.inflight and (self.guess is None or layer > self.guess[0]):
+                key = (int(exit_result.accepted), int(exit_result.next_token))
+                self.guess = (layer, key)
+                head = self.inflight[0].block
+                # A guessed rejection voids the main path's drafting ahead: its pre-draft goes first.
+                rejects = key[0] < len(head.draft_ids) or not head.chained
+                self.pre.urgent = key if rejects else None
 
     def _begin_predraft(self) -> None:
         """Pre-draft on the oldest in-flight block's exits (the one the cloud verifies now)."""
@@ -383,6 +393,7 @@ class _Pipeline:
                        lambda new: self.d.ends_decision(head.history[len(self.d.out):] + list(new)),
                        history=head.history, skip=skip)
         self.pre_round = head.block.round
+        self.guess = None
 
     def _end_predraft(self, key) -> object:
         if self.pre is None or self.pre_round is None:
@@ -410,7 +421,7 @@ class _Pipeline:
             self.s.auto.observe_round(len(block.draft_ids), reply.accepted, len(block.draft_ids) * self._token_s(),
                                       max(0.0, time.perf_counter() - head.sent_at - reply.verify_s - reply.queue_s),
                                       reply.verify_s, useful=len(block.draft_ids))
-        cond, self.cond = self.cond, None  # a conditional block sent on this verdict's guess
+        conds, self.conds = self.conds, []  # conditional blocks sent on guesses of this verdict
         if not reply.ends_epoch:  # a chained block accepted in full
             if not block.chained or reply.accepted != len(block.draft_ids):
                 raise RuntimeError("the verifier continued a block that was not chained or not accepted in full")
@@ -434,8 +445,9 @@ class _Pipeline:
         if d.commit(new):
             self.finished = True
             return
-        if cond is not None and cond[0].block.condition.holds(block.round, True, reply.accepted, token):
-            self._adopt(*cond)  # the verifier is verifying it already
+        right = [c for c in conds if c[0].block.condition.holds(block.round, True, reply.accepted, token)]
+        if right:
+            self._adopt(*right[0])  # the verifier is verifying it already
             return
         if entry is not None:  # pipe+fsd hit: the refill block is ready
             m.predraft_hits += 1
@@ -466,26 +478,39 @@ class _Pipeline:
         self._begin_predraft()
 
     def _can_condition(self) -> bool:
-        return (self.conditional and self.cond is None and not self.finished and bool(self.inflight)
+        """A conditional block may still be sent before the oldest block's verdict."""
+        return (self.conditional and len(self.conds) < COND_MAX and not self.finished and bool(self.inflight)
                 and self.pre_round == self.inflight[0].block.round)
 
+    def _urgent_pending(self) -> bool:
+        """The deepest exit guesses a rejection of the oldest block whose continuation is being
+        pre-drafted and not yet sent: the main path would only draft what that rejection voids."""
+        if not self._can_condition() or self.guess is None or self.pre.urgent != self.guess[1]:
+            return False
+        key = self.guess[1]
+        return not any(c[1].key == key for c in self.conds) and self.pre.drafting(key)
+
     def _send_conditional(self, timeout: float = 0.0) -> None:
-        """pipe+fsd: send the most confident block pre-drafted on the oldest block's early exits,
-        before that block's verdict, as a conditional block of the next epoch. If the guess was
-        right the verifier goes on to it at once instead of idling for a round trip (downlink,
-        refill, uplink) after the rejection; if not, both sides void it."""
-        if not self._can_condition():
+        """pipe+fsd: once the block pre-drafted on the guess of the oldest block's deepest early exit
+        so far is ready, send it before that block's verdict as a conditional block of the next
+        epoch. If the guess is right the verifier goes on to it at once instead of idling for a
+        round trip (downlink, refill, uplink) after the rejection; if not, both sides void it. A
+        deeper exit that guesses otherwise sends another (COND_MAX at most)."""
+        if not self._can_condition() or self.guess is None:
             return
-        entry = self.pre.ready(timeout)
+        key = self.guess[1]
+        if any(c[1].key == key for c in self.conds):
+            return
+        entry = self.pre.ready(timeout, key)
         if entry is None or not self._can_condition():
             return
         head = self.inflight[0]
-        accepted, token = entry.key
+        accepted, token = key
         history = head.history + list(head.block.draft_ids[:accepted]) + [token]
         ids = list(entry.ids)
         chained = not self.d.ends_decision(history[len(self.d.out):] + ids)
         block = self.d.conditional_block(ids, entry.q, Condition(head.block.round, accepted, token), chained=chained)
-        self.cond = (_InFlight(block, history, copy.deepcopy(entry.codec), time.perf_counter()), entry)
+        self.conds.append((_InFlight(block, history, copy.deepcopy(entry.codec), time.perf_counter()), entry))
         self.d.verifier.submit(block)
         self.m.pipe_cond_sent += 1
 
@@ -521,6 +546,11 @@ class _Pipeline:
         self._poll()
         if self.finished or self.interrupted:
             return True
+        while self._urgent_pending():  # the device drafts the guessed rejection's block first: wait
+            self._send_conditional(COND_SLICE_S)
+            self._poll()
+            if self.finished or self.interrupted:
+                return True
         self._send_conditional()
         if i > 0 and not self.inflight and self.sent_in_epoch:  # drafting fell behind the verifier
             self.m.pipe_truncations += 1
@@ -648,7 +678,8 @@ class EdgeDecoder:
         m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma)
         t_start = time.perf_counter()
         prompt, inputs = self.make_prompt(instruction, image)
-        info = self.verifier.start(prompt, cfg.verify_settings())
+        # Overlapped: the draft prefill and the first block go ahead while PREFILL is on its way.
+        info = self.verifier.start(prompt, cfg.verify_settings(), wait=False)
         m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
         if cfg.mode == "ar":
             out = ArStrategy(auto).run_ar(self.verifier, cfg, m, self.eos_ids, on_tokens)

@@ -88,6 +88,7 @@ class PreDrafter:
         self._running: set[int] = set()  # orders of the jobs being drafted now
         self._closed = False
         self._order = 0
+        self.urgent: tuple[int, int] | None = None  # this guess's pre-draft goes before the main path
         self._threads = [threading.Thread(target=self._worker, name=f"predraft-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -112,6 +113,7 @@ class PreDrafter:
             self._jobs.clear()
             self._cache.clear()
             self._open = True
+            self.urgent = None
 
     def offer(self, exit_result) -> None:
         """The receiver got an early exit (anything with layer, accepted, next_token, confidence)."""
@@ -143,6 +145,7 @@ class PreDrafter:
         key = None if accepted is None else (int(accepted), int(next_token))
         with self._cond:
             self._open = False
+            self.urgent = None
             self._queue.clear()
             # The main path may mutate the draft state as soon as we return: no fork in progress.
             self._cond.wait_for(lambda: self._forking == 0)
@@ -164,15 +167,23 @@ class PreDrafter:
             self._jobs.clear()
         return entry, time.perf_counter() - t0
 
-    def ready(self, timeout: float = 0.0) -> CacheEntry | None:
-        """The most confident pre-drafted block of this round, waiting up to ``timeout`` seconds for
-        one (pipe+fsd sends it as a conditional block before the verdict). None: none yet, or the
-        round is finished."""
+    def drafting(self, key: tuple[int, int]) -> bool:
+        """A pre-draft for this guess is queued or running in this round."""
         with self._cond:
-            self._cond.wait_for(lambda: self._cache or not self._open or self._closed, timeout)
-            if not self._open or not self._cache:
-                return None
-            return max(self._cache.values(), key=lambda e: (e.confidence, -e.ready_at))
+            job = self._jobs.get(key)
+            return self._open and job is not None and not job.done.is_set() and not job.cancel.is_set()
+
+    def ready(self, timeout: float = 0.0, key: tuple[int, int] | None = None) -> CacheEntry | None:
+        """The block pre-drafted for guess ``key`` (default: the most confident one) in this round,
+        waiting up to ``timeout`` seconds for it (pipe+fsd sends it as a conditional block before
+        the verdict). None: not (yet) drafted, or the round is finished."""
+        def found():
+            return self._cache.get(key) if key is not None else (
+                max(self._cache.values(), key=lambda e: (e.confidence, -e.ready_at)) if self._cache else None)
+
+        with self._cond:
+            self._cond.wait_for(lambda: found() is not None or not self._open or self._closed, timeout)
+            return found() if self._open else None
 
     def close(self) -> None:
         with self._cond:
@@ -187,6 +198,10 @@ class PreDrafter:
     # --- workers -------------------------------------------------------------------------
 
     def _pop(self) -> _Job:
+        urgent = next((j for j in self._queue if j.key == self.urgent), None)
+        if urgent is not None:
+            self._queue.remove(urgent)
+            return urgent
         if self.policy == "priority":
             job = max(self._queue, key=lambda j: (j.confidence, -j.order))
         elif self.policy == "fifo":
@@ -229,7 +244,7 @@ class PreDrafter:
         fcodec.feedback(accepted, len(draft_ids))
         fork.reset_to(history + list(draft_ids[:accepted]) + [next_token])
         ids, q = fork.draft(gamma, params, seed, prepare=fcodec.prepare, stop=lambda _i: job.cancel.is_set(),
-                            pace=self.device.background_token)
+                            pace=lambda: self.device.token(False, urgent=job.key == self.urgent))
         if job.cancel.is_set() or not ids:
             return
         with self._cond:

@@ -139,7 +139,7 @@ class Verifier(Protocol):
     codec: object
     exit_layers: list[int]
 
-    def start(self, prompt: Prompt, settings: VerifySettings) -> dict: ...
+    def start(self, prompt: Prompt, settings: VerifySettings, wait: bool = True) -> dict: ...
     def submit(self, block: Block) -> None: ...
     def receive(self, timeout: float | None = None, on_exit=None) -> VerifyReply | None: ...
     def verify(self, block: Block, on_exit=None) -> VerifyReply: ...
@@ -170,7 +170,8 @@ class LocalVerifier:
         self.gate = EpochGate()
         self.dropped_blocks = 0  # blocks of a void epoch, dropped unverified
 
-    def start(self, prompt: Prompt, settings: VerifySettings) -> dict:
+    def start(self, prompt: Prompt, settings: VerifySettings, wait: bool = True) -> dict:
+        """Prefill now (in-process there is nothing to overlap; ``wait`` is the Verifier interface's)."""
         self._queue.clear()
         self._held = []
         self.gate.reset()

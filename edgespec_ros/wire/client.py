@@ -66,6 +66,8 @@ class RemoteVerifier:
         self._exits_received: dict[int, int] = {}  # round -> early exits passed to the receiver
         self._exit_bytes = 0  # EXIT bytes read by polls that found no verdict (counted with the next one)
         self._on_exit = None  # the early-exit receiver while waiting for a verdict (fsd)
+        self._prefill_pending = False  # start(wait=False): PREFILL_OK not read yet
+        self.last_prefill_s: float | None = None
 
     # --- connection ----------------------------------------------------------------------
 
@@ -155,6 +157,12 @@ class RemoteVerifier:
                 else:
                     self.stale_exits += 1
                 continue
+            if isinstance(msg, P.PrefillOk) and expected is not P.PrefillOk:
+                extra += len(raw)  # an overlapped prefill's acknowledgement: counted with this reply
+                if msg.decision == self.decision and self._prefill_pending:
+                    self._prefill_pending = False
+                    self.last_prefill_s = msg.prefill_ms / 1e3
+                continue
             if isinstance(msg, P.Error):
                 raise VerifierRefused(msg.code, msg.message)
             if not isinstance(msg, expected):
@@ -172,7 +180,10 @@ class RemoteVerifier:
 
     # --- the Verifier protocol -----------------------------------------------------------
 
-    def start(self, prompt: Prompt, settings: VerifySettings) -> dict:
+    def start(self, prompt: Prompt, settings: VerifySettings, wait: bool = True) -> dict:
+        """Open a decision (PREFILL). wait=False overlaps the prefill with the robot's own work
+        (PicoSpec's overlapped communication): the verifier reads frames in order, so blocks may
+        follow at once; its PREFILL_OK (or ERROR) is read with the first reply."""
         if self.ws is None:
             self.connect()
         self.decision += 1
@@ -182,6 +193,10 @@ class RemoteVerifier:
         up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
                                   settings.seed, settings.params.temperature, settings.params.top_k,
                                   settings.params.top_p, settings.verify_mode))
+        if not wait:
+            self._prefill_pending = True
+            return {"prefill_s": None, "uplink_bytes": up, "downlink_bytes": 0}
+        self._prefill_pending = False
         reply, down = self._recv(P.PrefillOk)
         return {"prefill_s": reply.prefill_ms / 1e3, "uplink_bytes": up, "downlink_bytes": down}
 
