@@ -246,6 +246,18 @@ def test_epoch_gate_admits_live_and_new_epochs_and_conditional_blocks_only_on_th
     assert gate.admit(0)
 
 
+def test_a_flood_of_refuted_conditional_blocks_is_refused():
+    from edgespec_ros.decoding.verifier import MAX_VOID_EPOCHS
+    gate = EpochGate()
+    gate.record(1, True, 0, 5)
+    for epoch in range(1, MAX_VOID_EPOCHS + 1):
+        assert not gate.admit(epoch, Condition(1, 0, 6))
+    with pytest.raises(ValueError, match="refuted conditional epochs"):
+        gate.admit(MAX_VOID_EPOCHS + 1, Condition(1, 0, 6))
+    assert gate.admit(MAX_VOID_EPOCHS + 2, Condition(1, 0, 5))  # opening an epoch frees the older ones
+    assert gate.void == set()
+
+
 def test_condition_holds_only_for_the_verdict_it_names():
     c = Condition(3, 1, 42)
     assert c.holds(3, True, 1, 42)

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="codec specs, space-separated (codecs sweep; default: its list of 17)")
     sweep.add_argument("--gammas", nargs="+", type=int, default=None,
                        help="fixed draft lengths (gamma-auto sweep; default 1 2 3 4 6 8); the codecs sweep "
-                            "drafts with the first (default 4)")
+                            "drafts with the first (default 4), the modes sweep too (default 6)")
     sweep.add_argument("--workers-list", nargs="+", type=int, default=None,
                        help="pre-draft worker counts (fsd-workers: default 1 2 4 8 16; fsd-queues: 1 2 3)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,

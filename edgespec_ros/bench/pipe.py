@@ -94,7 +94,8 @@ def report(rows: list[dict]) -> str:
 # --- the modes sweep: every mode on every link ---------------------------------------------------
 
 def sweep_modes(opts, progress) -> list[dict]:
-    """ar, sd, fsd, pipe and pipe+fsd on each link (same compute, same prompts and seeds)."""
+    """ar, sd, fsd, pipe and pipe+fsd on each link (same compute, same prompts and seeds; every
+    speculative mode drafts the first of --gammas, default 6)."""
     links = opts.links or ["go2-paper", "wifi-poor", "cellular"]
     compute_name = opts.compute or "go2-paper"
     compute = get_compute(compute_name)
@@ -104,7 +105,8 @@ def sweep_modes(opts, progress) -> list[dict]:
     for link in links:
         with emulated_setup(opts.pair, link, compute_name, exits=opts.exits) as (draft_lm, url):
             summaries = run_modes(draft_lm, url, list(SWEEP_MODES), prompts, link=link, compute=compute,
-                                  max_new_tokens=opts.max_new_tokens, seed=opts.seed, workers=opts.workers or 4,
+                                  gamma=(opts.gammas or [6])[0], max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                                  workers=opts.workers or 4,
                                   pipe_depth=opts.pipe_depth, on_decision=lambda *a: bar.update(1))
         rows += annotate(add_speedups([summaries[m].row() for m in SWEEP_MODES]))
     bar.close()

@@ -42,6 +42,9 @@ class Condition:
         return round_ == self.round and ends_epoch and (accepted, token) == (self.accepted, self.token)
 
 
+MAX_VOID_EPOCHS = 64  # refuted conditional epochs a session may have pending (memory bound)
+
+
 class EpochGate:
     """Which arriving blocks the verifier verifies (the cloud half of the epoch rule), shared by
     ``LocalVerifier`` and the websocket server. Blocks are taken in the order the robot sent them.
@@ -72,6 +75,8 @@ class EpochGate:
                 if condition.holds(round_, True, accepted, token):
                     self._open(epoch)
                     return True
+            if len(self.void) >= MAX_VOID_EPOCHS:  # a robot sends a few per verdict; this one floods
+                raise ValueError(f"over {MAX_VOID_EPOCHS} refuted conditional epochs pending")
             self.void.add(epoch)
             return False
         if epoch < self.epoch or epoch in self.void:
