@@ -38,7 +38,8 @@ ROLE_ARGS = {
 ARGUMENTS = [
     ("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier"),
     ("token_file", "", "file with the verifier auth token ('' = none)"),
-    ("mode", "fsd", "decoding mode: ar | sd | fsd (fsd runs as sd on a verifier without early exits)"),
+    ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
+              "a verifier without early exits)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),
     ("image_topic", "camera/image_raw", "camera topic (go2_ros2_sdk publishes camera/image_raw)"),
     ("use_camera_node", "false", "start the camera node (OpenCV/GStreamer source) instead of using an existing topic"),

@@ -34,7 +34,8 @@ ROLE_ARGS = {
 
 ARGUMENTS = [
     ("scenario", "silver-bottle-distractor", "shipped scenario name or scenario JSON path"),
-    ("mode", "fsd", "decoding mode: ar | sd | fsd (fsd runs as sd on a verifier without early exits)"),
+    ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
+              "a verifier without early exits)"),
     ("draft_model", "", "draft model directory ('' = the embedded default)"),
     ("target_model", "", "target model directory for the local verifier ('' = the embedded default)"),
     ("verifier_port", "8765", "port of the local verifier"),

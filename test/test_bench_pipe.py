@@ -14,8 +14,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_eq9_and_the_bound_by_hand():
-    t = {"T_p": 0.05, "T_q": 0.6, "T_rtt": 0.2, "gamma": 4.0, "E_L": 3.0, "P_hit": 0.5}
+    t = {"T_p": 0.05, "T_q": 0.6, "T_rtt": 0.2, "gamma": 4.0, "E_L": 3.0, "P_hit": 0.5, "tokens_per_decision": 20}
     m = pipe.pipe_model(t)
+    assert m["fill_s_per_token"] == pytest.approx((4 * 0.05 + 0.2) / 20)  # fill + drain once per decision
     # hit: max(4 * 0.05, 0.2 + 0.6) = 0.8; miss: 0.2 + 0.2 + 0.6 = 1.0; (0.5 * 0.8 + 0.5 * 1.0) / 3
     assert m["eq9_s_per_token"] == pytest.approx(0.3)
     assert m["bound_s_per_token"] == pytest.approx(0.6 / 3)
@@ -48,6 +49,9 @@ def test_annotate_takes_t_p_and_the_round_trip_from_the_sd_row():
     hit, miss = max(0.175, 0.7), 0.175 + 0.7
     assert rows[2]["eq9_ms_per_token"] == pytest.approx(1000 * (0.75 * hit + 0.25 * miss) / 4.0)
     assert rows[2]["cloud_idle_ms_per_token"] == pytest.approx(1000 * 8.0 / 80)
+    fill = 1000 * (3.5 * 0.05 + 0.1) / 40  # 80 tokens over 2 decisions
+    assert rows[2]["fill_ms_per_token"] == pytest.approx(fill)
+    assert rows[2]["fraction_of_bound_with_fill"] == pytest.approx((150.0 + fill) / 250.0)
     assert "pipe_terms" not in rows[1] and rows[1]["cloud_idle_ms_per_token"] == pytest.approx(1000 * 9.0 / 90)
     text = pipe.report(rows)
     assert "150.0" in text and "0.60" in text and "2.67x" in text  # bound, fraction, AR 400 / bound 150

@@ -161,6 +161,34 @@ def test_pipe_with_gamma_and_depth_auto_stays_exact(pair):
         dec.close()
 
 
+class SlowDraftVerifier(LocalVerifier):
+    """A cloud that verifies each block before the robot drafts its next token: the verifier idles
+    while the robot drafts (the condition for latency-aware truncation)."""
+
+    def receive(self, timeout=None, on_exit=None):
+        if timeout is not None and timeout <= 0 and not self._queue:
+            return None
+        return LocalVerifier.receive(self, None, on_exit)
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_latency_aware_truncation_sends_the_sub_block_and_stays_exact(pair, truncate):
+    """With the cloud idle behind the drafter, truncation sends what is drafted (blocks shorter than
+    gamma); switched off, every block of an epoch but its last runs to gamma. Both are exact."""
+    truncations = 0
+    for instruction in INSTRUCTIONS:
+        ref = _reference(pair, instruction, max_new_tokens=24)
+        verifier = SlowDraftVerifier(pair.target)
+        got = _decide(pair, verifier, instruction, mode="pipe", gamma=4, pipe_depth=3, max_new_tokens=24,
+                      params=GREEDY, pipe_truncate=truncate)
+        assert got.tokens == ref
+        truncations += got.metrics.pipe_truncations
+    if truncate:
+        assert truncations > 0, "the verifier idled behind the drafter: blocks must have been cut short"
+    else:
+        assert truncations == 0
+
+
 @pytest.mark.parametrize("pipe_depth", [0, 9, "3", True])
 def test_bad_pipe_depth_is_a_clear_error(pipe_depth):
     with pytest.raises(ValueError, match="pipe_depth"):

@@ -97,12 +97,14 @@ def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
               gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
               codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0, workers: int = 4,
-              client_queue: str = "priority", pipe_depth: int | str = 3) -> dict[str, RunSummary]:
+              client_queue: str = "priority", pipe_depth: int | str = 3,
+              pipe_truncate: bool = True) -> dict[str, RunSummary]:
     """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
     (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
-    workers and client_queue set fsd's pre-drafting; pipe_depth the pipe modes' blocks in flight."""
+    workers and client_queue set fsd's pre-drafting; pipe_depth the pipe modes' blocks in flight and
+    pipe_truncate their latency-aware truncation."""
     profile = get_profile(link)
     summaries = {}
     for mode in modes:
@@ -114,7 +116,7 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
             for i, (instruction, image) in enumerate(prompts):
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
-                                   pipe_depth=pipe_depth)
+                                   pipe_depth=pipe_depth, pipe_truncate=pipe_truncate)
                 decision = decoder.decide(instruction, image, cfg)
                 if i >= warmup:
                     summary.add(decision.metrics)
@@ -145,11 +147,16 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _times(value) -> str:
+    """A speedup as "1.23x", or "-" when the reference mode was not run."""
+    return "-" if value is None or value != value else f"{value:.2f}x"
+
+
 def format_table(rows: list[dict], emulated: bool) -> str:
     """A fixed-width table of bench rows (emulated compute is labelled)."""
     head = ["mode", "link", "compute", "codec", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
             "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR", "x vs SD", "cache miss", "avg exit",
-            "in flight", "flushes", "cloud idle ms/tok"]
+            "in flight", "flushes", "truncated", "cloud idle ms/tok"]
     lines = []
     for r in rows:
         acc = r["acceptance_rate"]
@@ -161,11 +168,12 @@ def format_table(rows: list[dict], emulated: bool) -> str:
             "-" if r.get("resampling_rate") is None else f"{r['resampling_rate']:.2f}",
             f"{r['ms_per_token']:.1f}", f"{r['ms_per_decision']:.0f}",
             "-" if r["uplink_bytes_per_draft_token"] is None else f"{r['uplink_bytes_per_draft_token']:.0f}",
-            f"{r.get('speedup_vs_ar', float('nan')):.2f}x", f"{r.get('speedup_vs_sd', float('nan')):.2f}x",
+            _times(r.get("speedup_vs_ar")), _times(r.get("speedup_vs_sd")),
             "-" if r.get("cache_miss_rate") is None else f"{100 * r['cache_miss_rate']:.1f}%",
             "-" if r.get("avg_exit_layer") is None else f"{r['avg_exit_layer']:.1f}",
             "-" if r.get("max_in_flight") is None else f"{r['max_in_flight']}/{r['pipe_depth']}",
             "-" if r.get("pipe_flushes") is None else str(r["pipe_flushes"]),
+            "-" if r.get("pipe_flushes") is None else str(r.get("pipe_truncations", 0)),
             "-" if r.get("cloud_idle_ms_per_token") is None else f"{r['cloud_idle_ms_per_token']:.1f}"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
@@ -174,8 +182,14 @@ def format_table(rows: list[dict], emulated: bool) -> str:
 
 
 def env_threads() -> None:
-    """Two processes share this machine's cores: keep torch from oversubscribing them."""
+    """Two processes share this machine's cores: keep torch from oversubscribing them. The
+    environment variable reaches the verifier subprocess; this process has imported torch already
+    (the variable is read at import), so its intra-op pool is set directly: with two OpenMP
+    threads per drafting thread on two cores shared with the verifier, spinning workers stalled
+    decisions for seconds."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -198,14 +198,21 @@ def lattice_unrank(rank: int, k: int, resolution: int) -> np.ndarray:
         if j == k - 1:
             counts[j] = remaining
             break
-        rank -= compositions(k - j - 1, remaining)  # the block with part j == 0
-        v = 1
-        while True:
-            block = compositions(k - j - 1, remaining - v)
-            if rank < block:
-                break
-            rank -= block
-            v += 1
+        # Part j is v >= 1. Points with part j in [0, v): C_j(remaining) - C_j(remaining - v), where
+        # C_j(r) = compositions(k - j, r) (first part < v of a composition into k - j parts); the
+        # rank counts among the points with this prefix, those with part j == 0 (rank is past them)
+        # included. The largest v whose points below it are <= rank, by bisection (O(log l) big
+        # binomials, not O(l)).
+        whole = compositions(k - j, remaining)
+        lo, hi = 1, remaining
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if whole - compositions(k - j, remaining - mid) <= rank:
+                lo = mid
+            else:
+                hi = mid - 1
+        v = lo
+        rank -= whole - compositions(k - j, remaining - v)
         counts[j] = v
         remaining -= v
         i = j + 1

@@ -73,8 +73,9 @@ class EdgeDevice:
     drafting thread shares. Each drafted token holds a slot for ``draft_token_s`` (real compute
     included); the decision's own drafting (``main``) goes before queued pre-draft tokens, except
     ``urgent`` ones (pipe+fsd: the pre-draft of a guessed rejection, which voids the main path's
-    drafting ahead). With no emulated cost (``native``) it only counts: real compute contends for
-    the real CPU anyway."""
+    drafting ahead). With no emulated cost (``native``) the slots still serialize the real drafting:
+    on a CPU the threads would only contend for the same cores (and, in Python, the one interpreter
+    lock that the ROS executor needs too)."""
 
     def __init__(self, draft_token_s: float = 0.0, units: int = 1):
         if units < 1:
@@ -97,15 +98,6 @@ class EdgeDevice:
     def token(self, main: bool = True, urgent: bool = False):
         """Hold a slot for one drafted token (the body is that token's real compute). Order:
         urgent, then main, then the rest."""
-        if self.draft_token_s <= 0:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                with self._cond:
-                    self.tokens += 1
-                    self.busy_s += time.perf_counter() - t0
-            return
         urgent = urgent and not main
         with self._cond:
             self._main_waiting += main

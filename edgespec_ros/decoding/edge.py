@@ -60,6 +60,9 @@ class DecodeConfig:
     workers: int = 4  # fsd, pipe+fsd: pre-draft worker threads
     client_queue: str = "priority"  # fsd: order in which early exits are pre-drafted (priority|fifo|random)
     pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto" (from the measured link and compute)
+    # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
+    # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
+    pipe_truncate: bool = True
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
@@ -552,7 +555,7 @@ class _Pipeline:
             if self.finished or self.interrupted:
                 return True
         self._send_conditional()
-        if i > 0 and not self.inflight and self.sent_in_epoch:  # drafting fell behind the verifier
+        if self.d.cfg.pipe_truncate and i > 0 and not self.inflight and self.sent_in_epoch:  # drafting is behind
             self.m.pipe_truncations += 1
             return True
         return False
