@@ -341,9 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_mode() -> str:
-    """pipe+fsd: the fastest speculative mode on the demo's link (wifi-poor) and on the emulated Go2
-    (`edgespec-bench --modes ar,sd,fsd,pipe,pipe+fsd --link wifi-poor`; on the demo's tiny models
-    cloud-only ar is faster still, since their target costs no more than their draft)."""
+    """pipe+fsd: the fastest mode on the emulated Go2, tied with pipe on the demo's link (README,
+    "The pipelined modes"; on the demo's tiny models cloud-only ar is faster still, since their
+    target costs no more than their draft)."""
     return "pipe+fsd"
 
 
