@@ -50,7 +50,7 @@ def test_specs_parse_to_canonical_strings_with_every_parameter():
     assert get_codec("ksqs:k=8,l=32").spec == "ksqs:k=8,l=32"
     assert get_codec(" ksqs : l=32 , k=8 ").spec == "ksqs:k=8,l=32"
     assert get_codec("ksqs").spec == "ksqs:k=8,l=100"
-    assert get_codec("csqs:eta=0.01").spec == "csqs:l=100,eta=0.01,alpha=0.0005,beta0=0.001,kmax=512,budget=0"
+    assert get_codec("csqs:eta=0.01").spec == "csqs:l=100,eta=0.01,alpha=0.0005,beta0=0.001,kmax=128,budget=0"
     assert get_codec("topk:k=3").k == 3
     for name in CODECS:  # the canonical spec parses back to the same codec
         codec = get_codec(name)
@@ -65,9 +65,9 @@ def test_specs_parse_to_canonical_strings_with_every_parameter():
     ("ksqs:k=eight", "codec ksqs: k='eight' is not a valid int"),
     ("ksqs:k", "'k' is not key=value"),
     ("ksqs:k=3,k=4", "'k' given twice"),
-    ("ksqs:k=0", "codec ksqs: k=0 must be in 1..1024"),
-    ("csqs:kmax=2000", "codec csqs: kmax=2000 must be in 1..1024"),
-    ("ksqs:l=0", "codec ksqs: l=0 must be in 1..65536"),
+    ("ksqs:k=0", "codec ksqs: k=0 must be in 1..128"),
+    ("csqs:kmax=2000", "codec csqs: kmax=2000 must be in 1..128"),
+    ("ksqs:l=0", "codec ksqs: l=0 must be in 1..1024"),
     ("csqs:alpha=1.5", "codec csqs: alpha=1.5 must be in (0, 1)"),
     ("csqs:eta=-1", "codec csqs: eta=-1.0 must be > 0"),
     ("csqs:beta0=nan", "codec csqs: beta0=nan must be finite"),
@@ -447,7 +447,7 @@ def test_bad_payloads_raise_codec_error_naming_the_problem(case):
 
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FUZZ_SPECS = ["dense16", "dense32", "topk:k=3", "ksqs:k=3,l=8", "ksqs:k=200,l=4", "csqs:l=8,kmax=64", "ids"]
+FUZZ_SPECS = ["dense16", "dense32", "topk:k=3", "ksqs:k=3,l=8", "ksqs:k=128,l=4", "csqs:l=8,kmax=64", "ids"]
 
 
 def decode_or_refuse(spec, payload, n, vocab):

@@ -26,11 +26,14 @@ from .base import Codec, as_rows, check_payload_length, not_prepared, padded_sup
 from .bits import (BitReader, BitWriter, CodecError, bits_for, compositions, lattice_rank, lattice_unrank,
                    subset_rank, subset_unrank)
 
-MAX_RESOLUTION = 1 << 16
-# Ranking a K-subset costs K big-integer binomials of ~K log2(V / K) bits (quadratic in K: 30 ms at
-# K = 512, 0.7 s at K = 2048 for V = 151,936), so supports are capped. The paper's operating point
-# (B = 5000 bits per batch) never sends more than a few hundred tokens anyway.
-MAX_SUPPORT = 1024
+# Decoding is on the verifier's shared compute thread, so the worst frame a client may send must be
+# cheap: ranking a K-subset costs K big-integer binomials of ~K log2(V / K) bits and unranking a
+# lattice point O(K log l) more (cost grows as K^2). Measured on a 2-core EPYC at V = 151,936
+# (`edgespec-bench --sweep hostile` prints it): 11 ms per row at K = 128, l = 65536 and 1.8 s at
+# K = 1024; at the limits below a row takes <= 6 ms and the worst VERIFY frame (64 rows) < 0.4 s.
+# The paper's operating points (l ~ 100, B = 5000 bits per batch) are far inside.
+MAX_RESOLUTION = 1024
+MAX_SUPPORT = 128
 
 
 def lattice_quantize(probs, resolution: int) -> np.ndarray:
@@ -163,7 +166,7 @@ class CSQS(_LatticeCodec):
     code = 6
     sends_support_size = True
     PARAMS = {"l": (int, 100, _resolution_ok), "eta": (float, 0.001, _rate), "alpha": (float, 0.0005, _target),
-              "beta0": (float, 0.001, _finite), "kmax": (int, 512, _support_ok), "budget": (int, 0, _budget_ok)}
+              "beta0": (float, 0.001, _finite), "kmax": (int, MAX_SUPPORT, _support_ok), "budget": (int, 0, _budget_ok)}
 
     def __init__(self, **params):
         super().__init__(**params)

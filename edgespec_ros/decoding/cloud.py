@@ -63,6 +63,10 @@ class TargetSession:
         """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
         ids = torch.tensor([prompt.prompt_ids], dtype=torch.long)
         inputs = PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids))
+        if prompt.jpeg is None and self.lm.is_vlm:
+            image_token = self.lm.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            if image_token is not None and bool((ids == image_token).any()):
+                raise ValueError("prompt has image tokens but no image was sent")
         if prompt.jpeg is not None:
             if not self.lm.is_vlm:
                 raise ValueError("an image was sent but the target model is text-only")
