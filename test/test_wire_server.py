@@ -303,7 +303,7 @@ RAW_CASES = {
     "text-message": ("open", lambda pair: ['{"type": "hello"}'], 400, ["got text"]),
     "text-mid-session": ("prefill", lambda pair: ["verify please"], 400, ["got text"]),
     "bad-length": ("open", lambda pair: [P.encode(_hello(pair)) + b"xx"], 400, ["declares a"]),
-    "not-hello-first": ("open", lambda pair: [P.encode(_prefill(pair))], 400, ["expected HELLO first"]),
+    "not-hello-first": ("open", lambda pair: [P.encode(P.Generate(1, 4))], 400, ["expected HELLO first"]),
     "unknown-codec": ("open", lambda pair: [P.encode(_hello(pair, codec="zstd-topk"))], 422,
                       ["unknown codec 'zstd-topk'", "dense32"]),
     "verify-before-prefill": ("hello", lambda pair: [P.encode(P.Verify(1, 1, [5], _q_payload(pair.vocab)))],
@@ -483,7 +483,8 @@ def _drop(ws, abrupt: bool):
 
 
 def _wait_for_session_end(log, peer):
-    wait_until(lambda: any(str(peer) in r.getMessage() and "client closed" in r.getMessage() for r in log.records),
+    tag = f"{peer[0]}:{peer[1]}#"  # the server names a session address:port#key
+    wait_until(lambda: any(tag in r.getMessage() and "client closed" in r.getMessage() for r in log.records),
                what=f"the server to notice that {peer} left")
 
 
@@ -746,14 +747,14 @@ def test_unusable_token_file_is_a_clear_error(tmp_path, monkeypatch, content):
         server_module.main(["--model", str(tmp_path / "no-model"), "--token-file", str(path)])
     message = str(exit_info.value.code)
     assert str(path) in message and "--token-file" in message
-    assert ("cannot read" if content is None else "is empty") in message
+    assert ("cannot read" if content is None else "holds no token") in message
 
 
-def test_token_file_is_stripped(tmp_path):
+def test_token_file_is_stripped_one_token_per_line(tmp_path):
     path = tmp_path / "token"
-    path.write_text(f"  {TOKEN}\n")
-    assert server_module.read_token_file(str(path)) == TOKEN
-    assert server_module.read_token_file(None) is None
+    path.write_text(f"  {TOKEN}\n# the lab's robots\n\n  second-tenant-token-xyz \n")
+    assert server_module.read_token_file(str(path)) == [TOKEN, "second-tenant-token-xyz"]
+    assert server_module.read_token_file(None) == []
 
 
 def _verify_frame(pair, round_, ids, epoch, condition=(), codec="dense32"):

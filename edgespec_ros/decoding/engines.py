@@ -46,6 +46,16 @@ class LoadedModel:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
+    def max_context(self) -> int | None:
+        """The model's own context length (max_position_embeddings), None when the config lacks it."""
+        cfg = self.model.config
+        for c in (getattr(cfg, "text_config", None), cfg):
+            n = getattr(c, "max_position_embeddings", None) if c is not None else None
+            if isinstance(n, int) and n > 0:
+                return n
+        return None
+
+    @property
     def eos_token_ids(self) -> set[int]:
         cfg_eos = getattr(self.model.generation_config, "eos_token_id", None)
         if cfg_eos is None:

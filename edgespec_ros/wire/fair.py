@@ -1,14 +1,16 @@
 """The verifier's one compute thread, shared fairly between sessions.
 
 Every model call and every codec decode of every session runs here (one accelerator: jobs never
-overlap). Jobs are served by start-time fair queuing over the compute time each session has used:
-the next job is the oldest job of the session with the least virtual time, a session's virtual
-time grows by the seconds its jobs ran, and a session that was idle starts at the current virtual
-time (it is not owed the past). So a session that sends expensive-but-allowed work (big prompts,
-the largest codec parameters, long generations) is served after the sessions that used less,
-and its share is bounded; a session waits for at most the job in progress plus one job of each
-session that used less than it did. When a session ends, its queued jobs are cancelled and any new
-one is refused (``SessionGone``); a job already running finishes (each is bounded by the limits).
+overlap). Jobs are served by start-time fair queuing over the compute time each *flow* has used:
+a flow is a tenant (the auth token a session presented; every session of one token shares one
+flow) or, without auth, the session itself. The next job is the oldest job of the flow with the
+least virtual time; a flow's virtual time grows by the seconds its jobs ran, and a flow that was
+idle starts at the current virtual time (it is not owed the past). So a tenant that sends
+expensive-but-allowed work (big prompts, the largest codec parameters, long generations, many
+sessions) is served after the flows that used less, and its share is bounded: a job waits for at
+most the job in progress plus one job of each flow that used less than its own. When a session
+ends, its queued jobs are cancelled and any new one is refused (``SessionGone``); a job already
+running finishes (each is bounded by the limits).
 """
 from __future__ import annotations
 
@@ -24,22 +26,22 @@ class SessionGone(Exception):
 
 
 class _Job:
-    __slots__ = ("key", "fn", "args", "future", "loop", "queued_at", "order")
+    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order")
 
-    def __init__(self, key, fn, args, future, loop, order):
-        self.key, self.fn, self.args, self.future, self.loop = key, fn, args, future, loop
+    def __init__(self, key, flow, fn, args, future, loop, order):
+        self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
         self.queued_at = time.perf_counter()
         self.order = order
 
 
 class FairCompute:
-    """One worker thread; ``await run(session_key, fn, *args)`` from an event loop."""
+    """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
     def __init__(self, name: str = "target", max_queued: int = 4096):
         self.max_queued = max_queued
         self._cond = threading.Condition()
-        self._queues: dict[object, deque[_Job]] = {}
-        self._vtime: dict[object, float] = {}  # virtual start time of each active session
+        self._queues: dict[object, deque[_Job]] = {}  # flow -> its queued jobs, oldest first
+        self._vtime: dict[object, float] = {}  # virtual start time of each active flow
         self._clock = 0.0  # virtual time of the job in progress
         self._closed_keys: set = set()
         self._order = itertools.count()
@@ -47,13 +49,16 @@ class FairCompute:
         self._stopping = False
         self.busy_s = 0.0
         self.jobs = 0
-        self.running_key = None
+        self.running_key = self.running_flow = None
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     # --- event-loop side -------------------------------------------------------------------
 
-    async def run(self, key, fn, *args):
+    async def run(self, key, fn, *args, flow=None):
+        """Run fn(*args) on the compute thread for session ``key`` (sharing ``flow``'s share; the
+        session alone when None); SessionGone when the session was closed."""
+        flow = key if flow is None else flow
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._cond:
@@ -61,33 +66,43 @@ class FairCompute:
                 raise SessionGone("session closed")
             if self._queued >= self.max_queued:
                 raise RuntimeError(f"compute queue full ({self._queued} jobs)")
-            if key not in self._queues:
-                self._queues[key] = deque()
-                self._vtime[key] = max(self._vtime.get(key, 0.0), self._clock)
-            self._queues[key].append(_Job(key, fn, args, future, loop, next(self._order)))
+            if flow not in self._queues:
+                self._queues[flow] = deque()
+                self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
+            self._queues[flow].append(_Job(key, flow, fn, args, future, loop, next(self._order)))
             self._queued += 1
             self._cond.notify()
         return await future
-
-    def open(self, key) -> None:
-        with self._cond:
-            self._closed_keys.discard(key)
 
     def close(self, key) -> int:
         """The session ended: cancel its queued jobs (returns how many) and refuse new ones."""
         with self._cond:
             self._closed_keys.add(key)
-            jobs = self._queues.pop(key, deque())
-            self._vtime.pop(key, None)
+            jobs = []
+            for flow in list(self._queues):
+                queue = self._queues[flow]
+                mine = [job for job in queue if job.key == key]
+                if not mine:
+                    continue
+                jobs += mine
+                rest = deque(job for job in queue if job.key != key)
+                if rest:
+                    self._queues[flow] = rest
+                else:
+                    del self._queues[flow]
             self._queued -= len(jobs)
         for job in jobs:
             job.loop.call_soon_threadsafe(_cancel, job.future)
         return len(jobs)
 
-    def forget(self, key) -> None:
-        """Drop the closed marker of a key that will never be used again (bounded memory)."""
+    def forget(self, key, flow=None) -> None:
+        """Drop the closed marker of a session key that will never be used again and the virtual
+        time of ``flow`` (default: the key's own), which must have no session left (bounded memory)."""
         with self._cond:
             self._closed_keys.discard(key)
+            flow = key if flow is None else flow
+            if flow not in self._queues:
+                self._vtime.pop(flow, None)
 
     def queue_depth(self) -> int:
         with self._cond:
@@ -107,14 +122,14 @@ class FairCompute:
                 self._cond.wait()
             if self._stopping and not self._queued:
                 return None
-            key = min(self._queues, key=lambda k: (self._vtime[k], self._queues[k][0].order))
-            queue = self._queues[key]
+            flow = min(self._queues, key=lambda f: (self._vtime[f], self._queues[f][0].order))
+            queue = self._queues[flow]
             job = queue.popleft()
             self._queued -= 1
-            self._clock = self._vtime[key]
+            self._clock = self._vtime[flow]
             if not queue:
-                del self._queues[key]  # idle: its vtime stays until it returns
-            self.running_key = key
+                del self._queues[flow]  # idle: its vtime stays until it returns or is forgotten
+            self.running_key, self.running_flow = job.key, flow
             return job
 
     def _work(self) -> None:
@@ -133,11 +148,9 @@ class FairCompute:
             with self._cond:
                 self.busy_s += spent
                 self.jobs += 1
-                self.running_key = None
-                if job.key in self._vtime:
-                    self._vtime[job.key] += spent
-                elif job.key not in self._closed_keys:
-                    self._vtime[job.key] = self._clock + spent
+                self.running_key = self.running_flow = None
+                if job.flow in self._vtime:  # not forgotten while it ran
+                    self._vtime[job.flow] += spent
             job.loop.call_soon_threadsafe(_settle, job.future, result, error)
 
 

@@ -113,14 +113,19 @@ class AuthThrottle:
 
 
 def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from the image header, without decoding the pixels; LimitError when the
+    """(width, height) from the image header, without decoding the pixels; ValueError when the
     bytes are not an image PIL can identify."""
-    from PIL import Image, UnidentifiedImageError
+    import warnings
+    from PIL import Image
     try:
-        with Image.open(io.BytesIO(data)) as im:  # lazy: reads the header only
-            return im.size
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise LimitError(f"the frame's image cannot be read: {type(exc).__name__}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+            with Image.open(io.BytesIO(data)) as im:  # lazy: reads the header only
+                return im.size
+    except Image.DecompressionBombError:
+        raise LimitError("image header declares a decompression bomb (PIL's own limit)") from None
+    except Exception as exc:  # UnidentifiedImageError, truncated headers, ...
+        raise ValueError(f"cannot decode image: {type(exc).__name__}") from None
 
 
 def check_image(data: bytes, limits: ServerLimits) -> None:

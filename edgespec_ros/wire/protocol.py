@@ -37,7 +37,9 @@ class ErrorCode(enum.IntEnum):
     MODEL_MISMATCH = 409
     TOO_LARGE = 413
     BAD_REQUEST = 422  # well-formed but invalid content (token ids, q, state)
+    TOO_MANY = 429  # a rate or count limit: failed auth attempts, sessions per token, rounds per decision
     INTERNAL = 500
+    BUSY = 503  # the verifier is full (connections, handshakes) or shutting down: retry later
 
 
 class FrameType(enum.IntEnum):

@@ -9,12 +9,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import ipaddress
+import itertools
 import logging
 import math
+import os
+import secrets
+import signal
 import sys
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Sequence
 
 from ..codecs import CodecError, get_codec
 from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
@@ -24,9 +30,10 @@ from ..decoding.verifier import Condition, EpochGate
 from ..decoding.verify import MODES, DraftDistributionError
 from . import protocol as P
 from ..decoding.compute import ComputeProfile, get_compute
+from .fair import FairCompute, SessionGone
+from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, LimitError, ServerLimits, check_image
 
 log = logging.getLogger("edgespec.verifier")
-MAX_NEW_TOKENS = 4096
 
 
 class SessionError(Exception):
@@ -121,18 +128,96 @@ class ExitSender:
         self.task.cancel()
 
 
+def clean(text, limit: int = 120) -> str:
+    """A client-supplied string made safe for one log line: control characters escaped (no forged
+    lines or terminal escapes), truncated."""
+    s = str(text)
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
+    return out + ("..." if len(s) > limit else "")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname or '' (all interfaces): treat as exposed
+
+
+class InsecureConfig(Exception):
+    """Serving on a network address without auth, without --insecure-no-auth."""
+
+
+@dataclass
+class _Conn:
+    """One websocket connection: its scheduling key, where it comes from, and what it may do."""
+    key: int
+    address: str
+    peer: str  # for log lines: address:port#key
+    ws: object
+    tenant: int | None = None  # index of the token it authenticated with (None: auth is off)
+    accepted: bool = False  # HELLO accepted (it no longer counts as a handshake)
+    decision: int | None = None
+    rounds: int = 0  # VERIFY frames of the current decision
+    prompt_len: int = 0
+
+    @property
+    def flow(self):
+        """Its compute share: the tenant's (all sessions of one token share one) or its own."""
+        return None if self.tenant is None else ("tenant", self.tenant)
+
+
+class _Inbox:
+    """Frames read ahead of the session (pipelined blocks queue here while the target computes),
+    bounded in count and in bytes: a client that floods it is throttled by TCP, not buffered."""
+
+    def __init__(self, max_items: int, max_bytes: int):
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.items: deque = deque()
+        self.bytes = 0
+        self._changed = asyncio.Event()  # one producer and one consumer, never both waiting
+
+    @staticmethod
+    def _size(raw) -> int:
+        return len(raw) if isinstance(raw, (bytes, bytearray, memoryview, str)) else 0
+
+    async def put(self, raw, arrived: float) -> None:
+        size = self._size(raw)
+        while self.items and (len(self.items) >= self.max_items or self.bytes + size > self.max_bytes):
+            self._changed.clear()
+            await self._changed.wait()
+        self.items.append((raw, arrived))
+        self.bytes += size
+        self._changed.set()
+
+    async def get(self):
+        while not self.items:
+            self._changed.clear()
+            await self._changed.wait()
+        raw, arrived = self.items.popleft()
+        self.bytes -= self._size(raw)
+        self._changed.set()
+        return raw, arrived
+
+
 class VerifierServer:
-    def __init__(self, lm: LoadedModel, *, token: str | None = None, max_frame: int = P.DEFAULT_MAX_FRAME,
-                 compute: ComputeProfile | None = None, handshake_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 300.0, model_name: str | None = None, exit_queue: str = "priority",
-                 exit_queue_size: int = 64):
+    def __init__(self, lm: LoadedModel, *, token: str | Sequence[str] | None = None,
+                 max_frame: int = P.DEFAULT_MAX_FRAME, compute: ComputeProfile | None = None,
+                 handshake_timeout_s: float = 10.0, idle_timeout_s: float = 300.0, model_name: str | None = None,
+                 exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
+                 ssl_context=None, insecure_no_auth: bool = False):
         self.lm = lm
-        self.token = token
+        tokens = [token] if isinstance(token, str) else list(token or [])
+        if any(not t for t in tokens):
+            raise ValueError("auth tokens must be non-empty")
+        self.tokens = [t.encode() for t in tokens]  # one per tenant; empty list: no auth
         self.max_frame = max_frame
         self.compute = compute or get_compute("native")
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.model_name = model_name or lm.path
+        # WELCOME names the model, never a server path.
+        self.model_name = model_name or os.path.basename(os.path.normpath(lm.path)) or "target"
         self.fingerprint = lm.fingerprint()
         self.vocab = lm.vocab_size
         if exit_queue not in EXIT_QUEUE_POLICIES:
@@ -140,44 +225,82 @@ class VerifierServer:
         self.exit_queue, self.exit_queue_size = exit_queue, exit_queue_size
         self.num_layers = lm.num_layers
         self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
+        self.limits = limits or ServerLimits()
+        context = lm.max_context
+        self.max_context = context  # the model's own maximum (None: unknown)
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens, context or self.limits.max_prompt_tokens)
+        self.ssl_context = ssl_context
+        self.insecure_no_auth = insecure_no_auth
+        self.gate = ConnectionGate(self.limits)
+        self.throttle = AuthThrottle(self.limits)
+        self.fair = FairCompute("target")  # every session's model and codec work, fairly shared
+        self._keys = itertools.count(1)
+        self._tenant_sessions: dict[int, int] = defaultdict(int)
+        self.connections: dict[int, _Conn] = {}
+        self.stopping = False
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
-        self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.sessions_served = 0
+        self.refused = 0  # connections refused by the caps
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._compute_pool, fn, *args)
+    async def _run(self, conn: _Conn, fn, *args):
+        """fn(*args) on the one compute thread, in the connection's fair share; SessionGone when
+        the client left meanwhile (its queued work is cancelled)."""
+        return await self.fair.run(conn.key, fn, *args, flow=conn.flow)
 
     async def handler(self, ws):
-        peer = getattr(ws, "remote_address", None)
+        peer = getattr(ws, "remote_address", None) or ("?", 0)
+        key = next(self._keys)
+        conn = _Conn(key, str(peer[0]), f"{peer[0]}:{peer[1] if len(peer) > 1 else 0}#{key}", ws)
+        refusal = "verifier shutting down" if self.stopping else self.gate.admit(conn.address)
+        if refusal:
+            self.refused += 1
+            log.warning("connection %s refused: %s", conn.peer, refusal)
+            await self._refuse(ws, P.ErrorCode.BUSY, refusal, 1013)
+            return
+        self.connections[key] = conn
         try:
-            await self._session(ws, peer)
+            await self._session(conn)
         except SessionError as exc:
-            msg = f"session {peer}: {exc} (code {exc.code})"
-            log.warning(msg)
+            log.warning("session %s: %s (code %d)", conn.peer, clean(exc, 300), exc.code)
             self.errors.append(str(exc))
-            try:
-                await ws.send(P.encode(P.Error(exc.code, str(exc))))
-                await ws.close(1008 if exc.code < 500 else 1011, str(exc)[:120])
-            except Exception:
-                pass
+            await self._refuse(ws, exc.code, str(exc), 1008 if exc.code < 500 else 1011)
+        except SessionGone:
+            log.info("session %s: client closed the connection; its queued work was cancelled", conn.peer)
         except Exception as exc:  # the client vanished, or a bug: log it, keep serving others
             from websockets.exceptions import ConnectionClosed
             if isinstance(exc, ConnectionClosed):
-                log.info("session %s: client closed the connection (%s)", peer, exc)
+                log.info("session %s: client closed the connection (%s)", conn.peer, clean(exc))
             else:
-                log.exception("session %s: internal error", peer)
+                incident = secrets.token_hex(4)
+                log.exception("session %s: internal error (incident %s)", conn.peer, incident)
                 self.errors.append(f"internal: {exc}")
-                try:
-                    await ws.send(P.encode(P.Error(P.ErrorCode.INTERNAL, f"internal error: {exc}")))
-                    await ws.close(1011, "internal error")
-                except Exception:
-                    pass
+                # The client gets no exception text: the details are in this log only.
+                await self._refuse(ws, P.ErrorCode.INTERNAL,
+                                   f"internal error (incident {incident}; details in the verifier's log)", 1011)
         finally:
+            self.connections.pop(key, None)
+            self.gate.release(conn.address, conn.accepted)
+            self.fair.close(key)
+            last = False
+            if conn.accepted and conn.tenant is not None:
+                self._tenant_sessions[conn.tenant] -= 1
+                if self._tenant_sessions[conn.tenant] <= 0:
+                    del self._tenant_sessions[conn.tenant]
+                    last = True
+            self.fair.forget(key, conn.flow if last else None)
             self.sessions_served += 1
 
-    async def _recv(self, ws, timeout: float, inbox: asyncio.Queue | None = None):
+    @staticmethod
+    async def _refuse(ws, code: int, message: str, close_code: int) -> None:
+        try:
+            await asyncio.wait_for(ws.send(P.encode(P.Error(code, message))), 5.0)
+            await asyncio.wait_for(ws.close(close_code, message[:120]), 5.0)
+        except Exception:
+            pass
+
+    async def _recv(self, ws, timeout: float, inbox: _Inbox | None = None, max_frame: int | None = None):
         """The next frame (decoded) and when it arrived; from ``inbox`` once the session reads
         ahead (pipelined blocks queue there while the target computes)."""
         try:
@@ -190,29 +313,56 @@ class VerifierServer:
         except asyncio.TimeoutError:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"no frame within {timeout:g} s: closing idle session") from None
         try:
-            return P.decode(raw, self.max_frame), arrived
+            return P.decode(raw, max_frame or self.max_frame), arrived
         except P.ProtocolError as exc:
             raise SessionError(exc.code, str(exc)) from None
 
-    @staticmethod
-    async def _read_ahead(ws, inbox: asyncio.Queue) -> None:
-        """Timestamp frames as they arrive (bounded queue: a client that floods it is throttled by
-        TCP, not buffered here); a closed connection reaches the session as its next frame."""
+    async def _read_ahead(self, conn: _Conn, inbox: _Inbox) -> None:
+        """Timestamp frames as they arrive; a closed connection reaches the session as its next
+        frame, and cancels the session's queued compute at once (the client is gone)."""
         try:
-            async for raw in ws:
-                await inbox.put((raw, time.perf_counter()))
+            async for raw in conn.ws:
+                await inbox.put(raw, time.perf_counter())
         except Exception as exc:  # ConnectionClosedError and friends
-            await inbox.put((exc, time.perf_counter()))
+            self.fair.close(conn.key)
+            await inbox.put(exc, time.perf_counter())
             return
         from websockets.exceptions import ConnectionClosedOK
-        await inbox.put((ConnectionClosedOK(None, None), time.perf_counter()))
+        self.fair.close(conn.key)
+        await inbox.put(ConnectionClosedOK(None, None), time.perf_counter())
 
-    async def _session(self, ws, peer):
-        hello, _ = await self._recv(ws, self.handshake_timeout_s)
+    def _authenticate(self, conn: _Conn, hello: P.Hello) -> int | None:
+        """The tenant (token index) of an accepted HELLO; None when auth is off."""
+        locked = self.throttle.locked_for(conn.address)
+        if locked > 0:
+            raise SessionError(P.ErrorCode.TOO_MANY,
+                               f"too many failed auth attempts from this address: locked out for {math.ceil(locked)} s "
+                               f"(--auth-failures {self.limits.auth_failures} per --auth-window "
+                               f"{self.limits.auth_window_s:g} s)")
+        if not self.tokens:
+            return None
+        presented = hello.token.encode()
+        match = None
+        for i, token in enumerate(self.tokens):  # every token compared, each in constant time
+            if hmac.compare_digest(presented, token) and match is None:
+                match = i
+        if match is None:
+            self.throttle.failed(conn.address)
+            raise SessionError(P.ErrorCode.UNAUTHORIZED, "bad or missing auth token (see --token-file)")
+        if self._tenant_sessions[match] >= self.limits.max_sessions_per_token:
+            raise SessionError(P.ErrorCode.TOO_MANY,
+                               f"this token already has {self._tenant_sessions[match]} sessions open "
+                               f"(--max-sessions-per-token {self.limits.max_sessions_per_token})")
+        return match
+
+    async def _session(self, conn: _Conn):
+        ws = conn.ws
+        # Before HELLO is accepted, frames are capped at PREAUTH_MAX_FRAME (by the websocket
+        # layer too: nothing larger is buffered or decoded).
+        hello, _ = await self._recv(ws, self.handshake_timeout_s, max_frame=PREAUTH_MAX_FRAME)
         if not isinstance(hello, P.Hello):
             raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(hello).__name__}")
-        if self.token is not None and not hmac.compare_digest(hello.token.encode(), self.token.encode()):
-            raise SessionError(P.ErrorCode.UNAUTHORIZED, "bad or missing auth token (see --token-file)")
+        tenant = self._authenticate(conn, hello)
         if hello.fingerprint != self.fingerprint or hello.vocab_size != self.vocab:
             raise SessionError(P.ErrorCode.MODEL_MISMATCH,
                                f"model mismatch: edge tokenizer {hello.fingerprint[:12]}.. vocab {hello.vocab_size}, "
@@ -222,48 +372,76 @@ class VerifierServer:
             codec = get_codec(hello.codec)
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
+        conn.tenant, conn.accepted = tenant, True
+        if tenant is not None:
+            self._tenant_sessions[tenant] += 1
+        self.gate.authenticated()
+        protocol = getattr(ws, "protocol", None)
+        if protocol is not None:  # the session's own frame limit from now on
+            protocol.max_message_size = 2 * self.max_frame + 1024
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
                                          "edgespec-verifier", self.num_layers, self.exit_layers)))
-        log.info("session %s: open (client %s, codec %s)", peer, hello.client, codec.spec)
+        log.info("session %s: open (client %s, codec %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
+                 "" if tenant is None else f", token #{tenant}")
         session = TargetSession(self.lm)
         live: list[ExitSender] = []  # this session's exit sender while a round streams
+        inbox = _Inbox(16, max(self.max_frame, 1 << 20))
+        reader = asyncio.ensure_future(self._read_ahead(conn, inbox))
         try:
-            await self._serve_session(ws, peer, session, codec, live)
+            await self._serve_frames(conn, session, codec, live, inbox)
         finally:
+            reader.cancel()
             for sender in live:  # the robot vanished mid-round: stop streaming its exits
                 sender.cancel()
 
-    async def _serve_session(self, ws, peer, session, codec, live: list):
-        inbox: asyncio.Queue = asyncio.Queue(maxsize=16)
-        reader = asyncio.ensure_future(self._read_ahead(ws, inbox))
-        try:
-            await self._serve_frames(ws, peer, session, codec, live, inbox)
-        finally:
-            reader.cancel()
+    def _check_context(self, conn: _Conn, session: TargetSession, more: int, what: str) -> None:
+        if self.max_context is None:
+            return
+        used = conn.prompt_len + session.position
+        if used + more > self.max_context:
+            raise SessionError(P.ErrorCode.TOO_LARGE,
+                               f"{what} would take the decision to {used + more} tokens, past the model's context of "
+                               f"{self.max_context}")
 
-    async def _serve_frames(self, ws, peer, session, codec, live: list, inbox: asyncio.Queue):
-        decision = None
+    async def _serve_frames(self, conn: _Conn, session, codec, live: list, inbox: _Inbox):
+        ws, lim = conn.ws, self.limits
         gate = EpochGate()  # which blocks to verify: live epoch, void epochs, conditional blocks
         last_done = time.perf_counter()  # when the target finished its last block for this session
         while True:
             msg, arrived = await self._recv(ws, self.idle_timeout_s, inbox)
             if isinstance(msg, P.Close):
-                log.info("session %s: closed by client (%s)", peer, msg.reason)
+                log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
                 await ws.close()
                 return
             if isinstance(msg, P.Prefill):
-                decision = msg.decision
+                if len(msg.prompt_ids) > self.max_prompt_tokens:
+                    limit = ("--max-prompt-tokens" if self.max_prompt_tokens == lim.max_prompt_tokens
+                             else "the model's context")
+                    raise SessionError(P.ErrorCode.TOO_LARGE, f"prompt of {len(msg.prompt_ids)} tokens exceeds "
+                                                              f"{limit} ({self.max_prompt_tokens})")
+                if msg.jpeg:
+                    try:
+                        check_image(msg.jpeg, lim)  # from the header, before any pixel is decoded
+                    except LimitError as exc:
+                        raise SessionError(P.ErrorCode.TOO_LARGE, str(exc)) from None
+                    except ValueError as exc:
+                        raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
+                conn.decision, conn.rounds, conn.prompt_len = msg.decision, 0, len(msg.prompt_ids)
                 gate.reset()
                 settings = self._verify_settings(msg)
                 prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
                 try:
-                    dt = await self._run(session.start, prompt, settings)
+                    dt = await self._run(conn, session.start, prompt, settings)
                 except ValueError as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
                 await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
                 last_done = time.perf_counter()
             elif isinstance(msg, P.Verify):
-                self._check_decision(msg.decision, decision)
+                self._check_decision(msg.decision, conn.decision)
+                conn.rounds += 1
+                if conn.rounds > lim.max_rounds:
+                    raise SessionError(P.ErrorCode.TOO_MANY, f"more than {lim.max_rounds} VERIFY frames in one "
+                                                             f"decision (--max-rounds)")
                 condition = self._condition(msg, codec)
                 try:
                     admitted = gate.admit(msg.epoch, condition)
@@ -281,8 +459,9 @@ class VerifierServer:
                                        f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
                 if msg.flags & ~P.VERIFY_FLAGS:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
+                self._check_context(conn, session, len(msg.draft_ids) + 1, "this block")
                 if getattr(codec, "separate", False):
-                    ended = await self._verify_separate(ws, msg, session, codec, chained, queue_ms)
+                    ended = await self._verify_separate(conn, msg, session, codec, chained, queue_ms)
                     gate.record(msg.round, ended, 0, None)  # conditional blocks are refused with split
                     last_done = time.perf_counter()
                     continue
@@ -301,8 +480,8 @@ class VerifierServer:
                 try:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
-                    q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
-                    result, _ = await self._run(session.verify, msg.draft_ids, q, on_exit, chained)
+                    q = await self._run(conn, codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
+                    result, _ = await self._run(conn, session.verify, msg.draft_ids, q, on_exit, chained)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
                 elapsed = await self._pad(started, self.compute.verify_total_s(len(session.last_exits)))
@@ -317,14 +496,15 @@ class VerifierServer:
                 gate.record(msg.round, not continued, result.accepted, None if continued else result.next_token)
                 last_done = time.perf_counter()
             elif isinstance(msg, P.Generate):
-                self._check_decision(msg.decision, decision)
-                if not 1 <= msg.max_new_tokens <= MAX_NEW_TOKENS:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST,
-                                       f"max_new_tokens {msg.max_new_tokens} not in 1..{MAX_NEW_TOKENS}")
+                self._check_decision(msg.decision, conn.decision)
+                if not 1 <= msg.max_new_tokens <= lim.max_new_tokens:
+                    raise SessionError(P.ErrorCode.TOO_LARGE, f"max_new_tokens {msg.max_new_tokens} not in "
+                                                              f"1..{lim.max_new_tokens} (--max-new-tokens)")
+                self._check_context(conn, session, msg.max_new_tokens, f"generating {msg.max_new_tokens} tokens")
                 eos = self.lm.eos_token_ids
                 for i in range(msg.max_new_tokens):
                     started = time.perf_counter()
-                    token, _ = await self._run(session.ar_step)
+                    token, _ = await self._run(conn, session.ar_step)
                     elapsed = await self._pad(started, self.compute.ar_step_s)
                     last = token in eos or i == msg.max_new_tokens - 1
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
@@ -334,7 +514,7 @@ class VerifierServer:
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
 
-    async def _verify_separate(self, ws, msg: P.Verify, session: TargetSession, codec, chained: bool,
+    async def _verify_separate(self, conn: _Conn, msg: P.Verify, session: TargetSession, codec, chained: bool,
                                queue_ms: float) -> bool:
         """A split-codec round: q(x) of each draft only; on a rejection p goes down, not a token.
         (No early exits: an exit could not name its next token without the robot's q.) Returns
@@ -342,15 +522,15 @@ class VerifierServer:
         started = time.perf_counter()
         edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
         try:
-            q = await self._run(codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
-            result, _ = await self._run(session.verify_separate, msg.draft_ids, q, edge, chained)
-            p_payload = b"" if result.target_p is None else await self._run(codec.encode_p, result.target_p)
+            q = await self._run(conn, codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
+            result, _ = await self._run(conn, session.verify_separate, msg.draft_ids, q, edge, chained)
+            p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p)
         except (CodecError, DraftDistributionError, ValueError) as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
         elapsed = await self._pad(started, self.compute.verify_s)
         next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
-        await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
-                                         len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
+        await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
+                                              len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
         return result.next_token != CONTINUE
 
     @staticmethod
@@ -392,18 +572,55 @@ class VerifierServer:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
         return VerifySettings(params, msg.seed, msg.verify_mode)
 
+    def check_exposure(self, host: str) -> None:
+        """Auth is required on any non-loopback address unless explicitly waived (loudly)."""
+        if is_loopback(host):
+            return
+        if not self.tokens:
+            if not self.insecure_no_auth:
+                raise InsecureConfig(f"refusing to serve on {host or 'all interfaces'} without auth: anyone who can "
+                                     "reach this port could use the model. Give --token-file (and --tls-cert/--tls-key), "
+                                     "or --insecure-no-auth to accept that risk")
+            log.warning("!!! serving on %s WITHOUT AUTH (--insecure-no-auth): anyone who can reach this port can "
+                        "use the model and its compute !!!", host or "all interfaces")
+        if self.ssl_context is None:
+            log.warning("serving on %s without TLS: the auth token and the robot's camera frames cross the network "
+                        "in clear (give --tls-cert/--tls-key)", host or "all interfaces")
+
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
+        """Serve until ``stop`` is set, then shut down gracefully: stop accepting, cancel the
+        sessions' queued work (a job already running finishes), close every session with code
+        1001 and the reason 'verifier shutting down'."""
         from websockets.asyncio.server import serve
-        # Frames above max_frame get a clear ERROR frame from decode(); far larger ones are cut
-        # by the websocket layer itself (close code 1009) before they fill memory.
-        async with serve(self.handler, host, port, max_size=2 * self.max_frame + 1024, compression=None,
-                         ping_interval=20, ping_timeout=20) as server:
+        self.check_exposure(host)
+        # Until a HELLO is accepted the websocket layer cuts any message above PREAUTH_MAX_FRAME
+        # (close code 1009) before it is buffered; the session then gets 2 x max_frame (frames
+        # above max_frame get a clear ERROR frame from decode()). At most 4 frames queue per
+        # connection, and the session's read-ahead inbox holds at most max_frame bytes.
+        async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=4, compression=None,
+                         ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
+                         ssl=self.ssl_context) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
-            log.info("edgespec-verifier listening on ws://%s:%d (model %s, vocab %d, compute %s)",
-                     host, self.port, self.model_name, self.vocab, self.compute.name)
+            scheme = "wss" if self.ssl_context is not None else "ws"
+            log.info("edgespec-verifier listening on %s://%s:%d (model %s, vocab %d, compute %s, auth %s)",
+                     scheme, host, self.port, self.model_name, self.vocab, self.compute.name,
+                     f"{len(self.tokens)} token(s)" if self.tokens else "off")
             if ready is not None:
                 ready.set()
             await (stop.wait() if stop is not None else asyncio.Future())
+            await self.shutdown(server)
+
+    async def shutdown(self, server, timeout_s: float = 10.0) -> None:
+        self.stopping = True
+        log.info("shutting down: %d session(s) open", len(self.connections))
+        for key in list(self.connections):
+            self.fair.close(key)  # queued work cancelled; the job in progress finishes
+        server.close(close_connections=True, code=1001, reason="verifier shutting down")
+        try:
+            await asyncio.wait_for(server.wait_closed(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("shutdown: sessions still open after %g s", timeout_s)
+        self.fair.shutdown(timeout_s)
 
 
 class ServerThread:
@@ -412,6 +629,7 @@ class ServerThread:
     def __init__(self, server: VerifierServer, host: str = "127.0.0.1", port: int = 0):
         self.server, self.host, self.port = server, host, port
         self._loop = self._stop = self._thread = None
+        self.error: BaseException | None = None
 
     def start(self) -> "ServerThread":
         import threading
@@ -424,23 +642,36 @@ class ServerThread:
 
             async def main():
                 task = asyncio.ensure_future(self.server.serve(self.host, self.port, started, self._stop))
-                await started.wait()
+                await asyncio.wait([task, asyncio.ensure_future(started.wait())],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if task.done():  # failed to start
+                    self.error = task.exception()
+                    ready.set()
+                    return
                 self.port = self.server.port
                 ready.set()
                 await task
 
-            self._loop.run_until_complete(main())
-            self._loop.close()
+            try:
+                self._loop.run_until_complete(main())
+            finally:
+                self._loop.close()
 
         self._thread = threading.Thread(target=run, name="verifier", daemon=True)
         self._thread.start()
         if not ready.wait(15):
             raise RuntimeError("verifier thread failed to start")
+        if self.error is not None:
+            self._thread.join(5)
+            self._loop = None
+            raise self.error
         return self
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.port}"
+        scheme = "wss" if self.server.ssl_context is not None else "ws"
+        host = "localhost" if self.server.ssl_context is not None and self.host == "127.0.0.1" else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     def stop(self) -> None:
         if self._loop is not None:
@@ -455,17 +686,39 @@ class ServerThread:
         self.stop()
 
 
-def read_token_file(path: str | None) -> str | None:
+def read_token_file(path: str | None) -> list[str]:
+    """Auth tokens, one per line (one per tenant: a robot fleet, a lab); blank lines and lines
+    starting with # are skipped. None: no auth."""
     if path is None:
-        return None
+        return []
     try:
         with open(path) as f:
-            token = f.read().strip()
+            tokens = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
     except OSError as exc:
         raise SystemExit(f"edgespec-verifier: cannot read --token-file {path!r}: {exc.strerror}")
-    if not token:
-        raise SystemExit(f"edgespec-verifier: --token-file {path!r} is empty")
-    return token
+    if not tokens:
+        raise SystemExit(f"edgespec-verifier: --token-file {path!r} holds no token")
+    short = [i + 1 for i, t in enumerate(tokens) if len(t) < 16]
+    if short:
+        log.warning("--token-file: token(s) %s shorter than 16 characters are easy to guess "
+                    "(e.g. `python -c \"import secrets; print(secrets.token_urlsafe(32))\"`)", short)
+    return tokens
+
+
+def tls_context(cert: str | None, key: str | None):
+    """The server's TLS context from a certificate chain and its private key (PEM)."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise SystemExit("edgespec-verifier: --tls-cert and --tls-key go together")
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"edgespec-verifier: cannot load --tls-cert {cert!r} / --tls-key {key!r}: {exc}")
+    return ctx
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -480,7 +733,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     ap.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free port)")
     ap.add_argument("--token-file", default=None,
-                    help="file holding the shared auth token; clients must present it (default: no auth)")
+                    help="file of auth tokens, one per line (one per tenant; each tenant gets a fair share of "
+                         "compute); clients must present one. Required unless --host is loopback")
+    ap.add_argument("--insecure-no-auth", action="store_true",
+                    help="serve a non-loopback --host without --token-file (anyone reaching the port may use it)")
+    ap.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve wss:// (with --tls-key)")
+    ap.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
     ap.add_argument("--compute", default="native", choices=["native", "go2-paper"],
@@ -496,8 +754,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="order in which early exits are streamed: most confident first (priority, default) or fifo")
     ap.add_argument("--exit-queue-size", type=int, default=64,
                     help="bound of the per-round exit send queue (default 64; beyond it the last-ranked exit is dropped)")
+    lim = ap.add_argument_group("limits", "what one client may cost the verifier (refusals name the option)")
+    d = ServerLimits()
+    for name, option, kind, text in LIMIT_OPTIONS:
+        lim.add_argument(option, dest=name, type=kind, default=getattr(d, name), metavar=kind.__name__.upper(),
+                         help=f"{text} (default {getattr(d, name)})")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return ap
+
+
+# ServerLimits field, type, help: the CLI options of the limits (one table: README "Security and limits").
+LIMIT_OPTIONS = [
+    ("max_connections", "--max-connections", int, "open connections, all clients"),
+    ("max_per_address", "--max-per-address", int, "open connections from one IP address"),
+    ("max_handshakes", "--max-handshakes", int, "connections that have not yet sent an accepted HELLO"),
+    ("auth_failures", "--auth-failures", int, "failed HELLOs from one address that lock it out for the rest of "
+                                               "--auth-window"),
+    ("auth_window_s", "--auth-window", float, "seconds of the auth-failure window"),
+    ("max_prompt_tokens", "--max-prompt-tokens", int, "prompt tokens per decision (the model's context at most)"),
+    ("max_image_pixels", "--max-image-pixels", int, "decoded image pixels, read from the header before decoding "
+                                                    "(Qwen2-VL max_pixels)"),
+    ("max_image_bytes", "--max-image-bytes", int, "encoded image bytes"),
+    ("max_new_tokens", "--max-new-tokens", int, "tokens one GENERATE may ask for"),
+    ("max_rounds", "--max-rounds", int, "VERIFY frames per decision"),
+    ("max_sessions_per_token", "--max-sessions-per-token", int, "concurrent sessions per auth token"),
+]
 
 
 def main(argv=None) -> int:
@@ -506,7 +787,18 @@ def main(argv=None) -> int:
     import torch
     from ..models import default_model_path
     path = args.model or default_model_path("target")
-    token = read_token_file(args.token_file)
+    tokens = read_token_file(args.token_file)
+    ssl_context = tls_context(args.tls_cert, args.tls_key)
+    try:
+        limits = ServerLimits(**{name: getattr(args, name) for name, *_ in LIMIT_OPTIONS})
+    except ValueError as exc:
+        print(f"edgespec-verifier: {exc}", file=sys.stderr)
+        return 2
+    if not tokens and not is_loopback(args.host) and not args.insecure_no_auth:  # before loading any weights
+        print(f"edgespec-verifier: refusing to serve on {args.host} without auth: give --token-file (and "
+              "--tls-cert/--tls-key), or --insecure-no-auth to let anyone who reaches the port use the model",
+              file=sys.stderr)
+        return 2
     try:
         lm = load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
     except ModelLoadError as exc:
@@ -520,13 +812,20 @@ def main(argv=None) -> int:
         return 2
     log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
              else "none (fsd unavailable: modes ar and sd)")
-    server = VerifierServer(lm, token=token, max_frame=args.max_frame, compute=get_compute(args.compute),
+    server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
-                            exit_queue_size=args.exit_queue_size)
+                            exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
+                            insecure_no_auth=args.insecure_no_auth)
+
+    async def run():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # graceful: sessions are closed with a reason
+            loop.add_signal_handler(sig, stop.set)
+        await server.serve(args.host, args.port, stop=stop)
+
     try:
-        asyncio.run(server.serve(args.host, args.port))
-    except KeyboardInterrupt:
-        pass
+        asyncio.run(run())
     except OSError as exc:
         print(f"edgespec-verifier: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2

@@ -1,0 +1,489 @@
+"""The verifier under hostile clients (issue 18): the cheap path before auth, connection caps, auth
+backoff, per-session limits, fair compute, sanitized logs and errors, TLS, exposure rules and a
+graceful SIGTERM. Each test would have caught the hole it names; none asserts on speed."""
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import zlib
+import struct
+
+import numpy as np
+import pytest
+
+from edgespec_ros.decoding.edge import DecodeConfig
+from edgespec_ros.wire import protocol as P
+from edgespec_ros.wire import server as server_module
+from edgespec_ros.wire.fair import FairCompute, SessionGone
+from edgespec_ros.wire.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
+from edgespec_ros.wire.server import InsecureConfig, ServerThread, VerifierServer, clean
+
+from wire_helpers import DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy
+
+TOKEN_A = "tenant-a-token-0123456789"
+TOKEN_B = "tenant-b-token-9876543210"
+TLS_DIR = os.path.join(os.path.dirname(__file__), "data", "tls")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+def _server(pair, **kw) -> ServerThread:
+    return ServerThread(VerifierServer(server_copy(pair.target), **kw))
+
+
+def _hello(pair, token="", codec="dense32", client="test"):
+    return P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, codec, client))
+
+
+def _connect_from(url: str, source: str):
+    """A raw websocket from a given loopback source address (Linux routes all of 127/8 to lo)."""
+    from websockets.sync.client import connect
+    return connect(url, open_timeout=5, close_timeout=2, compression=None, max_size=None,
+                   source_address=(source, 0)).__enter__()
+
+
+def _close_code(ws) -> int | None:
+    from websockets.exceptions import ConnectionClosed
+    try:
+        while True:
+            ws.recv(timeout=DEADLINE_S)
+    except ConnectionClosed as exc:
+        return exc.rcvd.code if exc.rcvd is not None else None
+
+
+def _welcomed(ws) -> P.Welcome:
+    msg = P.decode(ws.recv(timeout=DEADLINE_S))
+    assert isinstance(msg, P.Welcome), msg
+    return msg
+
+
+def _serves(st, pair, token="", prefill=True):
+    """A fresh session still gets HELLO -> WELCOME (-> PREFILL_OK)."""
+    ws = raw_session(st.url, pair, token=token, prefill=prefill)
+    ws.close()
+
+
+# --- the cheap path before auth --------------------------------------------------------------
+
+def test_a_large_frame_before_hello_is_cut_by_the_websocket_layer(pair):
+    with _server(pair) as st:
+        ws = raw_connect(st.url)
+        ws.send(b"\0" * 200_000)  # far above PREAUTH_MAX_FRAME: never buffered, never decoded
+        assert _close_code(ws) == 1009
+        _serves(st, pair)
+
+
+def test_after_hello_the_session_gets_its_negotiated_frame_size(pair):
+    with _server(pair) as st:
+        ws = raw_session(st.url, pair, prefill=False)
+        prompt = pair.prompt()
+        ws.send(P.encode(P.Prefill(1, prompt.instruction + " " * 20_000, prompt.jpeg, prompt.prompt_ids)))
+        assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.PrefillOk)
+        ws.close()
+
+
+def test_connection_caps_total_per_address_and_handshakes(pair):
+    limits = ServerLimits(max_connections=4, max_per_address=2, max_handshakes=3)
+    with _server(pair, limits=limits) as st:
+        a1, a2 = raw_connect(st.url), raw_connect(st.url)  # both from 127.0.0.1, no HELLO yet
+        expect_error_then_close(raw_connect(st.url), P.ErrorCode.BUSY, "--max-per-address 2")
+        b1 = _connect_from(st.url, "127.0.0.2")
+        expect_error_then_close(_connect_from(st.url, "127.0.0.3"), P.ErrorCode.BUSY, "--max-handshakes 3")
+        b1.send(_hello(pair))  # an accepted HELLO frees its handshake slot
+        _welcomed(b1)
+        c1 = _connect_from(st.url, "127.0.0.3")
+        expect_error_then_close(_connect_from(st.url, "127.0.0.4"), P.ErrorCode.BUSY, "--max-connections 4")
+        for ws in (a1, a2, b1, c1):
+            ws.close()
+        time.sleep(0.2)
+        _serves(st, pair)  # every slot released
+        gate = st.server.gate
+        assert (gate.total, gate.handshaking, dict(gate.per_address)) == (0, 0, {})
+
+
+def test_a_silent_connection_is_closed_after_the_handshake_timeout(pair):
+    with _server(pair, handshake_timeout_s=0.5) as st:
+        ws = raw_connect(st.url)
+        reply = P.decode(ws.recv(timeout=DEADLINE_S))
+        assert isinstance(reply, P.Error) and "no frame within 0.5 s" in reply.message
+        ws.close()
+
+
+def test_failed_auth_locks_the_address_out(pair):
+    limits = ServerLimits(auth_failures=3, auth_window_s=60)
+    with _server(pair, token=TOKEN_A, limits=limits) as st:
+        for _ in range(3):
+            ws = raw_connect(st.url)
+            ws.send(_hello(pair, token="guess"))
+            expect_error_then_close(ws, P.ErrorCode.UNAUTHORIZED, "auth token")
+        ws = raw_connect(st.url)
+        ws.send(_hello(pair, token=TOKEN_A))  # even the right token: the address is locked out
+        expect_error_then_close(ws, P.ErrorCode.TOO_MANY, "locked out", "--auth-failures 3")
+        ws = _connect_from(st.url, "127.0.0.5")  # another address is not
+        ws.send(_hello(pair, token=TOKEN_A))
+        _welcomed(ws)
+        ws.close()
+
+
+def test_auth_throttle_window_on_a_fake_clock():
+    now = [100.0]
+    throttle = AuthThrottle(ServerLimits(auth_failures=2, auth_window_s=10), clock=lambda: now[0])
+    throttle.failed("10.0.0.1")
+    assert throttle.locked_for("10.0.0.1") == 0
+    now[0] = 104.0
+    throttle.failed("10.0.0.1")
+    assert throttle.locked_for("10.0.0.1") == pytest.approx(6.0)  # until the first failure leaves the window
+    now[0] = 110.5
+    assert throttle.locked_for("10.0.0.1") == 0
+    assert throttle.locked_for("10.0.0.2") == 0
+
+
+def test_gate_counts_are_released_whatever_the_outcome():
+    gate = ConnectionGate(ServerLimits(max_connections=2, max_per_address=2, max_handshakes=2))
+    assert gate.admit("a") == "" and gate.admit("a") == ""
+    assert "--max-connections" in gate.admit("b")
+    gate.authenticated()
+    gate.release("a", authenticated=True)
+    gate.release("a", authenticated=False)
+    assert (gate.total, gate.handshaking, dict(gate.per_address)) == (0, 0, {})
+
+
+# --- tenants: several tokens, sessions per token ---------------------------------------------
+
+def test_each_token_is_a_tenant_with_a_session_cap(pair):
+    limits = ServerLimits(max_sessions_per_token=2, max_per_address=8)
+    with _server(pair, token=[TOKEN_A, TOKEN_B], limits=limits) as st:
+        a = [raw_session(st.url, pair, token=TOKEN_A, prefill=False) for _ in range(2)]
+        ws = raw_connect(st.url)
+        ws.send(_hello(pair, token=TOKEN_A))
+        expect_error_then_close(ws, P.ErrorCode.TOO_MANY, "--max-sessions-per-token 2")
+        b = raw_session(st.url, pair, token=TOKEN_B)  # the other tenant is not affected
+        a[0].close()
+        time.sleep(0.2)
+        again = raw_session(st.url, pair, token=TOKEN_A)  # a slot came free
+        for ws in (a[1], b, again):
+            ws.close()
+
+
+# --- per-session limits ----------------------------------------------------------------------
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A small PNG declaring width x height (a decompression bomb: kilobytes that would decode to
+    width x height x 3 bytes); only its first rows are present."""
+    rows = zlib.compress(b"\0" * (1 + 3 * width) * 4, 9)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + _chunk(b"IDAT", rows) + _chunk(b"IEND", b""))
+
+
+def _prefill(pair, **overrides):
+    prompt = pair.prompt()
+    fields = dict(decision=1, instruction=prompt.instruction, jpeg=prompt.jpeg, prompt_ids=prompt.prompt_ids)
+    fields.update(overrides)
+    return P.encode(P.Prefill(**fields))
+
+
+def test_image_bomb_is_refused_from_its_header_before_any_decoding(pair, monkeypatch):
+    import edgespec_ros.decoding.inputs as inputs
+    decoded = []
+    monkeypatch.setattr(inputs, "prepare_image", lambda *a, **k: decoded.append(1) or (_ for _ in ()).throw(
+        AssertionError("the image was decoded")))
+    with _server(pair) as st:
+        ws = raw_session(st.url, pair, prefill=False)
+        ws.send(_prefill(pair, jpeg=_png_header(13300, 13300)))
+        expect_error_then_close(ws, P.ErrorCode.TOO_LARGE, "13300 x 13300", "--max-image-pixels")
+    assert decoded == []
+
+
+def test_image_limits_unit():
+    limits = ServerLimits(max_image_pixels=1000, max_image_bytes=4096)
+    with pytest.raises(LimitError, match="--max-image-bytes 4096"):
+        check_image(b"x" * 4097, limits)
+    with pytest.raises(LimitError, match="--max-image-pixels 1000"):
+        check_image(_png_header(40, 40), limits)
+    check_image(_png_header(20, 20), limits)
+    with pytest.raises(ValueError, match="cannot decode image"):
+        check_image(b"\xff\xd8 not a jpeg", limits)
+
+
+LIMIT_CASES = {
+    # name: (limits, frames after HELLO (+PREFILL when prefill), expected code, fragments)
+    "prompt-tokens": (dict(max_prompt_tokens=16), False,
+                      lambda pair: [_prefill(pair)], 413, ["--max-prompt-tokens (16)"]),
+    "max-new-tokens": (dict(max_new_tokens=32), True,
+                       lambda pair: [P.encode(P.Generate(1, 33))], 413, ["1..32", "--max-new-tokens"]),
+    "context": (dict(max_new_tokens=4096), True,
+                lambda pair: [P.encode(P.Generate(1, 4000))], 413, ["past the model's context of 2048"]),
+    "rounds": (dict(max_rounds=2), True,
+               lambda pair: [P.encode(P.Verify(1, r, [5], _uniform_q(pair))) for r in (1, 2, 3)],
+               429, ["more than 2 VERIFY frames", "--max-rounds"]),
+    "image-pads-without-image": ({}, False,
+                                 lambda pair: [_prefill(pair, jpeg=b"")], 422, ["image tokens but no image"]),
+}
+
+
+def _uniform_q(pair) -> bytes:
+    return np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes()
+
+
+@pytest.mark.parametrize("case", sorted(LIMIT_CASES))
+def test_per_session_limits_are_refused_with_an_error_naming_the_limit(pair, case):
+    limits, prefill, frames, code, fragments = LIMIT_CASES[case]
+    with _server(pair, limits=ServerLimits(**limits)) as st:
+        ws = raw_session(st.url, pair, prefill=prefill)
+        for frame in frames(pair):
+            ws.send(frame)
+        if case == "rounds":  # round 1 is verified (round 2, of an ended epoch, is dropped): then the refusal
+            assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.Verdict)
+        expect_error_then_close(ws, code, *fragments)
+        _serves(st, pair, prefill=False)
+
+
+def test_worst_allowed_codec_frame_decodes(pair):
+    """The largest codec parameters HELLO accepts decode a full 64-draft frame (the CPU budget is
+    measured by `edgespec-bench --sweep hostile`); one beyond them is refused at HELLO."""
+    from edgespec_ros.codecs import get_codec
+    from edgespec_ros.codecs.sqs import MAX_RESOLUTION, MAX_SUPPORT
+    import torch
+    vocab = 4096
+    codec = get_codec(f"ksqs:k={MAX_SUPPORT},l={MAX_RESOLUTION}")
+    q = codec.prepare(torch.softmax(torch.randn(64, vocab, generator=torch.Generator().manual_seed(0)), -1))
+    ids = [int(i) for i in q.argmax(-1)]
+    rows = codec.decode(codec.encode(ids, q), ids, vocab)
+    assert rows.shape == (64, vocab)
+    with pytest.raises(ValueError):
+        get_codec(f"ksqs:k={MAX_SUPPORT + 1},l={MAX_RESOLUTION}")
+    with pytest.raises(ValueError):
+        get_codec(f"ksqs:k=8,l={MAX_RESOLUTION + 1}")
+
+
+# --- fair compute ----------------------------------------------------------------------------
+
+def _drive(fair: FairCompute, jobs, hold: threading.Event):
+    """Queue jobs ((key, flow, label)) behind a blocker, release it; the order they ran in."""
+    order = []
+
+    async def main():
+        blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+        await asyncio.sleep(0.05)  # the blocker is running: everything else queues
+        futs = [asyncio.ensure_future(fair.run(key, order.append, label, flow=flow)) for key, flow, label in jobs]
+        await asyncio.sleep(0.05)
+        hold.set()
+        await blocker
+        return await asyncio.gather(*futs, return_exceptions=True)
+
+    return order, asyncio.run(main())
+
+
+def test_fair_compute_serves_the_flow_that_used_less_first():
+    fair = FairCompute("t")
+    try:
+        async def warm():  # flow "heavy" has used 0.2 s of compute
+            await fair.run("h1", time.sleep, 0.2, flow="heavy")
+        asyncio.run(warm())
+        jobs = [("h1", "heavy", "h-a"), ("h2", "heavy", "h-b"), ("l1", None, "light-a"), ("l1", None, "light-b")]
+        order, _ = _drive(fair, jobs, threading.Event())
+        assert order.index("light-a") < order.index("h-a")
+        assert order.index("light-b") < order.index("h-a")
+        assert order.index("h-a") < order.index("h-b")  # one flow keeps its order
+    finally:
+        fair.shutdown()
+
+
+def test_fair_compute_cancels_the_queued_work_of_a_closed_session():
+    fair = FairCompute("t")
+    hold = threading.Event()
+    ran = []
+    try:
+        async def main():
+            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+            await asyncio.sleep(0.05)
+            gone = [asyncio.ensure_future(fair.run("gone", ran.append, i)) for i in range(3)]
+            stays = asyncio.ensure_future(fair.run("stays", ran.append, "ok"))
+            await asyncio.sleep(0.05)
+            assert fair.close("gone") == 3
+            hold.set()
+            await blocker
+            results = await asyncio.gather(*gone, return_exceptions=True)
+            assert all(isinstance(r, SessionGone) for r in results)
+            await stays
+            with pytest.raises(SessionGone):
+                await fair.run("gone", ran.append, "late")
+        asyncio.run(main())
+        assert ran == ["ok"]
+        assert fair.queue_depth() == 0
+        fair.forget("gone")
+        assert "gone" not in fair._closed_keys and "gone" not in fair._vtime
+    finally:
+        fair.shutdown()
+
+
+def test_a_client_that_leaves_has_its_queued_work_cancelled(pair):
+    """Session B's PREFILL queues behind a long job; B disconnects; its prefill never runs."""
+    with _server(pair) as st:
+        hold = threading.Event()
+        blocker_ws = raw_session(st.url, pair)
+        fair = st.server.fair
+
+        async def block():
+            await fair.run("test-blocker", hold.wait)
+        t = threading.Thread(target=lambda: asyncio.run(block()))
+        t.start()
+        time.sleep(0.1)
+        calls_before = fair.jobs
+        ws = raw_session(st.url, pair, prefill=False)
+        ws.send(_prefill(pair))
+        time.sleep(0.2)
+        assert fair.queue_depth() == 1  # queued behind the blocker
+        ws.close()
+        time.sleep(0.3)
+        assert fair.queue_depth() == 0  # cancelled, not run
+        hold.set()
+        t.join(DEADLINE_S)
+        time.sleep(0.1)
+        assert fair.jobs == calls_before + 1  # only the blocker ran
+        blocker_ws.close()
+
+
+# --- what the server reveals and logs --------------------------------------------------------
+
+def test_welcome_names_the_model_not_its_path(pair, tmp_path):
+    lm = server_copy(pair.target)
+    lm.path = str(tmp_path / "secret" / "models" / "qwen2-vl-7b")
+    with ServerThread(VerifierServer(lm)) as st:
+        ws = raw_connect(st.url)
+        ws.send(_hello(pair))
+        welcome = _welcomed(ws)
+        ws.close()
+    assert welcome.model == "qwen2-vl-7b"
+
+
+def test_internal_errors_reach_the_client_without_details(pair, caplog, monkeypatch):
+    from edgespec_ros.decoding.cloud import TargetSession
+
+    def boom(self, prompt, settings):
+        raise RuntimeError("disk /srv/secret/weights.bin unreadable")
+    monkeypatch.setattr(TargetSession, "start", boom)
+    with caplog.at_level(logging.INFO, logger="edgespec.verifier"), _server(pair) as st:
+        ws = raw_session(st.url, pair, prefill=False)
+        ws.send(_prefill(pair))
+        reply = expect_error_then_close(ws, P.ErrorCode.INTERNAL, "internal error", "incident")
+    assert "/srv/secret" not in reply.message
+    incident = reply.message.split("incident ")[1].split(";")[0]
+    logged = [r for r in caplog.records if incident in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the details are in the server's log
+
+
+def test_client_strings_are_sanitized_in_the_log(pair, caplog):
+    forged = "robot\n2026-11-25 00:00:00 edgespec.verifier WARNING admin logged in\x1b[2J"
+    with caplog.at_level(logging.INFO, logger="edgespec.verifier"), _server(pair) as st:
+        ws = raw_connect(st.url)
+        ws.send(_hello(pair, client=forged))
+        _welcomed(ws)
+        ws.send(P.encode(P.Close(forged)))
+        time.sleep(0.3)
+        ws.close()
+        time.sleep(0.2)
+    messages = [r.getMessage() for r in caplog.records if r.name == "edgespec.verifier"]
+    assert any("admin logged in" in m for m in messages)  # it was logged ...
+    assert not any("\n" in m or "\x1b" in m for m in messages)  # ... on one line, escapes escaped
+
+
+def test_clean_escapes_and_truncates():
+    assert clean("a\nb\x00c", 100) == "a\\nb\\x00c"
+    assert clean("x" * 300, 10) == "x" * 10 + "..."
+
+
+# --- exposure: auth on the network, TLS ------------------------------------------------------
+
+def test_non_loopback_without_auth_refuses_to_start(pair, caplog):
+    server = VerifierServer(server_copy(pair.target))
+    with pytest.raises(InsecureConfig, match="--insecure-no-auth"):
+        server.check_exposure("0.0.0.0")
+    server.check_exposure("127.0.0.1")
+    server.check_exposure("::1")
+    insecure = VerifierServer(server_copy(pair.target), insecure_no_auth=True)
+    with caplog.at_level(logging.WARNING, logger="edgespec.verifier"):
+        insecure.check_exposure("0.0.0.0")
+    assert any("WITHOUT AUTH" in r.getMessage() for r in caplog.records)
+    assert any("without TLS" in r.getMessage() for r in caplog.records)
+
+
+def test_cli_refuses_a_network_address_without_auth_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    code = server_module.main(["--model", str(tmp_path / "no-model"), "--host", "0.0.0.0"])
+    assert code == 2
+    assert "--insecure-no-auth" in capsys.readouterr().err
+
+
+def test_tls_round_trip_and_a_wrong_ca_is_refused(pair):
+    ctx = server_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
+    with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
+        assert st.url.startswith("wss://localhost:")
+        from websockets.sync.client import connect
+        good = ssl.create_default_context(cafile=os.path.join(TLS_DIR, "server.crt"))
+        with connect(st.url, ssl=good, open_timeout=5, compression=None) as ws:
+            ws.send(_hello(pair, token=TOKEN_A))
+            _welcomed(ws)
+        wrong = ssl.create_default_context(cafile=os.path.join(TLS_DIR, "other.crt"))
+        with pytest.raises(ssl.SSLCertVerificationError):
+            connect(st.url, ssl=wrong, open_timeout=5, compression=None)
+        with pytest.raises(Exception):  # plain ws:// to a TLS port never gets a session
+            connect(st.url.replace("wss://", "ws://"), open_timeout=3, compression=None)
+
+
+# --- graceful shutdown -----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_closes_sessions_with_a_reason_and_exits_cleanly(pair):
+    """The real CLI on the embedded target: SIGTERM -> every session closed with 1001 'verifier
+    shutting down', exit code 0."""
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.models import default_model_path
+    target = load_model(default_model_path("target"))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec_ros.wire.server", "--port", str(port),
+                             "--exits", "none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ws = raw_connect(f"ws://127.0.0.1:{port}")
+                break
+            except Exception:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "verifier did not start"
+                time.sleep(0.2)
+        ws.send(P.encode(P.Hello("", target.fingerprint(), target.vocab_size, "dense32", "test")))
+        _welcomed(ws)
+        proc.send_signal(signal.SIGTERM)
+        from websockets.exceptions import ConnectionClosed
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=DEADLINE_S)
+        assert closed.value.rcvd.code == 1001 and "shutting down" in closed.value.rcvd.reason
+        assert proc.wait(DEADLINE_S) == 0
+        assert "shutting down" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
