@@ -595,9 +595,10 @@ class VerifierServer:
         self.check_exposure(host)
         # Until a HELLO is accepted the websocket layer cuts any message above PREAUTH_MAX_FRAME
         # (close code 1009) before it is buffered; the session then gets 2 x max_frame (frames
-        # above max_frame get a clear ERROR frame from decode()). At most 4 frames queue per
-        # connection, and the session's read-ahead inbox holds at most max_frame bytes.
-        async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=4, compression=None,
+        # above max_frame get a clear ERROR frame from decode()). At most 2 frames queue per
+        # connection in the websocket layer, and the session's read-ahead holds at most max_frame
+        # bytes: an authenticated session buffers about 4 x max_frame at worst.
+        async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
                          ssl=self.ssl_context) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
