@@ -487,3 +487,17 @@ def test_sigterm_closes_sessions_with_a_reason_and_exits_cleanly(pair):
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_huge_id_list_is_refused_by_the_decoder_before_it_is_built(pair):
+    with _server(pair, limits=ServerLimits(max_prompt_tokens=100)) as st:
+        ws = raw_session(st.url, pair, prefill=False)
+        ws.send(_prefill(pair, prompt_ids=[1] * 500_000))
+        expect_error_then_close(ws, P.ErrorCode.TOO_LARGE, "500000 prompt_ids", "more than the 1024")
+
+
+def test_decode_caps_id_lists():
+    frame = P.encode(P.Verify(1, 1, list(range(10)), b""))
+    assert P.decode(frame, max_ids=10).draft_ids == list(range(10))
+    with pytest.raises(P.ProtocolError, match="more than the 9"):
+        P.decode(frame, max_ids=9)

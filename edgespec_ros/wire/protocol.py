@@ -90,8 +90,8 @@ class _Writer:
 
 
 class _Reader:
-    def __init__(self, data: bytes, frame: str):
-        self.data, self.pos, self.frame = memoryview(data), 0, frame
+    def __init__(self, data, frame: str, max_ids: int | None = None):
+        self.data, self.pos, self.frame, self.max_ids = memoryview(data), 0, frame, max_ids
 
     def _take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > len(self.data):
@@ -124,6 +124,9 @@ class _Reader:
 
     def ids(self, w="ids"):
         n = self.u32(w + " count")
+        if self.max_ids is not None and n > self.max_ids:  # refused before any id becomes a Python int
+            raise ProtocolError(f"{self.frame} frame carries {n} {w}, more than the {self.max_ids} this side accepts",
+                                ErrorCode.TOO_LARGE)
         return np.frombuffer(bytes(self._take(4 * n, w)), dtype="<u4").astype(np.int64).tolist()
 
     def done(self):
@@ -295,8 +298,9 @@ def encode(msg) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), 0, len(payload)) + payload
 
 
-def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME):
-    """Parse one frame; raises ProtocolError naming what is wrong."""
+def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME, max_ids: int | None = None):
+    """Parse one frame; raises ProtocolError naming what is wrong. ``max_ids`` caps every id list
+    (a server passes its prompt limit: a huge list is refused before it costs a Python list)."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("expected a binary websocket message, got text", ErrorCode.BAD_FRAME)
     if len(frame) > max_frame:
@@ -315,7 +319,7 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME):
         ftype = FrameType(ftype)
     except ValueError:
         raise ProtocolError(f"unknown frame type {ftype}") from None
-    reader = _Reader(bytes(frame[HEADER.size:]), ftype.name)
+    reader = _Reader(memoryview(frame)[HEADER.size:], ftype.name, max_ids)
     msg = _DECODERS[ftype](reader)
     reader.done()
     return msg

@@ -313,7 +313,9 @@ class VerifierServer:
         except asyncio.TimeoutError:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"no frame within {timeout:g} s: closing idle session") from None
         try:
-            return P.decode(raw, max_frame or self.max_frame), arrived
+            # Id lists far beyond the prompt limit are refused by the decoder before they cost a
+            # Python list on the event loop (the exact limit is checked, by name, on PREFILL).
+            return P.decode(raw, max_frame or self.max_frame, max_ids=max(4 * self.max_prompt_tokens, 1024)), arrived
         except P.ProtocolError as exc:
             raise SessionError(exc.code, str(exc)) from None
 
