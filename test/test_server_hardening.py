@@ -113,6 +113,31 @@ def test_connection_caps_total_per_address_and_handshakes(pair):
         assert (gate.total, gate.handshaking, dict(gate.per_address)) == (0, 0, {})
 
 
+def test_silent_connections_lose_their_handshake_slot_to_new_ones(pair, monkeypatch):
+    """Idle connections cannot lock robots out: when the handshake slots are full, the oldest
+    connection silent for longer than the grace period is closed and the new one admitted."""
+    monkeypatch.setattr(server_module, "HANDSHAKE_GRACE_S", 0.3)
+    limits = ServerLimits(max_handshakes=2, max_per_address=8)
+    with _server(pair, limits=limits) as st:
+        idle = [raw_connect(st.url), raw_connect(st.url)]
+        time.sleep(0.5)
+        robot = raw_connect(st.url)  # takes the oldest idle connection's slot
+        robot.send(_hello(pair))
+        _welcomed(robot)
+        reply = P.decode(idle[0].recv(timeout=DEADLINE_S))
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BUSY and "too slow" in reply.message
+        idle[1].close()
+        time.sleep(0.1)
+        fresh = [raw_connect(st.url), raw_connect(st.url)]  # both within the grace period: no slot to reclaim
+        expect_error_then_close(raw_connect(st.url), P.ErrorCode.BUSY, "--max-handshakes 2")
+        for ws in idle + [robot] + fresh:
+            ws.close()
+        time.sleep(0.3)
+        gate = st.server.gate
+        assert (gate.total, gate.handshaking) == (0, 0)
+        assert st.server.reclaimed_handshakes == 1
+
+
 def test_a_silent_connection_is_closed_after_the_handshake_timeout(pair):
     with _server(pair, handshake_timeout_s=0.5) as st:
         ws = raw_connect(st.url)

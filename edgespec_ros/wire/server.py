@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..codecs import CodecError, get_codec
@@ -34,6 +34,7 @@ from .fair import FairCompute, SessionGone
 from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, LimitError, ServerLimits, check_image
 
 log = logging.getLogger("edgespec.verifier")
+HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its slot to a new one
 
 
 class SessionError(Exception):
@@ -158,6 +159,8 @@ class _Conn:
     ws: object
     tenant: int | None = None  # index of the token it authenticated with (None: auth is off)
     accepted: bool = False  # HELLO accepted (it no longer counts as a handshake)
+    reclaimed: bool = False  # closed before HELLO to free its handshake slot
+    opened: float = field(default_factory=time.monotonic)
     decision: int | None = None
     rounds: int = 0  # VERIFY frames of the current decision
     prompt_len: int = 0
@@ -241,6 +244,7 @@ class VerifierServer:
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
         self.sessions_served = 0
         self.refused = 0  # connections refused by the caps
+        self.reclaimed_handshakes = 0  # silent connections closed to free a handshake slot
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
 
@@ -253,6 +257,8 @@ class VerifierServer:
         peer = getattr(ws, "remote_address", None) or ("?", 0)
         key = next(self._keys)
         conn = _Conn(key, str(peer[0]), f"{peer[0]}:{peer[1] if len(peer) > 1 else 0}#{key}", ws)
+        if not self.stopping and self.gate.handshaking >= self.limits.max_handshakes:
+            self._reclaim_handshake()
         refusal = "verifier shutting down" if self.stopping else self.gate.admit(conn.address)
         if refusal:
             self.refused += 1
@@ -281,7 +287,7 @@ class VerifierServer:
                                    f"internal error (incident {incident}; details in the verifier's log)", 1011)
         finally:
             self.connections.pop(key, None)
-            self.gate.release(conn.address, conn.accepted)
+            self.gate.release(conn.address, conn.accepted or conn.reclaimed)
             self.fair.close(key)
             last = False
             if conn.accepted and conn.tenant is not None:
@@ -291,6 +297,24 @@ class VerifierServer:
                     last = True
             self.fair.forget(key, conn.flow if last else None)
             self.sessions_served += 1
+
+    def _reclaim_handshake(self) -> None:
+        """Handshake slots are full: free the oldest one held longer than HANDSHAKE_GRACE_S. A
+        robot sends HELLO one round trip after connecting, so only a silent or trickling client
+        loses its slot, and idle connections cannot lock new robots out for a whole timeout."""
+        now = time.monotonic()
+        waiting = [c for c in self.connections.values()
+                   if not c.accepted and not c.reclaimed and now - c.opened > HANDSHAKE_GRACE_S]
+        if not waiting:
+            return
+        oldest = min(waiting, key=lambda c: c.opened)
+        oldest.reclaimed = True
+        self.gate.authenticated()  # its handshake slot is free now (release() will not count it again)
+        self.reclaimed_handshakes += 1
+        log.info("session %s: no HELLO after %.1f s while handshake slots are full: closed", oldest.peer,
+                 now - oldest.opened)
+        asyncio.ensure_future(self._refuse(oldest.ws, P.ErrorCode.BUSY, "handshake too slow: HELLO must follow "
+                                           "the connection at once while the verifier is busy", 1013))
 
     @staticmethod
     async def _refuse(ws, code: int, message: str, close_code: int) -> None:
@@ -362,6 +386,9 @@ class VerifierServer:
         # Before HELLO is accepted, frames are capped at PREAUTH_MAX_FRAME (by the websocket
         # layer too: nothing larger is buffered or decoded).
         hello, _ = await self._recv(ws, self.handshake_timeout_s, max_frame=PREAUTH_MAX_FRAME)
+        if conn.reclaimed:  # its slot went to a newer connection meanwhile
+            raise SessionError(P.ErrorCode.BUSY, "handshake too slow: HELLO must follow the connection at once "
+                                                 "while the verifier is busy")
         if not isinstance(hello, P.Hello):
             raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(hello).__name__}")
         tenant = self._authenticate(conn, hello)
