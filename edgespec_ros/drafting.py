@@ -13,7 +13,10 @@ Safety rules enforced here:
   previous decision's motion;
 * a verifier error or any decoding error gives a ``stop`` outcome with ``fault`` set;
 * a decision still running at its deadline gives a ``stop`` outcome with ``fault`` set at the
-  deadline, and its late result is discarded;
+  deadline (the supervisor's tick; the link is aborted, never closed, so no socket can hold the
+  stop back), and its late result is discarded; a result that comes back after the deadline
+  before the supervisor looked is dropped too (``late_results``) and the deadline stop goes out
+  in its place;
 * a new command (or an empty one) cancels the running decision (its result is discarded) and
   gives a ``stop`` outcome, so the robot never finishes a motion of the old command.
 """
@@ -204,6 +207,7 @@ class DrafterCore:
         self.motion_idle_since_ns: int | None = None
         self.retry_after_ns = 0
         self.resample_next = False  # the last decision did not parse or its move was blocked
+        self.late_results = 0  # results that came back after their deadline (dropped, a stop instead)
         self.stats = DecodingStatsAggregator(settings.mode)
 
     # ------------------------------------------------------------------ inputs
@@ -336,10 +340,17 @@ class DrafterCore:
             ticket = self.in_flight
             if ticket is None or ticket.abandoned or now < ticket.deadline_ns:
                 return None
-            ticket.abandoned = True
-            self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
-            self.last_outcome_ns = now
+            outcome = self._deadline_stop(ticket, now)
+        # The decoding thread may be blocked in a send or a receive on a dead link: abort the
+        # connection (never a close, which could wait on that send) after the stop is built.
         self._drop_connection()
+        return outcome
+
+    def _deadline_stop(self, ticket: Ticket, now: int) -> DecisionOutcome:
+        """Abandon the ticket and build its deadline stop (under the lock: exactly once)."""
+        ticket.abandoned = True
+        self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
+        self.last_outcome_ns = now
         outcome = fault_outcome(f"deadline missed: no verified decision within {self.settings.deadline_s:g} s",
                                 instruction=ticket.instruction, stamp_ns=now, mode=self.settings.mode,
                                 frame_id=ticket.frame.frame_id)
@@ -354,6 +365,11 @@ class DrafterCore:
                 self.in_flight = None
             if ticket.abandoned or outcome is None or ticket.generation != self.generation:
                 return None
+            if now >= ticket.deadline_ns:
+                # Past its deadline before the supervisor looked: the result is dropped, never
+                # published (the robot may not move on late text); the deadline stop goes out instead.
+                self.late_results += 1
+                return self._deadline_stop(ticket, now)
             self.last_outcome_ns = now
             if outcome.is_fault:
                 self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
@@ -372,12 +388,15 @@ class DrafterCore:
             return outcome
 
     def _drop_connection(self) -> None:
-        """After an abandoned or failed decision the link may hold stale replies: reconnect next time."""
+        """After an abandoned or failed decision the link may hold stale replies: reconnect next
+        time. Never waits on the network (abort, not a graceful close): the caller is about to
+        publish a stop."""
         verifier = getattr(self.decoder, "verifier", None)
         if verifier is not None:
+            drop = getattr(verifier, "abort", None) or verifier.close
             try:
-                verifier.close()
-            except Exception:  # noqa: BLE001 - closing a broken link may fail; it is dropped anyway
+                drop()
+            except Exception:  # noqa: BLE001 - dropping a broken link may fail; it is dropped anyway
                 pass
 
 

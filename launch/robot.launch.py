@@ -1,7 +1,7 @@
 """The robot: drafter (lifecycle, configured and activated here), navigator, monitor and, optionally,
 the camera node, talking to a cloud verifier at ``server_url``.
 
-    ros2 launch edgespec_ros robot.launch.py server_url:=ws://cloud:8765 token_file:=/etc/edgespec/token
+    ros2 launch edgespec_ros robot.launch.py server_url:=wss://cloud:8765 token_file:=/etc/edgespec/token
     ros2 launch edgespec_ros robot.launch.py use_camera_node:=true backend:=unitree_sport
     ros2 topic pub --once /command std_msgs/msg/String "{data: 'find the silver bottle'}"
     ros2 topic pub --once /estop std_msgs/msg/Bool "{data: true}"
@@ -29,8 +29,8 @@ PACKAGE = "edgespec_ros"
 # node -> {parameter: launch argument that overrides it (strings only)}
 ROLE_ARGS = {
     "camera": {"source": "camera_source", "image_topic": "image_topic"},
-    "drafter": {"server_url": "server_url", "token_file": "token_file", "mode": "mode", "model_path": "model_path",
-                "image_topic": "image_topic"},
+    "drafter": {"server_url": "server_url", "token_file": "token_file", "tls_ca_file": "tls_ca_file", "mode": "mode",
+                "model_path": "model_path", "image_topic": "image_topic"},
     "navigator": {"backend": "backend"},
     "monitor": {"image_topic": "image_topic"},
 }
@@ -38,6 +38,7 @@ ROLE_ARGS = {
 ARGUMENTS = [
     ("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier"),
     ("token_file", "", "file with the verifier auth token ('' = none)"),
+    ("tls_ca_file", "", "wss:// server_url: CA file that signs the verifier's certificate ('' = the system CAs)"),
     ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
               "a verifier without early exits)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),

@@ -49,6 +49,8 @@ DRAFTER = (
     P("model_path", "", "local directory of the draft VLM; '' = the embedded default draft model"),
     P("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier (edgespec-verifier)"),
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
+    P("tls_ca_file", "", "wss:// server_url: PEM file of the CA (or the self-signed certificate) that signs the "
+                         "verifier's certificate; '' = the system CAs. The certificate and hostname are always checked"),
     P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
                     "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
                     "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "

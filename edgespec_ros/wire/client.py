@@ -1,11 +1,16 @@
 """The edge client: a Verifier that talks to edgespec-verifier over websockets.
 
-Synchronous (the drafter's loop is synchronous torch code) with a timeout on every wait: a lost
-link or a silent server raises ``LinkLostError``/``VerifierTimeout`` instead of hanging, and a
-server-side refusal raises ``VerifierRefused`` with the server's code and message.
+Synchronous (the drafter's loop is synchronous torch code) with a timeout on every wait and every
+send: a lost link or a silent server raises ``LinkLostError``/``VerifierTimeout`` instead of
+hanging, and a server-side refusal raises ``VerifierRefused`` with the server's code and message.
+``abort()`` tears the connection down at once from any thread (the drafter's deadline stop never
+waits on the socket); ``wss://`` URLs verify the server's certificate (system CAs or ``ca_file``).
 """
 from __future__ import annotations
 
+import socket
+import struct
+import threading
 import time
 from typing import Iterator
 
@@ -30,6 +35,31 @@ class VerifierTimeout(VerifierError):
     pass
 
 
+CLOSE_TIMEOUT_S = 1.0  # a graceful close() waits at most this long for the server's close frame
+
+
+def tls_client_context(url: str, ca_file: str | None):
+    """The TLS context for a wss:// URL: the system CAs, or ``ca_file`` (a PEM bundle: e.g. the
+    verifier's self-signed certificate); hostname and certificate are always verified."""
+    if not url.startswith("wss://"):
+        if ca_file:
+            raise ValueError(f"a CA file ({ca_file}) only applies to wss:// URLs, not {url}")
+        return None
+    import ssl
+    try:
+        return ssl.create_default_context(cafile=ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the CA file {ca_file!r} (tls_ca_file): {exc}") from None
+
+
+def _set_send_timeout(sock, seconds: float) -> None:
+    """SO_SNDTIMEO: a send that makes no progress for ``seconds`` fails (a dead link), while the
+    socket stays blocking for the websocket library's own threads."""
+    sec = int(seconds)
+    usec = int((seconds - sec) * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec))
+
+
 class VerifierRefused(VerifierError):
     def __init__(self, code: int, message: str):
         super().__init__(f"verifier refused (code {code}): {message}")
@@ -42,8 +72,11 @@ class RemoteVerifier:
 
     def __init__(self, url: str, *, fingerprint: str, vocab_size: int, token: str = "", codec: str = "dense32",
                  timeout_s: float = 10.0, connect_timeout_s: float = 5.0, max_frame: int = P.DEFAULT_MAX_FRAME,
-                 link_profile: LinkProfile | None = None, client_name: str = "edgespec-edge"):
+                 link_profile: LinkProfile | None = None, client_name: str = "edgespec-edge",
+                 ca_file: str | None = None):
         self.url = url
+        self.ssl_context = tls_client_context(url, ca_file)
+        self.ca_file = ca_file
         self.fingerprint = fingerprint
         self.vocab_size = vocab_size
         self.token = token
@@ -72,28 +105,60 @@ class RemoteVerifier:
     # --- connection ----------------------------------------------------------------------
 
     def connect(self) -> P.Welcome:
+        import ssl
         from websockets.sync.client import connect
+        kwargs = {"ssl": self.ssl_context} if self.ssl_context is not None else {}
         try:
             # __enter__: the plain connection on websockets 13..17+ (connect() without "with" is deprecated)
-            self.ws = connect(self.url, open_timeout=self.connect_timeout_s, close_timeout=2,
-                              max_size=2 * self.max_frame + 1024, compression=None).__enter__()
+            self.ws = connect(self.url, open_timeout=self.connect_timeout_s,
+                              close_timeout=min(CLOSE_TIMEOUT_S, self.timeout_s),
+                              max_size=2 * self.max_frame + 1024, compression=None, **kwargs).__enter__()
+        except ssl.SSLCertVerificationError as exc:
+            raise LinkLostError(f"the verifier at {self.url} presented a certificate this robot does not trust "
+                                f"({exc.verify_message}): give its CA with tls_ca_file (now "
+                                f"{self.ca_file or 'the system CAs'})") from exc
         except (OSError, TimeoutError) as exc:
             raise LinkLostError(f"cannot reach the verifier at {self.url}: {exc}") from exc
         except Exception as exc:  # websockets.InvalidHandshake and friends
             raise LinkLostError(f"cannot open a websocket to {self.url}: {exc}") from exc
+        try:
+            _set_send_timeout(self.ws.socket, self.timeout_s)
+        except (OSError, AttributeError):  # not a plain TCP socket: sends are still bounded by abort()
+            pass
         self._send(P.Hello(self.token, self.fingerprint, self.vocab_size, self.codec.spec, self.client_name))
         welcome, _ = self._recv(P.Welcome, self.connect_timeout_s)
         self.welcome = welcome
         return welcome
 
     def close(self) -> None:
-        if self.ws is not None:
-            try:
-                self._send(P.Close("bye"))
-                self.ws.close()
-            except Exception:
-                pass
-            self.ws = None
+        """Graceful: CLOSE, then the websocket close, bounded by CLOSE_TIMEOUT_S each (on a dead
+        link it gives up, never waits for TCP)."""
+        ws = self.ws
+        if ws is None:
+            return
+        try:
+            _set_send_timeout(ws.socket, min(CLOSE_TIMEOUT_S, self.timeout_s))
+            self._send(P.Close("bye"))
+            ws.close()
+        except Exception:
+            self.abort()
+        self.ws = None
+
+    def abort(self) -> None:
+        """Drop the connection now, without a closing handshake, from any thread: a send or a
+        receive blocked in another thread wakes at once with LinkLostError. Never blocks."""
+        ws, self.ws = self.ws, None
+        if ws is None:
+            return
+        sock = getattr(ws, "socket", None)
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked sendall/recv on this socket
+        except OSError:
+            pass
+        # The websocket's own threads end on the dead socket; release them off this thread (its
+        # close may hold a lock that a blocked send in another thread is holding).
+        threading.Thread(target=_close_quietly, args=(ws,), name="verifier-abort", daemon=True).start()
 
     def __enter__(self):
         if self.ws is None:
@@ -104,11 +169,12 @@ class RemoteVerifier:
         self.close()
 
     def _send(self, msg) -> int:
-        if self.ws is None:
+        ws = self.ws  # abort() may clear self.ws from another thread at any moment
+        if ws is None:
             raise LinkLostError("not connected to the verifier")
         frame = P.encode(msg)
         try:
-            self.ws.send(frame)
+            ws.send(frame)
         except Exception as exc:
             self._drop()
             raise LinkLostError(f"link to the verifier lost while sending: {exc}") from exc
@@ -128,19 +194,20 @@ class RemoteVerifier:
         """Early EXIT frames of a block in flight go to the receiver; any others (late ones, from
         a finished round) are counted and dropped. The timeout covers the whole wait."""
         from websockets.exceptions import ConnectionClosed
-        if self.ws is None:
-            raise LinkLostError("not connected to the verifier")
         deadline = time.monotonic() + timeout
         extra = 0  # bytes of EXIT frames received while waiting
         while True:
+            ws = self.ws  # abort() may clear self.ws from another thread at any moment
+            if ws is None:
+                raise LinkLostError("link to the verifier dropped (aborted)")
             try:
-                raw = self.ws.recv(timeout=0 if poll else max(0.0, deadline - time.monotonic()))
+                raw = ws.recv(timeout=0 if poll else max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 if poll or soft:
                     self._exit_bytes += extra
                     return None
                 raise VerifierTimeout(f"no reply from the verifier within {timeout:g} s") from None
-            except ConnectionClosed as exc:
+            except (ConnectionClosed, OSError) as exc:
                 raise LinkLostError(f"link to the verifier lost: {exc}") from exc
             try:
                 msg = P.decode(raw, self.max_frame)
@@ -171,12 +238,9 @@ class RemoteVerifier:
             return msg, len(raw) + extra
 
     def _drop(self) -> None:
-        if self.ws is not None:
-            try:
-                self.ws.close()
-            except Exception:
-                pass
-            self.ws = None
+        """After a failure: the connection may hold stale replies or be dead; drop it without
+        waiting (the client's own timeout is never overrun by a close)."""
+        self.abort()
 
     # --- the Verifier protocol -----------------------------------------------------------
 
@@ -315,3 +379,10 @@ class RemoteVerifier:
         ed = self.link_model.one_way_s(down_bytes, DOWN)
         share = eu / (eu + ed) if eu + ed > 0 else 0.5
         return link_s * share, link_s * (1 - share)
+
+
+def _close_quietly(ws) -> None:
+    try:
+        ws.close()
+    except Exception:  # noqa: BLE001 - the connection is being dropped anyway
+        pass

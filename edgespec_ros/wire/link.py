@@ -98,6 +98,10 @@ class LinkProxy:
 
     Start it, point the client at ``proxy.url`` (ws://127.0.0.1:PORT), and it forwards to the
     real server at (target_host, target_port). Runs its own event loop in a daemon thread.
+
+    ``blackhole()`` cuts the link the way a radio dies: nothing is forwarded or even read in
+    either direction and the sockets stay open, so the sender's TCP buffers fill and a large send
+    blocks, a receive waits forever, and no FIN or RST tells either side (``restore()`` undoes it).
     """
 
     def __init__(self, profile: LinkProfile, target_host: str, target_port: int, seed: int = 0,
@@ -109,6 +113,7 @@ class LinkProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self._thread: threading.Thread | None = None
+        self._open: asyncio.Event | None = None  # set: forwarding; clear: blackholed
         self.bytes = {UP: 0, DOWN: 0}
 
     @property
@@ -121,6 +126,8 @@ class LinkProxy:
         def run():
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
+            self._open = asyncio.Event()
+            self._open.set()
             self._server = self._loop.run_until_complete(
                 asyncio.start_server(self._handle, self.listen[0], self.listen[1]))
             self.port = self._server.sockets[0].getsockname()[1]
@@ -133,6 +140,24 @@ class LinkProxy:
         if not ready.wait(10):
             raise RuntimeError("link proxy failed to start")
         return self
+
+    def blackhole(self) -> None:
+        """Cut the link now (see the class docstring); returns once the proxy has stopped forwarding."""
+        self._set_open(False)
+
+    def restore(self) -> None:
+        self._set_open(True)
+
+    def _set_open(self, value: bool) -> None:
+        if self._loop is None:
+            raise RuntimeError("the link proxy is not running")
+        done = threading.Event()
+
+        def apply():
+            self._open.set() if value else self._open.clear()
+            done.set()
+        self._loop.call_soon_threadsafe(apply)
+        done.wait(5)
 
     def stop(self) -> None:
         if self._loop is None:
@@ -186,12 +211,14 @@ class LinkProxy:
                 delay = arrival - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                await self._open.wait()  # blackholed: held (never delivered while the link is cut)
                 writer.write(chunk)
                 await writer.drain()
 
         deliverer = asyncio.ensure_future(deliver())
         try:
             while True:
+                await self._open.wait()  # blackholed: stop reading, so the sender's buffers fill
                 chunk = await reader.read(65536)
                 if not chunk:
                     await queue.put((0.0, None))
