@@ -526,3 +526,24 @@ def test_decode_caps_id_lists():
     assert P.decode(frame, max_ids=10).draft_ids == list(range(10))
     with pytest.raises(P.ProtocolError, match="more than the 9"):
         P.decode(frame, max_ids=9)
+
+
+def test_the_edge_client_over_tls_checks_the_certificate(pair):
+    from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+    from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
+    ctx = server_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
+    with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
+        def client(ca):
+            return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
+                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S)
+        rv = client(os.path.join(TLS_DIR, "server.crt"))
+        decision = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
+                                                      DecodeConfig(max_new_tokens=8))
+        rv.close()
+        assert decision.metrics.tokens > 0
+        with pytest.raises(LinkLostError, match="does not trust.*tls_ca_file"):
+            client(os.path.join(TLS_DIR, "other.crt")).connect()
+        with pytest.raises(LinkLostError, match="does not trust"):
+            client(None).connect()  # the system CAs do not sign a self-signed certificate
+    with pytest.raises(ValueError, match="only applies to wss://"):
+        RemoteVerifier("ws://127.0.0.1:1", fingerprint="x", vocab_size=1, ca_file="ca.pem")
