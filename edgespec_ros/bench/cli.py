@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "drafts with the first (default 4), the modes sweep too (default 6)")
     sweep.add_argument("--workers-list", nargs="+", type=int, default=None,
                        help="pre-draft worker counts (fsd-workers: default 1 2 4 8 16; fsd-queues: 1 2 3)")
+    sweep.add_argument("--hostile", nargs="+", type=int, default=None,
+                       help="hostile sweep: numbers of hostile clients (default 0 10 100; 0 is always measured)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
                        help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
                             "(default 0)")
@@ -110,7 +112,7 @@ def run_sweep(args) -> int:
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
-                        pipe_depth=args.pipe_depth)
+                        pipe_depth=args.pipe_depth, hostile=args.hostile)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

@@ -59,29 +59,44 @@ def free_port() -> int:
 def verifier_process(model: str, compute: str = "native", token_file: str | None = None, timeout_s: float = 120.0,
                      exit_queue: str = "priority", exits: str = "auto"):
     """Start edgespec-verifier in a subprocess on a free loopback port; yields its port."""
+    with verifier_process_handle(model, compute, token_file, timeout_s, exit_queue, exits) as (port, _proc):
+        yield port
+
+
+@contextlib.contextmanager
+def verifier_process_handle(model: str, compute: str = "native", token_file: str | None = None,
+                            timeout_s: float = 120.0, exit_queue: str = "priority", exits: str = "auto",
+                            extra_args: tuple[str, ...] = ()):
+    """verifier_process, yielding (port, the Popen) (e.g. to read its RSS); extra_args go to the CLI."""
     port = free_port()
     cmd = [sys.executable, "-m", "edgespec_ros.wire.server", "--model", model, "--port", str(port),
-           "--compute", compute, "--log-level", "WARNING", "--exit-queue", exit_queue, "--exits", exits]
+           "--compute", compute, "--log-level", "WARNING", "--exit-queue", exit_queue, "--exits", exits,
+           *extra_args]
     if token_file:
         cmd += ["--token-file", token_file]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its log goes to a file, never a pipe nobody reads: a verifier that logs a lot (hostile
+    # clients) would block on a full pipe.
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"edgespec-verifier exited with code {proc.returncode}:\n{proc.stdout.read()}")
+                log.seek(0)
+                raise RuntimeError(f"edgespec-verifier exited with code {proc.returncode}:\n{log.read()}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"edgespec-verifier did not start listening within {timeout_s:g} s")
             time.sleep(0.2)
-        yield port
+        yield port, proc
     finally:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:

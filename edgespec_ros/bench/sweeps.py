@@ -45,6 +45,7 @@ class SweepOptions:
     workers_list: list[int] | None = None  # fsd-workers / fsd-queues: the worker counts swept
     exits: str = "auto"  # the verifier's early-exit adapters (edgespec-verifier --exits)
     pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto"
+    hostile: list[int] | None = None  # hostile sweep: numbers of hostile clients
 
 
 @dataclass(frozen=True)
@@ -420,7 +421,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fsd, pipe, split_tv
+    from . import fsd, hostile, pipe, split_tv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -434,6 +435,10 @@ def _register_fsd_sweeps() -> None:
               pipe.sweep_modes, pipe.table_modes, pipe.plot_modes),
         Sweep("split-tv", "split codec: total-variation distance of the top-K downlink's output from the target's "
               "(K = 0 exact, 1, 3, 8, 32, 128)", split_tv.run, split_tv.table, split_tv.plot),
+        Sweep("hostile", "a good robot's decision latency (p50/p99), decisions lost and the verifier's RSS while "
+              "N hostile clients (idle, slowloris, oversize, bad auth, expensive codecs, image bombs, long "
+              "generations) hit the same verifier (--hostile 0 10 100)", hostile.run_hostile, hostile.table_hostile,
+              hostile.plot_hostile),
     ]:
         SWEEPS[s.name] = s
 

@@ -1,0 +1,492 @@
+"""``edgespec-bench --sweep hostile``: a good robot's decisions against a verifier that N hostile
+clients hit at the same time (issue 18's soak).
+
+The verifier runs as its own process (as in the cloud; its RSS is read from /proc), the good
+robot decodes here over loopback with its own token, and the hostile clients run in a third
+process (``python -m edgespec_ros.bench.hostile``: an asyncio load generator), so their CPU does
+not share the robot's interpreter. Each hostile connection binds its own loopback source address
+(127.0.x.y: Linux routes all of 127/8 to lo), a botnet as far as the per-address caps can tell.
+They share one second token: a tenant whose credentials a misbehaving fleet holds.
+
+Hostile kinds, round-robin over N (each reconnects after it is closed or refused, until the
+load generator is stopped; every loop is bounded by the run's time):
+
+- ``idle``: connects and sends nothing;
+- ``slow``: trickles the HTTP upgrade request one byte every half second (slowloris);
+- ``oversize``: a 4 MiB frame before HELLO;
+- ``bad-auth``: HELLO with a wrong token, again and again;
+- ``expensive``: authenticated, the largest codec parameters allowed (``ksqs:k=128,l=1024``),
+  PREFILLs of the longest prompt the model's context allows and 64-draft VERIFYs;
+- ``big-image``: authenticated, PREFILLs with a decompression-bomb PNG header (13300 x 13300)
+  and with a legit image of the largest allowed size (1120 x 896 = Qwen2-VL's max_pixels);
+- ``long-gen``: authenticated, GENERATE with the largest allowed ``max_new_tokens``, read in full.
+
+Honest about the machine: all three processes share this machine's cores, so part of the good
+robot's slowdown is plain CPU contention with the load generator, not the verifier's doing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import os
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections import Counter, defaultdict
+
+import numpy as np
+
+KINDS = ("idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen")
+GOOD_TOKEN = "good-robot-token-7f3a9c2e41d8b6a0"
+HOSTILE_TOKEN = "stolen-fleet-token-0b5e8d7c6a4f2e1d"
+HOSTILE_N_DEFAULT = (0, 10, 100)
+GOOD_MODE = "sd"  # the good robot's mode: one VERIFY per round, so every round meets the load
+RAMP_S = 3.0  # the load runs this long before the good robot's measured decisions start
+
+
+# --- the load generator (its own process) ------------------------------------------------------
+
+def _png_bomb(width: int = 13300, height: int = 13300) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    rows = zlib.compress(b"\0" * (1 + 3 * width) * 4, 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+def _big_jpeg(width: int = 1120, height: int = 896) -> bytes:
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+class Load:
+    """N hostile clients against ``url`` until ``stop`` is set or ``seconds`` pass."""
+
+    def __init__(self, url: str, n: int, info: dict, seconds: float):
+        from ..wire import protocol as P
+        self.P = P
+        self.url, self.n, self.info, self.seconds = url, n, info, seconds
+        host_port = url.split("://", 1)[1]
+        self.host, self.port = host_port.rsplit(":", 1)[0], int(host_port.rsplit(":", 1)[1])
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.stop = asyncio.Event()
+        rng = np.random.default_rng(1)
+        avoid = set(info["avoid_ids"])
+        pool = np.array([i for i in range(info["vocab"]) if i not in avoid])
+        self.long_prompt = [int(t) for t in rng.choice(pool, info["max_prompt"])]
+        self.short_prompt = [int(t) for t in rng.choice(pool, 16)]
+        self.draft = [int(t) for t in rng.choice(pool, 64)]
+        self.bomb, self.jpeg = _png_bomb(), _big_jpeg()
+        self.expensive_codec = "ksqs:k=128,l=1024"
+        from ..codecs import get_codec
+        import torch
+        codec = get_codec(self.expensive_codec)
+        logits = torch.randn(64, info["vocab"], generator=torch.Generator().manual_seed(2)) * 3
+        q = codec.prepare(torch.softmax(logits, -1))
+        self.draft = [int(i) for i in q.argmax(-1)]  # drafts the quantized q gives mass to
+        self.payload = codec.encode(self.draft, q)
+
+    @staticmethod
+    def source(i: int) -> str:
+        return f"127.0.{1 + i // 250}.{2 + i % 250}"
+
+    async def run(self) -> dict:
+        deadline = asyncio.get_running_loop().time() + self.seconds
+        tasks = [asyncio.ensure_future(self._client(i, KINDS[i % len(KINDS)], deadline)) for i in range(self.n)]
+        try:
+            await asyncio.wait_for(self.stop.wait(), self.seconds)
+        except asyncio.TimeoutError:
+            pass
+        self.stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return {kind: dict(c) for kind, c in self.counts.items()}
+
+    async def _client(self, i: int, kind: str, deadline: float) -> None:
+        src = self.source(i)
+        count = self.counts[kind]
+        loop = asyncio.get_running_loop()
+        while not self.stop.is_set() and loop.time() < deadline:
+            try:
+                await getattr(self, "_" + kind.replace("-", "_"))(src, count)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a refused or closed connection: count and retry
+                count[_outcome(exc)] += 1
+            await asyncio.sleep(0.2)
+
+    async def _connect(self, src: str):
+        from websockets.asyncio.client import connect
+        return await connect(self.url, open_timeout=10, close_timeout=1, compression=None, max_size=None,
+                             ping_interval=None, local_addr=(src, 0))
+
+    async def _hello(self, ws, token: str, codec: str = "dense32"):
+        P = self.P
+        await ws.send(P.encode(P.Hello(token, self.info["fingerprint"], self.info["vocab"], codec, "hostile")))
+        return await self._expect(ws, P.Welcome)
+
+    async def _expect(self, ws, kind):
+        P = self.P
+        while True:
+            msg = P.decode(await ws.recv())
+            if isinstance(msg, P.Error):
+                raise Refused(msg.code)
+            if isinstance(msg, kind):
+                return msg
+
+    async def _until_closed(self, ws, count: Counter) -> None:
+        P = self.P
+        try:
+            while True:
+                msg = P.decode(await ws.recv())
+                if isinstance(msg, P.Error):
+                    count[f"refused {msg.code}"] += 1
+        finally:
+            await ws.close()
+
+    async def _idle(self, src, count):
+        ws = await self._connect(src)
+        count["connected"] += 1
+        await self._until_closed(ws, count)
+
+    async def _slow(self, src, count):
+        reader, writer = await asyncio.open_connection(self.host, self.port, local_addr=(src, 0))
+        count["connected"] += 1
+        request = (f"GET / HTTP/1.1\r\nHost: {self.host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+        try:
+            for b in request:
+                writer.write(bytes([b]))
+                await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(1), 0.5) == b"":
+                        count["closed by server"] += 1
+                        return
+                except asyncio.TimeoutError:
+                    pass
+            count["sent whole request"] += 1
+        finally:
+            writer.close()
+
+    async def _oversize(self, src, count):
+        ws = await self._connect(src)
+        count["connected"] += 1
+        await ws.send(b"\0" * (4 << 20))
+        await self._until_closed(ws, count)
+
+    async def _bad_auth(self, src, count):
+        ws = await self._connect(src)
+        count["connected"] += 1
+        P = self.P
+        await ws.send(P.encode(P.Hello("wrong-" + HOSTILE_TOKEN, self.info["fingerprint"], self.info["vocab"])))
+        await self._until_closed(ws, count)
+
+    async def _prefill(self, ws, decision: int, ids: list[int], jpeg: bytes = b"") -> None:
+        P = self.P
+        await ws.send(P.encode(P.Prefill(decision, "hostile", jpeg, ids)))
+        await self._expect(ws, P.PrefillOk)
+
+    async def _expensive(self, src, count):
+        P = self.P
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN, self.expensive_codec)
+            count["authenticated"] += 1
+            for decision in range(1, 1000):
+                await self._prefill(ws, decision, self.long_prompt)
+                for r in range(1, 4):
+                    await ws.send(P.encode(P.Verify(decision, r, self.draft, self.payload, 0, P.NO_TOKEN, r - 1)))
+                    await self._expect(ws, P.Verdict)
+                    count["verified"] += 1
+        finally:
+            await ws.close()
+
+    async def _big_image(self, src, count):
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN)
+            count["authenticated"] += 1
+            image = self.bomb if count["connected"] % 2 else self.jpeg
+            await self._prefill(ws, 1, self.short_prompt, image)  # refused: a bomb, or pads that do not match
+        finally:
+            await ws.close()
+
+    async def _long_gen(self, src, count):
+        P = self.P
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN)
+            count["authenticated"] += 1
+            for decision in range(1, 1000):
+                await self._prefill(ws, decision, self.short_prompt)
+                await ws.send(P.encode(P.Generate(decision, self.info["max_new_tokens"])))
+                while True:
+                    tok = await self._expect(ws, P.Token)
+                    count["tokens"] += 1
+                    if tok.last:
+                        break
+        finally:
+            await ws.close()
+
+
+class Refused(Exception):
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _outcome(exc: BaseException) -> str:
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+    if isinstance(exc, Refused):
+        return f"refused {exc.code}"
+    if isinstance(exc, ConnectionClosed):
+        code = exc.rcvd.code if exc.rcvd is not None else None
+        return f"closed {code}" if code is not None else "dropped"
+    if isinstance(exc, InvalidStatus):
+        return f"http {exc.response.status_code}"
+    if isinstance(exc, (OSError, asyncio.TimeoutError)):
+        return type(exc).__name__
+    return f"error {type(exc).__name__}"
+
+
+def load_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m edgespec_ros.bench.hostile",
+                                 description="hostile clients against a verifier on loopback (bounded in time)")
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--n", type=int, required=True)
+    ap.add_argument("--info", required=True, help="JSON: fingerprint, vocab, avoid_ids, max_prompt, max_new_tokens")
+    ap.add_argument("--seconds", type=float, default=120.0, help="hard cap on the run")
+    ap.add_argument("--out", required=True, help="JSON file for the outcome counts")
+    args = ap.parse_args(argv)
+    if not args.url.startswith("ws://127.") and not args.url.startswith("ws://localhost"):
+        raise SystemExit("the hostile load only runs against loopback")
+    import torch
+    torch.set_num_threads(1)
+    load = Load(args.url, args.n, json.loads(args.info), args.seconds)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, load.stop.set)
+        print("ready", flush=True)
+        return await load.run()
+
+    counts = asyncio.run(main())
+    with open(args.out, "w") as f:
+        json.dump(counts, f)
+    return 0
+
+
+# --- the sweep (this process: the good robot) ------------------------------------------------
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of a process in MB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) / 1024
+    return out.get("VmRSS", 0.0), out.get("VmHWM", 0.0)
+
+
+def _model_info(draft_lm, max_new_tokens: int) -> dict:
+    tok = draft_lm.tokenizer
+    avoid = {tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")} | set(draft_lm.eos_token_ids)
+    avoid = {int(i) for i in avoid if i is not None and i >= 0}
+    context = draft_lm.max_context or 2048
+    return {"fingerprint": draft_lm.fingerprint(), "vocab": draft_lm.vocab_size, "avoid_ids": sorted(avoid),
+            "max_prompt": min(8192, context) - 64 * 4,  # room for a few 64-draft rounds
+            "max_new_tokens": min(1024, context - 64)}
+
+
+def worst_frame_ms(vocab: int, repeats: int = 3) -> dict:
+    """Median decode time of the worst allowed VERIFY payload (64 drafts) per sparse codec."""
+    import torch
+    from ..codecs import get_codec
+    from ..codecs.sqs import MAX_RESOLUTION, MAX_SUPPORT
+    out = {}
+    for spec in (f"ksqs:k={MAX_SUPPORT},l={MAX_RESOLUTION}", f"csqs:l={MAX_RESOLUTION}"):
+        codec = get_codec(spec)
+        logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0)) * 3
+        q = codec.prepare(torch.softmax(logits, -1))
+        ids = [int(i) for i in q.argmax(-1)][:q.shape[0]]
+        payload = codec.encode(ids, q)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            codec.decode(payload, ids, vocab)
+            times.append(time.perf_counter() - t0)
+        out[spec] = 1e3 * statistics.median(times)
+    return out
+
+
+def _good_decisions(draft_lm, url: str, prompts, n: int, mode: str, max_new_tokens: int, progress) -> tuple:
+    """n decisions on one connection (after one warm-up): latencies in ms and decisions lost."""
+    from ..decoding.edge import DecodeConfig, EdgeDecoder
+    from ..wire.client import RemoteVerifier, VerifierError
+    rv = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size, token=GOOD_TOKEN,
+                        timeout_s=30.0, client_name="good-robot")
+    decoder = EdgeDecoder(draft_lm, rv)
+    latencies, lost, errors = [], 0, Counter()
+    try:
+        for i in range(n + 1):
+            instruction, image = prompts[i % len(prompts)]
+            cfg = DecodeConfig(mode=mode, max_new_tokens=max_new_tokens, seed=i)
+            t0 = time.perf_counter()
+            try:
+                decoder.decide(instruction, image, cfg)
+            except VerifierError as exc:
+                lost += 1 if i else 0
+                errors[str(exc)[:80]] += 1
+                continue
+            if i:
+                latencies.append(1e3 * (time.perf_counter() - t0))
+                progress.update(1)
+    finally:
+        decoder.close()
+        rv.close()
+    return latencies, lost, dict(errors)
+
+
+def _percentile(values: list[float], p: float) -> float:
+    return float(np.percentile(values, p)) if values else float("nan")
+
+
+def run_hostile(opts, progress) -> list[dict]:
+    from ..decoding.engines import load_model
+    from .runner import bench_prompts, verifier_process_handle
+    counts_n = list(opts.hostile or HOSTILE_N_DEFAULT)
+    if 0 not in counts_n:
+        counts_n = [0] + counts_n
+    decisions = opts.decisions or 20
+    max_new = min(opts.max_new_tokens, 32)
+    draft_lm = load_model(opts.pair.draft_path)
+    info = _model_info(draft_lm, max_new)
+    prompts = bench_prompts(max(4, decisions), opts.seed)
+    bar = progress(decisions * len(counts_n))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="edgespec-hostile-") as tmp:
+        token_file = os.path.join(tmp, "tokens")
+        with open(token_file, "w") as f:
+            f.write(f"{GOOD_TOKEN}\n{HOSTILE_TOKEN}\n")
+        for n in counts_n:
+            with verifier_process_handle(opts.pair.target_path, "native", token_file,
+                                         exits=opts.exits, extra_args=("--log-level", "ERROR")) as (port, proc):
+                url = f"ws://127.0.0.1:{port}"
+                peak = [0.0]
+                sampling = threading.Event()
+
+                def sample():
+                    while not sampling.wait(0.2):
+                        try:
+                            peak[0] = max(peak[0], _rss_mb(proc.pid)[0])
+                        except OSError:
+                            return
+                sampler = threading.Thread(target=sample, daemon=True)
+                sampler.start()
+                load, counts_path = None, os.path.join(tmp, f"counts-{n}.json")
+                budget_s = 60.0 + decisions * 15.0
+                if n:
+                    load = subprocess.Popen([sys.executable, "-m", "edgespec_ros.bench.hostile", "--url", url,
+                                             "--n", str(n), "--info", json.dumps(info), "--seconds", str(budget_s),
+                                             "--out", counts_path], stdout=subprocess.PIPE, text=True)
+                    load.stdout.readline()  # "ready": its inputs are built
+                    time.sleep(RAMP_S)
+                t0 = time.monotonic()
+                try:
+                    latencies, lost, errors = _good_decisions(draft_lm, url, prompts, decisions, GOOD_MODE, max_new, bar)
+                finally:
+                    if load is not None:
+                        load.send_signal(signal.SIGTERM)
+                        try:
+                            load.wait(30)
+                        except subprocess.TimeoutExpired:
+                            load.kill()
+                    sampling.set()
+                    sampler.join(2)
+                wall = time.monotonic() - t0
+                _, hwm = _rss_mb(proc.pid)
+                hostile = {}
+                if load is not None and os.path.exists(counts_path):
+                    with open(counts_path) as f:
+                        hostile = json.load(f)
+            rows.append({"hostile": n, "decisions": len(latencies), "lost": lost, "errors": errors,
+                         "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
+                         "max_ms": max(latencies) if latencies else float("nan"),
+                         "rss_peak_mb": max(peak[0], 0.0), "rss_hwm_mb": hwm, "wall_s": wall,
+                         "hostile_counts": hostile, "mode": GOOD_MODE, "max_new_tokens": max_new})
+    bar.close()
+    base = next((r for r in rows if r["hostile"] == 0), None)
+    for r in rows:
+        r["p50_ratio"] = r["p50_ms"] / base["p50_ms"] if base and base["p50_ms"] else float("nan")
+        r["p99_ratio"] = r["p99_ms"] / base["p99_ms"] if base and base["p99_ms"] else float("nan")
+    rows.append({"worst_frame_decode_ms": worst_frame_ms(info["vocab"]),
+                 "worst_frame_decode_ms_qwen_vocab": worst_frame_ms(151_936, repeats=1)})
+    return rows
+
+
+def table_hostile(rows: list[dict]) -> str:
+    from .sweeps import _fmt, fixed_width
+    data = [r for r in rows if "hostile" in r]
+    head = ["hostile", "decisions", "lost", "p50 ms", "p99 ms", "p99 vs 0", "max ms", "verifier RSS MB (peak)",
+            "hostile outcomes"]
+    lines = []
+    for r in data:
+        outcomes = "; ".join(f"{k}: " + ", ".join(f"{o} {c}" for o, c in sorted(v.items()))
+                             for k, v in sorted(r["hostile_counts"].items()))
+        lines.append([str(r["hostile"]), str(r["decisions"]), str(r["lost"]), _fmt(r["p50_ms"], ".0f"),
+                      _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_ratio"], ".2f") + "x", _fmt(r["max_ms"], ".0f"),
+                      _fmt(r["rss_peak_mb"], ".0f"), outcomes or "-"])
+    out = [fixed_width(head[:-1], [line[:-1] for line in lines])]
+    out.append("hostile outcomes per setting (connections refused or closed, by code):")
+    out += [f"  N={line[0]}: {line[-1]}" for line in lines]
+    worst = next((r for r in rows if "worst_frame_decode_ms" in r), None)
+    if worst:
+        out.append("worst allowed VERIFY frame (64 drafts) decode time, median: "
+                   + ", ".join(f"{k} {v:.0f} ms" for k, v in worst["worst_frame_decode_ms"].items())
+                   + " (this model's vocabulary); "
+                   + ", ".join(f"{k} {v:.0f} ms" for k, v in worst["worst_frame_decode_ms_qwen_vocab"].items())
+                   + " (Qwen2-VL's 151,936)")
+    out.append("good robot: its own token, one connection, native compute on loopback; the hostile load generator "
+               "and the verifier share this machine's cores (part of any slowdown is plain CPU contention)")
+    return "\n".join(out)
+
+
+def plot_hostile(rows: list[dict], path: str) -> None:
+    from .sweeps import _pyplot, _save
+    data = [r for r in rows if "hostile" in r]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    xs = [r["hostile"] for r in data]
+    ax.plot(xs, [r["p50_ms"] for r in data], "o-", label="good robot p50")
+    ax.plot(xs, [r["p99_ms"] for r in data], "s-", label="good robot p99")
+    if data and not math.isnan(data[0]["p99_ms"]):
+        ax.axhline(1.25 * data[0]["p99_ms"], color="gray", ls="--", lw=1, label="goal: p99 < 1.25x unloaded")
+    ax.set_xlabel("hostile clients")
+    ax.set_ylabel("decision latency, ms")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Good robot vs N hostile clients (loopback, native compute)", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(load_main())
