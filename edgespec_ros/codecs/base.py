@@ -54,6 +54,14 @@ class Codec:
     def decode(self, payload: bytes, draft_ids: list[int], vocab: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_steps(self, payload: bytes, draft_ids: list[int], vocab: int):
+        """decode() as a generator that may yield between rows and returns the rows: the
+        verifier's fair scheduler runs other sessions' work at each yield, so a worst-case frame
+        is many short quanta, not one long job (edgespec_ros.preempt). Cheap codecs decode in
+        one step."""
+        return self.decode(payload, draft_ids, vocab)
+        yield  # noqa: unreachable - makes this a generator function
+
     def formula_bits(self, vocab: int, support: int | None = None) -> int:
         """The paper's bits for one draft token's q (support: the K_n sent, for csqs)."""
         raise NotImplementedError

@@ -22,6 +22,7 @@ import math
 import numpy as np
 import torch
 
+from ..preempt import run_steps
 from .base import Codec, as_rows, check_payload_length, not_prepared, padded_support, sparse_row
 from .bits import (BitReader, BitWriter, CodecError, bits_for, compositions, lattice_rank, lattice_unrank,
                    subset_rank, subset_unrank)
@@ -126,12 +127,20 @@ class KSQS(_LatticeCodec):
         return out.bytes()
 
     def decode(self, payload, draft_ids, vocab) -> torch.Tensor:
+        return run_steps(self.decode_steps(payload, draft_ids, vocab))
+
+    def decode_steps(self, payload, draft_ids, vocab):
+        """One row per step: the lattice index arithmetic is the costly part (ms per row at the
+        largest allowed K and l)."""
         n, k = len(draft_ids), min(self.k, vocab)
         row_bits = self.lattice_bits(vocab, k)
         check_payload_length(self.spec, payload, (n * row_bits + 7) // 8,
                              f"{n} drafts x {row_bits} bits (subset + lattice index), bit-packed")
         reader = BitReader(payload, self.spec)
-        rows = [self._read_row(reader, vocab, k, i) for i in range(n)]
+        rows = []
+        for i in range(n):
+            rows.append(self._read_row(reader, vocab, k, i))
+            yield
         reader.done()
         return torch.stack(rows) if rows else torch.zeros(0, vocab, dtype=torch.float64)
 
@@ -247,6 +256,10 @@ class CSQS(_LatticeCodec):
         return out.bytes()
 
     def decode(self, payload, draft_ids, vocab) -> torch.Tensor:
+        return run_steps(self.decode_steps(payload, draft_ids, vocab))
+
+    def decode_steps(self, payload, draft_ids, vocab):
+        """One row per step (see KSQS.decode_steps)."""
         if self.budget and 8 * len(payload) > self.budget + 7:
             raise CodecError(f"{self.spec}: a {len(payload)}-byte payload exceeds the session's bit budget of "
                              f"{self.budget} bits per round")
@@ -261,6 +274,7 @@ class CSQS(_LatticeCodec):
                 raise CodecError(f"{self.spec}: draft {i} declares a support of {k} tokens, more than the "
                                  f"session's kmax = {self.kmax}")
             rows.append(self._read_row(reader, vocab, k, i))
+            yield
         reader.done()
         return torch.stack(rows) if rows else torch.zeros(0, vocab, dtype=torch.float64)
 

@@ -12,11 +12,14 @@ rule, a residual sample at a rejection, or a bonus from p at the end of an uncha
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from ..preempt import run_steps
 from .engines import LoadedModel
 from .inputs import PromptInputs
 from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
@@ -85,6 +88,11 @@ class TargetSession:
 
     def start(self, prompt: Prompt, settings: VerifySettings) -> float:
         """Prefill the target on the prompt; returns compute seconds."""
+        return run_steps(self.start_steps(prompt, settings))
+
+    def start_steps(self, prompt: Prompt, settings: VerifySettings):
+        """start() as preemptible steps (edgespec_ros.preempt): the image is processed in the first
+        quantum, then the prompt is prefilled chunk by chunk; returns compute seconds (quanta only)."""
         vocab = self.lm.vocab_size
         if not prompt.prompt_ids:
             raise ValueError("prompt has no token ids")
@@ -95,15 +103,28 @@ class TargetSession:
         self.awaiting_edge_token = False
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
-        if self.lm.exits is not None:
-            # Each exit's logits at the last prompt position: the first row of round 1's verification.
-            from .exits import ExitHooks
-            with ExitHooks(self.lm.model, self.lm.exits) as hooks:
-                hooks.callback = lambda layer, logits: self._exit_last.__setitem__(layer, logits[0])
-                self.seq.prefill(inputs)
-        else:
-            self.seq.prefill(inputs)
-        return time.perf_counter() - t0
+        steps = self.seq.prefill_steps(inputs)
+        spent = 0.0
+        while True:
+            # Hooks only around this session's own quanta: between two of them other sessions'
+            # forwards run on the same model. Each exit's logits at the last prompt position (the
+            # last chunk's call wins) are the first row of round 1's verification.
+            with self._exit_hooks() as hooks:
+                if hooks is not None:
+                    hooks.callback = lambda layer, logits: self._exit_last.__setitem__(layer, logits[0])
+                try:
+                    next(steps)
+                except StopIteration:
+                    return spent + time.perf_counter() - t0
+            spent += time.perf_counter() - t0
+            yield
+            t0 = time.perf_counter()
+
+    def _exit_hooks(self):
+        if self.lm.exits is None:
+            return contextlib.nullcontext()
+        from .exits import ExitHooks
+        return ExitHooks(self.lm.model, self.lm.exits)
 
     def _require_started(self) -> VerifySettings:
         if self.settings is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
+from ..preempt import run_steps
 from .inputs import PromptInputs
 from .sampling import STREAM_DRAFT, SamplingParams, keyed_uniform, probs_from_logits, sample_from
 
@@ -136,6 +137,24 @@ def crop_cache(cache, keep: int) -> None:
     cache.crop(keep - current if _TRANSFORMERS_MAJOR >= 5 else keep)
 
 
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (edgespec_ros.preempt: one quantum each)
+
+
+def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """[a, b) pieces of an n-token prompt: at most chunk tokens each, except the piece holding all
+    of an image's tokens (which must meet their pixels in one forward); one piece when n <= chunk."""
+    if n <= chunk:
+        return [(0, n)]
+    spans = [(0, image[0]), image, (image[1], n)] if image is not None else [(0, n)]
+    pieces = []
+    for lo, hi in spans:
+        if image is not None and (lo, hi) == image:
+            pieces.append((lo, hi))
+            continue
+        pieces += [(a, min(hi, a + chunk)) for a in range(lo, hi, chunk)]
+    return [p for p in pieces if p[1] > p[0]]
+
+
 @dataclass
 class Sequence:
     """One decoding sequence on a model: KV cache of fed tokens plus tokens waiting to be fed."""
@@ -155,25 +174,48 @@ class Sequence:
             return pos.view(1, 1, n).expand(3, 1, n)
         return pos.view(1, n)
 
-    @torch.inference_mode()
     def prefill(self, inputs: PromptInputs) -> torch.Tensor:
         """Reset and feed the prompt; returns next-token logits [V]."""
+        return run_steps(self.prefill_steps(inputs))
+
+    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK):
+        """prefill() in pieces of at most ``chunk`` prompt tokens, yielding between them
+        (edgespec_ros.preempt: the verifier interleaves other sessions' rounds with a long prompt,
+        as chunked prefill does in vLLM). All of an image's tokens go in one piece, with its
+        pixels (the vision tower runs once); positions are the whole prompt's M-RoPE positions,
+        sliced. A prompt of at most ``chunk`` tokens is one forward, as before. Returns next-token
+        logits [V]."""
         from transformers import DynamicCache
         model = self.lm.model
         self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
         self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = 0, 0, [], [], []
         kwargs = inputs.model_kwargs()
         n = inputs.num_tokens
-        if self.lm.is_vlm and inputs.pixel_values is not None:
-            position_ids, deltas = model.model.get_rope_index(
-                inputs.input_ids, mm_token_type_ids=inputs.mm_token_type_ids,
-                image_grid_thw=inputs.image_grid_thw, attention_mask=inputs.attention_mask)
-            self.rope_delta = int(deltas.view(-1)[0])
-        else:
-            position_ids = self._positions(n)
-            kwargs.pop("mm_token_type_ids", None)
-        out = model(**kwargs, position_ids=position_ids, past_key_values=self.cache, use_cache=True)
-        self.fed = n
+        image = None  # (first, last + 1) of the image tokens
+        with torch.inference_mode():
+            if self.lm.is_vlm and inputs.pixel_values is not None:
+                position_ids, deltas = model.model.get_rope_index(
+                    inputs.input_ids, mm_token_type_ids=inputs.mm_token_type_ids,
+                    image_grid_thw=inputs.image_grid_thw, attention_mask=inputs.attention_mask)
+                self.rope_delta = int(deltas.view(-1)[0])
+                at = torch.nonzero(inputs.mm_token_type_ids[0]).view(-1)
+                image = (int(at[0]), int(at[-1]) + 1) if len(at) else None
+            else:
+                position_ids = self._positions(n)
+                kwargs.pop("mm_token_type_ids", None)
+        pieces = _prefill_pieces(n, chunk, image)
+        out = None
+        for i, (a, b) in enumerate(pieces):
+            if i:
+                yield
+            with torch.inference_mode():
+                piece = {"input_ids": inputs.input_ids[:, a:b], "attention_mask": torch.ones(1, b, dtype=torch.long)}
+                if image is not None and a <= image[0] < b:
+                    piece.update(pixel_values=kwargs["pixel_values"], image_grid_thw=kwargs["image_grid_thw"],
+                                 mm_token_type_ids=kwargs["mm_token_type_ids"][:, a:b])
+                out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
+                            use_cache=True)
+                self.fed = b
         self.last_logits = out.logits[0, -1].float()
         return self.last_logits
 

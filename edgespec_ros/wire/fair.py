@@ -11,10 +11,16 @@ sessions) is served after the flows that used less, and its share is bounded: a 
 most the job in progress plus one job of each flow that used less than its own. When a session
 ends, its queued jobs are cancelled and any new one is refused (``SessionGone``); a job already
 running finishes (each is bounded by the limits).
+
+A job may be preemptible: when fn returns a generator, each step up to its next ``yield`` is one
+quantum, and after every quantum the scheduler picks again, so one session's long work (a
+worst-case codec frame, a long prefill) is interleaved with the others' short jobs instead of
+holding the thread; the generator's return value is the job's result.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import threading
 import time
@@ -26,12 +32,13 @@ class SessionGone(Exception):
 
 
 class _Job:
-    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order")
+    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps")
 
     def __init__(self, key, flow, fn, args, future, loop, order):
         self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
         self.queued_at = time.perf_counter()
         self.order = order
+        self.steps = None  # a preemptible job: the generator fn returned, resumed one quantum at a time
 
 
 class FairCompute:
@@ -48,7 +55,9 @@ class FairCompute:
         self._queued = 0
         self._stopping = False
         self.busy_s = 0.0
-        self.jobs = 0
+        self.jobs = 0  # jobs finished
+        self.quanta = 0  # runs on the thread (a preemptible job takes several)
+        self.longest_quantum_s = 0.0  # the longest any job held the thread at once
         self.running_key = self.running_flow = None
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -92,6 +101,8 @@ class FairCompute:
                     del self._queues[flow]
             self._queued -= len(jobs)
         for job in jobs:
+            if job.steps is not None:
+                job.steps.close()  # a preempted job between two quanta
             job.loop.call_soon_threadsafe(_cancel, job.future)
         return len(jobs)
 
@@ -138,19 +149,45 @@ class FairCompute:
             if job is None:
                 return
             if job.future.cancelled():
+                if job.steps is not None:
+                    job.steps.close()
                 continue
             t0 = time.perf_counter()
+            done, result, error = True, None, None
             try:
-                result, error = job.fn(*job.args), None
+                if job.steps is None:
+                    result = job.fn(*job.args)
+                    if inspect.isgenerator(result):
+                        job.steps, result = result, None
+                if job.steps is not None:  # one quantum: up to its next yield
+                    try:
+                        next(job.steps)
+                        done = False
+                    except StopIteration as stop:
+                        result = stop.value
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
                 result, error = None, exc
             spent = time.perf_counter() - t0
             with self._cond:
                 self.busy_s += spent
-                self.jobs += 1
+                self.quanta += 1
+                self.longest_quantum_s = max(self.longest_quantum_s, spent)
                 self.running_key = self.running_flow = None
                 if job.flow in self._vtime:  # not forgotten while it ran
                     self._vtime[job.flow] += spent
+                if not done and job.key not in self._closed_keys and not self._stopping:
+                    # Preempted: back at the head of its flow's queue (the flow keeps its order);
+                    # the next quantum goes to whichever flow has used the least.
+                    if job.flow not in self._queues:
+                        self._queues[job.flow] = deque()
+                        self._vtime.setdefault(job.flow, self._clock)
+                    self._queues[job.flow].appendleft(job)
+                    self._queued += 1
+                    continue
+                if not done:  # its session ended (or the verifier stops) between two quanta
+                    job.steps.close()
+                    result, error = None, SessionGone("session closed")
+                self.jobs += 1
             job.loop.call_soon_threadsafe(_settle, job.future, result, error)
 
 

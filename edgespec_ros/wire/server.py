@@ -460,7 +460,7 @@ class VerifierServer:
                 settings = self._verify_settings(msg)
                 prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
                 try:
-                    dt = await self._run(conn, session.start, prompt, settings)
+                    dt = await self._run(conn, session.start_steps, prompt, settings)
                 except ValueError as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
                 await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
@@ -509,7 +509,7 @@ class VerifierServer:
                 try:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
-                    q = await self._run(conn, codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
+                    q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
                     result, _ = await self._run(conn, session.verify, msg.draft_ids, q, on_exit, chained)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
@@ -551,7 +551,7 @@ class VerifierServer:
         started = time.perf_counter()
         edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
         try:
-            q = await self._run(conn, codec.decode, msg.q_payload, msg.draft_ids, self.vocab)
+            q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
             result, _ = await self._run(conn, session.verify_separate, msg.draft_ids, q, edge, chained)
             p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p)
         except (CodecError, DraftDistributionError, ValueError) as exc:
