@@ -27,7 +27,8 @@ from edgespec_ros.wire.fair import FairCompute, SessionGone
 from edgespec_ros.wire.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
 from edgespec_ros.wire.server import InsecureConfig, ServerThread, VerifierServer, clean
 
-from wire_helpers import DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy
+from wire_helpers import (DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy,
+                          wait_until)
 
 TOKEN_A = "tenant-a-token-0123456789"
 TOKEN_B = "tenant-b-token-9876543210"
@@ -108,10 +109,10 @@ def test_connection_caps_total_per_address_and_handshakes(pair, monkeypatch):
         expect_error_then_close(_connect_from(st.url, "127.0.0.4"), P.ErrorCode.BUSY, "--max-connections 4")
         for ws in (a1, a2, b1, c1):
             ws.close()
-        time.sleep(0.2)
-        _serves(st, pair)  # every slot released
         gate = st.server.gate
-        assert (gate.total, gate.handshaking, dict(gate.per_address)) == (0, 0, {})
+        wait_until(lambda: (gate.total, gate.handshaking, dict(gate.per_address)) == (0, 0, {}),
+                   what="every slot released")
+        _serves(st, pair)
 
 
 def test_silent_connections_lose_their_handshake_slot_to_new_ones(pair, monkeypatch):
@@ -129,13 +130,13 @@ def test_silent_connections_lose_their_handshake_slot_to_new_ones(pair, monkeypa
         assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BUSY and "too slow" in reply.message
         idle[1].close()
         time.sleep(0.1)
-        fresh = [raw_connect(st.url), raw_connect(st.url)]  # both within the grace period: no slot to reclaim
-        expect_error_then_close(raw_connect(st.url), P.ErrorCode.BUSY, "--max-handshakes 2")
+        # both within the grace period: no slot to reclaim (from addresses that never authenticated)
+        fresh = [_connect_from(st.url, "127.0.0.3"), _connect_from(st.url, "127.0.0.3")]
+        expect_error_then_close(_connect_from(st.url, "127.0.0.4"), P.ErrorCode.BUSY, "--max-handshakes 2")
         for ws in idle + [robot] + fresh:
             ws.close()
-        time.sleep(0.3)
         gate = st.server.gate
-        assert (gate.total, gate.handshaking) == (0, 0)
+        wait_until(lambda: (gate.total, gate.handshaking) == (0, 0), what="every slot released")
         assert st.server.reclaimed_handshakes == 1
 
 
@@ -197,7 +198,7 @@ def test_each_token_is_a_tenant_with_a_session_cap(pair):
         expect_error_then_close(ws, P.ErrorCode.TOO_MANY, "--max-sessions-per-token 2")
         b = raw_session(st.url, pair, token=TOKEN_B)  # the other tenant is not affected
         a[0].close()
-        time.sleep(0.2)
+        wait_until(lambda: st.server._tenant_sessions.get(0) == 1, what="the session released")
         again = raw_session(st.url, pair, token=TOKEN_A)  # a slot came free
         for ws in (a[1], b, again):
             ws.close()
@@ -374,14 +375,12 @@ def test_a_client_that_leaves_has_its_queued_work_cancelled(pair):
         calls_before = fair.jobs
         ws = raw_session(st.url, pair, prefill=False)
         ws.send(_prefill(pair))
-        time.sleep(0.2)
-        assert fair.queue_depth() == 1  # queued behind the blocker
+        wait_until(lambda: fair.queue_depth() == 1, what="the prefill queued behind the blocker")
         ws.close()
-        time.sleep(0.3)
-        assert fair.queue_depth() == 0  # cancelled, not run
+        wait_until(lambda: fair.queue_depth() == 0, what="the queued prefill cancelled")
         hold.set()
         t.join(DEADLINE_S)
-        time.sleep(0.1)
+        wait_until(lambda: fair.running_key is None, what="the blocker finished")
         assert fair.jobs == calls_before + 1  # only the blocker ran
         blocker_ws.close()
 
@@ -422,9 +421,9 @@ def test_client_strings_are_sanitized_in_the_log(pair, caplog):
         ws.send(_hello(pair, client=forged))
         _welcomed(ws)
         ws.send(P.encode(P.Close(forged)))
-        time.sleep(0.3)
+        wait_until(lambda: any("closed by client" in r.getMessage() for r in caplog.records),
+                   what="the close logged")
         ws.close()
-        time.sleep(0.2)
     messages = [r.getMessage() for r in caplog.records if r.name == "edgespec.verifier"]
     assert any("admin logged in" in m for m in messages)  # it was logged ...
     assert not any("\n" in m or "\x1b" in m for m in messages)  # ... on one line, escapes escaped
@@ -666,3 +665,22 @@ def test_prefill_pieces_keep_an_image_whole():
     assert _prefill_pieces(40, 16, None) == [(0, 16), (16, 32), (32, 40)]
     assert _prefill_pieces(100, 16, (20, 90)) == [(0, 16), (16, 20), (20, 90), (90, 100)]
     assert _prefill_pieces(100, 16, (0, 100)) == [(0, 100)]
+
+
+def test_an_address_that_authenticated_before_skips_full_handshake_slots(pair, monkeypatch):
+    """A botnet keeping the handshake slots full of fresh connections cannot lock out a robot
+    that has authenticated from its address before (it reconnects at once)."""
+    monkeypatch.setattr(server_module, "HANDSHAKE_GRACE_S", 60.0)
+    limits = ServerLimits(max_handshakes=2, max_per_address=8)
+    with _server(pair, limits=limits) as st:
+        robot = _connect_from(st.url, "127.0.0.9")
+        robot.send(_hello(pair))
+        _welcomed(robot)
+        robot.close()
+        flood = [_connect_from(st.url, "127.0.0.20"), _connect_from(st.url, "127.0.0.21")]  # slots full
+        expect_error_then_close(_connect_from(st.url, "127.0.0.22"), P.ErrorCode.BUSY, "--max-handshakes 2")
+        again = _connect_from(st.url, "127.0.0.9")  # the robot reconnects: admitted
+        again.send(_hello(pair))
+        _welcomed(again)
+        for ws in flood + [again]:
+            ws.close()

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pre-draft worker counts (fsd-workers: default 1 2 4 8 16; fsd-queues: 1 2 3)")
     sweep.add_argument("--hostile", nargs="+", type=int, default=None,
                        help="hostile sweep: numbers of hostile clients (default 0 10 100; 0 is always measured)")
+    sweep.add_argument("--hostile-kinds", nargs="+", default=None,
+                       choices=["idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen"],
+                       help="hostile sweep: the kinds of hostile client, round-robin (default all)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
                        help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
                             "(default 0)")
@@ -112,7 +115,8 @@ def run_sweep(args) -> int:
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
-                        pipe_depth=args.pipe_depth, hostile=args.hostile)
+                        pipe_depth=args.pipe_depth, hostile=args.hostile,
+                        hostile_kinds=args.hostile_kinds)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

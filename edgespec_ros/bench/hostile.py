@@ -74,10 +74,10 @@ def _big_jpeg(width: int = 1120, height: int = 896) -> bytes:
 class Load:
     """N hostile clients against ``url`` until ``stop`` is set or ``seconds`` pass."""
 
-    def __init__(self, url: str, n: int, info: dict, seconds: float):
+    def __init__(self, url: str, n: int, info: dict, seconds: float, kinds: tuple[str, ...] = KINDS):
         from ..wire import protocol as P
         self.P = P
-        self.url, self.n, self.info, self.seconds = url, n, info, seconds
+        self.url, self.n, self.info, self.seconds, self.kinds = url, n, info, seconds, kinds
         host_port = url.split("://", 1)[1]
         self.host, self.port = host_port.rsplit(":", 1)[0], int(host_port.rsplit(":", 1)[1])
         self.counts: dict[str, Counter] = defaultdict(Counter)
@@ -104,7 +104,8 @@ class Load:
 
     async def run(self) -> dict:
         deadline = asyncio.get_running_loop().time() + self.seconds
-        tasks = [asyncio.ensure_future(self._client(i, KINDS[i % len(KINDS)], deadline)) for i in range(self.n)]
+        tasks = [asyncio.ensure_future(self._client(i, self.kinds[i % len(self.kinds)], deadline))
+                 for i in range(self.n)]
         try:
             await asyncio.wait_for(self.stop.wait(), self.seconds)
         except asyncio.TimeoutError:
@@ -262,7 +263,7 @@ def _outcome(exc: BaseException) -> str:
         return f"http {exc.response.status_code}"
     if isinstance(exc, (OSError, asyncio.TimeoutError)):
         return type(exc).__name__
-    return f"error {type(exc).__name__}"
+    return f"error {type(exc).__name__}: {str(exc)[:40]}"
 
 
 def load_main(argv=None) -> int:
@@ -273,12 +274,13 @@ def load_main(argv=None) -> int:
     ap.add_argument("--info", required=True, help="JSON: fingerprint, vocab, avoid_ids, max_prompt, max_new_tokens")
     ap.add_argument("--seconds", type=float, default=120.0, help="hard cap on the run")
     ap.add_argument("--out", required=True, help="JSON file for the outcome counts")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="hostile kinds, round-robin")
     args = ap.parse_args(argv)
     if not args.url.startswith("ws://127.") and not args.url.startswith("ws://localhost"):
         raise SystemExit("the hostile load only runs against loopback")
     import torch
     torch.set_num_threads(1)
-    load = Load(args.url, args.n, json.loads(args.info), args.seconds)
+    load = Load(args.url, args.n, json.loads(args.info), args.seconds, tuple(args.kinds))
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -293,6 +295,15 @@ def load_main(argv=None) -> int:
 
 
 # --- the sweep (this process: the good robot) ------------------------------------------------
+
+def _load_process_setup(cores: set[int] | None) -> None:
+    """The load generator runs at the lowest CPU priority, beside the verifier: a real attacker's
+    CPU is its own, so the attackers' work should not come out of the verifier's budget (only the
+    verifier's own handling of their traffic should)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    os.nice(19)
+
 
 def _rss_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of a process in MB."""
@@ -336,32 +347,44 @@ def worst_frame_ms(vocab: int, repeats: int = 3) -> dict:
     return out
 
 
-def _good_decisions(draft_lm, url: str, prompts, n: int, mode: str, max_new_tokens: int, progress) -> tuple:
-    """n decisions on one connection (after one warm-up): latencies in ms and decisions lost."""
-    from ..decoding.edge import DecodeConfig, EdgeDecoder
-    from ..wire.client import RemoteVerifier, VerifierError
-    rv = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size, token=GOOD_TOKEN,
-                        timeout_s=30.0, client_name="good-robot")
-    decoder = EdgeDecoder(draft_lm, rv)
-    latencies, lost, errors = [], 0, Counter()
-    try:
-        for i in range(n + 1):
-            instruction, image = prompts[i % len(prompts)]
-            cfg = DecodeConfig(mode=mode, max_new_tokens=max_new_tokens, seed=i)
-            t0 = time.perf_counter()
+class GoodRobot:
+    """The good robot: one connection (a robot keeps its connection), opened and warmed up by one
+    unmeasured decision before the load starts, as a fleet's robots are connected before an attack."""
+
+    def __init__(self, draft_lm, url: str, prompts, max_new_tokens: int):
+        from ..decoding.edge import EdgeDecoder
+        from ..wire.client import RemoteVerifier
+        self.rv = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
+                                 token=GOOD_TOKEN, timeout_s=30.0, client_name="good-robot")
+        self.decoder = EdgeDecoder(draft_lm, self.rv)
+        self.prompts, self.max_new_tokens = prompts, max_new_tokens
+        self.decide(0)  # connects
+
+    def decide(self, i: int) -> float:
+        from ..decoding.edge import DecodeConfig
+        instruction, image = self.prompts[i % len(self.prompts)]
+        cfg = DecodeConfig(mode=GOOD_MODE, max_new_tokens=self.max_new_tokens, seed=i)
+        t0 = time.perf_counter()
+        self.decoder.decide(instruction, image, cfg)
+        return 1e3 * (time.perf_counter() - t0)
+
+    def run(self, n: int, progress) -> tuple[list[float], int, dict]:
+        """n measured decisions: latencies in ms, decisions lost (an error: the robot would stop
+        and retry), and the errors by text."""
+        from ..wire.client import VerifierError
+        latencies, lost, errors = [], 0, Counter()
+        for i in range(1, n + 1):
             try:
-                decoder.decide(instruction, image, cfg)
+                latencies.append(self.decide(i))
             except VerifierError as exc:
-                lost += 1 if i else 0
+                lost += 1
                 errors[str(exc)[:80]] += 1
-                continue
-            if i:
-                latencies.append(1e3 * (time.perf_counter() - t0))
-                progress.update(1)
-    finally:
-        decoder.close()
-        rv.close()
-    return latencies, lost, dict(errors)
+            progress.update(1)
+        return latencies, lost, dict(errors)
+
+    def close(self) -> None:
+        self.decoder.close()
+        self.rv.close()
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -370,24 +393,47 @@ def _percentile(values: list[float], p: float) -> float:
 
 def run_hostile(opts, progress) -> list[dict]:
     from ..decoding.engines import load_model
-    from .runner import bench_prompts, verifier_process_handle
+    from .runner import bench_prompts
     counts_n = list(opts.hostile or HOSTILE_N_DEFAULT)
     if 0 not in counts_n:
         counts_n = [0] + counts_n
-    decisions = opts.decisions or 20
+    decisions = opts.decisions or 60
+    kinds = list(opts.hostile_kinds or KINDS)
     max_new = min(opts.max_new_tokens, 32)
     draft_lm = load_model(opts.pair.draft_path)
     info = _model_info(draft_lm, max_new)
     prompts = bench_prompts(max(4, decisions), opts.seed)
     bar = progress(decisions * len(counts_n))
+    # The robot and the cloud are different machines: on a machine with 2+ cores the good robot
+    # (this process) keeps core 0, and the verifier and the hostile load share the others.
+    cores = sorted(os.sched_getaffinity(0))
+    robot, cloud = ({cores[0]}, set(cores[1:])) if len(cores) >= 2 else (None, None)
+    import torch
+    previous, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if robot:
+        os.sched_setaffinity(0, robot)
+        torch.set_num_threads(1)
+    try:
+        rows = _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud)
+    finally:
+        os.sched_setaffinity(0, previous)
+        torch.set_num_threads(threads)
+    bar.close()
+    for r in rows:
+        r["cores"] = {"robot": sorted(robot) if robot else "shared", "cloud": sorted(cloud) if cloud else "shared"}
+    return _finish_rows(rows, info)
+
+
+def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud) -> list[dict]:
+    from .runner import verifier_process_handle
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgespec-hostile-") as tmp:
         token_file = os.path.join(tmp, "tokens")
         with open(token_file, "w") as f:
             f.write(f"{GOOD_TOKEN}\n{HOSTILE_TOKEN}\n")
         for n in counts_n:
-            with verifier_process_handle(opts.pair.target_path, "native", token_file,
-                                         exits=opts.exits, extra_args=("--log-level", "ERROR")) as (port, proc):
+            with verifier_process_handle(opts.pair.target_path, "native", token_file, exits=opts.exits,
+                                         extra_args=("--log-level", "ERROR"), cpus=cloud) as (port, proc):
                 url = f"ws://127.0.0.1:{port}"
                 peak = [0.0]
                 sampling = threading.Event()
@@ -400,18 +446,21 @@ def run_hostile(opts, progress) -> list[dict]:
                             return
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
+                robot = GoodRobot(draft_lm, url, prompts, max_new)
                 load, counts_path = None, os.path.join(tmp, f"counts-{n}.json")
                 budget_s = 60.0 + decisions * 15.0
                 if n:
                     load = subprocess.Popen([sys.executable, "-m", "edgespec_ros.bench.hostile", "--url", url,
                                              "--n", str(n), "--info", json.dumps(info), "--seconds", str(budget_s),
-                                             "--out", counts_path], stdout=subprocess.PIPE, text=True)
+                                             "--out", counts_path, "--kinds", *kinds], stdout=subprocess.PIPE,
+                                            text=True, preexec_fn=lambda: _load_process_setup(cloud))
                     load.stdout.readline()  # "ready": its inputs are built
                     time.sleep(RAMP_S)
                 t0 = time.monotonic()
                 try:
-                    latencies, lost, errors = _good_decisions(draft_lm, url, prompts, decisions, GOOD_MODE, max_new, bar)
+                    latencies, lost, errors = robot.run(decisions, bar)
                 finally:
+                    robot.close()
                     if load is not None:
                         load.send_signal(signal.SIGTERM)
                         try:
@@ -430,8 +479,12 @@ def run_hostile(opts, progress) -> list[dict]:
                          "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
                          "max_ms": max(latencies) if latencies else float("nan"),
                          "rss_peak_mb": max(peak[0], 0.0), "rss_hwm_mb": hwm, "wall_s": wall,
-                         "hostile_counts": hostile, "mode": GOOD_MODE, "max_new_tokens": max_new})
-    bar.close()
+                         "hostile_counts": hostile, "mode": GOOD_MODE, "max_new_tokens": max_new,
+                         "kinds": kinds if n else []})
+    return rows
+
+
+def _finish_rows(rows: list[dict], info: dict) -> list[dict]:
     base = next((r for r in rows if r["hostile"] == 0), None)
     for r in rows:
         r["p50_ratio"] = r["p50_ms"] / base["p50_ms"] if base and base["p50_ms"] else float("nan")
@@ -463,8 +516,10 @@ def table_hostile(rows: list[dict]) -> str:
                    + " (this model's vocabulary); "
                    + ", ".join(f"{k} {v:.0f} ms" for k, v in worst["worst_frame_decode_ms_qwen_vocab"].items())
                    + " (Qwen2-VL's 151,936)")
-    out.append("good robot: its own token, one connection, native compute on loopback; the hostile load generator "
-               "and the verifier share this machine's cores (part of any slowdown is plain CPU contention)")
+    cores = data[0].get("cores", {}) if data else {}
+    out.append(f"good robot: its own token, one connection, mode {data[0]['mode'] if data else '-'}, native compute "
+               f"on loopback; robot on core(s) {cores.get('robot', '-')}; verifier (1 torch thread per core) and, at "
+               f"nice 19, the hostile load generator on core(s) {cores.get('cloud', '-')}")
     return "\n".join(out)
 
 
@@ -473,14 +528,15 @@ def plot_hostile(rows: list[dict], path: str) -> None:
     data = [r for r in rows if "hostile" in r]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    xs = [r["hostile"] for r in data]
+    xs = list(range(len(data)))  # one slot per setting (N = 0, 10, 100 are not evenly spaced)
     ax.plot(xs, [r["p50_ms"] for r in data], "o-", label="good robot p50")
     ax.plot(xs, [r["p99_ms"] for r in data], "s-", label="good robot p99")
     if data and not math.isnan(data[0]["p99_ms"]):
         ax.axhline(1.25 * data[0]["p99_ms"], color="gray", ls="--", lw=1, label="goal: p99 < 1.25x unloaded")
+    ax.set_xticks(xs, [str(r["hostile"]) for r in data])
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("hostile clients")
     ax.set_ylabel("decision latency, ms")
-    ax.set_xscale("symlog", linthresh=1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Good robot vs N hostile clients (loopback, native compute)", fontsize=9)

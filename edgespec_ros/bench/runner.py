@@ -66,8 +66,9 @@ def verifier_process(model: str, compute: str = "native", token_file: str | None
 @contextlib.contextmanager
 def verifier_process_handle(model: str, compute: str = "native", token_file: str | None = None,
                             timeout_s: float = 120.0, exit_queue: str = "priority", exits: str = "auto",
-                            extra_args: tuple[str, ...] = ()):
-    """verifier_process, yielding (port, the Popen) (e.g. to read its RSS); extra_args go to the CLI."""
+                            extra_args: tuple[str, ...] = (), cpus: set[int] | None = None):
+    """verifier_process, yielding (port, the Popen) (e.g. to read its RSS); extra_args go to the CLI;
+    cpus pins it to those cores, with one torch thread per core (the cloud as a machine apart)."""
     port = free_port()
     cmd = [sys.executable, "-m", "edgespec_ros.wire.server", "--model", model, "--port", str(port),
            "--compute", compute, "--log-level", "WARNING", "--exit-queue", exit_queue, "--exits", exits,
@@ -77,7 +78,11 @@ def verifier_process_handle(model: str, compute: str = "native", token_file: str
     # Its log goes to a file, never a pipe nobody reads: a verifier that logs a lot (hostile
     # clients) would block on a full pipe.
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    env = None
+    if cpus:
+        env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus)), MKL_NUM_THREADS=str(len(cpus)))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

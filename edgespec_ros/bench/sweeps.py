@@ -46,6 +46,7 @@ class SweepOptions:
     exits: str = "auto"  # the verifier's early-exit adapters (edgespec-verifier --exits)
     pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto"
     hostile: list[int] | None = None  # hostile sweep: numbers of hostile clients
+    hostile_kinds: list[str] | None = None  # hostile sweep: which kinds (default all)
 
 
 @dataclass(frozen=True)

@@ -44,15 +44,33 @@ class LimitError(Exception):
     """A request beyond a limit (the server turns it into an ERROR frame naming the limit)."""
 
 
+TRUSTED_FOR_S = 3600.0  # an address that authenticated this recently skips the handshake cap
+
+
 class ConnectionGate:
     """Caps on open connections (total and per address) and on handshakes in flight. ``admit``
-    returns a refusal text or '' (admitted: call ``release`` when the connection ends)."""
+    returns a refusal text or '' (admitted: call ``release`` when the connection ends).
 
-    def __init__(self, limits: ServerLimits):
-        self.limits = limits
+    An address that completed a HELLO within TRUSTED_FOR_S (a robot reconnecting) is not held by
+    the handshake cap: a botnet that keeps the handshake slots full with fresh connections cannot
+    lock the fleet's robots out (it still counts against the total and per-address caps)."""
+
+    def __init__(self, limits: ServerLimits, clock=time.monotonic):
+        self.limits, self.clock = limits, clock
         self.total = 0
         self.handshaking = 0
         self.per_address: dict[str, int] = defaultdict(int)
+        self.trusted: dict[str, float] = {}  # address -> when it last completed a HELLO
+
+    def is_trusted(self, address: str) -> bool:
+        when = self.trusted.get(address)
+        return when is not None and self.clock() - when < TRUSTED_FOR_S
+
+    def trust(self, address: str) -> None:
+        self.trusted.pop(address, None)
+        self.trusted[address] = self.clock()
+        if len(self.trusted) > 65536:  # bounded: forget the oldest
+            self.trusted.pop(next(iter(self.trusted)))
 
     def admit(self, address: str) -> str:
         lim = self.limits
@@ -61,7 +79,7 @@ class ConnectionGate:
         if self.per_address[address] >= lim.max_per_address:
             return (f"too many connections from this address: {self.per_address[address]} open "
                     f"(--max-per-address {lim.max_per_address})")
-        if self.handshaking >= lim.max_handshakes:
+        if self.handshaking >= lim.max_handshakes and not self.is_trusted(address):
             return f"too many handshakes in progress ({self.handshaking}; --max-handshakes {lim.max_handshakes})"
         self.total += 1
         self.handshaking += 1

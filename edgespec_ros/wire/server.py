@@ -257,7 +257,8 @@ class VerifierServer:
         peer = getattr(ws, "remote_address", None) or ("?", 0)
         key = next(self._keys)
         conn = _Conn(key, str(peer[0]), f"{peer[0]}:{peer[1] if len(peer) > 1 else 0}#{key}", ws)
-        if not self.stopping and self.gate.handshaking >= self.limits.max_handshakes:
+        if (not self.stopping and self.gate.handshaking >= self.limits.max_handshakes
+                and not self.gate.is_trusted(conn.address)):
             self._reclaim_handshake()
         refusal = "verifier shutting down" if self.stopping else self.gate.admit(conn.address)
         if refusal:
@@ -405,6 +406,7 @@ class VerifierServer:
         if tenant is not None:
             self._tenant_sessions[tenant] += 1
         self.gate.authenticated()
+        self.gate.trust(conn.address)
         protocol = getattr(ws, "protocol", None)
         if protocol is not None:  # the session's own frame limit from now on
             protocol.max_message_size = 2 * self.max_frame + 1024

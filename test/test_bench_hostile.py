@@ -1,0 +1,43 @@
+"""The hostile soak's machinery (edgespec-bench --sweep hostile), small: a verifier process, a few
+hostile clients of the refused kinds and an expensive one, two good decisions. No speed asserts:
+the good robot loses no decision, every hostile kind's outcomes are counted, RSS is read."""
+import json
+import os
+
+from edgespec_ros.bench.hostile import KINDS, run_hostile, table_hostile, plot_hostile
+from edgespec_ros.bench.runner import resolve_models
+from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
+
+
+class _Bar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_hostile_sweep_runs_and_counts_refusals(tmp_path):
+    assert "hostile" in SWEEPS
+    kinds = ["bad-auth", "oversize", "expensive"]
+    opts = SweepOptions(resolve_models(None, None), decisions=2, max_new_tokens=16, hostile=[3], hostile_kinds=kinds)
+    rows = run_hostile(opts, lambda total: _Bar())
+    settings = [r for r in rows if "hostile" in r]
+    assert [r["hostile"] for r in settings] == [0, 3]
+    for r in settings:
+        assert r["decisions"] == 2 and r["lost"] == 0, r
+        assert r["rss_peak_mb"] > 0 and r["rss_hwm_mb"] >= r["rss_peak_mb"] * 0.5
+        assert r["p50_ms"] > 0
+    counts = settings[1]["hostile_counts"]
+    assert set(counts) == set(kinds), counts
+    assert counts["bad-auth"].get("refused 401", 0) >= 1  # wrong token, then (after 5) locked out: 429
+    assert counts["oversize"].get("closed 1009", 0) + counts["oversize"].get("dropped", 0) >= 1
+    assert counts["expensive"].get("authenticated", 0) >= 1
+    worst = rows[-1]["worst_frame_decode_ms"]
+    assert set(worst) == {"ksqs:k=128,l=1024", "csqs:l=1024"} and all(v > 0 for v in worst.values())
+    text = table_hostile(rows)
+    assert "p99 vs 0" in text and "bad-auth" in text
+    plot_hostile(rows, str(tmp_path / "hostile.png"))
+    assert os.path.getsize(tmp_path / "hostile.png") > 0
+    json.dumps(rows)  # --json works
+    assert set(KINDS) >= set(kinds)
