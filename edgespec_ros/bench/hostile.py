@@ -438,11 +438,13 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                 peak = [0.0]
                 sampling = threading.Event()
 
-                def sample():
-                    while not sampling.wait(0.2):
+                def sample():  # at once, then every 0.2 s until the setting ends
+                    while True:
                         try:
                             peak[0] = max(peak[0], _rss_mb(proc.pid)[0])
                         except OSError:
+                            return
+                        if sampling.wait(0.2):
                             return
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
@@ -470,7 +472,8 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                     sampling.set()
                     sampler.join(2)
                 wall = time.monotonic() - t0
-                _, hwm = _rss_mb(proc.pid)
+                rss, hwm = _rss_mb(proc.pid)
+                peak[0] = max(peak[0], rss)
                 hostile = {}
                 if load is not None and os.path.exists(counts_path):
                     with open(counts_path) as f:
