@@ -684,3 +684,14 @@ def test_an_address_that_authenticated_before_skips_full_handshake_slots(pair, m
         _welcomed(again)
         for ws in flood + [again]:
             ws.close()
+
+
+def test_the_operator_status_line(pair, caplog):
+    with caplog.at_level(logging.INFO, logger="edgespec.verifier"), \
+            _server(pair, status_interval_s=0.2) as st:
+        ws = raw_session(st.url, pair)
+        wait_until(lambda: any(r.getMessage().startswith("status: 1 session(s)") for r in caplog.records),
+                   what="a status line")
+        status = st.server.status()
+        assert status["sessions"] == 1 and status["jobs"] >= 1 and status["compute_busy_s"] > 0
+        ws.close()

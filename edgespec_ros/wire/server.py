@@ -209,7 +209,7 @@ class VerifierServer:
                  max_frame: int = P.DEFAULT_MAX_FRAME, compute: ComputeProfile | None = None,
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 300.0, model_name: str | None = None,
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
-                 ssl_context=None, insecure_no_auth: bool = False):
+                 ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0):
         self.lm = lm
         tokens = [token] if isinstance(token, str) else list(token or [])
         if any(not t for t in tokens):
@@ -234,6 +234,7 @@ class VerifierServer:
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, context or self.limits.max_prompt_tokens)
         self.ssl_context = ssl_context
         self.insecure_no_auth = insecure_no_auth
+        self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
         self.gate = ConnectionGate(self.limits)
         self.throttle = AuthThrottle(self.limits)
         self.fair = FairCompute("target")  # every session's model and codec work, fairly shared
@@ -639,8 +640,36 @@ class VerifierServer:
                      f"{len(self.tokens)} token(s)" if self.tokens else "off")
             if ready is not None:
                 ready.set()
-            await (stop.wait() if stop is not None else asyncio.Future())
+            status = asyncio.ensure_future(self._status_loop()) if self.status_interval_s > 0 else None
+            try:
+                await (stop.wait() if stop is not None else asyncio.Future())
+            finally:
+                if status is not None:
+                    status.cancel()
             await self.shutdown(server)
+
+    def status(self) -> dict:
+        """What an operator watches: sessions, caps, refusals, the compute thread's load."""
+        fair = self.fair
+        return {"sessions": sum(1 for c in self.connections.values() if c.accepted),
+                "tenants": len(self._tenant_sessions), "handshaking": self.gate.handshaking,
+                "refused": self.refused, "reclaimed_handshakes": self.reclaimed_handshakes,
+                "sessions_served": self.sessions_served, "queued_jobs": fair.queue_depth(), "jobs": fair.jobs,
+                "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
+                "dropped_blocks": self.dropped_blocks}
+
+    async def _status_loop(self) -> None:
+        """One log line every status_interval_s: sessions, refusals and the compute thread's load."""
+        last_busy, last_t = self.fair.busy_s, time.perf_counter()
+        while True:
+            await asyncio.sleep(self.status_interval_s)
+            st, now = self.status(), time.perf_counter()
+            busy = (st["compute_busy_s"] - last_busy) / max(1e-9, now - last_t)
+            last_busy, last_t = st["compute_busy_s"], now
+            log.info("status: %d session(s) of %d tenant(s), %d handshaking, %d refused, %d slow handshakes "
+                     "closed, %d served; compute %.0f%% busy, %d job(s) queued, longest quantum %.0f ms",
+                     st["sessions"], st["tenants"], st["handshaking"], st["refused"], st["reclaimed_handshakes"],
+                     st["sessions_served"], 100 * busy, st["queued_jobs"], st["longest_quantum_ms"])
 
     async def shutdown(self, server, timeout_s: float = 10.0) -> None:
         self.stopping = True
@@ -791,6 +820,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, option, kind, text in LIMIT_OPTIONS:
         lim.add_argument(option, dest=name, type=kind, default=getattr(d, name), metavar=kind.__name__.upper(),
                          help=f"{text} (default {getattr(d, name)})")
+    ap.add_argument("--status-interval", type=float, default=60.0,
+                    help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return ap
 
@@ -847,7 +878,7 @@ def main(argv=None) -> int:
     server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
-                            insecure_no_auth=args.insecure_no_auth)
+                            insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval)
 
     async def run():
         stop = asyncio.Event()
