@@ -150,17 +150,30 @@ class TargetSession:
         ``last_exit_layer`` the earliest exit layer whose result equals the final one
         (``lm.num_layers`` when none does; 0 when exits were not computed).
         """
-        settings = self._require_started()
-        if self.awaiting_edge_token:
-            raise ValueError("the last round ended in a split-codec rejection: the next round must be a split one")
         t0 = time.perf_counter()
-        start_position = self.position
-        ids = torch.tensor(draft_ids, dtype=torch.long)
-        self.last_exits, self.last_exit_layer = [], 0
+        start_position = self.begin_round()
         if on_exit is not None and self.lm.exits is not None:
+            ids = torch.tensor(draft_ids, dtype=torch.long)
             logits = self._target_logits_with_exits(draft_ids, ids, draft_probs, start_position, on_exit)
         else:
             logits = self.seq.target_logits(draft_ids)
+        return self.finish_round(draft_ids, draft_probs, logits, chained, start_position), time.perf_counter() - t0
+
+    def begin_round(self) -> int:
+        """Checks before a (dense) verification round; its start position. Then the target's
+        logits for the round, alone (``verify``) or batched with other sessions
+        (``decoding.batch.verify_batch``), and ``finish_round``."""
+        self._require_started()
+        if self.awaiting_edge_token:
+            raise ValueError("the last round ended in a split-codec rejection: the next round must be a split one")
+        self.last_exits, self.last_exit_layer = [], 0
+        return self.position
+
+    def finish_round(self, draft_ids: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                     chained: bool, start_position: int) -> VerifyResult:
+        """The verification rule on the round's target logits, and the commit."""
+        settings = self.settings
+        ids = torch.tensor(draft_ids, dtype=torch.long)
         result = verify(ids, draft_probs, logits, settings.params,
                         seed=settings.seed, start_position=start_position, mode=settings.verify_mode)
         if self.last_exits:
@@ -171,7 +184,7 @@ class TargetSession:
             result.next_token = CONTINUE
         else:
             self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
-        return result, time.perf_counter() - t0
+        return result
 
     def verify_separate(self, draft_ids: list[int], q_at_draft: torch.Tensor,
                         edge_token: int | None, chained: bool = False) -> tuple[VerifyResult, float]:

@@ -326,17 +326,30 @@ class Sequence:
 
     def target_logits(self, draft_ids: list[int]) -> torch.Tensor:
         """Target logits [gamma + 1, V] for verifying draft_ids (feeds pending + drafts)."""
+        tokens = self.begin_target(draft_ids)
+        return self.end_target(self.feed(tokens) if tokens else None)
+
+    def begin_target(self, draft_ids: list[int]) -> list[int]:
+        """The tokens to feed for verifying draft_ids (pending + drafts); then ``end_target`` with
+        the logits of feeding them, here or in a batch (decoding.batch.feed_batch)."""
         if self.pending:
             pending, self.pending = self.pending, []
             self._verify_base = self.fed + len(pending)
-            return self.feed(pending + list(draft_ids))[len(pending) - 1:]
-        first = self.last_logits
-        if first is None:
+            self._verify_head = len(pending)
+            return pending + list(draft_ids)
+        if self.last_logits is None:
             raise RuntimeError("target has no next-token logits")
         self._verify_base = self.fed
-        if not draft_ids:
-            return first.view(1, -1)
-        return torch.cat([first.view(1, -1), self.feed(list(draft_ids))], dim=0)
+        self._verify_head = 0
+        self._first_row = self.last_logits  # row 0: computed by the last forward, before feeding
+        return list(draft_ids)
+
+    def end_target(self, fed_logits: torch.Tensor | None) -> torch.Tensor:
+        """Target logits [gamma + 1, V] from the logits of the tokens begin_target returned."""
+        if self._verify_head:
+            return fed_logits[self._verify_head - 1:]
+        first = self._first_row.view(1, -1)
+        return first if fed_logits is None else torch.cat([first, fed_logits], dim=0)
 
     def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int | None) -> None:
         """Keep the accepted drafts in the target cache and queue next_token (None: the robot

@@ -1,0 +1,121 @@
+"""Batched forward passes over several sequences of one model, each with its own KV cache, and
+batched verification rounds of several sessions (the fleet verifier's building blocks, issue 19).
+
+``feed_batch(seqs, token_lists)`` does for every sequence what ``Sequence.feed`` does for one (feed
+its tokens on top of its cache, at its own M-RoPE positions; returns the logits [n_i, V]) in one
+forward pass: the caches are left-padded to the longest and stacked, the new tokens right-padded,
+and a per-row attention mask hides every pad; positions are explicit per row. Afterwards each
+sequence's cache holds exactly its own new keys and values, as if it had been fed alone.
+
+Exactness: masked pads contribute exact zeros to attention, but a batched matmul may reduce in a
+different order than a single-row one, so logits agree with the unbatched ones to float rounding
+(~1e-6 relative on CPU), not bit for bit (as in vLLM without batch-invariant kernels). Verification
+decisions are taken on those logits with position-keyed randomness, so a token differs between
+batched and alone only when a uniform draw or a greedy tie falls within that rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .engines import _TRANSFORMERS_MAJOR, Sequence
+
+
+def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, [1, heads, length, dim] each (transformers 4.x and 5.x caches)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache
+
+
+@torch.inference_mode()
+def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch.Tensor]:
+    """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each."""
+    if len(seqs) != len(token_lists) or not seqs:
+        raise ValueError("feed_batch needs one token list per sequence, and at least one")
+    if len(seqs) == 1:
+        return [seqs[0].feed(token_lists[0])]
+    lm = seqs[0].lm
+    if any(s.lm is not lm for s in seqs):
+        raise ValueError("feed_batch: every sequence must be on the same model")
+    if any(s.cache is None for s in seqs) or any(not t for t in token_lists):
+        raise ValueError("feed_batch: every sequence must be prefilled and get at least one token")
+    b = len(seqs)
+    lengths = [s.fed for s in seqs]
+    counts = [len(t) for t in token_lists]
+    past, new = max(lengths), max(counts)
+    # The stacked cache: row i = [zeros (past - L_i) | its own cache (L_i)].
+    per_seq = [_layers(s.cache) for s in seqs]
+    stacked = []
+    for layer in range(len(per_seq[0])):
+        ks, vs = [], []
+        for i in range(b):
+            k, v = per_seq[i][layer]
+            pad = past - lengths[i]
+            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+        stacked.append((torch.cat(ks), torch.cat(vs)))
+    cache = _new_cache(lm.model, stacked)
+    ids = torch.zeros(b, new, dtype=torch.long)
+    mask = torch.zeros(b, past + new, dtype=torch.long)
+    rows = []
+    for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
+        n = counts[i]
+        ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, past - lengths[i]:past + n] = 1
+        pos = torch.arange(s.fed, s.fed + new) + s.rope_delta  # pads: positions past the row's end (masked)
+        rows.append(pos)
+    pos = torch.stack(rows)  # [B, new]
+    position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
+    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                   use_cache=True)
+    logits = out.logits.float()
+    merged = _layers(cache)
+    results = []
+    for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
+        n = counts[i]
+        own = _layers(s.cache)
+        grown = [(torch.cat([k, mk[i:i + 1, :, past:past + n]], dim=2),
+                  torch.cat([v, mv[i:i + 1, :, past:past + n]], dim=2))
+                 for (k, v), (mk, mv) in zip(own, merged)]
+        s.cache = _new_cache(lm.model, grown)
+        s.fed += n
+        s.fed_tokens.extend(int(t) for t in tokens)
+        row = logits[i, :n]
+        s.last_logits = row[-1]
+        results.append(row)
+    return results
+
+
+@dataclass
+class Round:
+    """One session's dense verification round, for ``verify_batch``."""
+    session: object  # cloud.TargetSession
+    draft_ids: list[int]
+    draft_probs: torch.Tensor | None
+    chained: bool = False
+
+
+def verify_batch(rounds: list[Round]):
+    """Verify several sessions' rounds (one model; at most one round per session) with one forward
+    pass: each session's result and commit are those of ``TargetSession.verify`` on its own, up to
+    float rounding in the logits (see the module docstring). No early exits: a round that streams
+    exits runs alone."""
+    sessions = [r.session for r in rounds]
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise ValueError("verify_batch: one round per session (a session's next round needs this one's verdict)")
+    starts = [s.begin_round() for s in sessions]
+    tokens = [s.seq.begin_target(r.draft_ids) for s, r in zip(sessions, rounds)]
+    fed_rows = [i for i, t in enumerate(tokens) if t]
+    fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows], [tokens[i] for i in fed_rows])))
+    return [s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained, start)
+            for i, (s, r, start) in enumerate(zip(sessions, rounds, starts))]

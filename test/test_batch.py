@@ -1,0 +1,123 @@
+"""Batched forward passes over several sessions' own KV caches (issue 19, part 1): the same logits
+as feeding each alone (to float rounding: see decoding/batch.py), each cache afterwards exactly its
+own, for prompts of different lengths, with and without images."""
+import copy
+
+import pytest
+import torch
+
+from edgespec_ros.decoding.batch import feed_batch
+from edgespec_ros.decoding.edge import EdgeDecoder
+from edgespec_ros.decoding.engines import Sequence
+from edgespec_ros.decoding.verifier import LocalVerifier
+
+from wire_helpers import make_pair
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+def _prefilled(pair, instruction, image):
+    _, inputs = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, image)
+    seq = Sequence(pair.target)
+    seq.prefill(inputs)
+    return seq
+
+
+def _sessions(pair):
+    return [_prefilled(pair, "find the silver bottle", pair.image),
+            _prefilled(pair, "turn left at the red chair and then look for the bottle " * 3, None),
+            _prefilled(pair, "stop", pair.image)]
+
+
+def test_batched_feed_matches_feeding_each_alone(pair):
+    alone, batched = _sessions(pair), _sessions(pair)
+    assert len({s.fed for s in alone}) == 3  # different prompt lengths
+    tokens = [[5, 6, 7, 8], [9], [10, 11]]
+    ref = [s.feed(t) for s, t in zip(alone, tokens)]
+    got = feed_batch(batched, tokens)
+    for r, g, a, b in zip(ref, got, alone, batched):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r, **TOL)
+        assert torch.equal(g.argmax(-1), r.argmax(-1))
+        assert (b.fed, b.fed_tokens) == (a.fed, a.fed_tokens)
+    # each cache is now its own: the next tokens, fed alone on both, agree
+    for a, b in zip(alone, batched):
+        torch.testing.assert_close(b.feed([12, 13]), a.feed([12, 13]), **TOL)
+
+
+def test_batched_rounds_keep_sessions_independent(pair):
+    """Several batched rounds with sessions cropped back in between (a rejection rolls one back),
+    then greedy decoding alone from each: the same tokens as a session that was never batched."""
+    alone, batched = _sessions(pair), _sessions(pair)
+    plan = [[[5, 6, 7], [8, 9], [10]], [[11], [12, 13, 14], [15, 16]]]
+    for tokens in plan:
+        for s, t in zip(alone, tokens):
+            s.feed(t)
+        feed_batch(batched, tokens)
+        for s in alone + batched:  # a rejection: drop the last fed token
+            s.crop(s.fed - 1)
+            s.pending = [3]
+    for a, b in zip(alone, batched):
+        ta, tb = [], []
+        for seq, out in ((a, ta), (b, tb)):
+            for _ in range(6):
+                tok = int(seq.next_logits().argmax())
+                out.append(tok)
+                seq.pending = [tok]
+        assert ta == tb
+
+
+def test_feed_batch_refuses_mixed_or_empty_input(pair):
+    s = _sessions(pair)
+    with pytest.raises(ValueError):
+        feed_batch(s[:2], [[1]])
+    with pytest.raises(ValueError):
+        feed_batch(s[:2], [[1], []])
+    other = Sequence(pair.draft)
+    with pytest.raises(ValueError):
+        feed_batch([s[0], other], [[1], [2]])
+    one = copy.deepcopy(s[0])
+    torch.testing.assert_close(feed_batch([s[0]], [[4]])[0], one.feed([4]), rtol=0, atol=0)
+
+
+def _target_sessions(pair, cfgs):
+    from edgespec_ros.decoding.cloud import TargetSession, VerifySettings
+    sessions = []
+    for instruction, image, temperature in cfgs:
+        prompt, _ = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, image)
+        s = TargetSession(pair.target)
+        from edgespec_ros.decoding.sampling import SamplingParams
+        s.start(prompt, VerifySettings(SamplingParams(temperature), seed=7, verify_mode="rejection"))
+        sessions.append(s)
+    return sessions
+
+
+def test_verify_batch_gives_each_session_its_own_results(pair):
+    """Greedy and sampled sessions of different prompts, several rounds batched (sessions joining
+    and leaving the batch between rounds) vs each alone: identical accepted counts, next tokens
+    and committed text."""
+    from edgespec_ros.decoding.batch import Round, verify_batch
+    cfgs = [("find the silver bottle", pair.image, 0.0), ("turn left at the red chair " * 3, None, 1.0),
+            ("stop", pair.image, 0.7)]
+    alone, batched = _target_sessions(pair, cfgs), _target_sessions(pair, cfgs)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        members = [i for i in range(3) if (i + step) % 3 != 2 or step == 0]  # one session sits out a round
+        rounds_a, rounds_b = [], []
+        for i in members:
+            n = 1 + (i + step) % 3
+            q = torch.softmax(torch.randn(n, pair.vocab, generator=gen), -1).double()
+            ids = [int(t) for t in torch.multinomial(q.float(), 1, generator=gen).view(-1)]
+            rounds_a.append((alone[i], ids, q))
+            rounds_b.append(Round(batched[i], ids, q))
+        ref = [s.verify(ids, q)[0] for s, ids, q in rounds_a]
+        got = verify_batch(rounds_b)
+        for r, g in zip(ref, got):
+            assert (g.accepted, g.next_token) == (r.accepted, r.next_token)
+    for a, b in zip(alone, batched):
+        assert b.seq.generated == a.seq.generated and b.position == a.position
