@@ -121,3 +121,46 @@ def test_verify_batch_gives_each_session_its_own_results(pair):
             assert (g.accepted, g.next_token) == (r.accepted, r.next_token)
     for a, b in zip(alone, batched):
         assert b.seq.generated == a.seq.generated and b.position == a.position
+
+
+def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
+    """Four robots decode at once through one verifier: their rounds share forward passes (mean
+    batch > 1) and each robot's tokens are those it gets alone (greedy and sampled)."""
+    import threading
+    from edgespec_ros.decoding.edge import DecodeConfig
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.wire.client import RemoteVerifier
+    from edgespec_ros.wire.server import ServerThread, VerifierServer
+    from wire_helpers import INSTRUCTIONS, server_copy
+    plans = [(INSTRUCTIONS[i % 2], DecodeConfig(mode="sd", gamma=2 + i % 3, max_new_tokens=24, seed=i,
+                                                 params=SamplingParams(0.0 if i % 2 else 1.0)))
+             for i in range(4)]
+    refs = [EdgeDecoder(pair.draft, LocalVerifier(pair.target)).decide(ins, pair.image, cfg).tokens
+            for ins, cfg in plans]
+    with ServerThread(VerifierServer(server_copy(pair.target), max_batch=8)) as st:
+        results, errors = [None] * 4, []
+        barrier = threading.Barrier(4)
+
+        def robot(i):
+            try:
+                rv = RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
+                                    timeout_s=30)
+                decoder = EdgeDecoder(pair.draft, rv)
+                rv.connect()
+                barrier.wait(10)
+                ins, cfg = plans[i]
+                results[i] = [decoder.decide(ins, pair.image, cfg).tokens for _ in range(2)]
+                rv.close()
+            except Exception as exc:  # reported below
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=robot, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        fair = st.server.fair
+        assert errors == []
+        for got, ref in zip(results, refs):
+            assert got == [ref, ref]
+        assert fair.batches > 0 and fair.batched_jobs / fair.batches > 1.0, (fair.batches, fair.batched_jobs)
+        print(f"4 robots: {fair.batches} batched passes, mean batch {fair.batched_jobs / fair.batches:.2f}")

@@ -695,3 +695,29 @@ def test_the_operator_status_line(pair, caplog):
         status = st.server.status()
         assert status["sessions"] == 1 and status["jobs"] >= 1 and status["compute_busy_s"] > 0
         ws.close()
+
+
+def test_batched_jobs_share_one_call_and_keep_each_session_in_order():
+    fair = FairCompute("t", max_batch=3)
+    hold = threading.Event()
+    calls = []
+
+    def combine(items):
+        calls.append(list(items))
+        return [ValueError("bad") if item == "bad" else item.upper() for item in items]
+    try:
+        async def main():
+            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+            await asyncio.sleep(0.05)
+            jobs = [asyncio.ensure_future(fair.run_batched(k, combine, item))
+                    for k, item in [("a", "a1"), ("b", "b1"), ("a", "a2"), ("c", "bad"), ("d", "d1")]]
+            await asyncio.sleep(0.05)
+            hold.set()
+            await blocker
+            return await asyncio.gather(*jobs, return_exceptions=True)
+        results = asyncio.run(main())
+        assert results[:3] == ["A1", "B1", "A2"] and isinstance(results[3], ValueError) and results[4] == "D1"
+        assert calls[0] == ["a1", "b1", "bad"]  # one head job per session, up to max_batch; a2 waits for a1
+        assert all(len(c) <= 3 for c in calls) and sum(len(c) for c in calls) == 5
+    finally:
+        fair.shutdown()

@@ -105,17 +105,30 @@ class Round:
     chained: bool = False
 
 
-def verify_batch(rounds: list[Round]):
+def verify_batch(rounds: list[Round]) -> list:
     """Verify several sessions' rounds (one model; at most one round per session) with one forward
     pass: each session's result and commit are those of ``TargetSession.verify`` on its own, up to
-    float rounding in the logits (see the module docstring). No early exits: a round that streams
-    exits runs alone."""
+    float rounding in the logits (see the module docstring). A round that fails its own checks
+    (state, draft distribution) gets its exception in its place in the list, and the others go on.
+    No early exits: a round that streams exits runs alone."""
     sessions = [r.session for r in rounds]
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("verify_batch: one round per session (a session's next round needs this one's verdict)")
-    starts = [s.begin_round() for s in sessions]
-    tokens = [s.seq.begin_target(r.draft_ids) for s, r in zip(sessions, rounds)]
-    fed_rows = [i for i, t in enumerate(tokens) if t]
+    out: list = [None] * len(rounds)
+    live, starts, tokens = [], {}, {}
+    for i, (s, r) in enumerate(zip(sessions, rounds)):
+        try:
+            starts[i] = s.begin_round()
+            tokens[i] = s.seq.begin_target(r.draft_ids)
+            live.append(i)
+        except (ValueError, RuntimeError) as exc:
+            out[i] = exc
+    fed_rows = [i for i in live if tokens[i]]
     fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows], [tokens[i] for i in fed_rows])))
-    return [s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained, start)
-            for i, (s, r, start) in enumerate(zip(sessions, rounds, starts))]
+    for i in live:
+        s, r = sessions[i], rounds[i]
+        try:
+            out[i] = s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained, starts[i])
+        except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
+            out[i] = exc
+    return out

@@ -32,20 +32,21 @@ class SessionGone(Exception):
 
 
 class _Job:
-    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps")
+    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch")
 
     def __init__(self, key, flow, fn, args, future, loop, order):
         self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
         self.queued_at = time.perf_counter()
         self.order = order
         self.steps = None  # a preemptible job: the generator fn returned, resumed one quantum at a time
+        self.batch = False  # fn(items) -> results takes several sessions' items in one call
 
 
 class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
-    def __init__(self, name: str = "target", max_queued: int = 4096):
-        self.max_queued = max_queued
+    def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8):
+        self.max_queued, self.max_batch = max_queued, max_batch
         self._cond = threading.Condition()
         self._queues: dict[object, deque[_Job]] = {}  # flow -> its queued jobs, oldest first
         self._vtime: dict[object, float] = {}  # virtual start time of each active flow
@@ -58,13 +59,15 @@ class FairCompute:
         self.jobs = 0  # jobs finished
         self.quanta = 0  # runs on the thread (a preemptible job takes several)
         self.longest_quantum_s = 0.0  # the longest any job held the thread at once
+        self.batches = 0  # runs of batchable jobs ...
+        self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     # --- event-loop side -------------------------------------------------------------------
 
-    async def run(self, key, fn, *args, flow=None):
+    async def run(self, key, fn, *args, flow=None, _batch: bool = False):
         """Run fn(*args) on the compute thread for session ``key`` (sharing ``flow``'s share; the
         session alone when None); SessionGone when the session was closed."""
         flow = key if flow is None else flow
@@ -78,10 +81,22 @@ class FairCompute:
             if flow not in self._queues:
                 self._queues[flow] = deque()
                 self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
-            self._queues[flow].append(_Job(key, flow, fn, args, future, loop, next(self._order)))
+            job = _Job(key, flow, fn, args, future, loop, next(self._order))
+            job.batch = _batch
+            self._queues[flow].append(job)
             self._queued += 1
             self._cond.notify()
         return await future
+
+    async def run_batched(self, key, fn, item, flow=None):
+        """Like run(key, fn, [item]), but fn(items) -> results takes the items of several sessions
+        at once: when the job comes up, the same fn's queued jobs of other sessions (the head job
+        of each session, in fair order, up to max_batch) ride along in the same call. A result that
+        is an Exception is raised to its own session only."""
+        result = await self.run(key, fn, item, flow=flow, _batch=True)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def close(self, key) -> int:
         """The session ended: cancel its queued jobs (returns how many) and refuse new ones."""
@@ -143,11 +158,61 @@ class FairCompute:
             self.running_key, self.running_flow = job.key, flow
             return job
 
+    def _gather(self, first: _Job) -> list[_Job]:
+        """The batch that rides with ``first``: for each other session, its head job if it is a
+        batchable job of the same fn (a session's jobs never overtake each other), flows in fair
+        order, up to max_batch. Called with the lock held."""
+        batch, seen = [first], {first.key}
+        for flow in sorted(self._queues, key=lambda f: self._vtime[f]):
+            queue = self._queues[flow]
+            for job in list(queue):
+                if len(batch) >= self.max_batch:
+                    break
+                if job.key in seen:
+                    continue
+                seen.add(job.key)  # only a session's head job may join
+                if job.batch and job.fn is first.fn and not job.future.cancelled():
+                    queue.remove(job)
+                    self._queued -= 1
+                    batch.append(job)
+            if not queue:
+                del self._queues[flow]
+        return batch
+
+    def _run_batch(self, first: _Job) -> None:
+        with self._cond:
+            jobs = self._gather(first)
+        t0 = time.perf_counter()
+        try:
+            results = first.fn([job.args[0] for job in jobs])
+            if len(results) != len(jobs):
+                raise RuntimeError(f"batched job returned {len(results)} results for {len(jobs)} items")
+            errors = [None] * len(jobs)
+        except BaseException as exc:  # noqa: BLE001 - every session of the batch gets it
+            results, errors = [None] * len(jobs), [exc] * len(jobs)
+        spent = time.perf_counter() - t0
+        with self._cond:
+            self.busy_s += spent
+            self.quanta += 1
+            self.batches += 1
+            self.batched_jobs += len(jobs)
+            self.longest_quantum_s = max(self.longest_quantum_s, spent)
+            self.running_key = self.running_flow = None
+            for job in jobs:  # each flow pays its share of the pass
+                if job.flow in self._vtime:
+                    self._vtime[job.flow] += spent / len(jobs)
+            self.jobs += len(jobs)
+        for job, result, error in zip(jobs, results, errors):
+            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+
     def _work(self) -> None:
         while True:
             job = self._next()
             if job is None:
                 return
+            if job.batch and not job.future.cancelled():
+                self._run_batch(job)
+                continue
             if job.future.cancelled():
                 if job.steps is not None:
                     job.steps.close()

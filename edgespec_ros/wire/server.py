@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..codecs import CodecError, get_codec
+from ..decoding.batch import Round, verify_batch
 from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
 from ..decoding.engines import LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
@@ -209,7 +210,8 @@ class VerifierServer:
                  max_frame: int = P.DEFAULT_MAX_FRAME, compute: ComputeProfile | None = None,
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 300.0, model_name: str | None = None,
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
-                 ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0):
+                 ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
+                 max_batch: int = 8):
         self.lm = lm
         tokens = [token] if isinstance(token, str) else list(token or [])
         if any(not t for t in tokens):
@@ -237,7 +239,9 @@ class VerifierServer:
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
         self.gate = ConnectionGate(self.limits)
         self.throttle = AuthThrottle(self.limits)
-        self.fair = FairCompute("target")  # every session's model and codec work, fairly shared
+        # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
+        # sessions run as one forward pass (decoding.batch.verify_batch).
+        self.fair = FairCompute("target", max_batch=max_batch)
         self._keys = itertools.count(1)
         self._tenant_sessions: dict[int, int] = defaultdict(int)
         self.connections: dict[int, _Conn] = {}
@@ -513,7 +517,12 @@ class VerifierServer:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
                     q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
-                    result, _ = await self._run(conn, session.verify, msg.draft_ids, q, on_exit, chained)
+                    if on_exit is None:  # batched with the other sessions' rounds that are ready
+                        result = await self.fair.run_batched(conn.key, verify_batch,
+                                                             Round(session, list(msg.draft_ids), q, chained),
+                                                             flow=conn.flow)
+                    else:  # early exits stream from hooks inside this session's own forward
+                        result, _ = await self._run(conn, session.verify, msg.draft_ids, q, on_exit, chained)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
                 elapsed = await self._pad(started, self.compute.verify_total_s(len(session.last_exits)))
@@ -656,6 +665,7 @@ class VerifierServer:
                 "refused": self.refused, "reclaimed_handshakes": self.reclaimed_handshakes,
                 "sessions_served": self.sessions_served, "queued_jobs": fair.queue_depth(), "jobs": fair.jobs,
                 "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
+                "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 0.0,
                 "dropped_blocks": self.dropped_blocks}
 
     async def _status_loop(self) -> None:
@@ -667,9 +677,9 @@ class VerifierServer:
             busy = (st["compute_busy_s"] - last_busy) / max(1e-9, now - last_t)
             last_busy, last_t = st["compute_busy_s"], now
             log.info("status: %d session(s) of %d tenant(s), %d handshaking, %d refused, %d slow handshakes "
-                     "closed, %d served; compute %.0f%% busy, %d job(s) queued, longest quantum %.0f ms",
+                     "closed, %d served; compute %.0f%% busy, %d job(s) queued, longest quantum %.0f ms, mean batch %.2f",
                      st["sessions"], st["tenants"], st["handshaking"], st["refused"], st["reclaimed_handshakes"],
-                     st["sessions_served"], 100 * busy, st["queued_jobs"], st["longest_quantum_ms"])
+                     st["sessions_served"], 100 * busy, st["queued_jobs"], st["longest_quantum_ms"], st["mean_batch"])
 
     async def shutdown(self, server, timeout_s: float = 10.0) -> None:
         self.stopping = True
@@ -820,6 +830,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, option, kind, text in LIMIT_OPTIONS:
         lim.add_argument(option, dest=name, type=kind, default=getattr(d, name), metavar=kind.__name__.upper(),
                          help=f"{text} (default {getattr(d, name)})")
+    ap.add_argument("--max-batch", type=int, default=8,
+                    help="verification rounds of up to this many sessions run as one batched forward pass "
+                         "(rounds streaming early exits run alone); 1 = one at a time (default 8)")
     ap.add_argument("--status-interval", type=float, default=60.0,
                     help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -878,7 +891,8 @@ def main(argv=None) -> int:
     server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
-                            insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval)
+                            insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
+                            max_batch=args.max_batch)
 
     async def run():
         stop = asyncio.Event()
