@@ -171,7 +171,7 @@ class FairCompute:
                 if job.key in seen:
                     continue
                 seen.add(job.key)  # only a session's head job may join
-                if job.batch and job.fn is first.fn and not job.future.cancelled():
+                if job.batch and job.fn == first.fn and not job.future.cancelled():
                     queue.remove(job)
                     self._queued -= 1
                     batch.append(job)

@@ -38,6 +38,19 @@ log = logging.getLogger("edgespec.verifier")
 HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its slot to a new one
 
 
+def on_device(fn, args: tuple, budget) -> object:
+    """On the compute thread: fn(*args), then the emulated accelerator stays busy until budget()
+    seconds (the compute profile's time for this work, less what was already spent on it) have
+    passed. The emulated GPU is this one thread: no other session's work runs meanwhile, as on a
+    real single GPU (with native compute the budget is <= 0 and nothing waits)."""
+    t0 = time.perf_counter()
+    result = fn(*args)
+    remaining = budget() - (time.perf_counter() - t0)
+    if remaining > 0:
+        time.sleep(remaining)
+    return result
+
+
 class SessionError(Exception):
     """Ends one session with an ERROR frame (code, message)."""
 
@@ -517,15 +530,19 @@ class VerifierServer:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
                     q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
+                    before = time.perf_counter() - started  # the emulated verification includes decoding q
                     if on_exit is None:  # batched with the other sessions' rounds that are ready
-                        result = await self.fair.run_batched(conn.key, verify_batch,
-                                                             Round(session, list(msg.draft_ids), q, chained),
-                                                             flow=conn.flow)
+                        result = await self.fair.run_batched(
+                            conn.key, self._verify_batch_on_device,
+                            (Round(session, list(msg.draft_ids), q, chained), self.compute.verify_s - before),
+                            flow=conn.flow)
                     else:  # early exits stream from hooks inside this session's own forward
-                        result, _ = await self._run(conn, session.verify, msg.draft_ids, q, on_exit, chained)
+                        result, _ = await self._run(
+                            conn, on_device, session.verify, (msg.draft_ids, q, on_exit, chained),
+                            lambda: self.compute.verify_total_s(len(session.last_exits)) - before)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
-                elapsed = await self._pad(started, self.compute.verify_total_s(len(session.last_exits)))
+                elapsed = time.perf_counter() - started
                 sent = 0
                 if live:
                     sent = await live.pop().finish()
@@ -545,8 +562,8 @@ class VerifierServer:
                 eos = self.lm.eos_token_ids
                 for i in range(msg.max_new_tokens):
                     started = time.perf_counter()
-                    token, _ = await self._run(conn, session.ar_step)
-                    elapsed = await self._pad(started, self.compute.ar_step_s)
+                    token, _ = await self._run(conn, on_device, session.ar_step, (), lambda: self.compute.ar_step_s)
+                    elapsed = time.perf_counter() - started
                     last = token in eos or i == msg.max_new_tokens - 1
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
                     if last:
@@ -564,11 +581,13 @@ class VerifierServer:
         edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
         try:
             q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
-            result, _ = await self._run(conn, session.verify_separate, msg.draft_ids, q, edge, chained)
+            before = time.perf_counter() - started
+            result, _ = await self._run(conn, on_device, session.verify_separate, (msg.draft_ids, q, edge, chained),
+                                        lambda: self.compute.verify_s - before)
             p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p)
         except (CodecError, DraftDistributionError, ValueError) as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
-        elapsed = await self._pad(started, self.compute.verify_s)
+        elapsed = time.perf_counter() - started
         next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
         await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
                                               len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
@@ -588,11 +607,17 @@ class VerifierServer:
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
 
-    async def _pad(self, started: float, target_s: float) -> float:
-        remaining = target_s - (time.perf_counter() - started)
+    @staticmethod
+    def _verify_batch_on_device(items: list) -> list:
+        """On the compute thread: several sessions' rounds in one pass (verify_batch), then the
+        emulated accelerator stays busy for the longest budget among them: a batch costs one
+        verification of the profile, not one per session."""
+        t0 = time.perf_counter()
+        results = verify_batch([r for r, _budget in items])
+        remaining = max(budget for _r, budget in items) - (time.perf_counter() - t0)
         if remaining > 0:
-            await asyncio.sleep(remaining)
-        return time.perf_counter() - started
+            time.sleep(remaining)
+        return results
 
     @staticmethod
     def _check_decision(got: int, current: int | None) -> None:
