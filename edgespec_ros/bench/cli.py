@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--hostile-kinds", nargs="+", default=None,
                        choices=["idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen"],
                        help="hostile sweep: the kinds of hostile client, round-robin (default all)")
+    sweep.add_argument("--robots", nargs="+", type=int, default=None,
+                       help="fleet sweep: numbers of robots (default 1 2 4 8)")
+    sweep.add_argument("--draft-ms", type=float, default=None,
+                       help="fleet sweep: emulated drafting time per draft token on each robot (default 8)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
                        help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
                             "(default 0)")
@@ -116,7 +120,7 @@ def run_sweep(args) -> int:
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
                         pipe_depth=args.pipe_depth, hostile=args.hostile,
-                        hostile_kinds=args.hostile_kinds)
+                        hostile_kinds=args.hostile_kinds, robots=args.robots, draft_ms=args.draft_ms)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

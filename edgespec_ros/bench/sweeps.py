@@ -47,6 +47,8 @@ class SweepOptions:
     pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto"
     hostile: list[int] | None = None  # hostile sweep: numbers of hostile clients
     hostile_kinds: list[str] | None = None  # hostile sweep: which kinds (default all)
+    robots: list[int] | None = None  # fleet sweep: robot counts
+    draft_ms: float | None = None  # fleet sweep: emulated drafting time per token
 
 
 @dataclass(frozen=True)
@@ -422,7 +424,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fsd, hostile, pipe, split_tv
+    from . import fleet, fsd, hostile, pipe, split_tv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -440,6 +442,9 @@ def _register_fsd_sweeps() -> None:
               "N hostile clients (idle, slowloris, oversize, bad auth, expensive codecs, image bombs, long "
               "generations) hit the same verifier (--hostile 0 10 100)", hostile.run_hostile, hostile.table_hostile,
               hostile.plot_hostile),
+        Sweep("fleet", "one verifier, 1..N robots replaying recorded rounds: aggregate tokens/s, p50/p99 decision "
+              "latency and mean batch, one-at-a-time (--max-batch 1) vs batched verification (--robots 1 2 4 8)",
+              fleet.run_fleet, fleet.table_fleet, fleet.plot_fleet),
     ]:
         SWEEPS[s.name] = s
 

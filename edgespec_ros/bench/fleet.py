@@ -1,0 +1,185 @@
+"""``edgespec-bench --sweep fleet``: one verifier, 1..N robots at once; the one-at-a-time worker
+(``--max-batch 1``) against batched verification (issue 19).
+
+So that the figure measures the verifier and not N drafters fighting for this machine's cores,
+the robots do not draft: each decision's rounds were recorded once, in-process, by the real
+draft model against the real target (greedy SD), and each robot replays them over the wire: it
+waits the drafting time of a block (``--draft-ms`` per token, an emulated edge accelerator of
+its own), sends the recorded drafts and q, and checks that the verdict is the recorded one (the
+target is deterministic, so it always is; a mismatch is counted as a desync). The verifier runs
+in this process (``ServerThread``) on native compute, so its batch statistics can be read; the
+robots' client work shares the interpreter with it (labelled in the table).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..decoding.verifier import Block, LocalVerifier
+
+ROBOTS_DEFAULT = (1, 2, 4, 8)
+DRAFT_MS_DEFAULT = 8.0  # per draft token: a fast edge, so that the cloud is what saturates
+
+
+@dataclass
+class Recorded:
+    """One decision's PREFILL and its rounds as the real drafter sent them (and their verdicts)."""
+    prompt: object
+    settings: object
+    blocks: list = field(default_factory=list)  # (draft_ids, q)
+    verdicts: list = field(default_factory=list)  # (accepted, next_token)
+
+
+class RecordingVerifier(LocalVerifier):
+    """A LocalVerifier that keeps what the drafter sent and what came back."""
+
+    def __init__(self, lm, codec: str = "dense32"):
+        super().__init__(lm, codec)
+        self.decisions: list[Recorded] = []
+
+    def start(self, prompt, settings, wait: bool = True) -> dict:
+        self.decisions.append(Recorded(prompt, settings))
+        return super().start(prompt, settings, wait)
+
+    def submit(self, block: Block) -> None:
+        self.decisions[-1].blocks.append((list(block.draft_ids), block.q.clone()))
+        super().submit(block)
+
+    def receive(self, timeout=None, on_exit=None):
+        reply = super().receive(timeout, on_exit)
+        if reply is not None:
+            self.decisions[-1].verdicts.append((reply.accepted, reply.next_token))
+        return reply
+
+
+def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> list[Recorded]:
+    """Greedy SD decisions of the real models, in-process: the rounds the robots will replay."""
+    from ..decoding.edge import DecodeConfig, EdgeDecoder
+    rec = RecordingVerifier(target_lm)
+    decoder = EdgeDecoder(draft_lm, rec)
+    for i, (instruction, image) in enumerate(prompts):
+        decoder.decide(instruction, image, DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=max_new_tokens, seed=i))
+    return rec.decisions
+
+
+def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], draft_s: float,
+           out: dict) -> None:
+    """One robot: every recorded decision over the wire; decision latencies, tokens, desyncs."""
+    from ..wire.client import RemoteVerifier
+    rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=60.0, client_name="fleet-robot")
+    rv.connect()
+    try:
+        for d in decisions:
+            t0 = time.perf_counter()
+            rv.start(d.prompt, d.settings)
+            for (ids, q), expected in zip(d.blocks, d.verdicts):
+                time.sleep(draft_s * len(ids))  # this robot's own accelerator drafting the block
+                reply = rv.verify(Block(rv.round + 1, rv.epoch, ids, q))
+                out["tokens"] += reply.accepted + (reply.next_token is not None)
+                if (reply.accepted, reply.next_token) != expected:
+                    out["desync"] += 1
+                    break
+            out["latencies"].append(time.perf_counter() - t0)
+    finally:
+        rv.close()
+
+
+def run_fleet(opts, progress) -> list[dict]:
+    from ..decoding.compute import get_compute
+    from ..decoding.engines import load_model
+    from ..wire.server import ServerThread, VerifierServer
+    from .runner import bench_prompts
+    robots_list = list(opts.robots or ROBOTS_DEFAULT)
+    per_robot = opts.decisions or 4
+    draft_s = (opts.draft_ms if opts.draft_ms is not None else DRAFT_MS_DEFAULT) / 1e3
+    draft_lm, target_lm = load_model(opts.pair.draft_path), load_model(opts.pair.target_path)
+    prompts = bench_prompts(max(8, per_robot), opts.seed)
+    decisions = record(draft_lm, target_lm, prompts, (opts.gammas or [4])[0], opts.max_new_tokens)
+    compute = get_compute(opts.compute or "native")
+    bar = progress(2 * sum(robots_list) * per_robot)
+    rows = []
+    for verifier, max_batch in (("sequential", 1), ("batched", 8)):
+        for n in robots_list:
+            server = VerifierServer(load_model(opts.pair.target_path), max_batch=max_batch, status_interval_s=0,
+                                    compute=compute)
+            with ServerThread(server) as st:
+                outs = [{"tokens": 0, "desync": 0, "latencies": []} for _ in range(n)]
+                mine = [[decisions[(r + k) % len(decisions)] for k in range(per_robot)] for r in range(n)]
+
+                def robot(r):
+                    replay(st.url, draft_lm.fingerprint(), draft_lm.vocab_size, mine[r], draft_s, outs[r])
+                threads = [threading.Thread(target=robot, args=(r,), daemon=True) for r in range(n)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(600)
+                wall = time.perf_counter() - t0
+                fair = server.fair
+                lat = [1e3 * x for o in outs for x in o["latencies"]]
+                tokens = sum(o["tokens"] for o in outs)
+                rows.append({"verifier": verifier, "robots": n, "decisions": len(lat), "tokens": tokens,
+                             "tokens_per_s": tokens / wall, "ms_per_token": 1e3 * wall * n / tokens if tokens else None,
+                             "p50_ms": float(np.percentile(lat, 50)) if lat else None,
+                             "p99_ms": float(np.percentile(lat, 99)) if lat else None,
+                             "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 1.0,
+                             "desync": sum(o["desync"] for o in outs), "draft_ms": draft_s * 1e3,
+                             "compute_busy": fair.busy_s / wall, "compute": compute.name})
+            bar.update(n * per_robot)
+    bar.close()
+    base = {r["robots"]: r for r in rows if r["verifier"] == "sequential"}
+    lone = next((r for r in rows if r["verifier"] == "batched" and r["robots"] == 1), None)
+    for r in rows:
+        seq = base.get(r["robots"])
+        r["throughput_vs_sequential"] = r["tokens_per_s"] / seq["tokens_per_s"] if seq else None
+        r["p99_vs_lone"] = r["p99_ms"] / lone["p99_ms"] if lone and lone["p99_ms"] else None
+    return rows
+
+
+def table_fleet(rows: list[dict]) -> str:
+    from .sweeps import _fmt, fixed_width
+    head = ["verifier", "robots", "decisions", "tokens/s", "x vs sequential", "ms/token per robot", "p50 ms",
+            "p99 ms", "p99 vs lone", "mean batch", "cloud busy", "desync"]
+    lines = [[r["verifier"], str(r["robots"]), str(r["decisions"]), _fmt(r["tokens_per_s"], ".1f"),
+              _fmt(r["throughput_vs_sequential"], ".2f") + "x", _fmt(r["ms_per_token"], ".1f"),
+              _fmt(r["p50_ms"], ".0f"), _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_vs_lone"], ".2f") + "x",
+              _fmt(r["mean_batch"], ".2f"), _fmt(100 * r["compute_busy"], ".0f") + "%", str(r["desync"])]
+             for r in rows]
+    draft = rows[0]["draft_ms"] if rows else 0
+    compute = rows[0]["compute"] if rows else "native"
+    emulated = (" (emulated: the profile's verification time is waited out on the one compute thread, once per "
+                "pass whatever the batch: a GPU's batch of a few rounds costs about one round)"
+                if compute != "native" else "")
+    return (fixed_width(head, lines) + f"\nrobots replay recorded greedy SD rounds (drafting emulated as a {draft:g} ms "
+            f"per token wait, off the CPU); verifier in-process with the embedded target, compute {compute}{emulated}; "
+            "the robots' client work shares its interpreter")
+
+
+def plot_fleet(rows: list[dict], path: str) -> None:
+    from .sweeps import _pyplot, _save
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for verifier, style in (("sequential", "o--"), ("batched", "s-")):
+        data = [r for r in rows if r["verifier"] == verifier]
+        xs = [r["robots"] for r in data]
+        a.plot(xs, [r["tokens_per_s"] for r in data], style, label=verifier)
+        b.plot(xs, [r["p99_ms"] for r in data], style, label=verifier)
+    a.set_ylabel("aggregate verified tokens/s")
+    b.set_ylabel("p99 decision latency, ms")
+    counts = sorted({r["robots"] for r in rows})
+    for ax in (a, b):
+        ax.set_xlabel("robots")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    compute = rows[0]["compute"] if rows else "native"
+    fig.suptitle(f"One verifier, N robots (replayed drafts; compute {compute}"
+                 f"{', emulated' if compute != 'native' else ''})", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
