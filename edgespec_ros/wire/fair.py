@@ -31,8 +31,19 @@ class SessionGone(Exception):
     """The job's session ended before the job ran."""
 
 
+class Occupy:
+    """What a device job returns when an emulated accelerator is still busy with it after the
+    host work: the result is delivered ``seconds`` later, no other device job starts before then,
+    and host-only jobs (codec decoding) run meanwhile, as a host CPU works beside a GPU."""
+
+    __slots__ = ("value", "seconds")
+
+    def __init__(self, value, seconds: float):
+        self.value, self.seconds = value, max(0.0, seconds)
+
+
 class _Job:
-    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch")
+    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch", "device")
 
     def __init__(self, key, flow, fn, args, future, loop, order):
         self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
@@ -40,6 +51,7 @@ class _Job:
         self.order = order
         self.steps = None  # a preemptible job: the generator fn returned, resumed one quantum at a time
         self.batch = False  # fn(items) -> results takes several sessions' items in one call
+        self.device = False  # uses the model (the accelerator), not only the host CPU
 
 
 class FairCompute:
@@ -59,6 +71,7 @@ class FairCompute:
         self.jobs = 0  # jobs finished
         self.quanta = 0  # runs on the thread (a preemptible job takes several)
         self.longest_quantum_s = 0.0  # the longest any job held the thread at once
+        self._device_free = 0.0  # perf_counter time the emulated accelerator is busy until
         self.batches = 0  # runs of batchable jobs ...
         self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
@@ -67,9 +80,10 @@ class FairCompute:
 
     # --- event-loop side -------------------------------------------------------------------
 
-    async def run(self, key, fn, *args, flow=None, _batch: bool = False):
+    async def run(self, key, fn, *args, flow=None, device: bool = False, _batch: bool = False):
         """Run fn(*args) on the compute thread for session ``key`` (sharing ``flow``'s share; the
-        session alone when None); SessionGone when the session was closed."""
+        session alone when None); SessionGone when the session was closed. ``device``: fn uses
+        the model, so it waits while an emulated accelerator is busy (fn may return Occupy)."""
         flow = key if flow is None else flow
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -82,7 +96,7 @@ class FairCompute:
                 self._queues[flow] = deque()
                 self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
             job = _Job(key, flow, fn, args, future, loop, next(self._order))
-            job.batch = _batch
+            job.batch, job.device = _batch, device
             self._queues[flow].append(job)
             self._queued += 1
             self._cond.notify()
@@ -93,7 +107,7 @@ class FairCompute:
         at once: when the job comes up, the same fn's queued jobs of other sessions (the head job
         of each session, in fair order, up to max_batch) ride along in the same call. A result that
         is an Exception is raised to its own session only."""
-        result = await self.run(key, fn, item, flow=flow, _batch=True)
+        result = await self.run(key, fn, item, flow=flow, device=True, _batch=True)
         if isinstance(result, BaseException):
             raise result
         return result
@@ -144,11 +158,17 @@ class FairCompute:
 
     def _next(self) -> _Job | None:
         with self._cond:
-            while not self._queued and not self._stopping:
-                self._cond.wait()
-            if self._stopping and not self._queued:
-                return None
-            flow = min(self._queues, key=lambda f: (self._vtime[f], self._queues[f][0].order))
+            while True:
+                while not self._queued and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._queued:
+                    return None
+                busy_for = self._device_free - time.perf_counter()
+                ready = [f for f in self._queues if busy_for <= 0 or not self._queues[f][0].device]
+                if ready:
+                    break
+                self._cond.wait(busy_for)  # every head job needs the accelerator: wait for it (or new work)
+            flow = min(ready, key=lambda f: (self._vtime[f], self._queues[f][0].order))
             queue = self._queues[flow]
             job = queue.popleft()
             self._queued -= 1
@@ -183,15 +203,19 @@ class FairCompute:
         with self._cond:
             jobs = self._gather(first)
         t0 = time.perf_counter()
+        occupy = 0.0
         try:
             results = first.fn([job.args[0] for job in jobs])
+            if isinstance(results, Occupy):
+                results, occupy = results.value, results.seconds
             if len(results) != len(jobs):
                 raise RuntimeError(f"batched job returned {len(results)} results for {len(jobs)} items")
             errors = [None] * len(jobs)
         except BaseException as exc:  # noqa: BLE001 - every session of the batch gets it
             results, errors = [None] * len(jobs), [exc] * len(jobs)
-        spent = time.perf_counter() - t0
+        spent = time.perf_counter() - t0 + occupy  # the accelerator's time: the real pass plus the emulated rest
         with self._cond:
+            self._device_free = time.perf_counter() + occupy
             self.busy_s += spent
             self.quanta += 1
             self.batches += 1
@@ -203,7 +227,7 @@ class FairCompute:
                     self._vtime[job.flow] += spent / len(jobs)
             self.jobs += len(jobs)
         for job, result, error in zip(jobs, results, errors):
-            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            _deliver(job, result, error, occupy)
 
     def _work(self) -> None:
         while True:
@@ -232,8 +256,13 @@ class FairCompute:
                         result = stop.value
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
                 result, error = None, exc
-            spent = time.perf_counter() - t0
+            occupy = 0.0
+            if isinstance(result, Occupy):
+                result, occupy = result.value, result.seconds
+            spent = time.perf_counter() - t0 + occupy
             with self._cond:
+                if occupy:
+                    self._device_free = time.perf_counter() + occupy
                 self.busy_s += spent
                 self.quanta += 1
                 self.longest_quantum_s = max(self.longest_quantum_s, spent)
@@ -253,7 +282,16 @@ class FairCompute:
                     job.steps.close()
                     result, error = None, SessionGone("session closed")
                 self.jobs += 1
-            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            _deliver(job, result, error, occupy)
+
+
+def _deliver(job: _Job, result, error, after_s: float) -> None:
+    """Hand the result to the session's event loop, ``after_s`` seconds from now (an emulated
+    accelerator still busy with the job)."""
+    if after_s > 0:
+        job.loop.call_soon_threadsafe(job.loop.call_later, after_s, _settle, job.future, result, error)
+    else:
+        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
 
 
 def _settle(future, result, error) -> None:

@@ -31,24 +31,21 @@ from ..decoding.verifier import Condition, EpochGate
 from ..decoding.verify import MODES, DraftDistributionError
 from . import protocol as P
 from ..decoding.compute import ComputeProfile, get_compute
-from .fair import FairCompute, SessionGone
+from .fair import FairCompute, Occupy, SessionGone
 from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, LimitError, ServerLimits, check_image
 
 log = logging.getLogger("edgespec.verifier")
 HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its slot to a new one
 
 
-def on_device(fn, args: tuple, budget) -> object:
-    """On the compute thread: fn(*args), then the emulated accelerator stays busy until budget()
+def on_device(fn, args: tuple, budget) -> Occupy:
+    """On the compute thread: fn(*args); the emulated accelerator then stays busy until budget()
     seconds (the compute profile's time for this work, less what was already spent on it) have
-    passed. The emulated GPU is this one thread: no other session's work runs meanwhile, as on a
-    real single GPU (with native compute the budget is <= 0 and nothing waits)."""
+    passed: the result arrives then and no other model work starts before (one GPU), while
+    host-only work (codec decoding) goes on (with native compute the budget is <= 0)."""
     t0 = time.perf_counter()
     result = fn(*args)
-    remaining = budget() - (time.perf_counter() - t0)
-    if remaining > 0:
-        time.sleep(remaining)
-    return result
+    return Occupy(result, budget() - (time.perf_counter() - t0))
 
 
 class SessionError(Exception):
@@ -266,10 +263,11 @@ class VerifierServer:
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
 
-    async def _run(self, conn: _Conn, fn, *args):
+    async def _run(self, conn: _Conn, fn, *args, device: bool = True):
         """fn(*args) on the one compute thread, in the connection's fair share; SessionGone when
-        the client left meanwhile (its queued work is cancelled)."""
-        return await self.fair.run(conn.key, fn, *args, flow=conn.flow)
+        the client left meanwhile (its queued work is cancelled). device=False: host-only work
+        (codec decoding), which may run while an emulated accelerator is busy."""
+        return await self.fair.run(conn.key, fn, *args, flow=conn.flow, device=device)
 
     async def handler(self, ws):
         peer = getattr(ws, "remote_address", None) or ("?", 0)
@@ -529,7 +527,8 @@ class VerifierServer:
                 try:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
-                    q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
+                    q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
+                                    device=False)
                     before = time.perf_counter() - started  # the emulated verification includes decoding q
                     if on_exit is None:  # batched with the other sessions' rounds that are ready
                         result = await self.fair.run_batched(
@@ -580,11 +579,13 @@ class VerifierServer:
         started = time.perf_counter()
         edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
         try:
-            q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab)
+            q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
+                                    device=False)
             before = time.perf_counter() - started
             result, _ = await self._run(conn, on_device, session.verify_separate, (msg.draft_ids, q, edge, chained),
                                         lambda: self.compute.verify_s - before)
-            p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p)
+            p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p,
+                                                                                 device=False)
         except (CodecError, DraftDistributionError, ValueError) as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
         elapsed = time.perf_counter() - started
@@ -614,10 +615,7 @@ class VerifierServer:
         verification of the profile, not one per session."""
         t0 = time.perf_counter()
         results = verify_batch([r for r, _budget in items])
-        remaining = max(budget for _r, budget in items) - (time.perf_counter() - t0)
-        if remaining > 0:
-            time.sleep(remaining)
-        return results
+        return Occupy(results, max(budget for _r, budget in items) - (time.perf_counter() - t0))
 
     @staticmethod
     def _check_decision(got: int, current: int | None) -> None:
