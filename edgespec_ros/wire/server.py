@@ -40,9 +40,9 @@ HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its sl
 
 def on_device(fn, args: tuple, budget) -> Occupy:
     """On the compute thread: fn(*args); the emulated accelerator then stays busy until budget()
-    seconds (the compute profile's time for this work, less what was already spent on it) have
-    passed: the result arrives then and no other model work starts before (one GPU), while
-    host-only work (codec decoding) goes on (with native compute the budget is <= 0)."""
+    seconds (the compute profile's time for this pass) have passed since the pass began: the
+    result arrives then and no other model work starts before (one GPU), while host-only work
+    (codec decoding) goes on (with native compute the budget is 0)."""
     t0 = time.perf_counter()
     result = fn(*args)
     return Occupy(result, budget() - (time.perf_counter() - t0))
@@ -529,16 +529,15 @@ class VerifierServer:
                     # must not stall the event loop that serves the other sessions.
                     q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
                                     device=False)
-                    before = time.perf_counter() - started  # the emulated verification includes decoding q
+                    # The profile's time is the accelerator's pass; decoding q is host work beside it.
                     if on_exit is None:  # batched with the other sessions' rounds that are ready
                         result = await self.fair.run_batched(
                             conn.key, self._verify_batch_on_device,
-                            (Round(session, list(msg.draft_ids), q, chained), self.compute.verify_s - before),
-                            flow=conn.flow)
+                            (Round(session, list(msg.draft_ids), q, chained), self.compute.verify_s), flow=conn.flow)
                     else:  # early exits stream from hooks inside this session's own forward
                         result, _ = await self._run(
                             conn, on_device, session.verify, (msg.draft_ids, q, on_exit, chained),
-                            lambda: self.compute.verify_total_s(len(session.last_exits)) - before)
+                            lambda: self.compute.verify_total_s(len(session.last_exits)))
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
                 elapsed = time.perf_counter() - started
@@ -581,9 +580,8 @@ class VerifierServer:
         try:
             q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
                                     device=False)
-            before = time.perf_counter() - started
             result, _ = await self._run(conn, on_device, session.verify_separate, (msg.draft_ids, q, edge, chained),
-                                        lambda: self.compute.verify_s - before)
+                                        lambda: self.compute.verify_s)
             p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p,
                                                                                  device=False)
         except (CodecError, DraftDistributionError, ValueError) as exc:
