@@ -721,3 +721,22 @@ def test_batched_jobs_share_one_call_and_keep_each_session_in_order():
         assert all(len(c) <= 3 for c in calls) and sum(len(c) for c in calls) == 5
     finally:
         fair.shutdown()
+
+
+def test_a_verdict_reports_the_wait_behind_other_sessions_as_queueing(pair):
+    with _server(pair) as st:
+        ws = raw_session(st.url, pair)
+        fair = st.server.fair
+
+        async def block():
+            await fair.run("other-session", time.sleep, 0.6)
+        t = threading.Thread(target=lambda: asyncio.run(block()))
+        t.start()
+        wait_until(lambda: fair.running_key == "other-session", what="the other session's job running")
+        ws.send(P.encode(P.Verify(1, 1, [5], np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes())))
+        verdict = P.decode(ws.recv(timeout=DEADLINE_S))
+        t.join(DEADLINE_S)
+        ws.close()
+    assert isinstance(verdict, P.Verdict)
+    assert verdict.queue_ms >= 300  # it waited behind the other session's 0.6 s job ...
+    assert verdict.verify_ms < verdict.queue_ms  # ... and that wait is not reported as verification time

@@ -72,6 +72,7 @@ class FairCompute:
         self.quanta = 0  # runs on the thread (a preemptible job takes several)
         self.longest_quantum_s = 0.0  # the longest any job held the thread at once
         self._device_free = 0.0  # perf_counter time the emulated accelerator is busy until
+        self._waits: dict = {}  # session key -> seconds its jobs waited in the queue (since take_wait)
         self.batches = 0  # runs of batchable jobs ...
         self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
@@ -135,11 +136,18 @@ class FairCompute:
             job.loop.call_soon_threadsafe(_cancel, job.future)
         return len(jobs)
 
+    def take_wait(self, key) -> float:
+        """Seconds the session's jobs waited in the queue (behind other sessions' work and its
+        own) since the last call: the queueing delay a VERDICT reports."""
+        with self._cond:
+            return self._waits.pop(key, 0.0)
+
     def forget(self, key, flow=None) -> None:
         """Drop the closed marker of a session key that will never be used again and the virtual
         time of ``flow`` (default: the key's own), which must have no session left (bounded memory)."""
         with self._cond:
             self._closed_keys.discard(key)
+            self._waits.pop(key, None)
             flow = key if flow is None else flow
             if flow not in self._queues:
                 self._vtime.pop(flow, None)
@@ -173,6 +181,8 @@ class FairCompute:
             job = queue.popleft()
             self._queued -= 1
             self._clock = self._vtime[flow]
+            if job.steps is None:  # its first quantum: the time it waited behind others
+                self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
             if not queue:
                 del self._queues[flow]  # idle: its vtime stays until it returns or is forgotten
             self.running_key, self.running_flow = job.key, flow
@@ -195,6 +205,7 @@ class FairCompute:
                     queue.remove(job)
                     self._queued -= 1
                     batch.append(job)
+                    self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
             if not queue:
                 del self._queues[flow]
         return batch

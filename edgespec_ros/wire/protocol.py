@@ -207,7 +207,8 @@ class Verdict:
     exits_sent: int = 0
     p_payload: bytes = b""  # split codec, on a rejection: the target distribution there (next_token is NO_TOKEN)
     epoch: int = 0  # the block's epoch; a verdict with a next token (or p_payload) ends it
-    queue_ms: float = 0.0  # time the block waited at the verifier behind earlier blocks of this session
+    queue_ms: float = 0.0  # time the block waited at the verifier: behind this session's earlier blocks, and in
+    # the compute queue behind other sessions' work (verify_ms is then the round's own compute)
 
 
 @dataclass

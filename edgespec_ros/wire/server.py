@@ -497,7 +497,10 @@ class VerifierServer:
                 if not admitted:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
                     self.dropped_blocks += 1
                     continue
-                queue_ms = max(0.0, last_done - arrived) * 1e3  # waited behind this session's earlier work
+                # Waited behind this session's earlier work; the wait in the compute queue (other
+                # sessions' work) is added once the round is computed.
+                queue_ms = max(0.0, last_done - arrived) * 1e3
+                self.fair.take_wait(conn.key)  # earlier jobs' waits (prefill, ...) are not this round's
                 chained = bool(msg.flags & P.VERIFY_CHAINED)
                 if not 1 <= len(msg.draft_ids) <= 64:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"draft length {len(msg.draft_ids)} not in 1..64")
@@ -540,7 +543,9 @@ class VerifierServer:
                             lambda: self.compute.verify_total_s(len(session.last_exits)))
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
-                elapsed = time.perf_counter() - started
+                waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
+                queue_ms += waited * 1e3
+                elapsed = time.perf_counter() - started - waited
                 sent = 0
                 if live:
                     sent = await live.pop().finish()
@@ -586,7 +591,9 @@ class VerifierServer:
                                                                                  device=False)
         except (CodecError, DraftDistributionError, ValueError) as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
-        elapsed = time.perf_counter() - started
+        waited = self.fair.take_wait(conn.key)
+        queue_ms += waited * 1e3
+        elapsed = time.perf_counter() - started - waited
         next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
         await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
                                               len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
