@@ -171,3 +171,17 @@ def small_lm_pair():
                 param.add_(torch.randn(param.shape, generator=gen) * 0.05)
     stub = StubTokenizer()
     return wrap_model(target, stub), wrap_model(draft.eval(), stub)
+
+
+class _NullBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def null_progress():
+    """A sweep's progress(total) -> bar that shows nothing (the bench sweeps' tests)."""
+    return lambda total: _NullBar()

@@ -10,18 +10,10 @@ from edgespec_ros.bench.runner import resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
 
-class _Bar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def test_fleet_sweep_replays_in_sync(tmp_path):
+def test_fleet_sweep_replays_in_sync(tmp_path, null_progress):
     assert "fleet" in SWEEPS
     opts = SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=16, robots=[1, 2], draft_ms=1.0)
-    rows = run_fleet(opts, lambda total: _Bar())
+    rows = run_fleet(opts, null_progress)
     assert [(r["verifier"], r["robots"]) for r in rows] == [("sequential", 1), ("sequential", 2),
                                                             ("batched", 1), ("batched", 2)]
     for r in rows:

@@ -9,19 +9,11 @@ from edgespec_ros.bench.runner import resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
 
-class _Bar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def test_hostile_sweep_runs_and_counts_refusals(tmp_path):
+def test_hostile_sweep_runs_and_counts_refusals(tmp_path, null_progress):
     assert "hostile" in SWEEPS
     kinds = ["bad-auth", "oversize", "expensive"]
     opts = SweepOptions(resolve_models(None, None), decisions=2, max_new_tokens=16, hostile=[3], hostile_kinds=kinds)
-    rows = run_hostile(opts, lambda total: _Bar())
+    rows = run_hostile(opts, null_progress)
     settings = [r for r in rows if "hostile" in r]
     assert [r["hostile"] for r in settings] == [0, 3]
     for r in settings:
