@@ -28,6 +28,8 @@ setup(
     extras_require={
         "robot": ["opencv-python-headless", "matplotlib"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],
+        # edgespec-verifier --replicas N: the verifier scaled out on Ray Serve
+        "fleet": ["ray[serve]>=2.60,<3"],
     },
     entry_points={
         "console_scripts": [

@@ -740,3 +740,45 @@ def test_a_verdict_reports_the_wait_behind_other_sessions_as_queueing(pair):
     assert isinstance(verdict, P.Verdict)
     assert verdict.queue_ms >= 300  # it waited behind the other session's 0.6 s job ...
     assert verdict.verify_ms < verdict.queue_ms  # ... and that wait is not reported as verification time
+
+
+def test_metrics_and_health_over_plain_http(pair):
+    import urllib.error
+    import urllib.request
+    with _server(pair) as st:
+        base = f"http://127.0.0.1:{st.port}"
+        assert urllib.request.urlopen(base + "/healthz", timeout=5).read() == b"ok\n"
+        ws = raw_session(st.url, pair)
+        ws.send(P.encode(P.Verify(1, 1, [5], np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes())))
+        verdict = P.decode(ws.recv(timeout=DEADLINE_S))
+        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        ws.close()
+        metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+        assert metrics["edgespec_verifier_sessions"] == 1
+        assert metrics["edgespec_verifier_verified_tokens_total"] == verdict.accepted + 1
+        assert metrics["edgespec_verifier_batches_total"] == 1
+        assert "# TYPE edgespec_verifier_queued_jobs gauge" in text
+        assert st.server.status()["verified_tokens"] == verdict.accepted + 1
+        st.server.stopping = True  # a load balancer sees a verifier that is shutting down
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + "/healthz", timeout=5)
+        assert info.value.code == 503
+        st.server.stopping = False
+
+
+def test_metrics_are_refused_to_non_loopback_peers(pair):
+    class FakeConnection:
+        remote_address = ("192.0.2.7", 4242)
+
+        @staticmethod
+        def respond(status, body):
+            return status, body
+
+    class FakeRequest:
+        path = "/metrics"
+    server = VerifierServer(server_copy(pair.target), status_interval_s=0)
+    status, body = server._http_request(FakeConnection(), FakeRequest())
+    assert int(status) == 403 and "loopback" in body
+    FakeRequest.path = "/"
+    assert server._http_request(FakeConnection(), FakeRequest()) is None  # the websocket handshake goes on
+    server.fair.shutdown()

@@ -738,14 +738,13 @@ def test_parser_options_match_the_documented_defaults():
 
 
 @pytest.mark.parametrize("content", [None, "", "  \n\n"], ids=["missing", "empty", "blank"])
-def test_unusable_token_file_is_a_clear_error(tmp_path, monkeypatch, content):
+def test_unusable_token_file_is_a_clear_error(tmp_path, monkeypatch, capsys, content):
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # main() must not reconfigure pytest's logging
     path = tmp_path / "token"
     if content is not None:
         path.write_text(content)
-    with pytest.raises(SystemExit) as exit_info:
-        server_module.main(["--model", str(tmp_path / "no-model"), "--token-file", str(path)])
-    message = str(exit_info.value.code)
+    assert server_module.main(["--model", str(tmp_path / "no-model"), "--token-file", str(path)]) == 2
+    message = capsys.readouterr().err
     assert str(path) in message and "--token-file" in message
     assert ("cannot read" if content is None else "holds no token") in message
 

@@ -156,6 +156,10 @@ class FairCompute:
         with self._cond:
             return self._queued
 
+    def alive(self) -> bool:
+        """The compute thread is running (a health check)."""
+        return self._thread.is_alive() and not self._stopping
+
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopping = True

@@ -221,8 +221,9 @@ class VerifierServer:
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 300.0, model_name: str | None = None,
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
                  ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
-                 max_batch: int = 8):
+                 max_batch: int = 8, server_name: str = "edgespec-verifier"):
         self.lm = lm
+        self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
         tokens = [token] if isinstance(token, str) else list(token or [])
         if any(not t for t in tokens):
             raise ValueError("auth tokens must be non-empty")
@@ -261,6 +262,7 @@ class VerifierServer:
         self.refused = 0  # connections refused by the caps
         self.reclaimed_handshakes = 0  # silent connections closed to free a handshake slot
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
+        self.verified_tokens = 0  # tokens the target decided (accepted drafts, corrections, AR tokens)
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
 
     async def _run(self, conn: _Conn, fn, *args, device: bool = True):
@@ -427,7 +429,7 @@ class VerifierServer:
         if protocol is not None:  # the session's own frame limit from now on
             protocol.max_message_size = 2 * self.max_frame + 1024
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
-                                         "edgespec-verifier", self.num_layers, self.exit_layers)))
+                                         self.server_name, self.num_layers, self.exit_layers)))
         log.info("session %s: open (client %s, codec %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
                  "" if tenant is None else f", token #{tenant}")
         session = TargetSession(self.lm)
@@ -555,6 +557,7 @@ class VerifierServer:
                                                  len(msg.draft_ids), session.last_exit_layer, sent, b"", msg.epoch,
                                                  queue_ms)))
                 gate.record(msg.round, not continued, result.accepted, None if continued else result.next_token)
+                self.verified_tokens += result.accepted + (not continued)
                 last_done = time.perf_counter()
             elif isinstance(msg, P.Generate):
                 self._check_decision(msg.decision, conn.decision)
@@ -569,6 +572,7 @@ class VerifierServer:
                     elapsed = time.perf_counter() - started
                     last = token in eos or i == msg.max_new_tokens - 1
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
+                    self.verified_tokens += 1
                     if last:
                         break
                 last_done = time.perf_counter()
@@ -595,6 +599,7 @@ class VerifierServer:
         queue_ms += waited * 1e3
         elapsed = time.perf_counter() - started - waited
         next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
+        self.verified_tokens += result.accepted + (result.next_token >= 0)
         await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
                                               len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
         return result.next_token != CONTINUE
@@ -668,6 +673,7 @@ class VerifierServer:
         # connection in the websocket layer, and the session's read-ahead holds at most max_frame
         # bytes: an authenticated session buffers about 4 x max_frame at worst.
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
+                         process_request=self._http_request,
                          ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
                          ssl=self.ssl_context) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
@@ -685,6 +691,22 @@ class VerifierServer:
                     status.cancel()
             await self.shutdown(server)
 
+    def _http_request(self, connection, request):
+        """Plain HTTP on the websocket port: GET /healthz (200 while serving, 503 while shutting
+        down) for load balancers, GET /metrics (Prometheus text; loopback clients only, the
+        counts are for the operator). Any other path goes on to the websocket handshake."""
+        from http import HTTPStatus
+        path = request.path.split("?", 1)[0]
+        if path == "/healthz":
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE if self.stopping else HTTPStatus.OK,
+                                      "shutting down\n" if self.stopping else "ok\n")
+        if path == "/metrics":
+            peer = getattr(connection, "remote_address", None) or ("?",)
+            if not is_loopback(str(peer[0])):
+                return connection.respond(HTTPStatus.FORBIDDEN, "/metrics is served to loopback clients only\n")
+            return connection.respond(HTTPStatus.OK, metrics_text(self.status()))
+        return None
+
     def status(self) -> dict:
         """What an operator watches: sessions, caps, refusals, the compute thread's load."""
         fair = self.fair
@@ -694,7 +716,8 @@ class VerifierServer:
                 "sessions_served": self.sessions_served, "queued_jobs": fair.queue_depth(), "jobs": fair.jobs,
                 "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
                 "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 0.0,
-                "dropped_blocks": self.dropped_blocks}
+                "batches": fair.batches, "batched_jobs": fair.batched_jobs,
+                "dropped_blocks": self.dropped_blocks, "verified_tokens": self.verified_tokens}
 
     async def _status_loop(self) -> None:
         """One log line every status_interval_s: sessions, refusals and the compute thread's load."""
@@ -720,6 +743,37 @@ class VerifierServer:
         except asyncio.TimeoutError:
             log.warning("shutdown: sessions still open after %g s", timeout_s)
         self.fair.shutdown(timeout_s)
+
+
+# status() key -> Prometheus metric name (prefixed edgespec_verifier_), type, help.
+METRICS = {
+    "sessions": ("sessions", "gauge", "open sessions (HELLO accepted)"),
+    "tenants": ("tenants", "gauge", "auth tokens with open sessions"),
+    "handshaking": ("handshaking", "gauge", "connections that have not sent an accepted HELLO"),
+    "queued_jobs": ("queued_jobs", "gauge", "jobs waiting for the compute thread (queue depth)"),
+    "mean_batch": ("mean_batch", "gauge", "mean sessions per batched verification pass since start"),
+    "refused": ("refused_total", "counter", "connections refused by the caps"),
+    "reclaimed_handshakes": ("reclaimed_handshakes_total", "counter",
+                             "silent connections closed to free a handshake slot"),
+    "sessions_served": ("sessions_served_total", "counter", "sessions ended"),
+    "jobs": ("jobs_total", "counter", "compute jobs finished"),
+    "compute_busy_s": ("compute_busy_seconds_total", "counter", "seconds the compute thread was busy"),
+    "batches": ("batches_total", "counter", "batched verification passes"),
+    "batched_jobs": ("batched_rounds_total", "counter", "verification rounds those passes carried"),
+    "dropped_blocks": ("dropped_blocks_total", "counter", "pipelined blocks of an ended epoch, dropped unverified"),
+    "verified_tokens": ("verified_tokens_total", "counter",
+                        "tokens the target decided (throughput: the rate of this counter)"),
+}
+
+
+def metrics_text(status: dict, labels: dict | None = None) -> str:
+    """status() in the Prometheus text exposition format (GET /metrics)."""
+    tag = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    lines = []
+    for key, (name, kind, text) in METRICS.items():
+        name = f"edgespec_verifier_{name}"
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{tag} {float(status[key]):g}"]
+    return "\n".join(lines) + "\n"
 
 
 class ServerThread:
@@ -864,6 +918,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--status-interval", type=float, default=60.0,
                     help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    ray = ap.add_argument_group("scale-out", "N replicas of this verifier on Ray Serve behind one websocket endpoint "
+                                             "(--host/--port); needs `pip install .[fleet]`")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="serve this many replicas on Ray Serve, each with its own model and batching engine "
+                          "(default: one process, no Ray)")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                     help="let Ray Serve's autoscaler keep MIN..MAX replicas by open sessions "
+                          "(--sessions-per-replica each); --replicas is the starting count")
+    ray.add_argument("--sessions-per-replica", type=int, default=None,
+                     help="autoscaling target of open sessions per replica (default --max-batch)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster ('auto': the one `ray start --head` started here); default: "
+                          "start a local Ray instance on this machine")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0,
+                     help="GPUs Ray reserves per replica (default 0; with > 0 the replica loads on cuda)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0,
+                     help="CPUs Ray reserves per replica (default 1; also its torch threads)")
     return ap
 
 
@@ -885,42 +956,59 @@ LIMIT_OPTIONS = [
 ]
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def build_server(args, tokens: list[str] | None = None, server_name: str = "edgespec-verifier") -> VerifierServer:
+    """The VerifierServer the options describe (model, exits, limits, auth, TLS); SystemExit with
+    a clear message when they are wrong. ``tokens``: already read (a Ray replica gets them from
+    the driver, the token file may not exist on its node)."""
     import torch
     from ..models import default_model_path
     path = args.model or default_model_path("target")
-    tokens = read_token_file(args.token_file)
+    tokens = read_token_file(args.token_file) if tokens is None else tokens
     ssl_context = tls_context(args.tls_cert, args.tls_key)
     try:
         limits = ServerLimits(**{name: getattr(args, name) for name, *_ in LIMIT_OPTIONS})
     except ValueError as exc:
-        print(f"edgespec-verifier: {exc}", file=sys.stderr)
-        return 2
-    if not tokens and not is_loopback(args.host) and not args.insecure_no_auth:  # before loading any weights
-        print(f"edgespec-verifier: refusing to serve on {args.host} without auth: give --token-file (and "
-              "--tls-cert/--tls-key), or --insecure-no-auth to let anyone who reaches the port use the model",
-              file=sys.stderr)
-        return 2
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
+    check_auth_options(args, tokens)
     try:
         lm = load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
     except ModelLoadError as exc:
-        print(f"edgespec-verifier: {exc}", file=sys.stderr)
-        return 2
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
     from ..decoding.exits import ExitLoadError, attach_exits
     try:
         exits = attach_exits(lm, args.exits)
     except ExitLoadError as exc:
-        print(f"edgespec-verifier: {exc}", file=sys.stderr)
-        return 2
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
     log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
              else "none (fsd unavailable: modes ar and sd)")
-    server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
-                            idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
-                            exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
-                            insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
-                            max_batch=args.max_batch)
+    return VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
+                          idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
+                          exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
+                          insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
+                          max_batch=args.max_batch, server_name=server_name)
+
+
+def check_auth_options(args, tokens: list[str]) -> None:
+    """Refuse a network address without auth (unless waived) before any weights are loaded."""
+    if not tokens and not is_loopback(args.host) and not args.insecure_no_auth:
+        raise SystemExit(f"edgespec-verifier: refusing to serve on {args.host} without auth: give --token-file (and "
+                         "--tls-cert/--tls-key), or --insecure-no-auth to let anyone who reaches the port use the "
+                         "model")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.replicas:  # scale-out: N replicas of this server on Ray Serve, one endpoint
+            from .ray_serve import serve_on_ray
+            return serve_on_ray(args)
+        server = build_server(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        raise
 
     async def run():
         stop = asyncio.Event()

@@ -1,0 +1,267 @@
+"""Scale-out: N verifier replicas on Ray Serve behind one websocket endpoint (issue 19).
+
+``edgespec-verifier --replicas N`` (needs ``pip install .[fleet]``) starts a local Ray instance
+(or joins a cluster with ``--ray-address``) and deploys N replicas of the same ``VerifierServer``
+the single-process verifier runs: each replica loads its own model and runs its own batching
+engine (``FairCompute``) and limits. Ray Serve's proxy is the one websocket endpoint
+(``--host``/``--port``, TLS with ``--tls-cert``/``--tls-key``); it routes each new connection to
+the replica with the fewest open sessions of two it samples (power of two choices), and a
+websocket connection stays on its replica for its whole life, so a robot's session (its KV cache)
+is pinned there. A robot reconnects for its next decision after any failure, and that connection
+is routed by load again: when a replica dies, its robots' decisions fail cleanly (the link is
+lost: fault stop, nothing committed) and their next decisions land on a live replica while Serve
+replaces the dead one.
+
+Limits (connections, sessions per token, the auth lockout) hold per replica. The frame size cap
+before HELLO is checked by the replica after the proxy read the frame (the proxy's own websocket
+limit is uvicorn's 16 MiB): through Ray, a pre-auth client can make the proxy buffer one such
+frame, not more.
+"""
+# No `from __future__ import annotations`: FastAPI reads the WebSocket parameter's annotation at run time.
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import PlainTextResponse
+from ray import serve
+from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
+from websockets.frames import Close
+
+from .server import build_server, check_auth_options, metrics_text, read_token_file
+
+log = logging.getLogger("edgespec.verifier.ray")
+
+APP_NAME = "edgespec-verifier"
+DEPLOYMENT = "EdgespecVerifier"
+# Options of the Ray driver, not of a replica's VerifierServer.
+DRIVER_OPTIONS = ("replicas", "autoscale", "sessions_per_replica", "ray_address", "gpus_per_replica")
+
+
+class ServeSocket:
+    """The part of a ``websockets`` server connection that ``VerifierServer.handler`` uses
+    (recv, send, close, async iteration, remote_address), over the Starlette WebSocket a Ray Serve
+    ingress replica is handed. A closed connection raises the ``websockets`` exceptions, so the
+    server's session code is the same on both."""
+
+    def __init__(self, ws: WebSocket):
+        self._ws = ws
+        client = ws.client
+        self.remote_address = (client.host, client.port) if client else ("?", 0)
+        self._closed: Exception | None = None
+
+    def _gone(self, code: int | None, reason: str = "") -> Exception:
+        close = Close(code, reason) if code else None
+        self._closed = (ConnectionClosedOK if code in (1000, 1001) else ConnectionClosedError)(close, None)
+        return self._closed
+
+    async def recv(self):
+        if self._closed is not None:
+            raise self._closed
+        try:
+            message = await self._ws.receive()
+        except RuntimeError as exc:  # receive() after the disconnect message
+            raise self._gone(1006, str(exc)) from None
+        if message["type"] == "websocket.disconnect":
+            raise self._gone(message.get("code", 1000), message.get("reason") or "")
+        data = message.get("bytes")
+        return data if data is not None else message.get("text", "")
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.recv()
+        except ConnectionClosedOK:
+            raise StopAsyncIteration from None
+
+    async def send(self, data) -> None:
+        if self._closed is not None:
+            raise self._closed
+        try:
+            if isinstance(data, str):
+                await self._ws.send_text(data)
+            else:
+                await self._ws.send_bytes(bytes(data))
+        except Exception as exc:  # the peer left mid-send (starlette raises several kinds)
+            raise self._gone(1006, f"send failed: {exc}") from None
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        if self._closed is None:
+            self._gone(code, reason)
+            try:
+                await self._ws.close(code, reason)
+            except Exception:  # already closed by the peer or the proxy
+                pass
+
+
+app = FastAPI(title="edgespec-verifier", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.deployment(name=DEPLOYMENT)
+@serve.ingress(app)
+class VerifierReplica:
+    """One replica: its own model, batching engine and limits, serving websocket sessions."""
+
+    def __init__(self, options: dict, tokens: list[str]):
+        import torch
+        self.replica = serve.get_replica_context().replica_tag
+        torch.set_num_threads(max(1, int(options.get("cpus_per_replica") or 1)))
+        args = argparse.Namespace(**options)
+        self.server = build_server(args, tokens, server_name=f"edgespec-verifier replica {self.replica}")
+        self._status = None
+        self._gauges = None
+        log.info("replica %s ready (model %s, compute %s, max batch %d)", self.replica, self.server.model_name,
+                 self.server.compute.name, self.server.fair.max_batch)
+
+    def _start_status(self) -> None:
+        if self._status is None:
+            self._status = asyncio.ensure_future(self._status_loop())
+
+    async def _status_loop(self) -> None:
+        """Ray's metrics (sessions, queue depth, mean batch per replica, exported on Ray's
+        Prometheus endpoint) and the server's own status log line."""
+        from ray.serve.metrics import Gauge
+        names = ("sessions", "queued_jobs", "mean_batch", "refused", "sessions_served")
+        gauges = {n: Gauge(f"edgespec_verifier_{n}", description=f"edgespec verifier {n}", tag_keys=("replica",))
+                  for n in names}
+        log_line = (asyncio.ensure_future(self.server._status_loop()) if self.server.status_interval_s > 0
+                    else None)
+        try:
+            while True:
+                status = self.server.status()
+                for n, g in gauges.items():
+                    g.set(float(status[n]), tags={"replica": self.replica})
+                await asyncio.sleep(5.0)
+        finally:
+            if log_line is not None:
+                log_line.cancel()
+
+    @app.websocket("/")
+    async def session(self, ws: WebSocket) -> None:
+        self._start_status()
+        await ws.accept()
+        sock = ServeSocket(ws)
+        try:
+            await self.server.handler(sock)
+        finally:
+            await sock.close()
+
+    @app.get("/status")
+    async def status(self) -> dict:
+        """The status of the replica this request was routed to (each replica's also goes to
+        its log every --status-interval seconds, and to Ray's metrics)."""
+        return {"replica": self.replica, **self.server.status()}
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(metrics_text(self.server.status(), {"replica": self.replica}))
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose compute thread is gone."""
+        if not self.server.fair.alive():
+            raise RuntimeError("the verifier's compute thread has stopped")
+
+
+def replica_options(args) -> dict:
+    """What a replica's VerifierServer is built from: the CLI options less the driver's (a
+    replica with GPUs loads on cuda unless --device says otherwise)."""
+    options = {k: v for k, v in vars(args).items() if k not in DRIVER_OPTIONS}
+    options["replicas"] = None  # build_server: this is one process
+    options["token_file"] = None  # the driver read the tokens; the file need not exist on a worker node
+    options["tls_cert"] = options["tls_key"] = None  # TLS ends at Serve's proxy
+    if (args.gpus_per_replica or 0) > 0 and args.device == "cpu":
+        options["device"] = "cuda"
+    return options
+
+
+def parse_autoscale(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"edgespec-verifier: --autoscale takes MIN:MAX, e.g. 1:4, not {text!r}") from None
+    if not 0 <= low <= high or high < 1:
+        raise SystemExit(f"edgespec-verifier: --autoscale {text}: need 0 <= MIN <= MAX and MAX >= 1")
+    return low, high
+
+
+def verifier_app(args, tokens: list[str]):
+    """The bound Serve application: ``--replicas`` replicas (or an autoscaling range), each
+    reserving ``--cpus-per-replica`` CPUs and ``--gpus-per-replica`` GPUs."""
+    replicas = args.replicas or 1
+    if replicas < 1:
+        raise SystemExit("edgespec-verifier: --replicas must be >= 1")
+    # A replica takes new sessions up to its own connection cap (beyond it, the replica's gate
+    # answers with a BUSY frame, which a robot treats as an unreachable verifier); the router
+    # balances on open sessions per replica.
+    options = dict(ray_actor_options={"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica},
+                   max_ongoing_requests=args.max_connections + args.max_handshakes, max_queued_requests=-1,
+                   health_check_period_s=5.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=10.0)
+    autoscale = parse_autoscale(args.autoscale)
+    if autoscale is None:
+        options["num_replicas"] = replicas
+    else:
+        low, high = autoscale
+        options["num_replicas"] = "auto"
+        options["autoscaling_config"] = {
+            "min_replicas": low, "max_replicas": high, "initial_replicas": min(max(replicas, low), high),
+            "target_ongoing_requests": args.sessions_per_replica or args.max_batch,
+            "upscale_delay_s": 10.0, "downscale_delay_s": 120.0}
+    return VerifierReplica.options(**options).bind(replica_options(args), tokens)
+
+
+def start(args, tokens: list[str], *, local_cpus: int | None = None) -> str:
+    """Ray (a local instance or ``--ray-address``), Serve's proxy on --host/--port, the
+    application deployed and healthy; returns the websocket URL."""
+    import os
+    import ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves this machine unless asked
+    if not ray.is_initialized():
+        if args.ray_address:
+            ray.init(address=args.ray_address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=local_cpus, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=256 * 1024 * 1024)
+    http = {"host": args.host, "port": args.port}
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("edgespec-verifier: --tls-cert and --tls-key go together")
+        http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    serve.start(http_options=http)
+    serve.run(verifier_app(args, tokens), name=APP_NAME, route_prefix="/")
+    scheme = "wss" if args.tls_cert else "ws"
+    return f"{scheme}://{args.host}:{args.port}"
+
+
+def serve_on_ray(args) -> int:
+    """``edgespec-verifier --replicas N``: deploy, then serve until SIGTERM/SIGINT."""
+    tokens = read_token_file(args.token_file)
+    check_auth_options(args, tokens)
+    parse_autoscale(args.autoscale)
+    if args.port == 0:
+        raise SystemExit("edgespec-verifier: --port 0 is not supported with --replicas (Serve's proxy needs a "
+                         "fixed port)")
+    url = start(args, tokens)
+    log.info("edgespec-verifier on Ray Serve: %s with %s replica(s) (%s CPU, %s GPU each; auth %s)", url,
+             args.autoscale or args.replicas, args.cpus_per_replica, args.gpus_per_replica,
+             f"{len(tokens)} token(s)" if tokens else "off")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down the Serve application")
+    serve.shutdown()
+    import ray
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    from .server import main
+    sys.exit(main(["--replicas", "2", *sys.argv[1:]]))
