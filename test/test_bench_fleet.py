@@ -12,7 +12,8 @@ from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
 def test_fleet_sweep_replays_in_sync(tmp_path, null_progress):
     assert "fleet" in SWEEPS
-    opts = SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=16, robots=[1, 2], draft_ms=1.0)
+    opts = SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=16, robots=[1, 2], draft_ms=1.0,
+                        verifiers=["sequential", "batched"])  # the ray rows: test_fleet_ray.py
     rows = run_fleet(opts, null_progress)
     assert [(r["verifier"], r["robots"]) for r in rows] == [("sequential", 1), ("sequential", 2),
                                                             ("batched", 1), ("batched", 2)]

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fleet sweep: numbers of robots (default 1 2 4 8)")
     sweep.add_argument("--draft-ms", type=float, default=None,
                        help="fleet sweep: emulated drafting time per draft token on each robot (default 8)")
+    sweep.add_argument("--fleet-verifiers", nargs="+", default=None, choices=["sequential", "batched", "ray"],
+                       help="fleet sweep: the verifiers measured (default all three; ray: 2 batched replicas on a "
+                            "local Ray Serve instance, needs pip install .[fleet])")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
                        help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
                             "(default 0)")
@@ -120,7 +123,8 @@ def run_sweep(args) -> int:
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
                         pipe_depth=args.pipe_depth, hostile=args.hostile,
-                        hostile_kinds=args.hostile_kinds, robots=args.robots, draft_ms=args.draft_ms)
+                        hostile_kinds=args.hostile_kinds, robots=args.robots, draft_ms=args.draft_ms,
+                        verifiers=args.fleet_verifiers)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

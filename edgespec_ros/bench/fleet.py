@@ -1,5 +1,6 @@
 """``edgespec-bench --sweep fleet``: one verifier, 1..N robots at once; the one-at-a-time worker
-(``--max-batch 1``) against batched verification (issue 19).
+(``--max-batch 1``) against batched verification, and the same robots through a 2-replica Ray
+Serve deployment of the batched verifier (issue 19).
 
 So that the figure measures the verifier and not N drafters fighting for this machine's cores,
 the robots do not draft: each decision's rounds were recorded once, in-process, by the real
@@ -8,7 +9,8 @@ waits the drafting time of a block (``--draft-ms`` per token, an emulated edge a
 its own), sends the recorded drafts and q, and checks that the verdict is the recorded one (the
 target is deterministic, so it always is; a mismatch is counted as a desync). The verifier runs
 in this process (``ServerThread``) on native compute, so its batch statistics can be read; the
-robots' client work shares the interpreter with it (labelled in the table).
+robots' client work shares the interpreter with it (labelled in the table). The ray rows run
+the replicas on a local Ray instance, one CPU each, behind Serve's websocket proxy.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 from ..decoding.verifier import Block, LocalVerifier
 
 ROBOTS_DEFAULT = (1, 2, 4, 8)
+VERIFIERS_DEFAULT = ("sequential", "batched", "ray")  # ray: RAY_REPLICAS batched replicas on Ray Serve
 DRAFT_MS_DEFAULT = 8.0  # per draft token: a fast edge, so that the cloud is what saturates
 
 
@@ -87,6 +90,60 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
         rv.close()
 
 
+def _drive(url: str, n: int, mine: list, fingerprint: str, vocab: int, draft_s: float) -> tuple[list, float]:
+    """n robots at once, each replaying its decisions against url; their results and the wall time."""
+    outs = [{"tokens": 0, "desync": 0, "latencies": []} for _ in range(n)]
+    threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r]), daemon=True)
+               for r in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return outs, time.perf_counter() - t0
+
+
+def _row(verifier: str, n: int, outs: list, wall: float, stats: dict, draft_s: float, compute: str) -> dict:
+    """One table row; stats: the verifier's batches, batched_jobs and compute_busy_s during the run."""
+    lat = [1e3 * x for o in outs for x in o["latencies"]]
+    tokens = sum(o["tokens"] for o in outs)
+    return {"verifier": verifier, "robots": n, "decisions": len(lat), "tokens": tokens,
+            "tokens_per_s": tokens / wall, "ms_per_token": 1e3 * wall * n / tokens if tokens else None,
+            "p50_ms": float(np.percentile(lat, 50)) if lat else None,
+            "p99_ms": float(np.percentile(lat, 99)) if lat else None,
+            "mean_batch": (stats["batched_jobs"] / stats["batches"] if stats.get("batches")
+                           else 1.0 if "batches" in stats else None),  # None: the replicas' status was not read
+            "desync": sum(o["desync"] for o in outs), "draft_ms": draft_s * 1e3,
+            "compute_busy": (stats["compute_busy_s"] / wall / stats.get("replicas", 1)
+                             if stats.get("compute_busy_s") is not None else None),
+            "compute": compute, "replicas": stats.get("replicas", 1)}
+
+
+def _fleet_status(url: str, replicas: int, tries: int = 40) -> dict | None:
+    """Batches, batched jobs and busy seconds summed over the Ray replicas. GET /status answers
+    for the replica it was routed to: ask until every replica answered (None if some never did)."""
+    import json
+    import urllib.request
+    seen = {}
+    base = url.replace("ws://", "http://").replace("wss://", "https://")
+    for _ in range(tries):
+        with urllib.request.urlopen(base + "/status", timeout=10) as reply:
+            st = json.loads(reply.read())
+        seen[st["replica"]] = st
+        if len(seen) == replicas:
+            return {k: sum(s[k] for s in seen.values()) for k in ("batches", "batched_jobs", "compute_busy_s")}
+    return None
+
+
+def _delta(after: dict | None, before: dict | None) -> dict:
+    if after is None or before is None:
+        return {}
+    return {k: after[k] - before[k] for k in after}
+
+
+RAY_REPLICAS = 2
+
+
 def run_fleet(opts, progress) -> list[dict]:
     from ..decoding.compute import get_compute
     from ..decoding.engines import load_model
@@ -95,40 +152,32 @@ def run_fleet(opts, progress) -> list[dict]:
     robots_list = list(opts.robots or ROBOTS_DEFAULT)
     per_robot = opts.decisions or 4
     draft_s = (opts.draft_ms if opts.draft_ms is not None else DRAFT_MS_DEFAULT) / 1e3
+    verifiers = list(opts.verifiers or VERIFIERS_DEFAULT)
+    if "ray" in verifiers and not ray_available():
+        print("fleet: ray[serve] is not installed (pip install .[fleet]): no ray rows")
+        verifiers.remove("ray")
     draft_lm, target_lm = load_model(opts.pair.draft_path), load_model(opts.pair.target_path)
     prompts = bench_prompts(max(8, per_robot), opts.seed)
     decisions = record(draft_lm, target_lm, prompts, (opts.gammas or [4])[0], opts.max_new_tokens)
     compute = get_compute(opts.compute or "native")
-    bar = progress(2 * sum(robots_list) * per_robot)
+    bar = progress(len(verifiers) * sum(robots_list) * per_robot)
+    fingerprint, vocab = draft_lm.fingerprint(), draft_lm.vocab_size
     rows = []
-    for verifier, max_batch in (("sequential", 1), ("batched", 8)):
-        for n in robots_list:
-            server = VerifierServer(load_model(opts.pair.target_path), max_batch=max_batch, status_interval_s=0,
-                                    compute=compute)
-            with ServerThread(server) as st:
-                outs = [{"tokens": 0, "desync": 0, "latencies": []} for _ in range(n)]
-                mine = [[decisions[(r + k) % len(decisions)] for k in range(per_robot)] for r in range(n)]
 
-                def robot(r):
-                    replay(st.url, draft_lm.fingerprint(), draft_lm.vocab_size, mine[r], draft_s, outs[r])
-                threads = [threading.Thread(target=robot, args=(r,), daemon=True) for r in range(n)]
-                t0 = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(600)
-                wall = time.perf_counter() - t0
+    def mine(n):
+        return [[decisions[(r + k) % len(decisions)] for k in range(per_robot)] for r in range(n)]
+    for verifier in [v for v in verifiers if v != "ray"]:
+        for n in robots_list:
+            server = VerifierServer(load_model(opts.pair.target_path), max_batch=1 if verifier == "sequential" else 8,
+                                    status_interval_s=0, compute=compute)
+            with ServerThread(server) as st:
+                outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s)
                 fair = server.fair
-                lat = [1e3 * x for o in outs for x in o["latencies"]]
-                tokens = sum(o["tokens"] for o in outs)
-                rows.append({"verifier": verifier, "robots": n, "decisions": len(lat), "tokens": tokens,
-                             "tokens_per_s": tokens / wall, "ms_per_token": 1e3 * wall * n / tokens if tokens else None,
-                             "p50_ms": float(np.percentile(lat, 50)) if lat else None,
-                             "p99_ms": float(np.percentile(lat, 99)) if lat else None,
-                             "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 1.0,
-                             "desync": sum(o["desync"] for o in outs), "draft_ms": draft_s * 1e3,
-                             "compute_busy": fair.busy_s / wall, "compute": compute.name})
+                stats = {"batches": fair.batches, "batched_jobs": fair.batched_jobs, "compute_busy_s": fair.busy_s}
+                rows.append(_row(verifier, n, outs, wall, stats, draft_s, compute.name))
             bar.update(n * per_robot)
+    if "ray" in verifiers:
+        rows += _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute.name, bar, per_robot)
     bar.close()
     base = {r["robots"]: r for r in rows if r["verifier"] == "sequential"}
     lone = next((r for r in rows if r["verifier"] == "batched" and r["robots"] == 1), None)
@@ -139,34 +188,82 @@ def run_fleet(opts, progress) -> list[dict]:
     return rows
 
 
+def ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str, bar, per_robot: int
+             ) -> list[dict]:
+    """The same robots through RAY_REPLICAS batched replicas on a local Ray instance (one CPU
+    each; with an emulated profile, each replica emulates its own accelerator, as each would
+    have its own GPU)."""
+    import socket
+    import ray
+    from ray import serve
+    from ..wire import ray_serve
+    from ..wire.server import build_parser
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = build_parser().parse_args(["--model", opts.pair.target_path, "--replicas", str(RAY_REPLICAS),
+                                      "--port", str(port), "--compute", compute, "--status-interval", "0",
+                                      "--max-batch", "8", "--cpus-per-replica", "1", "--exits", "none"])
+    rows = []
+    url = ray_serve.start(args, [], local_cpus=RAY_REPLICAS)
+    try:
+        for n in robots_list:
+            before = _fleet_status(url, RAY_REPLICAS)
+            outs, wall = _drive(url, n, mine(n), fingerprint, vocab, draft_s)
+            stats = _delta(_fleet_status(url, RAY_REPLICAS), before)
+            stats["replicas"] = RAY_REPLICAS
+            rows.append(_row("ray", n, outs, wall, stats, draft_s, compute))
+            bar.update(n * per_robot)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
 def table_fleet(rows: list[dict]) -> str:
     from .sweeps import _fmt, fixed_width
     head = ["verifier", "robots", "decisions", "tokens/s", "x vs sequential", "ms/token per robot", "p50 ms",
             "p99 ms", "p99 vs lone", "mean batch", "cloud busy", "desync"]
-    lines = [[r["verifier"], str(r["robots"]), str(r["decisions"]), _fmt(r["tokens_per_s"], ".1f"),
+    lines = [[r["verifier"] + (f" x{r['replicas']}" if r.get("replicas", 1) > 1 else ""), str(r["robots"]), str(r["decisions"]), _fmt(r["tokens_per_s"], ".1f"),
               _fmt(r["throughput_vs_sequential"], ".2f") + "x", _fmt(r["ms_per_token"], ".1f"),
               _fmt(r["p50_ms"], ".0f"), _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_vs_lone"], ".2f") + "x",
-              _fmt(r["mean_batch"], ".2f"), _fmt(100 * r["compute_busy"], ".0f") + "%", str(r["desync"])]
+              _fmt(r["mean_batch"], ".2f"),
+              _fmt(None if r["compute_busy"] is None else 100 * r["compute_busy"], ".0f") + "%", str(r["desync"])]
              for r in rows]
     draft = rows[0]["draft_ms"] if rows else 0
     compute = rows[0]["compute"] if rows else "native"
     emulated = (" (emulated: the profile's verification time is waited out on the one compute thread, once per "
                 "pass whatever the batch: a GPU's batch of a few rounds costs about one round)"
                 if compute != "native" else "")
+    ray = next((r for r in rows if r["verifier"] == "ray"), None)
+    ray_note = (f"; ray: {ray['replicas']} batched replicas on a local Ray Serve instance (one CPU each, behind "
+                "Serve's websocket proxy; cloud busy is the replicas' mean)" if ray else "")
     return (fixed_width(head, lines) + f"\nrobots replay recorded greedy SD rounds (drafting emulated as a {draft:g} ms "
-            f"per token wait, off the CPU); verifier in-process with the embedded target, compute {compute}{emulated}; "
-            "the robots' client work shares its interpreter")
+            f"per token wait, off the CPU); sequential and batched: verifier in-process with the embedded target, "
+            f"compute {compute}{emulated}; the robots' client work shares its interpreter{ray_note}")
 
 
 def plot_fleet(rows: list[dict], path: str) -> None:
     from .sweeps import _pyplot, _save
     plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for verifier, style in (("sequential", "o--"), ("batched", "s-")):
+    for verifier, style in (("sequential", "o--"), ("batched", "s-"), ("ray", "^-.")):
         data = [r for r in rows if r["verifier"] == verifier]
+        if not data:
+            continue
+        label = verifier + (f" ({data[0]['replicas']} replicas)" if verifier == "ray" else "")
         xs = [r["robots"] for r in data]
-        a.plot(xs, [r["tokens_per_s"] for r in data], style, label=verifier)
-        b.plot(xs, [r["p99_ms"] for r in data], style, label=verifier)
+        a.plot(xs, [r["tokens_per_s"] for r in data], style, label=label)
+        b.plot(xs, [r["p99_ms"] for r in data], style, label=label)
     a.set_ylabel("aggregate verified tokens/s")
     b.set_ylabel("p99 decision latency, ms")
     counts = sorted({r["robots"] for r in rows})

@@ -49,6 +49,7 @@ class SweepOptions:
     hostile_kinds: list[str] | None = None  # hostile sweep: which kinds (default all)
     robots: list[int] | None = None  # fleet sweep: robot counts
     draft_ms: float | None = None  # fleet sweep: emulated drafting time per token
+    verifiers: list[str] | None = None  # fleet sweep: sequential, batched, ray
 
 
 @dataclass(frozen=True)
@@ -443,7 +444,8 @@ def _register_fsd_sweeps() -> None:
               "generations) hit the same verifier (--hostile 0 10 100)", hostile.run_hostile, hostile.table_hostile,
               hostile.plot_hostile),
         Sweep("fleet", "one verifier, 1..N robots replaying recorded rounds: aggregate tokens/s, p50/p99 decision "
-              "latency and mean batch, one-at-a-time (--max-batch 1) vs batched verification (--robots 1 2 4 8)",
+              "latency and mean batch, one-at-a-time (--max-batch 1) vs batched verification vs 2 batched replicas on "
+              "Ray Serve (--robots 1 2 4 8, --fleet-verifiers)",
               fleet.run_fleet, fleet.table_fleet, fleet.plot_fleet),
     ]:
         SWEEPS[s.name] = s
