@@ -124,17 +124,17 @@ def test_verify_batch_gives_each_session_its_own_results(pair):
 
 
 def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
-    """Four robots decode at once through one verifier: their rounds share forward passes (mean
-    batch > 1) and each robot's tokens are those it gets alone (greedy and sampled)."""
+    """Four robots decode at once through one verifier: their rounds and AR steps share forward
+    passes (mean batch > 1) and each robot's tokens are those it gets alone (greedy and sampled)."""
     import threading
     from edgespec_ros.decoding.edge import DecodeConfig
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.wire.client import RemoteVerifier
     from edgespec_ros.wire.server import ServerThread, VerifierServer
     from wire_helpers import INSTRUCTIONS, server_copy
-    plans = [(INSTRUCTIONS[i % 2], DecodeConfig(mode="sd", gamma=2 + i % 3, max_new_tokens=24, seed=i,
-                                                 params=SamplingParams(0.0 if i % 2 else 1.0)))
-             for i in range(4)]
+    plans = [(INSTRUCTIONS[i % 2], DecodeConfig(mode="ar" if i >= 2 else "sd", gamma=2 + i % 3, max_new_tokens=24,
+                                                 seed=i, params=SamplingParams(0.0 if i % 2 else 1.0)))
+             for i in range(4)]  # two SD robots and two AR robots: rounds and AR steps share passes
     refs = [EdgeDecoder(pair.draft, LocalVerifier(pair.target)).decide(ins, pair.image, cfg).tokens
             for ins, cfg in plans]
     with ServerThread(VerifierServer(server_copy(pair.target), max_batch=8)) as st:
@@ -164,3 +164,28 @@ def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
             assert got == [ref, ref]
         assert fair.batches > 0 and fair.batched_jobs / fair.batches > 1.0, (fair.batches, fair.batched_jobs)
         print(f"4 robots: {fair.batches} batched passes, mean batch {fair.batched_jobs / fair.batches:.2f}")
+
+
+def test_ar_steps_batch_with_rounds_and_decode_as_alone(pair):
+    """AR steps of several sessions (greedy and sampled) in the same passes as another session's
+    verification rounds: each AR session's tokens are those it decodes alone, and the round's results
+    those it gets alone."""
+    from edgespec_ros.decoding.batch import ArStep, Round, verify_batch
+    cfgs = [("find the silver bottle", pair.image, 0.0), ("turn left at the red chair " * 3, None, 1.0),
+            ("stop", pair.image, 0.7)]
+    alone, batched = _target_sessions(pair, cfgs), _target_sessions(pair, cfgs)
+    gen = torch.Generator().manual_seed(1)
+    steps = 6
+    got = [[], []]
+    for step in range(steps):
+        q = torch.softmax(torch.randn(2, pair.vocab, generator=gen), -1).double()
+        ids = [int(t) for t in torch.multinomial(q.float(), 1, generator=gen).view(-1)]
+        ref = alone[2].verify(ids, q)[0]
+        out = verify_batch([ArStep(batched[0]), ArStep(batched[1]), Round(batched[2], ids, q)])
+        for k in range(2):
+            got[k].append(out[k][0])
+        assert (out[2].accepted, out[2].next_token) == (ref.accepted, ref.next_token)
+    for k in range(2):
+        expect = [alone[k].ar_step()[0] for _ in range(steps)]
+        assert got[k] == expect
+    assert batched[2].seq.generated == alone[2].seq.generated

@@ -1,5 +1,6 @@
 """Batched forward passes over several sequences of one model, each with its own KV cache, and
-batched verification rounds of several sessions (the fleet verifier's building blocks, issue 19).
+batched verification rounds and AR steps of several sessions (the fleet verifier's building blocks,
+issue 19).
 
 ``feed_batch(seqs, token_lists)`` does for every sequence what ``Sequence.feed`` does for one (feed
 its tokens on top of its cache, at its own M-RoPE positions; returns the logits [n_i, V]) in one
@@ -105,30 +106,49 @@ class Round:
     chained: bool = False
 
 
-def verify_batch(rounds: list[Round]) -> list:
-    """Verify several sessions' rounds (one model; at most one round per session) with one forward
-    pass: each session's result and commit are those of ``TargetSession.verify`` on its own, up to
-    float rounding in the logits (see the module docstring). A round that fails its own checks
-    (state, draft distribution) gets its exception in its place in the list, and the others go on.
-    No early exits: a round that streams exits runs alone."""
+@dataclass
+class ArStep:
+    """One session's target-only decoding step (the AR baseline's GENERATE), for ``verify_batch``:
+    its pending token is fed in the batch's forward pass and the next token sampled as
+    ``TargetSession.ar_step`` does alone."""
+    session: object  # cloud.TargetSession
+
+
+def verify_batch(rounds: list) -> list:
+    """Verify several sessions' rounds (``Round``) and decode their AR steps (``ArStep``) with one
+    forward pass (one model; at most one item per session): each session's result and commit are
+    those of ``TargetSession.verify``/``ar_step`` on its own, up to float rounding in the logits
+    (see the module docstring). An item that fails its own checks (state, draft distribution)
+    gets its exception in its place in the list, and the others go on. No early exits: a round
+    that streams exits runs alone."""
     sessions = [r.session for r in rounds]
     if len({id(s) for s in sessions}) != len(sessions):
-        raise ValueError("verify_batch: one round per session (a session's next round needs this one's verdict)")
+        raise ValueError("verify_batch: one item per session (a session's next step needs this one's result)")
     out: list = [None] * len(rounds)
     live, starts, tokens = [], {}, {}
     for i, (s, r) in enumerate(zip(sessions, rounds)):
         try:
-            starts[i] = s.begin_round()
-            tokens[i] = s.seq.begin_target(r.draft_ids)
+            if isinstance(r, ArStep):
+                s._require_started()
+                tokens[i] = s.seq.take_pending()
+            else:
+                starts[i] = s.begin_round()
+                tokens[i] = s.seq.begin_target(r.draft_ids)
             live.append(i)
         except (ValueError, RuntimeError) as exc:
             out[i] = exc
     fed_rows = [i for i in live if tokens[i]]
-    fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows], [tokens[i] for i in fed_rows])))
+    fed = {}
+    if fed_rows:  # (AR steps right after the prefill have nothing to feed)
+        fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows], [tokens[i] for i in fed_rows])))
     for i in live:
         s, r = sessions[i], rounds[i]
         try:
-            out[i] = s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained, starts[i])
+            if isinstance(r, ArStep):
+                out[i] = s.ar_step()  # its pending token was fed above: samples from its last logits
+            else:
+                out[i] = s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained,
+                                        starts[i])
         except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
             out[i] = exc
     return out

@@ -255,6 +255,11 @@ class Sequence:
         self.fed = keep
         self.last_logits = None
 
+    def take_pending(self) -> list[int]:
+        """The committed tokens not yet fed, handed to the caller to feed (here or in a batch)."""
+        pending, self.pending = self.pending, []
+        return pending
+
     def next_logits(self) -> torch.Tensor:
         """Logits for the next token: feeds pending tokens first."""
         if self.pending:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..codecs import CodecError, get_codec
-from ..decoding.batch import Round, verify_batch
+from ..decoding.batch import ArStep, Round, verify_batch
 from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
 from ..decoding.engines import LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
@@ -568,8 +568,10 @@ class VerifierServer:
                 eos = self.lm.eos_token_ids
                 for i in range(msg.max_new_tokens):
                     started = time.perf_counter()
-                    token, _ = await self._run(conn, on_device, session.ar_step, (), lambda: self.compute.ar_step_s)
-                    elapsed = time.perf_counter() - started
+                    # Batched with the other sessions' AR steps and verification rounds that are ready.
+                    token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
+                                                           (ArStep(session), self.compute.ar_step_s), flow=conn.flow)
+                    elapsed = time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
                     last = token in eos or i == msg.max_new_tokens - 1
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
                     self.verified_tokens += 1
@@ -620,9 +622,9 @@ class VerifierServer:
 
     @staticmethod
     def _verify_batch_on_device(items: list) -> list:
-        """On the compute thread: several sessions' rounds in one pass (verify_batch), then the
-        emulated accelerator stays busy for the longest budget among them: a batch costs one
-        verification of the profile, not one per session."""
+        """On the compute thread: several sessions' rounds and AR steps in one pass (verify_batch),
+        then the emulated accelerator stays busy for the longest budget among them: a batch costs
+        one pass of the profile, not one per session."""
         t0 = time.perf_counter()
         results = verify_batch([r for r, _budget in items])
         return Occupy(results, max(budget for _r, budget in items) - (time.perf_counter() - t0))
