@@ -189,3 +189,35 @@ def test_ar_steps_batch_with_rounds_and_decode_as_alone(pair):
         expect = [alone[k].ar_step()[0] for _ in range(steps)]
         assert got[k] == expect
     assert batched[2].seq.generated == alone[2].seq.generated
+
+
+def test_batched_rounds_stream_each_sessions_own_early_exits():
+    """Two sessions streaming early exits and one without, batched: each streaming session gets
+    the exits (layer, verdict guess, confidence) and the result it gets alone, the other none."""
+    from edgespec_ros.decoding.batch import Round, verify_batch
+    from edgespec_ros.decoding.exits import EarlyExits
+    p = make_pair()
+    p.target.exits = EarlyExits.for_model(p.target.model).eval()
+    cfgs = [("find the silver bottle", p.image, 0.0), ("turn left at the red chair " * 3, None, 1.0),
+            ("stop", p.image, 0.0)]
+    alone, batched = _target_sessions(p, cfgs), _target_sessions(p, cfgs)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):  # the first round after the prefill, then rounds with a pending token
+        got_exits, ref_exits = [[], [], []], [[], [], []]
+        rounds, refs = [], []
+        for i in range(3):
+            n = 2 + (i + step) % 3
+            q = torch.softmax(torch.randn(n, p.vocab, generator=gen), -1).double()
+            ids = [int(t) for t in torch.multinomial(q.float(), 1, generator=gen).view(-1)]
+            streams = i < 2
+            refs.append(alone[i].verify(ids, q, ref_exits[i].append if streams else None)[0])
+            rounds.append(Round(batched[i], ids, q, on_exit=got_exits[i].append if streams else None))
+        got = verify_batch(rounds)
+        for i in range(3):
+            assert (got[i].accepted, got[i].next_token) == (refs[i].accepted, refs[i].next_token)
+            assert [(e.layer, e.accepted, e.next_token) for e in got_exits[i]] == \
+                [(e.layer, e.accepted, e.next_token) for e in ref_exits[i]]
+            for g, r in zip(got_exits[i], ref_exits[i]):
+                assert g.confidence == pytest.approx(r.confidence, abs=1e-4)
+            assert batched[i].last_exit_layer == alone[i].last_exit_layer
+        assert len(got_exits[0]) == len(p.target.exits.layers) and got_exits[2] == []

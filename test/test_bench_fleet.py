@@ -18,7 +18,7 @@ def test_fleet_sweep_replays_in_sync(tmp_path, null_progress):
     assert [(r["verifier"], r["robots"]) for r in rows] == [("sequential", 1), ("sequential", 2),
                                                             ("batched", 1), ("batched", 2)]
     for r in rows:
-        assert r["desync"] == 0 and r["decisions"] == r["robots"] and r["tokens"] > 0
+        assert r["desync"] == 0 and r["errors"] == [] and r["decisions"] == r["robots"] and r["tokens"] > 0
         assert r["mean_batch"] >= 1.0
     assert all(r["mean_batch"] == 1.0 for r in rows if r["verifier"] == "sequential")
     text = table_fleet(rows)

@@ -71,9 +71,13 @@ def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> lis
 def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], draft_s: float,
            out: dict) -> None:
     """One robot: every recorded decision over the wire; decision latencies, tokens, desyncs."""
-    from ..wire.client import RemoteVerifier
+    from ..wire.client import RemoteVerifier, VerifierError
     rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=60.0, client_name="fleet-robot")
-    rv.connect()
+    try:
+        rv.connect()
+    except VerifierError as exc:  # refused or unreachable: counted, shown under the table
+        out["errors"].append(str(exc))
+        return
     try:
         for d in decisions:
             t0 = time.perf_counter()
@@ -86,13 +90,15 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
                     out["desync"] += 1
                     break
             out["latencies"].append(time.perf_counter() - t0)
+    except VerifierError as exc:
+        out["errors"].append(str(exc))
     finally:
         rv.close()
 
 
 def _drive(url: str, n: int, mine: list, fingerprint: str, vocab: int, draft_s: float) -> tuple[list, float]:
     """n robots at once, each replaying its decisions against url; their results and the wall time."""
-    outs = [{"tokens": 0, "desync": 0, "latencies": []} for _ in range(n)]
+    outs = [{"tokens": 0, "desync": 0, "latencies": [], "errors": []} for _ in range(n)]
     threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r]), daemon=True)
                for r in range(n)]
     t0 = time.perf_counter()
@@ -114,6 +120,7 @@ def _row(verifier: str, n: int, outs: list, wall: float, stats: dict, draft_s: f
             "mean_batch": (stats["batched_jobs"] / stats["batches"] if stats.get("batches")
                            else 1.0 if "batches" in stats else None),  # None: the replicas' status was not read
             "desync": sum(o["desync"] for o in outs), "draft_ms": draft_s * 1e3,
+            "errors": [e for o in outs for e in o["errors"]],
             "compute_busy": (stats["compute_busy_s"] / wall / stats.get("replicas", 1)
                              if stats.get("compute_busy_s") is not None else None),
             "compute": compute, "replicas": stats.get("replicas", 1)}
@@ -144,6 +151,13 @@ def _delta(after: dict | None, before: dict | None) -> dict:
 RAY_REPLICAS = 2
 
 
+def _limits(robots_list):
+    """Every replayed robot connects from this machine's loopback address: the per-address cap
+    (--max-per-address, 8 by default, meant for one robot's reconnects) is raised to the fleet."""
+    from ..wire.limits import ServerLimits
+    return ServerLimits(max_per_address=max(robots_list) + 8, max_connections=max(64, max(robots_list) + 8))
+
+
 def run_fleet(opts, progress) -> list[dict]:
     from ..decoding.compute import get_compute
     from ..decoding.engines import load_model
@@ -169,7 +183,7 @@ def run_fleet(opts, progress) -> list[dict]:
     for verifier in [v for v in verifiers if v != "ray"]:
         for n in robots_list:
             server = VerifierServer(load_model(opts.pair.target_path), max_batch=1 if verifier == "sequential" else 8,
-                                    status_interval_s=0, compute=compute)
+                                    status_interval_s=0, compute=compute, limits=_limits(robots_list))
             with ServerThread(server) as st:
                 outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s)
                 fair = server.fair
@@ -212,7 +226,9 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
         port = s.getsockname()[1]
     args = build_parser().parse_args(["--model", opts.pair.target_path, "--replicas", str(RAY_REPLICAS),
                                       "--port", str(port), "--compute", compute, "--status-interval", "0",
-                                      "--max-batch", "8", "--cpus-per-replica", "1", "--exits", "none"])
+                                      "--max-batch", "8", "--cpus-per-replica", "1", "--exits", "none",
+                                      "--max-per-address", str(_limits(robots_list).max_per_address),
+                                      "--max-connections", str(_limits(robots_list).max_connections)])
     rows = []
     url = ray_serve.start(args, [], local_cpus=RAY_REPLICAS)
     try:
@@ -244,12 +260,15 @@ def table_fleet(rows: list[dict]) -> str:
     emulated = (" (emulated: the profile's verification time is waited out on the one compute thread, once per "
                 "pass whatever the batch: a GPU's batch of a few rounds costs about one round)"
                 if compute != "native" else "")
+    errors = [f"{r['verifier']} x{r['robots']}: {len(r['errors'])} robot(s) failed ({r['errors'][0]})"
+              for r in rows if r.get("errors")]
     ray = next((r for r in rows if r["verifier"] == "ray"), None)
     ray_note = (f"; ray: {ray['replicas']} batched replicas on a local Ray Serve instance (one CPU each, behind "
                 "Serve's websocket proxy; cloud busy is the replicas' mean)" if ray else "")
     return (fixed_width(head, lines) + f"\nrobots replay recorded greedy SD rounds (drafting emulated as a {draft:g} ms "
             f"per token wait, off the CPU); sequential and batched: verifier in-process with the embedded target, "
-            f"compute {compute}{emulated}; the robots' client work shares its interpreter{ray_note}")
+            f"compute {compute}{emulated}; the robots' client work shares its interpreter{ray_note}"
+            + "".join(f"\nERRORS {e}" for e in errors))
 
 
 def plot_fleet(rows: list[dict], path: str) -> None:

@@ -104,6 +104,7 @@ class Round:
     draft_ids: list[int]
     draft_probs: torch.Tensor | None
     chained: bool = False
+    on_exit: object = None  # callable(ExitResult): stream this round's early exits (the model's adapters)
 
 
 @dataclass
@@ -119,13 +120,14 @@ def verify_batch(rounds: list) -> list:
     forward pass (one model; at most one item per session): each session's result and commit are
     those of ``TargetSession.verify``/``ar_step`` on its own, up to float rounding in the logits
     (see the module docstring). An item that fails its own checks (state, draft distribution)
-    gets its exception in its place in the list, and the others go on. No early exits: a round
-    that streams exits runs alone."""
+    gets its exception in its place in the list, and the others go on. A round with ``on_exit``
+    gets its early exits from inside the shared pass (the adapters run on its batch row only),
+    shallowest first, as alone."""
     sessions = [r.session for r in rounds]
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("verify_batch: one item per session (a session's next step needs this one's result)")
     out: list = [None] * len(rounds)
-    live, starts, tokens = [], {}, {}
+    live, starts, tokens, exits = [], {}, {}, {}
     for i, (s, r) in enumerate(zip(sessions, rounds)):
         try:
             if isinstance(r, ArStep):
@@ -133,6 +135,8 @@ def verify_batch(rounds: list) -> list:
                 tokens[i] = s.seq.take_pending()
             else:
                 starts[i] = s.begin_round()
+                if r.on_exit is not None and s.lm.exits is not None:
+                    exits[i] = s.exit_verifier(r.draft_ids, r.draft_probs, starts[i], r.on_exit)
                 tokens[i] = s.seq.begin_target(r.draft_ids)
             live.append(i)
         except (ValueError, RuntimeError) as exc:
@@ -140,7 +144,9 @@ def verify_batch(rounds: list) -> list:
     fed_rows = [i for i in live if tokens[i]]
     fed = {}
     if fed_rows:  # (AR steps right after the prefill have nothing to feed)
-        fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows], [tokens[i] for i in fed_rows])))
+        with _exit_hooks(sessions, fed_rows, tokens, exits):
+            fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows],
+                                                [tokens[i] for i in fed_rows])))
     for i in live:
         s, r = sessions[i], rounds[i]
         try:
@@ -152,3 +158,21 @@ def verify_batch(rounds: list) -> list:
         except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
             out[i] = exc
     return out
+
+
+def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict):
+    """Early-exit hooks for the batch rows whose rounds stream exits (none: no hooks)."""
+    import contextlib
+    if not exits:
+        return contextlib.nullcontext()
+    from .exits import ExitHooks
+    lm = sessions[fed_rows[0]].lm
+    streaming = [i for i in fed_rows if i in exits]
+    hooks = ExitHooks(lm.model, lm.exits)
+    hooks.rows, hooks.select = None, [fed_rows.index(i) for i in streaming]
+
+    def callback(layer: int, logits: torch.Tensor) -> None:  # [len(streaming), longest, V]
+        for k, i in enumerate(streaming):
+            exits[i](layer, logits[k, :len(tokens[i])])  # the row's own tokens (pads come after)
+    hooks.callback = callback
+    return hooks

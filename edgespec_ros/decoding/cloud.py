@@ -215,19 +215,24 @@ class TargetSession:
         self.awaiting_edge_token = rejected
         return result, time.perf_counter() - t0
 
-    def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:
-        from .exits import ExitHooks, ExitResult
+    def exit_verifier(self, draft_ids: list[int], draft_probs: torch.Tensor | None, start_position: int, on_exit):
+        """For a round about to be fed (after ``begin_round``, before ``begin_target``): a function
+        (layer, exit logits [n, V] of the n tokens the round feeds) that verifies the draft at
+        that exit (Eq. 5: same rule, same keyed randomness, its own logits), records it in
+        ``last_exits`` and passes it to on_exit. Called from inside the forward pass, alone or
+        batched (``decoding.batch.verify_batch``)."""
+        from .exits import ExitResult
         settings = self.settings
+        ids = torch.tensor(draft_ids, dtype=torch.long)
         rows = len(draft_ids) + 1
         # Row 0 (the distribution at the first draft) was computed by the last forward when nothing
         # is pending: the prefill's last position, or the last row of a chained block accepted in full.
         first_rows = not self.seq.pending
 
-        def exit_verified(layer: int, exit_logits: torch.Tensor) -> None:
-            z = exit_logits[0]
+        def exit_verified(layer: int, fed: torch.Tensor) -> None:
+            z = fed[-(rows - 1):] if first_rows else fed[-rows:]
             if first_rows:
                 z = torch.cat([self._exit_last[layer].view(1, -1), z], dim=0)
-            z = z[-rows:]
             self._exit_last[layer] = z[-1]  # row 0 of a chained next block, if this one is accepted in full
             r = verify(ids, draft_probs, z, settings.params, seed=settings.seed,
                        start_position=start_position, mode=settings.verify_mode)
@@ -235,10 +240,14 @@ class TargetSession:
             res = ExitResult(layer, r.accepted, r.next_token, confidence)
             self.last_exits.append(res)
             on_exit(res)
+        return exit_verified
 
+    def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:
+        from .exits import ExitHooks
+        verified = self.exit_verifier(draft_ids, draft_probs, start_position, on_exit)
         with ExitHooks(self.lm.model, self.lm.exits) as hooks:
-            hooks.rows = rows - 1 if first_rows else rows
-            hooks.callback = exit_verified
+            hooks.rows = len(draft_ids) + 1  # at most the pending token(s)' last row and the drafts'
+            hooks.callback = lambda layer, logits: verified(layer, logits[0])
             return self.seq.target_logits(draft_ids)
 
     def ar_step(self) -> tuple[int, float]:

@@ -136,7 +136,9 @@ class ExitHooks:
     """Forward hooks that turn each exit layer's hidden states into exit logits mid-forward.
 
     ``rows`` picks which positions of the current forward to keep (the last ``rows`` ones, or
-    all with None); ``callback(layer, logits [batch, rows, V])`` runs inside the forward pass, in
+    all with None), ``select`` which batch rows (all with None; a batched verification computes
+    exits only for the sessions that stream them); ``callback(layer, logits [batch, rows, V])``
+    runs inside the forward pass, in
     layer order, so a verifier can verify and stream exit l while layers > l still compute. With
     ``train=True`` the adapters get gradients (the base forward may run under no_grad: its hidden
     states are detached, so each adapter's loss reaches that adapter only, as in Fig. 3).
@@ -146,6 +148,7 @@ class ExitHooks:
         self.exits = exits
         self.decoder, self.norm, self.head = text_stack(model)
         self.rows: int | None = 1
+        self.select: list[int] | None = None  # batch rows to compute exits for (None: all)
         self.train = train
         self.callback = None
         self._handles = []
@@ -165,6 +168,8 @@ class ExitHooks:
             if self.callback is None:
                 return
             hs = (output[0] if isinstance(output, tuple) else output).detach()
+            if self.select is not None:
+                hs = hs[self.select]
             if self.rows is not None:
                 hs = hs[:, -self.rows:]
             with torch.set_grad_enabled(self.train):

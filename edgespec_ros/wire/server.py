@@ -48,6 +48,17 @@ def on_device(fn, args: tuple, budget) -> Occupy:
     return Occupy(result, budget() - (time.perf_counter() - t0))
 
 
+@dataclass
+class _DeviceWork:
+    """One session's share of a batched pass: its Round or ArStep, the profile's time for the pass
+    (emulated compute), the extra time of its early exits (evaluated after the pass) and a
+    callback with the pass's start time (its exits are timed from it)."""
+    item: object
+    base_s: float
+    extra: object = None
+    on_start: object = None
+
+
 class SessionError(Exception):
     """Ends one session with an ERROR frame (code, message)."""
 
@@ -84,6 +95,10 @@ class ExitSender:
     def _rank(self, item):  # smaller is sent first
         at, order, res = item
         return (-res.confidence, order) if self.policy == "priority" else (order,)
+
+    def begin(self, started: float) -> None:
+        """The round's pass started (after any wait in the compute queue): exits are timed from here."""
+        self.started = started
 
     def push(self, res) -> None:
         """Called on the event loop for each exit computed by the target."""
@@ -535,14 +550,13 @@ class VerifierServer:
                     q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
                                     device=False)
                     # The profile's time is the accelerator's pass; decoding q is host work beside it.
-                    if on_exit is None:  # batched with the other sessions' rounds that are ready
-                        result = await self.fair.run_batched(
-                            conn.key, self._verify_batch_on_device,
-                            (Round(session, list(msg.draft_ids), q, chained), self.compute.verify_s), flow=conn.flow)
-                    else:  # early exits stream from hooks inside this session's own forward
-                        result, _ = await self._run(
-                            conn, on_device, session.verify, (msg.draft_ids, q, on_exit, chained),
-                            lambda: self.compute.verify_total_s(len(session.last_exits)))
+                    # Batched with the other sessions' rounds and AR steps that are ready; early
+                    # exits stream from hooks on this session's row of the shared pass.
+                    work = _DeviceWork(Round(session, list(msg.draft_ids), q, chained, on_exit), self.compute.verify_s)
+                    if on_exit is not None:
+                        work.extra = lambda: self.compute.verify_total_s(len(session.last_exits)) - self.compute.verify_s
+                        work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
+                    result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow)
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
                 waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
@@ -570,7 +584,8 @@ class VerifierServer:
                     started = time.perf_counter()
                     # Batched with the other sessions' AR steps and verification rounds that are ready.
                     token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
-                                                           (ArStep(session), self.compute.ar_step_s), flow=conn.flow)
+                                                           _DeviceWork(ArStep(session), self.compute.ar_step_s),
+                                                           flow=conn.flow)
                     elapsed = time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
                     last = token in eos or i == msg.max_new_tokens - 1
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
@@ -623,11 +638,16 @@ class VerifierServer:
     @staticmethod
     def _verify_batch_on_device(items: list) -> list:
         """On the compute thread: several sessions' rounds and AR steps in one pass (verify_batch),
-        then the emulated accelerator stays busy for the longest budget among them: a batch costs
-        one pass of the profile, not one per session."""
+        then the emulated accelerator stays busy for the longest base time among them plus every
+        early exit computed on the way: a batch costs one pass of the profile, not one per
+        session, but each session's exits cost their own LM-head evaluations."""
         t0 = time.perf_counter()
-        results = verify_batch([r for r, _budget in items])
-        return Occupy(results, max(budget for _r, budget in items) - (time.perf_counter() - t0))
+        for w in items:
+            if w.on_start is not None:
+                w.on_start(t0)
+        results = verify_batch([w.item for w in items])
+        budget = max(w.base_s for w in items) + sum(w.extra() for w in items if w.extra is not None)
+        return Occupy(results, budget - (time.perf_counter() - t0))
 
     @staticmethod
     def _check_decision(got: int, current: int | None) -> None:
