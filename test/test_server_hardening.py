@@ -782,3 +782,29 @@ def test_metrics_are_refused_to_non_loopback_peers(pair):
     FakeRequest.path = "/"
     assert server._http_request(FakeConnection(), FakeRequest()) is None  # the websocket handshake goes on
     server.fair.shutdown()
+
+
+def test_a_long_context_does_not_share_passes_with_short_ones():
+    """A tenant's long-context rounds run in their own passes: a padded batch costs its longest row
+    for every row, so they must not slow the robots they would ride with."""
+    fair = FairCompute("t", max_batch=8, batch_spread=2.0)
+    hold = threading.Event()
+    calls = []
+
+    def combine(items):
+        calls.append(sorted(items))
+        return list(items)
+    try:
+        async def main():
+            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+            await asyncio.sleep(0.05)
+            jobs = [asyncio.ensure_future(fair.run_batched(k, combine, k, cost=cost))
+                    for k, cost in [("robot1", 900), ("hostile", 8000), ("robot2", 1100), ("robot3", 1700)]]
+            await asyncio.sleep(0.05)
+            hold.set()
+            await blocker
+            return await asyncio.gather(*jobs)
+        assert asyncio.run(main()) == ["robot1", "hostile", "robot2", "robot3"]
+        assert calls == [["robot1", "robot2", "robot3"], ["hostile"]]
+    finally:
+        fair.shutdown()

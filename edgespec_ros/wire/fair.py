@@ -43,7 +43,8 @@ class Occupy:
 
 
 class _Job:
-    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch", "device")
+    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch", "device",
+                 "cost")
 
     def __init__(self, key, flow, fn, args, future, loop, order):
         self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
@@ -52,13 +53,18 @@ class _Job:
         self.steps = None  # a preemptible job: the generator fn returned, resumed one quantum at a time
         self.batch = False  # fn(items) -> results takes several sessions' items in one call
         self.device = False  # uses the model (the accelerator), not only the host CPU
+        self.cost = None  # a batchable job's size (its context length): only similar sizes share a pass
 
 
 class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
-    def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8):
+    def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8, batch_spread: float = 2.0):
         self.max_queued, self.max_batch = max_queued, max_batch
+        # Jobs share a pass only when their costs are within this factor of the first job's: a
+        # padded batch costs about max(cost) per row, so one session's long context (a tenant's
+        # 8k-token prompt) must not slow every robot it would ride with.
+        self.batch_spread = batch_spread
         self._cond = threading.Condition()
         self._queues: dict[object, deque[_Job]] = {}  # flow -> its queued jobs, oldest first
         self._vtime: dict[object, float] = {}  # virtual start time of each active flow
@@ -81,7 +87,7 @@ class FairCompute:
 
     # --- event-loop side -------------------------------------------------------------------
 
-    async def run(self, key, fn, *args, flow=None, device: bool = False, _batch: bool = False):
+    async def run(self, key, fn, *args, flow=None, device: bool = False, _batch: bool = False, _cost=None):
         """Run fn(*args) on the compute thread for session ``key`` (sharing ``flow``'s share; the
         session alone when None); SessionGone when the session was closed. ``device``: fn uses
         the model, so it waits while an emulated accelerator is busy (fn may return Occupy)."""
@@ -97,18 +103,19 @@ class FairCompute:
                 self._queues[flow] = deque()
                 self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
             job = _Job(key, flow, fn, args, future, loop, next(self._order))
-            job.batch, job.device = _batch, device
+            job.batch, job.device, job.cost = _batch, device, _cost
             self._queues[flow].append(job)
             self._queued += 1
             self._cond.notify()
         return await future
 
-    async def run_batched(self, key, fn, item, flow=None):
+    async def run_batched(self, key, fn, item, flow=None, cost: float | None = None):
         """Like run(key, fn, [item]), but fn(items) -> results takes the items of several sessions
         at once: when the job comes up, the same fn's queued jobs of other sessions (the head job
-        of each session, in fair order, up to max_batch) ride along in the same call. A result that
-        is an Exception is raised to its own session only."""
-        result = await self.run(key, fn, item, flow=flow, device=True, _batch=True)
+        of each session, in fair order, up to max_batch, whose ``cost`` is within batch_spread of
+        this job's) ride along in the same call. A result that is an Exception is raised to its
+        own session only."""
+        result = await self.run(key, fn, item, flow=flow, device=True, _batch=True, _cost=cost)
         if isinstance(result, BaseException):
             raise result
         return result
@@ -205,7 +212,7 @@ class FairCompute:
                 if job.key in seen:
                     continue
                 seen.add(job.key)  # only a session's head job may join
-                if job.batch and job.fn == first.fn and not job.future.cancelled():
+                if job.batch and job.fn == first.fn and not job.future.cancelled() and self._similar(first, job):
                     queue.remove(job)
                     self._queued -= 1
                     batch.append(job)
@@ -213,6 +220,12 @@ class FairCompute:
             if not queue:
                 del self._queues[flow]
         return batch
+
+    def _similar(self, first: _Job, job: _Job) -> bool:
+        if first.cost is None or job.cost is None:
+            return True
+        low, high = sorted((max(first.cost, 1), max(job.cost, 1)))
+        return high <= self.batch_spread * low
 
     def _run_batch(self, first: _Job) -> None:
         with self._cond:

@@ -556,7 +556,8 @@ class VerifierServer:
                     if on_exit is not None:
                         work.extra = lambda: self.compute.verify_total_s(len(session.last_exits)) - self.compute.verify_s
                         work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
-                    result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow)
+                    result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow,
+                                                         cost=session.seq.fed + len(msg.draft_ids))
                 except (CodecError, DraftDistributionError) as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
                 waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
@@ -585,7 +586,7 @@ class VerifierServer:
                     # Batched with the other sessions' AR steps and verification rounds that are ready.
                     token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
                                                            _DeviceWork(ArStep(session), self.compute.ar_step_s),
-                                                           flow=conn.flow)
+                                                           flow=conn.flow, cost=session.seq.fed + 1)
                     elapsed = time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
                     last = token in eos or i == msg.max_new_tokens - 1
                     await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
