@@ -294,7 +294,7 @@ def plot_fleet(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     compute = rows[0]["compute"] if rows else "native"
-    fig.suptitle(f"One verifier, N robots (replayed drafts; compute {compute}"
+    fig.suptitle(f"Verifying for N robots (replayed drafts; compute {compute}"
                  f"{', emulated' if compute != 'native' else ''})", fontsize=10)
     fig.tight_layout()
     _save(fig, path)
