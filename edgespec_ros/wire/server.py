@@ -812,7 +812,7 @@ class ServerThread:
         ready = threading.Event()
 
         def run():
-            self._loop = asyncio.new_event_loop()
+            loop = self._loop = asyncio.new_event_loop()
             self._stop = asyncio.Event()
             started = asyncio.Event()
 
@@ -829,9 +829,9 @@ class ServerThread:
                 await task
 
             try:
-                self._loop.run_until_complete(main())
+                loop.run_until_complete(main())
             finally:
-                self._loop.close()
+                loop.close()  # the local: start() may already have dropped self._loop
 
         self._thread = threading.Thread(target=run, name="verifier", daemon=True)
         self._thread.start()
