@@ -30,7 +30,7 @@ PACKAGE = "edgespec_ros"
 ROLE_ARGS = {
     "camera": {"source": "camera_source", "image_topic": "image_topic"},
     "drafter": {"server_url": "server_url", "token_file": "token_file", "tls_ca_file": "tls_ca_file", "mode": "mode",
-                "model_path": "model_path", "image_topic": "image_topic"},
+                "model_path": "model_path", "device": "device", "dtype": "dtype", "image_topic": "image_topic"},
     "navigator": {"backend": "backend"},
     "monitor": {"image_topic": "image_topic"},
 }
@@ -42,6 +42,8 @@ ARGUMENTS = [
     ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
               "a verifier without early exits)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),
+    ("device", "auto", "draft model device: auto | cpu | cuda | cuda:N"),
+    ("dtype", "auto", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16"),
     ("image_topic", "camera/image_raw", "camera topic (go2_ros2_sdk publishes camera/image_raw)"),
     ("use_camera_node", "false", "start the camera node (OpenCV/GStreamer source) instead of using an existing topic"),
     ("camera_source", "0", "camera node source: device index, video file or GStreamer pipeline"),

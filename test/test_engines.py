@@ -302,8 +302,11 @@ def test_saved_vlm_loads_back_with_identical_logits(tmp_path, vlm_target, tokeni
     inputs = build_inputs(tokenizer, INSTRUCTION, image, image_processor)
     reloaded = build_inputs(loaded.tokenizer, INSTRUCTION, image, loaded.image_processor)
     assert torch.equal(inputs.input_ids, reloaded.input_ids)
-    assert torch.equal(inputs.pixel_values, reloaded.pixel_values)
-    assert torch.equal(vlm_target.new_sequence().prefill(inputs), loaded.new_sequence().prefill(reloaded))
+    # Where torchvision exists the reloaded processor is its backend (a Qwen2VLProcessor's), whose
+    # normalisation rounds differently from the PIL one's by ~1e-7; here both are PIL and equal.
+    torch.testing.assert_close(inputs.pixel_values, reloaded.pixel_values, rtol=0, atol=1e-6)
+    torch.testing.assert_close(vlm_target.new_sequence().prefill(inputs), loaded.new_sequence().prefill(reloaded),
+                               rtol=0, atol=1e-4)
 
 
 def test_saved_causal_lm_loads_back_with_identical_logits(tmp_path, causal_target, tokenizer):

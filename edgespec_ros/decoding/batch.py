@@ -66,20 +66,21 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
             vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
         stacked.append((torch.cat(ks), torch.cat(vs)))
     cache = _new_cache(lm.model, stacked)
-    ids = torch.zeros(b, new, dtype=torch.long)
-    mask = torch.zeros(b, past + new, dtype=torch.long)
+    device = lm.device
+    ids = torch.zeros(b, new, dtype=torch.long, device=device)
+    mask = torch.zeros(b, past + new, dtype=torch.long, device=device)
     rows = []
     for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
         n = counts[i]
-        ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
+        ids[i, :n] = torch.tensor(tokens, dtype=torch.long, device=device)
         mask[i, past - lengths[i]:past + n] = 1
-        pos = torch.arange(s.fed, s.fed + new) + s.rope_delta  # pads: positions past the row's end (masked)
+        pos = torch.arange(s.fed, s.fed + new, device=device) + s.rope_delta  # pads: positions past the row's end (masked)
         rows.append(pos)
     pos = torch.stack(rows)  # [B, new]
     position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
     out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                    use_cache=True)
-    logits = out.logits.float()
+    logits = out.logits.float().cpu()
     merged = _layers(cache)
     results = []
     for i, (s, tokens) in enumerate(zip(seqs, token_lists)):

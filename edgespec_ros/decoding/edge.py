@@ -34,7 +34,7 @@ from .cloud import Prompt, VerifySettings
 from .compute import ComputeProfile, EdgeDevice
 from .draft_length import AutoGamma
 from .engines import LoadedModel, eos_token_ids
-from .inputs import PromptInputs, build_inputs, encode_jpeg
+from .inputs import PromptInputs, build_inputs, encode_jpeg, prepare_image
 from .metrics import DecisionMetrics
 from .sampling import SamplingParams
 from .verifier import Block, Condition, Verifier, VerifyReply
@@ -622,6 +622,8 @@ class EdgeDecoder:
         self.verifier = verifier
         self.tokenizer = tokenizer or (draft.tokenizer if draft else None)
         self.image_processor = image_processor or (draft.image_processor if draft else None)
+        # Qwen2VLProcessor where it could be built (torchvision present), for the draft's own image processor
+        self.processor = draft.processor if draft is not None and image_processor is None else None
         if self.tokenizer is None:
             raise ValueError("EdgeDecoder needs a tokenizer (from the draft model or given)")
         self.eos_ids = draft.eos_token_ids if draft else eos_token_ids(self.tokenizer)
@@ -665,9 +667,13 @@ class EdgeDecoder:
         return strategy
 
     def make_prompt(self, instruction: str, image=None) -> tuple[Prompt, PromptInputs]:
-        """Encode the frame as JPEG once; both sides see the decoded JPEG, so they agree."""
+        """Resize the frame to the drafter's pixel bounds (``inputs.limit_pixels``), then encode it
+        as JPEG once: both sides see the same decoded JPEG at the same size, so they agree on the
+        image tokens (and a 1280x720 camera frame crosses the uplink at the size the models read)."""
+        if image is not None and self.image_processor is not None:
+            image = prepare_image(image, self.image_processor)
         jpeg = encode_jpeg(image) if image is not None else None
-        inputs = build_inputs(self.tokenizer, instruction, jpeg, self.image_processor)
+        inputs = build_inputs(self.tokenizer, instruction, jpeg, self.image_processor, processor=self.processor)
         return Prompt(instruction, jpeg, inputs.input_ids[0].tolist()), inputs
 
     def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None) -> Decision:

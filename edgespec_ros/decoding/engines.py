@@ -36,11 +36,17 @@ class LoadedModel:
     path: str
     is_vlm: bool
     exits: object = None  # decoding.exits.EarlyExits on a target serving FSD, else None
+    processor: object = None  # Qwen2VLProcessor where torchvision lets it be built (inputs.ecosystem_processor)
 
     @property
     def num_layers(self) -> int:
         from .exits import text_stack
         return len(text_stack(self.model)[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are: inputs are made there; logits come back on the CPU."""
+        return next(self.model.parameters()).device
 
     @property
     def vocab_size(self) -> int:
@@ -94,14 +100,83 @@ def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
     return hashlib.sha256(blob + str(vocab_size).encode()).hexdigest()[:32]
 
 
-def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """Load a Qwen2-VL or causal LM (with tokenizer and, for VLMs, image processor) from a local dir."""
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+QUANTIZATIONS = ("none", "int8", "nf4")  # bitsandbytes weight quantization (CUDA only)
+
+
+def resolve_dtype(dtype, device: torch.device | None = None) -> torch.dtype:
+    """A torch dtype from a name (float32/fp32, bfloat16/bf16, float16/fp16, or auto: bfloat16 on
+    cuda, float32 elsewhere) or a dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype).lower() == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(DTYPES) + ['auto']}") from None
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device to load onto: cpu, cuda, cuda:N, or auto (cuda when there is one, else
+    cpu). ModelLoadError names the fix when the device is not there."""
+    name = (device or "cpu").strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ModelLoadError(f"device {device!r} is not a torch device: use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available (torch {torch.__version__}, "
+                                 f"{build}): on a Jetson install NVIDIA's JetPack torch wheel, or set device "
+                                 "to cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type not in ("cpu", "mps"):
+        raise ModelLoadError(f"device {device!r}: only cpu, cuda and mps are supported")
+    return dev
+
+
+def _quantization_config(quantization: str, dev: torch.device, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for int8 / nf4 weights, or None; ModelLoadError names what is missing."""
+    if quantization in (None, "", "none"):
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
+    if dev.type != "cuda":
+        raise ModelLoadError(f"quantization {quantization!r} needs a CUDA device (bitsandbytes), not {dev.type}: "
+                             "set device to cuda, or quantization to none")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ModelLoadError(f"quantization {quantization!r} needs bitsandbytes: pip install 'bitsandbytes>=0.45' "
+                             "(it ships aarch64 CUDA wheels for the Jetson)") from None
+    from transformers import BitsAndBytesConfig
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def load_model(path: str, *, dtype="float32", device: str = "cpu", quantization: str = "none",
+               min_pixels: int = 0, max_pixels: int = 0) -> LoadedModel:
+    """Load a Qwen2-VL or causal LM (with tokenizer and, for VLMs, image processor) from a local dir,
+    in ``dtype`` on ``device`` (``resolve_device``), optionally with int8/nf4 weights; a VLM's
+    image processor is limited to [min_pixels, max_pixels] (0 = the model's own, see
+    ``inputs.limit_pixels``). Every failure is a ModelLoadError naming the path or option."""
     if not path or not os.path.isdir(path):
         raise ModelLoadError(f"model path {path!r} is not a directory: give a local model directory "
                              "(config.json, weights, tokenizer), e.g. the committed defaults or Qwen2-VL-2B-Instruct")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ModelLoadError(f"{path!r} has no config.json: not a HuggingFace model directory")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    quant = _quantization_config(quantization, dev, torch_dtype)
+    place = {"quantization_config": quant, "device_map": {"": dev}} if quant is not None else {}
     try:
         with open(cfg_file) as f:
             model_type = json.load(f).get("model_type", "")
@@ -109,18 +184,30 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if model_type == "qwen2_vl":
             from transformers import Qwen2VLForConditionalGeneration
-            model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True)
-            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+            model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
+                                                                    **place)
+            from .inputs import ecosystem_processor
+            processor = ecosystem_processor(path)
+            image_processor = processor.image_processor if processor is not None else \
+                AutoImageProcessor.from_pretrained(path, local_files_only=True)
             is_vlm = True
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-            image_processor, is_vlm = None, False
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **place)
+            image_processor, processor, is_vlm = None, None, False
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot load model from {path!r}: {type(exc).__name__}: {exc}") from exc
-    model.to(device).eval()
-    return LoadedModel(model, tokenizer, image_processor, path, is_vlm)
+    if image_processor is not None and (min_pixels or max_pixels):
+        from .inputs import limit_pixels
+        try:
+            limit_pixels(image_processor, min_pixels, max_pixels)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+    if quant is None:
+        model.to(dev)
+    model.eval()
+    return LoadedModel(model, tokenizer, image_processor, path, is_vlm, processor=processor)
 
 
 def wrap_model(model: torch.nn.Module, tokenizer=None, image_processor=None, path: str = "<memory>") -> LoadedModel:
@@ -169,7 +256,7 @@ class Sequence:
     fed_tokens: list[int] = field(default_factory=list)  # tokens in the KV cache after the prompt (drafts too)
 
     def _positions(self, n: int) -> torch.Tensor:
-        pos = torch.arange(self.fed, self.fed + n) + self.rope_delta
+        pos = torch.arange(self.fed, self.fed + n, device=self.lm.device) + self.rope_delta
         if self.lm.is_vlm:
             return pos.view(1, 1, n).expand(3, 1, n)
         return pos.view(1, n)
@@ -187,6 +274,8 @@ class Sequence:
         logits [V]."""
         from transformers import DynamicCache
         model = self.lm.model
+        device = self.lm.device
+        inputs = inputs.to(device)
         self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
         self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = 0, 0, [], [], []
         kwargs = inputs.model_kwargs()
@@ -209,14 +298,14 @@ class Sequence:
             if i:
                 yield
             with torch.inference_mode():
-                piece = {"input_ids": inputs.input_ids[:, a:b], "attention_mask": torch.ones(1, b, dtype=torch.long)}
+                piece = {"input_ids": inputs.input_ids[:, a:b], "attention_mask": torch.ones(1, b, dtype=torch.long, device=device)}
                 if image is not None and a <= image[0] < b:
                     piece.update(pixel_values=kwargs["pixel_values"], image_grid_thw=kwargs["image_grid_thw"],
                                  mm_token_type_ids=kwargs["mm_token_type_ids"][:, a:b])
                 out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
                             use_cache=True)
                 self.fed = b
-        self.last_logits = out.logits[0, -1].float()
+        self.last_logits = out.logits[0, -1].float().cpu()
         return self.last_logits
 
     @torch.inference_mode()
@@ -225,12 +314,13 @@ class Sequence:
         if self.cache is None:
             raise RuntimeError("feed() before prefill()")
         n = len(token_ids)
-        ids = torch.tensor([token_ids], dtype=torch.long)
-        out = self.lm.model(input_ids=ids, attention_mask=torch.ones(1, self.fed + n, dtype=torch.long),
+        device = self.lm.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        out = self.lm.model(input_ids=ids, attention_mask=torch.ones(1, self.fed + n, dtype=torch.long, device=device),
                             position_ids=self._positions(n), past_key_values=self.cache, use_cache=True)
         self.fed += n
         self.fed_tokens.extend(int(t) for t in token_ids)
-        logits = out.logits[0].float()
+        logits = out.logits[0].float().cpu()
         self.last_logits = logits[-1]
         return logits
 

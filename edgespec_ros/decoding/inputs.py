@@ -20,6 +20,8 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
+DEFAULT_MIN_PIXELS = 4 * 28 * 28
+DEFAULT_MAX_PIXELS = 16384 * 28 * 28  # Qwen2-VL's own: a 1280x720 frame is ~1,200 image tokens
 
 
 @dataclass
@@ -36,6 +38,12 @@ class PromptInputs:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def to(self, device) -> "PromptInputs":
+        """The same prompt with every tensor on ``device`` (the model's)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PromptInputs(move(self.input_ids), move(self.attention_mask), move(self.pixel_values),
+                            move(self.image_grid_thw), move(self.mm_token_type_ids))
+
     def model_kwargs(self) -> dict:
         kw = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         if self.pixel_values is not None:
@@ -44,8 +52,8 @@ class PromptInputs:
         return kw
 
 
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 4 * 28 * 28,
-                 max_pixels: int = 16384 * 28 * 28) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = DEFAULT_MIN_PIXELS,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """(h, w) rounded to multiples of factor with min_pixels <= h * w <= max_pixels, aspect kept
     (the rule of qwen_vl_utils and the Qwen2-VL image processor)."""
     if max(height, width) / min(height, width) > 200:
@@ -85,20 +93,58 @@ def encode_jpeg(image, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
+def _size_get(size, key):
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+
+def pixel_bounds(image_processor) -> tuple[int, int]:
+    """(min_pixels, max_pixels) an image is resized into (the processor's ``size``: a dict in
+    transformers 4.x, a SizeDict in 5.x; the ``min_pixels``/``max_pixels`` attributes of older
+    releases as the fallback)."""
+    size = getattr(image_processor, "size", None)
+    lo = _size_get(size, "shortest_edge") or getattr(image_processor, "min_pixels", None) or DEFAULT_MIN_PIXELS
+    hi = _size_get(size, "longest_edge") or getattr(image_processor, "max_pixels", None) or DEFAULT_MAX_PIXELS
+    return int(lo), int(hi)
+
+
+def limit_pixels(image_processor, min_pixels: int = 0, max_pixels: int = 0) -> tuple[int, int]:
+    """Tighten the processor's pixel bounds (Qwen2-VL's own ``min_pixels``/``max_pixels``
+    options): at most ``max_pixels`` and at least ``min_pixels``, never beyond the model's own
+    range (0 keeps the model's value). Returns the bounds now in force; ValueError if empty."""
+    if min_pixels < 0 or max_pixels < 0:
+        raise ValueError(f"min_pixels/max_pixels must be >= 0 (0 = the model's own), got {min_pixels}/{max_pixels}")
+    own_lo, own_hi = pixel_bounds(image_processor)
+    lo = max(own_lo, min_pixels)
+    hi = min(own_hi, max_pixels) if max_pixels else own_hi
+    factor = image_processor.patch_size * image_processor.merge_size
+    if hi < factor * factor:
+        raise ValueError(f"max_pixels {max_pixels} is below one merged image token ({factor}x{factor} = "
+                         f"{factor * factor} pixels)")
+    if lo > hi:
+        raise ValueError(f"min_pixels {lo} > max_pixels {hi} (the model allows {own_lo}..{own_hi})")
+    size = getattr(image_processor, "size", None)
+    if isinstance(size, dict):
+        size["shortest_edge"], size["longest_edge"] = lo, hi
+    elif size is not None:
+        size.shortest_edge, size.longest_edge = lo, hi
+    for attr, value in (("min_pixels", lo), ("max_pixels", hi)):
+        if getattr(image_processor, attr, None) is not None:
+            setattr(image_processor, attr, value)
+    return lo, hi
+
+
+def image_tokens(height: int, width: int, image_processor) -> int:
+    """How many image tokens a height x width frame becomes under the processor's bounds."""
+    factor = image_processor.patch_size * image_processor.merge_size
+    h, w = smart_resize(height, width, factor, *pixel_bounds(image_processor))
+    return (h // factor) * (w // factor)
+
+
 def prepare_image(image, image_processor) -> Image.Image:
     """Resize like qwen_vl_utils.fetch_image so the processor's own resize is a no-op."""
     pil = to_pil(image)
     factor = image_processor.patch_size * image_processor.merge_size
-    size = getattr(image_processor, "size", None)
-
-    def size_field(key):  # a dict in transformers 4.x, a SizeDict in 5.x
-        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
-        return value if value is not None else getattr(image_processor, {"shortest_edge": "min_pixels",
-                                                                         "longest_edge": "max_pixels"}[key], None)
-
-    min_pixels = size_field("shortest_edge") or 4 * 28 * 28
-    max_pixels = size_field("longest_edge") or 16384 * 28 * 28
-    h, w = smart_resize(pil.height, pil.width, factor, min_pixels, max_pixels)
+    h, w = smart_resize(pil.height, pil.width, factor, *pixel_bounds(image_processor))
     if (h, w) != (pil.height, pil.width):
         pil = pil.resize((w, h), Image.BICUBIC)
     return pil
@@ -120,12 +166,48 @@ def chat_prompt(instruction: str, has_image: bool, system: str | None = DEFAULT_
     return "".join(parts)
 
 
-def build_inputs(tokenizer, instruction: str, image=None, image_processor=None,
-                 system: str | None = DEFAULT_SYSTEM) -> PromptInputs:
-    """Tokenized chat prompt (+ image tensors) for one instruction and optional image.
+def ecosystem_processor(path: str):
+    """Qwen2-VL's own ``Qwen2VLProcessor`` for the model at ``path`` when it can be built (it needs
+    torchvision, as on a Jetson or a GPU server, and qwen_vl_utils), else None: then
+    ``build_inputs`` builds the same tensors itself (``test_deploy_drafter`` checks they agree)."""
+    try:
+        import qwen_vl_utils  # noqa: F401 - its process_vision_info prepares the images
+        import torchvision  # noqa: F401
+        from transformers import AutoProcessor
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any missing piece: the project's own path
+        return None
+    # Without a video processor AutoProcessor silently returns the bare tokenizer.
+    return processor if hasattr(processor, "image_processor") else None
 
-    Equal to Qwen2VLProcessor(text=chat_prompt(...), images=[prepared image]) output.
+
+def processor_inputs(processor, instruction: str, image=None, system: str | None = DEFAULT_SYSTEM) -> PromptInputs:
+    """The prompt as the ecosystem builds it: chat messages, ``qwen_vl_utils.process_vision_info``
+    at the processor's pixel bounds, then the ``Qwen2VLProcessor``."""
+    from qwen_vl_utils import process_vision_info
+    content = [{"type": "text", "text": instruction}]
+    if image is not None:
+        lo, hi = pixel_bounds(processor.image_processor)
+        content.append({"type": "image", "image": to_pil(image), "min_pixels": lo, "max_pixels": hi})
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    images, _ = process_vision_info(messages)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = processor(text=[text], images=images, return_tensors="pt")
+    inputs = PromptInputs(out["input_ids"].long(), out["attention_mask"].long())
+    if image is not None:
+        inputs.pixel_values, inputs.image_grid_thw = out["pixel_values"], out["image_grid_thw"]
+        inputs.mm_token_type_ids = out["mm_token_type_ids"].long()
+    return inputs
+
+
+def build_inputs(tokenizer, instruction: str, image=None, image_processor=None,
+                 system: str | None = DEFAULT_SYSTEM, processor=None) -> PromptInputs:
+    """Tokenized chat prompt (+ image tensors) for one instruction and optional image: through
+    ``processor`` (``ecosystem_processor``) when given, else built here, equal to
+    Qwen2VLProcessor(text=chat_prompt(...), images=[prepared image]).
     """
+    if processor is not None:
+        return processor_inputs(processor, instruction, image, system)
     text = chat_prompt(instruction, image is not None, system)
     pixel_values = grid = None
     if image is not None:

@@ -86,8 +86,9 @@ class DrafterNode(LifecycleNode):
         except Exception as exc:  # noqa: BLE001 - any failure fails the transition, loudly
             self._free_model()
             return self._fail("configure", exc)
-        self.get_logger().info(f"configured: draft model {self.draft_lm.path}, verifier {self.p['server_url']}, "
-                               f"mode {self.settings.mode}")
+        lm = self.draft_lm
+        self.get_logger().info(f"configured: draft model {lm.path} on {lm.device} ({lm.model.dtype}), "
+                               f"verifier {self.p['server_url']}, mode {self.settings.mode}")
         return super().on_configure(state)
 
     def on_activate(self, state) -> TransitionCallbackReturn:
@@ -166,8 +167,10 @@ class DrafterNode(LifecycleNode):
     def _load_model(self) -> None:
         from ..models import default_model_path
         from ..decoding.engines import load_model
-        path = self.p["model_path"] or default_model_path("draft")
-        self.draft_lm = load_model(path)
+        p = self.p
+        path = p["model_path"] or default_model_path("draft")
+        self.draft_lm = load_model(path, dtype=p["dtype"], device=p["device"], quantization=p["quantization"],
+                                   min_pixels=p["min_pixels"], max_pixels=p["max_pixels"])
 
     def _free_model(self) -> None:
         if self.core is not None and getattr(self.core.decoder, "verifier", None) is not None:

@@ -47,6 +47,18 @@ CAMERA = (
 
 DRAFTER = (
     P("model_path", "", "local directory of the draft VLM; '' = the embedded default draft model"),
+    P("device", "auto", "torch device of the draft model: auto (cuda when there is one, else cpu), cpu, cuda, "
+                        "cuda:N; configure fails with the reason when the device is not there"),
+    P("dtype", "auto", "draft model weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16",
+      choices=("auto", "float32", "bfloat16", "float16")),
+    P("quantization", "none", "int8 or nf4 (4-bit) draft weights through bitsandbytes (cuda only): less memory "
+                              "and bandwidth on the Orin for some acceptance; none = dtype weights",
+      choices=("none", "int8", "nf4")),
+    P("max_pixels", 200704, "camera frames are resized to at most this many pixels before both models read "
+                            "them (and before the uplink JPEG): 200704 = 448x448, at most 256 image tokens (a "
+                            "1280x720 frame at 588x336: 252 tokens instead of ~1,200); the model's own limit "
+                            "if lower; 0 = the model's own", min_value=0),
+    P("min_pixels", 0, "frames are enlarged to at least this many pixels; 0 = the model's own", min_value=0),
     P("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier (edgespec-verifier)"),
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
     P("tls_ca_file", "", "wss:// server_url: PEM file of the CA (or the self-signed certificate) that signs the "

@@ -25,7 +25,7 @@ from typing import Sequence
 from ..codecs import CodecError, get_codec
 from ..decoding.batch import ArStep, Round, verify_batch
 from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
-from ..decoding.engines import LoadedModel, ModelLoadError, load_model
+from ..decoding.engines import QUANTIZATIONS, LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
 from ..decoding.verify import MODES, DraftDistributionError
@@ -919,9 +919,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
     ap.add_argument("--compute", default="native", choices=["native", "go2-paper"],
                     help="pad target compute to a hardware profile (go2-paper: 620 ms/verify, 354 ms/AR step)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="weights dtype (default float32)")
-    ap.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                    help="weights dtype (default float32; auto: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N or auto")
+    ap.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                    help="int8 / nf4 weights through bitsandbytes (cuda only; default none)")
     ap.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this many seconds")
     ap.add_argument("--exits", default="auto",
                     help="early-exit adapters for fsd: a directory (from `edgespec-train exits`), 'auto' (those in "
@@ -983,7 +985,6 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
     """The VerifierServer the options describe (model, exits, limits, auth, TLS); SystemExit with
     a clear message when they are wrong. ``tokens``: already read (a Ray replica gets them from
     the driver, the token file may not exist on its node)."""
-    import torch
     from ..models import default_model_path
     path = args.model or default_model_path("target")
     tokens = read_token_file(args.token_file) if tokens is None else tokens
@@ -994,7 +995,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
         raise SystemExit(f"edgespec-verifier: {exc}") from None
     check_auth_options(args, tokens)
     try:
-        lm = load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
+        lm = load_model(path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     except ModelLoadError as exc:
         raise SystemExit(f"edgespec-verifier: {exc}") from None
     from ..decoding.exits import ExitLoadError, attach_exits
