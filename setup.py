@@ -14,19 +14,24 @@ setup(
     package_data={"edgespec_ros": ["models/**/*", "sim/scenarios/*.json"]},
     include_package_data=True,
     python_requires=">=3.10",
+    # Lower bounds: the oldest releases the ROS-free tests were run with (transformers 5.0.0,
+    # websockets 13.0, numpy 1.26.4, scipy 1.11.4, pillow 10.0.0, safetensors 0.4.3, tqdm 4.66.1);
+    # requirements/robot.txt says the same for the robot.
     install_requires=[
-        "torch>=2.1",
-        "transformers>=4.49,<6",
-        "tokenizers",
+        "torch>=2.2",
+        "transformers>=5.0,<6",  # the 5.x Qwen2-VL API (mm_token_type_ids)
+        "tokenizers>=0.22",
         "websockets>=13",
-        "numpy",
-        "scipy",
-        "safetensors",
-        "pillow",
-        "tqdm",
+        "numpy>=1.26",
+        "scipy>=1.11",
+        "safetensors>=0.4.3",
+        "pillow>=10.0",
+        "tqdm>=4.66",
     ],
     extras_require={
-        "robot": ["opencv-python-headless", "matplotlib"],
+        "robot": ["opencv-python-headless>=4.8", "matplotlib>=3.7", "qwen-vl-utils>=0.0.14"],
+        # int8 / nf4 weights (--quantization, the drafter's quantization parameter); CUDA only
+        "quant": ["bitsandbytes>=0.45"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],
         # edgespec-verifier --replicas N: the verifier scaled out on Ray Serve
         "fleet": ["ray[serve]>=2.60,<3"],

@@ -192,6 +192,38 @@ class Action:
         return self.text
 
 
+# VerifiedAction.kind: the index here is the message's KIND_* constant (a test keeps them in step).
+ACTION_KIND_CODES = ("none", "stop", "move", "turn")
+
+
+def action_from_fields(kind: str, direction: str = "", size: str = "", distance_m: float = 0.0,
+                       angle_rad: float = 0.0, config: ActionConfig = DEFAULT_ACTION_CONFIG) -> Action:
+    """The Action a decision message's parsed fields describe, checked as strictly as text:
+    ActionParseError names what is wrong (unknown kind, a direction that does not go with it, a
+    magnitude that is not finite, not positive or over the config's limit, a size that is not
+    small/medium/large). The magnitude is the sender's: a size only names it."""
+    if kind not in ACTION_KINDS:
+        raise ActionParseError(f"no action (kind {kind!r})" if kind in ("", "none") else f"unknown action kind {kind!r}")
+    if size and size not in SIZES:
+        raise ActionParseError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
+    distance_m, angle_rad = float(distance_m), float(angle_rad)
+    if kind == "stop":
+        if direction or size or distance_m or angle_rad:
+            raise ActionParseError("a stop has no direction, size, distance or angle")
+        return Action.stop()
+    if kind == "move":
+        if direction != "forward" or angle_rad:
+            raise ActionParseError(f"a move goes forward with no angle, got direction {direction!r} angle {angle_rad!r}")
+        _check_magnitude(distance_m, "m", config.max_move_m, "max_move_m", "distance")
+        return Action("move", "forward", size or None, distance_m, 0.0)
+    if direction not in TURN_DIRECTIONS or distance_m:
+        raise ActionParseError(f"a turn goes left or right with no distance, got direction {direction!r}")
+    _check_magnitude(math.degrees(abs(angle_rad)), "degrees", config.max_turn_deg, "max_turn_deg", "angle")
+    if (angle_rad > 0) != (direction == "left"):
+        raise ActionParseError(f"turn {direction} with angle {angle_rad!r}: left turns are positive (CCW)")
+    return Action("turn", direction, size or None, 0.0, angle_rad)
+
+
 def format_action(action: Action) -> str:
     """The canonical text of ``action``; ``parse_action(format_action(a)).text == a.text``."""
     return action.text

@@ -31,8 +31,8 @@ from typing import Callable
 
 import numpy as np
 
-from .actions import ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
-from .motion import BLOCKED_BY_CONTACT
+from .actions import Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
+from .motion import BLOCKED_CONTACT, NO_OUTCOME
 from .decoding.edge import DECODING_MODES, DecodeConfig
 from .decoding.metrics import DecisionMetrics, RunSummary
 from .decoding.sampling import SamplingParams
@@ -62,6 +62,7 @@ class DecisionOutcome:
     frame_id: str = ""
     text: str = ""
     action: str = ""              # canonical action text; "" when unparseable
+    parsed_action: Action | None = None  # the action the text parsed to (what the message's fields carry)
     reasoning: str = ""
     parsed: bool = False
     parse_error: str = ""
@@ -84,7 +85,8 @@ def outcome_from_text(text: str, *, instruction: str, stamp_ns: int, frame_id: s
     out = DecisionOutcome(instruction, stamp_ns, frame_id, text=text, mode=mode)
     try:
         out.reasoning, _ = split_reasoning_action(text)
-        out.action = parse_action(text, config).text
+        out.parsed_action = parse_action(text, config)
+        out.action = out.parsed_action.text
         out.parsed = True
     except ActionParseError as exc:
         out.parse_error = exc.reason
@@ -94,8 +96,8 @@ def outcome_from_text(text: str, *, instruction: str, stamp_ns: int, frame_id: s
 def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = "", frame_id: str = "",
                   text: str = "") -> DecisionOutcome:
     """A safety stop: action ``stop``, ``fault`` says why."""
-    return DecisionOutcome(instruction, stamp_ns, frame_id, text=text, action="stop", parsed=True,
-                           reasoning=fault, mode=mode, fault=fault)
+    return DecisionOutcome(instruction, stamp_ns, frame_id, text=text, action="stop", parsed_action=Action.stop(),
+                           parsed=True, reasoning=fault, mode=mode, fault=fault)
 
 
 @dataclass(frozen=True)
@@ -242,10 +244,10 @@ class DrafterCore:
             if self.frame is None or frame.stamp_ns >= self.frame.stamp_ns:
                 self.frame = frame
 
-    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, reason: str = "") -> None:
+    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, outcome: str = NO_OUTCOME) -> None:
         """The navigator reported ``state`` (idle|moving|estop|watchdog) for the decision whose
-        frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and why (``reason``: a
-        move given up as blocked by contact makes the next decision sample)."""
+        frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
+        (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample)."""
         with self._lock:
             if self.awaiting_motion_stamp is None or decision_stamp_ns != self.awaiting_motion_stamp:
                 return
@@ -253,7 +255,7 @@ class DrafterCore:
                 self.awaiting_motion_stamp = None
                 self.motion_idle_since_ns = state_stamp_ns
                 # pushing into something (not stale odometry: then the view may well have changed)
-                self.resample_next = reason.startswith(BLOCKED_BY_CONTACT)
+                self.resample_next = outcome == BLOCKED_CONTACT
 
     # ------------------------------------------------------------------ deciding
 

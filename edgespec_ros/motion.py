@@ -30,12 +30,18 @@ from typing import Any
 
 from .actions import Action
 
-# Why a closed-loop primitive was given up (MotionState.reason starts with one of these).
-BLOCKED_BY_CONTACT = "blocked: no progress on odometry"  # odometry fresh, robot not moving: pushing into something
-BLOCKED_NO_ODOMETRY = "blocked: no odometry"  # odometry stopped coming
+# Why a closed-loop primitive was given up, in words (MotionState.reason; programs read the outcome).
+BLOCKED_BY_CONTACT_REASON = "blocked: no progress on odometry"  # odometry fresh, robot not moving
+BLOCKED_NO_ODOMETRY_REASON = "blocked: no odometry"  # odometry stopped coming
 
 IDLE, MOVING, ESTOP, WATCHDOG = "idle", "moving", "estop", "watchdog"
 STATES = (IDLE, MOVING, ESTOP, WATCHDOG)
+
+# How a decision ended; the index is MotionState's OUTCOME_* constant (a test keeps them in step).
+OUTCOMES = ("none", "completed", "stopped", "blocked_contact", "blocked_no_odometry", "rejected", "stale",
+            "fault", "estop", "watchdog")
+(NO_OUTCOME, COMPLETED, STOPPED, BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, REJECTED, STALE, FAULT, ESTOPPED,
+ WATCHDOG_STOP) = OUTCOMES
 
 # unitree_ros2 sport API (unitree_api/msg/Request on /api/sport/request)
 SPORT_API_MOVE = 1008
@@ -177,6 +183,7 @@ class Snapshot:
     decision_id: Any
     progress: float
     closed_loop: bool
+    outcome: str = NO_OUTCOME   # one of OUTCOMES
 
 
 class MotionExecutor:
@@ -209,6 +216,7 @@ class MotionExecutor:
         self.zero_repeats = zero_repeats
         self.state = IDLE
         self.reason = "waiting for a decision"
+        self.outcome = NO_OUTCOME
         self.action: Action | None = None
         self.action_text = ""
         self.decision_id: Any = None
@@ -240,23 +248,25 @@ class MotionExecutor:
         return self._odom_s is not None and now_s - self._odom_s <= self.odom_timeout_s
 
     def on_decision(self, now_s: float, action: Action | None, *, decision_id: Any = None,
-                    reason: str = "") -> None:
-        """A new decision replaces the current primitive. ``action`` None means "do not move"
-        (unparseable, stale, fault): the robot stops and ``reason`` says why."""
+                    reason: str = "", refusal: str = REJECTED) -> None:
+        """A new decision replaces the current primitive. ``action`` None means "do not move": the
+        robot stops, ``reason`` says why and ``refusal`` (REJECTED, STALE or FAULT) is the outcome."""
+        if action is None and refusal not in (REJECTED, STALE, FAULT):
+            raise ValueError(f"refusal {refusal!r} is not one of {(REJECTED, STALE, FAULT)}")
         self._last_decision_s = now_s
         self.decision_id = decision_id
         if self.estop:
             self._halt(ESTOP, f"e-stop engaged; decision refused ({action.text if action else reason})",
-                       action.text if action else "")
+                       action.text if action else "", ESTOPPED)
             return
         if action is None:
-            self._halt(IDLE, reason or "no action", "")
+            self._halt(IDLE, reason or "no action", "", refusal)
             return
         if action.kind == "stop":
-            self._halt(IDLE, reason or "stop", "stop")
+            self._halt(IDLE, reason or "stop", "stop", STOPPED)
             return
         self.action, self.action_text = action, action.text
-        self.state, self.reason = MOVING, reason or "executing"
+        self.state, self.reason, self.outcome = MOVING, reason or "executing", NO_OUTCOME
         self._progress = 0.0
         self._best_progress, self._best_progress_s = 0.0, now_s
         self._closed_loop = self.odometry_fresh(now_s)
@@ -267,10 +277,10 @@ class MotionExecutor:
         """Engage (True) or release (False) the e-stop. Engaging stops at once."""
         if engaged and not self.estop:
             self.estop = True
-            self._halt(ESTOP, "e-stop engaged", self.action_text)
+            self._halt(ESTOP, "e-stop engaged", self.action_text, ESTOPPED)
         elif not engaged and self.estop:
             self.estop = False
-            self.state, self.reason = IDLE, "e-stop released"
+            self.state, self.reason, self.outcome = IDLE, "e-stop released", NO_OUTCOME
             # The watchdog restarts: no old decision may resume motion after a release.
             self._last_decision_s = now_s
 
@@ -283,12 +293,13 @@ class MotionExecutor:
         if self.state == MOVING:
             if now_s - self._last_decision_s > self.watchdog_timeout_s:
                 self._halt(WATCHDOG, f"no fresh decision for {self.watchdog_timeout_s:g} s; "
-                                     f"aborted {self.action_text}", self.action_text)
+                                     f"aborted {self.action_text}", self.action_text, WATCHDOG_STOP)
             else:
                 return self._step(now_s, dt)
         elif self.state == IDLE and self._last_decision_s is not None and self._zeros_due == 0 \
                 and now_s - self._last_decision_s > self.watchdog_timeout_s:
-            self._halt(WATCHDOG, f"no fresh decision for {self.watchdog_timeout_s:g} s", self.action_text)
+            self._halt(WATCHDOG, f"no fresh decision for {self.watchdog_timeout_s:g} s", self.action_text,
+                       WATCHDOG_STOP)
         if self._zeros_due > 0:
             self._zeros_due -= 1
             self._velocity = ZERO
@@ -298,8 +309,9 @@ class MotionExecutor:
     def snapshot(self) -> Snapshot:
         total = self._goal()
         progress = min(max(self._progress / total, 0.0), 1.0) if self.state == MOVING and total else \
-            (1.0 if self.reason == "completed" else 0.0)
-        return Snapshot(self.state, self.action_text, self.reason, self.decision_id, progress, self._closed_loop)
+            (1.0 if self.outcome == COMPLETED else 0.0)
+        return Snapshot(self.state, self.action_text, self.reason, self.decision_id, progress, self._closed_loop,
+                        self.outcome)
 
     # ------------------------------------------------------------------ internals
 
@@ -308,8 +320,8 @@ class MotionExecutor:
             return 0.0
         return self.action.distance_m if self.action.kind == "move" else abs(self.action.angle_rad)
 
-    def _halt(self, state: str, reason: str, action_text: str) -> None:
-        self.state, self.reason, self.action_text = state, reason, action_text
+    def _halt(self, state: str, reason: str, action_text: str, outcome: str) -> None:
+        self.state, self.reason, self.action_text, self.outcome = state, reason, action_text, outcome
         self.action = None  # _closed_loop keeps saying how the last primitive was tracked
         self._zeros_due = self.zero_repeats
 
@@ -326,8 +338,10 @@ class MotionExecutor:
                 self._best_progress, self._best_progress_s = self._progress, now_s
             elif now_s - self._best_progress_s > self.stall_timeout_s:
                 # pushing against something, or odometry stopped coming: either way, stop
-                why = BLOCKED_NO_ODOMETRY if not self.odometry_fresh(now_s) else BLOCKED_BY_CONTACT
-                self._halt(IDLE, f"{why} for {self.stall_timeout_s:g} s", action.text)
+                fresh = self.odometry_fresh(now_s)
+                why = BLOCKED_BY_CONTACT_REASON if fresh else BLOCKED_NO_ODOMETRY_REASON
+                self._halt(IDLE, f"{why} for {self.stall_timeout_s:g} s", action.text,
+                           BLOCKED_CONTACT if fresh else BLOCKED_NO_ODOMETRY)
                 self._zeros_due -= 1
                 self._velocity = ZERO
                 return ZERO
@@ -341,7 +355,7 @@ class MotionExecutor:
         tolerance = lim.position_tolerance_m if action.kind == "move" else lim.angle_tolerance_rad
         remaining = goal - estimate
         if remaining <= tolerance:
-            self._halt(IDLE, "completed", action.text)
+            self._halt(IDLE, "completed", action.text, COMPLETED)
             self._zeros_due -= 1
             self._velocity = ZERO
             return ZERO

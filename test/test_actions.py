@@ -182,3 +182,18 @@ def test_metric_turn_round_trip(direction, degrees):
     assert parsed.text == action.text
     assert parsed.angle_deg == pytest.approx(action.angle_deg, rel=1e-5)
     assert (parsed.angle_rad > 0) == (direction == "left")
+
+
+def test_fields_rebuild_the_parsed_action_and_are_checked_like_text():
+    from edgespec_ros.actions import action_from_fields
+    for text in ("move forward medium", "turn right large", "turn left 20 degrees", "move forward 0.75 m", "stop"):
+        a = parse_action(text)
+        assert action_from_fields(a.kind, a.direction or "", a.size or "", a.distance_m, a.angle_rad) == a
+    bad = [(("dance",), "unknown action kind"), (("none",), "no action"),
+           (("move", "left", "", 0.5), "a move goes forward"), (("move", "forward", "", 3.0), "exceeds the limit"),
+           (("move", "forward", "", float("nan")), "not a finite number"), (("move", "forward", "", 0.0), "positive"),
+           (("turn", "left", "", 0.0, -0.5), "left turns are positive"), (("turn", "up", "", 0.0, 0.5), "left or right"),
+           (("turn", "left", "huge", 0.0, 0.5), "unknown size"), (("stop", "forward"), "a stop has no")]
+    for args, message in bad:
+        with pytest.raises(ActionParseError, match=message):
+            action_from_fields(*args)

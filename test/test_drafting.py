@@ -8,6 +8,7 @@ from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame, outcome_f
 from edgespec_ros.decoding.edge import Decision
 from edgespec_ros.decoding.metrics import DecisionMetrics
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
+from edgespec_ros.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED
 
 S = 1_000_000_000
 IMAGE = np.zeros((8, 8, 3), np.uint8)
@@ -193,13 +194,12 @@ def test_the_decision_after_a_blocked_move_samples():
     decoder = FakeDecoder()
     core, clock = make(decoder=decoder)
     core.set_command("go")
-    for reason in ("blocked: no progress on odometry for 1 s", "completed", "blocked: no odometry for 1 s",
-                   "completed"):
+    for outcome in (BLOCKED_CONTACT, COMPLETED, BLOCKED_NO_ODOMETRY, COMPLETED):
         clock.advance(0.1)
         core.set_frame(frame(clock))
         out = core.run(core.begin())
         core.note_motion("moving", out.stamp_ns, clock())
-        core.note_motion("idle", out.stamp_ns, clock(), reason)
+        core.note_motion("idle", out.stamp_ns, clock(), outcome)
     # stale odometry is not an obstacle (the view may well have changed): greedy again
     assert decoder.temperatures == [0.0, 0.7, 0.0, 0.0]
 

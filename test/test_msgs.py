@@ -15,7 +15,8 @@ from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
-from edgespec_ros.msg import DecodingStats, VerifiedAction
+from edgespec_ros.actions import ActionParseError
+from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction
 
 DEADLINE_S = 15.0
 # Reliable + transient-local: a subscriber that matches after the single publish still gets it,
@@ -69,6 +70,33 @@ def test_types_import_and_defaults():
     # The package path is extended, so the generated subpackage sits beside the Python sources.
     import edgespec_ros
     assert hasattr(edgespec_ros, "__version__")
+
+
+def test_message_constants_are_the_cores_enums():
+    """VerifiedAction.KIND_* index actions.ACTION_KIND_CODES; MotionState.OUTCOME_* index motion.OUTCOMES."""
+    from edgespec_ros.actions import ACTION_KIND_CODES
+    from edgespec_ros.motion import OUTCOMES
+    kinds = {name[len("KIND_"):].lower(): getattr(VerifiedAction, name) for name in dir(VerifiedAction)
+             if name.startswith("KIND_")}
+    assert kinds == {kind: i for i, kind in enumerate(ACTION_KIND_CODES)}
+    outcomes = {name[len("OUTCOME_"):].lower(): getattr(MotionState, name) for name in dir(MotionState)
+                if name.startswith("OUTCOME_")}
+    assert outcomes == {outcome: i for i, outcome in enumerate(OUTCOMES)}
+
+
+def test_a_decision_message_carries_the_action_parsed_once():
+    from edgespec_ros.drafting import outcome_from_text
+    from edgespec_ros.nodes.common import action_of
+    from edgespec_ros.nodes.drafter import decision_message
+    msg = decision_message(outcome_from_text("The chair is left. Action: turn left 20 degrees.", instruction="go",
+                                             stamp_ns=1))
+    assert (msg.kind, msg.direction, msg.size, msg.action) == (VerifiedAction.KIND_TURN, "left", "", "turn left 20 degrees")
+    assert msg.angle_rad == pytest.approx(math.radians(20)) and msg.distance_m == 0.0
+    assert action_of(msg).text == "turn left 20 degrees"
+    bad = decision_message(outcome_from_text("Action: dance.", instruction="go", stamp_ns=1))
+    assert not bad.parsed and bad.kind == VerifiedAction.KIND_NONE and "unknown action 'dance'" in bad.parse_error
+    with pytest.raises(ActionParseError, match="unknown action 'dance'"):
+        action_of(bad)
 
 
 def test_verified_action_round_trip(node):

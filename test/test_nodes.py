@@ -19,6 +19,8 @@ from std_msgs.msg import Bool, String
 from visualization_msgs.msg import MarkerArray
 
 from edgespec_ros.bringup import Graph
+from edgespec_ros.drafting import fault_outcome, outcome_from_text
+from edgespec_ros.nodes.drafter import decision_message
 from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction
 from edgespec_ros.nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, rgb_to_image, \
     time_to_ns
@@ -42,15 +44,11 @@ def graph(roles, overrides=None, node_kwargs=None) -> Graph:
 
 
 def decision_msg(probe: Probe, text: str, fault: str = "") -> VerifiedAction:
-    msg = VerifiedAction()
-    msg.header.stamp = probe.now_stamp()
-    msg.text = text
-    msg.mode = "sd"
-    msg.parsed = True
-    msg.fault = fault
-    if fault:
-        msg.action = "stop"
-    return msg
+    """The message the drafter publishes for this verified text (or this fault), stamped now."""
+    stamp = time_to_ns(probe.now_stamp())
+    outcome = fault_outcome(fault, instruction="test", stamp_ns=stamp, mode="sd") if fault else \
+        outcome_from_text(text, instruction="test", stamp_ns=stamp, mode="sd")
+    return decision_message(outcome)
 
 
 def state_for(probe: Probe, stamp, *, state=None, reason_prefix=None):
@@ -106,6 +104,7 @@ def test_decision_drives_the_sim_robot_through_cmd_vel():
         done = wait_until(lambda: state_for(probe, msg.header.stamp, reason_prefix="completed"),
                           what="the navigator completing the turn")
         assert done.state == "idle" and done.action == "turn left medium"
+        assert done.outcome == MotionState.OUTCOME_COMPLETED
         wait_until(lambda: zeros(twists(probe)), what="the explicit zero after the turn")
         turned = math.degrees(sim.world.pose.yaw_rad - yaw0)
         # closed loop on the sim's odometry: never short of the target (up to the 3-degree tolerance).
@@ -127,9 +126,29 @@ def test_unparseable_action_gives_no_motion():
         state = wait_until(lambda: state_for(probe, msg.header.stamp, reason_prefix="rejected"),
                            what="the navigator rejecting the text")
         assert "unknown action 'dance'" in state.reason and state.state == "idle"
+        assert state.outcome == MotionState.OUTCOME_REJECTED and msg.kind == VerifiedAction.KIND_NONE
         wait_until(lambda: zeros(twists(probe)), what="an explicit zero command")
         assert moving(twists(probe)) == []
         assert g.nodes["sim_robot"].world.pose == pose0
+
+
+def test_the_navigator_acts_on_the_parsed_fields_and_checks_them():
+    """The text is parsed once, by the drafter: the navigator executes the message's fields (here
+    deliberately unlike its text) and refuses fields that are no valid action."""
+    with graph(("navigator",), overrides={"navigator": {"use_odometry": False}}) as g:
+        probe = navigator_probe(g)
+        msg = decision_msg(probe, "Action: turn left small")
+        msg.kind, msg.direction, msg.size, msg.distance_m, msg.angle_rad = VerifiedAction.KIND_MOVE, "forward", "", \
+            0.3, 0.0
+        probe.publish_when_matched("decision", msg)
+        started = wait_until(lambda: state_for(probe, msg.header.stamp, state="moving"), what="the move starting")
+        assert started.action == "move forward 0.3 m"
+        assert wait_until(lambda: moving(twists(probe)), what="motion")[0][1].linear.x > 0
+        far = decision_msg(probe, "Action: move forward 2 m")
+        far.distance_m = 5.0  # over ActionConfig.max_move_m
+        probe.publish_when_matched("decision", far)
+        state = wait_until(lambda: state_for(probe, far.header.stamp, state="idle"), what="the refusal")
+        assert state.outcome == MotionState.OUTCOME_REJECTED and "exceeds the limit" in state.reason
 
 
 def test_watchdog_publishes_zero_after_its_timeout():
@@ -141,7 +160,7 @@ def test_watchdog_publishes_zero_after_its_timeout():
         sent = time.monotonic()
         wait_until(lambda: moving(twists(probe)), what="motion")
         stopped = wait_until(lambda: state_for(probe, msg.header.stamp, state="watchdog"), what="the watchdog")
-        assert "no fresh decision" in stopped.reason
+        assert "no fresh decision" in stopped.reason and stopped.outcome == MotionState.OUTCOME_WATCHDOG
         first_zero = wait_until(lambda: zeros(twists(probe)), what="the watchdog's zero Twist")[0][0]
         assert first_zero - sent >= 0.6 - 0.05  # not before its timeout
         # after the zero, nothing moves any more
@@ -162,7 +181,7 @@ def test_estop_wins_over_decisions():
         probe.publish_when_matched("decision", refused)
         state = wait_until(lambda: state_for(probe, refused.header.stamp, state="estop"),
                            what="the decision refused under e-stop")
-        assert "refused" in state.reason
+        assert "refused" in state.reason and state.outcome == MotionState.OUTCOME_ESTOP
         assert all(t < engaged_at for t, _ in moving(twists(probe))), "motion after the e-stop"
         probe.publish_when_matched("estop", Bool(data=False))
         wait_until(lambda: any(m.reason == "e-stop released" for m in probe.messages("navigator/state")),
@@ -184,6 +203,7 @@ def test_fault_stop_stops_motion_and_is_not_an_episode_step():
         probe.publish_when_matched("decision", fault)
         state = wait_until(lambda: state_for(probe, fault.header.stamp), what="the fault stop")
         assert state.state == "idle" and state.reason.startswith("fault stop")
+        assert state.outcome == MotionState.OUTCOME_FAULT
         wait_until(lambda: zeros(twists(probe)), what="a zero Twist")
         episode = g.nodes["sim_robot"].episode()
         assert episode["steps"] == 1 and not episode["done"]

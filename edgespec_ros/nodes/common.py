@@ -13,7 +13,9 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 
+from ..actions import ACTION_KIND_CODES, Action, ActionParseError, action_from_fields
 from ..imaging import raw_from_rgb, rgb_from_compressed, rgb_from_raw
+from ..motion import OUTCOMES
 from .params import ParamSpec
 
 # Camera images: BEST_EFFORT matches both best-effort publishers (go2_ros2_sdk's camera/image_raw)
@@ -112,3 +114,35 @@ def run_node(factory: Callable[[], object], args=None, threads: int = 4) -> int:
             node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
+
+
+def set_action(msg, action: Action | None, parse_error: str = "") -> None:
+    """Fill a VerifiedAction's parsed fields from ``action`` (None: unparseable, kind NONE)."""
+    msg.parsed = action is not None
+    msg.parse_error = "" if action is not None else parse_error
+    msg.action = action.text if action is not None else ""
+    msg.kind = ACTION_KIND_CODES.index(action.kind) if action is not None else 0
+    msg.direction = (action.direction or "") if action is not None else ""
+    msg.size = (action.size or "") if action is not None else ""
+    msg.distance_m = float(action.distance_m) if action is not None else 0.0
+    msg.angle_rad = float(action.angle_rad) if action is not None else 0.0
+
+
+def action_of(msg) -> Action:
+    """The Action a VerifiedAction carries (its parsed fields, never its text); ActionParseError
+    says why there is none (unparseable text, or fields that are not a valid action)."""
+    if not msg.parsed or msg.kind == 0:
+        raise ActionParseError(msg.parse_error or "the decision holds no parsed action")
+    if msg.kind >= len(ACTION_KIND_CODES):
+        raise ActionParseError(f"unknown action kind code {msg.kind}")
+    return action_from_fields(ACTION_KIND_CODES[msg.kind], msg.direction, msg.size, msg.distance_m, msg.angle_rad)
+
+
+def outcome_code(outcome: str) -> int:
+    """MotionState.outcome for a ``motion.OUTCOMES`` name."""
+    return OUTCOMES.index(outcome)
+
+
+def outcome_name(code: int) -> str:
+    """The ``motion.OUTCOMES`` name of a MotionState.outcome ("none" for an unknown code)."""
+    return OUTCOMES[code] if 0 <= code < len(OUTCOMES) else OUTCOMES[0]

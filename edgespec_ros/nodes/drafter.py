@@ -25,7 +25,7 @@ from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from . import params
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, image_to_rgb, now_ns, ns_to_time, \
-    run_node, time_to_ns
+    outcome_name, run_node, set_action, time_to_ns
 
 SUPERVISOR_PERIOD_S = 0.05  # deadline checks: a stop comes at most this late
 
@@ -228,7 +228,8 @@ class DrafterNode(LifecycleNode):
     def on_motion_state(self, msg) -> None:
         core = self.core
         if core is not None:
-            core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp), msg.reason)
+            core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp),
+                             outcome_name(msg.outcome))
 
     # ------------------------------------------------------------------ deciding
 
@@ -260,20 +261,7 @@ class DrafterNode(LifecycleNode):
         pub = self._lifecycle_pubs.get("decision")
         if pub is None:
             return
-        msg = VerifiedAction()
-        msg.header.stamp = ns_to_time(outcome.stamp_ns)
-        msg.header.frame_id = outcome.frame_id
-        msg.instruction = outcome.instruction
-        msg.action = outcome.action
-        msg.reasoning = outcome.reasoning
-        msg.text = outcome.text
-        msg.mode = outcome.mode
-        msg.parsed = outcome.parsed
-        msg.tokens = outcome.tokens
-        msg.rounds = outcome.rounds
-        msg.tau = float(outcome.tau)
-        msg.latency_s = float(outcome.latency_s)
-        msg.fault = outcome.fault
+        msg = decision_message(outcome)
         pub.publish(msg)
         log = self.get_logger()
         if outcome.fault:
@@ -307,6 +295,24 @@ class DrafterNode(LifecycleNode):
         msg.rtt_ms = float(s["rtt_ms"])
         msg.uplink_bytes, msg.downlink_bytes = int(s["uplink_bytes"]), int(s["downlink_bytes"])
         return msg
+
+
+def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
+    """The VerifiedAction of a decision outcome: its text, and the action parsed from it once."""
+    msg = VerifiedAction()
+    msg.header.stamp = ns_to_time(outcome.stamp_ns)
+    msg.header.frame_id = outcome.frame_id
+    msg.instruction = outcome.instruction
+    set_action(msg, outcome.parsed_action, outcome.parse_error)
+    msg.reasoning = outcome.reasoning
+    msg.text = outcome.text
+    msg.mode = outcome.mode
+    msg.tokens = outcome.tokens
+    msg.rounds = outcome.rounds
+    msg.tau = float(outcome.tau)
+    msg.latency_s = float(outcome.latency_s)
+    msg.fault = outcome.fault
+    return msg
 
 
 def make_node(**kwargs) -> DrafterNode:

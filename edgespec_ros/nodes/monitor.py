@@ -23,12 +23,12 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image
 from visualization_msgs.msg import Marker, MarkerArray
 
-from ..actions import ActionParseError, parse_action
+from ..actions import ActionParseError
 from ..imaging import ImageFormatError, annotate
 from ..motion import Pose2D, motion_preview, yaw_from_quaternion
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from . import params
-from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, declare_parameters, image_to_rgb, \
+from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, image_to_rgb, \
     now_ns, rgb_to_image, run_node, time_to_ns
 
 FRAME_BUFFER = 64  # frames kept to find the one a decision used
@@ -175,7 +175,7 @@ class MonitorNode(Node):
         action = None
         if decision.parsed and not decision.fault:
             try:
-                action = parse_action(decision.action)
+                action = action_of(decision)
             except ActionParseError:
                 action = None
         preview = motion_preview(pose, action)

@@ -17,10 +17,11 @@ from std_msgs.msg import Bool
 
 from ..actions import ActionParseError, parse_action
 from ..msg import MotionState, VerifiedAction
-from ..motion import SPORT_MIN_RATE_HZ, MotionExecutor, MotionLimits, Pose2D, sport_request, yaw_from_quaternion
+from ..motion import COMPLETED, FAULT, REJECTED, SPORT_MIN_RATE_HZ, STALE, MotionExecutor, MotionLimits, Pose2D, \
+    sport_request, yaw_from_quaternion
 from . import params
-from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, declare_parameters, now_ns, ns_to_time, \
-    run_node, time_to_ns
+from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
+    ns_to_time, outcome_code, run_node, time_to_ns
 
 NS = 1e-9
 
@@ -109,15 +110,16 @@ class NavigatorNode(Node):
         now = self._now_s()
         stamp_ns = time_to_ns(msg.header.stamp)
         age = now - stamp_ns * NS
-        action, reason = None, ""
+        action, reason, refusal = None, "", REJECTED
         if msg.fault:
-            reason = f"fault stop: {msg.fault}"
+            reason, refusal = f"fault stop: {msg.fault}", FAULT
         elif age > self.p["max_decision_age_s"]:
             reason = f"stale decision refused: its frame is {age:.1f} s old (max_decision_age_s " \
                      f"{self.p['max_decision_age_s']:g})"
+            refusal = STALE
         else:
             try:
-                action = parse_action(msg.text if msg.text else msg.action)
+                action = action_of(msg)  # the drafter's parsed fields: the text is parsed once, there
             except ActionParseError as exc:
                 reason = f"rejected: {exc.reason}"
         if action is None:
@@ -129,7 +131,7 @@ class NavigatorNode(Node):
         else:
             self.get_logger().info(f"decision: {action.text}")
         with self._lock:
-            self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason)
+            self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal)
             self._tick(now)
 
     def on_estop(self, msg: Bool) -> None:
@@ -165,13 +167,13 @@ class NavigatorNode(Node):
 
     def _publish_state(self) -> None:
         snap = self.executor_.snapshot()
-        key = (snap.state, snap.action, snap.reason, snap.decision_id, snap.closed_loop)
+        key = (snap.state, snap.action, snap.reason, snap.decision_id, snap.closed_loop, snap.outcome)
         if key == self._published_state:
             return
         previous, self._published_state = self._published_state, key
         if previous is not None and previous[0] == "moving" and snap.state != "moving":
             # one call site per severity (rclpy): a primitive cut short is worth a warning
-            if snap.reason == "completed":
+            if snap.outcome == COMPLETED:
                 self.get_logger().info(f"motion ended: {snap.action}: completed")
             else:
                 self.get_logger().warning(f"motion ended early ({snap.state}): {snap.action}: {snap.reason}")
@@ -183,6 +185,7 @@ class NavigatorNode(Node):
         msg.progress = float(snap.progress)
         msg.backend = self.backend.name
         msg.closed_loop = snap.closed_loop
+        msg.outcome = outcome_code(snap.outcome)
         self.state_pub.publish(msg)
 
 

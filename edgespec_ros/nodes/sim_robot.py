@@ -20,13 +20,13 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image
 from std_msgs.msg import String
 
-from ..actions import ActionParseError, parse_action
+from ..actions import ActionParseError
 from ..motion import quaternion_from_yaw, wrap_angle
 from ..msg import VerifiedAction
 from ..sim.cli import resolve_scenario
 from ..sim.world import SimWorld
 from . import params
-from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, declare_parameters, now_ns, \
+from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, rgb_to_image, run_node
 
 NS = 1e-9
@@ -79,7 +79,7 @@ class SimRobotNode(Node):
                 return
             self._integrate(now_ns(self))
             try:
-                action = parse_action(msg.text if msg.text else msg.action)
+                action = action_of(msg)
             except ActionParseError as exc:
                 self.world.skip_decision(exc.reason)
             else:
