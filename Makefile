@@ -8,15 +8,16 @@ DEPS   := $(VENV)/.deps-stamp
 SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) setup.py \
           $(wildcard config/* launch/*)
 # scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
-MSGS   := $(wildcard msg/*.msg) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
+MSGS   := $(wildcard msg/*.msg action/*.action) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
-.PHONY: demo test install msgs models clean help
+.PHONY: demo test test-fast install msgs models clean help
 
 help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
 	@echo "           ARGS='--scenario red-chair --mode ar --link go2-paper'  (edgespec-demo --help)"
 	@echo "           ARGS='--compare'  the one-frame AR vs SD comparison"
-	@echo "make test               run the test suite"
+	@echo "make test               run the test suite (what CI runs; about 5 minutes here)"
+	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
 	@echo "make models             retrain the embedded default models"
 
 $(DEPS): requirements/dev.txt requirements/msgs-build.txt
@@ -43,6 +44,9 @@ demo: install
 
 test: install
 	$(VENV)/bin/pytest $(ARGS)
+
+test-fast: install
+	$(VENV)/bin/pytest -m "not slow" $(ARGS)
 
 models: install
 	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)

@@ -73,6 +73,7 @@ class DecisionOutcome:
     latency_s: float = 0.0        # frame capture -> outcome ready
     fault: str = ""
     metrics: DecisionMetrics | None = None
+    generation: int = -1          # the command it belongs to (DrafterCore.generation then)
 
     @property
     def is_fault(self) -> bool:
@@ -153,6 +154,60 @@ class DrafterSettings:
                             pipe_depth="auto" if self.auto_gamma and self.mode.startswith("pipe") else self.pipe_depth)
 
 
+# How a command ended (CommandStatus.finish_kind)
+REACHED, MAX_DECISIONS, CANCELLED = "reached", "max_decisions", "cancelled"
+
+
+@dataclass(frozen=True)
+class CommandStatus:
+    generation: int
+    instruction: str
+    active: bool
+    finish_kind: str  # "" while active (or never started), else REACHED, MAX_DECISIONS or CANCELLED
+    finished_reason: str
+    decisions: int
+
+
+# How an Instruct goal ended; the index is Instruct.Result's OUTCOME_* constant (a test checks).
+GOAL_OUTCOMES = ("", REACHED, MAX_DECISIONS, CANCELLED, "preempted", "timeout", "aborted")
+PREEMPTED, TIMEOUT, ABORTED = GOAL_OUTCOMES[4:]
+
+
+@dataclass
+class GoalProgress:
+    """One instruction goal (the drafter's Instruct action) over a DrafterCore command: counts the
+    outcomes published for its command and says when and how it ended."""
+
+    generation: int               # the command started for it
+    started_ns: int
+    timeout_s: float = 0.0        # 0 = none
+    decisions: int = 0
+    faults: int = 0
+    tokens: int = 0
+
+    def count(self, outcome: DecisionOutcome) -> bool:
+        """Record an outcome if it belongs to this goal's command (True then)."""
+        if outcome.generation != self.generation:
+            return False
+        if outcome.is_fault:
+            self.faults += 1
+        else:
+            self.decisions += 1
+            self.tokens += outcome.tokens
+        return True
+
+    def ended(self, status: CommandStatus, now_ns: int) -> tuple[str, str] | None:
+        """(GOAL_OUTCOMES name, reason) once the goal is over, else None. TIMEOUT and PREEMPTED
+        leave stopping the robot to the caller (set_command(""), unless a newer command runs)."""
+        if status.generation != self.generation:
+            return PREEMPTED, "replaced by a newer goal or command"
+        if not status.active:
+            return (status.finish_kind or CANCELLED), status.finished_reason or "cancelled"
+        if self.timeout_s > 0 and now_ns - self.started_ns >= self.timeout_s * NS:
+            return TIMEOUT, f"timeout_s {self.timeout_s:g} s passed"
+        return None
+
+
 @dataclass
 class Ticket:
     """One decision in flight."""
@@ -200,6 +255,8 @@ class DrafterCore:
         self.instruction = ""
         self.active = False
         self.finished_reason = ""
+        self.finish_kind = ""  # REACHED, MAX_DECISIONS or CANCELLED once the command ended
+        self.command_max_decisions = settings.max_decisions
         self.frame: Frame | None = None
         self.decisions = 0            # decisions made for the current command
         self.in_flight: Ticket | None = None
@@ -214,15 +271,19 @@ class DrafterCore:
 
     # ------------------------------------------------------------------ inputs
 
-    def set_command(self, text: str) -> DecisionOutcome | None:
+    def set_command(self, text: str, max_decisions: int | None = None) -> DecisionOutcome | None:
         """Start a new command (cancelling the current one); empty text only cancels.
+        ``max_decisions`` (> 0) overrides the setting for this command (an Instruct goal's).
         Returns a cancellation stop outcome when something was running, else None."""
         text = (text or "").strip()
         now = self.clock_ns()
         with self._lock:
+            self.command_max_decisions = max_decisions or self.settings.max_decisions
+            self.finish_kind = "" if text else CANCELLED
             was_running = self.active or self.in_flight is not None
             previous = self.instruction
             self.generation += 1
+            generation = self.generation
             if self.in_flight is not None:
                 self.in_flight.abandoned = True
             self.instruction = text
@@ -235,8 +296,10 @@ class DrafterCore:
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
-        return fault_outcome(f"command cancelled: {previous!r} replaced by {why}", instruction=previous,
+        stop = fault_outcome(f"command cancelled: {previous!r} replaced by {why}", instruction=previous,
                              stamp_ns=now, mode=self.settings.mode)
+        stop.generation = generation - 1
+        return stop
 
     def set_frame(self, frame: Frame) -> None:
         """The latest camera frame (only the latest is kept)."""
@@ -357,11 +420,14 @@ class DrafterCore:
                                 instruction=ticket.instruction, stamp_ns=now, mode=self.settings.mode,
                                 frame_id=ticket.frame.frame_id)
         outcome.latency_s = (now - ticket.frame.stamp_ns) / NS
+        outcome.generation = ticket.generation
         self.stats.add_fault()
         return outcome
 
     def _finish(self, ticket: Ticket, outcome: DecisionOutcome | None) -> DecisionOutcome | None:
         now = self.clock_ns()
+        if outcome is not None:
+            outcome.generation = ticket.generation
         with self._lock:
             if self.in_flight is ticket:
                 self.in_flight = None
@@ -383,11 +449,18 @@ class DrafterCore:
             if outcome.parsed and outcome.action != "stop":
                 self.awaiting_motion_stamp = outcome.stamp_ns
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":
-                self.active, self.finished_reason = False, "the model said stop: command done"
-            elif self.settings.max_decisions and self.decisions >= self.settings.max_decisions:
-                self.active = False
-                self.finished_reason = f"max_decisions ({self.settings.max_decisions}) reached"
+                self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
+            elif self.command_max_decisions and self.decisions >= self.command_max_decisions:
+                self.active, self.finish_kind = False, MAX_DECISIONS
+                self.finished_reason = f"max_decisions ({self.command_max_decisions}) reached"
             return outcome
+
+    def status(self) -> CommandStatus:
+        """The current command, consistently: its generation (changes with every set_command),
+        whether it still runs, and how it ended."""
+        with self._lock:
+            return CommandStatus(self.generation, self.instruction, self.active, self.finish_kind,
+                                 self.finished_reason, self.decisions)
 
     def _drop_connection(self) -> None:
         """After an abandoned or failed decision the link may hold stale replies: reconnect next

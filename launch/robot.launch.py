@@ -26,6 +26,11 @@ from lifecycle_msgs.msg import Transition
 
 PACKAGE = "edgespec_ros"
 
+# twist_mux:=true: the navigator feeds the mux, whose output is the robot's velocity input
+# (config/twist_mux.yaml; test_launch_config checks the two agree).
+TWIST_MUX_NAVIGATOR_REMAP = ("cmd_vel", "cmd_vel_nav")
+TWIST_MUX_OUTPUT_REMAP = ("cmd_vel_out", "cmd_vel")
+
 # node -> {parameter: launch argument that overrides it (strings only)}
 ROLE_ARGS = {
     "camera": {"source": "camera_source", "image_topic": "image_topic"},
@@ -49,6 +54,8 @@ ARGUMENTS = [
     ("camera_source", "0", "camera node source: device index, video file or GStreamer pipeline"),
     ("backend", "twist", "navigator backend: twist (cmd_vel) | unitree_sport"),
     ("use_monitor", "true", "start the monitor (markers, annotated image, diagnostics)"),
+    ("twist_mux", "false", "start twist_mux with config/twist_mux.yaml (teleop on cmd_vel_joy above the navigator, "
+                           "estop lock) in front of cmd_vel; the navigator then publishes cmd_vel_nav"),
     ("rviz", "false", "start rviz2 with config/edgespec.rviz"),
     ("namespace", "", "namespace of all nodes"),
     ("config_dir", "", "directory of the <node>.yaml files ('' = this package's share/config)"),
@@ -88,8 +95,14 @@ def _launch_setup(context, *args, **kwargs):
                                               transition_id=Transition.TRANSITION_ACTIVATE))])))
     actions.append(EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
                                                transition_id=Transition.TRANSITION_CONFIGURE)))
+    mux = _true(context, "twist_mux")
     actions.append(Node(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
-                        output="screen", parameters=_parameters(context, "navigator")))
+                        output="screen", parameters=_parameters(context, "navigator"),
+                        remappings=[TWIST_MUX_NAVIGATOR_REMAP] if mux else []))
+    if mux:
+        mux_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "twist_mux.yaml"]).perform(context)
+        actions.append(Node(package="twist_mux", executable="twist_mux", name="twist_mux", namespace=namespace,
+                            output="screen", parameters=[mux_config], remappings=[TWIST_MUX_OUTPUT_REMAP]))
     if _true(context, "use_monitor"):
         actions.append(Node(package=PACKAGE, executable="monitor", name="monitor", namespace=namespace,
                             output="screen", parameters=_parameters(context, "monitor")))

@@ -5,9 +5,14 @@ counted, the table and plot come out."""
 import json
 import os
 
+import pytest
+
 from edgespec_ros.bench.fleet import plot_fleet, run_fleet, table_fleet
 from edgespec_ros.bench.runner import resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
+
+
+pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
 
 
 def test_fleet_sweep_replays_in_sync(tmp_path, null_progress):

@@ -10,6 +10,9 @@ from edgespec_ros.bench.fsd import PAPER_TABLE8, latency_model, measured_terms, 
 from edgespec_ros.bench.runner import env_threads, resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -4,9 +4,14 @@ the good robot loses no decision, every hostile kind's outcomes are counted, RSS
 import json
 import os
 
+import pytest
+
 from edgespec_ros.bench.hostile import KINDS, run_hostile, table_hostile, plot_hostile
 from edgespec_ros.bench.runner import resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
+
+
+pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
 
 
 def test_hostile_sweep_runs_and_counts_refusals(tmp_path, null_progress):

@@ -26,6 +26,9 @@ from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame  # noqa: E
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError  # noqa: E402
 from edgespec_ros.wire.server import build_parser  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
+
+
 CFG = DecodeConfig(mode="sd", gamma=4, max_new_tokens=24)
 
 

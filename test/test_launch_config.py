@@ -102,7 +102,7 @@ def test_every_launched_executable_exists(path):
         launcher = ROOT / "scripts" / "nodes" / executable
         assert launcher.is_file() and launcher.stat().st_mode & stat.S_IXUSR, f"{launcher} missing"
     external = {n[0] for n in launched_nodes(path) if n[0] != PACKAGE}
-    assert external <= {"rviz2"}, f"unexpected external packages {external}"
+    assert external <= {"rviz2", "twist_mux"}, f"unexpected external packages {external}"
 
 
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
@@ -130,7 +130,7 @@ def yaml_parameters(role: str) -> dict:
 
 
 def test_one_config_file_per_node_role():
-    assert sorted(p.stem for p in (ROOT / "config").glob("*.yaml")) == sorted(params.NODES)
+    assert sorted(p.stem for p in (ROOT / "config").glob("*.yaml")) == sorted([*params.NODES, "twist_mux"])
     assert (ROOT / "config" / "edgespec.rviz").is_file()
 
 
@@ -152,6 +152,30 @@ def test_declared_parameters_have_documented_defaults(role):
     for spec in params.NODES[role]:
         assert spec.default is not None and spec.description.strip(), f"{role}.{spec.name} is undocumented"
         spec.validate(spec.default)
+
+
+def test_the_shipped_twist_mux_puts_teleop_above_the_navigator_and_the_estop_above_all():
+    """config/twist_mux.yaml is the safety chain robot.launch.py starts (twist_mux:=true); its
+    topics, priorities and timeouts must agree with the navigator's shipped settings."""
+    mux = yaml.safe_load((ROOT / "config" / "twist_mux.yaml").read_text())["twist_mux"]["ros__parameters"]
+    topics, locks = mux["topics"], mux["locks"]
+    tree = ast.parse((ROOT / "launch" / "robot.launch.py").read_text())
+    nav_from, nav_to = module_constant(tree, "TWIST_MUX_NAVIGATOR_REMAP")
+    out_from, out_to = module_constant(tree, "TWIST_MUX_OUTPUT_REMAP")
+    navigator = {s.name: s.default for s in params.NAVIGATOR} | yaml_parameters("navigator")
+    assert nav_from == navigator["cmd_vel_topic"] and out_to == navigator["cmd_vel_topic"] and out_from == "cmd_vel_out"
+    assert topics["navigator"]["topic"] == nav_to
+    assert topics["teleop"]["priority"] > topics["navigator"]["priority"]
+    # The e-stop lock is the navigator's own e-stop topic and blocks every source, teleop included,
+    # until released (timeout 0: it never expires by itself).
+    assert locks["estop"]["topic"] == navigator["estop_topic"] and locks["estop"]["timeout"] == 0.0
+    assert all(locks["estop"]["priority"] > t["priority"] for t in topics.values())
+    # The navigator streams at control_rate_hz while moving: the mux must not drop it between two
+    # commands (>= 3 periods), and must drop a dead navigator within twist_mux's usual 0.5 s.
+    period = 1.0 / navigator["control_rate_hz"]
+    assert 3 * period <= topics["navigator"]["timeout"] <= 0.5
+    # The navigator's own watchdog outlasts the mux timeout: the mux never holds a stale command.
+    assert navigator["watchdog_timeout_s"] > topics["navigator"]["timeout"]
 
 
 def test_parameter_reference_is_up_to_date():
@@ -208,3 +232,32 @@ def test_parameter_precedence_config_then_params_file_then_arguments(tmp_path):
         assert node.get_parameter("max_linear_mps").value == 0.3
         assert node.get_parameter("max_angular_rps").value == 0.4
         assert node.executor_.limits.max_linear_mps == 0.3
+
+
+def test_colcon_test_runs_the_unit_lane(tmp_path):
+    """CMakeLists registers the ROS-free tests with ament_cmake_pytest (what `colcon test` runs):
+    configured here with BUILD_TESTING=ON from the same wheels the msg build uses (no build)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("cmake") is None or shutil.which("ctest") is None:
+        pytest.skip("cmake/ctest not installed")
+    venv = Path(sys.prefix)
+    env = dict(os.environ, CMAKE_PREFIX_PATH=str(venv), AMENT_PREFIX_PATH=str(venv))
+    build = tmp_path / "build"
+    configure = subprocess.run(
+        ["cmake", "-S", str(ROOT), "-B", str(build), f"-DCMAKE_INSTALL_PREFIX={venv}",
+         f"-DPython3_EXECUTABLE={sys.executable}", "-DBUILD_TESTING=ON"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert configure.returncode == 0, configure.stdout[-2000:] + configure.stderr[-2000:]
+    shown = subprocess.run(["ctest", "--test-dir", str(build), "--show-only=json-v1"], capture_output=True,
+                           text=True, timeout=60, check=True)
+    tests = {t["name"]: t for t in json.loads(shown.stdout)["tests"]}
+    assert set(tests) == {"unit"}
+    command = tests["unit"]["command"]
+    assert command[command.index("--command") + 1:][1:4] == ["-u", "-m", "pytest"]
+    assert str(ROOT / "test") in command
+    assert "PYTEST_ADDOPTS=-m 'not slow' -p no:cacheprovider" in command
+    props = {p["name"]: p["value"] for p in tests["unit"]["properties"]}
+    assert props["WORKING_DIRECTORY"] == str(ROOT)

@@ -159,3 +159,11 @@ def test_decoding_stats_round_trip(node):
     # float32[] is an array.array('f'), so the sent message already holds the rounded values.
     assert list(got.acceptance_per_position) == list(msg.acceptance_per_position)
     assert math.isnan(got.cache_miss_rate)
+
+
+def test_instruct_result_constants_are_the_goal_outcomes():
+    from edgespec_ros.action import Instruct
+    from edgespec_ros.drafting import GOAL_OUTCOMES
+    outcomes = {name[len("OUTCOME_"):].lower(): getattr(Instruct.Result, name) for name in dir(Instruct.Result)
+                if name.startswith("OUTCOME_")}
+    assert outcomes == {outcome: i for i, outcome in enumerate(GOAL_OUTCOMES) if outcome}

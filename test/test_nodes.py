@@ -26,7 +26,7 @@ from edgespec_ros.nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SEN
     time_to_ns
 from ros_helpers import Probe, ScriptedVerifier, domain_id, unique_namespace, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 ANSWER = "The silver bottle is a little to the left. Action: turn left small."
 
@@ -216,6 +216,91 @@ def drafter_overrides(draft_dir, **extra):
     values = {"model_path": draft_dir, "mode": "ar", "deadline_s": 10.0}
     values.update(extra)
     return values
+
+
+class InstructClient:
+    """An rclpy ActionClient for the drafter's `instruct` action, driven from the test thread."""
+
+    def __init__(self, probe: Probe):
+        from rclpy.action import ActionClient
+        from edgespec_ros.action import Instruct
+        self.Instruct = Instruct
+        self.client = ActionClient(probe.node, Instruct, "instruct", callback_group=probe.group)
+        wait_until(self.client.server_is_ready, what="the instruct action server")
+
+    def send(self, instruction: str, **goal_fields):
+        feedback = []
+        goal = self.Instruct.Goal(instruction=instruction, **goal_fields)
+        future = self.client.send_goal_async(goal, feedback_callback=lambda fb: feedback.append(fb.feedback))
+        handle = wait_until(lambda: future.done() and future.result(), what=f"goal {instruction!r} answered")
+        assert handle.accepted, f"goal {instruction!r} rejected"
+        return handle, feedback
+
+    @staticmethod
+    def result(handle, timeout_s: float = 60.0):
+        future = handle.get_result_async()
+        return wait_until(lambda: future.done() and future.result(), timeout_s, "the goal's result").result
+
+
+def instruct_graph(untrained_pair, answer: str, **drafter):
+    draft_dir, _ = untrained_pair
+    from edgespec_ros.decoding.engines import load_model
+    tokenizer = load_model(draft_dir).tokenizer
+    factory = lambda draft_lm: ScriptedVerifier(tokenizer, answer)  # noqa: E731
+    overrides = {"drafter": drafter_overrides(draft_dir, wait_for_motion=False, **drafter),
+                 "sim_robot": {"camera_rate_hz": 5.0}}
+    return graph(("sim_robot", "drafter", "navigator"), overrides=overrides,
+                 node_kwargs={"drafter": {"verifier_factory": factory}})
+
+
+def test_an_instruct_goal_streams_its_decisions_and_succeeds_when_the_model_says_stop(untrained_pair):
+    from edgespec_ros.action import Instruct
+    with instruct_graph(untrained_pair, "The silver bottle is right in front of me. Action: stop.") as g:
+        g.activate_drafter()
+        probe = navigator_probe(g)
+        client = InstructClient(probe)
+        handle, feedback = client.send("find the silver bottle")
+        result = client.result(handle)
+        assert result.outcome == Instruct.Result.OUTCOME_REACHED, result.reason
+        assert (result.decisions, result.faults) == (1, 0) and result.tokens > 0 and result.elapsed_s > 0
+        assert [(f.decision.kind, f.decision.instruction) for f in feedback] == \
+            [(VerifiedAction.KIND_STOP, "find the silver bottle")]
+        assert feedback[0].stats.decisions == 1
+        assert handle.status == 4  # GoalStatus.STATUS_SUCCEEDED
+
+
+def test_instruct_goals_end_at_max_decisions_preempt_each_other_and_cancel_stops_the_robot(untrained_pair):
+    from action_msgs.msg import GoalStatus
+    from edgespec_ros.action import Instruct
+    with instruct_graph(untrained_pair, "The bottle is to the left. Action: turn left small.") as g:
+        g.activate_drafter()
+        probe = navigator_probe(g)
+        probe.subscribe(VerifiedAction, "decision", RELIABLE_QOS)
+        client = InstructClient(probe)
+        handle, feedback = client.send("turn to the bottle", max_decisions=2)
+        result = client.result(handle)
+        assert result.outcome == Instruct.Result.OUTCOME_MAX_DECISIONS and result.decisions == 2, result.reason
+        assert [f.decision.action for f in feedback] == ["turn left small"] * 2
+        # A new goal aborts the running one (single-goal server) and the robot gets a stop.
+        first, _ = client.send("keep turning")
+        wait_until(lambda: [m for m in probe.messages("decision") if m.instruction == "keep turning"],
+                   what="a decision of the first goal")
+        second, second_feedback = client.send("turn some more", timeout_s=30.0)
+        preempted = client.result(first)
+        assert preempted.outcome == Instruct.Result.OUTCOME_PREEMPTED and first.status == GoalStatus.STATUS_ABORTED
+        wait_until(lambda: [m for m in probe.messages("decision")
+                            if m.instruction == "keep turning" and m.fault.startswith("command cancelled")],
+                   what="the stop of the preempted goal")
+        wait_until(lambda: second_feedback, what="feedback of the second goal")
+        cancel = second.cancel_goal_async()
+        wait_until(cancel.done, what="the cancel answer")
+        cancelled = client.result(second)
+        assert cancelled.outcome == Instruct.Result.OUTCOME_CANCELLED and second.status == GoalStatus.STATUS_CANCELED
+        stop = wait_until(lambda: [m for m in probe.messages("decision") if m.fault == "instruct goal cancelled"],
+                          what="the stop after the cancel")[0]
+        assert stop.kind == VerifiedAction.KIND_STOP
+        state = wait_until(lambda: state_for(probe, stop.header.stamp), what="the navigator stopping")
+        assert state.outcome == MotionState.OUTCOME_FAULT
 
 
 def test_command_to_decision_to_cmd_vel_end_to_end(untrained_pair):

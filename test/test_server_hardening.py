@@ -30,6 +30,9 @@ from edgespec_ros.wire.server import InsecureConfig, ServerThread, VerifierServe
 from wire_helpers import (DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy,
                           wait_until)
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
+
+
 TOKEN_A = "tenant-a-token-0123456789"
 TOKEN_B = "tenant-b-token-9876543210"
 TLS_DIR = os.path.join(os.path.dirname(__file__), "data", "tls")

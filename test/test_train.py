@@ -20,6 +20,9 @@ from edgespec_ros.train.policy import VLMPolicy
 from edgespec_ros.train.tokenizer import SPECIAL_TOKENS
 
 
+pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """Every stage of edgespec-train on a tiny dataset, with tiny step counts."""

@@ -161,6 +161,17 @@ def _quantization_config(quantization: str, dev: torch.device, dtype: torch.dtyp
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
+def _image_processor(path: str):
+    """A Qwen2-VL model's image processor. Without torchvision, recent transformers pick the PIL
+    one by themselves; 5.4's AutoImageProcessor insists on torchvision, so ask for it by name."""
+    from transformers import AutoImageProcessor
+    try:
+        return AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+
+
 def load_model(path: str, *, dtype="float32", device: str = "cpu", quantization: str = "none",
                min_pixels: int = 0, max_pixels: int = 0) -> LoadedModel:
     """Load a Qwen2-VL or causal LM (with tokenizer and, for VLMs, image processor) from a local dir,
@@ -180,7 +191,7 @@ def load_model(path: str, *, dtype="float32", device: str = "cpu", quantization:
     try:
         with open(cfg_file) as f:
             model_type = json.load(f).get("model_type", "")
-        from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if model_type == "qwen2_vl":
             from transformers import Qwen2VLForConditionalGeneration
@@ -188,8 +199,7 @@ def load_model(path: str, *, dtype="float32", device: str = "cpu", quantization:
                                                                     **place)
             from .inputs import ecosystem_processor
             processor = ecosystem_processor(path)
-            image_processor = processor.image_processor if processor is not None else \
-                AutoImageProcessor.from_pretrained(path, local_files_only=True)
+            image_processor = processor.image_processor if processor is not None else _image_processor(path)
             is_vlm = True
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **place)

@@ -6,7 +6,10 @@ activate   loads the model again if deactivate freed it; starts the subscription
 deactivate stops the robot (a stop decision) when a command was running, frees the model
 cleanup    drops everything
 
-Decisions run on a timer, never in a subscription callback; a supervisor timer publishes a
+Commands come on the ``command`` topic or as goals of the ``instruct`` action (Instruct: feedback
+per decision, a result when the model says stop, the goal is cancelled or times out, or a newer
+goal or command replaces it, as in ros2/examples' single-goal server); both start the same
+DrafterCore command. Decisions run on a timer, never in a subscription callback; a supervisor timer publishes a
 ``stop`` when a decision misses its deadline while the decision is still running (all in one
 reentrant callback group on a MultiThreadedExecutor). The
 scheduling rules live in ``edgespec_ros.drafting``; decoding in ``decoding.edge.EdgeDecoder``.
@@ -14,13 +17,18 @@ scheduling rules live in ``edgespec_ros.drafting``; decoding in ``decoding.edge.
 from __future__ import annotations
 
 import gc
+import queue
+import threading
 
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
-from ..drafting import DecisionOutcome, DrafterCore, DrafterSettings, Frame
+from ..action import Instruct
+from ..drafting import ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, DecisionOutcome, DrafterCore, \
+    DrafterSettings, Frame, GoalProgress
 from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from . import params
@@ -66,6 +74,11 @@ class DrafterNode(LifecycleNode):
         self.last_error = ""
         self._lifecycle_pubs = {}
         self._entities = []
+        self._action_server = None
+        self._goal: GoalProgress | None = None  # the running Instruct goal ...
+        self._feedback: queue.Queue | None = None  # ... and its (decision, stats) for its execute loop
+        self._goal_lock = threading.Lock()
+        self._stopping = False  # deactivating / shutting down: running goals end ABORTED
         # One reentrant group: DrafterCore is thread-safe and begin() admits one decision at a time,
         # so a tick that comes while a decision runs returns at once, and the supervisor and the
         # inputs never wait behind a decision. (Mutually exclusive groups with an entity due while
@@ -100,6 +113,7 @@ class DrafterNode(LifecycleNode):
             self.core = DrafterCore(decoder, self.settings, lambda: now_ns(self))
         except Exception as exc:  # noqa: BLE001
             return self._fail("activate", exc)
+        self._stopping = False
         try:
             self._start_entities()
         except Exception as exc:  # noqa: BLE001
@@ -125,8 +139,23 @@ class DrafterNode(LifecycleNode):
             self.create_timer(p["decision_period_s"], self.on_decision_timer, callback_group=self._decide_group),
             self.create_timer(SUPERVISOR_PERIOD_S, self.on_supervisor_timer, callback_group=self._supervisor_group),
         ]
+        self._action_server = ActionServer(self, Instruct, "instruct", self._execute_goal,
+                                           goal_callback=self._on_goal_request,
+                                           handle_accepted_callback=self._on_goal_accepted,
+                                           cancel_callback=lambda _handle: CancelResponse.ACCEPT,
+                                           callback_group=self._input_group)
+
+    def _end_goals(self) -> None:
+        """Running goals end ABORTED (their loops see _stopping) before the server goes."""
+        self._stopping = True
+        for _ in range(40):  # up to 2 s for the execute loop to send its result
+            with self._goal_lock:
+                if self._goal is None:
+                    break
+            threading.Event().wait(SUPERVISOR_PERIOD_S)
 
     def on_deactivate(self, state) -> TransitionCallbackReturn:
+        self._end_goals()
         if self.core is not None:
             stop = self.core.set_command("")
             if stop is not None:
@@ -146,6 +175,7 @@ class DrafterNode(LifecycleNode):
         return super().on_cleanup(state)
 
     def on_shutdown(self, state) -> TransitionCallbackReturn:
+        self._end_goals()
         if self.core is not None:
             stop = self.core.set_command("")
             if stop is not None and self._lifecycle_pubs:
@@ -185,6 +215,9 @@ class DrafterNode(LifecycleNode):
         gc.collect()
 
     def _stop_entities(self) -> None:
+        if self._action_server is not None:
+            self._action_server.destroy()
+            self._action_server = None
         for entity in self._entities:
             if hasattr(entity, "cancel"):
                 entity.cancel()
@@ -231,6 +264,82 @@ class DrafterNode(LifecycleNode):
             core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp),
                              outcome_name(msg.outcome))
 
+    # ------------------------------------------------------------------ the instruct action
+
+    def _on_goal_request(self, goal) -> GoalResponse:
+        if self.core is None or not goal.instruction.strip():
+            self.get_logger().warning("instruct goal rejected: " + ("the drafter is not active" if self.core is None
+                                                                    else "empty instruction"))
+            return GoalResponse.REJECT
+        if goal.timeout_s < 0:
+            self.get_logger().warning(f"instruct goal rejected: timeout_s {goal.timeout_s} < 0")
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _on_goal_accepted(self, goal_handle) -> None:
+        """Start the goal's command at once: it replaces (preempts) the running goal or command."""
+        core = self.core
+        request = goal_handle.request
+        if core is None:
+            goal_handle.execute()  # the execute loop finds the drafter gone and aborts
+            return
+        with self._goal_lock:  # held across set_command: no outcome of the new command can miss the goal
+            cancelled = core.set_command(request.instruction, max_decisions=int(request.max_decisions) or None)
+            self._goal = GoalProgress(core.status().generation, now_ns(self), float(request.timeout_s))
+            self._feedback = queue.Queue()
+            goal_handle.goal_progress, goal_handle.feedback_queue = self._goal, self._feedback
+        if cancelled is not None:
+            self._publish(cancelled)
+        self.get_logger().info(f"instruct goal: {request.instruction.strip()!r}")
+        goal_handle.execute()
+
+    def _execute_goal(self, goal_handle):
+        """Stream this goal's decisions as feedback until it ends; the result says how."""
+        goal: GoalProgress | None = getattr(goal_handle, "goal_progress", None)
+        feedback: queue.Queue = getattr(goal_handle, "feedback_queue", None) or queue.Queue()
+        ended = None
+        while ended is None:
+            try:
+                decision, stats = feedback.get(timeout=SUPERVISOR_PERIOD_S)
+                goal_handle.publish_feedback(Instruct.Feedback(decision=decision, stats=stats))
+                continue
+            except queue.Empty:
+                pass
+            core = self.core
+            if goal is None or core is None or self._stopping or not goal_handle.is_active:
+                ended = ABORTED, "the drafter is no longer active"
+            elif goal_handle.is_cancel_requested:
+                ended = CANCELLED, "cancelled by the client"
+            else:
+                ended = goal.ended(core.status(), now_ns(self))
+        kind, reason = ended
+        core = self.core
+        if core is not None and goal is not None and kind in (CANCELLED, TIMEOUT) and \
+                core.status().generation == goal.generation:
+            stop = core.set_command("")  # the robot stops: a stop decision goes out
+            if stop is not None:
+                stop.fault = f"instruct goal {kind}"
+                self._publish(stop)
+        while not feedback.empty():  # decisions published before the end, not yet sent
+            decision, stats = feedback.get_nowait()
+            goal_handle.publish_feedback(Instruct.Feedback(decision=decision, stats=stats))
+        with self._goal_lock:
+            if self._goal is goal:
+                self._goal = None
+        if goal_handle.is_active:
+            if kind == CANCELLED and goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+            elif kind in (PREEMPTED, ABORTED, TIMEOUT):
+                goal_handle.abort()
+            else:
+                goal_handle.succeed()
+        result = Instruct.Result(outcome=GOAL_OUTCOMES.index(kind), reason=reason)
+        if goal is not None:
+            result.decisions, result.faults, result.tokens = goal.decisions, goal.faults, goal.tokens
+            result.elapsed_s = float((now_ns(self) - goal.started_ns) / 1e9)
+        self.get_logger().info(f"instruct goal ended: {kind} ({reason}), {result.decisions} decisions")
+        return result
+
     # ------------------------------------------------------------------ deciding
 
     def on_decision_timer(self) -> None:
@@ -263,6 +372,12 @@ class DrafterNode(LifecycleNode):
             return
         msg = decision_message(outcome)
         pub.publish(msg)
+        with self._goal_lock:
+            goal, feedback = self._goal, self._feedback
+            mine = goal is not None and goal.count(outcome)
+        core = self.core
+        if mine and core is not None:
+            feedback.put((msg, self._stats_msg(core)))
         log = self.get_logger()
         if outcome.fault:
             log.error(f"STOP ({outcome.fault})")

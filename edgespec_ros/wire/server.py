@@ -442,7 +442,9 @@ class VerifierServer:
         self.gate.trust(conn.address)
         protocol = getattr(ws, "protocol", None)
         if protocol is not None:  # the session's own frame limit from now on
-            protocol.max_message_size = 2 * self.max_frame + 1024
+            # websockets >= 16 names it max_message_size, 13-15 max_size
+            name = "max_message_size" if hasattr(protocol, "max_message_size") else "max_size"
+            setattr(protocol, name, 2 * self.max_frame + 1024)
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
                                          self.server_name, self.num_layers, self.exit_layers)))
         log.info("session %s: open (client %s, codec %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
