@@ -14,15 +14,15 @@ setup(
     package_data={"edgespec_ros": ["models/**/*", "sim/scenarios/*.json"]},
     include_package_data=True,
     python_requires=">=3.10",
-    # Lower bounds: the oldest releases the ROS-free tests were run with (transformers 5.0.0,
-    # websockets 13.0, numpy 1.26.4, scipy 1.11.4, pillow 10.0.0, safetensors 0.4.3, tqdm 4.66.1);
-    # requirements/robot.txt says the same for the robot.
+    # Lower bounds: the oldest releases the ROS-free tests pass with (run with transformers 5.4.0,
+    # websockets 16.0, numpy 1.26.4, scipy 1.11.4, pillow 10.0.0, safetensors 0.4.3, tqdm 4.66.1,
+    # tokenizers 0.22.2 and torch 2.13.0); requirements/robot.txt says the same for the robot.
     install_requires=[
         "torch>=2.2",
-        "transformers>=5.0,<6",  # the 5.x Qwen2-VL API (mm_token_type_ids)
+        "transformers>=5.4,<6",  # the 5.x Qwen2-VL API (mm_token_type_ids), the PIL image processor
         "tokenizers>=0.22",
-        "websockets>=13",
-        "numpy>=1.26",
+        "websockets>=16",  # 13-15 lose the close reason on shutdown (test_server_hardening)
+        "numpy>=1.26",  # 1.x too: ROS Humble's and Jazzy's own C extensions are built against it
         "scipy>=1.11",
         "safetensors>=0.4.3",
         "pillow>=10.0",

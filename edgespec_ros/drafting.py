@@ -103,9 +103,10 @@ def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = ""
 
 @dataclass(frozen=True)
 class DrafterSettings:
-    """Decoding and scheduling settings of the drafter (the node's parameters)."""
+    """Decoding and scheduling settings of the drafter: the drafter node's parameters of the same
+    names (nodes/params.py declares them, with these defaults: a test keeps the two equal)."""
 
-    mode: str = "sd"
+    mode: str = "pipe+fsd"
     gamma: int = 4
     auto_gamma: bool = False  # sd, pipe: gamma "auto" (decoding.draft_length.AutoGamma); pipe: pipe_depth too
     pipe_depth: int = 3  # pipe modes: blocks in flight

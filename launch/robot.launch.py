@@ -33,11 +33,10 @@ TWIST_MUX_OUTPUT_REMAP = ("cmd_vel_out", "cmd_vel")
 
 # node -> {parameter: launch argument that overrides it (strings only)}
 ROLE_ARGS = {
-    "camera": {"source": "camera_source", "image_topic": "image_topic"},
+    "camera": {"source": "camera_source"},
     "drafter": {"server_url": "server_url", "token_file": "token_file", "tls_ca_file": "tls_ca_file", "mode": "mode",
-                "model_path": "model_path", "device": "device", "dtype": "dtype", "image_topic": "image_topic"},
+                "model_path": "model_path", "device": "device", "dtype": "dtype"},
     "navigator": {"backend": "backend"},
-    "monitor": {"image_topic": "image_topic"},
 }
 
 ARGUMENTS = [
@@ -49,7 +48,8 @@ ARGUMENTS = [
     ("model_path", "", "draft model directory ('' = the embedded default)"),
     ("device", "auto", "draft model device: auto | cpu | cuda | cuda:N"),
     ("dtype", "auto", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16"),
-    ("image_topic", "camera/image_raw", "camera topic (go2_ros2_sdk publishes camera/image_raw)"),
+    ("image_topic", "camera/image_raw", "camera topic (go2_ros2_sdk publishes camera/image_raw): camera, drafter "
+                                        "and monitor are remapped to it"),
     ("use_camera_node", "false", "start the camera node (OpenCV/GStreamer source) instead of using an existing topic"),
     ("camera_source", "0", "camera node source: device index, video file or GStreamer pipeline"),
     ("backend", "twist", "navigator backend: twist (cmd_vel) | unitree_sport"),
@@ -79,14 +79,29 @@ def _parameters(context, role):
     return params
 
 
+# Roles whose camera topic follows the image_topic argument (remapped, as ROS 2 renames topics).
+IMAGE_ROLES = ("camera", "drafter", "monitor")
+DEFAULT_IMAGE_TOPIC = "camera/image_raw"  # edgespec_ros.nodes.topics.IMAGE
+
+
+def _remappings(context, role):
+    """image_topic:=X renames the camera topic (and its /compressed twin) for the nodes that use it."""
+    image = LaunchConfiguration("image_topic").perform(context)
+    if role not in IMAGE_ROLES or image == DEFAULT_IMAGE_TOPIC:
+        return []
+    return [(DEFAULT_IMAGE_TOPIC, image), (DEFAULT_IMAGE_TOPIC + "/compressed", image + "/compressed")]
+
+
 def _launch_setup(context, *args, **kwargs):
     namespace = LaunchConfiguration("namespace").perform(context)
     actions = []
     if _true(context, "use_camera_node"):
         actions.append(Node(package=PACKAGE, executable="camera", name="camera", namespace=namespace,
-                            output="screen", parameters=_parameters(context, "camera")))
+                            output="screen", parameters=_parameters(context, "camera"),
+                            remappings=_remappings(context, "camera")))
     drafter = LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
-                            output="screen", parameters=_parameters(context, "drafter"))
+                            output="screen", parameters=_parameters(context, "drafter"),
+                            remappings=_remappings(context, "drafter"))
     actions.append(drafter)
     # configure -> (inactive) -> activate: the model loads on configure; a failure is logged by the node
     actions.append(RegisterEventHandler(OnStateTransition(
@@ -105,7 +120,8 @@ def _launch_setup(context, *args, **kwargs):
                             output="screen", parameters=[mux_config], remappings=[TWIST_MUX_OUTPUT_REMAP]))
     if _true(context, "use_monitor"):
         actions.append(Node(package=PACKAGE, executable="monitor", name="monitor", namespace=namespace,
-                            output="screen", parameters=_parameters(context, "monitor")))
+                            output="screen", parameters=_parameters(context, "monitor"),
+                            remappings=_remappings(context, "monitor")))
     if _true(context, "rviz"):
         rviz_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "edgespec.rviz"]).perform(context)
         actions.append(Node(package="rviz2", executable="rviz2", name="rviz2", arguments=["-d", rviz_config]))

@@ -81,8 +81,8 @@ def test_a_bfloat16_drafter_is_verified_to_the_targets_own_greedy_output(embedde
 
 
 def test_max_pixels_bounds_a_720p_frame_to_a_jetson_sized_prompt():
-    from transformers import AutoImageProcessor
-    proc = AutoImageProcessor.from_pretrained(default_model_path("draft"), local_files_only=True)
+    from edgespec_ros.decoding.engines import load_image_processor
+    proc = load_image_processor(default_model_path("draft"))
     qwen = copy.deepcopy(proc)  # Qwen2-VL-2B's own bounds: 4 .. 16384 merged tokens
     qwen.size.shortest_edge, qwen.size.longest_edge = 4 * 28 * 28, 16384 * 28 * 28
     assert image_tokens(720, 1280, qwen) == 26 * 46  # 1,196 tokens at the model's own bounds

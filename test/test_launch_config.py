@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from edgespec_ros.nodes import params
+from edgespec_ros.nodes import topics as names
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = sorted((ROOT / "launch").glob("*.launch.py"))
@@ -163,12 +164,12 @@ def test_the_shipped_twist_mux_puts_teleop_above_the_navigator_and_the_estop_abo
     nav_from, nav_to = module_constant(tree, "TWIST_MUX_NAVIGATOR_REMAP")
     out_from, out_to = module_constant(tree, "TWIST_MUX_OUTPUT_REMAP")
     navigator = {s.name: s.default for s in params.NAVIGATOR} | yaml_parameters("navigator")
-    assert nav_from == navigator["cmd_vel_topic"] and out_to == navigator["cmd_vel_topic"] and out_from == "cmd_vel_out"
+    assert nav_from == names.CMD_VEL and out_to == names.CMD_VEL and out_from == "cmd_vel_out"
     assert topics["navigator"]["topic"] == nav_to
     assert topics["teleop"]["priority"] > topics["navigator"]["priority"]
     # The e-stop lock is the navigator's own e-stop topic and blocks every source, teleop included,
     # until released (timeout 0: it never expires by itself).
-    assert locks["estop"]["topic"] == navigator["estop_topic"] and locks["estop"]["timeout"] == 0.0
+    assert locks["estop"]["topic"] == names.ESTOP and locks["estop"]["timeout"] == 0.0
     assert all(locks["estop"]["priority"] > t["priority"] for t in topics.values())
     # The navigator streams at control_rate_hz while moving: the mux must not drop it between two
     # commands (>= 3 periods), and must drop a dead navigator within twist_mux's usual 0.5 s.
@@ -176,6 +177,42 @@ def test_the_shipped_twist_mux_puts_teleop_above_the_navigator_and_the_estop_abo
     assert 3 * period <= topics["navigator"]["timeout"] <= 0.5
     # The navigator's own watchdog outlasts the mux timeout: the mux never holds a stale command.
     assert navigator["watchdog_timeout_s"] > topics["navigator"]["timeout"]
+
+
+def test_topics_are_renamed_by_remapping_not_parameters():
+    """No parameter only renames a topic (ROS 2 remaps names): the nodes take every name from
+    nodes/topics.py, and the launch file's image_topic argument remaps the camera topic the nodes
+    actually use."""
+    for role, specs in params.NODES.items():
+        assert not [s.name for s in specs if s.name.endswith("_topic")], role
+        source = (ROOT / "edgespec_ros" / "nodes" / f"{role}.py").read_text()
+        assert '_topic"]' not in source, role
+    tree = ast.parse((ROOT / "launch" / "robot.launch.py").read_text())
+    assert module_constant(tree, "DEFAULT_IMAGE_TOPIC") == names.IMAGE
+    for role in module_constant(tree, "IMAGE_ROLES"):
+        assert names.IMAGE in {t.name for t in names.NODE_TOPICS[role]}, role
+
+
+def test_parameters_are_declared_once_and_every_file_agrees_with_the_table():
+    """The drafter's settings dataclass is built from the parameters of the same names, with the
+    same defaults; the shipped YAML files restate the table's defaults (one deliberate exception:
+    the camera source is the Go2's H.264 multicast pipeline there, a device index in the table)."""
+    from dataclasses import fields
+    from edgespec_ros.drafting import DrafterSettings
+    table = {s.name: s.default for s in params.DRAFTER}
+    for f in fields(DrafterSettings):
+        assert f.name in table and table[f.name] == f.default, f.name
+    for role in params.NODES:
+        defaults = {s.name: s.default for s in params.NODES[role]}
+        differ = {k for k, v in yaml_parameters(role).items() if defaults[k] != v}
+        assert differ == ({"source"} if role == "camera" else set()), (role, differ)
+    for path in LAUNCH_FILES:  # a launch argument's default is the parameter's default
+        tree = ast.parse(path.read_text())
+        arguments = {name: default for name, default, _ in module_constant(tree, "ARGUMENTS")}
+        for role, mapping in module_constant(tree, "ROLE_ARGS").items():
+            defaults = {s.name: s.default for s in params.NODES[role]}
+            for parameter, argument in mapping.items():
+                assert arguments[argument] == defaults[parameter], (path.name, role, parameter)
 
 
 def test_parameter_reference_is_up_to_date():
@@ -186,9 +223,10 @@ def test_parameter_reference_is_up_to_date():
 def test_rviz_config_shows_topics_the_nodes_publish():
     config = yaml.safe_load((ROOT / "config" / "edgespec.rviz").read_text())
     topics = {d["Topic"]["Value"] for d in config["Visualization Manager"]["Displays"] if "Topic" in d}
-    defaults = {s.name: s.default for role in params.NODES.values() for s in role}
-    assert topics == {"/" + defaults["image_topic"], "/" + defaults["annotated_topic"],
-                      "/" + defaults["markers_topic"], "/" + defaults["odom_topic"]}
+    shown = topics
+    assert shown == {"/" + names.IMAGE, "/" + names.ANNOTATED_IMAGE, "/" + names.MARKERS, "/" + names.ODOM}
+    published = {t.name for ts in names.NODE_TOPICS.values() for t in ts if t.direction == "out"}
+    assert {names.IMAGE, names.ANNOTATED_IMAGE, names.MARKERS, names.ODOM} <= published
 
 
 def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):

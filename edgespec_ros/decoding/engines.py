@@ -161,7 +161,7 @@ def _quantization_config(quantization: str, dev: torch.device, dtype: torch.dtyp
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
-def _image_processor(path: str):
+def load_image_processor(path: str):
     """A Qwen2-VL model's image processor. Without torchvision, recent transformers pick the PIL
     one by themselves; 5.4's AutoImageProcessor insists on torchvision, so ask for it by name."""
     from transformers import AutoImageProcessor
@@ -199,7 +199,7 @@ def load_model(path: str, *, dtype="float32", device: str = "cpu", quantization:
                                                                     **place)
             from .inputs import ecosystem_processor
             processor = ecosystem_processor(path)
-            image_processor = processor.image_processor if processor is not None else _image_processor(path)
+            image_processor = processor.image_processor if processor is not None else load_image_processor(path)
             is_vlm = True
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **place)

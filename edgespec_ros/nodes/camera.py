@@ -16,7 +16,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..imaging import jpeg_bytes, parse_camera_source
-from . import params
+from . import params, topics
 from .common import SENSOR_QOS, declare_parameters, now_ns, ns_to_time, rgb_to_image, run_node
 
 
@@ -42,8 +42,8 @@ class CameraNode(Node):
         p = self.p = declare_parameters(self, params.CAMERA)
         self.capture, self.source = open_capture(p["source"])
         qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE) if p["reliable"] else SENSOR_QOS
-        self.image_pub = self.create_publisher(Image, p["image_topic"], qos)
-        self.compressed_pub = self.create_publisher(CompressedImage, p["image_topic"] + "/compressed", qos) \
+        self.image_pub = self.create_publisher(Image, topics.IMAGE, qos)
+        self.compressed_pub = self.create_publisher(CompressedImage, topics.IMAGE_COMPRESSED, qos) \
             if p["publish_compressed"] else None
         self._lock = threading.Lock()
         self.frames = 0

@@ -17,6 +17,7 @@ scheduling rules live in ``edgespec_ros.drafting``; decoding in ``decoding.edge.
 from __future__ import annotations
 
 import gc
+from dataclasses import fields
 import queue
 import threading
 
@@ -31,7 +32,7 @@ from ..drafting import ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, De
     DrafterSettings, Frame, GoalProgress
 from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
-from . import params
+from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, image_to_rgb, now_ns, ns_to_time, \
     outcome_name, run_node, set_action, time_to_ns
 
@@ -58,15 +59,8 @@ class DrafterNode(LifecycleNode):
     def __init__(self, verifier_factory=None, **kwargs):
         super().__init__("drafter", **kwargs)
         p = self.p = declare_parameters(self, params.DRAFTER)
-        self.settings = DrafterSettings(
-            mode=p["mode"], gamma=p["gamma"], auto_gamma=p["auto_gamma"], pipe_depth=p["pipe_depth"],
-            max_new_tokens=p["max_new_tokens"],
-            temperature=p["temperature"], resample_temperature=p["resample_temperature"],
-            seed=p["seed"], codec=p["codec"], predraft_workers=p["predraft_workers"],
-            client_queue=p["client_queue"], deadline_s=p["deadline_s"], retry_interval_s=p["retry_interval_s"],
-            max_frame_age_s=p["max_frame_age_s"], wait_for_motion=p["wait_for_motion"],
-            motion_wait_timeout_s=p["motion_wait_timeout_s"], finish_on_stop=p["finish_on_stop"],
-            max_decisions=p["max_decisions"])
+        # every DrafterSettings field is the parameter of the same name (declared once, in params.py)
+        self.settings = DrafterSettings(**{f.name: p[f.name] for f in fields(DrafterSettings)})
         self.verifier_factory = verifier_factory or self._remote_verifier
         self.draft_lm = None
         self.token = ""
@@ -92,9 +86,9 @@ class DrafterNode(LifecycleNode):
             self.token = read_token(self.p["token_file"])
             self._load_model()
             self._lifecycle_pubs = {
-                "decision": self.create_lifecycle_publisher(VerifiedAction, self.p["decision_topic"], RELIABLE_QOS),
-                "partial": self.create_lifecycle_publisher(String, self.p["partial_topic"], RELIABLE_QOS),
-                "stats": self.create_lifecycle_publisher(DecodingStats, self.p["stats_topic"], RELIABLE_QOS),
+                "decision": self.create_lifecycle_publisher(VerifiedAction, topics.DECISION, RELIABLE_QOS),
+                "partial": self.create_lifecycle_publisher(String, topics.PARTIAL_TEXT, RELIABLE_QOS),
+                "stats": self.create_lifecycle_publisher(DecodingStats, topics.DECODING_STATS, RELIABLE_QOS),
             }
         except Exception as exc:  # noqa: BLE001 - any failure fails the transition, loudly
             self._free_model()
@@ -119,27 +113,27 @@ class DrafterNode(LifecycleNode):
         except Exception as exc:  # noqa: BLE001
             self._stop_entities()
             return self._fail("activate", exc)
-        self.get_logger().info("active: waiting for a command on " + self.resolve_topic_name(self.p["command_topic"]))
+        self.get_logger().info("active: waiting for a command on " + self.resolve_topic_name(topics.COMMAND))
         return super().on_activate(state)
 
     def _start_entities(self) -> None:
         p = self.p
         if p["use_compressed"]:
-            image_sub = self.create_subscription(CompressedImage, p["image_topic"] + "/compressed", self.on_image,
+            image_sub = self.create_subscription(CompressedImage, topics.IMAGE_COMPRESSED, self.on_image,
                                                  SENSOR_QOS, callback_group=self._input_group)
         else:
-            image_sub = self.create_subscription(Image, p["image_topic"], self.on_image, SENSOR_QOS,
+            image_sub = self.create_subscription(Image, topics.IMAGE, self.on_image, SENSOR_QOS,
                                                  callback_group=self._input_group)
         self._entities = [
             image_sub,
-            self.create_subscription(String, p["command_topic"], self.on_command, RELIABLE_QOS,
+            self.create_subscription(String, topics.COMMAND, self.on_command, RELIABLE_QOS,
                                      callback_group=self._input_group),
-            self.create_subscription(MotionState, p["motion_state_topic"], self.on_motion_state, LATCHED_QOS,
+            self.create_subscription(MotionState, topics.MOTION_STATE, self.on_motion_state, LATCHED_QOS,
                                      callback_group=self._input_group),
             self.create_timer(p["decision_period_s"], self.on_decision_timer, callback_group=self._decide_group),
             self.create_timer(SUPERVISOR_PERIOD_S, self.on_supervisor_timer, callback_group=self._supervisor_group),
         ]
-        self._action_server = ActionServer(self, Instruct, "instruct", self._execute_goal,
+        self._action_server = ActionServer(self, Instruct, topics.INSTRUCT, self._execute_goal,
                                            goal_callback=self._on_goal_request,
                                            handle_accepted_callback=self._on_goal_accepted,
                                            cancel_callback=lambda _handle: CancelResponse.ACCEPT,

@@ -27,7 +27,7 @@ from ..actions import ActionParseError
 from ..imaging import ImageFormatError, annotate
 from ..motion import Pose2D, motion_preview, yaw_from_quaternion
 from ..msg import DecodingStats, MotionState, VerifiedAction
-from . import params
+from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, image_to_rgb, \
     now_ns, rgb_to_image, run_node, time_to_ns
 
@@ -76,18 +76,18 @@ class MonitorNode(Node):
         self._odom: tuple[str, Pose2D] | None = None
         self._live_published_ns = -1
         group = ReentrantCallbackGroup()  # state behind self._lock
-        self.create_subscription(VerifiedAction, p["decision_topic"], self.on_decision, RELIABLE_QOS,
+        self.create_subscription(VerifiedAction, topics.DECISION, self.on_decision, RELIABLE_QOS,
                                  callback_group=group)
-        self.create_subscription(DecodingStats, p["stats_topic"], self.on_stats, RELIABLE_QOS, callback_group=group)
-        self.create_subscription(MotionState, p["motion_state_topic"], self.on_motion, LATCHED_QOS,
+        self.create_subscription(DecodingStats, topics.DECODING_STATS, self.on_stats, RELIABLE_QOS, callback_group=group)
+        self.create_subscription(MotionState, topics.MOTION_STATE, self.on_motion, LATCHED_QOS,
                                  callback_group=group)
-        self.create_subscription(Image, p["image_topic"], self.on_image, SENSOR_QOS, callback_group=group)
-        self.create_subscription(Odometry, p["odom_topic"], self.on_odom, SENSOR_STREAM_QOS, callback_group=group)
-        self.markers_pub = self.create_publisher(MarkerArray, p["markers_topic"], RELIABLE_QOS)
+        self.create_subscription(Image, topics.IMAGE, self.on_image, SENSOR_QOS, callback_group=group)
+        self.create_subscription(Odometry, topics.ODOM, self.on_odom, SENSOR_STREAM_QOS, callback_group=group)
+        self.markers_pub = self.create_publisher(MarkerArray, topics.MARKERS, RELIABLE_QOS)
         # Reliable: the bring-up records every per-decision frame; reliable publishers also match
         # best-effort subscribers (rviz).
-        self.annotated_pub = self.create_publisher(Image, p["annotated_topic"], RELIABLE_QOS)
-        self.diagnostics_pub = self.create_publisher(DiagnosticArray, p["diagnostics_topic"], RELIABLE_QOS)
+        self.annotated_pub = self.create_publisher(Image, topics.ANNOTATED_IMAGE, RELIABLE_QOS)
+        self.diagnostics_pub = self.create_publisher(DiagnosticArray, topics.DIAGNOSTICS, RELIABLE_QOS)
         self.create_timer(1.0 / p["annotated_rate_hz"], self.on_live_timer, callback_group=group)
         self.create_timer(1.0 / p["diagnostics_rate_hz"], self.publish_diagnostics, callback_group=group)
 

@@ -19,7 +19,7 @@ from ..actions import ActionParseError, parse_action
 from ..msg import MotionState, VerifiedAction
 from ..motion import COMPLETED, FAULT, REJECTED, SPORT_MIN_RATE_HZ, STALE, MotionExecutor, MotionLimits, Pose2D, \
     sport_request, yaw_from_quaternion
-from . import params
+from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, outcome_code, run_node, time_to_ns
 
@@ -78,9 +78,9 @@ class NavigatorNode(Node):
         self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                         p["stall_timeout_s"])
         self._lock = threading.Lock()
-        self.backend = TwistBackend(self, p["cmd_vel_topic"]) if p["backend"] == "twist" \
-            else SportBackend(self, p["sport_topic"])
-        self.state_pub = self.create_publisher(MotionState, p["state_topic"], LATCHED_QOS)
+        self.backend = TwistBackend(self, topics.CMD_VEL) if p["backend"] == "twist" \
+            else SportBackend(self, topics.SPORT_REQUEST)
+        self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
         self._published_state = None
         self._state_since_ns = now_ns(self)
 
@@ -88,11 +88,11 @@ class NavigatorNode(Node):
         # callback in the executor, and no group has several entities due at once (a mutually
         # exclusive group in that state made rclpy's MultiThreadedExecutor stall timers by 0.3-0.9 s).
         control = safety = ReentrantCallbackGroup()
-        self.create_subscription(VerifiedAction, p["decision_topic"], self.on_decision, RELIABLE_QOS,
+        self.create_subscription(VerifiedAction, topics.DECISION, self.on_decision, RELIABLE_QOS,
                                  callback_group=control)
-        self.create_subscription(Bool, p["estop_topic"], self.on_estop, RELIABLE_QOS, callback_group=safety)
+        self.create_subscription(Bool, topics.ESTOP, self.on_estop, RELIABLE_QOS, callback_group=safety)
         if p["use_odometry"]:
-            self.create_subscription(Odometry, p["odom_topic"], self.on_odometry, SENSOR_STREAM_QOS,
+            self.create_subscription(Odometry, topics.ODOM, self.on_odometry, SENSOR_STREAM_QOS,
                                      callback_group=control)
         self.create_timer(1.0 / p["control_rate_hz"], self.on_control, callback_group=control)
         self._publish_state()

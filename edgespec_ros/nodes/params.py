@@ -38,8 +38,7 @@ CAMERA = (
                      "(contains '!'; the Go2's H.264 multicast: udpsrc address=230.1.1.1 port=1720 ...)"),
     P("rate_hz", 10.0, "frames published per second (at most the source's rate)", min_value=0.1, max_value=120.0),
     P("frame_id", "front_camera", "header.frame_id of the published images"),
-    P("image_topic", "camera/image_raw", "sensor_msgs/Image topic (bgr8)"),
-    P("publish_compressed", True, "also publish sensor_msgs/CompressedImage (JPEG) on <image_topic>/compressed"),
+    P("publish_compressed", True, "also publish sensor_msgs/CompressedImage (JPEG) on camera/image_raw/compressed"),
     P("jpeg_quality", 85, "JPEG quality of the compressed stream", min_value=10, max_value=100),
     P("loop_video", True, "restart a video file at its end instead of stopping"),
     P("reliable", False, "publish RELIABLE instead of sensor-data BEST_EFFORT (for subscribers that insist)"),
@@ -63,7 +62,7 @@ DRAFTER = (
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
     P("tls_ca_file", "", "wss:// server_url: PEM file of the CA (or the self-signed certificate) that signs the "
                          "verifier's certificate; '' = the system CAs. The certificate and hostname are always checked"),
-    P("mode", "sd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
+    P("mode", "pipe+fsd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
                     "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
                     "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
                     "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the robot "
@@ -99,13 +98,7 @@ DRAFTER = (
     P("finish_on_stop", True, "a verified 'stop' completes the command (no more decisions until the next)"),
     P("max_decisions", 0, "decisions per command before it is dropped; 0 = unlimited", min_value=0),
     P("link_name", "real", "link label in DecodingStats (the bring-up sets the emulated profile's name)"),
-    P("image_topic", "camera/image_raw", "camera topic (sensor-data QoS, only the latest frame is kept)"),
-    P("use_compressed", False, "subscribe to sensor_msgs/CompressedImage on <image_topic>/compressed instead"),
-    P("command_topic", "command", "std_msgs/String natural-language command; '' cancels"),
-    P("decision_topic", "decision", "edgespec_ros/VerifiedAction output"),
-    P("partial_topic", "drafter/partial_text", "std_msgs/String: verified text so far, streamed"),
-    P("stats_topic", "decoding_stats", "edgespec_ros/DecodingStats output, one per decision"),
-    P("motion_state_topic", "navigator/state", "edgespec_ros/MotionState from the navigator"),
+    P("use_compressed", False, "subscribe to sensor_msgs/CompressedImage on camera/image_raw/compressed instead"),
     P("autostart", False, "configure and activate at startup (for `ros2 run`; launch files drive the "
                           "lifecycle themselves)"),
 )
@@ -114,12 +107,6 @@ NAVIGATOR = (
     P("backend", "twist", "twist: geometry_msgs/Twist on cmd_vel (go2_ros2_sdk, twist_mux); unitree_sport: "
                           "unitree_api/msg/Request (Move 1008 / StopMove 1003), needs unitree_api",
       choices=("twist", "unitree_sport")),
-    P("cmd_vel_topic", "cmd_vel", "Twist output (backend twist)"),
-    P("sport_topic", "/api/sport/request", "unitree sport-API request topic (backend unitree_sport)"),
-    P("decision_topic", "decision", "edgespec_ros/VerifiedAction input"),
-    P("estop_topic", "estop", "std_msgs/Bool: true stops at once and refuses decisions until false"),
-    P("odom_topic", "odom", "nav_msgs/Odometry for closed-loop primitives"),
-    P("state_topic", "navigator/state", "edgespec_ros/MotionState output (latched)"),
     P("use_odometry", True, "track primitives on odometry when it is fresh (else timed)"),
     P("odom_timeout_s", 0.5, "odometry older than this is stale: fall back to timed execution", min_value=0.01),
     P("control_rate_hz", 20.0, "velocity command rate (the sport API needs >= 20 Hz)", min_value=1.0,
@@ -142,15 +129,6 @@ NAVIGATOR = (
 )
 
 MONITOR = (
-    P("decision_topic", "decision", "edgespec_ros/VerifiedAction input"),
-    P("stats_topic", "decoding_stats", "edgespec_ros/DecodingStats input"),
-    P("motion_state_topic", "navigator/state", "edgespec_ros/MotionState input"),
-    P("image_topic", "camera/image_raw", "camera input (sensor-data QoS)"),
-    P("odom_topic", "odom", "nav_msgs/Odometry: where to draw the markers"),
-    P("markers_topic", "monitor/markers", "visualization_msgs/MarkerArray output"),
-    P("annotated_topic", "monitor/annotated_image", "sensor_msgs/Image output: frame + action, reasoning, "
-                                                    "latency, mode"),
-    P("diagnostics_topic", "/diagnostics", "diagnostic_msgs/DiagnosticArray output"),
     P("annotated_rate_hz", 2.0, "live annotated frames per second (plus one per decision)", min_value=0.1),
     P("annotated_width", 448, "width of annotated frames in pixels", min_value=64, max_value=4096),
     P("base_frame", "base_link", "frame of the markers when no odometry has arrived"),
@@ -163,12 +141,6 @@ SIM_ROBOT = (
     P("camera_rate_hz", 10.0, "rendered frames per second", min_value=0.1),
     P("odom_rate_hz", 20.0, "odometry and true-pose publications per second", min_value=1.0),
     P("cmd_timeout_s", 0.5, "a cmd_vel older than this counts as zero (like twist_mux)", min_value=0.01),
-    P("cmd_vel_topic", "cmd_vel", "geometry_msgs/Twist input"),
-    P("decision_topic", "decision", "edgespec_ros/VerifiedAction input (counts episode steps; stop ends it)"),
-    P("image_topic", "camera/image_raw", "sensor_msgs/Image output (rgb8, sensor-data QoS)"),
-    P("odom_topic", "odom", "nav_msgs/Odometry output (odom frame = start pose)"),
-    P("pose_topic", "sim/true_pose", "geometry_msgs/PoseStamped output in the room frame"),
-    P("episode_topic", "sim/episode", "std_msgs/String JSON episode status output (latched)"),
     P("camera_frame_id", "front_camera", "header.frame_id of the images"),
     P("odom_frame_id", "odom", "odometry frame"),
     P("base_frame_id", "base_link", "odometry child frame"),
@@ -185,12 +157,16 @@ NODES = {
 
 
 def markdown() -> str:
-    """docs/parameters.md: one table per node."""
-    out = ["# Node parameters", "",
+    """docs/parameters.md: the topics and the parameters of each node."""
+    from .topics import markdown as topics_markdown
+    out = ["# Node topics and parameters", "",
            "Generated by `python -m edgespec_ros.nodes.params > docs/parameters.md` from",
-           "`edgespec_ros/nodes/params.py`; `config/<node>.yaml` sets some of them.", ""]
+           "`edgespec_ros/nodes/params.py` and `edgespec_ros/nodes/topics.py`; `config/<node>.yaml` sets",
+           "some parameters. Topic names are the defaults, relative to the node's namespace unless they",
+           "start with '/': rename them by remapping (launch `remappings=`, or `--ros-args -r old:=new`).", ""]
     for node, specs in NODES.items():
-        out += [f"## {node}", "", "| parameter | default | meaning |", "|---|---|---|"]
+        out += [f"## {node}", ""] + topics_markdown(node) + [""]
+        out += ["| parameter | default | meaning |", "|---|---|---|"]
         for s in specs:
             extra = f" (one of {', '.join(map(str, s.choices))})" if s.choices else ""
             out.append(f"| `{s.name}` | `{s.default!r}` | {s.description}{extra} |")

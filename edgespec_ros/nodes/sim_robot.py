@@ -25,7 +25,7 @@ from ..motion import quaternion_from_yaw, wrap_angle
 from ..msg import VerifiedAction
 from ..sim.cli import resolve_scenario
 from ..sim.world import SimWorld
-from . import params
+from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, rgb_to_image, run_node
 
@@ -50,13 +50,13 @@ class SimRobotNode(Node):
         # Reentrant + one lock around the world: a mutually exclusive group with several timers due at
         # once made rclpy's MultiThreadedExecutor stall the others (measured 0.3-0.9 s).
         group = ReentrantCallbackGroup()
-        self.create_subscription(Twist, p["cmd_vel_topic"], self.on_cmd_vel, RELIABLE_QOS, callback_group=group)
-        self.create_subscription(VerifiedAction, p["decision_topic"], self.on_decision, RELIABLE_QOS,
+        self.create_subscription(Twist, topics.CMD_VEL, self.on_cmd_vel, RELIABLE_QOS, callback_group=group)
+        self.create_subscription(VerifiedAction, topics.DECISION, self.on_decision, RELIABLE_QOS,
                                  callback_group=group)
-        self.image_pub = self.create_publisher(Image, p["image_topic"], SENSOR_QOS)
-        self.odom_pub = self.create_publisher(Odometry, p["odom_topic"], SENSOR_STREAM_QOS)
-        self.pose_pub = self.create_publisher(PoseStamped, p["pose_topic"], SENSOR_STREAM_QOS)
-        self.episode_pub = self.create_publisher(String, p["episode_topic"], LATCHED_QOS)
+        self.image_pub = self.create_publisher(Image, topics.IMAGE, SENSOR_QOS)
+        self.odom_pub = self.create_publisher(Odometry, topics.ODOM, SENSOR_STREAM_QOS)
+        self.pose_pub = self.create_publisher(PoseStamped, topics.TRUE_POSE, SENSOR_STREAM_QOS)
+        self.episode_pub = self.create_publisher(String, topics.EPISODE, LATCHED_QOS)
         self.create_timer(1.0 / p["physics_rate_hz"], self.on_physics, callback_group=group)
         self.create_timer(1.0 / p["camera_rate_hz"], self.on_camera, callback_group=group)
         self.create_timer(1.0 / p["odom_rate_hz"], self.on_odom, callback_group=group)

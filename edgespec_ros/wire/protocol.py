@@ -81,8 +81,12 @@ class _Writer:
     def blob(self, v: bytes): return self.u32(len(v)).raw(bytes(v))
 
     def ids(self, v):
-        arr = np.asarray(v, dtype="<u4")
-        return self.u32(arr.size).raw(arr.tobytes())
+        # Checked explicitly: numpy 2 raises OverflowError for an out-of-range id, numpy 1.x (what
+        # ROS Humble and Jazzy ship) wraps it silently into another token.
+        wide = np.asarray(v, dtype=np.int64) if len(v) else np.zeros(0, dtype=np.int64)
+        if wide.size and (wide.min() < 0 or wide.max() > 0xFFFFFFFF):
+            raise OverflowError(f"token id {int(wide.min() if wide.min() < 0 else wide.max())} is not a u32")
+        return self.u32(wide.size).raw(wide.astype("<u4").tobytes())
 
     def raw(self, b: bytes): self.parts.append(b); return self
 
