@@ -5,243 +5,33 @@
 
 The same nodes (sim_robot, drafter, navigator, monitor) with the same parameters
 (``config/<node>.yaml``, then ``--params-file``, then the overrides the launch file also makes)
-on a MultiThreadedExecutor; the verifier runs in its own process (``bench.runner.verifier_process``)
+on a MultiThreadedExecutor; the verifier runs in its own process (``processes.verifier_process``)
 behind an emulated link (``wire.link.LinkProxy``, in a process of its own too). The drafter's lifecycle is driven as the launch
 file drives it: configure, then activate. An observer node sends the scenario's instruction on
 ``command``, prints one line per decision, and records the annotated frames; at the end the
 trajectory map, the frames and a metrics table are written to the output folder.
 
-``Graph`` is also what the tests use to bring nodes up in-process.
+The graph itself is ``nodes.graph.Graph`` (the tests bring nodes up with it too); the child
+processes are ``processes``.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
 import os
 import queue
-import select
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-NODE_ROLES = ("sim_robot", "drafter", "navigator", "monitor")
-PACKAGE = "edgespec_ros"
-
-
-def share_dir() -> Path:
-    """Where launch/ and config/ are: this checkout when run from one, else the colcon/ament share
-    directory, else the venv's ``share/edgespec_ros`` (installed there by scripts/build_msgs.sh)."""
-    checkout = Path(__file__).resolve().parents[1]
-    if (checkout / "package.xml").is_file() and (checkout / "config").is_dir():
-        return checkout
-    try:
-        from ament_index_python.packages import get_package_share_directory
-        return Path(get_package_share_directory(PACKAGE))
-    except Exception:  # noqa: BLE001 - not a ROS install, or the package is not on the index
-        pass
-    installed = Path(sys.prefix) / "share" / PACKAGE
-    if (installed / "config").is_dir():
-        return installed
-    raise FileNotFoundError("cannot find edgespec_ros's config/ directory: run from a checkout, a colcon install, "
-                            "or give --config-dir")
-
-
-def node_factories() -> dict:
-    from .nodes.camera import CameraNode
-    from .nodes.drafter import DrafterNode
-    from .nodes.monitor import MonitorNode
-    from .nodes.navigator import NavigatorNode
-    from .nodes.sim_robot import SimRobotNode
-    return {"camera": CameraNode, "drafter": DrafterNode, "navigator": NavigatorNode, "monitor": MonitorNode,
-            "sim_robot": SimRobotNode}
-
-
-def default_domain_id() -> int:
-    """ROS_DOMAIN_ID when set (to watch the graph from rviz), else one derived from the pid, so that
-    parallel runs and robots on domain 0 do not hear each other."""
-    env = os.environ.get("ROS_DOMAIN_ID", "").strip()
-    return int(env) if env.isdigit() else 1 + os.getpid() % 100
-
-
-class Graph:
-    """Nodes of ``roles`` in their own rclpy Context, spinning on one MultiThreadedExecutor thread.
-
-    Parameters: ``config_dir/<role>.yaml``, then ``params_file``, then ``overrides[role]`` (a dict),
-    exactly the order of the launch files. ``node_kwargs[role]`` go to the node class (test seams);
-    ``namespace`` puts every node (and its relative topics) under it, as the launch argument does;
-    ``log_level`` (debug, info, warn, error) sets the nodes' loggers.
-    """
-
-    def __init__(self, roles=NODE_ROLES, *, config_dir: str | Path | None = None, params_file: str | None = None,
-                 overrides: dict | None = None, node_kwargs: dict | None = None, domain_id: int | None = None,
-                 namespace: str = "", log_level: str | None = None, threads: int = 6):
-        self.roles = tuple(roles)
-        self.config_dir = Path(config_dir) if config_dir else share_dir() / "config"
-        self.params_file = params_file
-        self.overrides = overrides or {}
-        self.node_kwargs = node_kwargs or {}
-        self.domain_id = default_domain_id() if domain_id is None else domain_id
-        self.namespace = namespace
-        self.log_level = log_level
-        self.threads = threads
-        self.nodes: dict = {}
-        self.extra_nodes: list = []
-        self.context = None
-        self.executor = None
-        self._thread = None
-
-    def node_arguments(self, role: str) -> tuple[list[str], list]:
-        """(cli_args, parameter_overrides) of one node."""
-        from rclpy.parameter import Parameter
-        config = self.config_dir / f"{role}.yaml"
-        if not config.is_file():
-            raise FileNotFoundError(f"no parameter file {config} for node {role!r}")
-        cli = ["--ros-args", "--params-file", str(config)]
-        if self.params_file:
-            cli += ["--params-file", str(self.params_file)]
-        if self.namespace:
-            cli += ["-r", f"__ns:={self.namespace}"]
-        return cli, [Parameter(name, value=value) for name, value in self.overrides.get(role, {}).items()]
-
-    def start(self) -> "Graph":
-        import rclpy
-        from rclpy.context import Context
-        from rclpy.executors import MultiThreadedExecutor
-        # Every node shares this one interpreter (ros2 launch would give each a process): hand the
-        # interpreter lock over every 1 ms, not 5, so the executor's callbacks (odometry, cmd_vel,
-        # the watchdog) are not held back by other threads' Python-heavy work. (Measured: at 5 ms a
-        # sim + navigator graph alone saw 1 s odometry gaps and gave moves up as blocked.)
-        sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
-        # Discovery on this host only: an in-process graph drives a simulated robot or a test.
-        os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-        self.context = Context()
-        rclpy.init(context=self.context, domain_id=self.domain_id)
-        try:
-            factories = node_factories()
-            for role in self.roles:
-                cli, params = self.node_arguments(role)
-                if self.log_level:  # before the node exists, so its start-up lines obey it too
-                    from rclpy.logging import LoggingSeverity, set_logger_level
-                    logger = ".".join(part for part in (self.namespace.strip("/").replace("/", "."), role) if part)
-                    set_logger_level(logger, getattr(LoggingSeverity, self.log_level.upper()))
-                self.nodes[role] = factories[role](context=self.context, cli_args=cli, parameter_overrides=params,
-                                                   **self.node_kwargs.get(role, {}))
-            # One executor for the whole graph: several MultiThreadedExecutors in one process
-            # starve each other's timers (measured: 0.3-0.9 s stalls), one does not.
-            self.executor = MultiThreadedExecutor(num_threads=self.threads, context=self.context)
-            for node in self.nodes.values():
-                self.executor.add_node(node)
-            self._thread = threading.Thread(target=self._spin, name="bringup-executor", daemon=True)
-            self._thread.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _spin(self) -> None:
-        from rclpy.executors import ExternalShutdownException
-        try:
-            self.executor.spin()
-        except ExternalShutdownException:
-            pass
-
-    def add_node(self, node) -> None:
-        """Spin an extra node (an observer, a test probe) with the graph."""
-        self.extra_nodes.append(node)
-        self.executor.add_node(node)
-
-    def activate_drafter(self) -> None:
-        """configure + activate, as the launch files do; RuntimeError with the node's reason on failure."""
-        from rclpy.lifecycle import TransitionCallbackReturn
-        drafter = self.nodes["drafter"]
-        for name, trigger in (("configure", drafter.trigger_configure), ("activate", drafter.trigger_activate)):
-            if trigger() != TransitionCallbackReturn.SUCCESS:
-                raise RuntimeError(f"drafter {name} failed: {drafter.last_error}")
-
-    def stop(self) -> None:
-        import rclpy
-        # Stop spinning first: destroying timers and subscriptions under a spinning executor leaves
-        # it futures that fail ("cannot use Destroyable").
-        if self.executor is not None:
-            for node in list(self.nodes.values()) + self.extra_nodes:
-                self.executor.remove_node(node)
-            self.executor.shutdown(timeout_sec=10.0)
-            self.executor = None
-        if self._thread is not None:
-            self._thread.join(10.0)  # the spin must be over before the nodes are destroyed
-            self._thread = None
-        drafter = self.nodes.get("drafter")
-        if drafter is not None:
-            try:
-                if drafter._state_machine.current_state[1] == "active":
-                    drafter.trigger_deactivate()  # publishes a stop when a command was running
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
-        for node in list(self.nodes.values()) + self.extra_nodes:
-            close = getattr(node, "close", None)
-            if close:
-                close()
-            node.destroy_node()
-        self.nodes, self.extra_nodes = {}, []
-        if self.context is not None and self.context.ok():
-            rclpy.shutdown(context=self.context)
-        self.context = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.02):
-    """Poll ``predicate`` until it returns something truthy (returned) or raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(poll_s)
-
+from .nodes.graph import NODE_ROLES, Graph, wait_for
 
 # --------------------------------------------------------------------------------------------------
 # The closed-loop demo
-
-_PROXY_SCRIPT = ("import sys\n"
-                 "from edgespec_ros.wire.link import LinkProxy, get_profile\n"
-                 "proxy = LinkProxy(get_profile(sys.argv[1]), '127.0.0.1', int(sys.argv[2])).start()\n"
-                 "print(proxy.port, flush=True)\n"
-                 "sys.stdin.read()  # until the parent closes stdin (or dies)\n"
-                 "proxy.stop()\n")
-
-
-@contextlib.contextmanager
-def link_proxy_process(profile: str, target_port: int, timeout_s: float = 30.0):
-    """wire.link.LinkProxy in its own process (the link is not the robot's: the nodes' threads
-    must not delay its deliveries); yields the ws:// URL that reaches target_port through it."""
-    proc = subprocess.Popen([sys.executable, "-c", _PROXY_SCRIPT, profile, str(target_port)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        line = proc.stdout.readline().strip() if ready else ""
-        if not line.isdigit():
-            raise RuntimeError(f"the link proxy process did not start (exit code {proc.poll()})")
-        yield f"ws://127.0.0.1:{line}"
-    finally:
-        try:
-            proc.stdin.close()
-            proc.wait(5)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-
 
 class Observer:
     """A plain node that sends the command and collects what the demo prints and saves."""
@@ -357,8 +147,9 @@ def default_mode() -> str:
 def run_closed_loop(args) -> int:
     from std_msgs.msg import String
 
-    from .bench.runner import env_threads, resolve_models, verifier_process
-    from .sim.cli import resolve_scenario
+    from .models import resolve_models
+    from .processes import env_threads, link_proxy_process, verifier_process
+    from .sim.scenario import resolve_scenario
     from .sim.render import compose_side_by_side, render_topdown
     from .wire.link import get_profile
 

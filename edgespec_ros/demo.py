@@ -12,7 +12,9 @@ import argparse
 import sys
 import textwrap
 
-from .bench.runner import add_speedups, bench_prompts, emulated_setup, env_threads, resolve_models, run_modes
+from .models import resolve_models
+from .processes import env_threads
+from .bench.runner import add_speedups, bench_prompts, emulated_setup, run_modes
 from .decoding.compute import COMPUTE_PROFILES, get_compute
 from .decoding.sampling import SamplingParams
 from .wire.link import PROFILES

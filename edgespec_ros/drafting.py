@@ -225,7 +225,7 @@ class Ticket:
 
 def classify_error(exc: BaseException) -> str:
     """A fault text for an exception raised while deciding (names the verifier problem)."""
-    from .wire.client import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout
+    from .decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout
     if isinstance(exc, LinkLostError):
         return f"verifier unreachable: {exc}"
     if isinstance(exc, VerifierTimeout):

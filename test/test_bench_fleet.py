@@ -8,7 +8,7 @@ import os
 import pytest
 
 from edgespec_ros.bench.fleet import plot_fleet, run_fleet, table_fleet
-from edgespec_ros.bench.runner import resolve_models
+from edgespec_ros.models import resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
 

@@ -7,7 +7,8 @@ from tqdm import tqdm
 
 from edgespec_ros.bench import cli
 from edgespec_ros.bench.fsd import PAPER_TABLE8, latency_model, measured_terms, model_report, paper_comparison
-from edgespec_ros.bench.runner import env_threads, resolve_models
+from edgespec_ros.models import resolve_models
+from edgespec_ros.processes import env_threads
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not

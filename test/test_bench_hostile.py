@@ -7,7 +7,7 @@ import os
 import pytest
 
 from edgespec_ros.bench.hostile import KINDS, run_hostile, table_hostile, plot_hostile
-from edgespec_ros.bench.runner import resolve_models
+from edgespec_ros.models import resolve_models
 from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
 
 

@@ -21,8 +21,8 @@ from edgespec_ros.decoding.sampling import SamplingParams, probs_from_logits
 from edgespec_ros.decoding.verify import check_draft_probs, verify
 from edgespec_ros.wire import protocol as P
 
-from test_verify import (DRAFT_TABLE, P_VALUE_MIN, TARGET_TABLE, V_SMALL, _target_joint, chi_square_pvalue,
-                         draft_from, tv_distance)
+from stats_helpers import (DRAFT_TABLE, P_VALUE_MIN, TARGET_TABLE, V_SMALL, target_joint, chi_square_pvalue,
+                           draft_from, tv_distance)
 
 QWEN_VOCAB = 151_936
 T1 = SamplingParams(temperature=1.0)
@@ -334,7 +334,7 @@ def test_csqs_budget_too_small_for_one_token_and_payloads_over_budget_are_refuse
         get_codec("csqs:l=16,budget=100").decode(big.encode([0, 1, 2, 3], q_hat), [0, 1, 2, 3], 300)
 
 
-# --- statistical exactness, per codec (test_verify.py's harness) ----------------------------
+# --- statistical exactness, per codec (stats_helpers.py) ----------------------------
 
 def codec_decode(seed, n_tokens, params, spec, gamma=3, cloud_q=None, cache=None):
     """SD rounds as EdgeDecoder runs them, on the position-indexed tables, with q through the codec:
@@ -377,7 +377,7 @@ def _pair_counts(n, params, spec, **kw):
 @pytest.mark.parametrize("spec", SMALL_SPECS)
 def test_two_token_joint_matches_target_through_every_codec(spec):
     n = 2500
-    joint = _target_joint(T1)
+    joint = target_joint(T1)
     counts = _pair_counts(n, T1, spec)
     assert counts[joint == 0].sum() == 0
     assert chi_square_pvalue(counts, joint) > P_VALUE_MIN
@@ -389,7 +389,7 @@ def test_negative_control_verifying_against_unquantized_q_is_detected():
     """Drafting from a coarse ksqs q^ but verifying against the dense q is not lossless: the same
     harness must see it (so the passes above mean something)."""
     counts = _pair_counts(2500, T1, "ksqs:k=2,l=2", cloud_q=lambda q, q_hat: q)
-    assert chi_square_pvalue(counts, _target_joint(T1)) < 1e-6
+    assert chi_square_pvalue(counts, target_joint(T1)) < 1e-6
 
 
 # --- bad payloads ---------------------------------------------------------------------------

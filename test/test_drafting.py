@@ -1,79 +1,13 @@
 """The drafter's decision loop without ROS: readiness, outcomes, faults, deadlines, cancellation."""
 import threading
 
-import numpy as np
 import pytest
 
-from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame, outcome_from_text
-from edgespec_ros.decoding.edge import Decision
-from edgespec_ros.decoding.metrics import DecisionMetrics
+from edgespec_ros.drafting import DrafterSettings, outcome_from_text
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
 from edgespec_ros.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED
 
-S = 1_000_000_000
-IMAGE = np.zeros((8, 8, 3), np.uint8)
-TEXT = "The silver bottle is ahead. Action: move forward medium."
-
-
-class Clock:
-    def __init__(self, t_ns=100 * S):
-        self.t = t_ns
-
-    def __call__(self):
-        return self.t
-
-    def advance(self, seconds):
-        self.t += int(seconds * S)
-
-
-class FakeVerifier:
-    def __init__(self):
-        self.closed = 0
-
-    def close(self):
-        self.closed += 1
-
-
-class FakeDecoder:
-    """decide() returns `text` (reporting it as 2 chunks through on_tokens), raises `error`, or blocks on
-    `release` (calling on_tokens after release, like the next verified chunk would)."""
-
-    def __init__(self, text=TEXT, error=None, block=False):
-        self.text, self.error = text, error
-        self.verifier = FakeVerifier()
-        self.tokenizer = None
-        self.calls = []
-        self.temperatures = []
-        self.started = threading.Event()
-        self.release = threading.Event()
-        if not block:
-            self.release.set()
-
-    def decide(self, instruction, image, cfg, on_tokens=None):
-        self.calls.append((instruction, cfg.seed, cfg.mode))
-        self.temperatures.append(cfg.params.temperature)
-        self.started.set()
-        self.release.wait(10)
-        if on_tokens:
-            on_tokens([1, 2])
-        if self.error is not None:
-            raise self.error
-        if on_tokens:
-            on_tokens([3])
-        m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma, tokens=12, rounds=4, drafted=16, accepted=8,
-                            accepted_per_position=[4, 2, 1, 1], drafted_per_position=[4, 4, 4, 4], wall_s=0.5,
-                            t_uplink=0.1, t_downlink=0.1)
-        return Decision(list(range(12)), self.text, m)
-
-
-def make(decoder=None, **settings):
-    clock = Clock()
-    core = DrafterCore(decoder or FakeDecoder(), DrafterSettings(**settings), clock)
-    return core, clock
-
-
-def frame(clock, age_s=0.0):
-    return Frame(IMAGE, clock() - int(age_s * S), "cam")
+from drafting_helpers import TEXT, FakeDecoder, frame, make
 
 
 def test_settings_validate():

@@ -18,7 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the fleet extra (ray[serve]) is not installed")
 
-from edgespec_ros.bench.runner import bench_prompts, resolve_models  # noqa: E402
+from edgespec_ros.models import resolve_models  # noqa: E402
+from edgespec_ros.bench.runner import bench_prompts  # noqa: E402
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder  # noqa: E402
 from edgespec_ros.decoding.engines import load_model  # noqa: E402
 from edgespec_ros.decoding.verifier import LocalVerifier  # noqa: E402

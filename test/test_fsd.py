@@ -424,7 +424,7 @@ def test_a_full_server_send_queue_drops_the_last_ranked_exits_without_blocking()
 def test_exits_arriving_after_the_verdict_are_ignored(pair):
     """A server (or a reordering proxy) sending an EXIT after its round's verdict: the client drops
     it, counts it, and the next round is clean."""
-    from test_wire_server import FakeVerifier  # noqa: F401  (reuse the scripted websocket server)
+    from wire_helpers import FakeVerifier
     fp = pair.draft.fingerprint()
 
     def reply(msg):

@@ -235,7 +235,7 @@ def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):
     import cv2
     import numpy as np
 
-    from edgespec_ros.bringup import Graph
+    from edgespec_ros.nodes.graph import Graph
     from ros_helpers import domain_id, unique_namespace
     video = str(tmp_path / "v.avi")
     writer = cv2.VideoWriter(video, cv2.VideoWriter_fourcc(*"MJPG"), 5, (32, 32))
@@ -259,7 +259,7 @@ def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):
 
 def test_parameter_precedence_config_then_params_file_then_arguments(tmp_path):
     """As in the launch files: config/<role>.yaml < params_file < launch-argument overrides."""
-    from edgespec_ros.bringup import Graph
+    from edgespec_ros.nodes.graph import Graph
     from ros_helpers import domain_id, unique_namespace
     extra = tmp_path / "site.yaml"
     extra.write_text("/**/navigator:\n  ros__parameters:\n    max_linear_mps: 0.3\n    max_angular_rps: 0.7\n")

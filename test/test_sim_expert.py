@@ -242,7 +242,8 @@ def test_closeups_add_frames_near_objects_mostly_look_alikes_labelled_by_the_exp
     after the scenario's rollout frames, each with the expert's answer for that pose."""
     from edgespec_ros.sim.dataset import _closeup
     from edgespec_ros.sim.render import render_view
-    from edgespec_ros.sim.world import pose_collision, wrap_angle
+    from edgespec_ros.motion import wrap_angle
+    from edgespec_ros.sim.world import pose_collision
 
     picks = {"look-alike": 0, "other": 0}
     for seed in range(60):

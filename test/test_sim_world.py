@@ -6,7 +6,8 @@ import pytest
 
 from edgespec_ros.actions import Action, parse_action
 from edgespec_ros.sim.scenario import ROBOT_RADIUS_M, Pose, scenario_from_dict
-from edgespec_ros.sim.world import SimWorld, forward_clearance, wrap_angle
+from edgespec_ros.motion import wrap_angle
+from edgespec_ros.sim.world import SimWorld, forward_clearance
 
 
 def make_world(objects=(("box", "box1", 7.0, 5.0),), robot=(1.0, 1.0, 0.0), radius=0.8, max_steps=10):

@@ -189,7 +189,7 @@ def test_an_edge_token_without_the_split_codec_is_refused(pair, verifier):
 
 
 def test_client_refuses_a_target_distribution_it_did_not_ask_for(pair):
-    from test_wire_server import FakeVerifier
+    from wire_helpers import FakeVerifier
     fp = pair.draft.fingerprint()
 
     def reply(msg):
@@ -210,7 +210,7 @@ def test_client_refuses_a_target_distribution_it_did_not_ask_for(pair):
 
 def test_split_tv_sweep_measures_the_embedded_models(tmp_path):
     from tqdm import tqdm
-    from edgespec_ros.bench.runner import resolve_models
+    from edgespec_ros.models import resolve_models
     from edgespec_ros.bench.sweeps import SWEEPS, SweepOptions
     sweep = SWEEPS["split-tv"]
     rows = sweep.run(SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=8),
@@ -251,12 +251,12 @@ def test_fuzzed_downlink_payloads_decode_to_a_distribution_or_raise(spec, payloa
     assert p.shape == (vocab,) and bool((p >= 0).all()) and abs(float(p.sum()) - 1) < 1e-9
 
 
-# --- statistical exactness (test_verify.py's harness) ---------------------------------------------
+# --- statistical exactness (stats_helpers.py) ---------------------------------------------
 
 def _split_decode(seed, n_tokens, spec, gamma=3):
     """SD rounds through the split codec on the position-indexed tables: q(x) up, verify_separate
     on the cloud, p (exact or top-K) down on a rejection, resample_separate on the robot."""
-    from test_verify import DRAFT_TABLE, TARGET_TABLE, V_SMALL, draft_from
+    from stats_helpers import DRAFT_TABLE, TARGET_TABLE, V_SMALL, draft_from
     from edgespec_ros.decoding.sampling import probs_from_logits
     codec = get_codec(spec)
     committed: list[int] = []
@@ -275,7 +275,7 @@ def _split_decode(seed, n_tokens, spec, gamma=3):
 
 
 def _split_counts(spec, n=2500):
-    from test_verify import V_SMALL
+    from stats_helpers import V_SMALL
     counts = np.zeros((V_SMALL, V_SMALL))
     for seed in range(n):
         a, b = _split_decode(seed, 2, spec)
@@ -284,8 +284,8 @@ def _split_counts(spec, n=2500):
 
 
 def test_exact_split_two_token_joint_matches_the_target():
-    from test_verify import P_VALUE_MIN, _target_joint, chi_square_pvalue, tv_distance
-    joint = _target_joint(SAMPLED)
+    from stats_helpers import P_VALUE_MIN, target_joint, chi_square_pvalue, tv_distance
+    joint = target_joint(SAMPLED)
     counts = _split_counts("split")
     assert counts[joint == 0].sum() == 0
     assert chi_square_pvalue(counts, joint) > P_VALUE_MIN
@@ -294,5 +294,5 @@ def test_exact_split_two_token_joint_matches_the_target():
 
 def test_top1_split_is_measurably_lossy():
     """The negative control: with only the top-1 of p coming down the joint is off the target's."""
-    from test_verify import _target_joint, chi_square_pvalue
-    assert chi_square_pvalue(_split_counts("split:k=1"), _target_joint(SAMPLED)) < 1e-6
+    from stats_helpers import target_joint, chi_square_pvalue
+    assert chi_square_pvalue(_split_counts("split:k=1"), target_joint(SAMPLED)) < 1e-6

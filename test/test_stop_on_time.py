@@ -212,7 +212,7 @@ class _SlowDecoder:
     """decide() takes `seconds` of the fake clock, then returns a good decision."""
 
     def __init__(self, clock, seconds):
-        from test_drafting import FakeDecoder
+        from drafting_helpers import FakeDecoder
         self.inner, self.clock, self.seconds = FakeDecoder(), clock, seconds
         self.verifier, self.tokenizer = self.inner.verifier, None
 
@@ -223,7 +223,7 @@ class _SlowDecoder:
 
 def test_a_result_after_the_deadline_is_dropped_and_the_stop_published_once():
     import numpy as np
-    from test_drafting import Clock
+    from drafting_helpers import Clock
     clock = Clock()
     core = DrafterCore(_SlowDecoder(clock, 2.0), DrafterSettings(deadline_s=1.5, wait_for_motion=False), clock)
     core.set_command("go")
@@ -238,7 +238,7 @@ def test_a_result_after_the_deadline_is_dropped_and_the_stop_published_once():
 
 def test_a_result_just_in_time_is_published():
     import numpy as np
-    from test_drafting import Clock
+    from drafting_helpers import Clock
     clock = Clock()
     core = DrafterCore(_SlowDecoder(clock, 1.0), DrafterSettings(deadline_s=1.5, wait_for_motion=False), clock)
     core.set_command("go")

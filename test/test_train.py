@@ -16,7 +16,7 @@ from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.inputs import build_inputs
 from edgespec_ros.train import cli as train_cli
 from edgespec_ros.train.data import IGNORE, collate, encode_example
-from edgespec_ros.train.policy import VLMPolicy
+from edgespec_ros.sim.policy import VLMPolicy
 from edgespec_ros.train.tokenizer import SPECIAL_TOKENS
 
 
@@ -159,7 +159,7 @@ class _StubbornPolicy:
 
     def decide(self, image, instruction, temperature=0.0, seed=0):
         from edgespec_ros.actions import parse_action
-        from edgespec_ros.train.policy import PolicyOutput
+        from edgespec_ros.sim.policy import PolicyOutput
         self.calls.append((temperature, seed))
         if temperature == 0:
             return PolicyOutput("Action: move forward turn left small.", None, "unknown size 'turn'", 8)
@@ -189,7 +189,7 @@ class _PushingPolicy:
 
     def decide(self, image, instruction, temperature=0.0, seed=0):
         from edgespec_ros.actions import parse_action
-        from edgespec_ros.train.policy import PolicyOutput
+        from edgespec_ros.sim.policy import PolicyOutput
         self.calls.append(temperature)
         text = "Action: move forward large." if temperature == 0 else "Action: turn left large."
         return PolicyOutput(text, parse_action(text), None, 6)

@@ -16,7 +16,6 @@ from edgespec_ros.decoding.verifier import LocalVerifier
 from edgespec_ros.decoding.cloud import Prompt
 from edgespec_ros.decoding.inputs import PromptInputs
 from edgespec_ros.decoding.sampling import (
-    STREAM_DRAFT,
     STREAM_RESAMPLE,
     SamplingParams,
     keyed_uniform,
@@ -26,44 +25,11 @@ from edgespec_ros.decoding.sampling import (
 from edgespec_ros.decoding.verify import DraftDistributionError, VerifyResult, verify
 
 from conftest import SMALL_EOS, SMALL_VOCAB
+from stats_helpers import (DRAFT_TABLE, GAMMA, P_VALUE_MIN, TARGET_TABLE, V_SMALL, chi_square_pvalue, draft_from,
+                           logits_of, target_joint, tv_distance)
 
 T1 = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams(temperature=0.0)
-P_VALUE_MIN = 1e-3  # a correct sampler fails this by chance with probability 1e-3 (fixed seeds: never flaky)
-
-
-def logits_of(probs) -> torch.Tensor:
-    """Logits whose temperature-1 softmax is probs (zeros become -inf)."""
-    return torch.log(torch.as_tensor(probs, dtype=torch.float64))
-
-
-def draft_from(q: torch.Tensor, seed: int, start_position: int) -> list[int]:
-    """Sample one draft token per row of q exactly as the drafter does (keyed by absolute position)."""
-    return [sample_from(q[i], keyed_uniform(seed, start_position + i, STREAM_DRAFT)) for i in range(q.shape[0])]
-
-
-def tv_distance(counts, probs) -> float:
-    counts = np.asarray(counts, dtype=np.float64)
-    return 0.5 * float(np.abs(counts / counts.sum() - np.asarray(probs)).sum())
-
-
-def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> float:
-    """Goodness of fit of counts to probs over probs' support; cells expected below
-    min_expected are pooled into one cell (the usual validity condition). Counts outside the
-    support make the fit impossible: p-value 0."""
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    if counts[probs <= 0].sum() > 0:
-        return 0.0
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= min_expected
-    small = (~big) & (probs > 0)
-    obs = list(counts[big]) + ([counts[small].sum()] if small.any() else [])
-    exp = list(expected[big]) + ([expected[small].sum()] if small.any() else [])
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 # --- hand-built cases ----------------------------------------------------------------------
 
 
@@ -251,14 +217,6 @@ def test_bad_mode_and_target_shape_raise_value_error():
 # committed tokens must be independent with token t ~ p_t. Position-dependent p (rather than one
 # p for all positions) also catches verifiers that read the wrong row, e.g. a bonus from p[gamma-1].
 
-V_SMALL = 8
-GAMMA = 3
-_POSITIONS = 16
-_GEN = torch.Generator().manual_seed(2024)
-TARGET_TABLE = torch.randn(_POSITIONS, V_SMALL, generator=_GEN, dtype=torch.float64) * 1.2
-DRAFT_TABLE = torch.randn(_POSITIONS, V_SMALL, generator=_GEN, dtype=torch.float64) * 1.2
-
-
 def context_free_decode(seed, n_tokens, params, gamma=GAMMA, draft_params=None, verifier=verify):
     """SD rounds as EdgeDecoder runs them, on the position-indexed tables; first n_tokens tokens."""
     draft_params = draft_params or params
@@ -288,11 +246,6 @@ def _pair_counts(n, params, **kw):
     return counts
 
 
-def _target_joint(params):
-    p = probs_from_logits(TARGET_TABLE[:2], params).numpy()
-    return np.outer(p[0], p[1])
-
-
 def test_first_token_distribution_converges_to_target():
     params = T1
     p0 = probs_from_logits(TARGET_TABLE[0], params).numpy()
@@ -319,7 +272,7 @@ def test_first_token_distribution_converges_to_target():
 ], ids=["t1", "t1-gamma1", "t0.7", "topk4", "topp0.8", "t0.7-topk5-topp0.9", "onehot-q"])
 def test_two_token_joint_matches_target(params, draft_params, gamma):
     n = 4000
-    joint = _target_joint(params)
+    joint = target_joint(params)
     counts = _pair_counts(n, params, gamma=gamma, draft_params=draft_params)
     assert counts[joint == 0].sum() == 0  # never a token the target cannot produce
     assert chi_square_pvalue(counts, joint) > P_VALUE_MIN
@@ -363,7 +316,7 @@ def _bonus_from_previous_row(draft_ids, draft_probs, target_logits, params, *, s
 def test_negative_control_wrong_verifier_is_detected(wrong_verifier, gamma):
     n = 2000
     counts = _pair_counts(n, T1, gamma=gamma, verifier=wrong_verifier)
-    assert chi_square_pvalue(counts, _target_joint(T1)) < 1e-6
+    assert chi_square_pvalue(counts, target_joint(T1)) < 1e-6
 
 
 # --- decode-level exactness on a real (tiny) causal LM -------------------------------------

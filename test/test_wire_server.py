@@ -27,8 +27,8 @@ from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierErro
 from edgespec_ros.wire.link import DOWN, PROFILES, UP, LinkProfile, LinkProxy
 from edgespec_ros.wire.server import ServerThread, VerifierServer
 
-from wire_helpers import (block_for, DEADLINE_S, INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect,
-                          raw_session, server_copy, wait_until)
+from wire_helpers import (block_for, DEADLINE_S, INSTRUCTIONS, FakeVerifier, expect_error_then_close, make_pair,
+                          raw_connect, raw_session, server_copy, wait_until)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "s3cret-robot-token"
@@ -529,41 +529,6 @@ def test_unreachable_verifier_raises_link_lost_quickly(pair):
     assert time.monotonic() - t0 < 2 + 5
 
 
-class FakeVerifier:
-    """A websocket server speaking the protocol by script: reply(msg) -> frame bytes/str, or None
-    for silence. For testing the client against servers that misbehave."""
-
-    def __init__(self, reply):
-        from websockets.sync.server import serve
-        self.reply = reply
-        self.server = serve(self._handle, "127.0.0.1", 0, compression=None, max_size=None)
-        self.port = self.server.socket.getsockname()[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def _handle(self, ws):
-        from websockets.exceptions import ConnectionClosed
-        try:
-            for raw in ws:
-                answer = self.reply(P.decode(raw))
-                for frame in (answer if isinstance(answer, list) else [answer]):  # a list: several frames
-                    if frame is not None:
-                        ws.send(frame)
-        except ConnectionClosed:
-            pass
-
-    @property
-    def url(self):
-        return f"ws://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.thread.join(DEADLINE_S)
-
-
 def scripted(vocab, fingerprint, silent_on=(), verdict=None):
     """The happy-path replies, silent on the frame types named, with an optional custom VERDICT."""
     def reply(msg):
@@ -746,7 +711,7 @@ def test_unusable_token_file_is_a_clear_error(tmp_path, monkeypatch, capsys, con
     assert server_module.main(["--model", str(tmp_path / "no-model"), "--token-file", str(path)]) == 2
     message = capsys.readouterr().err
     assert str(path) in message and "--token-file" in message
-    assert ("cannot read" if content is None else "holds no token") in message
+    assert ("cannot be read" if content is None else "holds no token") in message
 
 
 def test_token_file_is_stripped_one_token_per_line(tmp_path):

@@ -8,6 +8,7 @@ noise, so speculative rounds see a mix of accepted and rejected drafts rather th
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -135,3 +136,38 @@ def wait_until(predicate, timeout: float = DEADLINE_S, what: str = "condition") 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
+
+
+class FakeVerifier:
+    """A websocket server speaking the protocol by script: reply(msg) -> frame bytes/str, or None
+    for silence. For testing the client against servers that misbehave."""
+
+    def __init__(self, reply):
+        from websockets.sync.server import serve
+        self.reply = reply
+        self.server = serve(self._handle, "127.0.0.1", 0, compression=None, max_size=None)
+        self.port = self.server.socket.getsockname()[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _handle(self, ws):
+        from websockets.exceptions import ConnectionClosed
+        try:
+            for raw in ws:
+                answer = self.reply(P.decode(raw))
+                for frame in (answer if isinstance(answer, list) else [answer]):  # a list: several frames
+                    if frame is not None:
+                        ws.send(frame)
+        except ConnectionClosed:
+            pass
+
+    @property
+    def url(self):
+        return f"ws://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.thread.join(DEADLINE_S)

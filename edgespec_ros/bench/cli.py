@@ -15,7 +15,9 @@ from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from . import pipe
 from .sweeps import SWEEPS, SweepOptions
-from .runner import add_speedups, bench_prompts, emulated_setup, env_threads, format_table, resolve_models, run_modes
+from ..models import resolve_models
+from ..processes import env_threads
+from .runner import add_speedups, bench_prompts, emulated_setup, format_table, run_modes
 
 
 def gamma_arg(text: str) -> int | str:

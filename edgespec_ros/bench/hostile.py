@@ -425,7 +425,7 @@ def run_hostile(opts, progress) -> list[dict]:
 
 
 def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud) -> list[dict]:
-    from .runner import verifier_process_handle
+    from ..processes import verifier_process_handle
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgespec-hostile-") as tmp:
         token_file = os.path.join(tmp, "tokens")

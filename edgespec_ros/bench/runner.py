@@ -7,101 +7,18 @@ Used by ``edgespec-bench`` and ``edgespec-demo``.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..models import default_model_path, have_default_models
+from ..models import ModelPair
+from ..processes import verifier_process
 from ..decoding.edge import DecodeConfig, EdgeDecoder
 from ..decoding.engines import LoadedModel, load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
-from ..decoding.compute import ComputeProfile, get_compute, pad_to
+from ..decoding.compute import ComputeProfile
 from ..wire.link import LinkProxy, get_profile
-
-
-@dataclass
-class ModelPair:
-    draft_path: str
-    target_path: str
-    label: str  # shown to the user: which models these are
-    _tmp: object = field(default=None, repr=False)
-
-
-def resolve_models(draft: str | None, target: str | None) -> ModelPair:
-    """Given paths, or the embedded defaults, or (before `make models`) an untrained pair."""
-    if draft and target:
-        return ModelPair(draft, target, f"draft {draft}, target {target}")
-    if have_default_models():
-        return ModelPair(draft or default_model_path("draft"), target or default_model_path("target"),
-                         "embedded default models (edgespec_ros/models)")
-    tmp = tempfile.TemporaryDirectory(prefix="edgespec-untrained-")
-    from ..train.tiny import write_untrained_pair
-    d, t = write_untrained_pair(tmp.name)
-    return ModelPair(draft or d, target or t, "UNTRAINED random pair (run `make models` to train the real defaults)",
-                     tmp)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def verifier_process(model: str, compute: str = "native", token_file: str | None = None, timeout_s: float = 120.0,
-                     exit_queue: str = "priority", exits: str = "auto"):
-    """Start edgespec-verifier in a subprocess on a free loopback port; yields its port."""
-    with verifier_process_handle(model, compute, token_file, timeout_s, exit_queue, exits) as (port, _proc):
-        yield port
-
-
-@contextlib.contextmanager
-def verifier_process_handle(model: str, compute: str = "native", token_file: str | None = None,
-                            timeout_s: float = 120.0, exit_queue: str = "priority", exits: str = "auto",
-                            extra_args: tuple[str, ...] = (), cpus: set[int] | None = None):
-    """verifier_process, yielding (port, the Popen) (e.g. to read its RSS); extra_args go to the CLI;
-    cpus pins it to those cores, with one torch thread per core (the cloud as a machine apart)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "edgespec_ros.wire.server", "--model", model, "--port", str(port),
-           "--compute", compute, "--log-level", "WARNING", "--exit-queue", exit_queue, "--exits", exits,
-           *extra_args]
-    if token_file:
-        cmd += ["--token-file", token_file]
-    # Its log goes to a file, never a pipe nobody reads: a verifier that logs a lot (hostile
-    # clients) would block on a full pipe.
-    log = tempfile.TemporaryFile("w+")
-    env = None
-    if cpus:
-        env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus)), MKL_NUM_THREADS=str(len(cpus)))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"edgespec-verifier exited with code {proc.returncode}:\n{log.read()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"edgespec-verifier did not start listening within {timeout_s:g} s")
-            time.sleep(0.2)
-        yield port, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
@@ -199,17 +116,3 @@ def format_table(rows: list[dict], emulated: bool) -> str:
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
     return "\n".join(out)
-
-
-def env_threads() -> None:
-    """Two processes share this machine's cores: keep torch from oversubscribing them. The
-    environment variable reaches the verifier subprocess; this process has imported torch already
-    (the variable is read at import), so its intra-op pool is set directly: with two OpenMP
-    threads per drafting thread on two cores shared with the verifier, spinning workers stalled
-    decisions for seconds."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()

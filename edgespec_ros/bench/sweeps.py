@@ -23,7 +23,8 @@ from ..decoding.metrics import DecisionMetrics, RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire import protocol as P
 from ..wire.link import get_profile
-from .runner import ModelPair, bench_prompts, emulated_setup, run_modes
+from ..models import ModelPair
+from .runner import bench_prompts, emulated_setup, run_modes
 
 QWEN2_VL_VOCAB = 151_936  # Qwen2-VL's vocabulary: the analytic bytes per draft token are given for it
 

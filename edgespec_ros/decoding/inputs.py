@@ -93,6 +93,11 @@ def encode_jpeg(image, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
+def jpeg_roundtrip(image, quality: int = 90) -> np.ndarray:
+    """The frame as the verifier will decode it (RGB uint8 after a JPEG round trip)."""
+    return np.asarray(Image.open(io.BytesIO(encode_jpeg(image, quality))).convert("RGB"))
+
+
 def _size_get(size, key):
     return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
 

@@ -28,6 +28,29 @@ from .cloud import CONTINUE, Prompt, TargetSession, VerifySettings
 from .engines import LoadedModel
 
 
+# Why a verifier could not be used: raised by every Verifier (wire.client's over the network); the
+# drafter turns each into a fault stop (drafting.classify_error).
+class VerifierError(RuntimeError):
+    """The cloud verifier cannot be used for this decision; the caller must stop the robot."""
+
+
+class LinkLostError(VerifierError):
+    """The link to the verifier is gone (refused, reset, cut)."""
+
+
+class VerifierTimeout(VerifierError):
+    """No reply within the timeout."""
+
+
+class VerifierRefused(VerifierError):
+    """The verifier answered with an ERROR frame (busy, bad token, bad request, ...)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(f"verifier refused (code {code}): {message}")
+        self.code = code
+        self.server_message = message
+
+
 @dataclass(frozen=True)
 class Condition:
     """A conditional block's premise: block ``round``'s verdict ends its epoch with ``accepted``

@@ -6,6 +6,8 @@ untrained in-memory pair and says so.
 from __future__ import annotations
 
 import os
+import tempfile
+from dataclasses import dataclass, field
 
 ROLES = ("draft", "target")
 MODELS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -20,3 +22,25 @@ def default_model_path(role: str) -> str:
 
 def have_default_models() -> bool:
     return all(os.path.isfile(os.path.join(default_model_path(r), "config.json")) for r in ROLES)
+
+
+@dataclass
+class ModelPair:
+    draft_path: str
+    target_path: str
+    label: str  # shown to the user: which models these are
+    _tmp: object = field(default=None, repr=False)
+
+
+def resolve_models(draft: str | None, target: str | None) -> ModelPair:
+    """Given paths, or the embedded defaults, or (before `make models`) an untrained pair."""
+    if draft and target:
+        return ModelPair(draft, target, f"draft {draft}, target {target}")
+    if have_default_models():
+        return ModelPair(draft or default_model_path("draft"), target or default_model_path("target"),
+                         "embedded default models (edgespec_ros/models)")
+    tmp = tempfile.TemporaryDirectory(prefix="edgespec-untrained-")
+    from ..train.tiny import write_untrained_pair
+    d, t = write_untrained_pair(tmp.name)
+    return ModelPair(draft or d, target or t, "UNTRAINED random pair (run `make models` to train the real defaults)",
+                     tmp)

@@ -32,25 +32,12 @@ from ..drafting import ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, De
     DrafterSettings, Frame, GoalProgress
 from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
+from ..wire.tokens import read_token
 from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, image_to_rgb, now_ns, ns_to_time, \
     outcome_name, run_node, set_action, time_to_ns
 
 SUPERVISOR_PERIOD_S = 0.05  # deadline checks: a stop comes at most this late
-
-
-def read_token(path: str) -> str:
-    """The auth token in ``path`` ('' for no file); ValueError names the file and the problem."""
-    if not path:
-        return ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"token_file {path!r} cannot be read: {exc.strerror}") from None
-    if not token:
-        raise ValueError(f"token_file {path!r} is empty")
-    return token
 
 
 class DrafterNode(LifecycleNode):

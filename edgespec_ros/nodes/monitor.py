@@ -29,7 +29,7 @@ from ..motion import Pose2D, motion_preview, yaw_from_quaternion
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, image_to_rgb, \
-    now_ns, rgb_to_image, run_node, time_to_ns
+    rgb_to_image, run_node, time_to_ns
 
 FRAME_BUFFER = 64  # frames kept to find the one a decision used
 

@@ -23,7 +23,7 @@ from std_msgs.msg import String
 from ..actions import ActionParseError
 from ..motion import quaternion_from_yaw, wrap_angle
 from ..msg import VerifiedAction
-from ..sim.cli import resolve_scenario
+from ..sim.scenario import resolve_scenario
 from ..sim.world import SimWorld
 from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \

@@ -18,18 +18,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .render import CameraConfig, compose_side_by_side, render_camera, render_topdown
-from .scenario import Pose, Scenario, ScenarioError, builtin_scenarios, load_scenario
-
-
-def resolve_scenario(spec: str) -> Scenario:
-    """Load a scenario from a JSON path, or by the name of a shipped scenario."""
-    path = Path(spec)
-    if path.exists() or spec.endswith(".json"):
-        return load_scenario(path)
-    shipped = builtin_scenarios()
-    if spec in shipped:
-        return load_scenario(shipped[spec])
-    raise ScenarioError(spec, f"no such file, and not a shipped scenario ({', '.join(sorted(shipped))})")
+from .scenario import Pose, ScenarioError, load_scenario, resolve_scenario
 
 
 def _camera_from_args(args: argparse.Namespace) -> CameraConfig:
@@ -132,7 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from ..decoding.engines import ModelLoadError, load_model
-    from ..train.policy import VLMPolicy
+    from .policy import VLMPolicy
     from .evaluate import evaluate_closed_loop
 
     directory = Path(args.scenarios)

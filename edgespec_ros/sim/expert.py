@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
+from ..motion import wrap_angle
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
-from .world import SimWorld, StepResult, forward_clearance, wrap_angle
+from .world import SimWorld, StepResult, forward_clearance
 
 
 @dataclass(frozen=True)

@@ -361,3 +361,14 @@ def _inside(value: Any, path: str, radius: float, extent: float, extent_name: st
         raise ScenarioError(path, f"{value!r} puts {what} outside the room (0..{extent} m along "
                             f"{extent_name}); keep it within [{radius:g}, {extent - radius:g}]")
     return number
+
+
+def resolve_scenario(spec: str) -> Scenario:
+    """Load a scenario from a JSON path, or by the name of a shipped scenario."""
+    path = Path(spec)
+    if path.exists() or spec.endswith(".json"):
+        return load_scenario(path)
+    shipped = builtin_scenarios()
+    if spec in shipped:
+        return load_scenario(shipped[spec])
+    raise ScenarioError(spec, f"no such file, and not a shipped scenario ({', '.join(sorted(shipped))})")

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ..actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig, parse_action
+from ..motion import wrap_angle
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
 
@@ -46,12 +47,6 @@ class StepResult:
     done: bool
     success: bool
     steps: int
-
-
-def wrap_angle(angle_rad: float) -> float:
-    """``angle_rad`` wrapped into (-pi, pi]."""
-    wrapped = math.remainder(angle_rad, 2.0 * math.pi)
-    return math.pi if wrapped == -math.pi else wrapped
 
 
 def forward_clearance(scenario: Scenario, pose: Pose,

@@ -19,7 +19,7 @@ from ..decoding.verifier import LocalVerifier
 from ..decoding.engines import load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
-from .policy import VLMPolicy
+from ..sim.policy import VLMPolicy
 
 
 def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, temperature: float = 0.0,

@@ -7,21 +7,15 @@ them out per merged image token for the auxiliary perception loss (``trainer.Aux
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ..decoding.inputs import build_inputs, chat_prompt, encode_jpeg
+from ..decoding.inputs import build_inputs, chat_prompt, jpeg_roundtrip
 
 IGNORE = -100
-
-
-def jpeg_roundtrip(image: np.ndarray, quality: int = 90) -> np.ndarray:
-    """The frame as the verifier will decode it."""
-    return np.asarray(Image.open(io.BytesIO(encode_jpeg(image, quality))).convert("RGB"))
 
 
 def corpus_texts(examples) -> list[str]:

@@ -7,7 +7,6 @@ adapter sees detached hidden states, so each adapter's loss updates that adapter
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass

@@ -16,23 +16,12 @@ from typing import Iterator
 
 import torch
 
+from ..decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout  # noqa: F401 - raised here
 from ..codecs import get_codec
 from ..decoding.cloud import Prompt, VerifySettings
 from ..decoding.verifier import Block, VerifyReply
 from . import protocol as P
 from .link import DOWN, UP, LinkModel, LinkProfile
-
-
-class VerifierError(RuntimeError):
-    """The cloud verifier cannot be used for this decision; the caller must stop the robot."""
-
-
-class LinkLostError(VerifierError):
-    pass
-
-
-class VerifierTimeout(VerifierError):
-    pass
 
 
 CLOSE_TIMEOUT_S = 1.0  # a graceful close() waits at most this long for the server's close frame
@@ -58,13 +47,6 @@ def _set_send_timeout(sock, seconds: float) -> None:
     sec = int(seconds)
     usec = int((seconds - sec) * 1e6)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec))
-
-
-class VerifierRefused(VerifierError):
-    def __init__(self, code: int, message: str):
-        super().__init__(f"verifier refused (code {code}): {message}")
-        self.code = code
-        self.server_message = message
 
 
 class RemoteVerifier:

@@ -25,6 +25,7 @@ from typing import Sequence
 from ..codecs import CodecError, get_codec
 from ..decoding.batch import ArStep, Round, verify_batch
 from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
+from .tokens import read_tokens
 from ..decoding.engines import QUANTIZATIONS, LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
@@ -870,12 +871,9 @@ def read_token_file(path: str | None) -> list[str]:
     if path is None:
         return []
     try:
-        with open(path) as f:
-            tokens = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    except OSError as exc:
-        raise SystemExit(f"edgespec-verifier: cannot read --token-file {path!r}: {exc.strerror}")
-    if not tokens:
-        raise SystemExit(f"edgespec-verifier: --token-file {path!r} holds no token")
+        tokens = read_tokens(path, "--token-file")
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
     short = [i + 1 for i, t in enumerate(tokens) if len(t) < 16]
     if short:
         log.warning("--token-file: token(s) %s shorter than 16 characters are easy to guess "

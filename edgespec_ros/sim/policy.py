@@ -7,9 +7,8 @@ from ..actions import ActionParseError, parse_action
 from ..decoding.edge import DecodeConfig
 from ..decoding.cloud import target_generate
 from ..decoding.engines import LoadedModel
-from ..decoding.inputs import build_inputs
+from ..decoding.inputs import build_inputs, jpeg_roundtrip
 from ..decoding.sampling import SamplingParams
-from .data import jpeg_roundtrip
 
 
 @dataclass

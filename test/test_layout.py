@@ -1,0 +1,94 @@
+"""The layout's rules, read from the import statements (lazy ones inside functions included):
+imports follow the data flow, no module imports a command-line module, and test modules share
+helpers through helper modules, never through each other."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "edgespec_ros"
+CLI_MODULES = {"edgespec_ros.bench.cli", "edgespec_ros.sim.cli", "edgespec_ros.train.cli", "edgespec_ros.bringup",
+               "edgespec_ros.demo"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute names of the edgespec_ros modules (or packages) ``path`` imports, anywhere in it."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # `from . import params` imports a module
+    return {m for m in found if m.startswith("edgespec_ros")}
+
+
+def sources():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "msg" not in p.relative_to(PACKAGE).parts[:1])
+
+
+def importers_of(prefix: str) -> dict[str, set[str]]:
+    return {module_name(p): {m for m in imports(p) if m == prefix or m.startswith(prefix + ".")} for p in sources()}
+
+
+def test_no_module_imports_a_command_line_module():
+    """A CLI module is an entry point: only the umbrella CLI (edgespec-demo) dispatches to another."""
+    offenders = {}
+    for path in sources():
+        name = module_name(path)
+        hits = imports(path) & CLI_MODULES - {name}
+        if hits and name != "edgespec_ros.demo":
+            offenders[name] = hits
+    assert not offenders
+
+
+def test_imports_follow_the_data_flow():
+    core = ("edgespec_ros.sim", "edgespec_ros.drafting", "edgespec_ros.decoding", "edgespec_ros.codecs",
+            "edgespec_ros.wire", "edgespec_ros.nodes", "edgespec_ros.motion", "edgespec_ros.actions")
+    for module, hits in importers_of("edgespec_ros.train").items():
+        if module.startswith(core):
+            assert not hits, f"{module} imports the training code: {hits}"
+    for module, hits in importers_of("edgespec_ros.bench").items():
+        if not module.startswith("edgespec_ros.bench") and module != "edgespec_ros.demo":
+            assert not hits, f"{module} imports the benchmarks: {hits}"
+    # The robot's decision loop and the decoding core do not depend on the websocket layer.
+    for module, hits in importers_of("edgespec_ros.wire").items():
+        if module == "edgespec_ros.drafting" or module.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs")):
+            assert not hits, f"{module} imports the wire layer: {hits}"
+    # The decoding core stays ROS-free.
+    for path in sources():
+        name = module_name(path)
+        if name.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire")) or \
+                name in ("edgespec_ros.drafting", "edgespec_ros.motion", "edgespec_ros.actions"):
+            text = path.read_text()
+            assert "import rclpy" not in text and "from rclpy" not in text, name
+
+
+def test_test_modules_share_helpers_not_each_other():
+    for path in sorted((ROOT / "test").glob("test_*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("test_"):
+                raise AssertionError(f"{path.name} imports {node.module}: move the helper to a *_helpers module")
+            if isinstance(node, ast.Import):
+                assert not [a.name for a in node.names if a.name.startswith("test_")], path.name
+
+
+def test_the_rules_see_lazy_and_relative_imports():
+    """The checker itself: a relative import inside a function is found and resolved."""
+    found = imports(PACKAGE / "drafting.py")
+    assert "edgespec_ros.decoding.verifier" in found  # classify_error's lazy import
+    assert "edgespec_ros.actions" in found
