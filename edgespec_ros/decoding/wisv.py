@@ -1,0 +1,193 @@
+"""WISV: channel-aware semantic verification (paper 002, sections III and V). LOSSY.
+
+Greedy verification rejects a draft token at the first position where it differs from the
+target's argmax. WISV asks a small decision head at each such mismatch whether the difference
+matters: the head reads the drafter's hidden state, the target's hidden state at that position
+and a CSI feature vector (what the link measures: rates, RTT, loss) and gives a rejection
+probability r; the first mismatch with r > threshold is rejected as usual (the target's token
+replaces it), every earlier mismatch keeps the draft token. On a poor link a round trip is
+expensive, and the head (trained with CSI-aware labels, ``train.wisv``) learns to be more
+permissive there.
+
+The output is NOT the target's: decisions may differ from target-only decoding, and every table
+says so. Two guards keep the robot's side safe whatever the head says:
+* threshold <= 0 is exactly greedy SD (every mismatch rejected);
+* positions in or after the action clause ("Action:" and what follows), end-of-sequence tokens on
+  either side, and positions the caller marks otherwise are always verified strictly: the action
+  text the navigator parses is the target's own continuation of the accepted prefix (and the
+  navigator still executes only text that parses).
+
+Pure functions and a torch module, no I/O: ``wire`` carries the hidden states, ``decoding.cloud``
+calls ``decide``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from .verify import VerifyResult
+
+CSI_DIM = 4
+UNLIMITED_BPS = 10e9  # a link profile's 0 ("unlimited") rate, as a number
+# One extra round's cost on a link is judged for this payload each way (a draft block of ids and
+# a verdict are a few hundred bytes; a full-hidden upload of a 2B drafter is ~10 kB).
+REFERENCE_ROUND_BYTES = 4096
+QUALITY_SCALE_S = 0.05  # an extra round costing 50 ms halves the channel quality
+
+
+@dataclass(frozen=True)
+class Csi:
+    """Channel state as the robot's client measures it (or a link profile states it)."""
+
+    up_bps: float
+    down_bps: float
+    rtt_s: float
+    loss: float = 0.0
+
+    def __post_init__(self):
+        for name in ("up_bps", "down_bps", "rtt_s", "loss"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Csi.{name} must be a finite number >= 0, got {value!r}")
+        if self.loss >= 1:
+            raise ValueError(f"Csi.loss must be below 1, got {self.loss!r}")
+
+    @classmethod
+    def from_profile(cls, profile) -> "Csi":
+        """The ground truth of an emulated link profile (``wire.link.LinkProfile``)."""
+        return cls(profile.up_bps or UNLIMITED_BPS, profile.down_bps or UNLIMITED_BPS, profile.rtt_s, profile.loss)
+
+    def round_cost_s(self, payload_bytes: int = REFERENCE_ROUND_BYTES) -> float:
+        """Expected seconds one extra round trip costs: RTT plus serialisation both ways, inflated
+        by retransmissions of lost segments."""
+        up = self.up_bps or UNLIMITED_BPS
+        down = self.down_bps or UNLIMITED_BPS
+        return (self.rtt_s + 8 * payload_bytes / up + 8 * payload_bytes / down) / (1.0 - self.loss)
+
+    def quality(self) -> float:
+        """Channel quality in (0, 1]: 1 on a perfect link, 1/2 where an extra round costs 50 ms."""
+        return 1.0 / (1.0 + self.round_cost_s() / QUALITY_SCALE_S)
+
+    def features(self) -> torch.Tensor:
+        """The head's CSI input [CSI_DIM]: log rates and RTT, scaled to about [0, 1], and loss."""
+        def log_scaled(value, unit, top):
+            return math.log10(1.0 + value / unit) / top
+        return torch.tensor([log_scaled(self.up_bps or UNLIMITED_BPS, 1e6, 4.0),
+                             log_scaled(self.down_bps or UNLIMITED_BPS, 1e6, 4.0),
+                             log_scaled(self.rtt_s, 1e-3, 3.0),
+                             min(self.loss * 10.0, 1.0)], dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    draft_dim: int
+    target_dim: int
+    csi_dim: int = CSI_DIM
+    hidden: int = 64
+    dropout: float = 0.1
+
+
+HEAD_CONFIG = "wisv_head.json"
+HEAD_WEIGHTS = "wisv_head.safetensors"
+
+
+class DecisionHead(nn.Module):
+    """Two-layer MLP + sigmoid (Eq. 24-25): [h_draft, h_target, csi] -> rejection probability.
+    Each hidden state is layer-normalised first (the two models' scales differ)."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.norm_draft = nn.LayerNorm(config.draft_dim, elementwise_affine=False)
+        self.norm_target = nn.LayerNorm(config.target_dim, elementwise_affine=False)
+        self.mlp = nn.Sequential(nn.Linear(config.draft_dim + config.target_dim + config.csi_dim, config.hidden),
+                                 nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.hidden, 1))
+
+    def logits(self, h_draft: torch.Tensor, h_target: torch.Tensor, csi: torch.Tensor) -> torch.Tensor:
+        """[n] rejection logits for n positions (hidden states [n, d], csi [CSI_DIM] or [n, CSI_DIM])."""
+        if csi.dim() == 1:
+            csi = csi.expand(h_draft.shape[0], -1)
+        x = torch.cat([self.norm_draft(h_draft.float()), self.norm_target(h_target.float()), csi.float()], dim=-1)
+        return self.mlp(x).squeeze(-1)
+
+    @torch.inference_mode()
+    def reject_prob(self, h_draft: torch.Tensor, h_target: torch.Tensor, csi: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logits(h_draft, h_target, csi))
+
+    def save(self, directory: str, **meta) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(directory, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  os.path.join(directory, HEAD_WEIGHTS))
+        with open(os.path.join(directory, HEAD_CONFIG), "w") as f:
+            json.dump({"config": asdict(self.config), **meta}, f, indent=1)
+
+    @classmethod
+    def load(cls, directory: str) -> tuple["DecisionHead", dict]:
+        """(head in eval mode, the metadata saved with it); ValueError names what is missing."""
+        from safetensors.torch import load_file
+        cfg_path = os.path.join(directory, HEAD_CONFIG)
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"{directory!r} holds no WISV decision head ({HEAD_CONFIG}): run `edgespec-train wisv`")
+        with open(cfg_path) as f:
+            meta = json.load(f)
+        head = cls(HeadConfig(**meta.pop("config")))
+        head.load_state_dict(load_file(os.path.join(directory, HEAD_WEIGHTS)))
+        return head.eval(), meta
+
+
+def mismatches(draft_ids, target_argmax) -> list[int]:
+    """Draft positions whose token is not the target's argmax there (mismatch localisation)."""
+    return [i for i, x in enumerate(draft_ids) if int(x) != int(target_argmax[i])]
+
+
+def decide(draft_ids, target_argmax, reject_prob: dict[int, float], threshold: float,
+           protected=frozenset()) -> tuple[VerifyResult, list[int]]:
+    """Greedy verification with semantic acceptance: walk the draft; a match is accepted; a
+    mismatch is accepted (kept) when threshold > 0, the position is not protected and its
+    rejection probability is at most the threshold; the first other mismatch is rejected and the
+    target's argmax follows. ``target_argmax`` has gamma + 1 entries (the last is the bonus).
+    Returns (the result, the mismatch positions accepted). ``reject_prob`` must hold every
+    unprotected mismatch position the walk reaches when threshold > 0."""
+    relaxed = []
+    mask = []
+    for i, x in enumerate(draft_ids):
+        x, best = int(x), int(target_argmax[i])
+        if x != best:
+            if threshold <= 0 or i in protected or reject_prob[i] > threshold:
+                mask += [False] * (len(draft_ids) - i)
+                return VerifyResult(i, best, mask), relaxed
+            relaxed.append(i)
+        mask.append(True)
+    return VerifyResult(len(draft_ids), int(target_argmax[len(draft_ids)]), mask), relaxed
+
+
+ACTION_MARKER = "action:"
+
+
+def protected_positions(tokenizer, committed_ids, draft_ids, eos_ids) -> set[int]:
+    """Draft positions verified strictly whatever the head says: an end-of-sequence draft token,
+    and every position from the one whose token completes an "Action:" marker (in the text after
+    the prompt) on, so the action clause is the target's own. The target-side EOS at a position
+    is handled by the caller (``protect_target_eos``)."""
+    protected = {i for i, t in enumerate(draft_ids) if int(t) in eos_ids}
+    committed_text = tokenizer.decode([int(t) for t in committed_ids], skip_special_tokens=True).lower()
+    if ACTION_MARKER in committed_text:
+        return set(range(len(draft_ids)))
+    ids = [int(t) for t in committed_ids]
+    for i, t in enumerate(draft_ids):
+        ids.append(int(t))
+        if ACTION_MARKER in tokenizer.decode(ids, skip_special_tokens=True).lower():
+            protected.update(range(i, len(draft_ids)))
+            break
+    return protected
+
+
+def protect_target_eos(target_argmax, gamma: int, eos_ids) -> set[int]:
+    """Positions where the target would end the text: a draft continuing there is never kept."""
+    return {i for i in range(gamma) if int(target_argmax[i]) in eos_ids}

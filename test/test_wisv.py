@@ -1,0 +1,111 @@
+"""WISV (lossy channel-aware semantic verification): the decision rule, its guards, the CSI
+features and the relabeling, as plain functions."""
+import math
+import random
+
+import pytest
+import torch
+
+from edgespec_ros.decoding.wisv import (CSI_DIM, Csi, DecisionHead, HeadConfig, decide, mismatches,
+                                        protect_target_eos, protected_positions)
+from edgespec_ros.train.wisv import RelabelConfig, relabel, repair_probability, smoothed_importance
+from edgespec_ros.wire.link import get_profile
+
+DRAFT = [5, 6, 7, 8]
+TARGET = [5, 9, 7, 3, 4]  # argmax per position, the last is the bonus: mismatches at 1 and 3
+
+
+def test_threshold_zero_is_exactly_greedy_verification():
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.decoding.verify import verify
+    logits = torch.full((5, 10), -5.0)
+    for i, t in enumerate(TARGET):
+        logits[i, t] = 5.0
+    greedy = verify(torch.tensor(DRAFT), None, logits, SamplingParams(temperature=0.0), seed=0, start_position=0,
+                    mode="greedy")
+    result, relaxed = decide(DRAFT, TARGET, {1: 0.0, 3: 0.0}, threshold=0.0)
+    assert (result.accepted, result.next_token, result.accepted_mask) == \
+        (greedy.accepted, greedy.next_token, greedy.accepted_mask) == (1, 9, [True, False, False, False])
+    assert relaxed == []
+
+
+def test_mismatches_below_the_threshold_keep_the_draft_token():
+    assert mismatches(DRAFT, TARGET) == [1, 3]
+    result, relaxed = decide(DRAFT, TARGET, {1: 0.2, 3: 0.9}, threshold=0.5)
+    assert (result.accepted, result.next_token, relaxed) == (3, 3, [1])  # 3 is rejected: the target's 3 follows
+    result, relaxed = decide(DRAFT, TARGET, {1: 0.2, 3: 0.4}, threshold=0.5)
+    assert (result.accepted, result.next_token, relaxed) == (4, 4, [1, 3])  # all kept: the bonus follows
+    result, _ = decide(DRAFT, TARGET, {1: 0.2, 3: 0.4}, threshold=0.5, protected={3})
+    assert (result.accepted, result.next_token) == (3, 3)
+
+
+class CharTokenizer:
+    """One character per token id (ord), enough to find the action marker."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i >= 32)
+
+
+def test_the_action_clause_and_end_tokens_are_always_verified_strictly():
+    tok = CharTokenizer()
+    committed = [ord(c) for c in "The bottle is ahead. Acti"]
+    draft = [ord(c) for c in "on: move"]
+    # "on:" completes the marker at draft position 2: from there on everything is protected
+    assert protected_positions(tok, committed, draft, eos_ids={0}) == set(range(2, len(draft)))
+    assert protected_positions(tok, [ord(c) for c in "Action: tur"], [ord("n")], eos_ids={0}) == {0}
+    assert protected_positions(tok, [ord(c) for c in "I see"], [ord(" "), 0, ord("a")], eos_ids={0}) == {1}
+    assert protect_target_eos([5, 0, 7, 0], 3, eos_ids={0}) == {1}
+    # a permissive head cannot keep a draft token inside the action clause
+    draft_ids = [ord(c) for c in "on: turn"]
+    target = [ord(c) for c in "on: move!"]
+    result, relaxed = decide(draft_ids, target, {i: 0.0 for i in range(8)}, threshold=0.99,
+                             protected=protected_positions(tok, committed, draft_ids, eos_ids={0}))
+    assert (result.accepted, chr(result.next_token), relaxed) == (4, "m", [])
+
+
+def test_csi_quality_orders_the_shipped_link_profiles():
+    q = {name: Csi.from_profile(get_profile(name)).quality() for name in ("lan", "wifi-poor", "cellular")}
+    assert 1 >= q["lan"] > 0.9 and q["lan"] > q["wifi-poor"] > q["cellular"] > 0
+    f = Csi.from_profile(get_profile("cellular")).features()
+    assert f.shape == (CSI_DIM,) and torch.isfinite(f).all() and (f >= 0).all() and (f <= 1.5).all()
+    with pytest.raises(ValueError, match="Csi.loss"):
+        Csi(1e6, 1e6, 0.01, loss=1.0)
+    with pytest.raises(ValueError, match="Csi.rtt_s"):
+        Csi(1e6, 1e6, float("nan"))
+
+
+def test_the_head_gives_one_probability_per_position_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    head = DecisionHead(HeadConfig(draft_dim=6, target_dim=8, hidden=16)).eval()
+    h_d, h_t = torch.randn(3, 6), torch.randn(3, 8)
+    csi = Csi(5e6, 5e6, 0.06, 0.01).features()
+    r = head.reject_prob(h_d, h_t, csi)
+    assert r.shape == (3,) and ((r > 0) & (r < 1)).all()
+    head.save(str(tmp_path), target_fingerprint="abc")
+    loaded, meta = DecisionHead.load(str(tmp_path))
+    assert meta["target_fingerprint"] == "abc" and torch.equal(loaded.reject_prob(h_d, h_t, csi), r)
+    with pytest.raises(ValueError, match="edgespec-train wisv"):
+        DecisionHead.load(str(tmp_path / "none"))
+
+
+def test_smoothed_importance_spreads_critical_marks_with_decay():
+    assert smoothed_importance([False, True, False, False], 0.5) == [0.5, 1.0, 0.5, 0.25]
+    assert smoothed_importance([False, False], 0.5) == [0.0, 0.0]
+
+
+def test_relabeling_is_one_way_and_monotone_in_channel_quality():
+    cfg = RelabelConfig()
+    qualities = [0.05, 0.2, 0.4, 0.6, 0.8, 1.0]
+    for s in (0.25, 0.5, 1.0):
+        probs = [repair_probability(s, True, q, cfg) for q in qualities]
+        assert probs == sorted(probs) and probs[-1] > probs[0], (s, probs)
+        assert all(repair_probability(s, False, q, cfg) == 0.0 for q in qualities)  # never promoted
+    assert repair_probability(1.0, True, 1.0, cfg) > 0.99  # a perfect link keeps the task's labels
+    # sampled: relaxation grows as the channel worsens, counted over many episodes
+    rng = random.Random(0)
+    episode = [False, True, False, True, True, False]
+
+    def repairs(q):
+        return sum(sum(relabel(episode, q, rng, cfg)) for _ in range(2000))
+    good, poor = repairs(1.0), repairs(0.1)
+    assert good > poor and good > 0.95 * 2000 * 3 and math.isfinite(poor)
