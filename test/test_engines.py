@@ -41,13 +41,7 @@ def _decide(draft, target, instruction, image, gamma, max_new=MAX_NEW, verify_mo
 
 
 def _extend(inputs: PromptInputs, tokens: list[int]) -> PromptInputs:
-    """The prompt followed by tokens, as one prompt (text tokens: token type 0)."""
-    extra = torch.tensor([tokens], dtype=torch.long).view(1, -1)
-    ids = torch.cat([inputs.input_ids, extra], dim=1)
-    out = PromptInputs(ids, torch.ones_like(ids), inputs.pixel_values, inputs.image_grid_thw)
-    if inputs.mm_token_type_ids is not None:
-        out.mm_token_type_ids = torch.cat([inputs.mm_token_type_ids, torch.zeros_like(extra)], dim=1)
-    return out
+    return inputs.extended(tokens)
 
 
 def _fresh_logits(lm, inputs: PromptInputs, tokens: list[int]) -> torch.Tensor:

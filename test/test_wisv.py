@@ -109,3 +109,23 @@ def test_relabeling_is_one_way_and_monotone_in_channel_quality():
         return sum(sum(relabel(episode, q, rng, cfg)) for _ in range(2000))
     good, poor = repairs(1.0), repairs(0.1)
     assert good > poor and good > 0.95 * 2000 * 3 and math.isfinite(poor)
+
+
+def test_traces_come_from_greedy_sd_rounds_and_label_mismatches_by_the_parsed_action():
+    """On the embedded models: the rounds rebuild the target's greedy output (checked inside), every
+    trace has both models' hidden sizes, and a critical label means the action really changes."""
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.sim.dataset import generate_examples
+    from edgespec_ros.train.wisv import collect_traces, train_head, HeadTrainConfig
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    examples = list(generate_examples("train", 2))[:6]
+    episodes = collect_traces(draft, target, examples)
+    flat = [t for e in episodes for t in e]
+    assert flat, "the embedded draft never disagrees with the target on these frames"
+    d_dim = draft.model.config.text_config.hidden_size
+    t_dim = target.model.config.text_config.hidden_size
+    assert all(t.h_draft.shape == (d_dim,) and t.h_target.shape == (t_dim,) for t in flat)
+    assert all(isinstance(t.critical, bool) and t.position >= 0 for t in flat)
+    head, info = train_head(episodes, HeadTrainConfig(epochs=2, csi_samples=2))
+    assert info["examples"] == 2 * len(flat) and head.config.draft_dim == d_dim

@@ -44,6 +44,15 @@ class PromptInputs:
         return PromptInputs(move(self.input_ids), move(self.attention_mask), move(self.pixel_values),
                             move(self.image_grid_thw), move(self.mm_token_type_ids))
 
+    def extended(self, tokens) -> "PromptInputs":
+        """The prompt followed by ``tokens`` as one prompt (text tokens: token type 0)."""
+        extra = torch.tensor([[int(t) for t in tokens]], dtype=torch.long).view(1, -1)
+        ids = torch.cat([self.input_ids, extra], dim=1)
+        out = PromptInputs(ids, torch.ones_like(ids), self.pixel_values, self.image_grid_thw)
+        if self.mm_token_type_ids is not None:
+            out.mm_token_type_ids = torch.cat([self.mm_token_type_ids, torch.zeros_like(extra)], dim=1)
+        return out
+
     def model_kwargs(self) -> dict:
         kw = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         if self.pixel_values is not None:

@@ -22,6 +22,7 @@ calls ``decide``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -191,3 +192,18 @@ def protected_positions(tokenizer, committed_ids, draft_ids, eos_ids) -> set[int
 def protect_target_eos(target_argmax, gamma: int, eos_ids) -> set[int]:
     """Positions where the target would end the text: a draft continuing there is never kept."""
     return {i for i in range(gamma) if int(target_argmax[i]) in eos_ids}
+
+
+@contextlib.contextmanager
+def final_hidden(lm):
+    """Collect the final-norm outputs (what the LM head reads: the hidden states the decision head
+    takes) of every forward pass of ``lm`` inside the block, as a list of [batch, n, d] CPU
+    float tensors."""
+    from .exits import text_stack
+    _, norm, _ = text_stack(lm.model)
+    outputs = []
+    handle = norm.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().float().cpu()))
+    try:
+        yield outputs
+    finally:
+        handle.remove()

@@ -1,8 +1,9 @@
 """edgespec-train: reproduce the embedded default models from the simulator.
 
-    edgespec-train all                 # data -> tokenizer -> target -> draft -> exits -> card (make models)
+    edgespec-train all                 # data -> tokenizer -> target -> draft -> exits -> wisv -> card (make models)
     edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
     edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
+    edgespec-train wisv                # the WISV decision head (lossy) for <out>/draft + <out>/target (saved in target/wisv)
 
 card measures the models on held-out data and writes the model card (README.md, metrics.json).
 
@@ -49,6 +50,8 @@ class PipelineConfig:
     exit_steps: int = 400
     exit_rank: int = 0  # 0: hidden // 4
     exit_layers: str = ""  # empty: every decoder layer but the last
+    wisv_scenarios: int = 40  # simulator scenarios whose frames give the WISV head's mismatch traces
+    wisv_epochs: int = 30
     seed: int = 0
 
 
@@ -170,10 +173,20 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
                                    f"--exit-scenarios {cfg.exit_scenarios}")
 
 
+def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
+    from ..sim.dataset import generate_examples
+    from .wisv import HeadTrainConfig, run_wisv_stage
+    train = list(generate_examples("train", cfg.wisv_scenarios))
+    heldout = list(generate_examples("heldout", 20))
+    hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed)
+    return run_wisv_stage(draft, target, None, train, heldout, hcfg,
+                          command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "exits", "card"])
+    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "exits", "wisv", "card"])
     ap.add_argument("--target", default=None,
                     help="exits: the target model dir to train adapters for (default: <out>/target)")
     ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
@@ -191,7 +204,7 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})
     t0 = time.monotonic()
-    stages = ["data", "tokenizer", "target", "draft", "exits", "card"] if args.stage == "all" else [args.stage]
+    stages = ["data", "tokenizer", "target", "draft", "exits", "wisv", "card"] if args.stage == "all" else [args.stage]
     timings = {}
     for stage in stages:
         if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
@@ -206,6 +219,8 @@ def main(argv=None) -> int:
             stage_tokenizer(args.work, cfg)
         elif stage == "exits":
             stage_exits(args.target or os.path.join(args.out, "target"), args.exits_out, cfg)
+        elif stage == "wisv":
+            stage_wisv(os.path.join(args.out, "draft"), args.target or os.path.join(args.out, "target"), cfg)
         elif stage == "card":
             from .card import measure, write_card
             torch.set_num_threads(1)  # small decode steps: one thread is faster than two

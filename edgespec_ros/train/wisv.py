@@ -17,6 +17,8 @@ import math
 import random
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class RelabelConfig:
@@ -51,3 +53,282 @@ def relabel(critical: list[bool], quality: float, rng: random.Random, cfg: Relab
     """Sampled repair (1) / skip (0) labels of one episode's mismatches under channel quality q."""
     importance = smoothed_importance(critical, cfg.decay)
     return [int(rng.random() < repair_probability(s, c, quality, cfg)) for s, c in zip(importance, critical)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Trace collection (Stage 1): SD rounds of the draft against the target on simulator frames
+
+GREEDY_NEW_TOKENS = 96
+
+
+@dataclass
+class MismatchTrace:
+    """One mismatch of a greedy SD round: the two hidden states the head reads, its task label."""
+
+    h_draft: torch.Tensor     # [draft hidden]: the drafter's final-norm state that produced the draft token
+    h_target: torch.Tensor    # [target hidden]: the target's state at the same position (its argmax differs)
+    critical: bool            # accepting the draft token (then decoding on greedily) changes the parsed action
+    position: int             # token index after the prompt
+
+
+def _final_rows(lm, inputs, tokens):
+    """Final-norm hidden states [n, d] of prompt + tokens, one fresh forward (no cache state)."""
+    from ..decoding.wisv import final_hidden
+    with final_hidden(lm) as outputs:
+        lm.new_sequence().prefill(inputs.extended(tokens) if tokens else inputs)
+    return torch.cat([o[0] for o in outputs], dim=0)
+
+
+def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
+                   max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[MismatchTrace]:
+    """Greedy SD of one decision, recording every unprotected mismatch of every round (in the
+    round's own context: positions after an earlier mismatch see the draft tokens before them, as
+    WISV would) with its task label from a counterfactual target continuation."""
+    from ..actions import ActionParseError, parse_action
+    from ..decoding.cloud import TargetSession, target_generate
+    from ..decoding.edge import DecodeConfig, EdgeDecoder
+    from ..decoding.sampling import SamplingParams
+    from ..decoding.verifier import LocalVerifier
+    from ..decoding.wisv import mismatches, protect_target_eos, protected_positions
+    greedy = SamplingParams(temperature=0.0)
+    tokenizer, eos = target.tokenizer, target.eos_token_ids
+    prompt, d_inputs = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
+    t_inputs = TargetSession(target).build_prompt_inputs(prompt)
+
+    def action(tokens):
+        text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+        try:
+            return parse_action(text).text
+        except ActionParseError:
+            return None
+
+    def continue_greedily(tokens, budget):
+        if budget <= 0 or (tokens and tokens[-1] in eos):
+            return []
+        return target_generate(target, t_inputs.extended(tokens), DecodeConfig(mode="ar", max_new_tokens=budget,
+                                                                                params=greedy))
+
+    reference = continue_greedily([], max_new_tokens)
+    reference_action = action(reference)
+    n_prompt = d_inputs.num_tokens
+    head = target.model.get_output_embeddings()
+    seq = draft.new_sequence()
+    seq.prefill(d_inputs)
+    committed: list[int] = []
+    traces = []
+    while len(committed) < max_new_tokens and not (committed and committed[-1] in eos):
+        if committed:
+            seq.reset_to(committed)
+        ids, _ = seq.draft(min(gamma, max_new_tokens - len(committed)), greedy, seed=0)
+        start = n_prompt + len(committed) - 1  # the row that predicts the first draft token
+        d_rows = _final_rows(draft, d_inputs, committed + ids)[start:start + len(ids)]
+        t_rows = _final_rows(target, t_inputs, committed + ids)[start:start + len(ids) + 1]
+        with torch.inference_mode():
+            argmax = head(t_rows.to(head.weight.dtype)).argmax(dim=-1).tolist()
+        protected = protected_positions(tokenizer, committed, ids, eos) | protect_target_eos(argmax, len(ids), eos)
+        found = mismatches(ids, argmax)
+        for i in found:
+            if i in protected:
+                continue
+            prefix = committed + ids[:i + 1]
+            changed = action(prefix + continue_greedily(prefix, max_new_tokens - len(prefix))) != reference_action
+            traces.append(MismatchTrace(d_rows[i].clone(), t_rows[i].clone(), changed, len(committed) + i))
+        k = found[0] if found else len(ids)
+        committed += ids[:k] + [argmax[k]]
+    committed = committed[:max_new_tokens]
+    if committed[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
+        raise RuntimeError("trace collection diverged from the target's greedy output: hidden rows misaligned")
+    return traces
+
+
+def collect_traces(draft, target, examples, gamma: int = 4, progress=None) -> list[list[MismatchTrace]]:
+    """One episode of traces per example (``sim.dataset`` Example: image, instruction)."""
+    episodes = []
+    for example in examples:
+        episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma))
+        if progress is not None:
+            progress(1)
+    return episodes
+
+
+# --------------------------------------------------------------------------------------------------
+# Training (Stage 2 + BCE)
+
+def sample_csi(rng: random.Random):
+    """A channel state to relabel under: rates log-uniform 0.5..1000 Mbit/s (downlink 1-4x the
+    uplink), RTT log-uniform 1..300 ms, no loss half the time, else up to 5%."""
+    from ..decoding.wisv import Csi
+    up = 10 ** rng.uniform(math.log10(0.5e6), math.log10(1e9))
+    rtt = 10 ** rng.uniform(math.log10(1e-3), math.log10(0.3))
+    return Csi(up, up * rng.uniform(1, 4), rtt, 0.0 if rng.random() < 0.5 else rng.uniform(0, 0.05))
+
+
+@dataclass(frozen=True)
+class HeadTrainConfig:
+    hidden: int = 64
+    dropout: float = 0.1
+    csi_samples: int = 8      # channel states per episode (relabeled under each)
+    epochs: int = 30
+    batch_size: int = 256
+    lr: float = 2e-3
+    weight_decay: float = 1e-4
+    seed: int = 0
+    relabel: RelabelConfig = RelabelConfig()
+
+
+def relabeled_dataset(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig, rng: random.Random):
+    """(h_draft [N, dd], h_target [N, dt], csi [N, CSI_DIM], labels [N]) over csi_samples channel
+    states per episode."""
+    rows_d, rows_t, rows_c, labels = [], [], [], []
+    for episode in episodes:
+        if not episode:
+            continue
+        critical = [t.critical for t in episode]
+        for _ in range(cfg.csi_samples):
+            csi = sample_csi(rng)
+            features = csi.features()
+            for trace, label in zip(episode, relabel(critical, csi.quality(), rng, cfg.relabel)):
+                rows_d.append(trace.h_draft)
+                rows_t.append(trace.h_target)
+                rows_c.append(features)
+                labels.append(float(label))
+    if not labels:
+        raise ValueError("no mismatch traces to train on: the draft agrees with the target everywhere")
+    return torch.stack(rows_d), torch.stack(rows_t), torch.stack(rows_c), torch.tensor(labels)
+
+
+def train_head(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig = HeadTrainConfig(), progress=None):
+    """The decision head fitted with class-balanced BCE on the relabeled traces; (head, info)."""
+    from ..decoding.wisv import DecisionHead, HeadConfig
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    h_d, h_t, csi, y = relabeled_dataset(episodes, cfg, rng)
+    head = DecisionHead(HeadConfig(h_d.shape[1], h_t.shape[1], csi.shape[1], cfg.hidden, cfg.dropout))
+    positives = float(y.sum())
+    pos_weight = torch.tensor((len(y) - positives) / max(positives, 1.0))
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses = []
+    head.train()
+    for _epoch in range(cfg.epochs):
+        order = torch.randperm(len(y))
+        for a in range(0, len(y), cfg.batch_size):
+            idx = order[a:a + cfg.batch_size]
+            loss = loss_fn(head.logits(h_d[idx], h_t[idx], csi[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        if progress is not None:
+            progress(1)
+    head.eval()
+    return head, {"examples": len(y), "repair_fraction": positives / len(y), "final_loss": sum(losses[-10:]) / min(10, len(losses))}
+
+
+def acceptance_by_channel(head, episodes: list[list[MismatchTrace]], profiles: list[str], thresholds: list[float]) -> list[dict]:
+    """On held-out traces: for each link profile and threshold, the fraction of critical and of
+    harmless mismatches the head would keep (accept). A good head keeps harmless ones, rejects
+    critical ones, and keeps more on poor links."""
+    from ..decoding.wisv import Csi
+    from ..wire.link import get_profile
+    flat = [t for e in episodes for t in e]
+    if not flat:
+        return []
+    h_d = torch.stack([t.h_draft for t in flat])
+    h_t = torch.stack([t.h_target for t in flat])
+    critical = torch.tensor([t.critical for t in flat])
+    rows = []
+    for name in profiles:
+        csi = Csi.from_profile(get_profile(name))
+        r = head.reject_prob(h_d, h_t, csi.features())
+        for tau in thresholds:
+            keep = r <= tau
+            rows.append({"link": name, "quality": round(csi.quality(), 3), "threshold": tau,
+                         "harmless_kept": float(keep[~critical].float().mean()) if (~critical).any() else None,
+                         "critical_kept": float(keep[critical].float().mean()) if critical.any() else None,
+                         "mismatches": len(flat), "critical": int(critical.sum())})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# The pipeline stage: edgespec-train wisv
+
+EVAL_PROFILES = ["lan", "wifi-poor", "cellular", "go2-paper"]
+EVAL_THRESHOLDS = [0.1, 0.3, 0.5, 0.7, 0.9]
+
+
+def format_acceptance_table(rows: list[dict]) -> str:
+    """Markdown: per link and threshold, the fractions of harmless and critical mismatches kept."""
+    out = ["| link | quality | threshold | harmless kept | critical kept |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['link']} | {r['quality']:.2f} | {r['threshold']:g} | {r['harmless_kept']:.2f} | "
+                   f"{r['critical_kept']:.2f} |")
+    return "\n".join(out)
+
+
+def plot_acceptance(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for link in dict.fromkeys(r["link"] for r in rows):
+        mine = [r for r in rows if r["link"] == link]
+        line, = ax.plot([r["threshold"] for r in mine], [r["harmless_kept"] for r in mine], marker="o",
+                        label=f"{link}: harmless")
+        ax.plot([r["threshold"] for r in mine], [r["critical_kept"] for r in mine], marker="x", linestyle="--",
+                color=line.get_color(), label=f"{link}: critical")
+    ax.set_xlabel("threshold on the rejection probability (0 = greedy SD)")
+    ax.set_ylabel("mismatches kept (held-out traces)")
+    ax.set_title("WISV decision head: what it keeps, by link (lossy)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_examples, heldout_examples,
+                   cfg: HeadTrainConfig = HeadTrainConfig(), command: str = "") -> dict:
+    """Collect traces, relabel, train, measure on held-out traces; save the head beside the target
+    (``<target>/wisv``: weights, wisv_head.json with the metrics, README.md, acceptance.png)."""
+    import os
+    import time
+    from dataclasses import asdict
+    from tqdm import tqdm
+    from ..decoding.engines import load_model
+    draft, target = load_model(draft_dir), load_model(target_dir)
+    out_dir = out_dir or os.path.join(target_dir, "wisv")
+    t0 = time.monotonic()
+    with tqdm(total=len(train_examples) + len(heldout_examples), desc="wisv: traces", unit="ep") as bar:
+        train = collect_traces(draft, target, train_examples, progress=bar.update)
+        heldout = collect_traces(draft, target, heldout_examples, progress=bar.update)
+    trace_s = time.monotonic() - t0
+    with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
+        head, info = train_head(train, cfg, progress=bar.update)
+    rows = acceptance_by_channel(head, heldout, EVAL_PROFILES, EVAL_THRESHOLDS)
+    count = lambda eps: (sum(len(e) for e in eps), sum(t.critical for e in eps for t in e))  # noqa: E731
+    meta = {"lossy": True, "draft_fingerprint": draft.fingerprint(), "target_fingerprint": target.fingerprint(),
+            "training": {k: v for k, v in asdict(cfg).items() if k != "relabel"} | {"relabel": asdict(cfg.relabel)},
+            "traces": {"train_episodes": len(train), "train_mismatches": count(train)[0],
+                       "train_critical": count(train)[1], "heldout_episodes": len(heldout),
+                       "heldout_mismatches": count(heldout)[0], "heldout_critical": count(heldout)[1],
+                       "seconds": round(trace_s, 1)},
+            "fit": info, "heldout_acceptance": rows, "command": command}
+    head.save(out_dir, **meta)
+    plot_acceptance(rows, os.path.join(out_dir, "acceptance.png"))
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write("# WISV decision head (lossy)\n\n"
+                f"Two-layer MLP ({cfg.hidden} hidden) over the drafter's and the target's final hidden states and "
+                f"the link's CSI features, trained on {meta['traces']['train_mismatches']} mismatches of greedy SD "
+                f"rounds on {len(train)} simulator frames ({meta['traces']['train_critical']} critical: accepting the "
+                "draft token changes the parsed action), each relabeled under "
+                f"{cfg.csi_samples} sampled channel states (CSI-aware budgeted relabeling, paper 002 Eq. 28-31).\n\n"
+                f"Held-out traces ({meta['traces']['heldout_mismatches']} mismatches, "
+                f"{meta['traces']['heldout_critical']} critical): the fractions the head keeps per link and "
+                "threshold. Keeping a critical mismatch changes the robot's action.\n\n"
+                + format_acceptance_table(rows) + "\n\n![acceptance](acceptance.png)\n\n"
+                f"Command: `{command}`\n")
+    print(f"wisv: {info['examples']} relabeled examples ({info['repair_fraction']:.0%} repair), loss "
+          f"{info['final_loss']:.3f} -> {out_dir}")
+    print(format_acceptance_table(rows))
+    return meta
