@@ -129,3 +129,27 @@ def test_traces_come_from_greedy_sd_rounds_and_label_mismatches_by_the_parsed_ac
     assert all(isinstance(t.critical, bool) and t.position >= 0 for t in flat)
     head, info = train_head(episodes, HeadTrainConfig(epochs=2, csi_samples=2))
     assert info["examples"] == 2 * len(flat) and head.config.draft_dim == d_dim
+
+
+def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more_when_permissive():
+    from edgespec_ros.decoding.cloud import target_generate
+    from edgespec_ros.decoding.edge import DecodeConfig
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.decoding.wisv import prompt_pair, replay_rounds, wisv_choice
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.sim.dataset import heldout_prompts
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    head, _ = DecisionHead.load(default_model_path("target") + "/wisv")
+    csi = Csi.from_profile(get_profile("cellular"))
+    strict_total = loose_total = 0
+    for instruction, image in heldout_prompts(4):
+        d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
+        reference = target_generate(target, t_inputs, DecodeConfig(mode="ar", max_new_tokens=96,
+                                                                   params=SamplingParams(temperature=0.0)))
+        strict, strict_acc = replay_rounds(draft, target, d_inputs, t_inputs, wisv_choice(head, csi, 0.0))
+        assert strict[:len(reference)] == reference  # threshold 0: exactly the target's greedy output
+        _, loose_acc = replay_rounds(draft, target, d_inputs, t_inputs, wisv_choice(head, csi, 1.0))
+        strict_total += sum(strict_acc) / len(strict_acc)
+        loose_total += sum(loose_acc) / len(loose_acc)
+    assert loose_total > strict_total  # keeping every unprotected mismatch lengthens the accepted spans

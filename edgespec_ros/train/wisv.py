@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.wisv import GREEDY_NEW_TOKENS
+
 
 @dataclass(frozen=True)
 class RelabelConfig:
@@ -58,9 +60,6 @@ def relabel(critical: list[bool], quality: float, rng: random.Random, cfg: Relab
 # --------------------------------------------------------------------------------------------------
 # Trace collection (Stage 1): SD rounds of the draft against the target on simulator frames
 
-GREEDY_NEW_TOKENS = 96
-
-
 @dataclass
 class MismatchTrace:
     """One mismatch of a greedy SD round: the two hidden states the head reads, its task label."""
@@ -71,29 +70,18 @@ class MismatchTrace:
     position: int             # token index after the prompt
 
 
-def _final_rows(lm, inputs, tokens):
-    """Final-norm hidden states [n, d] of prompt + tokens, one fresh forward (no cache state)."""
-    from ..decoding.wisv import final_hidden
-    with final_hidden(lm) as outputs:
-        lm.new_sequence().prefill(inputs.extended(tokens) if tokens else inputs)
-    return torch.cat([o[0] for o in outputs], dim=0)
-
-
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
                    max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[MismatchTrace]:
     """Greedy SD of one decision, recording every unprotected mismatch of every round (in the
     round's own context: positions after an earlier mismatch see the draft tokens before them, as
     WISV would) with its task label from a counterfactual target continuation."""
     from ..actions import ActionParseError, parse_action
-    from ..decoding.cloud import TargetSession, target_generate
-    from ..decoding.edge import DecodeConfig, EdgeDecoder
+    from ..decoding.cloud import target_generate
+    from ..decoding.edge import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from ..decoding.verifier import LocalVerifier
-    from ..decoding.wisv import mismatches, protect_target_eos, protected_positions
-    greedy = SamplingParams(temperature=0.0)
+    from ..decoding.wisv import greedy_choice, prompt_pair, replay_rounds
     tokenizer, eos = target.tokenizer, target.eos_token_ids
-    prompt, d_inputs = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
-    t_inputs = TargetSession(target).build_prompt_inputs(prompt)
+    d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
 
     def action(tokens):
         text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
@@ -105,38 +93,24 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     def continue_greedily(tokens, budget):
         if budget <= 0 or (tokens and tokens[-1] in eos):
             return []
-        return target_generate(target, t_inputs.extended(tokens), DecodeConfig(mode="ar", max_new_tokens=budget,
-                                                                                params=greedy))
+        return target_generate(target, t_inputs.extended(tokens),
+                               DecodeConfig(mode="ar", max_new_tokens=budget, params=SamplingParams(temperature=0.0)))
 
     reference = continue_greedily([], max_new_tokens)
     reference_action = action(reference)
-    n_prompt = d_inputs.num_tokens
-    head = target.model.get_output_embeddings()
-    seq = draft.new_sequence()
-    seq.prefill(d_inputs)
-    committed: list[int] = []
     traces = []
-    while len(committed) < max_new_tokens and not (committed and committed[-1] in eos):
-        if committed:
-            seq.reset_to(committed)
-        ids, _ = seq.draft(min(gamma, max_new_tokens - len(committed)), greedy, seed=0)
-        start = n_prompt + len(committed) - 1  # the row that predicts the first draft token
-        d_rows = _final_rows(draft, d_inputs, committed + ids)[start:start + len(ids)]
-        t_rows = _final_rows(target, t_inputs, committed + ids)[start:start + len(ids) + 1]
-        with torch.inference_mode():
-            argmax = head(t_rows.to(head.weight.dtype)).argmax(dim=-1).tolist()
-        protected = protected_positions(tokenizer, committed, ids, eos) | protect_target_eos(argmax, len(ids), eos)
-        found = mismatches(ids, argmax)
-        for i in found:
-            if i in protected:
+
+    def record(r):
+        for i in r.mismatches:
+            if i in r.protected:
                 continue
-            prefix = committed + ids[:i + 1]
+            prefix = r.committed + r.draft_ids[:i + 1]
             changed = action(prefix + continue_greedily(prefix, max_new_tokens - len(prefix))) != reference_action
-            traces.append(MismatchTrace(d_rows[i].clone(), t_rows[i].clone(), changed, len(committed) + i))
-        k = found[0] if found else len(ids)
-        committed += ids[:k] + [argmax[k]]
-    committed = committed[:max_new_tokens]
-    if committed[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
+            traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i))
+        return greedy_choice(r)
+
+    tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
+    if tokens[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
         raise RuntimeError("trace collection diverged from the target's greedy output: hidden rows misaligned")
     return traces
 
