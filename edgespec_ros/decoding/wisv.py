@@ -261,7 +261,7 @@ def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
     seq.prefill(d_inputs)
     committed: list[int] = []
     accepted_per_round = []
-    while len(committed) < max_new_tokens and not (committed and committed[-1] in eos):
+    while len(committed) < max_new_tokens and not any(t in eos for t in committed):
         if committed:
             seq.reset_to(committed)
         ids, _ = seq.draft(min(gamma, max_new_tokens - len(committed)), greedy, seed=0)
@@ -274,7 +274,8 @@ def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
         k = choose(SdRound(list(committed), ids, d_rows, t_rows, argmax, mismatches(ids, argmax), protected))
         committed += ids[:k] + [argmax[k]]
         accepted_per_round.append(k)
-    return committed[:max_new_tokens], accepted_per_round
+    ends = [i + 1 for i, t in enumerate(committed) if t in eos][:1]  # a kept draft EOS ends the text there
+    return committed[:min([max_new_tokens] + ends)], accepted_per_round
 
 
 def greedy_choice(r: SdRound) -> int:
