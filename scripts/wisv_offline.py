@@ -11,12 +11,11 @@ import argparse
 
 from tqdm import tqdm
 
-from edgespec_ros.actions import ActionParseError, parse_action
 from edgespec_ros.decoding.cloud import target_generate
 from edgespec_ros.decoding.edge import DecodeConfig
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.wisv import Csi, DecisionHead, prompt_pair, replay_rounds, wisv_choice
+from edgespec_ros.decoding.wisv import Csi, DecisionHead, action_of_tokens, prompt_pair, replay_rounds, wisv_choice
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import heldout_prompts
 from edgespec_ros.wire.link import get_profile
@@ -30,13 +29,9 @@ def main() -> int:
     args = ap.parse_args()
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     head, _ = DecisionHead.load(default_model_path("target") + "/wisv")
-    tok, eos = target.tokenizer, target.eos_token_ids
 
     def action(tokens):
-        try:
-            return parse_action(tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True)).text
-        except ActionParseError:
-            return None
+        return action_of_tokens(target, tokens)
 
     pairs = [prompt_pair(draft, target, i, im) for i, im in heldout_prompts(args.frames, seed=1000)]
     greedy = DecodeConfig(mode="ar", max_new_tokens=96, params=SamplingParams(temperature=0.0))

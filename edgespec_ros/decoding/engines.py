@@ -9,6 +9,7 @@ model's own cached ``rope_deltas`` attribute is shared module state we must not 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -43,9 +44,10 @@ class LoadedModel:
         from .exits import text_stack
         return len(text_stack(self.model)[0])
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
-        """Where the weights are: inputs are made there; logits come back on the CPU."""
+        """Where the weights are (read once: nothing moves a loaded model): inputs are made there;
+        logits come back on the CPU."""
         return next(self.model.parameters()).device
 
     @property

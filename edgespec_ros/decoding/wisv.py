@@ -278,6 +278,17 @@ def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
     return committed[:min([max_new_tokens] + ends)], accepted_per_round
 
 
+def action_of_tokens(lm, tokens) -> str | None:
+    """The canonical action text a decision's tokens parse to (end tokens dropped), None when the
+    text does not parse: what agreement with the target alone compares."""
+    from ..actions import ActionParseError, parse_action
+    text = lm.tokenizer.decode([t for t in tokens if t not in lm.eos_token_ids], skip_special_tokens=True)
+    try:
+        return parse_action(text).text
+    except ActionParseError:
+        return None
+
+
 def greedy_choice(r: SdRound) -> int:
     """Greedy SD: keep the drafts up to the first mismatch."""
     return r.mismatches[0] if r.mismatches else len(r.draft_ids)

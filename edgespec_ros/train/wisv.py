@@ -75,20 +75,15 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     """Greedy SD of one decision, recording every unprotected mismatch of every round (in the
     round's own context: positions after an earlier mismatch see the draft tokens before them, as
     WISV would) with its task label from a counterfactual target continuation."""
-    from ..actions import ActionParseError, parse_action
     from ..decoding.cloud import target_generate
     from ..decoding.edge import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from ..decoding.wisv import greedy_choice, prompt_pair, replay_rounds
-    tokenizer, eos = target.tokenizer, target.eos_token_ids
+    from ..decoding.wisv import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
+    eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
 
     def action(tokens):
-        text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
-        try:
-            return parse_action(text).text
-        except ActionParseError:
-            return None
+        return action_of_tokens(target, tokens)
 
     def continue_greedily(tokens, budget):
         if budget <= 0 or (tokens and tokens[-1] in eos):
