@@ -239,3 +239,31 @@ def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():
     assert DrafterSettings(mode="sd", gamma=6).decode_config(0).gamma == 6
     with pytest.raises(ValueError, match="auto"):
         DrafterSettings(mode="fsd", auto_gamma=True)
+
+
+def test_an_instruct_goal_counts_its_own_outcomes_and_ends_as_its_command_does():
+    from edgespec_ros.drafting import GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
+    core, clock = make(max_decisions=0, wait_for_motion=False)
+    core.set_command("go", max_decisions=2)
+    goal = GoalProgress(core.status().generation, clock(), timeout_s=5.0)
+    assert goal.ended(core.status(), clock()) is None
+    for _ in range(2):
+        clock.advance(0.1)
+        core.set_frame(frame(clock))
+        assert goal.count(core.run(core.begin()))
+    assert (goal.decisions, goal.faults, goal.tokens) == (2, 0, 24)
+    assert goal.ended(core.status(), clock()) == (MAX_DECISIONS, "max_decisions (2) reached")
+    # a stop from the model, a timeout, and a newer command
+    core, clock = make(decoder=FakeDecoder(text="Done. Action: stop."))
+    core.set_command("go")
+    goal = GoalProgress(core.status().generation, clock(), timeout_s=5.0)
+    core.set_frame(frame(clock))
+    goal.count(core.run(core.begin()))
+    assert goal.ended(core.status(), clock())[0] == REACHED
+    core.set_command("again")
+    goal = GoalProgress(core.status().generation, clock(), timeout_s=5.0)
+    clock.advance(5.0)
+    assert goal.ended(core.status(), clock())[0] == TIMEOUT
+    stop = core.set_command("something else")  # the replaced command's stop belongs to the goal
+    assert stop.generation == goal.generation and goal.count(stop) and goal.faults == 1
+    assert goal.ended(core.status(), clock())[0] == PREEMPTED
