@@ -26,6 +26,8 @@ from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from
 from .verify import MODES, VerifyResult, verify, verify_separate
 
 CONTINUE = -2  # VerifyResult.next_token of a chained block accepted in full: the next block follows
+WISV = "wisv"  # semantic verification (decoding.wisv): LOSSY
+VERIFY_MODES = MODES + (WISV,)
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,35 @@ class VerifySettings:
 
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
-    verify_mode: str = "rejection"  # or "greedy"
+    verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: greedy with the decision head at mismatches)
+    wisv_threshold: float = 0.0  # wisv: keep a mismatch whose rejection probability is at most this (0 = greedy SD)
 
     def __post_init__(self):
-        if self.verify_mode not in MODES:
-            raise ValueError(f"verify mode {self.verify_mode!r} not in {MODES}")
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(f"verify mode {self.verify_mode!r} not in {VERIFY_MODES}")
+        if not (isinstance(self.wisv_threshold, (int, float)) and 0 <= self.wisv_threshold <= 1):
+            raise ValueError(f"wisv_threshold must be in [0, 1], got {self.wisv_threshold!r}")
+        if self.verify_mode == WISV and self.params.temperature != 0:
+            raise ValueError("verify mode wisv is for greedy decoding (temperature 0); "
+                             f"got temperature {self.params.temperature}")
+
+    @property
+    def rule(self) -> str:
+        """The token-level rule (decoding.verify.MODES): wisv rounds locate mismatches greedily."""
+        return "greedy" if self.verify_mode == WISV else self.verify_mode
+
+
+@dataclass
+class WisvRound:
+    """A WISV round between the target's forward and the decision (``TargetSession.wisv_begin``):
+    what the verdict needs, and the positions whose drafter hidden state the head must read."""
+
+    draft_ids: list[int]
+    argmax: list[int]  # gamma + 1: the target's greedy tokens (the last is the bonus)
+    target_hidden: torch.Tensor  # [gamma + 1, d] beside them
+    protected: set
+    asked: list[int]  # unprotected mismatches (empty at threshold 0)
+    chained: bool
 
 
 @dataclass
@@ -61,6 +87,8 @@ class TargetSession:
         self.awaiting_edge_token = False  # split codec: the robot owes the token after a rejection
         self.last_exits: list = []
         self.last_exit_layer = 0
+        self.wisv_round: WisvRound | None = None  # a WISV round waiting for drafter hidden states
+        self.last_relaxed: list[int] = []  # wisv: the mismatch positions the last round kept
 
     def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
         """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
@@ -98,9 +126,14 @@ class TargetSession:
             raise ValueError("prompt has no token ids")
         if any(not 0 <= t < vocab for t in prompt.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if settings.verify_mode == WISV and getattr(self.lm, "wisv", None) is None:
+            raise ValueError("verify mode wisv needs the WISV decision head beside the target "
+                             "(<target>/wisv, `edgespec-train wisv`); this verifier has none")
         t0 = time.perf_counter()
         self.settings = settings
         self.awaiting_edge_token = False
+        self.wisv_round = None
+        self.seq.keep_hidden = settings.verify_mode == WISV
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
         steps = self.seq.prefill_steps(inputs)
@@ -164,6 +197,8 @@ class TargetSession:
         logits for the round, alone (``verify``) or batched with other sessions
         (``decoding.batch.verify_batch``), and ``finish_round``."""
         self._require_started()
+        if self.wisv_round is not None:
+            raise ValueError("a WISV round is waiting for the drafter's hidden states")
         if self.awaiting_edge_token:
             raise ValueError("the last round ended in a split-codec rejection: the next round must be a split one")
         self.last_exits, self.last_exit_layer = [], 0
@@ -175,16 +210,20 @@ class TargetSession:
         settings = self.settings
         ids = torch.tensor(draft_ids, dtype=torch.long)
         result = verify(ids, draft_probs, logits, settings.params,
-                        seed=settings.seed, start_position=start_position, mode=settings.verify_mode)
-        if self.last_exits:
-            final = (result.accepted, result.next_token)
-            self.last_exit_layer = next((e.layer for e in self.last_exits if e.key == final), self.lm.num_layers)
+                        seed=settings.seed, start_position=start_position, mode=settings.rule)
+        self._score_exits(result)
         if chained and result.accepted == len(draft_ids):
             self.seq.commit_verified(draft_ids, result.accepted, None)
             result.next_token = CONTINUE
         else:
             self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
         return result
+
+    def _score_exits(self, result: VerifyResult) -> None:
+        """``last_exit_layer``: the earliest exit whose guess equals the final verdict."""
+        if self.last_exits:
+            final = (result.accepted, result.next_token)
+            self.last_exit_layer = next((e.layer for e in self.last_exits if e.key == final), self.lm.num_layers)
 
     def verify_separate(self, draft_ids: list[int], q_at_draft: torch.Tensor,
                         edge_token: int | None, chained: bool = False) -> tuple[VerifyResult, float]:
@@ -235,7 +274,7 @@ class TargetSession:
                 z = torch.cat([self._exit_last[layer].view(1, -1), z], dim=0)
             self._exit_last[layer] = z[-1]  # row 0 of a chained next block, if this one is accepted in full
             r = verify(ids, draft_probs, z, settings.params, seed=settings.seed,
-                       start_position=start_position, mode=settings.verify_mode)
+                       start_position=start_position, mode=settings.rule)
             confidence = float(torch.softmax(z[r.accepted], dim=-1).max())  # Eq. 4 at its next token
             res = ExitResult(layer, r.accepted, r.next_token, confidence)
             self.last_exits.append(res)
@@ -249,6 +288,70 @@ class TargetSession:
             hooks.rows = len(draft_ids) + 1  # at most the pending token(s)' last row and the drafts'
             hooks.callback = lambda layer, logits: verified(layer, logits[0])
             return self.seq.target_logits(draft_ids)
+
+    # --- WISV (LOSSY): the decision head at mismatches ------------------------------------
+
+    def wisv_begin(self, draft_ids: list[int], chained: bool = False, on_exit=None) -> list[int]:
+        """First half of a WISV round: the target's forward over the block (hidden states kept);
+        returns the mismatch positions the head must judge, whose drafter hidden states
+        ``wisv_finish`` then needs (full-hidden uploads carry them all; selective ones fetch these).
+        Nothing is committed until ``wisv_finish``. Early exits (on_exit) guess the greedy verdict
+        (the head may keep more than they guess: a pre-draft then misses, nothing else changes)."""
+        from .wisv import mismatches, protect_target_eos, protected_positions
+        settings = self._require_started()
+        if settings.verify_mode != WISV:
+            raise ValueError(f"a WISV round in a decision verified by {settings.verify_mode!r}")
+        start_position = self.begin_round()
+        if on_exit is not None and self.lm.exits is not None:
+            ids = torch.tensor(draft_ids, dtype=torch.long)
+            logits = self._target_logits_with_exits(draft_ids, ids, None, start_position, on_exit)
+        else:
+            logits = self.seq.target_logits(draft_ids)
+        argmax = logits.argmax(dim=-1).tolist()
+        eos = self.lm.eos_token_ids
+        protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos)
+                     | protect_target_eos(argmax, len(draft_ids), eos))
+        asked = [] if settings.wisv_threshold <= 0 else [
+            i for i in mismatches(draft_ids, argmax) if i not in protected]
+        self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained)
+        return list(asked)
+
+    def wisv_finish(self, draft_hidden, csi) -> VerifyResult:
+        """Second half: the head's rejection probability at each asked mismatch (``draft_hidden``
+        maps those positions, or more, to the drafter's rows), the decision, the commit (chained
+        blocks as in ``finish_round``). ``last_relaxed`` lists the mismatches kept."""
+        from .wisv import decide
+        r = self.wisv_round
+        if r is None:
+            raise ValueError("no WISV round is waiting for hidden states")
+        missing = [i for i in r.asked if i not in draft_hidden]
+        if missing:
+            raise ValueError(f"drafter hidden states missing at draft positions {missing}")
+        probs = {}
+        if r.asked:
+            rows = torch.stack([torch.as_tensor(draft_hidden[i], dtype=torch.float32) for i in r.asked])
+            head = self.lm.wisv
+            if rows.shape[1] != head.config.draft_dim:
+                raise ValueError(f"drafter hidden states are {rows.shape[1]} wide, the WISV head reads "
+                                 f"{head.config.draft_dim}: the drafter is not the one the head was trained with")
+            probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features()).tolist()))
+        self.wisv_round = None
+        result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected)
+        self._score_exits(result)
+        if r.chained and result.accepted == len(r.draft_ids):
+            self.seq.commit_verified(r.draft_ids, result.accepted, None)
+            result.next_token = CONTINUE
+        else:
+            self.seq.commit_verified(r.draft_ids, result.accepted, result.next_token)
+        return result
+
+    def verify_wisv(self, draft_ids: list[int], draft_hidden: torch.Tensor, csi, chained: bool = False
+                    ) -> tuple[VerifyResult, float]:
+        """A full-hidden WISV round in one call (draft_hidden [n, d]: every draft's row)."""
+        t0 = time.perf_counter()
+        asked = self.wisv_begin(draft_ids, chained)
+        rows = {i: draft_hidden[i] for i in asked}
+        return self.wisv_finish(rows, csi), time.perf_counter() - t0
 
     def ar_step(self) -> tuple[int, float]:
         """Decode one token with the target alone; returns (token, compute seconds)."""

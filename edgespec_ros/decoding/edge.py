@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..codecs import get_codec
-from .cloud import Prompt, VerifySettings
+from .cloud import WISV, Prompt, VerifySettings
 from .compute import ComputeProfile, EdgeDevice
 from .draft_length import AutoGamma
 from .engines import LoadedModel, eos_token_ids
@@ -55,7 +55,9 @@ class DecodeConfig:
     max_new_tokens: int = 64
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
-    verify_mode: str = "rejection"  # or "greedy"
+    verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: semantic acceptance, decoding.wisv)
+    wisv_threshold: float = 0.1  # wisv: the decision head keeps a mismatch at or below this rejection probability
+    hidden_upload: str = "auto"  # wisv: "full" (FH), "selective" (SH) or "auto" (by the measured link)
     codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
     workers: int = 4  # fsd, pipe+fsd: pre-draft worker threads
     client_queue: str = "priority"  # fsd: order in which early exits are pre-drafted (priority|fifo|random)
@@ -84,9 +86,16 @@ class DecodeConfig:
             raise ValueError(f"client_queue must be one of {QUEUE_POLICIES}, got {self.client_queue!r}")
         if not 1 <= self.workers <= 64:
             raise ValueError(f"workers (pre-draft threads) must be in 1..64, got {self.workers}")
+        from .wisv import UPLOADS
+        if self.hidden_upload not in UPLOADS:
+            raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
+        if self.verify_mode == WISV and getattr(get_codec(self.codec), "separate", False):
+            raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
+        self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
 
     def verify_settings(self) -> VerifySettings:
-        return VerifySettings(self.params, self.seed, self.verify_mode)
+        return VerifySettings(self.params, self.seed, self.verify_mode,
+                              self.wisv_threshold if self.verify_mode == WISV else 0.0)
 
 
 def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
@@ -120,6 +129,7 @@ class _Decision:
             raise ValueError(f"{cfg.mode} mode needs a draft model")
         self.codec = get_codec(cfg.codec)  # fresh per decision: stateful codecs (csqs) start over
         self.seq = decoder.draft.new_sequence()
+        self.seq.keep_hidden = cfg.verify_mode == WISV  # the decision head reads the drafter's hidden states
         t0 = time.perf_counter()
         self.seq.prefill(inputs)
         m.t_draft += time.perf_counter() - t0
@@ -139,16 +149,33 @@ class _Decision:
         return self._last_epoch
 
     def block(self, ids: list[int], q: torch.Tensor, *, chained: bool = False, stream_exits: bool = False) -> Block:
-        """The next round's block; carries the split codec's owed token (then owed no more)."""
+        """The next round's block (of the drafts ``self.seq`` just drafted); carries the split
+        codec's owed token (then owed no more)."""
         self.round += 1
         block = Block(self.round, self.epoch, list(ids), q, chained, stream_exits, self.edge_token)
         self.edge_token = None
-        return block
+        return self._with_hidden(block, self.seq)
 
-    def conditional_block(self, ids: list[int], q: torch.Tensor, condition: Condition, *, chained: bool) -> Block:
-        """A block of a new epoch that the verifier verifies only if ``condition`` holds."""
+    def conditional_block(self, ids: list[int], q: torch.Tensor, condition: Condition, *, chained: bool,
+                          drafted_on=None) -> Block:
+        """A block of a new epoch that the verifier verifies only if ``condition`` holds (drafted
+        on the pre-draft sequence ``drafted_on``)."""
         self.round += 1
-        return Block(self.round, self.new_epoch(), list(ids), q, chained, True, None, condition)
+        return self._with_hidden(Block(self.round, self.new_epoch(), list(ids), q, chained, True, None, condition),
+                                 drafted_on)
+
+    def _with_hidden(self, block: Block, seq) -> Block:
+        """wisv: the drafter's hidden rows of the block, the link as measured, the upload protocol."""
+        if self.cfg.verify_mode != WISV:
+            return block
+        from .wisv import choose_upload
+        hidden = None if seq is None else seq.draft_hidden
+        if hidden is None or len(hidden) != len(block.draft_ids):
+            raise RuntimeError("wisv: the block's drafts have no hidden rows (drafted on another sequence)")
+        csi_of = getattr(self.verifier, "csi", None)
+        block.hidden, block.csi = hidden, csi_of() if csi_of is not None else None
+        block.upload = choose_upload(self.cfg.hidden_upload, block.csi, len(block.draft_ids), hidden.shape[1])
+        return block
 
     def next_token(self, block: Block, reply: VerifyReply) -> int:
         """The token after the accepted drafts of a verdict that ends its epoch: the verifier's, or
@@ -512,7 +539,8 @@ class _Pipeline:
         history = head.history + list(head.block.draft_ids[:accepted]) + [token]
         ids = list(entry.ids)
         chained = not self.d.ends_decision(history[len(self.d.out):] + ids)
-        block = self.d.conditional_block(ids, entry.q, Condition(head.block.round, accepted, token), chained=chained)
+        block = self.d.conditional_block(ids, entry.q, Condition(head.block.round, accepted, token), chained=chained,
+                                         drafted_on=entry.seq)
         self.conds.append((_InFlight(block, history, copy.deepcopy(entry.codec), time.perf_counter()), entry))
         self.d.verifier.submit(block)
         self.m.pipe_cond_sent += 1

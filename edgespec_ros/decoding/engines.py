@@ -37,6 +37,7 @@ class LoadedModel:
     path: str
     is_vlm: bool
     exits: object = None  # decoding.exits.EarlyExits on a target serving FSD, else None
+    wisv: object = None  # decoding.wisv.DecisionHead on a target serving WISV, else None
     processor: object = None  # Qwen2VLProcessor where torchvision lets it be built (inputs.ecosystem_processor)
 
     @property
@@ -266,6 +267,18 @@ class Sequence:
     last_logits: torch.Tensor | None = None  # next-token logits after the last fed token
     generated: list[int] = field(default_factory=list)  # committed tokens after the prompt
     fed_tokens: list[int] = field(default_factory=list)  # tokens in the KV cache after the prompt (drafts too)
+    # WISV: keep the final-norm hidden state (what the LM head reads) beside the logits of every forward
+    keep_hidden: bool = False
+    last_hidden: torch.Tensor | None = None  # [d] beside last_logits
+    fed_hidden: torch.Tensor | None = None  # [n, d] of the last feed
+    draft_hidden: torch.Tensor | None = None  # [n, d] after draft(): row i produced draft token i
+    round_hidden: torch.Tensor | None = None  # [gamma + 1, d] after end_target(): beside its logits rows
+
+    def _hidden_capture(self):
+        if not self.keep_hidden:
+            return contextlib.nullcontext(None)
+        from .wisv import final_hidden
+        return final_hidden(self.lm)
 
     def _positions(self, n: int) -> torch.Tensor:
         pos = torch.arange(self.fed, self.fed + n, device=self.lm.device) + self.rope_delta
@@ -309,7 +322,7 @@ class Sequence:
         for i, (a, b) in enumerate(pieces):
             if i:
                 yield
-            with torch.inference_mode():
+            with torch.inference_mode(), self._hidden_capture() as hidden:
                 piece = {"input_ids": inputs.input_ids[:, a:b], "attention_mask": torch.ones(1, b, dtype=torch.long, device=device)}
                 if image is not None and a <= image[0] < b:
                     piece.update(pixel_values=kwargs["pixel_values"], image_grid_thw=kwargs["image_grid_thw"],
@@ -317,6 +330,8 @@ class Sequence:
                 out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
                             use_cache=True)
                 self.fed = b
+            if hidden:
+                self.last_hidden = hidden[-1][0, -1]
         self.last_logits = out.logits[0, -1].float().cpu()
         return self.last_logits
 
@@ -328,8 +343,12 @@ class Sequence:
         n = len(token_ids)
         device = self.lm.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        out = self.lm.model(input_ids=ids, attention_mask=torch.ones(1, self.fed + n, dtype=torch.long, device=device),
-                            position_ids=self._positions(n), past_key_values=self.cache, use_cache=True)
+        with self._hidden_capture() as hidden:
+            out = self.lm.model(input_ids=ids, attention_mask=torch.ones(1, self.fed + n, dtype=torch.long, device=device),
+                                position_ids=self._positions(n), past_key_values=self.cache, use_cache=True)
+        if hidden:
+            self.fed_hidden = hidden[-1][0]
+            self.last_hidden = self.fed_hidden[-1]
         self.fed += n
         self.fed_tokens.extend(int(t) for t in token_ids)
         logits = out.logits[0].float().cpu()
@@ -340,7 +359,8 @@ class Sequence:
         """An independent copy (KV cache cloned): pre-drafting on it never touches this one."""
         import copy
         twin = Sequence(self.lm, copy.deepcopy(self.cache), self.fed, self.rope_delta, list(self.pending),
-                        self.last_logits, list(self.generated), list(self.fed_tokens))
+                        self.last_logits, list(self.generated), list(self.fed_tokens), self.keep_hidden,
+                        self.last_hidden)
         for attr in ("_verify_base",):
             if hasattr(self, attr):
                 setattr(twin, attr, getattr(self, attr))
@@ -355,7 +375,7 @@ class Sequence:
         crop_cache(self.cache, keep)
         del self.fed_tokens[max(0, len(self.fed_tokens) - (self.fed - keep)):]
         self.fed = keep
-        self.last_logits = None
+        self.last_logits = self.last_hidden = None
 
     def take_pending(self) -> list[int]:
         """The committed tokens not yet fed, handed to the caller to feed (here or in a batch)."""
@@ -393,7 +413,7 @@ class Sequence:
         verdict, or ``reset_to`` to move to any other token history.
         """
         base = len(self.generated)
-        ids, qs = [], []
+        ids, qs, hidden = [], [], []
         eos = self.lm.eos_token_ids
         logits = self.next_logits()
         for i in range(gamma):
@@ -410,8 +430,11 @@ class Sequence:
                 x = sample_from(q, keyed_uniform(seed, base + i, STREAM_DRAFT))
             ids.append(x)
             qs.append(q)
+            if self.keep_hidden:
+                hidden.append(self.last_hidden)
             if x in eos:  # nothing after an end token can be kept: stop the block (same output, less work)
                 break
+        self.draft_hidden = torch.stack(hidden) if hidden else None
         return ids, torch.stack(qs) if qs else torch.zeros(0, self.lm.vocab_size, dtype=torch.float64)
 
     def commit_draft(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
@@ -449,10 +472,17 @@ class Sequence:
         self._verify_base = self.fed
         self._verify_head = 0
         self._first_row = self.last_logits  # row 0: computed by the last forward, before feeding
+        self._first_hidden = self.last_hidden
         return list(draft_ids)
 
     def end_target(self, fed_logits: torch.Tensor | None) -> torch.Tensor:
         """Target logits [gamma + 1, V] from the logits of the tokens begin_target returned."""
+        if self.keep_hidden:
+            if self._verify_head:
+                self.round_hidden = self.fed_hidden[self._verify_head - 1:]
+            else:
+                first = self._first_hidden.view(1, -1)
+                self.round_hidden = first if fed_logits is None else torch.cat([first, self.fed_hidden], dim=0)
         if self._verify_head:
             return fed_logits[self._verify_head - 1:]
         first = self._first_row.view(1, -1)

@@ -45,6 +45,9 @@ class DecisionMetrics:
     queue_s: float = 0.0  # time blocks waited at the verifier behind earlier blocks
     pipe_cond_sent: int = 0  # pipe+fsd: conditional blocks sent before the verdict they guess
     pipe_cond_hits: int = 0  # of those, guesses that were right (verified at once after the rejection)
+    wisv_relaxed: int = 0  # wisv (LOSSY): mismatches the decision head kept
+    hidden_rows: int = 0  # wisv: drafter hidden rows uploaded
+    hidden_exchanges: int = 0  # wisv selective upload: extra round trips for hidden rows
 
     def record_exits(self, reply) -> None:
         if reply.exit_layer:
@@ -80,6 +83,9 @@ class DecisionMetrics:
         self.t_uplink += reply.uplink_s
         self.t_downlink += reply.downlink_s
         self.add_link(reply.uplink_bytes, reply.downlink_bytes)
+        self.wisv_relaxed += getattr(reply, "relaxed", 0)
+        self.hidden_rows += getattr(reply, "hidden_rows", 0)
+        self.hidden_exchanges += getattr(reply, "hidden_exchanges", 0)
 
     @property
     def tau(self) -> float:

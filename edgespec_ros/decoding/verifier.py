@@ -17,6 +17,7 @@ and its epoch are void. Robot and verifier apply the same ``Condition.holds``.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -24,7 +25,7 @@ from typing import Iterator, Protocol
 import torch
 
 from ..codecs import get_codec
-from .cloud import CONTINUE, Prompt, TargetSession, VerifySettings
+from .cloud import CONTINUE, WISV, Prompt, TargetSession, VerifySettings
 from .engines import LoadedModel
 
 
@@ -133,6 +134,11 @@ class Block:
     stream_exits: bool = False  # ask for early exits (fsd)
     edge_token: int | None = None  # split codec: the token the robot resampled after the last rejection
     condition: Condition | None = None  # pipe+fsd: verify only if this verdict guess was right
+    # wisv: the drafter's final hidden rows [n, d] (row i produced draft i), the link as measured,
+    # and how the rows go up: "full" (with the ids) or "selective" (those the verifier asks for)
+    hidden: torch.Tensor | None = None
+    csi: object = None  # decoding.wisv.Csi
+    upload: str = "full"
 
 
 @dataclass
@@ -151,6 +157,9 @@ class VerifyReply:
     epoch: int = 0
     target_p: torch.Tensor | None = None  # split codec, on a rejection: p there, for the robot to resample
     queue_s: float = 0.0  # time the block waited at the verifier behind earlier blocks
+    relaxed: int = 0  # wisv: mismatches the decision head kept (LOSSY)
+    hidden_rows: int = 0  # wisv: drafter hidden rows uploaded for this round
+    hidden_exchanges: int = 0  # wisv selective upload: extra round trips to fetch rows (0 or 1)
 
     @property
     def ends_epoch(self) -> bool:
@@ -186,8 +195,10 @@ class LocalVerifier:
     ``verdict_delay`` (with eager): a verdict computed at a poll (its exits already streamed) is
     held back for that many further polls, as a verdict still on the downlink is."""
 
-    def __init__(self, lm: LoadedModel, codec: str = "dense32", eager: bool = False, verdict_delay: int = 0):
+    def __init__(self, lm: LoadedModel, codec: str = "dense32", eager: bool = False, verdict_delay: int = 0,
+                 csi=None):
         self.session = TargetSession(lm)
+        self.link_csi = csi  # wisv: the channel state this in-process "link" reports (None: a perfect link)
         self.codec = get_codec(codec)
         self.vocab = lm.vocab_size
         self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
@@ -234,7 +245,13 @@ class LocalVerifier:
             return None
         return reply
 
+    def csi(self):
+        """wisv: the channel state blocks carry (decoding.wisv.Csi; None: a perfect link)."""
+        return self.link_csi
+
     def _verify(self, block: Block, on_exit) -> VerifyReply:
+        if self.session.settings is not None and self.session.settings.verify_mode == WISV:
+            return self._verify_wisv(block, on_exit if block.stream_exits else None)
         payload = self.codec.encode(block.draft_ids, block.q)
         q = self.codec.decode(payload, block.draft_ids, self.vocab)
         if getattr(self.codec, "separate", False):
@@ -255,6 +272,26 @@ class LocalVerifier:
         return VerifyReply(result.accepted, next_token, mask_of(result.accepted, len(block.draft_ids)), verify_s=dt,
                            exit_layer=exit_layer, exits_received=exits, round=block.round, epoch=block.epoch,
                            target_p=target_p)
+
+    def _verify_wisv(self, block: Block, on_exit) -> VerifyReply:
+        """A WISV round as the wire runs it: full-hidden rows all go with the ids, selective ones
+        only those the target asks for; either way through the wire's fp16 encoding."""
+        from .wisv import Csi, decode_hidden, encode_hidden
+        t0 = time.perf_counter()
+        if block.hidden is None or len(block.hidden) != len(block.draft_ids):
+            raise ValueError("a wisv block carries the drafter's hidden row of every draft token")
+        dim = block.hidden.shape[1]
+        asked = self.session.wisv_begin(block.draft_ids, chained=block.chained, on_exit=on_exit)
+        sent = list(range(len(block.draft_ids))) if block.upload == "full" else asked
+        rows = decode_hidden(encode_hidden(block.hidden[sent]), len(sent), dim) if sent else None
+        csi = block.csi if block.csi is not None else Csi(0, 0, 0)
+        result = self.session.wisv_finish({i: rows[k] for k, i in enumerate(sent)}, csi)
+        next_token = None if result.next_token == CONTINUE else result.next_token
+        return VerifyReply(result.accepted, next_token, mask_of(result.accepted, len(block.draft_ids)),
+                           verify_s=time.perf_counter() - t0, round=block.round, epoch=block.epoch,
+                           exit_layer=self.session.last_exit_layer, exits_received=len(self.session.last_exits),
+                           relaxed=len(self.session.last_relaxed), hidden_rows=len(sent),
+                           hidden_exchanges=int(block.upload != "full" and bool(asked)))
 
     def verify(self, block: Block, on_exit=None) -> VerifyReply:
         """Stop-and-wait: one block, its verdict."""

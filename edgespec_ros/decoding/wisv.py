@@ -84,6 +84,120 @@ class Csi:
                              min(self.loss * 10.0, 1.0)], dtype=torch.float32)
 
 
+    def to_wire(self) -> list[float]:
+        return [float(self.up_bps), float(self.down_bps), float(self.rtt_s), float(self.loss)]
+
+    @classmethod
+    def from_wire(cls, values) -> "Csi":
+        """From a VERIFY frame's four numbers; ValueError when they are not a channel state."""
+        if len(values) != CSI_DIM:
+            raise ValueError(f"CSI has {CSI_DIM} numbers (up, down bit/s, RTT s, loss), got {len(values)}")
+        return cls(*(float(v) for v in values))
+
+
+class CsiEstimator:
+    """The robot's running estimate of its link from what each exchange shows: the link time of a
+    round (wall time minus the verifier's reported compute and queueing) against the bytes each
+    way. RTT is the low envelope of small exchanges; the uplink rate comes from the extra time a
+    large upload (the PREFILL's image) takes over a small one; the downlink rate is taken equal to
+    the uplink's unless a large download was seen (verdicts are tiny). Loss is not visible to the
+    application over TCP except as retransmission stalls: an exchange slower than the envelope by
+    at least a minimum retransmission timeout counts as one loss among the segments sent.
+    Until something was measured, ``csi()`` returns ``prior`` (None: nothing known)."""
+
+    MSS = 1448
+    STALL_S = 0.2  # Linux's minimum RTO: a stall this long over the envelope is a retransmission
+
+    def __init__(self, prior: Csi | None = None, window: int = 64):
+        self.prior = prior
+        self.window = window
+        self.samples: list[tuple[int, int, float]] = []  # (up bytes, down bytes, link seconds)
+        self.segments = 0
+        self.stalls = 0
+
+    def observe(self, up_bytes: int, down_bytes: int, link_s: float) -> None:
+        if not (math.isfinite(link_s) and link_s >= 0):
+            return
+        self.samples.append((int(up_bytes), int(down_bytes), float(link_s)))
+        del self.samples[:-self.window]
+        self.segments += max(1, -(-up_bytes // self.MSS)) + max(1, -(-down_bytes // self.MSS))
+        if len(self.samples) > 3 and link_s > self._expected(up_bytes, down_bytes) + self.STALL_S:
+            self.stalls += 1
+
+    def _envelope(self) -> tuple[float, float, float]:
+        """(RTT, seconds per uplink byte, seconds per downlink byte) from the fastest exchanges."""
+        small = sorted(t for u, d, t in self.samples if u <= 4 * self.MSS and d <= 4 * self.MSS)
+        base = [u + d for u, d, t in self.samples if u <= 4 * self.MSS and d <= 4 * self.MSS]
+        rtt = small[len(small) // 10] if small else min(t for _, _, t in self.samples)
+        mean_small = sum(base) / len(base) if base else 0
+        per_up = 0.0
+        large = [(u, t) for u, d, t in self.samples if u > 4 * self.MSS]
+        if large:
+            u, t = min(large, key=lambda x: x[1] / x[0])
+            per_up = max(0.0, (t - rtt) / max(1, u - mean_small))
+        return max(0.0, rtt), per_up, per_up
+
+    def _expected(self, up_bytes: int, down_bytes: int) -> float:
+        rtt, per_up, per_down = self._envelope()
+        return rtt + per_up * up_bytes + per_down * down_bytes
+
+    def csi(self) -> Csi | None:
+        if not self.samples:
+            return self.prior
+        rtt, per_up, per_down = self._envelope()
+        rate = (lambda per: UNLIMITED_BPS if per <= 8 / UNLIMITED_BPS else 8.0 / per)  # noqa: E731
+        loss = min(0.5, self.stalls / self.segments) if self.segments else 0.0
+        return Csi(rate(per_up), rate(per_down), rtt, loss)
+
+
+# Hidden states on the wire (WISV uploads): IEEE fp16, row-major [n, d], little-endian. fp16 keeps
+# 3 significant digits of a final-norm state (values of order 1-10) at half of fp32's bytes.
+HIDDEN_DTYPE = "<f2"
+
+
+def encode_hidden(rows: torch.Tensor) -> bytes:
+    """[n, d] hidden rows as the wire carries them; ValueError when a value is not finite in fp16."""
+    import numpy as np
+    half = rows.detach().float().cpu().numpy().astype(HIDDEN_DTYPE)
+    if not np.isfinite(half).all():
+        raise ValueError("hidden state has values that are not finite in fp16 (|x| > 65504 or NaN)")
+    return half.tobytes()
+
+
+def decode_hidden(blob: bytes, n: int, dim: int) -> torch.Tensor:
+    """[n, dim] float32 rows from a hidden-state payload; ValueError when its length is not n * dim
+    fp16 values or a value is not finite."""
+    import numpy as np
+    if n < 0 or dim <= 0:
+        raise ValueError(f"bad hidden-state shape [{n}, {dim}]")
+    if len(blob) != n * dim * 2:
+        raise ValueError(f"hidden-state payload of {len(blob)} bytes, expected {n} rows x {dim} fp16 = {n * dim * 2}")
+    rows = np.frombuffer(blob, dtype=HIDDEN_DTYPE).reshape(n, dim)
+    if not np.isfinite(rows).all():
+        raise ValueError("hidden-state payload holds values that are not finite")
+    return torch.from_numpy(rows.astype(np.float32))
+
+
+UPLOADS = ("full", "selective", "auto")
+
+
+def choose_upload(upload: str, csi: Csi | None, n: int, dim: int, mismatch_rate: float = 0.3) -> str:
+    """``full`` (FH) or ``selective`` (SH) for one round: auto picks by the CSI which one costs less
+    expected time. FH sends n rows of dim fp16 with the ids; SH sends none up front and, when the
+    round has a mismatch the head must judge (probability 1 - (1 - rate)^n), one more round trip
+    with those rows."""
+    if upload != "auto":
+        return upload
+    if csi is None:
+        return "full"
+    rows_bytes = n * dim * 2
+    full_s = 8 * rows_bytes / (csi.up_bps or UNLIMITED_BPS)
+    p_ask = 1.0 - (1.0 - mismatch_rate) ** n
+    asked_bytes = max(1, round(n * mismatch_rate)) * dim * 2
+    selective_s = p_ask * (csi.rtt_s + 8 * asked_bytes / (csi.up_bps or UNLIMITED_BPS))
+    return "full" if full_s <= selective_s else "selective"
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     draft_dim: int
@@ -140,6 +254,32 @@ class DecisionHead(nn.Module):
         head = cls(HeadConfig(**meta.pop("config")))
         head.load_state_dict(load_file(os.path.join(directory, HEAD_WEIGHTS)))
         return head.eval(), meta
+
+
+def default_head_dir(model_path: str) -> str:
+    """The head lives beside the target: <target>/wisv."""
+    return os.path.join(model_path, "wisv")
+
+
+def attach_wisv(lm, spec: str | None = "auto") -> DecisionHead | None:
+    """Load the WISV decision head onto a target LoadedModel (``lm.wisv``): ``auto`` (the one beside
+    the model, if any), ``none``, or a directory (an error if it holds none). A head trained for
+    another target is refused."""
+    lm.wisv = None
+    if spec in (None, "none"):
+        return None
+    directory = default_head_dir(lm.path) if spec == "auto" else spec
+    if spec == "auto" and not os.path.isfile(os.path.join(directory, HEAD_CONFIG)):
+        return None
+    head, meta = DecisionHead.load(directory)
+    if meta.get("target_fingerprint") not in (None, lm.fingerprint()):
+        raise ValueError(f"the WISV head in {directory!r} was trained for another target (vocabulary fingerprint "
+                         f"{meta['target_fingerprint']}, this target {lm.fingerprint()})")
+    if head.config.target_dim != lm.model.config.get_text_config().hidden_size:
+        raise ValueError(f"the WISV head in {directory!r} reads {head.config.target_dim}-wide target states, this "
+                         f"target's are {lm.model.config.get_text_config().hidden_size}")
+    lm.wisv = head
+    return head
 
 
 def mismatches(draft_ids, target_argmax) -> list[int]:

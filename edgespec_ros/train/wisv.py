@@ -71,10 +71,13 @@ class MismatchTrace:
 
 
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
-                   max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[MismatchTrace]:
-    """Greedy SD of one decision, recording every unprotected mismatch of every round (in the
-    round's own context: positions after an earlier mismatch see the draft tokens before them, as
-    WISV would) with its task label from a counterfactual target continuation."""
+                   max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None) -> list[MismatchTrace]:
+    """Speculative rounds of one decision, recording every unprotected mismatch of every round (in
+    the round's own context: positions after an earlier mismatch see the draft tokens before them,
+    as WISV would) with its task label: critical when keeping the draft token there and decoding
+    on greedily gives another action than the target alone. ``policy`` (an ``SdRound -> accepted``
+    choice, e.g. ``wisv_choice``) decides the rounds; None is greedy SD. Under a WISV policy the
+    prefix holds the mismatches kept before (the states the head meets when it decides: DAgger)."""
     from ..decoding.cloud import target_generate
     from ..decoding.edge import DecodeConfig
     from ..decoding.sampling import SamplingParams
@@ -102,22 +105,34 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
             prefix = r.committed + r.draft_ids[:i + 1]
             changed = action(prefix + continue_greedily(prefix, max_new_tokens - len(prefix))) != reference_action
             traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i))
-        return greedy_choice(r)
+        return greedy_choice(r) if policy is None else policy(r)
 
     tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
-    if tokens[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
+    if policy is None and tokens[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
         raise RuntimeError("trace collection diverged from the target's greedy output: hidden rows misaligned")
     return traces
 
 
-def collect_traces(draft, target, examples, gamma: int = 4, progress=None) -> list[list[MismatchTrace]]:
-    """One episode of traces per example (``sim.dataset`` Example: image, instruction)."""
+def collect_traces(draft, target, examples, gamma: int = 4, progress=None, policies=None) -> list[list[MismatchTrace]]:
+    """One episode of traces per example (``sim.dataset`` Example: image, instruction); policies
+    (one per example, or None: greedy SD) decide the rounds."""
     episodes = []
-    for example in examples:
-        episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma))
+    for i, example in enumerate(examples):
+        policy = None if policies is None else policies[i]
+        episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma, policy=policy))
         if progress is not None:
             progress(1)
     return episodes
+
+
+DAGGER_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
+
+
+def dagger_policies(head, n: int, rng: random.Random) -> list:
+    """WISV choices of the first head, one per example, each under a sampled channel state and a
+    threshold from DAGGER_THRESHOLDS: the trajectories the second pass collects traces on."""
+    from ..decoding.wisv import wisv_choice
+    return [wisv_choice(head, sample_csi(rng), rng.choice(DAGGER_THRESHOLDS)) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,6 +157,7 @@ class HeadTrainConfig:
     lr: float = 2e-3
     weight_decay: float = 1e-4
     seed: int = 0
+    dagger_passes: int = 1    # passes of traces on the trained head's own WISV trajectories, added to the greedy ones
     relabel: RelabelConfig = RelabelConfig()
 
 
@@ -271,14 +287,23 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
     with tqdm(total=len(train_examples) + len(heldout_examples), desc="wisv: traces", unit="ep") as bar:
         train = collect_traces(draft, target, train_examples, progress=bar.update)
         heldout = collect_traces(draft, target, heldout_examples, progress=bar.update)
-    trace_s = time.monotonic() - t0
+    greedy_train = len(train)
     with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
         head, info = train_head(train, cfg, progress=bar.update)
+    for p in range(cfg.dagger_passes):
+        # The first head's own trajectories (kept mismatches in the prefix), labelled by the task
+        # and added to the traces: the states a greedy-SD prefix never shows it.
+        policies = dagger_policies(head, len(train_examples), random.Random(cfg.seed + 1 + p))
+        with tqdm(total=len(train_examples), desc=f"wisv: dagger {p + 1}", unit="ep") as bar:
+            train += collect_traces(draft, target, train_examples, progress=bar.update, policies=policies)
+        with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
+            head, info = train_head(train, cfg, progress=bar.update)
+    trace_s = time.monotonic() - t0
     rows = acceptance_by_channel(head, heldout, EVAL_PROFILES, EVAL_THRESHOLDS)
     count = lambda eps: (sum(len(e) for e in eps), sum(t.critical for e in eps for t in e))  # noqa: E731
     meta = {"lossy": True, "draft_fingerprint": draft.fingerprint(), "target_fingerprint": target.fingerprint(),
             "training": {k: v for k, v in asdict(cfg).items() if k != "relabel"} | {"relabel": asdict(cfg.relabel)},
-            "traces": {"train_episodes": len(train), "train_mismatches": count(train)[0],
+            "traces": {"train_episodes": len(train), "greedy_episodes": greedy_train, "train_mismatches": count(train)[0],
                        "train_critical": count(train)[1], "heldout_episodes": len(heldout),
                        "heldout_mismatches": count(heldout)[0], "heldout_critical": count(heldout)[1],
                        "seconds": round(trace_s, 1)},
@@ -288,9 +313,11 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write("# WISV decision head (lossy)\n\n"
                 f"Two-layer MLP ({cfg.hidden} hidden) over the drafter's and the target's final hidden states and "
-                f"the link's CSI features, trained on {meta['traces']['train_mismatches']} mismatches of greedy SD "
-                f"rounds on {len(train)} simulator frames ({meta['traces']['train_critical']} critical: accepting the "
-                "draft token changes the parsed action), each relabeled under "
+                f"the link's CSI features, trained on {meta['traces']['train_mismatches']} mismatches "
+                f"({meta['traces']['train_critical']} critical: keeping the draft token changes the parsed action) "
+                f"of {len(train)} decisions on {len(train_examples)} simulator frames: greedy SD rounds, then "
+                f"{cfg.dagger_passes} pass(es) of the trained head's own WISV rounds (DAgger: the prefixes hold the "
+                "mismatches it kept), each relabeled under "
                 f"{cfg.csi_samples} sampled channel states (CSI-aware budgeted relabeling, paper 002 Eq. 28-31).\n\n"
                 f"Held-out traces ({meta['traces']['heldout_mismatches']} mismatches, "
                 f"{meta['traces']['heldout_critical']} critical): the fractions the head keeps per link and "
