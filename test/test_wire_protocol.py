@@ -19,12 +19,16 @@ IDS = st.lists(U32, max_size=32)
 
 MESSAGES = st.one_of(
     st.builds(P.Hello, TEXT, TEXT, U32, TEXT, TEXT),
-    st.builds(P.Welcome, TEXT, U32, TEXT, U32, TEXT, U16, st.lists(U32, max_size=40)),
+    st.builds(P.Welcome, TEXT, U32, TEXT, U32, TEXT, U16, st.lists(U32, max_size=40), U16),
     st.builds(P.Error, U16, TEXT),
-    st.builds(P.Prefill, U32, TEXT, BLOB, IDS, U64, F32, U32, F32, TEXT),
+    st.builds(P.Prefill, U32, TEXT, BLOB, IDS, U64, F32, U32, F32, TEXT, F32),
     st.builds(P.PrefillOk, U32, F32),
-    st.builds(P.Verify, U32, U32, IDS, BLOB, st.integers(0, 255), U32),
-    st.builds(P.Verdict, U32, U32, U16, U32, F32, U16, U16, U16, BLOB),
+    st.builds(P.Verify, U32, U32, IDS, BLOB, st.integers(0, 255).map(lambda f: f & ~P.VERIFY_WISV), U32, U32, IDS),
+    st.builds(P.Verify, U32, U32, IDS, BLOB, st.integers(0, 255).map(lambda f: f | P.VERIFY_WISV), U32, U32, IDS,
+              st.tuples(F32, F32, F32, F32), BLOB),
+    st.builds(P.Verdict, U32, U32, U16, U32, F32, U16, U16, U16, BLOB, U32, F32, U16),
+    st.builds(P.HiddenRequest, U32, U32, IDS),
+    st.builds(P.Hidden, U32, U32, IDS, BLOB),
     st.builds(P.Exit, U32, U32, U16, U16, U32, F32, F32),
     st.builds(P.Generate, U32, U32),
     st.builds(P.Token, U32, U32, U32, F32, st.booleans()),
@@ -33,12 +37,15 @@ MESSAGES = st.one_of(
 
 EXAMPLES = [
     P.Hello("tok", "ab" * 16, 300, "dense32", "edge"),
-    P.Welcome("ab" * 16, 300, "/models/target", 1 << 20, "edgespec-verifier", 6, [1, 2, 3, 4, 5]),
+    P.Welcome("ab" * 16, 300, "/models/target", 1 << 20, "edgespec-verifier", 6, [1, 2, 3, 4, 5], 64),
     P.Error(422, "bad draft distribution"),
-    P.Prefill(7, "find the bottle", b"\xff\xd8jpeg\xff\xd9", [1, 2, 3], 42, 0.75, 20, 0.875, "rejection"),
+    P.Prefill(7, "find the bottle", b"\xff\xd8jpeg\xff\xd9", [1, 2, 3], 42, 0.0, 20, 0.875, "wisv", 0.25),
     P.PrefillOk(7, 12.5),
-    P.Verify(7, 3, [5, 6, 7, 8], b"\x00" * 16, P.VERIFY_STREAM_EXITS, 42),
-    P.Verdict(7, 3, 2, P.NO_TOKEN, 4.25, 4, 3, 5, b"\x01" * 24),
+    P.Verify(7, 3, [5, 6, 7, 8], b"\x00" * 16, P.VERIFY_STREAM_EXITS | P.VERIFY_HIDDEN | P.VERIFY_WISV, 42, 1, [],
+             (20e6, 20e6, 0.0625, 0.0), b"\x00\x3c" * 8),
+    P.Verdict(7, 3, 2, P.NO_TOKEN, 4.25, 4, 3, 5, b"\x01" * 24, 1, 0.5, 1),
+    P.HiddenRequest(7, 3, [1, 3]),
+    P.Hidden(7, 3, [1, 3], b"\x00\x3c" * 4),
     P.Exit(7, 3, 2, 1, 99, 0.875, 206.5),
     P.Generate(7, 64),
     P.Token(7, 0, 17, 1.5, False),
@@ -46,7 +53,8 @@ EXAMPLES = [
 ]
 TYPE_OF = {type(m): t for m, t in zip(EXAMPLES, [P.FrameType.HELLO, P.FrameType.WELCOME, P.FrameType.ERROR,
                                                  P.FrameType.PREFILL, P.FrameType.PREFILL_OK,
-                                                 P.FrameType.VERIFY, P.FrameType.VERDICT, P.FrameType.EXIT,
+                                                 P.FrameType.VERIFY, P.FrameType.VERDICT,
+                                                 P.FrameType.HIDDEN_REQUEST, P.FrameType.HIDDEN, P.FrameType.EXIT,
                                                  P.FrameType.GENERATE, P.FrameType.TOKEN, P.FrameType.CLOSE])}
 
 
@@ -156,7 +164,7 @@ def test_wrong_version_is_version_mismatch(version):
     assert f"speaks {P.PROTOCOL_VERSION}" in str(err.value)
 
 
-@pytest.mark.parametrize("ftype", [0, 12, 200, 255])
+@pytest.mark.parametrize("ftype", [0, 14, 200, 255])
 def test_unknown_frame_type(ftype):
     with pytest.raises(P.ProtocolError, match=f"unknown frame type {ftype}") as err:
         P.decode(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, ftype, 0, 0))

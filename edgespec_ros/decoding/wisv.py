@@ -98,14 +98,17 @@ class Csi:
 class CsiEstimator:
     """The robot's running estimate of its link from what each exchange shows: the link time of a
     round (wall time minus the verifier's reported compute and queueing) against the bytes each
-    way. RTT is the low envelope of small exchanges; the uplink rate comes from the extra time a
-    large upload (the PREFILL's image) takes over a small one; the downlink rate is taken equal to
-    the uplink's unless a large download was seen (verdicts are tiny). Loss is not visible to the
+    way. RTT and the uplink rate are the intercept and slope of a line under the fastest
+    exchanges by upload size (a large block or a PREFILL's image against a small block); the
+    downlink rate is taken equal to the uplink's (verdicts are tiny). A rate the timings do not show (every exchange of about one
+    size: its serialisation is folded into the RTT) is reported as MAX_RATE_BPS, the top of the
+    range the head was trained on. Loss is not visible to the
     application over TCP except as retransmission stalls: an exchange slower than the envelope by
     at least a minimum retransmission timeout counts as one loss among the segments sent.
     Until something was measured, ``csi()`` returns ``prior`` (None: nothing known)."""
 
     MSS = 1448
+    MAX_RATE_BPS = 1e9
     STALL_S = 0.2  # Linux's minimum RTO: a stall this long over the envelope is a retransmission
 
     def __init__(self, prior: Csi | None = None, window: int = 64):
@@ -125,17 +128,18 @@ class CsiEstimator:
             self.stalls += 1
 
     def _envelope(self) -> tuple[float, float, float]:
-        """(RTT, seconds per uplink byte, seconds per downlink byte) from the fastest exchanges."""
-        small = sorted(t for u, d, t in self.samples if u <= 4 * self.MSS and d <= 4 * self.MSS)
-        base = [u + d for u, d, t in self.samples if u <= 4 * self.MSS and d <= 4 * self.MSS]
-        rtt = small[len(small) // 10] if small else min(t for _, _, t in self.samples)
-        mean_small = sum(base) / len(base) if base else 0
-        per_up = 0.0
-        large = [(u, t) for u, d, t in self.samples if u > 4 * self.MSS]
-        if large:
-            u, t = min(large, key=lambda x: x[1] / x[0])
-            per_up = max(0.0, (t - rtt) / max(1, u - mean_small))
-        return max(0.0, rtt), per_up, per_up
+        """(RTT, seconds per uplink byte, seconds per downlink byte): a line under the fastest
+        exchanges (the 20th percentile of the link time in the smaller and in the larger half of
+        the uploads); flat when the uploads do not differ by 1.5x (the rate does not show)."""
+        by_size = sorted(self.samples)
+        halves = [by_size[:len(by_size) // 2], by_size[len(by_size) // 2:]] if len(by_size) > 1 else [by_size]
+
+        def low(points):
+            times = sorted(t for _, _, t in points)
+            return sorted(u for u, _, _ in points)[len(points) // 2], times[len(times) // 5]
+        (x_lo, t_lo), (x_hi, t_hi) = low(halves[0]), low(halves[-1])
+        per_up = max(0.0, (t_hi - t_lo) / (x_hi - x_lo)) if x_hi > 1.5 * max(x_lo, 1) else 0.0
+        return max(0.0, t_lo - per_up * x_lo), per_up, per_up
 
     def _expected(self, up_bytes: int, down_bytes: int) -> float:
         rtt, per_up, per_down = self._envelope()
@@ -145,7 +149,7 @@ class CsiEstimator:
         if not self.samples:
             return self.prior
         rtt, per_up, per_down = self._envelope()
-        rate = (lambda per: UNLIMITED_BPS if per <= 8 / UNLIMITED_BPS else 8.0 / per)  # noqa: E731
+        rate = (lambda per: self.MAX_RATE_BPS if per <= 8 / self.MAX_RATE_BPS else 8.0 / per)  # noqa: E731
         loss = min(0.5, self.stalls / self.segments) if self.segments else 0.0
         return Csi(rate(per_up), rate(per_down), rtt, loss)
 

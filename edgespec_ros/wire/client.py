@@ -83,6 +83,9 @@ class RemoteVerifier:
         self._on_exit = None  # the early-exit receiver while waiting for a verdict (fsd)
         self._prefill_pending = False  # start(wait=False): PREFILL_OK not read yet
         self.last_prefill_s: float | None = None
+        self._hidden_sent: dict[int, tuple[int, int]] = {}  # wisv selective: round -> (rows, bytes) sent on request
+        from ..decoding.wisv import CsiEstimator
+        self.link_estimate = CsiEstimator()  # wisv: the link as the exchanges show it (decoding.wisv.Csi)
 
     # --- connection ----------------------------------------------------------------------
 
@@ -206,6 +209,10 @@ class RemoteVerifier:
                 else:
                     self.stale_exits += 1
                 continue
+            if isinstance(msg, P.HiddenRequest):
+                extra += len(raw)
+                self._answer_hidden(msg)
+                continue
             if isinstance(msg, P.PrefillOk) and expected is not P.PrefillOk:
                 extra += len(raw)  # an overlapped prefill's acknowledgement: counted with this reply
                 if msg.decision == self.decision and self._prefill_pending:
@@ -218,6 +225,24 @@ class RemoteVerifier:
                 raise VerifierError(f"expected {expected.__name__}, got {type(msg).__name__}")
             extra, self._exit_bytes = extra + self._exit_bytes, 0
             return msg, len(raw) + extra
+
+    def _answer_hidden(self, msg: P.HiddenRequest) -> None:
+        """wisv selective upload: send the drafter's rows the verifier asked for (from the block in flight)."""
+        from ..decoding.wisv import encode_hidden
+        entry = self._inflight.get(msg.round) if msg.decision == self.decision else None
+        block = entry[0] if entry is not None else None
+        if block is None or block.hidden is None:
+            raise VerifierError(f"the verifier asked for hidden rows of round {msg.round}, which has none in flight")
+        positions = list(msg.positions)
+        if not positions or len(set(positions)) != len(positions) or max(positions) >= len(block.draft_ids):
+            raise VerifierError(f"the verifier asked for hidden rows at positions {positions[:8]} of a "
+                                f"{len(block.draft_ids)}-token block")
+        sent = self._send(P.Hidden(msg.decision, msg.round, positions, encode_hidden(block.hidden[positions])))
+        self._hidden_sent[msg.round] = (len(positions), sent)
+
+    def csi(self):
+        """wisv: the link as this connection has measured it (decoding.wisv.Csi; None before any exchange)."""
+        return self.link_estimate.csi()
 
     def _drop(self) -> None:
         """After a failure: the connection may hold stale replies or be dead; drop it without
@@ -235,15 +260,21 @@ class RemoteVerifier:
         self.decision += 1
         self.round = 0
         self._inflight.clear()
+        self._hidden_sent.clear()
         self.epoch = self._max_epoch = 0
+        if settings.verify_mode == "wisv" and not (self.welcome and self.welcome.wisv_dim):
+            raise VerifierRefused(P.ErrorCode.BAD_REQUEST, f"verify mode wisv: the verifier at {self.url} has no "
+                                                           "WISV decision head")
+        sent_at = time.perf_counter()
         up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
                                   settings.seed, settings.params.temperature, settings.params.top_k,
-                                  settings.params.top_p, settings.verify_mode))
+                                  settings.params.top_p, settings.verify_mode, settings.wisv_threshold))
         if not wait:
             self._prefill_pending = True
             return {"prefill_s": None, "uplink_bytes": up, "downlink_bytes": 0}
         self._prefill_pending = False
         reply, down = self._recv(P.PrefillOk)
+        self.link_estimate.observe(up, down, time.perf_counter() - sent_at - reply.prefill_ms / 1e3)
         return {"prefill_s": reply.prefill_ms / 1e3, "uplink_bytes": up, "downlink_bytes": down}
 
     @property
@@ -263,9 +294,17 @@ class RemoteVerifier:
         cond = block.condition
         if cond is not None and getattr(self.codec, "separate", False):
             raise ValueError("conditional blocks are not valid with the split codec")
+        csi, hidden = (0.0, 0.0, 0.0, 0.0), b""
+        if block.hidden is not None:  # wisv
+            from ..decoding.wisv import encode_hidden
+            csi = tuple(block.csi.to_wire()) if block.csi is not None else csi
+            flags |= P.VERIFY_WISV
+            if block.upload == "full":
+                flags |= P.VERIFY_HIDDEN
+                hidden = encode_hidden(block.hidden)
         up = self._send(P.Verify(self.decision, block.round, list(block.draft_ids),
                                  self.codec.encode(block.draft_ids, block.q), flags, edge, block.epoch,
-                                 [] if cond is None else [cond.round, cond.accepted, cond.token]))
+                                 [] if cond is None else [cond.round, cond.accepted, cond.token], csi, hidden))
         self._max_epoch = max(self._max_epoch, block.epoch)
         self._inflight[block.round] = (block, up, time.perf_counter())
         self.round = max(self.round, block.round)
@@ -294,6 +333,8 @@ class RemoteVerifier:
         block, up, sent_at = entry
         rtt = time.perf_counter() - sent_at
         n = len(block.draft_ids)
+        asked_rows, asked_bytes = self._hidden_sent.pop(verdict.round, (0, 0))
+        up += asked_bytes
         target_p = None
         if verdict.p_payload:
             target_p = self._target_p(verdict, n)
@@ -315,10 +356,15 @@ class RemoteVerifier:
             self.epoch = max(self._max_epoch, verdict.epoch) + 1
         verify_s, queue_s = verdict.verify_ms / 1e3, verdict.queue_ms / 1e3
         up_s, down_s = self._split_link_time(max(0.0, rtt - verify_s - queue_s), up, down)
+        if not asked_rows:  # one exchange (a selective upload's second one would blur the RTT)
+            self.link_estimate.observe(up, down, max(0.0, rtt - verify_s - queue_s))
+        full_rows = n if block.hidden is not None and block.upload == "full" else 0
         return VerifyReply(verdict.accepted, next_token, [True] * verdict.accepted + [False] * (n - verdict.accepted),
                            verify_s=verify_s, uplink_bytes=up, downlink_bytes=down, uplink_s=up_s, downlink_s=down_s,
                            exit_layer=verdict.exit_layer, exits_received=self._exits_received.pop(block.round, 0),
-                           round=block.round, epoch=block.epoch, target_p=target_p, queue_s=queue_s)
+                           round=block.round, epoch=block.epoch, target_p=target_p, queue_s=queue_s,
+                           relaxed=verdict.relaxed, hidden_rows=full_rows + asked_rows,
+                           hidden_exchanges=int(asked_rows > 0))
 
     def verify(self, block: Block, on_exit=None) -> VerifyReply:
         """Stop-and-wait: send one block and wait for its verdict (streaming its early exits to

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 4  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
-#                      (epochs, chaining); 4: conditional blocks (VERIFY condition)
+PROTOCOL_VERSION = 5  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
+#                      (epochs, chaining); 4: conditional blocks (VERIFY condition); 5: WISV (PREFILL threshold,
+#                      VERIFY CSI + hidden rows, HIDDEN_REQUEST/HIDDEN frames, WELCOME head width, VERDICT relaxed)
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -54,11 +55,15 @@ class FrameType(enum.IntEnum):
     TOKEN = 9
     CLOSE = 10
     EXIT = 11
+    HIDDEN_REQUEST = 12  # wisv selective upload: the verifier asks for the drafter's rows at the mismatches
+    HIDDEN = 13  # the robot's answer: those rows
 
 
 VERIFY_STREAM_EXITS = 1  # Verify.flags bit: stream this round's early exits (fsd)
 VERIFY_CHAINED = 2  # Verify.flags bit: the next block continues this one (pipe): no bonus token if all are accepted
-VERIFY_FLAGS = VERIFY_STREAM_EXITS | VERIFY_CHAINED
+VERIFY_HIDDEN = 4  # Verify.flags bit (wisv): the drafter's hidden row of every draft follows (full-hidden upload)
+VERIFY_WISV = 8  # Verify.flags bit: the CSI and the hidden-row blob follow (absent from lossless blocks)
+VERIFY_FLAGS = VERIFY_STREAM_EXITS | VERIFY_CHAINED | VERIFY_HIDDEN | VERIFY_WISV
 NO_TOKEN = 0xFFFFFFFF  # Verify.edge_token / Verdict.next_token: none (split codec rejection; chained block continues)
 
 
@@ -79,6 +84,16 @@ class _Writer:
         return self.u16(len(b)).raw(b)
 
     def blob(self, v: bytes): return self.u32(len(v)).raw(bytes(v))
+
+    def wisv(self, m):
+        """A VERIFY's wisv tail (CSI, hidden rows), present exactly when its VERIFY_WISV bit is set."""
+        if not m.flags & VERIFY_WISV:
+            if m.hidden:
+                raise ProtocolError("hidden rows in a VERIFY without the VERIFY_WISV flag")
+            return self
+        if len(m.csi) != 4:
+            raise ProtocolError(f"the CSI is 4 numbers, got {len(m.csi)}")
+        return self.raw(struct.pack("<4f", *m.csi)).blob(m.hidden)
 
     def ids(self, v):
         # Checked explicitly: numpy 2 raises OverflowError for an out-of-range id, numpy 1.x (what
@@ -120,6 +135,12 @@ class _Reader:
 
     def blob(self, w="blob"): return bytes(self._take(self.u32(w + " length"), w))
 
+    def wisv(self, m):
+        if m.flags & VERIFY_WISV:
+            m.csi = struct.unpack("<4f", self._take(16, "csi"))
+            m.hidden = self.blob("hidden")
+        return m
+
     def flag(self, w="flag"):
         value = self.u8(w)
         if value > 1:
@@ -158,6 +179,7 @@ class Welcome:
     server: str = ""
     num_layers: int = 0  # target decoder layers
     exit_layers: list[int] = field(default_factory=list)  # layers with early-exit adapters (empty: no fsd)
+    wisv_dim: int = 0  # width of the drafter hidden states the WISV head reads (0: no head, no wisv)
 
 
 @dataclass
@@ -177,6 +199,7 @@ class Prefill:
     top_k: int = 0
     top_p: float = 1.0
     verify_mode: str = "rejection"
+    wisv_threshold: float = 0.0
 
 
 @dataclass
@@ -197,6 +220,11 @@ class Verify:
     # pipe+fsd: [round, accepted, token]: verify only if round's verdict ends its epoch so (else the
     # block's epoch is void); empty: unconditional
     condition: list[int] = field(default_factory=list)
+    # wisv (on the wire only with VERIFY_WISV): the link as the robot measures it (up bit/s, down
+    # bit/s, RTT s, loss), and with VERIFY_HIDDEN the drafter's hidden rows [n, d] in fp16
+    # (decoding.wisv.encode_hidden)
+    csi: tuple = (0.0, 0.0, 0.0, 0.0)
+    hidden: bytes = b""
 
 
 @dataclass
@@ -213,6 +241,26 @@ class Verdict:
     epoch: int = 0  # the block's epoch; a verdict with a next token (or p_payload) ends it
     queue_ms: float = 0.0  # time the block waited at the verifier: behind this session's earlier blocks, and in
     # the compute queue behind other sessions' work (verify_ms is then the round's own compute)
+    relaxed: int = 0  # wisv (LOSSY): mismatches the decision head kept in this round
+
+
+@dataclass
+class HiddenRequest:
+    """wisv selective upload: the drafts whose hidden rows the decision head needs."""
+
+    decision: int
+    round: int
+    positions: list[int]
+
+
+@dataclass
+class Hidden:
+    """The drafter's hidden rows at the requested positions, fp16 [len(positions), d]."""
+
+    decision: int
+    round: int
+    positions: list[int]
+    rows: bytes
 
 
 @dataclass
@@ -251,18 +299,20 @@ class Close:
 _ENCODERS = {
     Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)),
     Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame)
-              .str(m.server).u16(m.num_layers).ids(m.exit_layers)),
+              .str(m.server).u16(m.num_layers).ids(m.exit_layers).u16(m.wisv_dim)),
     Error: (FrameType.ERROR, lambda m, w: w.u16(m.code).str(m.message)),
     Prefill: (FrameType.PREFILL, lambda m, w: w.u32(m.decision).str(m.instruction).blob(m.jpeg).ids(m.prompt_ids)
-              .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode)),
+              .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode).f32(m.wisv_threshold)),
     PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
     Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)
-             .u8(m.flags).u32(m.edge_token).u32(m.epoch).ids(m.condition)),
+             .u8(m.flags).u32(m.edge_token).u32(m.epoch).ids(m.condition).wisv(m)),
     Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
               .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent).blob(m.p_payload)
-              .u32(m.epoch).f32(m.queue_ms)),
+              .u32(m.epoch).f32(m.queue_ms).u16(m.relaxed)),
     Exit: (FrameType.EXIT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.layer).u16(m.accepted)
            .u32(m.next_token).f32(m.confidence).f32(m.at_ms)),
+    HiddenRequest: (FrameType.HIDDEN_REQUEST, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.positions)),
+    Hidden: (FrameType.HIDDEN, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.positions).blob(m.rows)),
     Generate: (FrameType.GENERATE, lambda m, w: w.u32(m.decision).u32(m.max_new_tokens)),
     Token: (FrameType.TOKEN, lambda m, w: w.u32(m.decision).u32(m.index).u32(m.token).f32(m.step_ms).u8(int(m.last))),
     Close: (FrameType.CLOSE, lambda m, w: w.str(m.reason)),
@@ -271,19 +321,23 @@ _ENCODERS = {
 _DECODERS = {
     FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client")),
     FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"),
-                                         r.str("server"), r.u16("num_layers"), r.ids("exit_layers")),
+                                         r.str("server"), r.u16("num_layers"), r.ids("exit_layers"), r.u16("wisv_dim")),
     FrameType.ERROR: lambda r: Error(r.u16("code"), r.str("message")),
     FrameType.PREFILL: lambda r: Prefill(r.u32("decision"), r.str("instruction"), r.blob("jpeg"), r.ids("prompt_ids"),
                                          r.u64("seed"), r.f32("temperature"), r.u32("top_k"), r.f32("top_p"),
-                                         r.str("verify_mode")),
+                                         r.str("verify_mode"), r.f32("wisv_threshold")),
     FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
-    FrameType.VERIFY: lambda r: Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"), r.blob("q_payload"),
-                                       r.u8("flags"), r.u32("edge_token"), r.u32("epoch"), r.ids("condition")),
+    FrameType.VERIFY: lambda r: r.wisv(Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"),
+                                              r.blob("q_payload"), r.u8("flags"), r.u32("edge_token"), r.u32("epoch"),
+                                              r.ids("condition"))),
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
                                          r.f32("verify_ms"), r.u16("n_drafted"), r.u16("exit_layer"),
-                                         r.u16("exits_sent"), r.blob("p_payload"), r.u32("epoch"), r.f32("queue_ms")),
+                                         r.u16("exits_sent"), r.blob("p_payload"), r.u32("epoch"), r.f32("queue_ms"),
+                                         r.u16("relaxed")),
     FrameType.EXIT: lambda r: Exit(r.u32("decision"), r.u32("round"), r.u16("layer"), r.u16("accepted"),
                                    r.u32("next_token"), r.f32("confidence"), r.f32("at_ms")),
+    FrameType.HIDDEN_REQUEST: lambda r: HiddenRequest(r.u32("decision"), r.u32("round"), r.ids("positions")),
+    FrameType.HIDDEN: lambda r: Hidden(r.u32("decision"), r.u32("round"), r.ids("positions"), r.blob("rows")),
     FrameType.GENERATE: lambda r: Generate(r.u32("decision"), r.u32("max_new_tokens")),
     FrameType.TOKEN: lambda r: Token(r.u32("decision"), r.u32("index"), r.u32("token"), r.f32("step_ms"), r.flag("last")),
     FrameType.CLOSE: lambda r: Close(r.str("reason")),

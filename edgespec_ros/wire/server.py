@@ -24,12 +24,12 @@ from typing import Sequence
 
 from ..codecs import CodecError, get_codec
 from ..decoding.batch import ArStep, Round, verify_batch
-from ..decoding.cloud import CONTINUE, Prompt, TargetSession, VerifySettings
+from ..decoding.cloud import CONTINUE, VERIFY_MODES, WISV, Prompt, TargetSession, VerifySettings
 from .tokens import read_tokens
 from ..decoding.engines import QUANTIZATIONS, LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
-from ..decoding.verify import MODES, DraftDistributionError
+from ..decoding.verify import DraftDistributionError
 from . import protocol as P
 from ..decoding.compute import ComputeProfile, get_compute
 from .fair import FairCompute, Occupy, SessionGone
@@ -446,8 +446,10 @@ class VerifierServer:
             # websockets >= 16 names it max_message_size, 13-15 max_size
             name = "max_message_size" if hasattr(protocol, "max_message_size") else "max_size"
             setattr(protocol, name, 2 * self.max_frame + 1024)
+        head = getattr(self.lm, "wisv", None)
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
-                                         self.server_name, self.num_layers, self.exit_layers)))
+                                         self.server_name, self.num_layers, self.exit_layers,
+                                         0 if head is None else head.config.draft_dim)))
         log.info("session %s: open (client %s, codec %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
                  "" if tenant is None else f", token #{tenant}")
         session = TargetSession(self.lm)
@@ -474,8 +476,9 @@ class VerifierServer:
         ws, lim = conn.ws, self.limits
         gate = EpochGate()  # which blocks to verify: live epoch, void epochs, conditional blocks
         last_done = time.perf_counter()  # when the target finished its last block for this session
+        stash: deque = deque()  # blocks that came while a wisv round waited for hidden rows
         while True:
-            msg, arrived = await self._recv(ws, self.idle_timeout_s, inbox)
+            msg, arrived = stash.popleft() if stash else await self._recv(ws, self.idle_timeout_s, inbox)
             if isinstance(msg, P.Close):
                 log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
                 await ws.close()
@@ -537,8 +540,14 @@ class VerifierServer:
                     continue
                 if msg.edge_token != P.NO_TOKEN:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, "an edge token is only valid with the split codec")
+                wisv = session.settings.verify_mode == WISV
+                if not wisv and msg.flags & (P.VERIFY_HIDDEN | P.VERIFY_WISV):
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, "hidden rows and CSI are only valid in a wisv decision")
+                if wisv and not msg.flags & P.VERIFY_WISV:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY of a wisv decision carries the CSI "
+                                                                "(the VERIFY_WISV flag)")
                 started = time.perf_counter()  # verify time includes decoding q
-                on_exit = None
+                on_exit = sender = None
                 if msg.flags & P.VERIFY_STREAM_EXITS and self.lm.exits is not None:
                     sender = ExitSender(ws, msg.decision, msg.round, started, self.compute,
                                         self.num_layers, self.exit_queue, self.exit_queue_size)
@@ -547,6 +556,12 @@ class VerifierServer:
                     sender.task.add_done_callback(lambda _t: self._sender_done())
                     loop = asyncio.get_running_loop()
                     on_exit = lambda res: loop.call_soon_threadsafe(sender.push, res)  # noqa: E731
+                if wisv:
+                    ended = await self._verify_wisv(conn, msg, session, chained, queue_ms, inbox, stash, on_exit,
+                                                    sender, live)
+                    gate.record(msg.round, *ended)
+                    last_done = time.perf_counter()
+                    continue
                 try:
                     # On the compute thread: decoding a large sparse support takes milliseconds and
                     # must not stall the event loop that serves the other sessions.
@@ -625,6 +640,80 @@ class VerifierServer:
                                               len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
         return result.next_token != CONTINUE
 
+    async def _verify_wisv(self, conn: _Conn, msg: P.Verify, session: TargetSession, chained: bool, queue_ms: float,
+                           inbox: _Inbox, stash: deque, on_exit, sender, live: list) -> tuple:
+        """A WISV round (LOSSY): the target's forward, the mismatches; with a selective upload the
+        rows the head needs are fetched (HIDDEN_REQUEST, one more exchange; blocks arriving
+        meanwhile wait in ``stash``); the head decides, the verdict goes down. Not batched with
+        other sessions: the round needs this session's own hidden rows from the pass. Returns
+        (ends epoch, accepted, next token) for the EpochGate."""
+        from ..decoding.wisv import Csi, decode_hidden
+        dim = self.lm.wisv.config.draft_dim
+        n = len(msg.draft_ids)
+        try:
+            csi = Csi.from_wire(msg.csi)
+            full = decode_hidden(msg.hidden, n, dim) if msg.flags & P.VERIFY_HIDDEN else None
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad wisv block: {exc}") from None
+        if full is None and msg.hidden:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "hidden rows sent without the full-hidden flag")
+        started = time.perf_counter()
+        if sender is not None:
+            sender.begin(started)
+        asked = await self._run(conn, on_device, session.wisv_begin, (list(msg.draft_ids), chained, on_exit),
+                                lambda: self.compute.verify_total_s(len(session.last_exits)))
+        waited = self.fair.take_wait(conn.key)
+        compute_s = time.perf_counter() - started - waited
+        if full is not None:
+            rows = {i: full[i] for i in asked}
+        elif asked:
+            await conn.ws.send(P.encode(P.HiddenRequest(msg.decision, msg.round, asked)))
+            rows = await self._await_hidden(conn, msg, asked, dim, inbox, stash)
+        else:
+            rows = {}
+        t1 = time.perf_counter()
+        try:
+            result = await self._run(conn, session.wisv_finish, rows, csi, device=False)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad wisv round: {exc}") from None
+        waited2 = self.fair.take_wait(conn.key)
+        compute_s += time.perf_counter() - t1 - waited2
+        waited += waited2
+        sent = await live.pop().finish() if live else 0
+        continued = result.next_token == CONTINUE
+        await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted,
+                                              P.NO_TOKEN if continued else result.next_token,
+                                              max(0.0, compute_s) * 1e3, n, session.last_exit_layer, sent, b"",
+                                              msg.epoch, queue_ms + waited * 1e3, len(session.last_relaxed))))
+        self.verified_tokens += result.accepted + (not continued)
+        return not continued, result.accepted, None if continued else result.next_token
+
+    async def _await_hidden(self, conn: _Conn, msg: P.Verify, asked: list[int], dim: int, inbox: _Inbox,
+                            stash: deque) -> dict:
+        """The HIDDEN answer to a HIDDEN_REQUEST (within the idle timeout); later blocks of the
+        pipeline that come first are kept in ``stash`` (at most the inbox's size)."""
+        from ..decoding.wisv import decode_hidden
+        while True:
+            reply, arrived = await self._recv(conn.ws, self.idle_timeout_s, inbox)
+            if isinstance(reply, P.Verify) and reply.decision == msg.decision:
+                if len(stash) >= inbox.max_items:
+                    raise SessionError(P.ErrorCode.TOO_MANY, "too many blocks sent while the verifier waits for "
+                                                             "the hidden rows it asked for")
+                stash.append((reply, arrived))
+                continue
+            if not isinstance(reply, P.Hidden):
+                raise SessionError(P.ErrorCode.BAD_REQUEST, f"expected HIDDEN for round {msg.round}, got "
+                                                            f"{type(reply).__name__}")
+            if (reply.decision, reply.round) != (msg.decision, msg.round) or list(reply.positions) != asked:
+                raise SessionError(P.ErrorCode.BAD_REQUEST, f"HIDDEN for round {reply.round} positions "
+                                                            f"{list(reply.positions)[:8]}: asked round {msg.round} "
+                                                            f"positions {asked}")
+            try:
+                rows = decode_hidden(reply.rows, len(asked), dim)
+            except ValueError as exc:
+                raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad HIDDEN frame: {exc}") from None
+            return {i: rows[k] for k, i in enumerate(asked)}
+
     @staticmethod
     def _condition(msg: P.Verify, codec) -> Condition | None:
         if not msg.condition:
@@ -660,17 +749,19 @@ class VerifierServer:
         if got != current:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"frame for decision {got}, current decision is {current}")
 
-    @staticmethod
-    def _verify_settings(msg: P.Prefill) -> VerifySettings:
-        if msg.verify_mode not in MODES:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {MODES}")
-        if not math.isfinite(msg.temperature) or not math.isfinite(msg.top_p):
+    def _verify_settings(self, msg: P.Prefill) -> VerifySettings:
+        if msg.verify_mode not in VERIFY_MODES:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {VERIFY_MODES}")
+        if msg.verify_mode == WISV and getattr(self.lm, "wisv", None) is None:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "verify mode wisv: this verifier has no WISV decision head "
+                                                        "(<target>/wisv, `edgespec-train wisv`; --wisv)")
+        if not math.isfinite(msg.temperature) or not math.isfinite(msg.top_p) or not math.isfinite(msg.wisv_threshold):
             raise SessionError(P.ErrorCode.BAD_REQUEST, "sampling parameters must be finite")
         try:
             params = SamplingParams(msg.temperature, msg.top_k, msg.top_p)
+            return VerifySettings(params, msg.seed, msg.verify_mode, msg.wisv_threshold if msg.verify_mode == WISV else 0.0)
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
-        return VerifySettings(params, msg.seed, msg.verify_mode)
 
     def check_exposure(self, host: str) -> None:
         """Auth is required on any non-loopback address unless explicitly waived (loudly)."""
@@ -928,6 +1019,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--exits", default="auto",
                     help="early-exit adapters for fsd: a directory (from `edgespec-train exits`), 'auto' (those in "
                          "<model>/exits if present; default) or 'none' (the verifier then serves ar and sd only)")
+    ap.add_argument("--wisv", default="auto",
+                    help="WISV decision head (verify mode wisv, LOSSY): a directory (from `edgespec-train wisv`), "
+                         "'auto' (<model>/wisv if present; default) or 'none'")
     ap.add_argument("--exit-queue", default="priority", choices=list(EXIT_QUEUE_POLICIES),
                     help="order in which early exits are streamed: most confident first (priority, default) or fifo")
     ap.add_argument("--exit-queue-size", type=int, default=64,
@@ -999,10 +1093,14 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
     except ModelLoadError as exc:
         raise SystemExit(f"edgespec-verifier: {exc}") from None
     from ..decoding.exits import ExitLoadError, attach_exits
+    from ..decoding.wisv import attach_wisv
     try:
         exits = attach_exits(lm, args.exits)
-    except ExitLoadError as exc:
+        head = attach_wisv(lm, args.wisv)
+    except (ExitLoadError, ValueError) as exc:
         raise SystemExit(f"edgespec-verifier: {exc}") from None
+    log.info("wisv: %s", f"decision head for {head.config.draft_dim}-wide drafter states (verify mode wisv "
+                         "available, LOSSY)" if head else "no decision head (verify mode wisv unavailable)")
     log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
              else "none (fsd unavailable: modes ar and sd)")
     return VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
