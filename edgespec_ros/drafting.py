@@ -119,6 +119,9 @@ class DrafterSettings:
     # temperature (when above ``temperature``; a new seed either way). 0 turns it off.
     resample_temperature: float = 0.7
     codec: str = "dense32"
+    verify_mode: str = "rejection"  # or "wisv" (LOSSY, greedy decisions only; decoding.wisv)
+    wisv_threshold: float = 0.1
+    hidden_upload: str = "auto"
     predraft_workers: int = 4
     client_queue: str = "priority"
     deadline_s: float = 8.0
@@ -142,13 +145,20 @@ class DrafterSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
-        self.decode_config(0)  # validates gamma, codec, max_new_tokens
+        if self.verify_mode == "wisv" and self.temperature != 0:
+            raise ValueError("verify_mode wisv decides greedy decisions: set temperature 0 (resampled decisions are "
+                             "verified losslessly)")
+        self.decode_config(0)  # validates gamma, codec, max_new_tokens, the verify mode and threshold
 
     def decode_config(self, decision_index: int, resample: bool = False) -> DecodeConfig:
         """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable or
         blocked one."""
         temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
+        # WISV decides greedy decisions; a sampled one (resampling) is verified losslessly
+        verify_mode = self.verify_mode if temperature == 0 else "rejection"
         return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
+                            verify_mode=verify_mode, wisv_threshold=self.wisv_threshold,
+                            hidden_upload=self.hidden_upload,
                             max_new_tokens=self.max_new_tokens,
                             params=SamplingParams(temperature), seed=self.seed + decision_index,
                             codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,

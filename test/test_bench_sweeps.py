@@ -69,7 +69,32 @@ def test_gamma_auto_sweep_through_the_command_line(tmp_path, capsys):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_wisv_sweep_through_the_command_line(tmp_path, capsys):
+    """Greedy SD and WISV (full and selective uploads) over a real verifier process and emulated
+    link, then agreement and closed loop in process: the rows carry the issue's fields, SD agrees
+    with the target alone (it is the target's output), the uploads differ in bytes."""
+    png, out = tmp_path / "wisv.png", tmp_path / "wisv.json"
+    assert cli.main(["--sweep", "wisv", "--decisions", "1", "--links", "cellular", "--thresholds", "0.2",
+                     "--compute", "native", "--frames", "4", "--episodes", "2", "--plot", str(png),
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["threshold"], r["upload"]) for r in rows] == [(None, None), (0.2, "full"), (0.2, "selective")]
+    for r in rows:
+        assert {"link", "threshold", "accepted_length", "rounds", "ms_per_token", "agreement", "success"} <= set(r)
+        assert r["link"] == "cellular" and r["ms_per_token"] > 0 and r["rounds"] > 0 and r["frames"] == 4
+        assert 0 <= r["agreement"] <= 1 and r["episodes"] == 2 and r["lossy"] == (r["threshold"] is not None)
+        assert r["quality_profile"] == pytest.approx(0.37, abs=0.01) and r["quality_measured"] > 0
+    sd, full, selective = rows
+    assert sd["agreement"] == 1.0 and sd["relaxed_per_decision"] == 0
+    assert full["hidden_exchanges_per_decision"] == 0 and full["hidden_rows_per_decision"] > 0
+    assert full["agreement"] == selective["agreement"] and full["success"] == selective["success"]
+    printed = capsys.readouterr().out
+    assert "LOSSY" in printed and "SD (greedy)" in printed and "selective" in printed
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
 @pytest.mark.parametrize("argv, fragment", [
+    (["--sweep", "wisv", "--thresholds", "0"], "--thresholds"),
     (["--sweep", "codecs", "--codecs", "topk:k=0"], "--codecs"),
     (["--sweep", "gamma-auto", "--gammas", "0"], "--gammas"),
     (["--gamma", "auto", "--modes", "fsd"], "--gamma"),

@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--fleet-verifiers", nargs="+", default=None, choices=["sequential", "batched", "ray"],
                        help="fleet sweep: the verifiers measured (default all three; ray: 2 batched replicas on a "
                             "local Ray Serve instance, needs pip install .[fleet])")
+    sweep.add_argument("--thresholds", nargs="+", type=float, default=None,
+                       help="wisv sweep: decision-head thresholds in (0, 1] (default 0.05 0.1 0.2; greedy SD always runs)")
+    sweep.add_argument("--frames", type=int, default=None,
+                       help="wisv sweep: held-out frames for action agreement (default 600, the card's; 0 skips the "
+                            "in-process quality measurement)")
+    sweep.add_argument("--episodes", type=int, default=None,
+                       help="wisv sweep: held-out closed-loop episodes (default 120, the card's)")
+    sweep.add_argument("--closed-loop-thresholds", nargs="+", type=float, default=None,
+                       help="wisv sweep: the thresholds also run in closed loop (default: all of --thresholds)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
                        help="sampling temperatures (codecs sweep; default 0 1); gamma-auto uses the first "
                             "(default 0)")
@@ -115,6 +124,9 @@ def run_sweep(args) -> int:
     except ValueError as exc:
         print(f"edgespec-bench: --codecs: {exc}", file=sys.stderr)
         return 2
+    if args.thresholds and not all(0 < t <= 1 for t in args.thresholds):
+        print(f"edgespec-bench: --thresholds must be in (0, 1], got {args.thresholds}", file=sys.stderr)
+        return 2
     if args.gammas and not all(1 <= g <= 64 for g in args.gammas):
         print(f"edgespec-bench: --gammas must be in 1..64, got {args.gammas}", file=sys.stderr)
         return 2
@@ -126,7 +138,8 @@ def run_sweep(args) -> int:
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
                         pipe_depth=args.pipe_depth, hostile=args.hostile,
                         hostile_kinds=args.hostile_kinds, robots=args.robots, draft_ms=args.draft_ms,
-                        verifiers=args.fleet_verifiers)
+                        verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
+                        episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

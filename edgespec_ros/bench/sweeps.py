@@ -51,6 +51,10 @@ class SweepOptions:
     robots: list[int] | None = None  # fleet sweep: robot counts
     draft_ms: float | None = None  # fleet sweep: emulated drafting time per token
     verifiers: list[str] | None = None  # fleet sweep: sequential, batched, ray
+    thresholds: list[float] | None = None  # wisv sweep: decision-head thresholds (greedy SD always runs)
+    frames: int | None = None  # wisv sweep: held-out frames for the action agreement (card's 600)
+    episodes: int | None = None  # wisv sweep: held-out closed-loop episodes (card's 120)
+    closed_loop_thresholds: list[float] | None = None  # wisv sweep: thresholds run in closed loop (default all)
 
 
 @dataclass(frozen=True)
@@ -426,7 +430,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fleet, fsd, hostile, pipe, split_tv
+    from . import fleet, fsd, hostile, pipe, split_tv, wisv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -448,6 +452,10 @@ def _register_fsd_sweeps() -> None:
               "latency and mean batch, one-at-a-time (--max-batch 1) vs batched verification vs 2 batched replicas on "
               "Ray Serve (--robots 1 2 4 8, --fleet-verifiers)",
               fleet.run_fleet, fleet.table_fleet, fleet.plot_fleet),
+        Sweep("wisv", "WISV (LOSSY semantic verification) vs greedy SD per link and threshold: accepted length, "
+              "rounds, ms/token, uplink bytes (full vs selective hidden upload) over the emulated links; action "
+              "agreement with target-only on the card's held-out frames and closed-loop success on its episodes "
+              "(--thresholds, --frames, --episodes)", wisv.run_wisv, wisv.table_wisv, wisv.plot_wisv),
     ]:
         SWEEPS[s.name] = s
 

@@ -138,6 +138,9 @@ class RunSummary:
     queue_s: float = 0.0
     pipe_cond_sent: int = 0
     pipe_cond_hits: int = 0
+    wisv_relaxed: int = 0
+    hidden_rows: int = 0
+    hidden_exchanges: int = 0
     gamma: int | str = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -154,7 +157,7 @@ class RunSummary:
                      "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
                      "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s",
                      "pipe_flushes", "pipe_voided_blocks", "pipe_truncations", "pipe_stall_s", "queue_s",
-                     "pipe_cond_sent", "pipe_cond_hits"):
+                     "pipe_cond_sent", "pipe_cond_hits", "wisv_relaxed", "hidden_rows", "hidden_exchanges"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         self.pipe_depth = max(self.pipe_depth, m.pipe_depth)
         self.max_in_flight = max(self.max_in_flight, m.max_in_flight)
@@ -192,6 +195,8 @@ class RunSummary:
             **(self._fsd_row() if self.mode in ("fsd", "pipe+fsd") else {}),
             **(self._pipe_row() if self.mode.startswith("pipe") else {}),
             **(self._auto_row() if self.gamma == "auto" and self.mode != "ar" else {}),
+            **({"wisv_relaxed": self.wisv_relaxed, "hidden_rows": self.hidden_rows,
+                "hidden_exchanges": self.hidden_exchanges} if self.hidden_rows or self.wisv_relaxed else {}),
             "time_split_s": {"draft": self.t_draft, "uplink": self.t_uplink, "verify": self.t_verify,
                              "downlink": self.t_downlink, "wall": self.wall_s},
         }

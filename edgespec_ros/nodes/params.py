@@ -81,6 +81,16 @@ DRAFTER = (
                                    "samples at this temperature if above temperature; 0 = off", min_value=0.0),
     P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
     P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs)"),
+    P("verify_mode", "rejection", "rejection (lossless: the target's own output) or wisv (LOSSY: at temperature 0 the "
+                                  "verifier's decision head keeps draft tokens that differ from the target's where it "
+                                  "judges the difference harmless, more readily on a poor link; the action clause is "
+                                  "always verified strictly; needs a verifier with a WISV head)",
+      choices=("rejection", "wisv")),
+    P("wisv_threshold", 0.1, "wisv: keep a mismatched draft token when the head's rejection probability is at most "
+                             "this (0 = greedy SD exactly)", min_value=0.0, max_value=1.0),
+    P("hidden_upload", "auto", "wisv: how the drafter's hidden states reach the head: full (with every block), "
+                               "selective (only those the verifier asks for, one more round trip) or auto (by the "
+                               "measured link)", choices=("full", "selective", "auto")),
     P("predraft_workers", 4, "fsd: pre-draft worker threads (each drafts the next block for one early exit)",
       min_value=1, max_value=64),
     P("client_queue", "priority", "fsd: order in which received early exits are pre-drafted: priority "

@@ -39,3 +39,21 @@ class VLMPolicy:
         except ActionParseError as exc:
             return PolicyOutput(text, None, str(exc), n)
 
+
+
+class DecoderPolicy:
+    """Speculative decoding as the policy (same interface as VLMPolicy): an EdgeDecoder (draft +
+    a verifier) with one DecodeConfig, e.g. WISV at a threshold against an in-process target.
+    Decisions at a temperature (resampling) use the lossless rule: WISV is for greedy decoding."""
+
+    def __init__(self, decoder, cfg: DecodeConfig):
+        self.decoder, self.cfg = decoder, cfg
+
+    def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0) -> PolicyOutput:
+        cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed,
+                                                       verify_mode="rejection")
+        out = self.decoder.decide(instruction, image, cfg)
+        try:
+            return PolicyOutput(out.text, parse_action(out.text), None, len(out.tokens))
+        except ActionParseError as exc:
+            return PolicyOutput(out.text, None, str(exc), len(out.tokens))

@@ -39,7 +39,7 @@ def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, tem
             "acceptance_per_position": row["acceptance_per_position"]}
 
 
-def _heldout(n_scenarios: int, n_frames: int, max_steps: int = 40):
+def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40):
     """The card's held-out scenarios and frames (deterministic: every worker builds the same)."""
     scenarios = list(iter_scenarios("heldout", n_scenarios, max_steps=max_steps))
     frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5), n_frames))
@@ -53,7 +53,7 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     plus, when ``n_frames``, the agreement on the held-out frames and (draft) SD against the target."""
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
-    scenarios, frames = _heldout(n_scenarios, n_frames, max_steps)
+    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps)
     scenarios = scenarios[slice(*episodes)]
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")

@@ -1,0 +1,233 @@
+"""The ``wisv`` sweep (issue 21): channel-aware semantic verification (LOSSY) against greedy SD,
+per link and threshold. Paper 002's Fig. 3 (action agreement vs threshold) and Table I (accepted
+length, rounds) as our own table and plot.
+
+Two measurements, each labelled:
+- **timed, over the emulated links** (a verifier process + link proxy per link, compute profile
+  ``go2-paper`` by default, emulated): greedy SD and WISV at each threshold, full-hidden (FH) and
+  selective-hidden (SH) uploads; accepted drafts per round, rounds per decision, ms/token, uplink
+  bytes per decision, mismatches kept; the CSI the robot measured next to the profile's truth.
+- **quality, in process** on the model card's held-out data (``train.card.heldout_set``): action
+  agreement with target-only greedy decoding on its frames (default 600) and closed-loop success
+  on its episodes (default 120), each link's decision head fed that link profile's ground-truth
+  CSI. FH and SH decide alike (tested), so both rows of a threshold share these numbers; greedy SD
+  is token-identical to target-only decoding (tested), so its agreement is 1 by construction and
+  its success is the target's.
+"""
+from __future__ import annotations
+
+import math
+
+from ..decoding.compute import get_compute
+from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..decoding.metrics import RunSummary
+from ..decoding.sampling import SamplingParams
+from ..wire.client import RemoteVerifier
+from ..wire.link import get_profile
+from .runner import bench_prompts, emulated_setup
+
+THRESHOLDS = [0.05, 0.1, 0.2]
+LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
+UPLOADS = ("full", "selective")
+GREEDY = SamplingParams(temperature=0.0)
+MAX_NEW_TOKENS = 96  # the drafter's budget per decision (DrafterSettings), as the card decodes
+
+
+def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = 4) -> DecodeConfig:
+    """Greedy SD (threshold None) or WISV at the threshold."""
+    if threshold is None:
+        return DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=MAX_NEW_TOKENS, params=GREEDY, verify_mode="greedy")
+    return DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=MAX_NEW_TOKENS, params=GREEDY, verify_mode="wisv",
+                        wisv_threshold=threshold, hidden_upload=upload)
+
+
+# --- timed, over the emulated links ------------------------------------------------------------
+
+def timed_rows(opts, links, thresholds, prompts, bar) -> list[dict]:
+    compute_name = opts.compute or "go2-paper"
+    compute = get_compute(compute_name)
+    settings = [(None, "-")] + [(t, u) for t in thresholds for u in UPLOADS]
+    rows = []
+    for link in links:
+        profile = get_profile(link)
+        with emulated_setup(opts.pair, link, compute_name, exits=opts.exits) as (draft_lm, url):
+            for threshold, upload in settings:
+                summary = RunSummary(mode="sd", link=link, compute=compute_name)
+                verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
+                                          link_profile=profile, timeout_s=60.0)
+                with verifier:
+                    decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
+                    cfg = decode_config(threshold, "full" if upload == "-" else upload, gamma=opts.gammas[0]
+                                        if opts.gammas else 4)
+                    decoder.decide(*prompts[0], cfg)  # warm-up (and the first link measurements)
+                    for instruction, image in prompts:
+                        summary.add(decoder.decide(instruction, image, cfg).metrics)
+                        bar.update(1)
+                    decoder.close()
+                    measured = verifier.csi()
+                row = summary.row()
+                rows.append({
+                    "link": link, "threshold": threshold, "upload": upload if threshold is not None else None,
+                    "lossy": threshold is not None, "compute": compute_name + " (emulated)" if compute_name != "native"
+                    else "native", "decisions": row["decisions"],
+                    "accepted_length": summary.accepted / summary.rounds if summary.rounds else None,
+                    "tau": row["tau"], "rounds": summary.rounds / max(1, summary.decisions),
+                    "ms_per_token": row["ms_per_token"], "ms_per_decision": row["ms_per_decision"],
+                    "uplink_bytes_per_decision": summary.uplink_bytes / max(1, summary.decisions),
+                    "relaxed_per_decision": summary.wisv_relaxed / max(1, summary.decisions),
+                    "hidden_rows_per_decision": summary.hidden_rows / max(1, summary.decisions),
+                    "hidden_exchanges_per_decision": summary.hidden_exchanges / max(1, summary.decisions),
+                    "csi_measured": None if measured is None else measured.to_wire(),
+                    "quality_measured": None if measured is None else measured.quality(),
+                    "quality_profile": _profile_csi(link).quality(),
+                })
+    for r in rows:  # latency and accepted length relative to greedy SD on the same link
+        sd = next(s for s in rows if s["link"] == r["link"] and s["threshold"] is None)
+        if sd["ms_per_token"] and r["ms_per_token"]:
+            r["latency_vs_sd"] = r["ms_per_token"] / sd["ms_per_token"]
+        if sd["accepted_length"] and r["accepted_length"] is not None:
+            r["accepted_vs_sd"] = r["accepted_length"] / sd["accepted_length"]
+    return rows
+
+
+def _profile_csi(link: str):
+    from ..decoding.wisv import Csi
+    return Csi.from_profile(get_profile(link))
+
+
+# --- quality, in process on the card's held-out data --------------------------------------------
+
+def _quality_job(draft_path: str, target_path: str, link: str | None, threshold: float | None, n_scenarios: int,
+                 n_frames: int, frames: tuple[int, int], episodes: tuple[int, int], max_steps: int) -> dict:
+    """One worker's share: the parsed action on frames [a, b) and the success of episodes [c, d)
+    with greedy SD (threshold None: the target's own output) or WISV under the link's CSI."""
+    import torch
+    torch.set_num_threads(1)
+    from ..decoding.engines import load_model
+    from ..decoding.verifier import LocalVerifier
+    from ..decoding.wisv import attach_wisv
+    from ..sim.evaluate import run_episode
+    from ..sim.policy import DecoderPolicy
+    from ..train.card import heldout_set
+    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps)
+    draft, target = load_model(draft_path), load_model(target_path)
+    attach_wisv(target)
+    csi = None if link is None else _profile_csi(link)
+    decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))
+    policy = DecoderPolicy(decoder, decode_config(threshold))
+    actions = []
+    for ex in examples[slice(*frames)]:
+        out = policy.decide(ex.image, ex.instruction)
+        actions.append(None if out.action is None else out.action.text)
+    successes = [run_episode(policy, s).success for s in scenarios[slice(*episodes)]]
+    return {"link": link, "threshold": threshold, "frames": frames, "actions": actions, "successes": successes}
+
+
+def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int, bar, max_steps: int = 40) -> dict:
+    """{(link, threshold): {"agreement", "frames", "unparseable", "success", "success_se", "episodes"}};
+    (None, None) is greedy SD (the reference). Spread over ``opts.workers`` processes."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+    halves = lambda n: [(0, n // 2), (n // 2, n)]  # noqa: E731 - two jobs per setting: workers finish together
+    settings = [(None, None)] + [(link, t) for link in links for t in thresholds]
+    jobs = []
+    for link, t in settings:
+        episodes = n_episodes if t is None or t in closed_loop else 0
+        for f, e in zip(halves(n_frames), halves(episodes)):
+            jobs.append((opts.pair.draft_path, opts.pair.target_path, link, t, max(n_episodes, 1), n_frames, f, e,
+                         max_steps))
+    parts: dict = {}
+    import os
+    workers = min(2, os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            for part in pool.map(_quality_job, *zip(*jobs)):
+                parts.setdefault((part["link"], part["threshold"]), []).append(part)
+                bar.update(1)
+    else:
+        for job in jobs:
+            part = _quality_job(*job)
+            parts.setdefault((part["link"], part["threshold"]), []).append(part)
+            bar.update(1)
+    merged = {key: {"actions": [a for p in sorted(ps, key=lambda p: p["frames"]) for a in p["actions"]],
+                    "successes": [s for p in ps for s in p["successes"]]} for key, ps in parts.items()}
+    reference = merged[(None, None)]["actions"]
+    out = {}
+    for key, m in merged.items():
+        n = len(m["successes"])
+        p = sum(m["successes"]) / n if n else None
+        out[key] = {"agreement": sum(a == b for a, b in zip(m["actions"], reference)) / len(reference),
+                    "frames": len(reference), "unparseable": sum(a is None for a in m["actions"]),
+                    "success": p, "success_se": math.sqrt(p * (1 - p) / n) if n else None, "episodes": n}
+    return out
+
+
+# --- the sweep -----------------------------------------------------------------------------------
+
+def run_wisv(opts, progress) -> list[dict]:
+    links = opts.links or LINKS
+    thresholds = opts.thresholds or THRESHOLDS
+    closed_loop = thresholds if opts.closed_loop_thresholds is None else opts.closed_loop_thresholds
+    prompts = bench_prompts(opts.decisions or 8, opts.seed)
+    n_frames = 600 if opts.frames is None else opts.frames
+    n_episodes = 120 if opts.episodes is None else opts.episodes
+    timed_bar = progress(len(links) * len(prompts) * (1 + len(UPLOADS) * len(thresholds)))
+    rows = timed_rows(opts, links, thresholds, prompts, timed_bar)
+    timed_bar.close()
+    if n_frames:
+        settings = 1 + len(links) * len(thresholds)
+        quality_bar = progress(2 * settings)
+        measured = quality(opts, links, thresholds, closed_loop, n_frames, n_episodes, quality_bar)
+        quality_bar.close()
+        for r in rows:
+            q = measured.get((None, None) if r["threshold"] is None else (r["link"], r["threshold"]), {})
+            r.update({k: q.get(k) for k in ("agreement", "frames", "unparseable", "success", "success_se",
+                                            "episodes")})
+    return rows
+
+
+def _f(value, spec, none="-"):
+    return none if value is None else format(value, spec)
+
+
+def table_wisv(rows: list[dict]) -> str:
+    from .sweeps import fixed_width
+    lines = []
+    for r in rows:
+        success = "-" if r.get("success") is None else f"{100 * r['success']:.1f} +- {100 * r['success_se']:.1f}%"
+        lines.append([r["link"], "SD (greedy)" if r["threshold"] is None else f"{r['threshold']:g}",
+                      r["upload"] or "-", _f(r["accepted_length"], ".2f"), _f(r.get("accepted_vs_sd") and r["accepted_vs_sd"] - 1,
+                                                                          "+.0%") if r["threshold"] is not None else "", _f(r["rounds"], ".2f"), _f(r["ms_per_token"], ".1f"),
+                      _f(r.get("latency_vs_sd") and r["latency_vs_sd"] - 1, "+.0%") if r["threshold"] is not None
+                      else "", _f(r["uplink_bytes_per_decision"] / 1e3, ".1f"), _f(r["relaxed_per_decision"], ".2f"),
+                      _f(r.get("agreement"), ".3f"), success,
+                      f"{_f(r['quality_measured'], '.2f')} / {r['quality_profile']:.2f}"])
+    head = ["link", "threshold", "upload", "accepted/round", "vs SD", "rounds/dec", "ms/token", "vs SD",
+            "up kB/dec", "kept/dec", "agreement", "closed-loop success", "CSI quality measured / profile"]
+    return (fixed_width(head, lines) + "\nLOSSY for every threshold row: agreement is with target-only greedy "
+            "decoding on the card's held-out frames, success on its held-out episodes (both in process, under the "
+            "link profile's CSI); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
+            + " compute.")
+
+
+def plot_wisv(rows: list[dict], path: str) -> None:
+    from .sweeps import _pyplot, _save
+    plt = _pyplot()
+    fig, (ax_a, ax_l, ax_t) = plt.subplots(1, 3, figsize=(14, 4.2))
+    for link in dict.fromkeys(r["link"] for r in rows):
+        mine = sorted((r for r in rows if r["link"] == link and r["upload"] in (None, "full")),
+                      key=lambda r: r["threshold"] or 0.0)
+        x = [r["threshold"] or 0.0 for r in mine]
+        if all(r.get("agreement") is not None for r in mine):
+            ax_a.plot(x, [r["agreement"] for r in mine], marker="o", label=link)
+        ax_l.plot(x, [r["accepted_length"] for r in mine], marker="o", label=link)
+        ax_t.plot(x, [r["ms_per_token"] for r in mine], marker="o", label=link)
+    ax_a.set(xlabel="threshold (0 = greedy SD)", ylabel="action agreement with target-only",
+             title="WISV (LOSSY): agreement vs threshold (paper Fig. 3)")
+    ax_l.set(xlabel="threshold (0 = greedy SD)", ylabel="accepted drafts per round", title="accepted length")
+    ax_t.set(xlabel="threshold (0 = greedy SD)", ylabel="ms per token", title="latency (emulated Go2 compute)")
+    for ax in (ax_a, ax_l, ax_t):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
