@@ -147,9 +147,9 @@ def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more
         d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
         reference = target_generate(target, t_inputs, DecodeConfig(mode="ar", max_new_tokens=96,
                                                                    params=SamplingParams(temperature=0.0)))
-        strict, strict_acc = replay_rounds(draft, target, d_inputs, t_inputs, wisv_choice(head, csi, 0.0))
+        strict, strict_acc = replay_rounds(draft, target, d_inputs, t_inputs, wisv_choice(head, csi, 0.0, target))
         assert strict == reference  # threshold 0: exactly the target's greedy output
-        _, loose_acc = replay_rounds(draft, target, d_inputs, t_inputs, wisv_choice(head, csi, 1.0))
+        _, loose_acc = replay_rounds(draft, target, d_inputs, t_inputs, wisv_choice(head, csi, 1.0, target))
         strict_total += sum(strict_acc) / len(strict_acc)
         loose_total += sum(loose_acc) / len(loose_acc)
     assert loose_total > strict_total  # keeping every unprotected mismatch lengthens the accepted spans

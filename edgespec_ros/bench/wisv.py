@@ -31,6 +31,7 @@ LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
 UPLOADS = ("full", "selective")
 GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW_TOKENS = 96  # the drafter's budget per decision (DrafterSettings), as the card decodes
+CARD_SCENARIOS = 120  # the card's held-out scenarios: its frames come from them, its episodes are them
 
 
 def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = 4) -> DecodeConfig:
@@ -115,12 +116,15 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     csi = None if link is None else _profile_csi(link)
     decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))
     policy = DecoderPolicy(decoder, decode_config(threshold))
-    actions = []
+    actions, accepted, rounds = [], 0, 0
     for ex in examples[slice(*frames)]:
         out = policy.decide(ex.image, ex.instruction)
         actions.append(None if out.action is None else out.action.text)
+        accepted += policy.last.metrics.accepted
+        rounds += policy.last.metrics.rounds
     successes = [run_episode(policy, s).success for s in scenarios[slice(*episodes)]]
-    return {"link": link, "threshold": threshold, "frames": frames, "actions": actions, "successes": successes}
+    return {"link": link, "threshold": threshold, "frames": frames, "actions": actions, "successes": successes,
+            "accepted": accepted, "rounds": rounds}
 
 
 def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int, bar, max_steps: int = 40) -> dict:
@@ -134,7 +138,7 @@ def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int
     for link, t in settings:
         episodes = n_episodes if t is None or t in closed_loop else 0
         for f, e in zip(halves(n_frames), halves(episodes)):
-            jobs.append((opts.pair.draft_path, opts.pair.target_path, link, t, max(n_episodes, 1), n_frames, f, e,
+            jobs.append((opts.pair.draft_path, opts.pair.target_path, link, t, CARD_SCENARIOS, n_frames, f, e,
                          max_steps))
     parts: dict = {}
     import os
@@ -150,14 +154,20 @@ def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int
             parts.setdefault((part["link"], part["threshold"]), []).append(part)
             bar.update(1)
     merged = {key: {"actions": [a for p in sorted(ps, key=lambda p: p["frames"]) for a in p["actions"]],
-                    "successes": [s for p in ps for s in p["successes"]]} for key, ps in parts.items()}
+                    "successes": [s for p in ps for s in p["successes"]],
+                    "accepted": sum(p["accepted"] for p in ps), "rounds": sum(p["rounds"] for p in ps)}
+              for key, ps in parts.items()}
     reference = merged[(None, None)]["actions"]
+    if len(reference) != n_frames:
+        raise RuntimeError(f"the card's held-out set has {len(reference)} frames, {n_frames} were asked for")
     out = {}
     for key, m in merged.items():
         n = len(m["successes"])
         p = sum(m["successes"]) / n if n else None
         out[key] = {"agreement": sum(a == b for a, b in zip(m["actions"], reference)) / len(reference),
                     "frames": len(reference), "unparseable": sum(a is None for a in m["actions"]),
+                    "accepted_length_frames": m["accepted"] / max(1, m["rounds"]),
+                    "rounds_frames": m["rounds"] / len(reference),
                     "success": p, "success_se": math.sqrt(p * (1 - p) / n) if n else None, "episodes": n}
     return out
 
@@ -170,7 +180,7 @@ def run_wisv(opts, progress) -> list[dict]:
     closed_loop = thresholds if opts.closed_loop_thresholds is None else opts.closed_loop_thresholds
     prompts = bench_prompts(opts.decisions or 8, opts.seed)
     n_frames = 600 if opts.frames is None else opts.frames
-    n_episodes = 120 if opts.episodes is None else opts.episodes
+    n_episodes = CARD_SCENARIOS if opts.episodes is None else min(opts.episodes, CARD_SCENARIOS)
     timed_bar = progress(len(links) * len(prompts) * (1 + len(UPLOADS) * len(thresholds)))
     rows = timed_rows(opts, links, thresholds, prompts, timed_bar)
     timed_bar.close()
@@ -182,7 +192,7 @@ def run_wisv(opts, progress) -> list[dict]:
         for r in rows:
             q = measured.get((None, None) if r["threshold"] is None else (r["link"], r["threshold"]), {})
             r.update({k: q.get(k) for k in ("agreement", "frames", "unparseable", "success", "success_se",
-                                            "episodes")})
+                                            "episodes", "accepted_length_frames", "rounds_frames")})
     return rows
 
 

@@ -320,7 +320,7 @@ class TargetSession:
         """Second half: the head's rejection probability at each asked mismatch (``draft_hidden``
         maps those positions, or more, to the drafter's rows), the decision, the commit (chained
         blocks as in ``finish_round``). ``last_relaxed`` lists the mismatches kept."""
-        from .wisv import decide
+        from .wisv import decide, token_pair_features
         r = self.wisv_round
         if r is None:
             raise ValueError("no WISV round is waiting for hidden states")
@@ -334,7 +334,10 @@ class TargetSession:
             if rows.shape[1] != head.config.draft_dim:
                 raise ValueError(f"drafter hidden states are {rows.shape[1]} wide, the WISV head reads "
                                  f"{head.config.draft_dim}: the drafter is not the one the head was trained with")
-            probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features()).tolist()))
+            tokens = None
+            if head.config.token_dim:
+                tokens = token_pair_features(self.lm, [r.draft_ids[i] for i in r.asked], [r.argmax[i] for i in r.asked])
+            probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens).tolist()))
         self.wisv_round = None
         result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected)
         self._score_exits(result)

@@ -209,6 +209,17 @@ class HeadConfig:
     csi_dim: int = CSI_DIM
     hidden: int = 64
     dropout: float = 0.1
+    token_dim: int = 0  # > 0: the head also reads the target's input embeddings of both tokens at the mismatch
+
+
+def token_pair_features(lm, draft_tokens, target_tokens) -> torch.Tensor:
+    """[n, 2 d]: the target's input embeddings of the draft token and of its own token at each
+    mismatch (what the verifier knows of the two tokens, nothing to upload)."""
+    embed = lm.model.get_input_embeddings()
+    ids = torch.tensor([[int(a), int(b)] for a, b in zip(draft_tokens, target_tokens)], dtype=torch.long,
+                       device=embed.weight.device)
+    with torch.inference_mode():
+        return embed(ids).float().cpu().reshape(len(ids), -1)
 
 
 HEAD_CONFIG = "wisv_head.json"
@@ -217,26 +228,39 @@ HEAD_WEIGHTS = "wisv_head.safetensors"
 
 class DecisionHead(nn.Module):
     """Two-layer MLP + sigmoid (Eq. 24-25): [h_draft, h_target, csi] -> rejection probability.
-    Each hidden state is layer-normalised first (the two models' scales differ)."""
+    Each hidden state is layer-normalised first (the two models' scales differ). With
+    ``token_dim``, the target's embeddings of the two competing tokens join the input (a mismatch
+    of a colour or a direction word reads differently from one of a function word: the hidden
+    states of tiny models carry that only faintly)."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
         self.norm_draft = nn.LayerNorm(config.draft_dim, elementwise_affine=False)
         self.norm_target = nn.LayerNorm(config.target_dim, elementwise_affine=False)
-        self.mlp = nn.Sequential(nn.Linear(config.draft_dim + config.target_dim + config.csi_dim, config.hidden),
-                                 nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.hidden, 1))
+        self.norm_token = nn.LayerNorm(config.token_dim, elementwise_affine=False) if config.token_dim else None
+        width = config.draft_dim + config.target_dim + config.csi_dim + 2 * config.token_dim
+        self.mlp = nn.Sequential(nn.Linear(width, config.hidden), nn.ReLU(), nn.Dropout(config.dropout),
+                                 nn.Linear(config.hidden, 1))
 
-    def logits(self, h_draft: torch.Tensor, h_target: torch.Tensor, csi: torch.Tensor) -> torch.Tensor:
-        """[n] rejection logits for n positions (hidden states [n, d], csi [CSI_DIM] or [n, CSI_DIM])."""
+    def logits(self, h_draft: torch.Tensor, h_target: torch.Tensor, csi: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """[n] rejection logits for n positions (hidden states [n, d], csi [CSI_DIM] or [n, CSI_DIM],
+        tokens [n, 2 token_dim] from ``token_pair_features`` when the head reads them)."""
         if csi.dim() == 1:
             csi = csi.expand(h_draft.shape[0], -1)
-        x = torch.cat([self.norm_draft(h_draft.float()), self.norm_target(h_target.float()), csi.float()], dim=-1)
-        return self.mlp(x).squeeze(-1)
+        parts = [self.norm_draft(h_draft.float()), self.norm_target(h_target.float()), csi.float()]
+        if self.norm_token is not None:
+            if tokens is None:
+                raise ValueError("this WISV head reads the two tokens at each mismatch: give token features")
+            d = self.config.token_dim
+            parts += [self.norm_token(tokens[:, :d].float()), self.norm_token(tokens[:, d:].float())]
+        return self.mlp(torch.cat(parts, dim=-1)).squeeze(-1)
 
     @torch.inference_mode()
-    def reject_prob(self, h_draft: torch.Tensor, h_target: torch.Tensor, csi: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logits(h_draft, h_target, csi))
+    def reject_prob(self, h_draft: torch.Tensor, h_target: torch.Tensor, csi: torch.Tensor,
+                    tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logits(h_draft, h_target, csi, tokens))
 
     def save(self, directory: str, **meta) -> None:
         from safetensors.torch import save_file
@@ -438,16 +462,20 @@ def greedy_choice(r: SdRound) -> int:
     return r.mismatches[0] if r.mismatches else len(r.draft_ids)
 
 
-def wisv_choice(head: DecisionHead, csi: Csi, threshold: float):
+def wisv_choice(head: DecisionHead, csi: Csi, threshold: float, target=None):
     """The WISV rule as a ``replay_rounds`` choice: the head scores each unprotected mismatch
-    (both hidden rows and the CSI), ``decide`` keeps those at or below the threshold."""
+    (both hidden rows, the CSI and, for a head that reads them, the two tokens through ``target``'s
+    embeddings), ``decide`` keeps those at or below the threshold."""
     features = csi.features()
 
     def choose(r: SdRound) -> int:
         asked = [i for i in r.mismatches if i not in r.protected]
         probs = {}
         if asked and threshold > 0:
-            scores = head.reject_prob(r.d_rows[asked], r.t_rows[asked], features)
+            tokens = None
+            if head.config.token_dim:
+                tokens = token_pair_features(target, [r.draft_ids[i] for i in asked], [r.argmax[i] for i in asked])
+            scores = head.reject_prob(r.d_rows[asked], r.t_rows[asked], features, tokens)
             probs = dict(zip(asked, scores.tolist()))
         result, _ = decide(r.draft_ids, r.argmax, probs, threshold, r.protected)
         return result.accepted

@@ -68,6 +68,7 @@ class MismatchTrace:
     h_target: torch.Tensor    # [target hidden]: the target's state at the same position (its argmax differs)
     critical: bool            # accepting the draft token (then decoding on greedily) changes the parsed action
     position: int             # token index after the prompt
+    tokens: torch.Tensor | None = None  # [2 d]: the target's embeddings of the draft token and of its own
 
 
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
@@ -81,7 +82,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     from ..decoding.cloud import target_generate
     from ..decoding.edge import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from ..decoding.wisv import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
+    from ..decoding.wisv import action_of_tokens, greedy_choice, prompt_pair, replay_rounds, token_pair_features
     eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
 
@@ -104,7 +105,8 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
                 continue
             prefix = r.committed + r.draft_ids[:i + 1]
             changed = action(prefix + continue_greedily(prefix, max_new_tokens - len(prefix))) != reference_action
-            traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i))
+            traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i,
+                                        token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0]))
         return greedy_choice(r) if policy is None else policy(r)
 
     tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
@@ -128,11 +130,11 @@ def collect_traces(draft, target, examples, gamma: int = 4, progress=None, polic
 DAGGER_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
 
 
-def dagger_policies(head, n: int, rng: random.Random) -> list:
+def dagger_policies(head, target, n: int, rng: random.Random) -> list:
     """WISV choices of the first head, one per example, each under a sampled channel state and a
     threshold from DAGGER_THRESHOLDS: the trajectories the second pass collects traces on."""
     from ..decoding.wisv import wisv_choice
-    return [wisv_choice(head, sample_csi(rng), rng.choice(DAGGER_THRESHOLDS)) for _ in range(n)]
+    return [wisv_choice(head, sample_csi(rng), rng.choice(DAGGER_THRESHOLDS), target) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,13 +160,14 @@ class HeadTrainConfig:
     weight_decay: float = 1e-4
     seed: int = 0
     dagger_passes: int = 1    # passes of traces on the trained head's own WISV trajectories, added to the greedy ones
+    token_features: bool = True  # the head also reads the target's embeddings of the two tokens at a mismatch
     relabel: RelabelConfig = RelabelConfig()
 
 
 def relabeled_dataset(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig, rng: random.Random):
-    """(h_draft [N, dd], h_target [N, dt], csi [N, CSI_DIM], labels [N]) over csi_samples channel
-    states per episode."""
-    rows_d, rows_t, rows_c, labels = [], [], [], []
+    """(h_draft [N, dd], h_target [N, dt], csi [N, CSI_DIM], tokens [N, 2 d] or None, labels [N])
+    over csi_samples channel states per episode."""
+    rows_d, rows_t, rows_c, rows_k, labels = [], [], [], [], []
     for episode in episodes:
         if not episode:
             continue
@@ -175,11 +178,13 @@ def relabeled_dataset(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig,
             for trace, label in zip(episode, relabel(critical, csi.quality(), rng, cfg.relabel)):
                 rows_d.append(trace.h_draft)
                 rows_t.append(trace.h_target)
+                rows_k.append(trace.tokens)
                 rows_c.append(features)
                 labels.append(float(label))
     if not labels:
         raise ValueError("no mismatch traces to train on: the draft agrees with the target everywhere")
-    return torch.stack(rows_d), torch.stack(rows_t), torch.stack(rows_c), torch.tensor(labels)
+    tokens = None if any(k is None for k in rows_k) else torch.stack(rows_k)
+    return torch.stack(rows_d), torch.stack(rows_t), torch.stack(rows_c), tokens, torch.tensor(labels)
 
 
 def train_head(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig = HeadTrainConfig(), progress=None):
@@ -187,8 +192,9 @@ def train_head(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig = HeadT
     from ..decoding.wisv import DecisionHead, HeadConfig
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    h_d, h_t, csi, y = relabeled_dataset(episodes, cfg, rng)
-    head = DecisionHead(HeadConfig(h_d.shape[1], h_t.shape[1], csi.shape[1], cfg.hidden, cfg.dropout))
+    h_d, h_t, csi, tok, y = relabeled_dataset(episodes, cfg, rng)
+    token_dim = tok.shape[1] // 2 if tok is not None and cfg.token_features else 0
+    head = DecisionHead(HeadConfig(h_d.shape[1], h_t.shape[1], csi.shape[1], cfg.hidden, cfg.dropout, token_dim))
     positives = float(y.sum())
     pos_weight = torch.tensor((len(y) - positives) / max(positives, 1.0))
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
@@ -199,7 +205,7 @@ def train_head(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig = HeadT
         order = torch.randperm(len(y))
         for a in range(0, len(y), cfg.batch_size):
             idx = order[a:a + cfg.batch_size]
-            loss = loss_fn(head.logits(h_d[idx], h_t[idx], csi[idx]), y[idx])
+            loss = loss_fn(head.logits(h_d[idx], h_t[idx], csi[idx], tok[idx] if token_dim else None), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -221,11 +227,12 @@ def acceptance_by_channel(head, episodes: list[list[MismatchTrace]], profiles: l
         return []
     h_d = torch.stack([t.h_draft for t in flat])
     h_t = torch.stack([t.h_target for t in flat])
+    tokens = torch.stack([t.tokens for t in flat]) if head.config.token_dim else None
     critical = torch.tensor([t.critical for t in flat])
     rows = []
     for name in profiles:
         csi = Csi.from_profile(get_profile(name))
-        r = head.reject_prob(h_d, h_t, csi.features())
+        r = head.reject_prob(h_d, h_t, csi.features(), tokens)
         for tau in thresholds:
             keep = r <= tau
             rows.append({"link": name, "quality": round(csi.quality(), 3), "threshold": tau,
@@ -293,7 +300,7 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
     for p in range(cfg.dagger_passes):
         # The first head's own trajectories (kept mismatches in the prefix), labelled by the task
         # and added to the traces: the states a greedy-SD prefix never shows it.
-        policies = dagger_policies(head, len(train_examples), random.Random(cfg.seed + 1 + p))
+        policies = dagger_policies(head, target, len(train_examples), random.Random(cfg.seed + 1 + p))
         with tqdm(total=len(train_examples), desc=f"wisv: dagger {p + 1}", unit="ep") as bar:
             train += collect_traces(draft, target, train_examples, progress=bar.update, policies=policies)
         with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
