@@ -14,7 +14,7 @@ from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import LocalVerifier, VerifierRefused
-from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, HeadConfig, attach_wisv, choose_upload,
+from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, attach_wisv, choose_upload,
                                         decode_hidden, encode_hidden, final_rows, prompt_pair)
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import heldout_prompts
@@ -218,16 +218,21 @@ def test_full_hidden_frames_are_length_and_range_checked(models, frames, server,
     expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "hidden-state payload")
 
 
-@pytest.mark.parametrize("case", ["positions", "length", "round", "other-frame"])
-def test_selective_hidden_answers_are_checked(models, frames, server, case):
+def _selective_round(models, frames, server):
+    """A wisv session whose first block (two mismatching drafts, no rows) drew a HIDDEN_REQUEST."""
     draft, target = models
-    dim = target.wisv.config.draft_dim
     ids = _mismatching_ids(models, frames)
     ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
     ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids), P.VERIFY_WISV, P.NO_TOKEN, 0, [],
                               CELLULAR.to_wire())))
     request = P.decode(ws.recv(timeout=DEADLINE_S))
     assert isinstance(request, P.HiddenRequest) and request.positions == [0, 1]
+    return ws, target.wisv.config.draft_dim
+
+
+@pytest.mark.parametrize("case", ["positions", "length", "round", "other-frame"])
+def test_selective_hidden_answers_are_checked(models, frames, server, case):
+    ws, dim = _selective_round(models, frames, server)
     rows = np.ones((2, dim), dtype="<f2").tobytes()
     reply = {"positions": P.Hidden(1, 1, [0], rows[:dim * 2]), "length": P.Hidden(1, 1, [0, 1], rows[:-2]),
              "round": P.Hidden(1, 2, [0, 1], rows), "other-frame": P.Generate(1, 4)}[case]
@@ -237,14 +242,8 @@ def test_selective_hidden_answers_are_checked(models, frames, server, case):
 
 
 def test_a_selective_answer_completes_the_round(models, frames, server):
-    draft, target = models
-    dim = target.wisv.config.draft_dim
-    ids = _mismatching_ids(models, frames)
-    ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
-    ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids), P.VERIFY_WISV, P.NO_TOKEN, 0, [],
-                              CELLULAR.to_wire())))
-    request = P.decode(ws.recv(timeout=DEADLINE_S))
-    ws.send(P.encode(P.Hidden(1, 1, request.positions, np.zeros((2, dim), dtype="<f2").tobytes())))
+    ws, dim = _selective_round(models, frames, server)
+    ws.send(P.encode(P.Hidden(1, 1, [0, 1], np.zeros((2, dim), dtype="<f2").tobytes())))
     verdict = P.decode(ws.recv(timeout=DEADLINE_S))
     assert isinstance(verdict, P.Verdict) and verdict.round == 1 and verdict.accepted <= 2
     assert verdict.relaxed == verdict.accepted  # both drafts mismatch: whatever was kept was relaxed
