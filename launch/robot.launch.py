@@ -35,7 +35,7 @@ TWIST_MUX_OUTPUT_REMAP = ("cmd_vel_out", "cmd_vel")
 ROLE_ARGS = {
     "camera": {"source": "camera_source"},
     "drafter": {"server_url": "server_url", "token_file": "token_file", "tls_ca_file": "tls_ca_file", "mode": "mode",
-                "model_path": "model_path", "device": "device", "dtype": "dtype"},
+                "verify_mode": "verify_mode", "model_path": "model_path", "device": "device", "dtype": "dtype"},
     "navigator": {"backend": "backend"},
 }
 
@@ -45,6 +45,8 @@ ARGUMENTS = [
     ("tls_ca_file", "", "wss:// server_url: CA file that signs the verifier's certificate ('' = the system CAs)"),
     ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
               "a verifier without early exits)"),
+    ("verify_mode", "rejection", "rejection (lossless) | wisv (LOSSY: the verifier's decision head keeps harmless "
+                                 "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),
     ("device", "auto", "draft model device: auto | cpu | cuda | cuda:N"),
     ("dtype", "auto", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16"),
