@@ -209,7 +209,7 @@ def train_head(episodes: list[list[MismatchTrace]], cfg: HeadTrainConfig = HeadT
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
         if progress is not None:
             progress(1)
     head.eval()
