@@ -120,7 +120,7 @@ class DrafterSettings:
     resample_temperature: float = 0.7
     codec: str = "dense32"
     verify_mode: str = "rejection"  # or "wisv" (LOSSY, greedy decisions only; decoding.wisv)
-    wisv_threshold: float = 0.1
+    wisv_threshold: float = 0.01
     hidden_upload: str = "auto"
     predraft_workers: int = 4
     client_queue: str = "priority"

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fleet sweep: the verifiers measured (default all three; ray: 2 batched replicas on a "
                             "local Ray Serve instance, needs pip install .[fleet])")
     sweep.add_argument("--thresholds", nargs="+", type=float, default=None,
-                       help="wisv sweep: decision-head thresholds in (0, 1] (default 0.05 0.1 0.2; greedy SD always runs)")
+                       help="wisv sweep: decision-head thresholds in (0, 1] (default 0.01 0.05 0.2; greedy SD always runs)")
     sweep.add_argument("--frames", type=int, default=None,
                        help="wisv sweep: held-out frames for action agreement (default 600, the card's; 0 skips the "
                             "in-process quality measurement)")

@@ -26,7 +26,7 @@ from ..wire.client import RemoteVerifier
 from ..wire.link import get_profile
 from .runner import bench_prompts, emulated_setup
 
-THRESHOLDS = [0.05, 0.1, 0.2]
+THRESHOLDS = [0.01, 0.05, 0.2]
 LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
 UPLOADS = ("full", "selective")
 GREEDY = SamplingParams(temperature=0.0)
@@ -210,13 +210,15 @@ def table_wisv(rows: list[dict]) -> str:
                                                                           "+.0%") if r["threshold"] is not None else "", _f(r["rounds"], ".2f"), _f(r["ms_per_token"], ".1f"),
                       _f(r.get("latency_vs_sd") and r["latency_vs_sd"] - 1, "+.0%") if r["threshold"] is not None
                       else "", _f(r["uplink_bytes_per_decision"] / 1e3, ".1f"), _f(r["relaxed_per_decision"], ".2f"),
+                      _f(r.get("accepted_length_frames"), ".2f"), _f(r.get("rounds_frames"), ".2f"),
                       _f(r.get("agreement"), ".3f"), success,
                       f"{_f(r['quality_measured'], '.2f')} / {r['quality_profile']:.2f}"])
     head = ["link", "threshold", "upload", "accepted/round", "vs SD", "rounds/dec", "ms/token", "vs SD",
-            "up kB/dec", "kept/dec", "agreement", "closed-loop success", "CSI quality measured / profile"]
+            "up kB/dec", "kept/dec", "frames: accepted/round", "rounds/dec", "agreement", "closed-loop success",
+            "CSI quality measured / profile"]
     return (fixed_width(head, lines) + "\nLOSSY for every threshold row: agreement is with target-only greedy "
-            "decoding on the card's held-out frames, success on its held-out episodes (both in process, under the "
-            "link profile's CSI); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
+            "decoding on the card's held-out frames (with their accepted length and rounds), success on its "
+            "held-out episodes (both in process, under the link profile's CSI); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
             + " compute.")
 
 
@@ -230,7 +232,12 @@ def plot_wisv(rows: list[dict], path: str) -> None:
         x = [r["threshold"] or 0.0 for r in mine]
         if all(r.get("agreement") is not None for r in mine):
             ax_a.plot(x, [r["agreement"] for r in mine], marker="o", label=link)
-        ax_l.plot(x, [r["accepted_length"] for r in mine], marker="o", label=link)
+        if all(r.get("accepted_length_frames") is not None for r in mine):
+            line, = ax_l.plot(x, [r["accepted_length_frames"] for r in mine], marker="o", label=f"{link}: held-out frames")
+            ax_l.plot(x, [r["accepted_length"] for r in mine], marker="x", linestyle=":", color=line.get_color(),
+                      label=f"{link}: timed decisions")
+        else:
+            ax_l.plot(x, [r["accepted_length"] for r in mine], marker="o", label=link)
         ax_t.plot(x, [r["ms_per_token"] for r in mine], marker="o", label=link)
     ax_a.set(xlabel="threshold (0 = greedy SD)", ylabel="action agreement with target-only",
              title="WISV (LOSSY): agreement vs threshold (paper Fig. 3)")
@@ -238,6 +245,6 @@ def plot_wisv(rows: list[dict], path: str) -> None:
     ax_t.set(xlabel="threshold (0 = greedy SD)", ylabel="ms per token", title="latency (emulated Go2 compute)")
     for ax in (ax_a, ax_l, ax_t):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, path)

@@ -56,7 +56,7 @@ class DecodeConfig:
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: semantic acceptance, decoding.wisv)
-    wisv_threshold: float = 0.1  # wisv: the decision head keeps a mismatch at or below this rejection probability
+    wisv_threshold: float = 0.01  # wisv: the decision head keeps a mismatch at or below this rejection probability
     hidden_upload: str = "auto"  # wisv: "full" (FH), "selective" (SH) or "auto" (by the measured link)
     codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
     workers: int = 4  # fsd, pipe+fsd: pre-draft worker threads

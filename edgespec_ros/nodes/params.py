@@ -86,7 +86,7 @@ DRAFTER = (
                                   "judges the difference harmless, more readily on a poor link; the action clause is "
                                   "always verified strictly; needs a verifier with a WISV head)",
       choices=("rejection", "wisv")),
-    P("wisv_threshold", 0.1, "wisv: keep a mismatched draft token when the head's rejection probability is at most "
+    P("wisv_threshold", 0.01, "wisv: keep a mismatched draft token when the head's rejection probability is at most "
                              "this (0 = greedy SD exactly)", min_value=0.0, max_value=1.0),
     P("hidden_upload", "auto", "wisv: how the drafter's hidden states reach the head: full (with every block), "
                                "selective (only those the verifier asks for, one more round trip) or auto (by the "

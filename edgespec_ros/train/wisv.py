@@ -246,7 +246,7 @@ def acceptance_by_channel(head, episodes: list[list[MismatchTrace]], profiles: l
 # The pipeline stage: edgespec-train wisv
 
 EVAL_PROFILES = ["lan", "wifi-poor", "cellular", "go2-paper"]
-EVAL_THRESHOLDS = [0.1, 0.3, 0.5, 0.7, 0.9]
+EVAL_THRESHOLDS = [0.01, 0.05, 0.1, 0.2, 0.5]
 
 
 def format_acceptance_table(rows: list[dict]) -> str:
@@ -269,7 +269,8 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
                         label=f"{link}: harmless")
         ax.plot([r["threshold"] for r in mine], [r["critical_kept"] for r in mine], marker="x", linestyle="--",
                 color=line.get_color(), label=f"{link}: critical")
-    ax.set_xlabel("threshold on the rejection probability (0 = greedy SD)")
+    ax.set_xscale("log")
+    ax.set_xlabel("threshold on the rejection probability (log; 0 = greedy SD)")
     ax.set_ylabel("mismatches kept (held-out traces)")
     ax.set_title("WISV decision head: what it keeps, by link (lossy)")
     ax.set_ylim(-0.02, 1.02)
@@ -277,6 +278,26 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_head_report(out_dir: str, meta: dict, cfg: HeadTrainConfig, n_frames: int) -> None:
+    """The head's README.md and acceptance.png from its metadata (the held-out table in it)."""
+    import os
+    plot_acceptance(meta["heldout_acceptance"], os.path.join(out_dir, "acceptance.png"))
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write("# WISV decision head (lossy)\n\n"
+                f"Two-layer MLP ({cfg.hidden} hidden) over the drafter's and the target's final hidden states and "
+                f"the link's CSI features, trained on {meta['traces']['train_mismatches']} mismatches "
+                f"({meta['traces']['train_critical']} critical: keeping the draft token changes the parsed action) "
+                f"of {meta['traces']['train_episodes']} decisions on {n_frames} simulator frames: greedy SD rounds, then "
+                f"{cfg.dagger_passes} pass(es) of the trained head's own WISV rounds (DAgger: the prefixes hold the "
+                "mismatches it kept), each relabeled under "
+                f"{cfg.csi_samples} sampled channel states (CSI-aware budgeted relabeling, paper 002 Eq. 28-31).\n\n"
+                f"Held-out traces ({meta['traces']['heldout_mismatches']} mismatches, "
+                f"{meta['traces']['heldout_critical']} critical): the fractions the head keeps per link and "
+                "threshold. Keeping a critical mismatch changes the robot's action.\n\n"
+                + format_acceptance_table(meta["heldout_acceptance"]) + "\n\n![acceptance](acceptance.png)\n\n"
+                f"Command: `{meta['command']}`\n")
 
 
 def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_examples, heldout_examples,
@@ -316,21 +337,7 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
                        "seconds": round(trace_s, 1)},
             "fit": info, "heldout_acceptance": rows, "command": command}
     head.save(out_dir, **meta)
-    plot_acceptance(rows, os.path.join(out_dir, "acceptance.png"))
-    with open(os.path.join(out_dir, "README.md"), "w") as f:
-        f.write("# WISV decision head (lossy)\n\n"
-                f"Two-layer MLP ({cfg.hidden} hidden) over the drafter's and the target's final hidden states and "
-                f"the link's CSI features, trained on {meta['traces']['train_mismatches']} mismatches "
-                f"({meta['traces']['train_critical']} critical: keeping the draft token changes the parsed action) "
-                f"of {len(train)} decisions on {len(train_examples)} simulator frames: greedy SD rounds, then "
-                f"{cfg.dagger_passes} pass(es) of the trained head's own WISV rounds (DAgger: the prefixes hold the "
-                "mismatches it kept), each relabeled under "
-                f"{cfg.csi_samples} sampled channel states (CSI-aware budgeted relabeling, paper 002 Eq. 28-31).\n\n"
-                f"Held-out traces ({meta['traces']['heldout_mismatches']} mismatches, "
-                f"{meta['traces']['heldout_critical']} critical): the fractions the head keeps per link and "
-                "threshold. Keeping a critical mismatch changes the robot's action.\n\n"
-                + format_acceptance_table(rows) + "\n\n![acceptance](acceptance.png)\n\n"
-                f"Command: `{command}`\n")
+    write_head_report(out_dir, meta, cfg, len(train_examples))
     print(f"wisv: {info['examples']} relabeled examples ({info['repair_fraction']:.0%} repair), loss "
           f"{info['final_loss']:.3f} -> {out_dir}")
     print(format_acceptance_table(rows))
