@@ -4,6 +4,8 @@
     edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
     edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
     edgespec-train wisv                # the WISV decision head (lossy) for <out>/draft + <out>/target (saved in target/wisv)
+    edgespec-train vision              # the target's vision tower pretrained alone on dense renderer labels (<work>/vision;
+                                       # measured, not yet used by the target stage: see README "The embedded models")
 
 card measures the models on held-out data and writes the model card (README.md, metrics.json).
 
@@ -52,6 +54,9 @@ class PipelineConfig:
     exit_layers: str = ""  # empty: every decoder layer but the last
     wisv_scenarios: int = 40  # simulator scenarios whose frames give the WISV head's mismatch traces
     wisv_epochs: int = 30
+    vision_scenarios: int = 1500  # training scenarios whose random views pretrain the vision tower
+    vision_per_scenario: int = 8
+    vision_budget_s: float = 240.0
     seed: int = 0
 
 
@@ -183,10 +188,21 @@ def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}")
 
 
+def stage_vision(work: str, cfg: PipelineConfig) -> dict:
+    """Pretrain a tower of the target's spec alone and measure it (``train.vision``)."""
+    from .vision import VisionConfig, format_vision_report, run_vision_stage
+    vcfg = VisionConfig(budget_s=cfg.vision_budget_s, per_scenario=cfg.vision_per_scenario, seed=cfg.seed)
+    report = run_vision_stage(work, MODEL_SPECS["target"], vcfg, cfg.vision_scenarios)
+    print(f"vision: {report['training']['steps']} steps, {report['train_frames']} frames "
+          f"-> {os.path.join(work, 'vision')}")
+    print(format_vision_report(report))
+    return report
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "exits", "wisv", "card"])
+    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "exits", "wisv", "card", "vision"])
     ap.add_argument("--target", default=None,
                     help="exits: the target model dir to train adapters for (default: <out>/target)")
     ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
@@ -219,6 +235,8 @@ def main(argv=None) -> int:
             stage_tokenizer(args.work, cfg)
         elif stage == "exits":
             stage_exits(args.target or os.path.join(args.out, "target"), args.exits_out, cfg)
+        elif stage == "vision":
+            stage_vision(args.work, cfg)
         elif stage == "wisv":
             stage_wisv(os.path.join(args.out, "draft"), args.target or os.path.join(args.out, "target"), cfg)
         elif stage == "card":

@@ -42,6 +42,25 @@ def mrope_section(head_dim: int) -> list[int]:
     return [temporal, height, half - temporal - height]  # 32 -> [2, 4, 10], 16 -> [1, 2, 5]
 
 
+def vision_config_kwargs(hidden: int = 128, vision_depth: int = 2, vision_dim: int = 64) -> dict:
+    """The Qwen2-VL vision tower's config fields (one home: the full model and the vision
+    pretraining stage build their towers from these). ``hidden`` is the language model's width,
+    what the patch merger projects to."""
+    return dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=4,
+                mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+
+
+def tiny_vision_tower(hidden: int = 128, vision_depth: int = 2, vision_dim: int = 64, seed: int = 0):
+    """A random-weight Qwen2-VL vision tower alone (fp32), the one ``qwen2vl_config`` would build
+    into the full model: for pretraining it without the language model."""
+    import torch
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    torch.manual_seed(seed)
+    return Qwen2VisionTransformerPretrainedModel._from_config(
+        Qwen2VLVisionConfig(**vision_config_kwargs(hidden, vision_depth, vision_dim)))
+
+
 def qwen2vl_config(tokenizer, *, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                    intermediate: int | None = None, vision_depth: int = 2, vision_dim: int = 64,
                    rope_theta: float = 30.0, mrope_split: str = "grid"):
@@ -66,8 +85,7 @@ def qwen2vl_config(tokenizer, *, layers: int = 4, hidden: int = 128, heads: int 
         max_position_embeddings=2048, rope_scaling=dict(rope), rope_parameters=dict(rope), rope_theta=rope_theta,
         tie_word_embeddings=True, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
         bos_token_id=ids["<|endoftext|>"])
-    vision_config = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=4,
-                         mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    vision_config = vision_config_kwargs(hidden, vision_depth, vision_dim)
     cfg = Qwen2VLConfig(text_config=text_config, vision_config=vision_config,
                         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],

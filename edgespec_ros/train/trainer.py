@@ -29,6 +29,18 @@ class TrainConfig:
     goal_probe_layer: int | None = -4
 
 
+def dense_perception_loss(head_out: torch.Tensor, present: torch.Tensor, log_depth: torch.Tensor,
+                          where: torch.Tensor, num_classes: int, cells: int) -> torch.Tensor:
+    """The dense perception loss of a linear probe's output ``head_out`` (tokens, 2 + cells *
+    (num_classes + 1)) per merged image token against ``data.aux_targets``: summed-class BCE on
+    which classes each label cell shows, smooth L1 on its log depth, squared error on the token's
+    place. One home for the language stage's auxiliary loss and the vision pretraining stage."""
+    out = head_out[:, 2:].reshape(-1, cells, num_classes + 1)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(out[..., :-1], present, reduction="none")
+    return (bce.sum(-1).mean() + torch.nn.functional.smooth_l1_loss(out[..., -1], log_depth)
+            + torch.nn.functional.mse_loss(head_out[:, :2], where))
+
+
 class AuxPerception(torch.nn.Module):
     """Auxiliary dense perception loss on the vision tower's output (training only, never saved).
 
@@ -76,12 +88,8 @@ class AuxPerception(torch.nn.Module):
         image-token positions ``image_mask`` (batch, length) bool feed the goal probe."""
         if self._tokens is None or self._tokens.shape[0] != present.shape[0]:
             raise RuntimeError("AuxPerception: the forward pass gave no image tokens matching the labels")
-        head = self.head(self._tokens)
+        loss = dense_perception_loss(self.head(self._tokens), present, log_depth, where, self.num_classes, self.cells)
         self._tokens = None
-        out = head[:, 2:].reshape(-1, self.cells, self.num_classes + 1)
-        bce = torch.nn.functional.binary_cross_entropy_with_logits(out[..., :-1], present, reduction="none")
-        loss = (bce.sum(-1).mean() + torch.nn.functional.smooth_l1_loss(out[..., -1], log_depth)
-                + torch.nn.functional.mse_loss(head[:, :2], where))
         if self.goal_head is not None and goal is not None:
             states, self._states = self._states, None
             if states is None or image_mask is None or int(image_mask.sum()) != goal.shape[0]:

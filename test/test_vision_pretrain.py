@@ -1,0 +1,72 @@
+"""Vision pretraining (train/vision.py): frames and labels from the renderer, the tower alone
+trained with the language stage's dense perception loss, loadable into the target."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from edgespec_ros.decoding.engines import load_model
+from edgespec_ros.models import default_model_path
+from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, vision_frames
+from edgespec_ros.train import cli as train_cli
+from edgespec_ros.train.tiny import image_processor, tiny_vision_tower
+from edgespec_ros.train.vision import VisionConfig, evaluate_vision, frames_of, pretrain_vision
+
+
+def _target_tower_kw():
+    spec = train_cli.MODEL_SPECS["target"]
+    return dict(hidden=spec["hidden"], vision_depth=spec["vision_depth"], vision_dim=spec["vision_dim"])
+
+
+def test_vision_frames_are_labelled_views_most_of_which_show_objects():
+    frames = list(vision_frames("train", 3, 6))
+    assert len(frames) == 18
+    shows = 0
+    for rgb, labels in frames:
+        assert rgb.shape == (112, 112, 3) and rgb.dtype == np.uint8
+        assert labels.present.shape == (16, 16) and labels.log_depth.shape == (16, 16)
+        shows += bool(labels.present.any())
+    assert shows >= 9  # half the poses face an object from up to 3 m
+    again = list(vision_frames("train", 3, 6))
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(frames, again))  # deterministic in the split's seeds
+
+
+def test_the_pretrained_tower_has_the_targets_architecture_and_loads_into_it(tmp_path):
+    tower = tiny_vision_tower(**_target_tower_kw())
+    tower.save_pretrained(str(tmp_path))
+    target = load_model(default_model_path("target")).model
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    loaded = Qwen2VisionTransformerPretrainedModel.from_pretrained(str(tmp_path))
+    result = target.model.visual.load_state_dict(loaded.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(target.model.visual.merger.mlp[-1].weight, tower.merger.mlp[-1].weight)
+
+
+def test_pretraining_lowers_the_dense_loss_and_is_measured_on_held_out_frames():
+    ip = image_processor()
+    train, heldout = frames_of("train", 4, 8), frames_of("heldout", 2, 6)
+    tower = tiny_vision_tower(**_target_tower_kw())
+    before = {k: v.clone() for k, v in tower.state_dict().items()}
+    probe, info = pretrain_vision(tower, train, ip, NUM_OBJECT_CLASSES,
+                                  VisionConfig(budget_s=120, max_steps=30, batch_size=8))
+    assert info["steps"] == 30 and info["loss_last"] < 0.5 * info["loss_first"]
+    assert any(not torch.equal(before[k], v) for k, v in tower.state_dict().items())  # the tower itself trained
+    m = evaluate_vision(tower, probe, heldout, ip, NUM_OBJECT_CLASSES)
+    assert m["frames"] == 12 and m["object_cells"] > 0
+    for key in ("presence_precision", "presence_recall", "presence_f1", "colour_accuracy", "type_accuracy"):
+        assert 0.0 <= m[key] <= 1.0
+    assert 0.0 < m["log_depth_mae"] < 1.0  # log metres: the probe learned depth (a random one is off by ~1.5)
+
+
+def test_the_vision_stage_saves_the_tower_and_its_measurements(tmp_path):
+    assert train_cli.main(["vision", "--work", str(tmp_path), "--vision-scenarios", "2",
+                           "--vision-per-scenario", "4", "--vision-budget-s", "1.5"]) == 0
+    out = tmp_path / "vision"
+    report = json.loads((out / "vision.json").read_text())
+    assert report["train_frames"] == 8 and report["training"]["steps"] > 0
+    assert set(report["heldout"]) >= {"presence_f1", "colour_accuracy", "type_accuracy", "log_depth_mae"}
+    assert "random_tower_probe" in report
+    assert os.path.isfile(out / "config.json")
