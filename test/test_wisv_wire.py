@@ -344,3 +344,19 @@ def test_a_wisv_block_without_its_csi_is_refused(models, frames, server):
     ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
     ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids))))
     expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "carries the CSI")
+
+
+def test_blocks_stashed_while_waiting_for_hidden_rows_are_bounded_in_bytes(models, frames):
+    """While a selective round waits for its rows, later blocks are held aside; their bytes count
+    against the session's read-ahead bound (not only their number): a flood is refused."""
+    draft, target = models
+    with ServerThread(VerifierServer(target, insecure_no_auth=True, max_frame=1 << 20)) as small:
+        ids = _mismatching_ids(models, frames)
+        ws = _wisv_session(small.url, target, _prompt(draft, target, *frames[0]))
+        ws.send(P.encode(P.Verify(1, 1, ids, b"", P.VERIFY_WISV, P.NO_TOKEN, 0, [], CELLULAR.to_wire())))
+        assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.HiddenRequest)
+        junk = bytes(300_000)
+        for r in range(2, 8):  # 6 x 300 kB against a 1 MiB bound (count bound: 16)
+            ws.send(P.encode(P.Verify(1, r, ids, junk, P.VERIFY_WISV | P.VERIFY_CHAINED, P.NO_TOKEN, 0, [],
+                                      CELLULAR.to_wire())))
+        expect_error_then_close(ws, P.ErrorCode.TOO_MANY, "too many blocks")

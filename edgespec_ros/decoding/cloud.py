@@ -309,10 +309,14 @@ class TargetSession:
             logits = self.seq.target_logits(draft_ids)
         argmax = logits.argmax(dim=-1).tolist()
         eos = self.lm.eos_token_ids
-        protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos)
-                     | protect_target_eos(argmax, len(draft_ids), eos))
-        asked = [] if settings.wisv_threshold <= 0 else [
-            i for i in mismatches(draft_ids, argmax) if i not in protected]
+        protected, asked = set(), []
+        if settings.wisv_threshold > 0:  # at 0 nothing is kept: greedy SD, no text to decode
+            protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos)
+                         | protect_target_eos(argmax, len(draft_ids), eos))
+            for i in mismatches(draft_ids, argmax):
+                if i in protected:
+                    break  # rejected whatever the head says: rows after it cannot matter
+                asked.append(i)
         self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained)
         return list(asked)
 

@@ -691,12 +691,17 @@ class VerifierServer:
     async def _await_hidden(self, conn: _Conn, msg: P.Verify, asked: list[int], dim: int, inbox: _Inbox,
                             stash: deque) -> dict:
         """The HIDDEN answer to a HIDDEN_REQUEST (within the idle timeout); later blocks of the
-        pipeline that come first are kept in ``stash`` (at most the inbox's size)."""
+        pipeline that come first are kept in ``stash`` (at most the inbox's count and bytes, the
+        inbox's own frames included)."""
         from ..decoding.wisv import decode_hidden
+
+        def held(v: P.Verify) -> int:  # a stashed block's bytes, counted against the inbox's byte bound
+            return len(v.q_payload) + len(v.hidden) + 4 * len(v.draft_ids)
         while True:
             reply, arrived = await self._recv(conn.ws, self.idle_timeout_s, inbox)
             if isinstance(reply, P.Verify) and reply.decision == msg.decision:
-                if len(stash) >= inbox.max_items:
+                if (len(stash) >= inbox.max_items
+                        or sum(held(v) for v, _ in stash) + held(reply) + inbox.bytes > inbox.max_bytes):
                     raise SessionError(P.ErrorCode.TOO_MANY, "too many blocks sent while the verifier waits for "
                                                              "the hidden rows it asked for")
                 stash.append((reply, arrived))
