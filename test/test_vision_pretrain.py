@@ -68,5 +68,5 @@ def test_the_vision_stage_saves_the_tower_and_its_measurements(tmp_path):
     report = json.loads((out / "vision.json").read_text())
     assert report["train_frames"] == 8 and report["training"]["steps"] > 0
     assert set(report["heldout"]) >= {"presence_f1", "colour_accuracy", "type_accuracy", "log_depth_mae"}
-    assert "random_tower_probe" in report
+    assert "random_tower_probe" in report and report["target_tower_probe"]["heldout"]["frames"] == 240
     assert os.path.isfile(out / "config.json")

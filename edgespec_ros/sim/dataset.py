@@ -223,8 +223,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
 def vision_frames(split: str, n_scenarios: int, per_scenario: int, start: int = 0,
                   camera: CameraConfig = DEFAULT_CAMERA) -> Iterator[tuple[np.ndarray, DenseLabels]]:
     """Frames for pretraining the vision tower alone: ``per_scenario`` collision-free poses in each
-    scenario of ``split``, half of them facing a random object from up to 3 m (so objects fill the
-    frames at every size), the rest uniform in the room; ``(rgb, dense labels)``. No expert and no
+    scenario of ``split``, half of them facing an object from up to 3 m (``_closeup``: look-alikes of
+    the goal twice as often; objects fill the frames at every size), the rest uniform in the room; ``(rgb, dense labels)``. No expert and no
     text: far more frames per second than the language stage's data."""
     for seed in split_seeds(split, n_scenarios, start):
         scenario = scenario_for_seed(seed)
@@ -235,17 +235,14 @@ def vision_frames(split: str, n_scenarios: int, per_scenario: int, start: int = 
             if made == per_scenario:
                 break
             if rng.random() < 0.5:
-                obj = scenario.objects[int(rng.integers(len(scenario.objects)))]
-                distance = obj.footprint_radius_m + ROBOT_RADIUS_M + float(rng.uniform(0.05, 3.0))
-                around = float(rng.uniform(-math.pi, math.pi))
-                x, y = obj.x + distance * math.cos(around), obj.y + distance * math.sin(around)
-                yaw = around + math.pi + math.radians(float(rng.uniform(-45.0, 45.0)))
+                pose = _closeup(scenario, rng, max_gap_m=3.0, max_off_deg=45.0)
             else:
-                x, y = float(rng.uniform(0, room.width_m)), float(rng.uniform(0, room.depth_m))
-                yaw = float(rng.uniform(-math.pi, math.pi))
-            if pose_collision(scenario, x, y) is not None:
+                pose = Pose(float(rng.uniform(0, room.width_m)), float(rng.uniform(0, room.depth_m)),
+                            float(rng.uniform(-math.pi, math.pi)))
+                pose = pose if pose_collision(scenario, pose.x, pose.y) is None else None
+            if pose is None:
                 continue
-            view = render_view(scenario, Pose(x, y, math.atan2(math.sin(yaw), math.cos(yaw))), camera)
+            view = render_view(scenario, pose, camera)
             made += 1
             yield view.rgb, dense_labels(view, scenario)
 

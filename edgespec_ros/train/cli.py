@@ -192,7 +192,9 @@ def stage_vision(work: str, cfg: PipelineConfig) -> dict:
     """Pretrain a tower of the target's spec alone and measure it (``train.vision``)."""
     from .vision import VisionConfig, format_vision_report, run_vision_stage
     vcfg = VisionConfig(budget_s=cfg.vision_budget_s, per_scenario=cfg.vision_per_scenario, seed=cfg.seed)
-    report = run_vision_stage(work, MODEL_SPECS["target"], vcfg, cfg.vision_scenarios)
+    target = os.path.join(MODELS_DIR, "target")  # the committed target: what the language stage taught its tower
+    report = run_vision_stage(work, MODEL_SPECS["target"], vcfg, cfg.vision_scenarios,
+                              compare_target=target if os.path.isfile(os.path.join(target, "config.json")) else None)
     print(f"vision: {report['training']['steps']} steps, {report['train_frames']} frames "
           f"-> {os.path.join(work, 'vision')}")
     print(format_vision_report(report))

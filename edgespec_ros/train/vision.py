@@ -150,10 +150,12 @@ def evaluate_vision(visual, probe, frames: list[_Frame], image_processor, num_cl
 
 
 def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: int, heldout_scenarios: int = 20,
-                     heldout_per_scenario: int = 12) -> dict:
+                     heldout_per_scenario: int = 12, compare_target: str | None = None) -> dict:
     """Render frames, pretrain a tower of the target's spec (``cli.MODEL_SPECS``), measure it on
     held-out frames against the same probe trained for the same budget on a frozen random tower
-    (what the probe alone can read), save the tower to ``<work>/vision`` with ``vision.json``."""
+    (what the probe alone can read) and, with ``compare_target`` (a trained target's dir), on that
+    target's frozen tower (what the language stage taught it); save the tower to ``<work>/vision``
+    with ``vision.json``."""
     from tqdm import tqdm
     from ..sim.dataset import NUM_OBJECT_CLASSES
     from .tiny import image_processor, tiny_vision_tower
@@ -179,11 +181,19 @@ def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: 
         base_probe, base_info = pretrain_vision(baseline_tower, train, ip, NUM_OBJECT_CLASSES, cfg,
                                                 progress=bar.update)
     baseline = evaluate_vision(baseline_tower, base_probe, heldout, ip, NUM_OBJECT_CLASSES)
+    compared = None
+    if compare_target is not None:
+        from ..decoding.engines import load_model
+        tower = load_model(compare_target).model.model.visual.float().requires_grad_(False)
+        with tqdm(desc="vision: probe on the target's tower", unit="step") as bar:
+            probe_t, info_t = pretrain_vision(tower, train, ip, NUM_OBJECT_CLASSES, cfg, progress=bar.update)
+        compared = {"model": compare_target, "training": info_t,
+                    "heldout": evaluate_vision(tower, probe_t, heldout, ip, NUM_OBJECT_CLASSES)}
     out_dir = os.path.join(work, VISION_DIR)
     visual.save_pretrained(out_dir)
     report = {"config": asdict(cfg), "tower": tower_kw, "train_frames": len(train), "heldout_frames": len(heldout),
               "render_seconds": round(render_s, 1), "training": info, "heldout": measured,
-              "random_tower_probe": {"training": base_info, "heldout": baseline}}
+              "random_tower_probe": {"training": base_info, "heldout": baseline}, "target_tower_probe": compared}
     with open(os.path.join(out_dir, "vision.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -191,6 +201,8 @@ def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: 
 
 def format_vision_report(report: dict) -> str:
     rows = [("pretrained tower", report["heldout"]), ("probe on a random tower", report["random_tower_probe"]["heldout"])]
+    if report.get("target_tower_probe"):
+        rows.append(("probe on the language-trained target's tower", report["target_tower_probe"]["heldout"]))
     out = ["| held-out cells | presence P / R / F1 | colour | type | colour+type | log-depth MAE |",
            "|---|---|---|---|---|---|"]
     for name, m in rows:
