@@ -70,3 +70,28 @@ def test_the_vision_stage_saves_the_tower_and_its_measurements(tmp_path):
     assert set(report["heldout"]) >= {"presence_f1", "colour_accuracy", "type_accuracy", "log_depth_mae"}
     assert "random_tower_probe" in report and report["target_tower_probe"]["heldout"]["frames"] == 240
     assert os.path.isfile(out / "config.json")
+
+
+def test_the_target_starts_from_a_pretrained_tower_and_trains_what_the_mode_says(tmp_path):
+    import pytest
+    from edgespec_ros.train.vision import load_pretrained_tower
+    tower = tiny_vision_tower(seed=7, **_target_tower_kw())
+    tower.save_pretrained(str(tmp_path / "tower"))
+    for mode, trains_tower, trains_merger in (("freeze", False, False), ("merger", False, True),
+                                              ("finetune", True, True)):
+        model = load_model(default_model_path("target")).model.train().requires_grad_(True)
+        load_pretrained_tower(model, str(tmp_path / "tower"), mode)
+        visual = model.model.visual
+        assert torch.equal(visual.blocks[0].attn.qkv.weight, tower.blocks[0].attn.qkv.weight)
+        assert all(p.requires_grad == trains_tower for p in visual.blocks.parameters()), mode
+        assert all(p.requires_grad == trains_merger for p in visual.merger.parameters()), mode
+        assert all(p.requires_grad for p in model.model.language_model.parameters())
+    with pytest.raises(ValueError, match="vision mode"):
+        load_pretrained_tower(model, str(tmp_path / "tower"), "thaw")
+    spec = train_cli.MODEL_SPECS["draft"]
+    tiny_vision_tower(hidden=spec["hidden"], vision_depth=spec["vision_depth"],
+                      vision_dim=spec["vision_dim"]).save_pretrained(str(tmp_path / "small"))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_pretrained_tower(model, str(tmp_path / "small"), "freeze")
+    with pytest.raises(ValueError, match="edgespec-train vision"):
+        load_pretrained_tower(model, str(tmp_path / "nothing"), "freeze")

@@ -5,7 +5,7 @@
     edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
     edgespec-train wisv                # the WISV decision head (lossy) for <out>/draft + <out>/target (saved in target/wisv)
     edgespec-train vision              # the target's vision tower pretrained alone on dense renderer labels (<work>/vision;
-                                       # measured, not yet used by the target stage: see README "The embedded models")
+                                       # the target starts from it with --target-vision DIR [--target-vision-mode M]
 
 card measures the models on held-out data and writes the model card (README.md, metrics.json).
 
@@ -57,6 +57,8 @@ class PipelineConfig:
     vision_scenarios: int = 1500  # training scenarios whose random views pretrain the vision tower
     vision_per_scenario: int = 8
     vision_budget_s: float = 240.0
+    target_vision: str = ""  # a tower from `edgespec-train vision` (e.g. build/train/vision) to start the target from
+    target_vision_mode: str = "finetune"  # with target_vision: finetune | merger (train only the merger) | freeze
     seed: int = 0
 
 
@@ -145,6 +147,13 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
                          f"--{role}-aux-weight 0)")
     spec = MODEL_SPECS[role]
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
+    vision_init = cfg.target_vision if role == "target" and cfg.target_vision else None
+    if vision_init:
+        from .vision import load_pretrained_tower
+        try:
+            load_pretrained_tower(model, vision_init, cfg.target_vision_mode)
+        except ValueError as e:
+            raise SystemExit(f"edgespec-train: {e}") from None
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
@@ -158,6 +167,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
             "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight,
             "goal_probe_layer": tcfg.goal_probe_layer if aux_weight > 0 else None,
+            "vision_init": vision_init, "vision_mode": cfg.target_vision_mode if vision_init else None,
             "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
     with open(os.path.join(path, "training.json"), "w") as f:

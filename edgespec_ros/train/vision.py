@@ -23,6 +23,7 @@ import torch
 from .data import aux_targets, jpeg_roundtrip
 
 VISION_DIR = "vision"  # under the work dir: the pretrained tower (save_pretrained) and vision.json
+VISION_MODES = ("finetune", "merger", "freeze")  # what the language stage trains of a pretrained tower
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,27 @@ def evaluate_vision(visual, probe, frames: list[_Frame], image_processor, num_cl
             "object_cells": single, "colour_accuracy": colour_ok / max(1, single),
             "type_accuracy": type_ok / max(1, single), "class_accuracy": both_ok / max(1, single),
             "log_depth_mae": depth_err / max(1, depth_n)}
+
+
+def load_pretrained_tower(model, directory: str, mode: str = "finetune") -> None:
+    """Start ``model`` (a Qwen2VLForConditionalGeneration) from the tower saved in ``directory`` by
+    the vision stage and set what the language stage trains of it: ``finetune`` (all of it),
+    ``merger`` (only the patch merger, the projection into the language model) or ``freeze``
+    (none). ValueError when the tower is not of the model's architecture."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    if mode not in VISION_MODES:
+        raise ValueError(f"vision mode {mode!r} is not one of {VISION_MODES}")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(f"{directory!r} holds no pretrained vision tower: run `edgespec-train vision` first")
+    tower = Qwen2VisionTransformerPretrainedModel.from_pretrained(directory)
+    visual = model.model.visual
+    try:
+        visual.load_state_dict(tower.state_dict(), strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"the vision tower in {directory!r} does not fit this model: {str(e).splitlines()[0]}") from None
+    visual.requires_grad_(mode == "finetune")
+    if mode == "merger":
+        visual.merger.requires_grad_(True)
 
 
 def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: int, heldout_scenarios: int = 20,
