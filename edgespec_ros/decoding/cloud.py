@@ -184,13 +184,17 @@ class TargetSession:
         (``lm.num_layers`` when none does; 0 when exits were not computed).
         """
         t0 = time.perf_counter()
+        start_position, logits = self._round_logits(draft_ids, draft_probs, on_exit)
+        return self.finish_round(draft_ids, draft_probs, logits, chained, start_position), time.perf_counter() - t0
+
+    def _round_logits(self, draft_ids: list[int], draft_probs, on_exit) -> tuple[int, torch.Tensor]:
+        """Begin a round and run the target over the block (with early exits when asked and
+        attached): (the round's start position, logits [gamma + 1, V])."""
         start_position = self.begin_round()
         if on_exit is not None and self.lm.exits is not None:
             ids = torch.tensor(draft_ids, dtype=torch.long)
-            logits = self._target_logits_with_exits(draft_ids, ids, draft_probs, start_position, on_exit)
-        else:
-            logits = self.seq.target_logits(draft_ids)
-        return self.finish_round(draft_ids, draft_probs, logits, chained, start_position), time.perf_counter() - t0
+            return start_position, self._target_logits_with_exits(draft_ids, ids, draft_probs, start_position, on_exit)
+        return start_position, self.seq.target_logits(draft_ids)
 
     def begin_round(self) -> int:
         """Checks before a (dense) verification round; its start position. Then the target's
@@ -301,12 +305,7 @@ class TargetSession:
         settings = self._require_started()
         if settings.verify_mode != WISV:
             raise ValueError(f"a WISV round in a decision verified by {settings.verify_mode!r}")
-        start_position = self.begin_round()
-        if on_exit is not None and self.lm.exits is not None:
-            ids = torch.tensor(draft_ids, dtype=torch.long)
-            logits = self._target_logits_with_exits(draft_ids, ids, None, start_position, on_exit)
-        else:
-            logits = self.seq.target_logits(draft_ids)
+        _, logits = self._round_logits(draft_ids, None, on_exit)
         argmax = logits.argmax(dim=-1).tolist()
         eos = self.lm.eos_token_ids
         protected, asked = set(), []
