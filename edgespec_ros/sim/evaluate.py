@@ -70,15 +70,20 @@ def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episode
 
 
 def action_agreement(policy, examples, desc: str = "frames") -> dict:
-    """Fraction of frames where the model's parsed action equals the expert's (examples: sim.dataset.Example)."""
-    agree = parse_fail = 0
+    """Fraction of frames where the model's parsed action equals the expert's (examples:
+    sim.dataset.Example): ``agreement`` exactly (kind, direction and size), and
+    ``kind_direction_agreement`` on what to do and which way (a "turn left small" for the expert's
+    "turn left medium" counts; a move for a turn or left for right does not)."""
+    agree = coarse = parse_fail = 0
     for ex in tqdm(examples, desc=desc, unit="frame"):
         expert = parse_action(ex.text)
         out = policy.decide(ex.image, ex.instruction)
         if out.action is None:
             parse_fail += 1
-        elif out.action.text == expert.text:
-            agree += 1
+            continue
+        agree += out.action.text == expert.text
+        coarse += (out.action.kind, out.action.direction) == (expert.kind, expert.direction)
     n = len(examples)
-    return {"agreement": agree / n if n else 0.0, "frames": n, "unparseable": parse_fail}
+    return {"agreement": agree / n if n else 0.0, "kind_direction_agreement": coarse / n if n else 0.0,
+            "frames": n, "unparseable": parse_fail}
 
