@@ -220,6 +220,37 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                 yield scenario, pose, view, policy.decide(scenario, pose, view)
 
 
+def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
+                   camera: CameraConfig = DEFAULT_CAMERA,
+                   action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
+                   expert_config: ExpertConfig = ExpertConfig(),
+                   outcomes: list | None = None) -> Iterator[tuple[Scenario, Pose, CameraView, ExpertDecision]]:
+    """DAgger's data (Ross, Gordon and Bagnell 2011): roll the learned ``policy`` (VLMPolicy-like,
+    greedy ``decide(image, instruction)``) out in the scenarios ``split_seeds(split, n_scenarios,
+    start)`` and yield every state it visits with the expert's decision there, as
+    :func:`expert_frames` does for the expert's own rollouts. The robot executes the learner's
+    action (an unparseable answer spends the decision without moving), so the frames are the
+    off-course, too-close and facing-the-wrong-way states a learned policy drifts into, which the
+    expert's rollouts never show. The expert is memoryless, so its label for a state does not
+    depend on how the robot got there. ``outcomes``: a list to append each episode's
+    ``(success, collisions, decisions)`` to."""
+    for seed in split_seeds(split, n_scenarios, start):
+        scenario = scenario_for_seed(seed)
+        expert = ExpertPolicy(action_config, camera, expert_config, seed=seed)
+        world = SimWorld(scenario, camera, action_config)
+        while not world.done:
+            pose = world.pose
+            view = world.camera_view()
+            yield scenario, pose, view, expert.decide(scenario, pose, view)
+            out = policy.decide(view.rgb, scenario.instruction)
+            if out.action is None:
+                world.skip_decision(out.error)
+            else:
+                world.step(out.action)
+        if outcomes is not None:
+            outcomes.append((world.success, world.collisions, world.steps))
+
+
 def vision_frames(split: str, n_scenarios: int, per_scenario: int, start: int = 0,
                   camera: CameraConfig = DEFAULT_CAMERA) -> Iterator[tuple[np.ndarray, DenseLabels]]:
     """Frames for pretraining the vision tower alone: ``per_scenario`` collision-free poses in each
@@ -245,6 +276,27 @@ def vision_frames(split: str, n_scenarios: int, per_scenario: int, start: int = 
             view = render_view(scenario, pose, camera)
             made += 1
             yield view.rgb, dense_labels(view, scenario)
+
+
+def jittered_starts(scenario: Scenario, n: int, seed: int = 0, position_m: float = 0.25,
+                    heading_deg: float = 15.0) -> list[Scenario]:
+    """``n`` copies of ``scenario`` whose robot starts up to ``position_m`` away along each axis and
+    ``heading_deg`` off its heading (uniform, collision-free, deterministic given ``seed``): how
+    robust a policy is on one scenario, e.g. the demo's, without new rooms."""
+    from dataclasses import replace
+    rng = np.random.default_rng([seed, 5])
+    start, out = scenario.robot, []
+    for _ in range(100 * n):
+        if len(out) == n:
+            break
+        pose = Pose(float(start.x + rng.uniform(-position_m, position_m)),
+                    float(start.y + rng.uniform(-position_m, position_m)),
+                    float(start.yaw_rad + math.radians(rng.uniform(-heading_deg, heading_deg))))
+        if pose_collision(scenario, pose.x, pose.y) is None:
+            out.append(replace(scenario, name=f"{scenario.name}-start{len(out)}", robot=pose))
+    if len(out) < n:
+        raise ValueError(f"jittered_starts: no room for {n} collision-free starts near {scenario.name!r}'s")
+    return out
 
 
 def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose | None:

@@ -27,6 +27,9 @@ class TrainConfig:
     aux_weight: float = 0.0  # weight of the auxiliary perception loss (needs frames with dense labels)
     # decoder layer whose image-token states the goal probe reads (negative: from the end; None: off)
     goal_probe_layer: int | None = -4
+    # DAgger: at these fractions of the schedule, ``train_model``'s ``collect`` rolls the model out
+    # and what it returns joins the training examples (empty: off)
+    dagger_at: tuple[float, ...] = ()
 
 
 def dense_perception_loss(head_out: torch.Tensor, present: torch.Tensor, log_depth: torch.Tensor,
@@ -137,10 +140,19 @@ class LengthGroupedSampler:
 
 
 def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, desc: str = "train",
-                params=None, num_classes: int = 0) -> list[float]:
+                params=None, num_classes: int = 0, collect=None) -> list[float]:
     """Train `model` (or only `params`) on encoded examples with AdamW; returns per-step losses
     (the language-model loss; with ``cfg.aux_weight`` > 0 the auxiliary perception loss over
-    ``num_classes`` object classes is added to what is optimised and shown as ``aux``)."""
+    ``num_classes`` object classes is added to what is optimised and shown as ``aux``).
+
+    DAgger: at each fraction ``cfg.dagger_at`` of the schedule, ``collect(model, round)`` gets
+    the model in eval mode and returns encoded examples (the states it visits, labelled by the
+    expert), which join the training set for the rest of the schedule. The time it takes counts
+    against ``cfg.time_budget_s`` like any step (equal-compute comparisons stay honest)."""
+    if cfg.dagger_at and (collect is None or not all(0 < f < 1 for f in cfg.dagger_at)):
+        raise ValueError("train_model: dagger_at needs fractions in (0, 1) and a collect function")
+    examples = list(examples)
+    dagger = sorted(cfg.dagger_at)
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     model.train()
@@ -174,6 +186,17 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
                     break
                 # shrink the schedule so the learning rate still decays fully within the budget
                 total = max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
+            if dagger and step >= dagger[0] * total:
+                model.eval()
+                added = collect(model, len(cfg.dagger_at) - len(dagger))
+                model.train()
+                dagger.pop(0)
+                if aux is not None and any(e.scene is None for e in added):
+                    raise ValueError("train_model: DAgger examples need dense labels with aux_weight > 0")
+                examples += added
+                sampler = LengthGroupedSampler([len(e.input_ids) for e in examples], cfg.batch_size,
+                                               cfg.group_batches, rng)
+                bar.set_postfix(examples=len(examples))
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
             idx = sampler.next()
