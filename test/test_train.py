@@ -313,7 +313,8 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     sd = [{"gamma": 4, "temperature": t, "decisions": 2, "acceptance_rate": 0.7, "tau": 3.1,
            "acceptance_per_position": [0.9, 0.7, 0.6, 0.5]} for t in (0.0, 1.0)]
     role = {"episodes": 3, "frames": 5, "success_rate": 0.95, "mean_steps": 9.0, "collisions": 0,
-            "unparseable_decisions": 0, "action_agreement": 0.97}
+            "unparseable_decisions": 0, "action_agreement": 0.9, "kind_direction_agreement": 0.97,
+            "demo": {"scenario": "silver-bottle-distractor", "starts": 20, "success_rate": 1.0, "collisions": 1}}
     metrics = {"target": role, "draft": dict(role, success_rate=0.2, episodes=2, frames=4), "sd": sd}
     (tmp_path / "pipeline.json").write_text(json.dumps(
         {"stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
@@ -323,13 +324,15 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "took 25.0 min" in text and "target 20.0" in text
     assert "the target trained with the perception and goal probes" in text and "the draft trained on the answer text alone" in text
-    assert "meets the project's bars" in text and "Below" not in text
+    assert "meets the project's bars" in text and "Below" not in text and "Not measured" not in text
+    assert "| target | 95.0% ± 12.6 |" in text and "| 90.0% | 97.0% |" in text
+    assert "from 20 jittered starts (up to 0.25 m and 15 degrees off): the target reaches the goal in 100.0%" in text
     assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
     assert "Training data" not in text  # pipeline.json without the config says nothing about the data
     (tmp_path / "pipeline.json").write_text(json.dumps(
         {"config": {"train_scenarios": 1500, "closeups_per_scenario": 2.0},
          "stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
-    metrics["target"] = dict(role, action_agreement=0.5)
+    metrics["target"] = dict(role, kind_direction_agreement=0.5)
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "rollouts in 1,500 random scenarios" in text and "2 close-ups per scenario" in text
     (tmp_path / "pipeline.json").write_text(json.dumps(
@@ -337,8 +340,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
          "stage_seconds": {"data": 60.0, "target": 1200.0}, "total_seconds_before_card": 1500.0, "threads": 2}))
     text = open(write_card(str(tmp_path), metrics)).read()
     assert "jittered poses near them, all labelled by the expert" in text and "close-ups" not in text
-    assert "**Below the project's bars:** action agreement 50.0% < 95%" in text
-    assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["action_agreement"] == 0.5
+    assert "**Below the project's bars:** kind + direction agreement 50.0% < 92%." in text
+    assert json.load(open(tmp_path / "metrics.json"))["metrics"]["target"]["kind_direction_agreement"] == 0.5
+    metrics["target"] = dict(role, success_rate=0.8, demo=None)
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "closed-loop success 80.0% < 85%" in text and "Not measured: demo success from jittered starts." in text
     assert "As the drafter node decides" not in text  # no unparseable decisions: nothing ran again
     assert "camera-bound learner" not in text  # no expert-noise measurement: no table
     metrics["expert_noise"] = {"expert": {}, "levels": [{"label": "2 deg, 5% range, 5% walls", "agreement": 0.93,
@@ -423,7 +429,7 @@ def test_card_measures_the_same_in_parallel_workers(pipeline):
     """The card's numbers do not depend on measuring target and draft in two processes."""
     from edgespec_ros.train.card import measure
     _, out = pipeline
-    sizes = dict(n_scenarios=2, n_frames=4, draft_scenarios=1, draft_frames=3, n_sd=2, max_steps=2)
+    sizes = dict(n_scenarios=2, n_frames=4, draft_scenarios=1, draft_frames=3, n_sd=2, max_steps=2, n_demo=1)
     one = measure(str(out), workers=1, **sizes)
     two = measure(str(out), workers=2, **sizes)
     assert one == two
@@ -431,6 +437,7 @@ def test_card_measures_the_same_in_parallel_workers(pipeline):
     levels = one["expert_noise"]["levels"]
     assert len(levels) == 3 and all(0 <= lv["agreement"] <= 1 and lv["frames"] == 4 for lv in levels)
     assert (one["target"]["episodes"], one["target"]["frames"]) == (2, 4)
+    assert one["target"]["demo"]["starts"] == 1 and 0 <= one["target"]["kind_direction_agreement"] <= 1
     assert (one["draft"]["episodes"], one["draft"]["frames"]) == (1, 3)
     assert [r["temperature"] for r in one["sd"]] == [0.0, 1.0] and one["sd"][0]["decisions"] == 2
     assert all(0 <= one[role]["success_rate"] <= 1 for role in ("target", "draft"))

@@ -47,10 +47,11 @@ def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40):
 
 
 def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, episodes: tuple[int, int],
-                  n_sd: int, max_steps: int) -> dict:
+                  n_sd: int, max_steps: int, n_demo: int = 0) -> dict:
     """One worker's share of a model's measurement: the closed-loop episodes ``episodes`` (a slice
     of the held-out scenarios, each also as the drafter node decides: :func:`resampled_outcomes`),
-    plus, when ``n_frames``, the agreement on the held-out frames and (draft) SD against the target."""
+    plus, when ``n_frames``, the agreement on the held-out frames and (draft) SD against the target,
+    and (target) the demo's scenario from ``n_demo`` jittered starts."""
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
     scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps)
@@ -59,12 +60,33 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     part = {"episodes": loop["per_scenario"], "resampled": resampled_outcomes(policy, scenarios, loop)}
     if frames:
-        part["agreement"] = action_agreement(policy, frames, desc=f"{role}: agreement")["agreement"]
-        part["frames"] = len(frames)
+        agreement = action_agreement(policy, frames, desc=f"{role}: agreement")
+        part.update(agreement=agreement["agreement"], frames=len(frames),
+                    kind_direction_agreement=agreement["kind_direction_agreement"])
+    if frames and role == "target" and n_demo:
+        part["demo"] = demo_starts(policy, n=n_demo, max_steps=max_steps)
     if frames and role == "draft":
         d, t = os.path.join(models_dir, "draft"), os.path.join(models_dir, "target")
         part["sd"] = [sd_acceptance(d, t, frames[:n_sd], 4, 0.0), sd_acceptance(d, t, frames[:n_sd], 4, 1.0)]
     return part
+
+
+DEMO_SCENARIO, DEMO_STARTS = "silver-bottle-distractor", 20
+
+
+def demo_starts(policy, scenario: str = DEMO_SCENARIO, n: int = DEMO_STARTS, max_steps: int | None = None) -> dict:
+    """The demo's default scenario (`make demo`) from ``n`` jittered starts (``jittered_starts``:
+    up to 0.25 m and 15 degrees off), each decided greedily: how often a user watching the demo
+    sees the robot reach the goal. ``max_steps`` caps the scenario's own decision limit."""
+    from dataclasses import replace
+    from ..sim.dataset import jittered_starts
+    from ..sim.scenario import resolve_scenario
+    base = resolve_scenario(scenario)
+    if max_steps is not None:
+        base = replace(base, max_steps=min(base.max_steps, max_steps))
+    loop = evaluate_closed_loop(policy, jittered_starts(base, n), desc="demo starts")
+    return {"scenario": scenario, "starts": n, "success_rate": loop["success_rate"],
+            "collisions": sum(ep["collisions"] for ep in loop["per_scenario"])}
 
 
 def resampled_outcomes(policy, scenarios, loop: dict) -> list[tuple[bool, int]]:
@@ -93,6 +115,8 @@ def _summarise(parts: list[dict]) -> dict:
             "collisions": sum(ep["collisions"] for ep in episodes),
             "unparseable_decisions": sum(ep["unparseable"] for ep in episodes),
             "action_agreement": frames["agreement"],
+            "kind_direction_agreement": frames.get("kind_direction_agreement"),
+            "demo": frames.get("demo"),
             "resample_temperature": DrafterSettings().resample_temperature,
             "resampled_episodes": sum(1 for ep in episodes if ep["unparseable"] or ep["collisions"]),
             "success_rate_resampled": sum(ok for ok, _ in resampled) / n,
@@ -100,18 +124,19 @@ def _summarise(parts: list[dict]) -> dict:
 
 
 def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_scenarios: int = 40,
-            draft_frames: int = 200, n_sd: int = 40, workers: int = 2, max_steps: int = 40) -> dict:
+            draft_frames: int = 200, n_sd: int = 40, workers: int = 2, max_steps: int = 40,
+            n_demo: int = DEMO_STARTS) -> dict:
     """Every number of the card: the target on ``n_scenarios`` held-out episodes and ``n_frames``
     frames (40 episodes gave a standard error of ~7 points, and the first 40 of these 120 scored 15
     points above all 120), the draft on fewer (it is far below the target anyway), SD on the draft's
     first ``n_sd`` frames. ``workers`` > 1 spreads the work over processes, one thread each (the
     target's episodes in two halves, so that two workers finish together); the results do not
     depend on it. ``max_steps``: the decisions each closed-loop episode gets (the held-out
-    scenarios' own limit by default)."""
+    scenarios' own limit by default). ``n_demo``: jittered starts of the demo's scenario (target)."""
     half = n_scenarios // 2
-    jobs = [(models_dir, "target", n_scenarios, 0, (0, half), n_sd, max_steps),
-            (models_dir, "target", n_scenarios, n_frames, (half, n_scenarios), n_sd, max_steps),
-            (models_dir, "draft", draft_scenarios, draft_frames, (0, draft_scenarios), n_sd, max_steps)]
+    jobs = [(models_dir, "target", n_scenarios, 0, (0, half), n_sd, max_steps, 0),
+            (models_dir, "target", n_scenarios, n_frames, (half, n_scenarios), n_sd, max_steps, n_demo),
+            (models_dir, "draft", draft_scenarios, draft_frames, (0, draft_scenarios), n_sd, max_steps, 0)]
     if workers > 1:
         from concurrent.futures import ProcessPoolExecutor
         from multiprocessing import get_context
@@ -172,12 +197,21 @@ def write_card(models_dir: str, metrics: dict) -> str:
     t, d = metrics["target"], metrics["draft"]
     lines += ["", f"## Quality on held-out data (target: {t['episodes']} scenarios, {t['frames']} frames; "
                   f"draft: {d['episodes']}, {d['frames']})", "",
-              "| model | closed-loop success (T=0) | mean steps | collisions | unparseable | action agreement with expert |",
-              "|---|---|---|---|---|---|"]
+              "| model | closed-loop success (T=0) | mean steps | collisions | unparseable | action agreement with expert "
+              "(exact) | kind + direction |",
+              "|---|---|---|---|---|---|---|"]
     for role in ("target", "draft"):
         m = metrics[role]
-        lines.append(f"| {role} | {pct(m['success_rate'])} | {m['mean_steps']:.1f} | {m['collisions']} | "
-                     f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} |")
+        se = (m["success_rate"] * (1 - m["success_rate"]) / m["episodes"]) ** 0.5
+        coarse = m.get("kind_direction_agreement")
+        lines.append(f"| {role} | {pct(m['success_rate'])} ± {100 * se:.1f} | {m['mean_steps']:.1f} | {m['collisions']} | "
+                     f"{m['unparseable_decisions']} | {pct(m['action_agreement'])} | "
+                     f"{pct(coarse) if coarse is not None else '-'} |")
+    demo = t.get("demo")
+    if demo:
+        lines += ["", f"The demo's scenario (`make demo`: {demo['scenario']}) from {demo['starts']} jittered starts "
+                      f"(up to 0.25 m and 15 degrees off): the target reaches the goal in {pct(demo['success_rate'])} "
+                      f"({demo['collisions']} collisions)."]
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
         lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something, the "
@@ -202,9 +236,12 @@ def write_card(models_dir: str, metrics: dict) -> str:
     return path
 
 
-# The project's bars for the embedded target (issue: simulated world and default models).
-TARGET_SUCCESS_BAR = 0.90
-TARGET_AGREEMENT_BAR = 0.95
+# The project's bars for the embedded target (issue 22, embedded models second design): closed-loop
+# success on the held-out episodes, agreement with the expert on what to do and which way
+# (kind + direction) on the held-out frames, and the demo's scenario from jittered starts.
+TARGET_SUCCESS_BAR = 0.85
+TARGET_AGREEMENT_BAR = 0.92
+DEMO_BAR = 0.95
 
 
 def reproduce_lines(models_dir: str) -> list[str]:
@@ -242,17 +279,20 @@ def probe_line(training: dict) -> str:
 def quality_bar_lines(metrics: dict) -> list[str]:
     """Whether the target meets the project's bars, said plainly either way."""
     t = metrics["target"]
-    ok_loop, ok_agree = t["success_rate"] >= TARGET_SUCCESS_BAR, t["action_agreement"] >= TARGET_AGREEMENT_BAR
-    if ok_loop and ok_agree:
-        return [f"The target meets the project's bars (>= {TARGET_SUCCESS_BAR:.0%} closed-loop success, "
-                f">= {TARGET_AGREEMENT_BAR:.0%} action agreement)."]
-    missed = []
-    if not ok_loop:
-        missed.append(f"closed-loop success {t['success_rate']:.1%} < {TARGET_SUCCESS_BAR:.0%}")
-    if not ok_agree:
-        missed.append(f"action agreement {t['action_agreement']:.1%} < {TARGET_AGREEMENT_BAR:.0%}")
-    return [f"**Below the project's bars:** {'; '.join(missed)}. Decisions follow the target, so the demo "
-            "and the closed-loop test fail when it does."]
+    checks = [("closed-loop success", t["success_rate"], TARGET_SUCCESS_BAR),
+              ("kind + direction agreement", t.get("kind_direction_agreement"), TARGET_AGREEMENT_BAR),
+              ("demo success from jittered starts", (t.get("demo") or {}).get("success_rate"), DEMO_BAR)]
+    missed = [f"{name} {value:.1%} < {bar:.0%}" for name, value, bar in checks if value is not None and value < bar]
+    unmeasured = [name for name, value, _ in checks if value is None]
+    bars = ", ".join(f">= {bar:.0%} {name}" for name, _, bar in checks)
+    if not missed:
+        lines = [f"The target meets the project's bars ({bars})."]
+    else:
+        lines = [f"**Below the project's bars:** {'; '.join(missed)}. Decisions follow the target, so the demo "
+                 "and the closed-loop test fail when it does."]
+    if unmeasured:
+        lines.append(f"Not measured: {', '.join(unmeasured)}.")
+    return lines
 
 
 def ceiling_lines(metrics: dict) -> list[str]:
