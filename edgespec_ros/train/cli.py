@@ -1,6 +1,11 @@
 """edgespec-train: reproduce the embedded default models from the simulator.
 
     edgespec-train all                 # data -> tokenizer -> target -> draft -> exits -> wisv -> card (make models)
+    edgespec-train all --target-vision auto --dagger-at 0.5   # + the vision stage first (the target starts
+                                       # from its tower) and DAgger in the target stage: both measured, off
+                                       # by default (README: The embedded models)
+    edgespec-train all --quick         # the same in a few minutes on a sliver of the data (make models-quick;
+                                       # smoke runs only: models in build/train-quick/models)
     edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
     edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
     edgespec-train wisv                # the WISV decision head (lossy) for <out>/draft + <out>/target (saved in target/wisv)
@@ -57,9 +62,27 @@ class PipelineConfig:
     vision_scenarios: int = 1500  # training scenarios whose random views pretrain the vision tower
     vision_per_scenario: int = 8
     vision_budget_s: float = 240.0
-    target_vision: str = ""  # a tower from `edgespec-train vision` (e.g. build/train/vision) to start the target from
+    # a tower from `edgespec-train vision` (e.g. build/train/vision) to start the target from; "auto":
+    # <work>/vision, and `all` runs the vision stage first; empty: a random tower (the committed recipe)
+    target_vision: str = ""
     target_vision_mode: str = "finetune"  # with target_vision: finetune | merger (train only the merger) | freeze
+    # DAgger for the target: at these fractions of its schedule (comma-separated, e.g. "0.5,0.75"),
+    # roll it out in dagger_scenarios fresh training scenarios and add the states it visits,
+    # labelled by the expert, to its training data; empty: off
+    dagger_at: str = ""
+    dagger_scenarios: int = 200
+    dagger_repeat: int = 1  # each DAgger frame joins the training set this many times
+    heldout_scenarios: int = 20  # held-out scenarios the vision, exits and wisv stages measure on
     seed: int = 0
+
+
+# `edgespec-train all --quick`: every stage on a sliver of the data, for smoke runs (~5 min); the
+# models are useless and go to build/train-quick/models unless --out is given.
+QUICK = dict(train_scenarios=60, target_budget_s=45.0, draft_steps=30, exit_scenarios=8, exit_steps=20,
+             wisv_scenarios=3, wisv_epochs=2, vision_scenarios=60, vision_per_scenario=4, vision_budget_s=20.0,
+             dagger_scenarios=4, heldout_scenarios=3)
+QUICK_CARD = dict(n_scenarios=6, n_frames=30, draft_scenarios=3, draft_frames=15, n_sd=4, n_demo=2, max_steps=20)
+ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "exits", "wisv", "card")
 
 
 def stage_data(work: str, cfg: PipelineConfig) -> str:
@@ -147,7 +170,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
                          f"--{role}-aux-weight 0)")
     spec = MODEL_SPECS[role]
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
-    vision_init = cfg.target_vision if role == "target" and cfg.target_vision else None
+    vision_init = target_vision_dir(work, cfg) if role == "target" else None
     if vision_init:
         from .vision import load_pretrained_tower
         try:
@@ -156,10 +179,13 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
             raise SystemExit(f"edgespec-train: {e}") from None
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
+    dagger_at = parse_fractions(cfg.dagger_at) if role == "target" else ()
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
-                       aux_weight=aux_weight)
+                       aux_weight=aux_weight, dagger_at=dagger_at)
+    dagger_log: list[dict] = []
     t0 = time.monotonic()
-    losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES)
+    losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES,
+                         collect=dagger_collector(tok, ip, cfg, role, dagger_log) if dagger_at else None)
     path = os.path.join(out, role)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -168,6 +194,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
             "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight,
             "goal_probe_layer": tcfg.goal_probe_layer if aux_weight > 0 else None,
             "vision_init": vision_init, "vision_mode": cfg.target_vision_mode if vision_init else None,
+            "dagger": dagger_log,
             "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
     with open(os.path.join(path, "training.json"), "w") as f:
@@ -176,12 +203,65 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     return path
 
 
+def target_vision_dir(work: str, cfg: PipelineConfig) -> str | None:
+    """The pretrained tower the target starts from: ``--target-vision`` ("auto": the vision stage's
+    ``<work>/vision``), or None (a random tower)."""
+    if cfg.target_vision == "auto":
+        from .vision import VISION_DIR
+        return os.path.join(work, VISION_DIR)
+    return cfg.target_vision or None
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """``--dagger-at`` "0.5,0.75" -> (0.5, 0.75); a clear error for anything but fractions in (0, 1)."""
+    try:
+        fractions = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        fractions = (-1.0,)
+    if not all(0 < f < 1 for f in fractions):
+        raise SystemExit(f"edgespec-train: --dagger-at {text!r}: give fractions of the schedule in (0, 1), "
+                         "comma-separated (e.g. 0.5,0.75)")
+    return fractions
+
+
+def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str, log: list):
+    """``train_model``'s DAgger ``collect``: round k rolls the model out greedily in
+    ``cfg.dagger_scenarios`` training scenarios never used before (after the data stage's
+    ``cfg.train_scenarios`` and the earlier rounds'), encodes every state it visited with the
+    expert's answer and dense labels, and logs the round (frames, the model's success rate and
+    collisions in those episodes, seconds) in ``log``."""
+    def collect(model, k: int) -> list:
+        from tqdm import tqdm
+        from ..decoding.engines import wrap_model
+        from ..sim.dataset import dense_labels, learner_frames
+        from ..sim.policy import VLMPolicy
+        from .data import encode_example
+        started = time.monotonic()
+        policy = VLMPolicy(wrap_model(model, tokenizer, image_processor))
+        outcomes: list = []
+        start = cfg.train_scenarios + k * cfg.dagger_scenarios
+        added = [encode_example(tokenizer, image_processor, view.rgb, scenario.instruction, decision.text,
+                                dense_labels(view, scenario))
+                 for scenario, _pose, view, decision in tqdm(
+                     learner_frames(policy, "train", cfg.dagger_scenarios, start, outcomes=outcomes),
+                     desc=f"{role}: DAgger {k + 1} ({cfg.dagger_scenarios} episodes)", unit="frame", leave=False)]
+        n = max(1, len(outcomes))
+        log.append({"round": k + 1, "scenarios": [start, start + cfg.dagger_scenarios], "frames": len(added),
+                    "success_rate": sum(ok for ok, _, _ in outcomes) / n,
+                    "collisions": sum(hits for _, hits, _ in outcomes),
+                    "seconds": round(time.monotonic() - started, 1)})
+        tqdm.write(f"{role}: DAgger round {k + 1}: {len(added)} frames; the model's own success "
+                   f"{log[-1]['success_rate']:.1%} in {n} fresh scenarios ({log[-1]['seconds']:.0f} s)")
+        return added * cfg.dagger_repeat
+    return collect
+
+
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
     from tqdm import tqdm
     train = list(tqdm(generate_examples("train", cfg.exit_scenarios), desc="exits: data", unit="ex"))
-    heldout = list(generate_examples("heldout", 20))
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
     ecfg = ExitTrainConfig(steps=cfg.exit_steps, rank=cfg.exit_rank, layers=cfg.exit_layers, seed=cfg.seed)
     return run_exits_stage(target, out, train, heldout, ecfg,
                            command=f"edgespec-train exits --target {os.path.relpath(target)} --exit-steps {cfg.exit_steps} "
@@ -192,18 +272,20 @@ def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
     from ..sim.dataset import generate_examples
     from .wisv import HeadTrainConfig, run_wisv_stage
     train = list(generate_examples("train", cfg.wisv_scenarios))
-    heldout = list(generate_examples("heldout", 20))
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}")
 
 
-def stage_vision(work: str, cfg: PipelineConfig) -> dict:
-    """Pretrain a tower of the target's spec alone and measure it (``train.vision``)."""
+def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict:
+    """Pretrain a tower of the target's spec alone and measure it (``train.vision``); with
+    ``baselines`` also the probe on a random and on the committed target's tower."""
     from .vision import VisionConfig, format_vision_report, run_vision_stage
     vcfg = VisionConfig(budget_s=cfg.vision_budget_s, per_scenario=cfg.vision_per_scenario, seed=cfg.seed)
     target = os.path.join(MODELS_DIR, "target")  # the committed target: what the language stage taught its tower
     report = run_vision_stage(work, MODEL_SPECS["target"], vcfg, cfg.vision_scenarios,
+                              heldout_scenarios=cfg.heldout_scenarios, baselines=baselines,
                               compare_target=target if os.path.isfile(os.path.join(target, "config.json")) else None)
     print(f"vision: {report['training']['steps']} steps, {report['train_frames']} frames "
           f"-> {os.path.join(work, 'vision')}")
@@ -219,25 +301,39 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exits: the target model dir to train adapters for (default: <out>/target)")
     ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
     ap.add_argument("--work", default="build/train", help="work dir for dataset and tokenizer (default build/train)")
-    ap.add_argument("--out", default=MODELS_DIR, help="where model dirs go (default: the package models dir)")
+    ap.add_argument("--out", default=None, help="where model dirs go (default: the package models dir; with "
+                                                 "--quick: <work>/models)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run of a few minutes: every stage on a sliver of the data (work dir "
+                         "build/train-quick; options given explicitly still win)")
     for name, value in asdict(PipelineConfig()).items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     return ap
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     import torch
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    cfg = PipelineConfig(**{k: getattr(args, k) for k in asdict(PipelineConfig())})
+    values = {k: getattr(args, k) for k in asdict(PipelineConfig())}
+    if args.quick:  # the quick sizes, except where an option was given explicitly
+        values.update({k: v for k, v in QUICK.items() if values[k] == parser.get_default(k)})
+        if args.work == parser.get_default("work"):
+            args.work = "build/train-quick"
+    args.out = args.out or (os.path.join(args.work, "models") if args.quick else MODELS_DIR)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = PipelineConfig(**values)
     t0 = time.monotonic()
-    stages = ["data", "tokenizer", "target", "draft", "exits", "wisv", "card"] if args.stage == "all" else [args.stage]
+    stages = ([s for s in ALL_STAGES if s != "vision" or cfg.target_vision == "auto"] if args.stage == "all"
+              else [args.stage])
     timings = {}
     for stage in stages:
         if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
             with open(os.path.join(args.out, "pipeline.json"), "w") as f:
-                json.dump({"command": "edgespec-train all", "config": asdict(cfg), "stage_seconds": timings,
+                json.dump({"command": "edgespec-train all" + (" --quick" if args.quick else ""), "config": asdict(cfg),
+                       "stage_seconds": timings,
                            "total_seconds_before_card": round(time.monotonic() - t0, 1),
                            "threads": torch.get_num_threads()}, f, indent=2)
         started = time.monotonic()
@@ -248,13 +344,13 @@ def main(argv=None) -> int:
         elif stage == "exits":
             stage_exits(args.target or os.path.join(args.out, "target"), args.exits_out, cfg)
         elif stage == "vision":
-            stage_vision(args.work, cfg)
+            stage_vision(args.work, cfg, baselines=args.stage == "vision")
         elif stage == "wisv":
             stage_wisv(os.path.join(args.out, "draft"), args.target or os.path.join(args.out, "target"), cfg)
         elif stage == "card":
             from .card import measure, write_card
             torch.set_num_threads(1)  # small decode steps: one thread is faster than two
-            path = write_card(args.out, measure(args.out))
+            path = write_card(args.out, measure(args.out, **(QUICK_CARD if args.quick else {})))
             print(f"card: {path}")
         else:
             stage_model(stage, args.work, args.out, cfg)

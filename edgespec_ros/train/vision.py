@@ -172,12 +172,14 @@ def load_pretrained_tower(model, directory: str, mode: str = "finetune") -> None
 
 
 def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: int, heldout_scenarios: int = 20,
-                     heldout_per_scenario: int = 12, compare_target: str | None = None) -> dict:
+                     heldout_per_scenario: int = 12, compare_target: str | None = None,
+                     baselines: bool = True) -> dict:
     """Render frames, pretrain a tower of the target's spec (``cli.MODEL_SPECS``), measure it on
     held-out frames against the same probe trained for the same budget on a frozen random tower
     (what the probe alone can read) and, with ``compare_target`` (a trained target's dir), on that
     target's frozen tower (what the language stage taught it); save the tower to ``<work>/vision``
-    with ``vision.json``."""
+    with ``vision.json``. ``baselines=False`` (``edgespec-train all``): the tower alone, no
+    comparison arms (each costs another training budget)."""
     from tqdm import tqdm
     from ..sim.dataset import NUM_OBJECT_CLASSES
     from .tiny import image_processor, tiny_vision_tower
@@ -198,13 +200,15 @@ def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: 
     with tqdm(desc="vision: pretrain", unit="step") as bar:
         probe, info = pretrain_vision(visual, train, ip, NUM_OBJECT_CLASSES, cfg, progress=bar.update)
     measured = evaluate_vision(visual, probe, heldout, ip, NUM_OBJECT_CLASSES)
-    baseline_tower = tiny_vision_tower(seed=cfg.seed, **tower_kw).requires_grad_(False)
-    with tqdm(desc="vision: probe on a random tower", unit="step") as bar:
-        base_probe, base_info = pretrain_vision(baseline_tower, train, ip, NUM_OBJECT_CLASSES, cfg,
-                                                progress=bar.update)
-    baseline = evaluate_vision(baseline_tower, base_probe, heldout, ip, NUM_OBJECT_CLASSES)
-    compared = None
-    if compare_target is not None:
+    random_probe = compared = None
+    if baselines:
+        baseline_tower = tiny_vision_tower(seed=cfg.seed, **tower_kw).requires_grad_(False)
+        with tqdm(desc="vision: probe on a random tower", unit="step") as bar:
+            base_probe, base_info = pretrain_vision(baseline_tower, train, ip, NUM_OBJECT_CLASSES, cfg,
+                                                    progress=bar.update)
+        random_probe = {"training": base_info,
+                        "heldout": evaluate_vision(baseline_tower, base_probe, heldout, ip, NUM_OBJECT_CLASSES)}
+    if baselines and compare_target is not None:
         from ..decoding.engines import load_model
         tower = load_model(compare_target).model.model.visual.float().requires_grad_(False)
         with tqdm(desc="vision: probe on the target's tower", unit="step") as bar:
@@ -215,14 +219,16 @@ def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: 
     visual.save_pretrained(out_dir)
     report = {"config": asdict(cfg), "tower": tower_kw, "train_frames": len(train), "heldout_frames": len(heldout),
               "render_seconds": round(render_s, 1), "training": info, "heldout": measured,
-              "random_tower_probe": {"training": base_info, "heldout": baseline}, "target_tower_probe": compared}
+              "random_tower_probe": random_probe, "target_tower_probe": compared}
     with open(os.path.join(out_dir, "vision.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
 
 
 def format_vision_report(report: dict) -> str:
-    rows = [("pretrained tower", report["heldout"]), ("probe on a random tower", report["random_tower_probe"]["heldout"])]
+    rows = [("pretrained tower", report["heldout"])]
+    if report.get("random_tower_probe"):
+        rows.append(("probe on a random tower", report["random_tower_probe"]["heldout"]))
     if report.get("target_tower_probe"):
         rows.append(("probe on the language-trained target's tower", report["target_tower_probe"]["heldout"]))
     out = ["| held-out cells | presence P / R / F1 | colour | type | colour+type | log-depth MAE |",
