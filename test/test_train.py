@@ -328,6 +328,13 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "| target | 95.0% ± 12.6 |" in text and "| 90.0% | 97.0% |" in text
     assert "from 20 jittered starts (up to 0.25 m and 15 degrees off): the target reaches the goal in 100.0%" in text
     assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
+    assert "pretrained alone" not in text and "DAgger" not in text  # the committed recipe: neither
+    (tmp_path / "target" / "training.json").write_text(json.dumps(
+        {"aux_weight": 1.0, "spec": {}, "vision_init": "build/train/vision", "vision_mode": "finetune",
+         "dagger": [{"round": 1, "scenarios": [1500, 1600], "frames": 1447, "success_rate": 0.27}]}))
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "pretrained alone (`edgespec-train vision`), finetune in the language stage" in text
+    assert "DAgger round 1: the target, part-trained, drove in training scenarios 1500-1599 (success 27%)" in text
     assert "Training data" not in text  # pipeline.json without the config says nothing about the data
     (tmp_path / "pipeline.json").write_text(json.dumps(
         {"config": {"train_scenarios": 1500, "closeups_per_scenario": 2.0},

@@ -181,6 +181,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
         "-> 16 merged image tokens). The target plays Qwen2-VL-7B, the draft Qwen2-VL-2B: narrower,",
         "shallower and trained for less, so it agrees with the target only partly.",
         probe_line(training),
+        *recipe_lines(training.get("target", {})),
         "",
         *reproduce_lines(models_dir),
         "Re-measure this card: `edgespec-train card`.",
@@ -264,6 +265,19 @@ def reproduce_lines(models_dir: str) -> list[str]:
                     f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
                     f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
                     "few more)."]
+
+
+def recipe_lines(target: dict) -> list[str]:
+    """The target's optional stages (training.json): a pretrained vision tower, DAgger rounds."""
+    lines = []
+    if target.get("vision_init"):
+        lines.append(f"The target started from a vision tower pretrained alone (`edgespec-train vision`), "
+                     f"{target.get('vision_mode')} in the language stage.")
+    for r in target.get("dagger") or []:
+        lines.append(f"DAgger round {r['round']}: the target, part-trained, drove in training scenarios "
+                     f"{r['scenarios'][0]}-{r['scenarios'][1] - 1} (success {100 * r['success_rate']:.0f}%); "
+                     f"the {r['frames']} states it visited joined its data with the expert's answers.")
+    return lines
 
 
 def probe_line(training: dict) -> str:

@@ -142,7 +142,6 @@ _ENCODED: dict = {}  # (dataset, tokenizer) -> encoded examples, shared by the s
 
 
 def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
-    import torch
     from transformers import AutoTokenizer
     from tqdm import tqdm
     from . import tiny
@@ -332,8 +331,8 @@ def main(argv=None) -> int:
     for stage in stages:
         if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
             with open(os.path.join(args.out, "pipeline.json"), "w") as f:
-                json.dump({"command": "edgespec-train all" + (" --quick" if args.quick else ""), "config": asdict(cfg),
-                       "stage_seconds": timings,
+                json.dump({"command": "edgespec-train all" + (" --quick" if args.quick else ""),
+                           "config": asdict(cfg), "stage_seconds": timings,
                            "total_seconds_before_card": round(time.monotonic() - t0, 1),
                            "threads": torch.get_num_threads()}, f, indent=2)
         started = time.monotonic()
