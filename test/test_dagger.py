@@ -115,7 +115,13 @@ def test_all_runs_the_vision_stage_first_and_quick_keeps_the_committed_models(tm
     assert by["card"][2] == cli.QUICK_CARD
     assert json.load(open(tmp_path / "build/train-quick/models/pipeline.json"))["command"] == "edgespec-train all --quick"
     calls.clear()
-    assert cli.main(["all", "--out", str(tmp_path / "m")]) == 0  # the committed recipe: no vision stage
+    assert cli.main(["all", "--out", str(tmp_path / "m")]) == 0  # the committed recipe: the vision stage first
+    assert [c[0] for c in calls] == list(cli.ALL_STAGES)
+    full = [c for c in calls if c[0] == "target"][0][2]
+    assert cli.target_vision_dir("w", full) == os.path.join("w", "vision")
+    assert full.target_budget_s == cli.PipelineConfig.target_budget_s
+    calls.clear()
+    assert cli.main(["all", "--out", str(tmp_path / "m"), "--target-vision", "none"]) == 0  # a random tower
     assert "vision" not in [c[0] for c in calls]
     assert cli.target_vision_dir("w", [c for c in calls if c[0] == "target"][0][2]) is None
     with pytest.raises(SystemExit, match="fractions"):
