@@ -153,3 +153,15 @@ def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more
         strict_total += sum(strict_acc) / len(strict_acc)
         loose_total += sum(loose_acc) / len(loose_acc)
     assert loose_total > strict_total  # keeping every unprotected mismatch lengthens the accepted spans
+
+
+def test_the_sweep_plot_says_agreement_was_not_measured_without_frames(tmp_path, recwarn):
+    from edgespec_ros.bench.wisv import plot_wisv
+    rows = [dict(link="cellular", upload=None, threshold=None, agreement=None, accepted_length_frames=None,
+                 accepted_length=2.9, ms_per_token=267.5),
+            dict(link="cellular", upload="full", threshold=0.01, agreement=None, accepted_length_frames=None,
+                 accepted_length=3.6, ms_per_token=226.5)]
+    path = tmp_path / "wisv.png"
+    plot_wisv(rows, str(path))
+    assert path.stat().st_size > 0
+    assert not [w for w in recwarn if "No artists with labels" in str(w.message)]

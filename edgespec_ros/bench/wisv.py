@@ -245,6 +245,9 @@ def plot_wisv(rows: list[dict], path: str) -> None:
     ax_t.set(xlabel="threshold (0 = greedy SD)", ylabel="ms per token", title="latency (emulated Go2 compute)")
     for ax in (ax_a, ax_l, ax_t):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    if not ax_a.lines:  # --frames 0: agreement was not measured
+        ax_a.text(0.5, 0.5, "not measured (--frames 0)", ha="center", va="center", transform=ax_a.transAxes)
     fig.tight_layout()
     _save(fig, path)
