@@ -329,6 +329,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "from 20 jittered starts (up to 0.25 m and 15 degrees off): the target reaches the goal in 100.0%" in text
     assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
     assert "pretrained alone" not in text and "DAgger" not in text  # the committed recipe: neither
+    assert "The draft is in its bands (per-token acceptance 0.5-0.9 and tau 2-4 at gamma 4) at T=0 and T=1." in text
+    metrics["sd"] = [dict(sd[0], acceptance_rate=0.95, tau=4.2), sd[1]]
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert "**Outside the draft's bands** (per-token acceptance 0.5-0.9 and tau 2-4 at gamma 4): acceptance 0.95 at T=0 outside 0.5-0.9; tau 4.20 at T=0 outside 2-4." in text
+    metrics["sd"] = sd
     (tmp_path / "target" / "training.json").write_text(json.dumps(
         {"aux_weight": 1.0, "spec": {}, "vision_init": "build/train/vision", "vision_mode": "finetune",
          "dagger": [{"round": 1, "scenarios": [1500, 1600], "frames": 1447, "success_rate": 0.27}]}))

@@ -228,6 +228,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
     for r in metrics["sd"]:
         per = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         lines.append(f"| {r['temperature']:g} | {r['decisions']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | {per} |")
+    lines += ["", *draft_band_lines(metrics["sd"])]
     lines += ["", "Closed loop: `edgespec-sim eval --model edgespec_ros/models/target --scenarios DIR --json OUT`",
               "(held-out scenarios: `edgespec-sim heldout --out DIR`).", ""]
     lines += exits_section(models_dir)
@@ -243,6 +244,28 @@ def write_card(models_dir: str, metrics: dict) -> str:
 TARGET_SUCCESS_BAR = 0.85
 TARGET_AGREEMENT_BAR = 0.92
 DEMO_BAR = 0.95
+# ... and for the draft: clearly weaker than the target, yet worth drafting with (per-token
+# acceptance and tau at gamma = 4, at every measured temperature)
+DRAFT_ACCEPTANCE_BAND = (0.5, 0.9)
+DRAFT_TAU_BAND = (2.0, 4.0)
+
+
+def draft_band_lines(sd_rows: list[dict]) -> list[str]:
+    """Whether SD's acceptance and tau (gamma 4) sit in the draft's bands, said plainly either way."""
+    out = []
+    for r in sd_rows:
+        for name, value, (lo, hi) in (("acceptance", r["acceptance_rate"], DRAFT_ACCEPTANCE_BAND),
+                                      ("tau", r["tau"], DRAFT_TAU_BAND)):
+            if not lo <= value <= hi:
+                out.append(f"{name} {value:.2f} at T={r['temperature']:g} outside {lo:g}-{hi:g}")
+    band = (f"per-token acceptance {DRAFT_ACCEPTANCE_BAND[0]:g}-{DRAFT_ACCEPTANCE_BAND[1]:g} and tau "
+            f"{DRAFT_TAU_BAND[0]:g}-{DRAFT_TAU_BAND[1]:g} at gamma 4")
+    if not sd_rows:
+        return [f"Not measured: the draft's bands ({band})."]
+    if out:
+        return [f"**Outside the draft's bands** ({band}): {'; '.join(out)}."]
+    temps = " and ".join(f"T={r['temperature']:g}" for r in sd_rows)
+    return [f"The draft is in its bands ({band}) at {temps}."]
 
 
 def reproduce_lines(models_dir: str) -> list[str]:
