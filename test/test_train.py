@@ -32,7 +32,9 @@ def pipeline(tmp_path_factory):
               "--tokenizer-vocab", "400"]
     assert train_cli.main(["data"] + common) == 0
     assert train_cli.main(["tokenizer"] + common) == 0
-    assert train_cli.main(["target", "--target-steps", "3"] + common) == 0
+    with pytest.raises(SystemExit, match="run `edgespec-train vision` first .or pass --target-vision none"):
+        train_cli.main(["target", "--target-steps", "3"] + common)  # the default starts from <work>/vision
+    assert train_cli.main(["target", "--target-steps", "3", "--target-vision", "none"] + common) == 0
     assert train_cli.main(["draft", "--draft-steps", "3"] + common) == 0
     assert train_cli.main(["exits", "--exit-steps", "3", "--exit-scenarios", "2"] + common) == 0
     return work, out
