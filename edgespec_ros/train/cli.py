@@ -178,7 +178,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
         try:
             load_pretrained_tower(model, vision_init, cfg.target_vision_mode)
         except ValueError as e:
-            hint = (f" (or pass --target-vision none for a random tower)" if cfg.target_vision == "auto" else "")
+            hint = (" (or pass --target-vision none for a random tower)" if cfg.target_vision == "auto" else "")
             raise SystemExit(f"edgespec-train: {e}{hint}") from None
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
