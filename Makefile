@@ -18,7 +18,7 @@ help:
 	@echo "           ARGS='--compare'  the one-frame AR vs SD comparison"
 	@echo "make test               run the test suite (what CI runs; about 5 minutes here)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
-	@echo "make models             retrain the embedded default models"
+	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
 
 $(DEPS): requirements/dev.txt requirements/msgs-build.txt

@@ -330,7 +330,7 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "| target | 95.0% ± 12.6 |" in text and "| 90.0% | 97.0% |" in text
     assert "from 20 jittered starts (up to 0.25 m and 15 degrees off): the target reaches the goal in 100.0%" in text
     assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
-    assert "pretrained alone" not in text and "DAgger" not in text  # the committed recipe: neither
+    assert "pretrained alone" not in text and "DAgger" not in text  # training.json names neither
     assert "The draft is in its bands (per-token acceptance 0.5-0.9 and tau 2-4 at gamma 4) at T=0 and T=1." in text
     metrics["sd"] = [dict(sd[0], acceptance_rate=0.95, tau=4.2), sd[1]]
     text = open(write_card(str(tmp_path), metrics)).read()
