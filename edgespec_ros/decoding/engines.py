@@ -76,6 +76,12 @@ class LoadedModel:
         """Hash of the tokenizer vocabulary and the LM head size: edge and cloud must agree on it."""
         return vocab_fingerprint(self.tokenizer, self.vocab_size)
 
+    @functools.cached_property
+    def content_hash(self) -> str:
+        """``model_content_hash`` of the directory this model was loaded from (read once, on first
+        use: seconds for a 2B model); "" for a model built in memory."""
+        return model_content_hash(self.path) if os.path.isdir(self.path) else ""
+
     def new_sequence(self) -> "Sequence":
         return Sequence(self)
 
@@ -95,6 +101,33 @@ def eos_token_ids(tokenizer, config_eos=None) -> set[int]:
             if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
                 ids.add(tid)
     return ids
+
+
+# What a model computes: weights, configs, tokenizer and chat template. Not hashed: files that say
+# how it was made (training.json and other logs) and subdirectories (exits/, wisv/: the target's
+# add-ons, attached separately).
+HASHED_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".jinja", ".txt", ".model", ".tiktoken")
+NOT_HASHED = frozenset({"training.json", "metrics.json", "trainer_state.json", "pipeline.json"})
+CONTENT_HASH_CHARS = 16
+
+
+def model_content_hash(path: str) -> str:
+    """16 hex digits of sha256 over the sorted names, sizes and bytes of the model directory's own
+    weight, config and tokenizer files (not its logs or subdirectories): equal for equal models,
+    whatever their path or modification times. ModelLoadError when ``path`` is not a directory."""
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model path {path!r} is not a directory: nothing to hash")
+    names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))
+                   and n.endswith(HASHED_SUFFIXES) and n not in NOT_HASHED and not n.startswith("."))
+    digest = hashlib.sha256()
+    for name in names:
+        file = os.path.join(path, name)
+        # name and size first: no two file lists can give the same byte stream
+        digest.update(name.encode() + b"\0" + os.path.getsize(file).to_bytes(8, "little"))
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:CONTENT_HASH_CHARS]
 
 
 def vocab_fingerprint(tokenizer, vocab_size: int) -> str:
