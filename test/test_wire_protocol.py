@@ -18,7 +18,7 @@ BLOB = st.binary(max_size=64)
 IDS = st.lists(U32, max_size=32)
 
 MESSAGES = st.one_of(
-    st.builds(P.Hello, TEXT, TEXT, U32, TEXT, TEXT),
+    st.builds(P.Hello, TEXT, TEXT, U32, TEXT, TEXT, TEXT),
     st.builds(P.Welcome, TEXT, U32, TEXT, U32, TEXT, U16, st.lists(U32, max_size=40), U16),
     st.builds(P.Error, U16, TEXT),
     st.builds(P.Prefill, U32, TEXT, BLOB, IDS, U64, F32, U32, F32, TEXT, F32),
@@ -36,7 +36,7 @@ MESSAGES = st.one_of(
 )
 
 EXAMPLES = [
-    P.Hello("tok", "ab" * 16, 300, "dense32", "edge"),
+    P.Hello("tok", "ab" * 16, 300, "dense32", "edge", "0123456789abcdef"),
     P.Welcome("ab" * 16, 300, "/models/target", 1 << 20, "edgespec-verifier", 6, [1, 2, 3, 4, 5], 64),
     P.Error(422, "bad draft distribution"),
     P.Prefill(7, "find the bottle", b"\xff\xd8jpeg\xff\xd9", [1, 2, 3], 42, 0.0, 20, 0.875, "wisv", 0.25),
@@ -106,7 +106,21 @@ def test_random_field_values_round_trip(msg):
 
 @given(st.text(min_size=1, max_size=200))
 def test_unicode_strings_round_trip_exactly(text):
-    assert P.decode(P.encode(P.Hello(text, text[::-1], 1, text, text))) == P.Hello(text, text[::-1], 1, text, text)
+    hello = P.Hello(text, text[::-1], 1, text, text, text)
+    assert P.decode(P.encode(hello)) == hello
+
+
+def test_hello_names_the_draft_and_a_v5_hello_is_refused():
+    """v6 HELLO ends with the draft's content hash; a v5 robot's HELLO (no such field) never
+    passes as one naming no draft: its version is refused, and its layout is a truncated v6 frame."""
+    hello = P.Hello("tok", "ab" * 16, 300, "dense32", "edge", "0123456789abcdef")
+    assert P.decode(P.encode(hello)).draft == "0123456789abcdef"
+    assert P.Hello("tok", "ab" * 16, 300).draft == ""
+    v5_payload = P.encode(P.Hello("tok", "ab" * 16, 300, "dense32", "edge"))[P.HEADER.size:-2]  # no draft field
+    with pytest.raises(P.ProtocolError, match="protocol version 5 is not supported"):
+        P.decode(P.HEADER.pack(P.MAGIC, 5, int(P.FrameType.HELLO), 0, len(v5_payload)) + v5_payload)
+    with pytest.raises(P.ProtocolError, match="truncated reading draft"):
+        P.decode(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, int(P.FrameType.HELLO), 0, len(v5_payload)) + v5_payload)
 
 
 def test_string_length_is_counted_in_utf8_bytes():
@@ -155,7 +169,7 @@ def test_bad_magic():
     assert err.value.code == P.ErrorCode.BAD_FRAME
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 99, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, 2, 5, 99, 0xFFFF])
 def test_wrong_version_is_version_mismatch(version):
     frame = P.HEADER.pack(P.MAGIC, version, int(P.FrameType.CLOSE), 0, 2) + b"\x00\x00"
     with pytest.raises(P.ProtocolError, match=f"protocol version {version} is not supported") as err:
