@@ -65,6 +65,7 @@ class WisvRound:
     protected: set
     asked: list[int]  # unprotected mismatches (empty at threshold 0)
     chained: bool
+    topk: tuple | None = None  # recording on: the target's top-k of the round (traces.target_topk)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class TargetSession:
         self.last_exit_layer = 0
         self.wisv_round: WisvRound | None = None  # a WISV round waiting for drafter hidden states
         self.last_relaxed: list[int] = []  # wisv: the mismatch positions the last round kept
+        self.trace = None  # decoding.traces.SessionTrace: every verified round is recorded (None: off)
 
     def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
         """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
@@ -131,6 +133,8 @@ class TargetSession:
                              "(<target>/wisv, `edgespec-train wisv`); this verifier has none")
         t0 = time.perf_counter()
         self.settings = settings
+        if self.trace is not None:
+            self.trace.begin(prompt, settings)
         self.awaiting_edge_token = False
         self.wisv_round = None
         self.seq.keep_hidden = settings.verify_mode == WISV
@@ -221,7 +225,15 @@ class TargetSession:
             result.next_token = CONTINUE
         else:
             self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
+        self._record(start_position, draft_ids, logits, result)
         return result
+
+    def _record(self, start: int, draft_ids: list[int], rows, result: VerifyResult) -> None:
+        """Recording on: hand the committed round to the trace (the context before it is the
+        first ``start`` generated tokens: commits only append). rows: the round's target logits
+        [n + 1, V], or their top-k taken earlier (wisv)."""
+        if self.trace is not None:
+            self.trace.round(self.seq.generated[:start], draft_ids, rows, result.accepted, result.next_token)
 
     def _score_exits(self, result: VerifyResult) -> None:
         """``last_exit_layer``: the earliest exit whose guess equals the final verdict."""
@@ -256,6 +268,7 @@ class TargetSession:
         else:
             self.seq.commit_verified(draft_ids, result.accepted, None if rejected else result.next_token)
         self.awaiting_edge_token = rejected
+        self._record(start_position, draft_ids, logits, result)
         return result, time.perf_counter() - t0
 
     def exit_verifier(self, draft_ids: list[int], draft_probs: torch.Tensor | None, start_position: int, on_exit):
@@ -316,7 +329,8 @@ class TargetSession:
                 if i in protected:
                     break  # rejected whatever the head says: rows after it cannot matter
                 asked.append(i)
-        self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained)
+        self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained,
+                                    self.trace.topk(logits) if self.trace is not None else None)
         return list(asked)
 
     def wisv_finish(self, draft_hidden, csi) -> VerifyResult:
@@ -342,6 +356,7 @@ class TargetSession:
                 tokens = token_pair_features(self.lm, [r.draft_ids[i] for i in r.asked], [r.argmax[i] for i in r.asked])
             probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens).tolist()))
         self.wisv_round = None
+        start = self.position
         result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected)
         self._score_exits(result)
         if r.chained and result.accepted == len(r.draft_ids):
@@ -349,6 +364,7 @@ class TargetSession:
             result.next_token = CONTINUE
         else:
             self.seq.commit_verified(r.draft_ids, result.accepted, result.next_token)
+        self._record(start, r.draft_ids, r.topk, result)
         return result
 
     def verify_wisv(self, draft_ids: list[int], draft_hidden: torch.Tensor, csi, chained: bool = False

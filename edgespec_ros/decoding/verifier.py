@@ -193,11 +193,15 @@ class LocalVerifier:
     pipeline is full before anything is verified (verdicts arrive late); eager, a verdict is
     there at the first poll after its block was sent (verdicts interrupt drafting mid-block).
     ``verdict_delay`` (with eager): a verdict computed at a poll (its exits already streamed) is
-    held back for that many further polls, as a verdict still on the downlink is."""
+    held back for that many further polls, as a verdict still on the downlink is.
+    ``recorder`` (a ``decoding.traces.TraceRecorder``): record every verified round as the
+    websocket verifier does, under ``tenant``, tagged with the drafter's ``draft_hash``."""
 
     def __init__(self, lm: LoadedModel, codec: str = "dense32", eager: bool = False, verdict_delay: int = 0,
-                 csi=None):
+                 csi=None, recorder=None, tenant: str = "local", draft_hash: str = ""):
         self.session = TargetSession(lm)
+        if recorder is not None:
+            self.session.trace = recorder.session(tenant, draft_hash)
         self.link_csi = csi  # wisv: the channel state this in-process "link" reports (None: a perfect link)
         self.codec = get_codec(codec)
         self.vocab = lm.vocab_size

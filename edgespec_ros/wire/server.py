@@ -29,6 +29,7 @@ from .tokens import read_tokens
 from ..decoding.engines import QUANTIZATIONS, LoadedModel, ModelLoadError, load_model
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
+from ..decoding.traces import ANONYMOUS, tenant_id
 from ..decoding.verify import DraftDistributionError
 from . import protocol as P
 from ..decoding.compute import ComputeProfile, get_compute
@@ -237,13 +238,17 @@ class VerifierServer:
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 300.0, model_name: str | None = None,
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
                  ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
-                 max_batch: int = 8, server_name: str = "edgespec-verifier"):
+                 max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None):
         self.lm = lm
         self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
         tokens = [token] if isinstance(token, str) else list(token or [])
         if any(not t for t in tokens):
             raise ValueError("auth tokens must be non-empty")
         self.tokens = [t.encode() for t in tokens]  # one per tenant; empty list: no auth
+        # decoding.traces.TraceRecorder (None: recording off); its owner closes it. Tenants are
+        # recorded under a hash of their token, never the token.
+        self.recorder = recorder
+        self.tenant_ids = [tenant_id(t) for t in self.tokens]
         self.max_frame = max_frame
         self.compute = compute or get_compute("native")
         self.handshake_timeout_s = handshake_timeout_s
@@ -450,9 +455,11 @@ class VerifierServer:
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
                                          self.server_name, self.num_layers, self.exit_layers,
                                          0 if head is None else head.config.draft_dim)))
-        log.info("session %s: open (client %s, codec %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
-                 "" if tenant is None else f", token #{tenant}")
+        log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
+                 clean(hello.draft, 64) or "unnamed", "" if tenant is None else f", token #{tenant}")
         session = TargetSession(self.lm)
+        if self.recorder is not None:
+            session.trace = self.recorder.session(ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
         live: list[ExitSender] = []  # this session's exit sender while a round streams
         inbox = _Inbox(16, max(self.max_frame, 1 << 20))
         reader = asyncio.ensure_future(self._read_ahead(conn, inbox))
@@ -839,7 +846,8 @@ class VerifierServer:
                 "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
                 "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 0.0,
                 "batches": fair.batches, "batched_jobs": fair.batched_jobs,
-                "dropped_blocks": self.dropped_blocks, "verified_tokens": self.verified_tokens}
+                "dropped_blocks": self.dropped_blocks, "verified_tokens": self.verified_tokens,
+                **(self.recorder.stats() if self.recorder is not None else dict.fromkeys(TRACE_STATUS, 0))}
 
     async def _status_loop(self) -> None:
         """One log line every status_interval_s: sessions, refusals and the compute thread's load."""
@@ -867,6 +875,8 @@ class VerifierServer:
         self.fair.shutdown(timeout_s)
 
 
+TRACE_STATUS = ("trace_records", "trace_dropped", "trace_shards", "trace_rotated")  # TraceRecorder.stats()
+
 # status() key -> Prometheus metric name (prefixed edgespec_verifier_), type, help.
 METRICS = {
     "sessions": ("sessions", "gauge", "open sessions (HELLO accepted)"),
@@ -885,6 +895,11 @@ METRICS = {
     "dropped_blocks": ("dropped_blocks_total", "counter", "pipelined blocks of an ended epoch, dropped unverified"),
     "verified_tokens": ("verified_tokens_total", "counter",
                         "tokens the target decided (throughput: the rate of this counter)"),
+    "trace_records": ("trace_records_total", "counter", "verify rounds written to trace shards (--record-traces)"),
+    "trace_dropped": ("trace_records_dropped_total", "counter",
+                      "verify rounds not recorded: the trace queue was full, or a shard could not be written"),
+    "trace_shards": ("trace_shards_total", "counter", "trace shards written"),
+    "trace_rotated": ("trace_shards_rotated_total", "counter", "oldest trace shards deleted to keep the bounds"),
 }
 
 
@@ -1042,6 +1057,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--status-interval", type=float, default=60.0,
                     help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    rec = ap.add_argument_group("traces", "record every verify round for distilling the draft (docs/traces.md); "
+                                          "off by default")
+    rec.add_argument("--record-traces", default=None, metavar="DIR",
+                     help="write the rounds to safetensors shards under DIR/<tenant>/ (off by default)")
+    rec.add_argument("--record-traces-max-mb", type=float, default=256.0,
+                     help="bound on each tenant's shards in MiB; the oldest shard is deleted first (default 256)")
+    rec.add_argument("--record-traces-max-files", type=int, default=64,
+                     help="bound on each tenant's shard count; the oldest is deleted first (default 64)")
+    rec.add_argument("--record-traces-topk", type=int, default=16,
+                     help="the target's top-k (ids and log-probs) kept at each drafted and bonus position (default 16)")
+    rec.add_argument("--record-images", action="store_true",
+                     help="also record each decision's JPEG: the robots' camera frames (off by default; privacy)")
     ray = ap.add_argument_group("scale-out", "N replicas of this verifier on Ray Serve behind one websocket endpoint "
                                              "(--host/--port); needs `pip install .[fleet]`")
     ray.add_argument("--replicas", type=int, default=None,
@@ -1093,6 +1120,8 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
     except ValueError as exc:
         raise SystemExit(f"edgespec-verifier: {exc}") from None
     check_auth_options(args, tokens)
+    if getattr(args, "record_images", False) and getattr(args, "record_traces", None) is None:
+        raise SystemExit("edgespec-verifier: --record-images records into --record-traces DIR: give both")
     try:
         lm = load_model(path, dtype=args.dtype, device=args.device, quantization=args.quantization)
     except ModelLoadError as exc:
@@ -1108,11 +1137,30 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                          "available, LOSSY)" if head else "no decision head (verify mode wisv unavailable)")
     log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
              else "none (fsd unavailable: modes ar and sd)")
-    return VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
-                          idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
-                          exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
-                          insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
-                          max_batch=args.max_batch, server_name=server_name)
+    server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
+                            idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
+                            exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
+                            insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
+                            max_batch=args.max_batch, server_name=server_name)
+    server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
+    return server
+
+
+def trace_recorder(args, model_name: str, fingerprint: str):
+    """The TraceRecorder the --record-* options ask for (None: recording off); SystemExit when they are wrong."""
+    if getattr(args, "record_traces", None) is None:
+        return None
+    from ..decoding.traces import TraceRecorder
+    try:
+        recorder = TraceRecorder(args.record_traces, max_bytes=int(args.record_traces_max_mb * (1 << 20)),
+                                 max_files=args.record_traces_max_files, topk=args.record_traces_topk,
+                                 record_images=args.record_images, target=model_name, target_fingerprint=fingerprint)
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: --record-traces: {exc}") from None
+    log.info("recording verify rounds to %s (top-%d, %g MiB and %d shards per tenant%s)", args.record_traces,
+             recorder.topk, args.record_traces_max_mb, recorder.max_files,
+             "; WITH the robots' camera images (--record-images)" if recorder.record_images else "; no images")
+    return recorder
 
 
 def check_auth_options(args, tokens: list[str]) -> None:
@@ -1149,6 +1197,9 @@ def main(argv=None) -> int:
     except OSError as exc:
         print(f"edgespec-verifier: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
+    finally:
+        if server.recorder is not None:  # what is buffered reaches the disk
+            server.recorder.close()
     return 0
 
 

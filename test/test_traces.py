@@ -1,0 +1,373 @@
+"""Recorded verify rounds (issue 31): off by default; on, every round of a websocket session (or an
+in-process LocalVerifier) is recorded with the verdict it got and the target's own top-k for its
+context; each tenant stays within its bounds; a full queue drops and counts, never blocks; the
+format round-trips and refuses what it cannot read; the draft's content hash travels in HELLO."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from edgespec_ros.decoding.cloud import Prompt, TargetSession, VerifySettings
+from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.engines import model_content_hash
+from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormatError, TraceRecorder, read_traces,
+                                          tenant_id, trace_shards)
+from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.wire import server as server_module
+from edgespec_ros.wire.client import RemoteVerifier
+from edgespec_ros.wire.server import ServerThread, VerifierServer, metrics_text
+
+from wire_helpers import INSTRUCTIONS, make_pair, server_copy
+
+TOKEN = "traces-robot-token-0123456789"
+DRAFT_HASH = "0123456789abcdef"
+SD = DecodeConfig(mode="sd", gamma=3, max_new_tokens=12)
+SD_SAMPLED = DecodeConfig(mode="sd", gamma=3, max_new_tokens=12, params=SamplingParams(temperature=1.0), seed=7)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair(draft_noise=0.05)  # enough noise for rejections as well as acceptances
+
+
+def spy_rounds(verifier, method: str) -> list:
+    """Wrap ``verifier.<method>(block, ...)`` to keep (draft ids, the verdict) of every round."""
+    seen, inner = [], getattr(verifier, method)
+
+    def spy(block, *args, **kwargs):
+        reply = inner(block, *args, **kwargs)
+        seen.append((list(block.draft_ids), reply))
+        return reply
+    setattr(verifier, method, spy)
+    return seen
+
+
+def verdict_token(reply) -> int:
+    return NO_TOKEN if reply.next_token is None else reply.next_token
+
+
+def assert_rounds_match(records, seen) -> None:
+    assert [(r.draft_ids, r.accepted, r.next_token) for r in records] == \
+        [(ids, reply.accepted, verdict_token(reply)) for ids, reply in seen]
+
+
+def assert_contexts_chain(records) -> None:
+    """Within a decision each round's context is the last one's plus what that round committed."""
+    for before, after in zip(records, records[1:]):
+        if after.decision != before.decision:
+            assert after.round == 1 and after.context_ids == []
+            continue
+        assert after.round == before.round + 1
+        committed = before.context_ids + before.draft_ids[:before.accepted]
+        assert after.context_ids[:len(committed)] == committed
+        if before.next_token != NO_TOKEN:
+            assert after.context_ids[len(committed)] == before.next_token
+
+
+def assert_topk_is_the_targets(target, record, jpeg: bytes | None = None) -> None:
+    """The recorded top-k equals the target's untempered log-softmax, recomputed from the record
+    alone (and the decision's JPEG, when the record was made without images)."""
+    prompt = Prompt(record.instruction, record.jpeg if jpeg is None else jpeg, record.prompt_ids)
+    inputs = TargetSession(target).build_prompt_inputs(prompt)
+    seq = target.new_sequence()
+    first = seq.prefill(inputs)
+    fed = seq.feed(record.context_ids + record.draft_ids)
+    logits = torch.cat([first.view(1, -1), fed])[len(record.context_ids):len(record.context_ids) + len(record.draft_ids) + 1]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    ids = torch.as_tensor(record.target_topk_ids, dtype=torch.long)
+    k = ids.shape[1]
+    assert ids.shape == (len(record.draft_ids) + 1, k) and record.target_topk_logprobs.dtype == np.float32
+    np.testing.assert_allclose(record.target_topk_logprobs, logp.gather(1, ids).numpy(), atol=1e-4)
+    np.testing.assert_allclose(record.target_topk_logprobs, torch.topk(logp, k).values.numpy(), atol=1e-4)
+
+
+# --- off by default -------------------------------------------------------------------------------
+
+def test_recording_is_off_by_default(pair, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = server_module.build_parser().parse_args([])
+    assert args.record_traces is None and not args.record_images
+    assert server_module.trace_recorder(args, "target", "fp") is None
+    server = VerifierServer(server_copy(pair.target))
+    assert server.recorder is None
+    with ServerThread(server) as st:
+        rv = RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, draft=DRAFT_HASH)
+        with rv:
+            EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, SD)
+        status = server.status()
+    assert status["verified_tokens"] > 0 and status["trace_records"] == status["trace_dropped"] == 0
+    assert LocalVerifier(pair.target).session.trace is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_record_images_needs_record_traces(tmp_path):
+    args = server_module.build_parser().parse_args(["--record-images", "--model", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="--record-images records into --record-traces"):
+        server_module.build_server(args)  # refused before any weights are loaded
+
+
+# --- a loopback session ---------------------------------------------------------------------------
+
+def test_a_websocket_session_records_every_round_with_the_targets_topk(pair, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="edgespec.verifier")
+    args = server_module.build_parser().parse_args(["--record-traces", str(tmp_path), "--record-images",
+                                                    "--record-traces-topk", "8"])
+    recorder = server_module.trace_recorder(args, "target", pair.target.fingerprint())
+    server = VerifierServer(server_copy(pair.target), token=TOKEN, recorder=recorder)
+    seen = []
+    with ServerThread(server) as st:
+        rv = RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, token=TOKEN,
+                            draft=DRAFT_HASH)
+        with rv:
+            seen = spy_rounds(rv, "verify")
+            decoder = EdgeDecoder(pair.draft, rv)
+            decisions = [decoder.decide(INSTRUCTIONS[0], pair.image, SD),
+                         decoder.decide(INSTRUCTIONS[1], pair.image, SD_SAMPLED)]
+        recorder.close()
+        status = server.status()
+    assert f"draft {DRAFT_HASH}" in caplog.text  # logged at session start
+
+    records = read_traces(str(tmp_path))
+    assert os.listdir(tmp_path) == [tenant_id(TOKEN)] and TOKEN not in tenant_id(TOKEN)
+    assert len(records) == len(seen) == status["trace_records"] and status["trace_dropped"] == 0
+    assert_rounds_match(records, seen)
+    assert any(r.accepted < len(r.draft_ids) for r in records) and any(r.accepted > 0 for r in records)
+    assert_contexts_chain(records)
+    assert len({r.decision for r in records}) == 2
+    for decision, instruction, cfg in zip(decisions, INSTRUCTIONS, (SD, SD_SAMPLED)):
+        mine = [r for r in records if r.instruction == instruction]
+        last = mine[-1]
+        committed = last.context_ids + last.draft_ids[:last.accepted] + [last.next_token]
+        assert committed[:len(decision.tokens)] == decision.tokens
+        prompt = pair.prompt(instruction)
+        assert all(r.prompt_ids == prompt.prompt_ids and r.jpeg == prompt.jpeg for r in mine)
+        assert all(r.temperature == cfg.params.temperature and r.draft_hash == DRAFT_HASH for r in mine)
+        assert all(r.tenant == tenant_id(TOKEN) and r.target_topk_ids.shape[1] == 8 for r in mine)
+    for record in records:
+        assert_topk_is_the_targets(pair.target, record)
+
+
+# --- in process, every verification path -----------------------------------------------------------
+
+@pytest.mark.parametrize("codec,mode", [("dense32", "sd"), ("split", "sd"), ("dense32", "pipe")])
+def test_a_local_verifier_records_its_rounds(pair, tmp_path, codec, mode):
+    """Dense, split-codec (the robot's resampled token opens the next context) and chained rounds."""
+    recorder = TraceRecorder(str(tmp_path), topk=4)
+    lv = LocalVerifier(pair.target, codec=codec, recorder=recorder, draft_hash=DRAFT_HASH)
+    seen = spy_rounds(lv, "_verify")
+    cfg = DecodeConfig(mode=mode, gamma=3, max_new_tokens=16, codec=codec, params=SamplingParams(temperature=1.0),
+                       seed=3)
+    decision = EdgeDecoder(pair.draft, lv).decide(INSTRUCTIONS[0], pair.image, cfg)
+    recorder.close()
+    records = read_traces(str(tmp_path))
+    assert_rounds_match(records, seen)
+    assert_contexts_chain(records)
+    assert all(r.tenant == "local" and r.draft_hash == DRAFT_HASH and r.jpeg is None for r in records)
+    last = records[-1]
+    committed = last.context_ids + last.draft_ids[:last.accepted] + ([last.next_token] if last.next_token >= 0 else [])
+    assert decision.tokens[:len(committed)] == committed[:len(decision.tokens)]
+    if mode == "pipe":
+        assert any(r.next_token == NO_TOKEN and r.accepted == len(r.draft_ids) for r in records)  # chained
+    assert_topk_is_the_targets(pair.target, records[len(records) // 2], pair.prompt(INSTRUCTIONS[0]).jpeg)
+
+
+def test_wisv_rounds_are_recorded_with_the_targets_topk(tmp_path):
+    """WISV rounds (LOSSY) on the embedded models and the committed head: recorded as verified."""
+    from edgespec_ros.decoding.wisv import attach_wisv
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.sim.dataset import heldout_prompts
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    if attach_wisv(target) is None:
+        pytest.skip("the committed WISV head is missing")
+    recorder = TraceRecorder(str(tmp_path), topk=4)
+    lv = LocalVerifier(target, recorder=recorder, draft_hash=draft.content_hash)
+    seen = spy_rounds(lv, "_verify")
+    instruction, image = next(iter(heldout_prompts(1, seed=1000)))
+    cfg = DecodeConfig(mode="sd", max_new_tokens=24, verify_mode="wisv", wisv_threshold=0.3, hidden_upload="full")
+    decoder = EdgeDecoder(draft, lv)
+    decoder.decide(instruction, image, cfg)
+    recorder.close()
+    records = read_traces(str(tmp_path))
+    assert_rounds_match(records, seen)
+    assert_contexts_chain(records)
+    assert all(r.verify_mode == "wisv" and r.draft_hash == model_content_hash(default_model_path("draft"))
+               for r in records)
+    jpeg = decoder.make_prompt(instruction, image)[0].jpeg
+    assert_topk_is_the_targets(target, records[-1], jpeg)
+
+
+# --- the writer: bounds, drops, format ------------------------------------------------------------
+
+def synthetic_rounds(trace, n_decisions: int, rounds: int, vocab: int = 50, jpeg: bytes | None = b"\xff\xd8jpeg"):
+    """Feed ``trace`` rounds of random logits; returns what each should read back as."""
+    gen = torch.Generator().manual_seed(0)
+    expected = []
+    for d in range(n_decisions):
+        prompt = Prompt(f"instruction {d}", jpeg, [1, 2, 3 + d])
+        trace.begin(prompt, VerifySettings(SamplingParams(temperature=0.5)))
+        context = []
+        for r in range(rounds):
+            drafts = [int(t) for t in torch.randint(0, vocab, (2 + r % 3,), generator=gen)]
+            logits = torch.randn(len(drafts) + 1, vocab, generator=gen)
+            accepted = r % (len(drafts) + 1)
+            trace.round(context, drafts, logits, accepted, 7 if r % 2 else -2)
+            expected.append((prompt, list(context), drafts, accepted, 7 if r % 2 else NO_TOKEN, logits))
+            context = context + drafts[:accepted] + ([7] if r % 2 else [])
+    return expected
+
+
+def shard_sizes(folder) -> list[int]:
+    return [os.path.getsize(p) for p in trace_shards(str(folder))]
+
+
+def test_the_format_round_trips(tmp_path):
+    with_images = TraceRecorder(str(tmp_path / "img"), topk=5, record_images=True, target="tgt",
+                                target_fingerprint="fp")
+    expected = synthetic_rounds(with_images.session("fleet-a", "cafe"), n_decisions=3, rounds=4)
+    with_images.close()
+    records = read_traces(str(tmp_path / "img"))
+    assert len(records) == len(expected)
+    for record, (prompt, context, drafts, accepted, next_token, logits) in zip(records, expected):
+        assert (record.prompt_ids, record.context_ids, record.draft_ids, record.accepted, record.next_token) == \
+            (prompt.prompt_ids, context, drafts, accepted, next_token)
+        assert (record.instruction, record.jpeg, record.temperature, record.draft_hash, record.tenant) == \
+            (prompt.instruction, prompt.jpeg, 0.5, "cafe", "fleet-a")
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        top = torch.topk(logp, 5)
+        assert record.target_topk_ids.tolist() == top.indices.tolist()
+        np.testing.assert_allclose(record.target_topk_logprobs, top.values.numpy(), atol=1e-5)
+    assert [r.round for r in records[:4]] == [1, 2, 3, 4] and len({r.decision for r in records}) == 3
+    from safetensors import safe_open
+    with safe_open(trace_shards(str(tmp_path / "img"))[0], framework="np") as f:
+        meta = f.metadata()
+    assert (meta["format"], meta["version"], meta["tenant"], meta["draft_hash"], meta["topk"]) == \
+        (FORMAT, str(VERSION), "fleet-a", "cafe", "5")
+    assert (meta["target"], meta["target_fingerprint"], meta["images"]) == ("tgt", "fp", "true") and meta["created"]
+    # Without --record-images the frame never reaches the disk.
+    private = TraceRecorder(str(tmp_path / "private"))
+    synthetic_rounds(private.session("fleet-a"), n_decisions=1, rounds=2, jpeg=b"\xff\xd8secret")
+    private.close()
+    assert [r.jpeg for r in read_traces(str(tmp_path / "private"))] == [None, None]
+    assert all(b"secret" not in open(p, "rb").read() for p in trace_shards(str(tmp_path / "private")))
+    # A tenant name is one safe path component.
+    odd = TraceRecorder(str(tmp_path / "odd"))
+    synthetic_rounds(odd.session("../../etc"), 1, 1)
+    odd.close()
+    assert os.listdir(tmp_path / "odd") == ["_.._etc"]
+
+
+def test_rotation_keeps_each_tenant_within_its_bounds(tmp_path):
+    by_count = TraceRecorder(str(tmp_path / "count"), max_files=3, shard_records=2, topk=4)
+    synthetic_rounds(by_count.session("a"), n_decisions=5, rounds=4)  # 10 shards of 2 rounds
+    synthetic_rounds(by_count.session("b"), n_decisions=1, rounds=2)  # 1 shard
+    by_count.close()
+    assert len(shard_sizes(tmp_path / "count" / "a")) == 3 and len(shard_sizes(tmp_path / "count" / "b")) == 1
+    kept = read_traces(str(tmp_path / "count" / "a"))
+    assert [r.instruction for r in kept] == ["instruction 3"] * 2 + ["instruction 4"] * 4  # the newest
+    assert by_count.stats()["trace_rotated"] == 7
+
+    one = TraceRecorder(str(tmp_path / "probe"), shard_records=2, topk=4)
+    synthetic_rounds(one.session("a"), n_decisions=1, rounds=2)
+    one.close()
+    shard = shard_sizes(tmp_path / "probe")[0]
+    max_bytes = int(2.5 * shard)
+    by_bytes = TraceRecorder(str(tmp_path / "bytes"), max_bytes=max_bytes, max_files=100, shard_records=2, topk=4)
+    trace = by_bytes.session("a")
+    for _ in range(6):
+        synthetic_rounds(trace, n_decisions=1, rounds=2)
+        by_bytes.flush()
+        sizes = shard_sizes(tmp_path / "bytes")
+        assert sum(sizes) <= max_bytes and len(sizes) <= 2
+    by_bytes.close()
+    assert by_bytes.stats()["trace_rotated"] == 4 and by_bytes.stats()["trace_records"] == 12
+    assert not [n for n in os.listdir(tmp_path / "bytes" / "a") if n.startswith(".")]  # no temporaries left
+    # A shard that could never fit is dropped and counted, not written.
+    tiny = TraceRecorder(str(tmp_path / "tiny"), max_bytes=shard // 2, shard_records=2, topk=4)
+    synthetic_rounds(tiny.session("a"), n_decisions=1, rounds=2)
+    tiny.close()
+    assert shard_sizes(tmp_path / "tiny") == [] and tiny.stats()["trace_dropped"] == 2
+
+
+class StalledRecorder(TraceRecorder):
+    """A recorder whose writer blocks in its first shard write until released."""
+
+    def __init__(self, *args, **kwargs):
+        self.entered, self.release = threading.Event(), threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _write_shard(self, *args):
+        self.entered.set()
+        assert self.release.wait(30)
+        super()._write_shard(*args)
+
+
+def test_a_full_queue_drops_and_counts_without_blocking(pair, tmp_path):
+    recorder = StalledRecorder(str(tmp_path), queue_size=2, shard_records=1, topk=4)
+    trace = recorder.session("a")
+    trace.begin(Prompt("go", None, [1, 2]), VerifySettings())
+    trace.round([], [5, 6], torch.randn(3, 40), 1, 9)
+    assert recorder.entered.wait(30)  # the writer holds round 1 and is stuck writing it
+    for i in range(5):  # 2 fit the queue, 3 are dropped; none waits
+        trace.round([5, 9], [i], torch.randn(2, 40), 0, 9)
+    assert recorder.stats()["trace_dropped"] == 3
+    status = VerifierServer(pair.target, recorder=recorder).status()
+    assert status["trace_dropped"] == 3
+    assert "edgespec_verifier_trace_records_dropped_total 3" in metrics_text(status)
+    recorder.release.set()
+    recorder.close()
+    assert [r.draft_ids for r in read_traces(str(tmp_path))] == [[5, 6], [0], [1]]
+    assert recorder.stats()["trace_records"] == 3
+
+
+def test_the_reader_refuses_other_formats_and_versions(tmp_path):
+    from safetensors.numpy import save_file
+    recorder = TraceRecorder(str(tmp_path / "ok"))
+    synthetic_rounds(recorder.session("a"), 1, 1)
+    recorder.close()
+    assert len(read_traces(str(tmp_path / "ok"))) == 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"x": np.zeros(1, np.int32)}, str(bad / "v2.safetensors"), metadata={"format": FORMAT, "version": "2"})
+    with pytest.raises(TraceFormatError, match=r"version '2' is not supported: this edgespec_ros reads version 1"):
+        read_traces(str(bad))
+    os.remove(bad / "v2.safetensors")
+    save_file({"x": np.zeros(1, np.int32)}, str(bad / "model.safetensors"))
+    with pytest.raises(TraceFormatError, match="not an edgespec trace shard"):
+        read_traces(str(bad))
+    with pytest.raises(FileNotFoundError, match="no trace directory"):
+        read_traces(str(tmp_path / "missing"))
+
+
+# --- the draft's content hash ----------------------------------------------------------------------
+
+def test_the_content_hash_follows_the_weights_not_the_training_log(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from edgespec_ros.models import default_model_path
+    committed = default_model_path("draft")
+    if not os.path.isfile(os.path.join(committed, "model.safetensors")):
+        pytest.skip("the embedded draft model is not built (make models)")
+    copy = str(tmp_path / "draft")
+    shutil.copytree(committed, copy)
+    original = model_content_hash(committed)
+    assert len(original) == 16 and model_content_hash(copy) == original  # not the path
+    with open(os.path.join(copy, "training.json"), "a") as f:
+        f.write("\n")
+    os.makedirs(os.path.join(copy, "exits"))
+    with open(os.path.join(copy, "exits", "adapters.safetensors"), "wb") as f:
+        f.write(b"not the draft")
+    assert model_content_hash(copy) == original
+    weights = load_file(os.path.join(copy, "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] += 1e-3
+    save_file(weights, os.path.join(copy, "model.safetensors"), metadata={"format": "pt"})
+    assert model_content_hash(copy) != original
+    assert pair.draft.content_hash == ""  # built in memory: no directory to hash
