@@ -254,7 +254,8 @@ def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):
                 assert node.get_parameter(name).value == value, f"{role}.{name}"
             for spec in params.NODES[role]:
                 descriptor = node.describe_parameter(spec.name)
-                assert repr(spec.default) in descriptor.description and descriptor.read_only
+                assert repr(spec.default) in descriptor.description
+                assert descriptor.read_only != spec.at_configure  # only model parameters, guarded by the node
 
 
 def test_parameter_precedence_config_then_params_file_then_arguments(tmp_path):

@@ -471,6 +471,73 @@ def test_lifecycle_transitions(untrained_pair, tmp_path):
         assert lifecycle_state(drafter) == "unconfigured"
 
 
+def perturbed_copy(model_dir: str, out_dir: str) -> str:
+    """A copy of a model directory with different weights (the same config and tokenizer)."""
+    import shutil
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model_dir, out_dir)
+    weights_file = f"{out_dir}/model.safetensors"
+    weights = load_file(weights_file)
+    gen = torch.Generator().manual_seed(11)
+    for name, w in weights.items():
+        if w.dim() > 1 and w.is_floating_point():
+            weights[name] = w + torch.randn(w.shape, generator=gen).to(w.dtype) * 0.5
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return out_dir
+
+
+def test_reconfigure_loads_a_new_draft_model_in_the_same_process(untrained_pair, tmp_path):
+    """cleanup -> set model_path -> configure -> activate: the node decodes with the new draft (its
+    blocks are the new model's), the old one is freed, and model_path cannot change while configured."""
+    import gc
+    import weakref
+    from rclpy.parameter import Parameter
+    from edgespec_ros.decoding.edge import EdgeDecoder
+    from edgespec_ros.decoding.engines import load_model, model_content_hash
+    from edgespec_ros.decoding.verifier import LocalVerifier
+    draft_dir, target_dir = untrained_pair
+    other_dir = perturbed_copy(draft_dir, str(tmp_path / "draft-b"))
+    target = load_model(target_dir)
+    image = (np.random.RandomState(2).rand(112, 112, 3) * 255).astype(np.uint8)
+
+    def drafted_blocks(decoder) -> list:
+        """The draft ids of every block of one greedy SD decision, through a spying LocalVerifier."""
+        verifier, blocks = decoder.verifier, []
+        inner = verifier._verify
+        verifier._verify = lambda block, on_exit: blocks.append(list(block.draft_ids)) or inner(block, on_exit)
+        from edgespec_ros.decoding.edge import DecodeConfig
+        decoder.decide("find the silver bottle", image, DecodeConfig(mode="sd", gamma=4, max_new_tokens=12))
+        return blocks
+
+    factory = lambda draft_lm: LocalVerifier(target)  # noqa: E731
+    with graph(("drafter",), overrides={"drafter": drafter_overrides(draft_dir, mode="sd")},
+               node_kwargs={"drafter": {"verifier_factory": factory}}) as g:
+        drafter = g.nodes["drafter"]
+        assert drafter.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        assert drafter.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        first = drafter.draft_lm
+        assert first.path == draft_dir and first.content_hash == model_content_hash(draft_dir)
+        blocks_a = drafted_blocks(drafter.core.decoder)
+        old_model = weakref.ref(first.model)
+        del first
+        refused = drafter.set_parameters([Parameter("model_path", value=other_dir)])[0]
+        assert not refused.successful and "cleanup" in refused.reason  # fixed while configured
+        assert drafter.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+        assert drafter.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+        gc.collect()
+        assert old_model() is None  # the old draft's weights are freed
+        assert drafter.set_parameters([Parameter("model_path", value=other_dir)])[0].successful
+        assert drafter.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        assert drafter.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        second = drafter.draft_lm
+        assert second.path == other_dir and drafter.core.decoder.draft is second
+        assert second.content_hash == model_content_hash(other_dir) != model_content_hash(draft_dir)
+        blocks_b = drafted_blocks(drafter.core.decoder)
+    reference = drafted_blocks(EdgeDecoder(load_model(other_dir), LocalVerifier(target)))
+    assert blocks_b == reference and blocks_b != blocks_a
+
+
 @pytest.mark.parametrize("reliability", [ReliabilityPolicy.BEST_EFFORT, ReliabilityPolicy.RELIABLE])
 def test_image_subscriptions_match_best_effort_and_reliable_publishers(untrained_pair, reliability):
     """go2_ros2_sdk publishes camera/image_raw BEST_EFFORT (bgr8, depth 1): drafter and monitor must

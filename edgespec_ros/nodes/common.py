@@ -38,8 +38,7 @@ def declare_parameters(node, specs: tuple[ParamSpec, ...]) -> dict:
     validated against the spec (ValueError names the parameter)."""
     values = {}
     for spec in specs:
-        descriptor = ParameterDescriptor(description=f"{spec.description} (default: {spec.default!r})",
-                                         read_only=True)
+        descriptor = ParameterDescriptor(description=f"{spec.description} (default: {spec.default!r})")
         if spec.choices:
             descriptor.additional_constraints = f"one of {', '.join(map(str, spec.choices))}"
         if isinstance(spec.default, float) and (spec.min_value is not None or spec.max_value is not None):
@@ -51,9 +50,40 @@ def declare_parameters(node, specs: tuple[ParamSpec, ...]) -> dict:
             descriptor.integer_range = [IntegerRange(
                 from_value=int(spec.min_value if spec.min_value is not None else -2**63),
                 to_value=int(spec.max_value if spec.max_value is not None else 2**63 - 1), step=1)]
+        descriptor.read_only = not spec.at_configure  # the node guards those (guard_at_configure)
         node.declare_parameter(spec.name, spec.default, descriptor)
         values[spec.name] = spec.validate(node.get_parameter(spec.name).value)
     return values
+
+
+def guard_at_configure(node, specs: tuple[ParamSpec, ...], configured: Callable[[], bool]) -> None:
+    """Let the ``at_configure`` parameters be set only while ``configured()`` is False (the
+    lifecycle node is unconfigured): each new value is validated now, and the node reads it at its
+    next configure (``read_at_configure``). Any other time the set is refused, saying why."""
+    from rcl_interfaces.msg import SetParametersResult
+    specs_by_name = {s.name: s for s in specs if s.at_configure}
+
+    def check(parameters) -> SetParametersResult:
+        for param in parameters:
+            spec = specs_by_name.get(param.name)
+            if spec is None:
+                continue
+            if configured():
+                return SetParametersResult(successful=False, reason=f"{param.name} is read at configure: clean the "
+                                                                    "node up first (deactivate, cleanup), then set it")
+            try:
+                spec.validate(param.value)
+            except ValueError as exc:
+                return SetParametersResult(successful=False, reason=str(exc))
+        return SetParametersResult(successful=True)
+    node.add_on_set_parameters_callback(check)
+
+
+def read_at_configure(node, specs: tuple[ParamSpec, ...], values: dict) -> None:
+    """Refresh ``values`` (from ``declare_parameters``) with the current ``at_configure`` parameters."""
+    for spec in specs:
+        if spec.at_configure:
+            values[spec.name] = spec.validate(node.get_parameter(spec.name).value)
 
 
 def ns_to_time(stamp_ns: int) -> Time:

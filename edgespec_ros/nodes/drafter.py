@@ -1,7 +1,9 @@
 """drafter: a lifecycle node that turns (command, camera frame) into verified decisions.
 
 configure  loads the draft VLM (fails the transition, with the reason logged and kept in
-           ``last_error``, when it cannot) and reads the token file
+           ``last_error``, when it cannot) and reads the token file; ``model_path`` and the other
+           model parameters may be set while unconfigured, so cleanup -> set -> configure loads
+           another draft in the same process
 activate   loads the model again if deactivate freed it; starts the subscriptions and timers
 deactivate stops the robot (a stop decision) when a command was running, frees the model
 cleanup    drops everything
@@ -34,8 +36,8 @@ from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from ..wire.tokens import read_token
 from . import params, topics
-from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, image_to_rgb, now_ns, ns_to_time, \
-    outcome_name, run_node, set_action, time_to_ns
+from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, guard_at_configure, image_to_rgb, \
+    now_ns, ns_to_time, outcome_name, read_at_configure, run_node, set_action, time_to_ns
 
 SUPERVISOR_PERIOD_S = 0.05  # deadline checks: a stop comes at most this late
 
@@ -65,11 +67,14 @@ class DrafterNode(LifecycleNode):
         # inputs never wait behind a decision. (Mutually exclusive groups with an entity due while
         # busy made rclpy's MultiThreadedExecutor stall other timers.)
         self._decide_group = self._supervisor_group = self._input_group = ReentrantCallbackGroup()
+        self._configured = False  # configure succeeded and no cleanup since: the model parameters are fixed
+        guard_at_configure(self, params.DRAFTER, lambda: self._configured)
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_configure(self, state) -> TransitionCallbackReturn:
         try:
+            read_at_configure(self, params.DRAFTER, self.p)  # model_path etc. may have changed since cleanup
             self.token = read_token(self.p["token_file"])
             self._load_model()
             self._lifecycle_pubs = {
@@ -81,8 +86,9 @@ class DrafterNode(LifecycleNode):
             self._free_model()
             return self._fail("configure", exc)
         lm = self.draft_lm
-        self.get_logger().info(f"configured: draft model {lm.path} on {lm.device} ({lm.model.dtype}), "
-                               f"verifier {self.p['server_url']}, mode {self.settings.mode}")
+        self._configured = True
+        self.get_logger().info(f"configured: draft model {lm.path} (content {lm.content_hash}) on {lm.device} "
+                               f"({lm.model.dtype}), verifier {self.p['server_url']}, mode {self.settings.mode}")
         return super().on_configure(state)
 
     def on_activate(self, state) -> TransitionCallbackReturn:
@@ -153,6 +159,7 @@ class DrafterNode(LifecycleNode):
         for pub in self._lifecycle_pubs.values():
             self.destroy_lifecycle_publisher(pub)
         self._lifecycle_pubs = {}
+        self._configured = False
         return super().on_cleanup(state)
 
     def on_shutdown(self, state) -> TransitionCallbackReturn:
@@ -213,7 +220,7 @@ class DrafterNode(LifecycleNode):
         return RemoteVerifier(self.p["server_url"], fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                               token=self.token, codec=self.settings.codec, timeout_s=timeout,
                               connect_timeout_s=timeout, client_name="edgespec-drafter",
-                              ca_file=self.p["tls_ca_file"] or None)
+                              ca_file=self.p["tls_ca_file"] or None, draft=draft_lm.content_hash)
 
     # ------------------------------------------------------------------ inputs
 

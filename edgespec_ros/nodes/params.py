@@ -19,6 +19,9 @@ class ParamSpec:
     choices: tuple = ()
     min_value: float | None = None   # inclusive
     max_value: float | None = None
+    # Settable while the node is unconfigured (after cleanup), read at its next configure (a lifecycle
+    # node that loads a model: a new model without a new process); every other parameter is read-only.
+    at_configure: bool = False
 
     def validate(self, value):
         """Return ``value`` if allowed, else raise ValueError naming the parameter and the fix."""
@@ -45,14 +48,15 @@ CAMERA = (
 )
 
 DRAFTER = (
-    P("model_path", "", "local directory of the draft VLM; '' = the embedded default draft model"),
+    P("model_path", "", "local directory of the draft VLM; '' = the embedded default draft model",
+      at_configure=True),
     P("device", "auto", "torch device of the draft model: auto (cuda when there is one, else cpu), cpu, cuda, "
-                        "cuda:N; configure fails with the reason when the device is not there"),
+                        "cuda:N; configure fails with the reason when the device is not there", at_configure=True),
     P("dtype", "auto", "draft model weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16",
-      choices=("auto", "float32", "bfloat16", "float16")),
+      choices=("auto", "float32", "bfloat16", "float16"), at_configure=True),
     P("quantization", "none", "int8 or nf4 (4-bit) draft weights through bitsandbytes (cuda only): less memory "
                               "and bandwidth on the Orin for some acceptance; none = dtype weights",
-      choices=("none", "int8", "nf4")),
+      choices=("none", "int8", "nf4"), at_configure=True),
     P("max_pixels", 200704, "camera frames are resized to at most this many pixels before both models read "
                             "them (and before the uplink JPEG): 200704 = 448x448, at most 256 image tokens (a "
                             "1280x720 frame at 588x336: 252 tokens instead of ~1,200); the model's own limit "
@@ -179,6 +183,8 @@ def markdown() -> str:
         out += ["| parameter | default | meaning |", "|---|---|---|"]
         for s in specs:
             extra = f" (one of {', '.join(map(str, s.choices))})" if s.choices else ""
+            if s.at_configure:
+                extra += " (settable while unconfigured: read at the next configure)"
             out.append(f"| `{s.name}` | `{s.default!r}` | {s.description}{extra} |")
         out.append("")
     return "\n".join(out)
