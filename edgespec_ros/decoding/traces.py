@@ -227,7 +227,10 @@ class TraceRecorder:
         if self._closed:
             return
         done = threading.Event()
-        self._queue.put(done, timeout=timeout_s)
+        try:
+            self._queue.put(done, timeout=timeout_s)
+        except queue.Full:
+            raise TimeoutError(f"the trace queue stayed full for {timeout_s:g} s: the writer is stuck") from None
         if not done.wait(timeout_s):
             raise TimeoutError(f"the trace writer did not flush within {timeout_s:g} s")
 
