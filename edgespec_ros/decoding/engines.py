@@ -107,7 +107,8 @@ def eos_token_ids(tokenizer, config_eos=None) -> set[int]:
 # how it was made (training.json and other logs) and subdirectories (exits/, wisv/: the target's
 # add-ons, attached separately).
 HASHED_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".jinja", ".txt", ".model", ".tiktoken")
-NOT_HASHED = frozenset({"training.json", "metrics.json", "trainer_state.json", "pipeline.json"})
+NOT_HASHED = frozenset({"training.json", "metrics.json", "trainer_state.json", "pipeline.json", "distill.json",
+                        "adapt.json"})
 CONTENT_HASH_CHARS = 16
 
 

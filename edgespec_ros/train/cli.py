@@ -1,12 +1,16 @@
 """edgespec-train: reproduce the embedded default models from the simulator.
 
-    edgespec-train all                 # data -> tokenizer -> target -> draft -> exits -> wisv -> card (make models)
+    edgespec-train all                 # data -> tokenizer -> vision -> target -> draft -> distill -> exits -> wisv -> card (make models)
     edgespec-train all --target-vision auto --dagger-at 0.5   # + the vision stage first (the target starts
                                        # from its tower) and DAgger in the target stage: both measured, off
                                        # by default (README: The embedded models)
     edgespec-train all --quick         # the same in a few minutes on a sliver of the data (make models-quick;
                                        # smoke runs only: models in build/train-quick/models)
     edgespec-train data|tokenizer|target|draft|card   # one stage (earlier stages' outputs in --work)
+    edgespec-train distill             # the draft trained *for* the target: on-policy distillation of <out>/draft
+                                       # towards <out>/target (in place; --draft/--target/--device for any pair)
+    edgespec-train distill --traces DIR  # adapt the draft to a recording verifier's traffic (a new model dir
+                                       # named by its content hash)
     edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
     edgespec-train wisv                # the WISV decision head (lossy) for <out>/draft + <out>/target (saved in target/wisv)
     edgespec-train vision              # the target's vision tower pretrained alone on dense renderer labels (<work>/vision;
@@ -25,6 +29,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -55,6 +60,16 @@ class PipelineConfig:
     draft_budget_s: float = 0.0
     target_aux_weight: float = 1.0  # auxiliary perception loss (dense scene labels) for the target
     draft_aux_weight: float = 0.0  # the draft learns from the text alone: a weaker "2B"
+    # distillation of the draft towards the target (train.distill; README: Distillation); 0 steps: off
+    distill_divergence: str = "tvd"
+    distill_steps: int = 400
+    distill_budget_s: float = 0.0
+    distill_on_policy: float = 0.5
+    distill_batch: int = 16
+    distill_lr: float = 1e-3
+    distill_prompts: int = 4000  # training frames (of the data stage's) whose prompts the draft is distilled on
+    distill_heldout: int = 200  # held-out frames its agreement with the target is measured on, before and after
+    distill_sd_decisions: int = 20  # held-out decisions of real SD at gamma 2/4/6/8, T=0/1, before and after
     batch_size: int = 32
     exit_scenarios: int = 300  # simulator scenarios whose frames train the early-exit adapters
     exit_steps: int = 400
@@ -81,11 +96,12 @@ class PipelineConfig:
 
 # `edgespec-train all --quick`: every stage on a sliver of the data, for smoke runs (~5 min); the
 # models are useless and go to build/train-quick/models unless --out is given.
-QUICK = dict(train_scenarios=60, target_budget_s=45.0, draft_steps=30, exit_scenarios=8, exit_steps=20,
+QUICK = dict(train_scenarios=60, target_budget_s=45.0, draft_steps=30, distill_steps=6, distill_prompts=200,
+             distill_heldout=16, distill_sd_decisions=2, exit_scenarios=8, exit_steps=20,
              wisv_scenarios=3, wisv_epochs=2, vision_scenarios=60, vision_per_scenario=4, vision_budget_s=20.0,
              dagger_scenarios=4, heldout_scenarios=3)
 QUICK_CARD = dict(n_scenarios=6, n_frames=30, draft_scenarios=3, draft_frames=15, n_sd=4, n_demo=2, max_steps=20)
-ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "exits", "wisv", "card")
+ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exits", "wisv", "card")
 
 
 def stage_data(work: str, cfg: PipelineConfig) -> str:
@@ -259,6 +275,37 @@ def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str,
     return collect
 
 
+def distill_config(cfg: PipelineConfig):
+    from .distill import DistillConfig
+    return DistillConfig(divergence=cfg.distill_divergence, steps=cfg.distill_steps, time_budget_s=cfg.distill_budget_s,
+                         batch_size=cfg.distill_batch, lr=cfg.distill_lr, on_policy=cfg.distill_on_policy, seed=cfg.seed)
+
+
+def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineConfig, device: str = "cpu") -> dict:
+    """The draft distilled towards the target on ``cfg.distill_prompts`` of the data stage's
+    frames, measured before and after on held-out frames (train.distill); saved to ``out``."""
+    from ..decoding.inputs import jpeg_roundtrip
+    from ..sim.dataset import generate_examples
+    from .distill import format_report, run_distill_stage
+    for d in (draft, target):
+        if not os.path.isfile(os.path.join(d, "config.json")):
+            raise SystemExit(f"edgespec-train distill: no model in {d}: train it first (edgespec-train "
+                             f"{'draft' if d == draft else 'target'}) or pass --draft/--target")
+    with np.load(dataset_path(work)) as data:  # each key read once: an npz decompresses on every access
+        images, instructions = data["images"], data["instructions"]
+    picked = np.random.default_rng(cfg.seed).choice(len(images), min(len(images), cfg.distill_prompts), replace=False)
+    prompts = [(str(instructions[i]), jpeg_roundtrip(images[i])) for i in picked]
+    heldout = [(e.instruction, jpeg_roundtrip(e.image)) for e in
+               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5), cfg.distill_heldout)]
+    sd_frames = list(islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5),
+                            cfg.distill_sd_decisions))
+    command = (f"edgespec-train distill --distill-divergence {cfg.distill_divergence} --distill-steps {cfg.distill_steps} "
+               f"--distill-on-policy {cfg.distill_on_policy}")
+    report = run_distill_stage(draft, target, out, prompts, heldout, sd_frames, distill_config(cfg), device, command)
+    print(format_report(report))
+    return report
+
+
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
@@ -299,9 +346,17 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "exits", "wisv", "card", "vision"])
+    ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "distill", "exits", "wisv", "card",
+                                      "vision"])
+    ap.add_argument("--draft", default=None, help="distill: the draft model dir (default: <out>/draft)")
+    ap.add_argument("--distill-out", default=None,
+                    help="distill: where the distilled draft goes (default: in place; with --traces: a new "
+                         "directory draft-<content hash> beside the draft)")
+    ap.add_argument("--traces", default=None, help="distill: a recording verifier's trace directory "
+                                                   "(edgespec-verifier --record-traces) to adapt the draft to")
+    ap.add_argument("--device", default="cpu", help="distill: cpu | cuda | cuda:N | auto (real 2B/7B pairs on a GPU)")
     ap.add_argument("--target", default=None,
-                    help="exits: the target model dir to train adapters for (default: <out>/target)")
+                    help="exits, wisv, distill: the target model dir (default: <out>/target)")
     ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
     ap.add_argument("--work", default="build/train", help="work dir for dataset and tokenizer (default build/train)")
     ap.add_argument("--out", default=None, help="where model dirs go (default: the package models dir; with "
@@ -344,6 +399,20 @@ def main(argv=None) -> int:
             stage_data(args.work, cfg)
         elif stage == "tokenizer":
             stage_tokenizer(args.work, cfg)
+        elif stage == "distill":
+            draft = args.draft or os.path.join(args.out, "draft")
+            if args.traces:
+                from .distill import adapt_from_traces
+                path, report = adapt_from_traces(draft, args.traces, args.distill_out or os.path.dirname(
+                    os.path.abspath(draft)), distill_config(cfg), args.device)
+                print(f"adapt: {report['rounds_used']} of {report['rounds']} recorded rounds "
+                      f"({report['decisions']} decisions), {report['steps']} steps, "
+                      f"{report['source_draft']} -> {report['adapted_draft']}: {path}")
+            elif cfg.distill_steps > 0:
+                stage_distill(args.work, draft, args.target or os.path.join(args.out, "target"),
+                              args.distill_out or draft, cfg, args.device)
+            else:
+                print("distill: off (--distill-steps 0)")
         elif stage == "exits":
             stage_exits(args.target or os.path.join(args.out, "target"), args.exits_out, cfg)
         elif stage == "vision":
