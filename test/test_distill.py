@@ -194,3 +194,43 @@ def test_make_models_distills_after_the_draft_and_before_the_exits_and_wisv_head
 def test_the_distill_stage_names_the_missing_model(tmp_path):
     with pytest.raises(SystemExit, match="edgespec-train draft"):
         cli.main(["distill", "--work", str(tmp_path), "--out", str(tmp_path / "models")])
+
+
+# --- the adaptation curve on a shifted scenario family --------------------------------------------
+
+def test_the_warehouse_family_lies_outside_the_training_distribution():
+    from itertools import islice
+    from edgespec_ros.sim.dataset import SCENARIO_FAMILIES, iter_scenarios, scenario_family
+    family = list(iter_scenarios("heldout", 5, **scenario_family("warehouse")))
+    usual = list(iter_scenarios("heldout", 5))
+    assert all(s.room.width_m >= 9 and len(s.objects) >= 6 for s in family)
+    assert all(s.room.width_m <= 8 and len(s.objects) <= 5 for s in usual)
+    assert scenario_family(None) == {} and "warehouse" in SCENARIO_FAMILIES
+    with pytest.raises(ValueError, match="not one of"):
+        scenario_family("moon")
+    from edgespec_ros.sim.dataset import generate_examples
+    assert list(islice(generate_examples("heldout", 1, family="warehouse"), 1))[0].instruction
+
+
+@pytest.mark.parametrize("argv,message", [(["--family", "moon"], "--family"),
+                                          (["--adapt-decisions", "0,5"], "positive counts")])
+def test_adapt_curve_names_a_bad_option(argv, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["adapt-curve", "--work", str(tmp_path)] + argv)
+
+
+@pytest.mark.slow
+def test_the_adaptation_curve_runs_end_to_end(pair, tmp_path):
+    from edgespec_ros.train.adapt import adaptation_curve, format_curve, plot_curve
+    draft_dir = save_model(pair.draft, tmp_path / "draft")
+    target_dir = save_model(pair.target, tmp_path / "target")
+    report = adaptation_curve(draft_dir, target_dir, str(tmp_path / "work"), "warehouse", [1, 2], 1,
+                              DistillConfig(steps=3, batch_size=4, warmup=1))
+    assert [p["decisions"] for p in report["points"]] == [0, 1, 2]
+    assert report["points"][0]["draft"] == draft_dir
+    assert all(os.path.basename(p["draft"]) == f"draft-{model_content_hash(p['draft'])}" for p in report["points"][1:])
+    assert report["points"][2]["rounds"] > report["points"][1]["rounds"] > 0  # the first 2 decisions hold more rounds
+    assert 0 <= report["points"][1]["family"]["t0"]["acceptance_rate"] <= 1
+    assert "| 2 |" in format_curve(report)
+    plot_curve(report, str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").stat().st_size > 0

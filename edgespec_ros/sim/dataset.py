@@ -143,6 +143,26 @@ def write_heldout_scenarios(directory: str | Path, n: int, seed: int = 0) -> lis
     return paths
 
 
+# Scenario families outside the training distribution (the random_scenario keyword arguments that
+# make them): for measuring how the models, and a draft adapted to traffic, meet a shift.
+# "warehouse": rooms 9-12 x 8-10 m (training: 4-8 x 4-7) with 6-8 objects (training: 2-5), always
+# with a look-alike of the goal.
+SCENARIO_FAMILIES = {
+    "warehouse": dict(width_range=(9.0, 12.0), depth_range=(8.0, 10.0), n_objects_range=(6, 8),
+                      distractor_probability=1.0),
+}
+
+
+def scenario_family(name: str | None) -> dict:
+    """The random_scenario keyword arguments of a family in SCENARIO_FAMILIES (None: the training
+    distribution's own); a clear error naming the families otherwise."""
+    if name is None:
+        return {}
+    if name not in SCENARIO_FAMILIES:
+        raise ValueError(f"scenario family {name!r} is not one of {sorted(SCENARIO_FAMILIES)}")
+    return dict(SCENARIO_FAMILIES[name])
+
+
 def heldout_prompts(n: int, seed: int = 0, camera: CameraConfig = DEFAULT_CAMERA) -> list[tuple[str, np.ndarray]]:
     """``(instruction, first camera frame)`` of held-out scenarios ``seed .. seed + n - 1``."""
     return [(s.instruction, render_view(s, s.robot, camera).rgb) for s in iter_scenarios("heldout", n, seed)]
@@ -154,7 +174,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
                       expert_config: ExpertConfig = ExpertConfig(),
                       with_labels: bool = False, action_noise: float = 0.0,
-                      closeups_per_scenario: float = 0.0) -> Iterator[Example]:
+                      closeups_per_scenario: float = 0.0, family: str | None = None) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -168,11 +188,13 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     while the example keeps the expert's answer. The rollout then drifts into the states a
     learned policy's own mistakes lead to (off-centre, too close, facing a wall, half way around an
     obstacle) and the data shows how to recover from them.
+
+    ``family``: scenarios of a SCENARIO_FAMILIES family (outside the training distribution) instead.
     """
     for scenario, _pose, view, decision in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
-            closeups_per_scenario=closeups_per_scenario):
+            closeups_per_scenario=closeups_per_scenario, family=family):
         yield Example(view.rgb, scenario.instruction, decision.text,
                       dense_labels(view, scenario) if with_labels else None)
 
@@ -183,7 +205,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
                   expert_config: ExpertConfig = ExpertConfig(),
                   action_noise: float = 0.0,
-                  closeups_per_scenario: float = 0.0) -> Iterator[tuple[Scenario, Pose, CameraView, ExpertDecision]]:
+                  closeups_per_scenario: float = 0.0,
+                  family: str | None = None) -> Iterator[tuple[Scenario, Pose, CameraView, ExpertDecision]]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     ``(scenario, pose, view, expert decision)``: for analyses that need the pose and the situation."""
     if not 0.0 <= action_noise < 1.0:
@@ -192,8 +215,9 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
         Action.turn(direction, size, action_config) for direction in ("left", "right") for size in SIZES]
+    shape = scenario_family(family)
     for seed in split_seeds(split, n_scenarios, start):
-        scenario = scenario_for_seed(seed)
+        scenario = scenario_for_seed(seed, **shape)
         rng = np.random.default_rng([seed, 1])
         noise_rng = np.random.default_rng([seed, 2])
         closeup_rng = np.random.default_rng([seed, 3])

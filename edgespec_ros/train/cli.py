@@ -11,6 +11,8 @@
                                        # towards <out>/target (in place; --draft/--target/--device for any pair)
     edgespec-train distill --traces DIR  # adapt the draft to a recording verifier's traffic (a new model dir
                                        # named by its content hash)
+    edgespec-train adapt-curve         # the draft adapted to a recording verifier's traffic on a scenario family
+                                       # it never saw (--family warehouse): acceptance over recorded decisions
     edgespec-train exits --target DIR  # early-exit adapters for any Qwen2-VL target (saved in DIR/exits)
     edgespec-train wisv                # the WISV decision head (lossy) for <out>/draft + <out>/target (saved in target/wisv)
     edgespec-train vision              # the target's vision tower pretrained alone on dense renderer labels (<work>/vision;
@@ -306,6 +308,34 @@ def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineCon
     return report
 
 
+def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
+    """``edgespec-train adapt-curve`` (train.adapt): models from --out (or --draft/--target),
+    traces and adapted drafts under <work>/adapt."""
+    from dataclasses import replace
+    from ..sim.dataset import scenario_family
+    from .adapt import adaptation_curve, format_curve, plot_curve
+    try:
+        scenario_family(args.family)
+    except ValueError as e:
+        raise SystemExit(f"edgespec-train: --family: {e}") from None
+    try:
+        counts = sorted({int(x) for x in args.adapt_decisions.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise SystemExit(f"edgespec-train: --adapt-decisions {args.adapt_decisions!r}: give positive counts, "
+                         "comma-separated (e.g. 25,50,100,200)")
+    work = os.path.join(args.work, "adapt")
+    report = adaptation_curve(args.draft or os.path.join(args.out, "draft"),
+                              args.target or os.path.join(args.out, "target"), work, args.family, counts,
+                              args.adapt_heldout, replace(distill_config(cfg), steps=args.adapt_steps), args.device)
+    plot = args.plot or os.path.join(work, "adapt.png")
+    plot_curve(report, plot)
+    print(format_curve(report))
+    print(f"adapt-curve: {os.path.join(work, 'adapt.json')}, {plot}")
+    return report
+
+
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
@@ -347,13 +377,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "distill", "exits", "wisv", "card",
-                                      "vision"])
+                                      "vision", "adapt-curve"])
     ap.add_argument("--draft", default=None, help="distill: the draft model dir (default: <out>/draft)")
     ap.add_argument("--distill-out", default=None,
                     help="distill: where the distilled draft goes (default: in place; with --traces: a new "
                          "directory draft-<content hash> beside the draft)")
     ap.add_argument("--traces", default=None, help="distill: a recording verifier's trace directory "
                                                    "(edgespec-verifier --record-traces) to adapt the draft to")
+    ap.add_argument("--family", default="warehouse", help="adapt-curve: the scenario family (sim.dataset.SCENARIO_FAMILIES)")
+    ap.add_argument("--adapt-decisions", default="25,50,100,200",
+                    help="adapt-curve: numbers of recorded decisions to adapt from, comma-separated")
+    ap.add_argument("--adapt-heldout", type=int, default=40, help="adapt-curve: held-out decisions per measurement")
+    ap.add_argument("--adapt-steps", type=int, default=150, help="adapt-curve: training steps per adapted draft")
+    ap.add_argument("--plot", default=None, help="adapt-curve: the curve's PNG (default <work>/adapt/adapt.png)")
     ap.add_argument("--device", default="cpu", help="distill: cpu | cuda | cuda:N | auto (real 2B/7B pairs on a GPU)")
     ap.add_argument("--target", default=None,
                     help="exits, wisv, distill: the target model dir (default: <out>/target)")
@@ -413,6 +449,8 @@ def main(argv=None) -> int:
                               args.distill_out or draft, cfg, args.device)
             else:
                 print("distill: off (--distill-steps 0)")
+        elif stage == "adapt-curve":
+            stage_adapt_curve(args, cfg)
         elif stage == "exits":
             stage_exits(args.target or os.path.join(args.out, "target"), args.exits_out, cfg)
         elif stage == "vision":

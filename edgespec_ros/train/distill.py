@@ -425,11 +425,27 @@ def trace_examples(records, tokenizer) -> tuple[list[DistillExample], int]:
     return examples, skipped
 
 
+def first_decisions(records, n: int | None) -> list:
+    """The records of the first ``n`` decisions in recording order (None: all)."""
+    if n is None:
+        return list(records)
+    keep: set = set()
+    out = []
+    for r in records:
+        key = (r.tenant, r.decision)
+        if key not in keep and len(keep) >= n:
+            continue
+        keep.add(key)
+        out.append(r)
+    return out
+
+
 def adapt_from_traces(draft_dir: str, trace_dir: str, out_parent: str, cfg: DistillConfig,
-                      device: str = "cpu") -> tuple[str, dict]:
+                      device: str = "cpu", decisions: int | None = None) -> tuple[str, dict]:
     """``edgespec-train distill --traces DIR``: the draft in ``draft_dir`` adapted to a recording
     verifier's traffic, saved as a new model directory ``out_parent/draft-<content hash>`` (the
-    hash HELLO will carry). Returns (that path, the report also written there as adapt.json).
+    hash HELLO will carry), from the first ``decisions`` recorded decisions (None: all). Returns
+    (that path, the report also written there as adapt.json).
     Rounds recorded without images cannot be replayed through a vision draft and are skipped; a
     trace set with none is refused."""
     import json
@@ -439,7 +455,7 @@ def adapt_from_traces(draft_dir: str, trace_dir: str, out_parent: str, cfg: Dist
     from collections import Counter
     from ..decoding.engines import load_model, model_content_hash
     from ..decoding.traces import read_traces
-    records = read_traces(trace_dir)
+    records = first_decisions(read_traces(trace_dir), decisions)
     draft = load_model(draft_dir, device=device)
     examples, skipped = trace_examples(records, draft.tokenizer)
     if not examples:
