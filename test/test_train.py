@@ -331,10 +331,11 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "from 20 jittered starts (up to 0.25 m and 15 degrees off): the target reaches the goal in 100.0%" in text
     assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
     assert "pretrained alone" not in text and "DAgger" not in text  # training.json names neither
-    assert "The draft is in its bands (per-token acceptance 0.5-0.9 and tau 2-4 at gamma 4) at T=0 and T=1." in text
-    metrics["sd"] = [dict(sd[0], acceptance_rate=0.95, tau=4.2), sd[1]]
+    assert "The draft is in its bands (per-token acceptance 0.5-0.9 and tau 2-4.6 at gamma 4) at T=0 and T=1." in text
+    assert "The draft was not distilled towards the target" in text
+    metrics["sd"] = [dict(sd[0], acceptance_rate=0.95, tau=4.8), sd[1]]
     text = open(write_card(str(tmp_path), metrics)).read()
-    assert "**Outside the draft's bands** (per-token acceptance 0.5-0.9 and tau 2-4 at gamma 4): acceptance 0.95 at T=0 outside 0.5-0.9; tau 4.20 at T=0 outside 2-4." in text
+    assert "**Outside the draft's bands** (per-token acceptance 0.5-0.9 and tau 2-4.6 at gamma 4): acceptance 0.95 at T=0 outside 0.5-0.9; tau 4.80 at T=0 outside 2-4.6." in text
     metrics["sd"] = sd
     (tmp_path / "target" / "training.json").write_text(json.dumps(
         {"aux_weight": 1.0, "spec": {}, "vision_init": "build/train/vision", "vision_mode": "finetune",
@@ -463,3 +464,22 @@ def test_model_stage_without_a_dataset_says_which_stage_to_run(pipeline, tmp_pat
     shutil.copytree(os.path.join(work, "tokenizer"), tmp_path / "tokenizer")
     with pytest.raises(SystemExit, match="dataset.npz not found: run `edgespec-train data"):
         train_cli.main(["target", "--work", str(tmp_path), "--out", str(tmp_path / "out")])
+
+
+def test_card_shows_the_drafts_distillation_before_and_after(tmp_path):
+    from edgespec_ros.train.card import distill_section
+    assert "not distilled" in distill_section(str(tmp_path))[-1]
+    (tmp_path / "draft").mkdir()
+    agreement = {"greedy_match": 0.9, "accept_t1": 0.92, "fkl": 0.1, "rkl": 0.4, "tvd": 0.08, "positions": 50, "prompts": 5}
+    sd = lambda acc, tau: [{"gamma": g, "temperature": t, "decisions": 3, "acceptance_rate": acc, "tau": tau}  # noqa: E731
+                           for g in (2, 4) for t in (0.0, 1.0)]
+    (tmp_path / "draft" / "distill.json").write_text(json.dumps(
+        {"config": {"divergence": "tvd"}, "steps": 300, "seconds": 356.0, "draft_params": 264496,
+         "target_params": 1798816, "draft_flops_per_token": 279168, "target_flops_per_token": 2528512,
+         "before": agreement, "after": dict(agreement, greedy_match=0.95, accept_t1=0.96),
+         "sd_before": sd(0.6, 3.2), "sd_after": sd(0.8, 4.0), "command": "edgespec-train distill"}))
+    text = "\n".join(distill_section(str(tmp_path)))
+    assert "distilled for its target (TVD, 300 steps, 356 s)" in text
+    assert "0.26 M / 1.80 M parameters (6.8x), 0.28 / 2.53 MFLOP per text token (9.1x)" in text
+    assert "argmax match 0.900 -> 0.950" in text and "(1 - TV) 0.920 -> 0.960" in text
+    assert text.count("| 0.600 -> 0.800 | 3.20 -> 4.00 | 3 |") == 4 and "| 4 | 1 |" in text
