@@ -234,3 +234,8 @@ def test_the_adaptation_curve_runs_end_to_end(pair, tmp_path):
     assert "| 2 |" in format_curve(report)
     plot_curve(report, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").stat().st_size > 0
+    assert "reused" not in report["recorded"]
+    from edgespec_ros.train.adapt import reusable_traces
+    assert reusable_traces(str(tmp_path / "work" / "traces"), draft_dir, 2)["decisions"] == 2  # a rerun resumes
+    assert reusable_traces(str(tmp_path / "work" / "traces"), draft_dir, 3) is None  # too few: recorded again
+    assert reusable_traces(str(tmp_path / "work" / "traces"), target_dir, 2) is None  # another draft's traffic

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from itertools import islice
 
 from .distill import DistillConfig, adapt_from_traces
@@ -53,6 +54,25 @@ def record_decisions(draft_dir: str, target_dir: str, frames, trace_dir: str, te
     return summary.row()
 
 
+def reusable_traces(trace_dir: str, draft_dir: str, n: int) -> dict | None:
+    """A summary of the traces already in ``trace_dir`` when they hold at least ``n`` decisions, all
+    recorded with this very draft (a rerun resumes there instead of recording again); else None."""
+    from ..decoding.engines import model_content_hash
+    from ..decoding.traces import TraceFormatError, read_traces
+    if not os.path.isdir(trace_dir):
+        return None
+    try:
+        records = read_traces(trace_dir)
+    except (TraceFormatError, OSError):
+        return None
+    decisions = {(r.tenant, r.decision) for r in records}
+    if len(decisions) < n or {r.draft_hash for r in records} != {model_content_hash(draft_dir)}:
+        return None
+    drafted = sum(len(r.draft_ids) for r in records)
+    return {"decisions": len(decisions), "rounds": len(records), "reused": True,
+            "acceptance_rate": sum(r.accepted for r in records) / max(1, drafted)}
+
+
 def acceptance(draft_dir: str, target_dir: str, frames, gamma: int = 4) -> dict:
     """SD acceptance rate and tau at temperature 0 and 1 on ``frames``."""
     from .card import sd_acceptance
@@ -67,9 +87,13 @@ def adaptation_curve(draft_dir: str, target_dir: str, work: str, family: str, de
     shifted = family_frames(family, heldout, HELDOUT_START)
     usual = family_frames(None, heldout, HELDOUT_START)
     trace_dir = os.path.join(work, "traces")
-    recorded = record_decisions(draft_dir, target_dir, family_frames(family, max(decisions), RECORD_START), trace_dir)
+    recorded = reusable_traces(trace_dir, draft_dir, max(decisions))
+    if recorded is None:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        row = record_decisions(draft_dir, target_dir, family_frames(family, max(decisions), RECORD_START), trace_dir)
+        recorded = {k: row[k] for k in ("decisions", "acceptance_rate", "tau")}
     report = {"family": family, "draft": draft_dir, "target": target_dir, "heldout_decisions": heldout,
-              "config": cfg.__dict__.copy(), "recorded": {k: recorded[k] for k in ("decisions", "acceptance_rate", "tau")},
+              "config": cfg.__dict__.copy(), "recorded": recorded,
               "points": [{"decisions": 0, "draft": draft_dir, "family": acceptance(draft_dir, target_dir, shifted),
                           "usual": acceptance(draft_dir, target_dir, usual)}]}
     for n in decisions:

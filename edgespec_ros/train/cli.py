@@ -54,10 +54,11 @@ class PipelineConfig:
     closeups_per_scenario: float = 0.0
     tokenizer_vocab: int = 1024
     # the target trains until its wall-clock budget (0 = none) ends, the learning-rate schedule shrunk
-    # to fit (trainer.TrainConfig.time_budget_s); target_steps is only a ceiling. 3,000 s keeps
-    # `make models` (every stage, the card included) within the 90 minutes issue 22 allows
+    # to fit (trainer.TrainConfig.time_budget_s); target_steps is only a ceiling. 2,850 s keeps
+    # `make models` (every stage, the card included) within its 90 minutes now that the draft trains
+    # longer and is distilled (+10 min); the committed target had 3,000 s (9,507 steps)
     target_steps: int = 12000
-    target_budget_s: float = 3000.0
+    target_budget_s: float = 2850.0
     draft_steps: int = 1800  # 600 (54 s) left the draft far from converged: loss 0.41 vs 0.20, acceptance 0.60 vs 0.78
     draft_budget_s: float = 0.0
     target_aux_weight: float = 1.0  # auxiliary perception loss (dense scene labels) for the target
