@@ -483,3 +483,12 @@ def test_card_shows_the_drafts_distillation_before_and_after(tmp_path):
     assert "0.26 M / 1.80 M parameters (6.8x), 0.28 / 2.53 MFLOP per text token (9.1x)" in text
     assert "argmax match 0.900 -> 0.950" in text and "(1 - TV) 0.920 -> 0.960" in text
     assert text.count("| 0.600 -> 0.800 | 3.20 -> 4.00 | 3 |") == 4 and "| 4 | 1 |" in text
+
+
+def test_card_repeats_the_pipeline_records_note(tmp_path):
+    from edgespec_ros.train.card import reproduce_lines
+    record = {"stage_seconds": {"draft": 60.0}, "total_seconds_before_card": 60.0, "threads": 2}
+    (tmp_path / "pipeline.json").write_text(json.dumps(record))
+    assert len(reproduce_lines(str(tmp_path))) == 1
+    (tmp_path / "pipeline.json").write_text(json.dumps(dict(record, note="Draft re-run apart.")))
+    assert reproduce_lines(str(tmp_path))[-1] == "Draft re-run apart."

@@ -275,7 +275,7 @@ def distill_section(models_dir: str) -> list[str]:
     for x, y in zip(r.get("sd_before", []), r.get("sd_after", [])):
         lines.append(f"| {y['gamma']} | {y['temperature']:g} | {x['acceptance_rate']:.3f} -> {y['acceptance_rate']:.3f} | "
                      f"{x['tau']:.2f} -> {y['tau']:.2f} | {y['decisions']} |")
-    lines.append(f"Command: `{r.get('command') or 'edgespec-train distill'}`.")
+    lines += ["", f"Command: `{r.get('command') or 'edgespec-train distill'}`."]
     return lines
 
 
@@ -316,7 +316,7 @@ def reproduce_lines(models_dir: str) -> list[str]:
     return lines + [f"Reproduce everything: `make models` (= `edgespec-train all`); the committed run took "
                     f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
                     f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
-                    "few more)."]
+                    "few more)."] + ([run["note"]] if run.get("note") else [])
 
 
 def recipe_lines(target: dict) -> list[str]:
