@@ -99,6 +99,8 @@ def test_all_runs_the_vision_stage_first_and_quick_keeps_the_committed_models(tm
     monkeypatch.setattr(cli, "stage_tokenizer", lambda work, cfg: calls.append(("tokenizer", work, cfg)))
     monkeypatch.setattr(cli, "stage_vision", lambda work, cfg, baselines=True: calls.append(("vision", baselines, cfg)))
     monkeypatch.setattr(cli, "stage_model", lambda role, work, out, cfg: calls.append((role, out, cfg)))
+    monkeypatch.setattr(cli, "stage_distill", lambda work, draft, target, out, cfg, device="cpu":
+                        calls.append(("distill", (draft, target, out), cfg)))
     monkeypatch.setattr(cli, "stage_exits", lambda target, out, cfg: calls.append(("exits", target, cfg)))
     monkeypatch.setattr(cli, "stage_wisv", lambda draft, target, cfg: calls.append(("wisv", target, cfg)))
     monkeypatch.setattr(card_mod, "measure", lambda out, **kw: calls.append(("card", out, kw)) or {})
@@ -113,6 +115,10 @@ def test_all_runs_the_vision_stage_first_and_quick_keeps_the_committed_models(tm
     assert target_cfg.train_scenarios == 9 and target_cfg.target_budget_s == cli.QUICK["target_budget_s"]
     assert by["target"][1] == os.path.join("build/train-quick", "models")
     assert by["card"][2] == cli.QUICK_CARD
+    quick_models = os.path.join("build/train-quick", "models")  # the draft distilled in place there
+    assert by["distill"][1] == (os.path.join(quick_models, "draft"), os.path.join(quick_models, "target"),
+                                os.path.join(quick_models, "draft"))
+    assert by["distill"][2].distill_steps == cli.QUICK["distill_steps"]
     assert json.load(open(tmp_path / "build/train-quick/models/pipeline.json"))["command"] == "edgespec-train all --quick"
     calls.clear()
     assert cli.main(["all", "--out", str(tmp_path / "m")]) == 0  # the committed recipe: the vision stage first
