@@ -102,3 +102,10 @@ def test_wisv_sweep_through_the_command_line(tmp_path, capsys):
 def test_bad_sweep_arguments_are_clear_errors(argv, fragment, capsys):
     assert cli.main(argv) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_json_rows_go_to_a_folder_that_does_not_exist_yet(tmp_path):
+    from edgespec_ros.bench.cli import write_json
+    path = tmp_path / "out" / "deeper" / "rows.json"
+    write_json(str(path), [{"mode": "sd", "ms_per_token": 1.5}])
+    assert json.loads(path.read_text()) == [{"mode": "sd", "ms_per_token": 1.5}]

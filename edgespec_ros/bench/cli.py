@@ -147,10 +147,17 @@ def run_sweep(args) -> int:
     sweep.plot(rows, plot)
     print(f"wrote {plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, rows)
     return 0
+
+
+def write_json(path: str, rows) -> None:
+    """--json: the rows to ``path``, its folder made first (a measurement is never lost to a
+    missing ``out/``)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=2)
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
@@ -213,9 +220,7 @@ def main(argv=None) -> int:
             print(f"gamma auto ({r['mode']} row): AS2 chose cloud AR in {r['ar_decisions']} of {r['decisions']} "
                   f"decisions; ODLD's gamma per SD round: {r['gamma_counts'] or '-'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, rows)
     return 0
 
 
