@@ -239,3 +239,14 @@ def test_the_adaptation_curve_runs_end_to_end(pair, tmp_path):
     assert reusable_traces(str(tmp_path / "work" / "traces"), draft_dir, 2)["decisions"] == 2  # a rerun resumes
     assert reusable_traces(str(tmp_path / "work" / "traces"), draft_dir, 3) is None  # too few: recorded again
     assert reusable_traces(str(tmp_path / "work" / "traces"), target_dir, 2) is None  # another draft's traffic
+
+
+def test_a_time_budget_shrinks_the_schedule_and_then_stops():
+    import time
+    from edgespec_ros.train.trainer import budgeted_total
+    cfg = DistillConfig(steps=1000, warmup=5, time_budget_s=10.0)
+    now = time.monotonic()
+    assert budgeted_total(3, cfg, 1000, now - 50) == 1000  # warm-up: never cut
+    assert budgeted_total(100, cfg, 1000, now - 5.0) == pytest.approx(200, abs=2)  # half the budget in 100 steps
+    assert budgeted_total(100, cfg, 1000, now - 11.0) is None  # spent: stop
+    assert budgeted_total(100, DistillConfig(steps=1000), 1000, now - 1e6) == 1000  # no budget

@@ -214,7 +214,7 @@ def distill(draft, target, prompts: list[tuple[str, np.ndarray]], cfg: DistillCo
     ``traces`` (examples that carry the target's top-k) batches are drawn from those
     instead and ``target`` may be None. Returns the training log; the draft is left in eval mode."""
     from tqdm import tqdm
-    from .trainer import lr_at
+    from .trainer import budgeted_total, lr_at
     if cfg.divergence not in DIVERGENCES:
         raise ValueError(f"divergence {cfg.divergence!r} is not one of {DIVERGENCES}")
     if traces is None and (target is None or not prompts):
@@ -233,11 +233,9 @@ def distill(draft, target, prompts: list[tuple[str, np.ndarray]], cfg: DistillCo
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
     try:
         for step in bar:
-            if cfg.time_budget_s and step > cfg.warmup:
-                elapsed = time.monotonic() - started
-                if elapsed >= cfg.time_budget_s:
-                    break
-                total = max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
+            total = budgeted_total(step, cfg, total, started)
+            if total is None:
+                break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
             model.eval()  # drafting continuations and the target's side: no dropout, no grad

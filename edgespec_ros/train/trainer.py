@@ -113,6 +113,18 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def budgeted_total(step: int, cfg, total: int, started: float) -> int | None:
+    """The schedule's length at ``step`` under ``cfg.time_budget_s`` (a config with ``steps``,
+    ``warmup`` and ``time_budget_s``; 0/None: no budget): None once the budget is spent (stop),
+    else the steps that fit, so that the learning rate still decays fully within the budget."""
+    if not cfg.time_budget_s or step <= cfg.warmup:
+        return total
+    elapsed = time.monotonic() - started
+    if elapsed >= cfg.time_budget_s:
+        return None
+    return max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
+
+
 class LengthGroupedSampler:
     """Random batches of example indices with little padding (the idea of HF's group_by_length).
 
@@ -180,12 +192,9 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
     try:  # the probe's hook never outlives training, even when it fails
         for step in bar:
-            if cfg.time_budget_s and step > cfg.warmup:
-                elapsed = time.monotonic() - started
-                if elapsed >= cfg.time_budget_s:
-                    break
-                # shrink the schedule so the learning rate still decays fully within the budget
-                total = max(step + 1, min(cfg.steps, int(step * cfg.time_budget_s / max(elapsed, 1e-6))))
+            total = budgeted_total(step, cfg, total, started)
+            if total is None:
+                break
             if dagger and step >= dagger[0] * total:
                 model.eval()
                 added = collect(model, len(cfg.dagger_at) - len(dagger))
