@@ -243,6 +243,8 @@ def distill(draft, target, prompts: list[tuple[str, np.ndarray]], cfg: DistillCo
                 batch = [traces[i] for i in rng.choice(len(traces), min(cfg.batch_size, len(traces)), replace=False)]
             else:
                 batch = _draw_batch(draft, teacher, prompts, cfg, rng, step, log)
+                if not batch:  # every continuation ended at once: nothing to learn from these frames
+                    continue
             if any(e.target_topk is None for e in batch):
                 with torch.no_grad():
                     p_log = F.log_softmax(batch_logits(target, batch).float(), dim=-1)
