@@ -112,7 +112,7 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from .decoding.edge import DECODING_MODES
     from .wire.link import PROFILES
-    from .decoding.compute import COMPUTE_PROFILES
+    from .decoding.compute import COMPUTE_PROFILES, compute_arg
     ap = argparse.ArgumentParser(
         prog="edgespec-bringup",
         description="The closed loop in one process: sim_robot, drafter, navigator and monitor nodes (the graph of "
@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default=None, choices=list(DECODING_MODES),
                     help="decoding mode (default: fsd when available, else sd)")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
-    ap.add_argument("--compute", default="native", choices=list(COMPUTE_PROFILES),
-                    help="pad verifier compute to a hardware profile (default native)")
+    ap.add_argument("--compute", default="native", type=compute_arg,
+                    help=f"pad verifier compute to a hardware profile: {', '.join(COMPUTE_PROFILES)} or a file "
+                         "from edgespec-profile (default native)")
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: config/drafter.yaml)")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
     ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")

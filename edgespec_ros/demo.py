@@ -15,7 +15,7 @@ import textwrap
 from .models import resolve_models
 from .processes import env_threads
 from .bench.runner import add_speedups, bench_prompts, emulated_setup, run_modes
-from .decoding.compute import COMPUTE_PROFILES, get_compute
+from .decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
 from .decoding.sampling import SamplingParams
 from .wire.link import PROFILES
 
@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-demo --compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
-    ap.add_argument("--compute", default="native", choices=list(COMPUTE_PROFILES))
+    ap.add_argument("--compute", default="native", type=compute_arg,
+                    help=f"compute profile: {', '.join(COMPUTE_PROFILES)} or a file from edgespec-profile")
     ap.add_argument("--gamma", type=int, default=4, help="draft length (default 4)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=64)

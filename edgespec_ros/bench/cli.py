@@ -9,7 +9,7 @@ import sys
 from tqdm import tqdm
 
 from ..codecs import get_codec
-from ..decoding.compute import COMPUTE_PROFILES, get_compute
+from ..decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
 from ..decoding.edge import DECODING_MODES, DecodeConfig
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-bench", description=__doc__)
     ap.add_argument("--modes", default="ar,sd", help=f"comma-separated modes from {','.join(DECODING_MODES)} (default ar,sd)")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link profile")
-    ap.add_argument("--compute", default=None, choices=list(COMPUTE_PROFILES),
-                    help="native (default), or pad compute to the paper's Go2 hardware (go2-paper, emulated); "
+    ap.add_argument("--compute", default=None, type=compute_arg,
+                    help=f"native (default), or pad compute to a hardware profile ({', '.join(COMPUTE_PROFILES)}, "
+                         "or a file measured by edgespec-profile; emulated); "
                          "with --sweep: every link's compute (default: the sweep's own)")
     ap.add_argument("--decisions", type=int, default=None,
                     help="decisions (prompts) per mode (default 8); with --sweep: measured decisions per setting "

@@ -163,7 +163,7 @@ def plot_modes(rows: list[dict], path: str) -> None:
     top = max(r["ms_per_token"] for r in rows)
     ax.set_ylim(0, 1.4 * top)  # headroom: the legend never covers a bar
     ax.legend(fontsize=8, ncol=3, loc="upper center")
-    emulated = ", emulated" if get_compute(rows[0]["compute"]).emulated else ""
+    emulated = ", emulated" if rows[0]["compute"] != "native" else ""
     ax.set_title(f"Decoding modes by link ({rows[0]['compute']} compute{emulated})", fontsize=10)
     fig.tight_layout()
     _save(fig, path)

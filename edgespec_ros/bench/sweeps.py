@@ -196,7 +196,7 @@ def run_codecs(opts: SweepOptions, progress) -> list[dict]:
     bar = progress(len(links) * (len(temperatures) * len(specs) * decisions + 1))
     rows = []
     for link in links:
-        with emulated_setup(opts.pair, link, compute.name) as (draft_lm, url):
+        with emulated_setup(opts.pair, link, opts.compute or "native") as (draft_lm, url):
             warm_up(draft_lm, url, link, compute, prompts[0], opts.max_new_tokens)
             bar.update(1)
             summaries = {(t, spec): RunSummary("sd", link, compute.name) for t in temperatures for spec in specs}

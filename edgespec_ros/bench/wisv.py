@@ -53,7 +53,7 @@ def timed_rows(opts, links, thresholds, prompts, bar) -> list[dict]:
         profile = get_profile(link)
         with emulated_setup(opts.pair, link, compute_name, exits=opts.exits) as (draft_lm, url):
             for threshold, upload in settings:
-                summary = RunSummary(mode="sd", link=link, compute=compute_name)
+                summary = RunSummary(mode="sd", link=link, compute=compute.name)
                 verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                           link_profile=profile, timeout_s=60.0)
                 with verifier:
@@ -69,7 +69,7 @@ def timed_rows(opts, links, thresholds, prompts, bar) -> list[dict]:
                 row = summary.row()
                 rows.append({
                     "link": link, "threshold": threshold, "upload": upload if threshold is not None else None,
-                    "lossy": threshold is not None, "compute": compute_name + " (emulated)" if compute_name != "native"
+                    "lossy": threshold is not None, "compute": compute.name + " (emulated)" if compute.emulated
                     else "native", "decisions": row["decisions"],
                     "accepted_length": summary.accepted / summary.rounds if summary.rounds else None,
                     "tau": row["tau"], "rounds": summary.rounds / max(1, summary.decisions),

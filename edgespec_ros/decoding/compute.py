@@ -11,53 +11,177 @@ figure from the paper).
 The robot has one accelerator: ``EdgeDevice`` makes emulated drafting a serial resource that the
 main drafting path, the pipeline and every pre-draft worker share (``edge_units`` > 1 is an
 explicitly labelled what-if). Emulated figures must be labelled as such wherever they are shown.
+
+Prefill is emulated on both sides: the cloud's (``prefill_s``, one target prefill of a frame and
+the prompt) on the verifier's compute thread, the robot's draft prefill (``edge_prefill_s``) on its
+one accelerator. go2-paper takes the cloud's as one verification pass (620 ms) and the robot's as
+300 ms: the paper gives neither, so both are this project's estimates, labelled.
+
+A profile may also be a file (``--compute FILE.json``): ``edgespec-profile`` measures one on a GPU
+server. Its cloud terms are measured, with the pass time as a table over batch rows and block
+length (tokens fed per robot), so a batched pass of the fleet verifier costs what was measured for
+that many rows, not a flat one pass.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import json
+import math
+import os
 import threading
 import time
 from dataclasses import dataclass
+
+
+PROFILE_FORMAT = "edgespec-compute/1"
 
 
 @dataclass(frozen=True)
 class ComputeProfile:
     name: str
     draft_token_s: float = 0.0  # per drafted token on the robot
-    verify_s: float = 0.0  # per target verification forward (any gamma)
+    verify_s: float = 0.0  # per target verification forward (any gamma; a table's row 1, block 5)
     ar_step_s: float = 0.0  # per target single-token decode step
     exit_s: float = 0.0  # per early exit computed during a verification (LM head + host check)
     edge_units: int = 1  # accelerators on the robot (1: a Jetson; more is a labelled what-if)
+    prefill_s: float = 0.0  # the cloud's prefill of one decision's prompt (frame + text)
+    edge_prefill_s: float = 0.0  # the robot's draft prefill of the same prompt, on its accelerator
+    # measured pass times: (rows, blocks, seconds[rows][blocks]); empty: verify_s / ar_step_s flat
+    verify_table: tuple = ()
+    source: str = ""  # where the figures come from (a measured profile names its device)
+    edge_source: str = ""
 
     @property
     def emulated(self) -> bool:
         return self.name != "native"
 
-    def verify_total_s(self, exits_computed: int) -> float:
+    def pass_s(self, rows: int = 1, block: int = 5, ar: bool = False) -> float:
+        """The accelerator's time for one pass that feeds ``block`` tokens (pending + drafts) to
+        each of ``rows`` sessions. A measured table is interpolated (linearly, extrapolated past
+        its last rows/blocks from the last two points); a flat profile charges verify_s per pass
+        whatever its rows (ar_step_s for a pass of AR steps only)."""
+        if self.verify_table:
+            rows_at, blocks_at, table = self.verify_table
+            return max(0.0, _interp2(rows_at, blocks_at, table, rows, block))
+        if not self.verify_s:
+            return 0.0
+        return self.ar_step_s if ar else self.verify_s
+
+    def verify_total_s(self, exits_computed: int, block: int = 5) -> float:
         """Emulated verification time with ``exits_computed`` early exits evaluated on the way."""
-        return self.verify_s + exits_computed * self.exit_s if self.verify_s else 0.0
+        base = self.pass_s(1, block)
+        return base + exits_computed * self.exit_s if base else 0.0
 
-    def exit_available_s(self, exit_layer: int, num_layers: int, exits_before: int = 0) -> float:
+    def exit_available_s(self, exit_layer: int, num_layers: int, exits_before: int = 0,
+                         pass_s: float | None = None) -> float:
         """When early exit `exit_layer` of `num_layers` is available within a verification
-        (``exits_before``: exits computed at shallower layers, each costing exit_s first)."""
-        return self.verify_s * exit_layer / num_layers + (exits_before + 1) * self.exit_s if self.verify_s else 0.0
+        (``exits_before``: exits computed at shallower layers, each costing exit_s first;
+        ``pass_s``: this pass's time, default the lone round's)."""
+        base = self.pass_s() if pass_s is None else pass_s
+        return base * exit_layer / num_layers + (exits_before + 1) * self.exit_s if base else 0.0
 
+    @classmethod
+    def from_dict(cls, d: dict, origin: str = "profile") -> "ComputeProfile":
+        """A profile from its JSON form (``edgespec-profile`` writes it); ValueError saying what
+        is wrong otherwise."""
+        if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{origin}: not a compute profile (needs \"format\": \"{PROFILE_FORMAT}\")")
+        fields = {}
+        for key in ("draft_token_s", "verify_s", "ar_step_s", "exit_s", "prefill_s", "edge_prefill_s"):
+            v = d.get(key, 0.0)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 60:
+                raise ValueError(f"{origin}: {key} must be seconds in [0, 60], got {v!r}")
+            fields[key] = float(v)
+        units = d.get("edge_units", 1)
+        if not isinstance(units, int) or units < 1:
+            raise ValueError(f"{origin}: edge_units must be an integer >= 1, got {units!r}")
+        table = ()
+        if d.get("verify_table") is not None:
+            t = d["verify_table"]
+            try:
+                rows, blocks, s = [int(r) for r in t["rows"]], [int(b) for b in t["blocks"]], t["s"]
+                grid = tuple(tuple(float(x) for x in row) for row in s)
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{origin}: verify_table needs rows, blocks and s (seconds[rows][blocks])") from None
+            if (not rows or not blocks or rows != sorted(set(rows)) or blocks != sorted(set(blocks)) or rows[0] < 1
+                    or blocks[0] < 1 or len(grid) != len(rows) or any(len(r) != len(blocks) for r in grid)
+                    or not all(math.isfinite(x) and 0 <= x <= 60 for r in grid for x in r)):
+                raise ValueError(f"{origin}: verify_table must have increasing rows and blocks >= 1 and one "
+                                 "time in [0, 60] s per (row, block)")
+            table = (tuple(rows), tuple(blocks), grid)
+        name = d.get("name")
+        if not isinstance(name, str) or not name or name == "native":
+            raise ValueError(f"{origin}: needs a name (not 'native')")
+        return cls(name, edge_units=units, verify_table=table, source=str(d.get("source", "")),
+                   edge_source=str(d.get("edge_source", "")), **fields)
+
+    @classmethod
+    def load(cls, path: str) -> "ComputeProfile":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read compute profile {path!r}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"compute profile {path!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(d, f"compute profile {path!r}")
+
+
+def _lin(xs, ys, x) -> float:
+    """ys at x: linear between points, the first value below the first point, and past the last
+    point the last value plus the last segment's slope if it grows (a measured time never falls
+    with more rows or tokens; a noisy last segment must not make it)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(0.0, slope) * (x - xs[-1])
+    k = bisect.bisect_left(xs, x)
+    w = (x - xs[k - 1]) / (xs[k] - xs[k - 1])
+    return (1 - w) * ys[k - 1] + w * ys[k]
+
+
+def _interp2(rows, blocks, table, r, b) -> float:
+    return _lin(rows, [_lin(blocks, row, b) for row in table], r)
+
+
+GO2_PAPER = ComputeProfile(
+    "go2-paper", draft_token_s=0.072, verify_s=0.620, ar_step_s=0.354, exit_s=0.008, prefill_s=0.620,
+    edge_prefill_s=0.300, source="FSD paper Table 8 (Go2 Jetson Orin + A100); prefills are this project's estimates",
+    edge_source="go2-paper: 72 ms per draft token on the Go2's Jetson Orin (FSD paper Table 8); the draft's "
+                "prefill of a frame and prompt 300 ms (this project's estimate; the paper gives none)")
 
 COMPUTE_PROFILES = {
     "native": ComputeProfile("native"),
-    "go2-paper": ComputeProfile("go2-paper", draft_token_s=0.072, verify_s=0.620, ar_step_s=0.354, exit_s=0.008),
+    "go2-paper": GO2_PAPER,
     # What-if, labelled as such: as go2-paper but a robot with one accelerator per pre-draft worker
     # (the emulation before issue 17 granted this implicitly).
     "go2-paper-multigpu": ComputeProfile("go2-paper-multigpu", draft_token_s=0.072, verify_s=0.620, ar_step_s=0.354,
-                                         exit_s=0.008, edge_units=64),
+                                         exit_s=0.008, edge_units=64, prefill_s=0.620, edge_prefill_s=0.300,
+                                         source=GO2_PAPER.source, edge_source=GO2_PAPER.edge_source),
 }
 
 
 def get_compute(name: str) -> ComputeProfile:
-    try:
+    """A named profile, or a profile file (``edgespec-profile`` writes one): ValueError otherwise."""
+    if name in COMPUTE_PROFILES:
         return COMPUTE_PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown compute profile {name!r}; known: {', '.join(COMPUTE_PROFILES)}") from None
+    if name.endswith(".json") or os.path.sep in name or os.path.isfile(name):
+        return ComputeProfile.load(name)
+    raise ValueError(f"unknown compute profile {name!r}; known: {', '.join(COMPUTE_PROFILES)}, or a profile file "
+                     "(edgespec-profile writes one)")
+
+
+def compute_arg(text: str) -> str:
+    """argparse type for --compute: a known name or a readable profile file (checked now, so a
+    typo fails before any model loads)."""
+    import argparse
+    try:
+        get_compute(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def pad_to(started: float, target_s: float) -> float:
@@ -77,10 +201,10 @@ class EdgeDevice:
     on a CPU the threads would only contend for the same cores (and, in Python, the one interpreter
     lock that the ROS executor needs too)."""
 
-    def __init__(self, draft_token_s: float = 0.0, units: int = 1):
+    def __init__(self, draft_token_s: float = 0.0, units: int = 1, prefill_s: float = 0.0):
         if units < 1:
             raise ValueError(f"edge units must be >= 1, got {units}")
-        self.draft_token_s, self.units = draft_token_s, units
+        self.draft_token_s, self.units, self.prefill_s = draft_token_s, units, prefill_s
         self.busy_s = 0.0  # slot-seconds used (all threads)
         self.tokens = 0
         self._cond = threading.Condition()
@@ -92,12 +216,21 @@ class EdgeDevice:
     def for_profile(cls, profile: "ComputeProfile | None") -> "EdgeDevice":
         if profile is None:
             return cls()
-        return cls(profile.draft_token_s, profile.edge_units)
+        return cls(profile.draft_token_s, profile.edge_units, profile.edge_prefill_s)
 
-    @contextlib.contextmanager
     def token(self, main: bool = True, urgent: bool = False):
         """Hold a slot for one drafted token (the body is that token's real compute). Order:
         urgent, then main, then the rest."""
+        return self.hold(self.draft_token_s, main, urgent, tokens=1)
+
+    def prefill(self):
+        """Hold a main slot for the draft's prefill of a decision's prompt (``prefill_s``; the
+        body is the real prefill)."""
+        return self.hold(self.prefill_s, True)
+
+    @contextlib.contextmanager
+    def hold(self, seconds: float, main: bool = True, urgent: bool = False, tokens: int = 0):
+        """Hold a slot while the body runs, and until ``seconds`` have passed since it began."""
         urgent = urgent and not main
         with self._cond:
             self._main_waiting += main
@@ -114,10 +247,10 @@ class EdgeDevice:
         try:
             yield
         finally:
-            elapsed = pad_to(t0, self.draft_token_s)
+            elapsed = pad_to(t0, seconds)
             with self._cond:
                 self._busy -= 1
-                self.tokens += 1
+                self.tokens += tokens
                 self.busy_s += elapsed
                 self._cond.notify_all()
 

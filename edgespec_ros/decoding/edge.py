@@ -131,7 +131,8 @@ class _Decision:
         self.seq = decoder.draft.new_sequence()
         self.seq.keep_hidden = cfg.verify_mode == WISV  # the decision head reads the drafter's hidden states
         t0 = time.perf_counter()
-        self.seq.prefill(inputs)
+        with self.device.prefill():  # on the robot's one accelerator (emulated: the profile's edge_prefill_s)
+            self.seq.prefill(inputs)
         m.t_draft += time.perf_counter() - t0
 
     def draft(self, gamma: int, stop=None) -> tuple[list[int], torch.Tensor, float]:

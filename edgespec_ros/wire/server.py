@@ -32,7 +32,7 @@ from ..decoding.verifier import Condition, EpochGate
 from ..decoding.traces import ANONYMOUS, tenant_id
 from ..decoding.verify import DraftDistributionError
 from . import protocol as P
-from ..decoding.compute import ComputeProfile, get_compute
+from ..decoding.compute import ComputeProfile, compute_arg, get_compute
 from .fair import FairCompute, Occupy, SessionGone
 from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, LimitError, ServerLimits, check_image
 
@@ -52,11 +52,12 @@ def on_device(fn, args: tuple, budget) -> Occupy:
 
 @dataclass
 class _DeviceWork:
-    """One session's share of a batched pass: its Round or ArStep, the profile's time for the pass
-    (emulated compute), the extra time of its early exits (evaluated after the pass) and a
-    callback with the pass's start time (its exits are timed from it)."""
+    """One session's share of a batched pass: its Round or ArStep, the tokens it feeds (the pass
+    costs the profile's time for its rows and longest block), the extra time of its early exits
+    (evaluated after the pass) and a callback with the pass's start time (its exits are timed
+    from it)."""
     item: object
-    base_s: float
+    block: int
     extra: object = None
     on_start: object = None
 
@@ -508,7 +509,7 @@ class VerifierServer:
                 settings = self._verify_settings(msg)
                 prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
                 try:
-                    dt = await self._run(conn, session.start_steps, prompt, settings)
+                    dt = await self._run(conn, self._prefill_on_device, session, prompt, settings)
                 except ValueError as exc:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
                 await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
@@ -577,9 +578,9 @@ class VerifierServer:
                     # The profile's time is the accelerator's pass; decoding q is host work beside it.
                     # Batched with the other sessions' rounds and AR steps that are ready; early
                     # exits stream from hooks on this session's row of the shared pass.
-                    work = _DeviceWork(Round(session, list(msg.draft_ids), q, chained, on_exit), self.compute.verify_s)
+                    work = _DeviceWork(Round(session, list(msg.draft_ids), q, chained, on_exit), len(msg.draft_ids) + 1)
                     if on_exit is not None:
-                        work.extra = lambda: self.compute.verify_total_s(len(session.last_exits)) - self.compute.verify_s
+                        work.extra = lambda: len(session.last_exits) * self.compute.exit_s
                         work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
                     result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow,
                                                          cost=session.seq.fed + len(msg.draft_ids))
@@ -610,7 +611,7 @@ class VerifierServer:
                     started = time.perf_counter()
                     # Batched with the other sessions' AR steps and verification rounds that are ready.
                     token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
-                                                           _DeviceWork(ArStep(session), self.compute.ar_step_s),
+                                                           _DeviceWork(ArStep(session), 1),
                                                            flow=conn.flow, cost=session.seq.fed + 1)
                     elapsed = time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
                     last = token in eos or i == msg.max_new_tokens - 1
@@ -633,7 +634,7 @@ class VerifierServer:
             q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
                                     device=False)
             result, _ = await self._run(conn, on_device, session.verify_separate, (msg.draft_ids, q, edge, chained),
-                                        lambda: self.compute.verify_s)
+                                        lambda: self.compute.pass_s(1, len(msg.draft_ids) + 1))
             p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p,
                                                                                  device=False)
         except (CodecError, DraftDistributionError, ValueError) as exc:
@@ -668,7 +669,7 @@ class VerifierServer:
         if sender is not None:
             sender.begin(started)
         asked = await self._run(conn, on_device, session.wisv_begin, (list(msg.draft_ids), chained, on_exit),
-                                lambda: self.compute.verify_total_s(len(session.last_exits)))
+                                lambda: self.compute.verify_total_s(len(session.last_exits), n + 1))
         waited = self.fair.take_wait(conn.key)
         compute_s = time.perf_counter() - started - waited
         if full is not None:
@@ -740,19 +741,30 @@ class VerifierServer:
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
 
-    @staticmethod
-    def _verify_batch_on_device(items: list) -> list:
+    def _verify_batch_on_device(self, items: list) -> list:
         """On the compute thread: several sessions' rounds and AR steps in one pass (verify_batch),
-        then the emulated accelerator stays busy for the longest base time among them plus every
-        early exit computed on the way: a batch costs one pass of the profile, not one per
-        session, but each session's exits cost their own LM-head evaluations."""
+        then the emulated accelerator stays busy for the profile's time of that pass (its rows and
+        longest block: a measured profile's table, or a flat profile's one pass whatever the rows)
+        plus every early exit computed on the way (each session's exits cost their own LM-head
+        evaluations)."""
         t0 = time.perf_counter()
         for w in items:
             if w.on_start is not None:
                 w.on_start(t0)
         results = verify_batch([w.item for w in items])
-        budget = max(w.base_s for w in items) + sum(w.extra() for w in items if w.extra is not None)
+        ar = all(isinstance(w.item, ArStep) for w in items)
+        budget = (self.compute.pass_s(len(items), max(w.block for w in items), ar=ar)
+                  + sum(w.extra() for w in items if w.extra is not None))
         return Occupy(results, budget - (time.perf_counter() - t0))
+
+    def _prefill_on_device(self, session: TargetSession, prompt: Prompt, settings: VerifySettings):
+        """The session's prefill as preemptible steps (``TargetSession.start_steps``); with an
+        emulated profile the accelerator then stays busy until the profile's ``prefill_s`` has
+        passed in all (its quanta included). Returns the prefill's compute seconds (emulated:
+        the profile's)."""
+        spent = yield from session.start_steps(prompt, settings)
+        target = self.compute.prefill_s
+        return Occupy(max(spent, target), target - spent) if target else spent
 
     @staticmethod
     def _check_decision(got: int, current: int | None) -> None:
@@ -1028,8 +1040,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
-    ap.add_argument("--compute", default="native", choices=["native", "go2-paper"],
-                    help="pad target compute to a hardware profile (go2-paper: 620 ms/verify, 354 ms/AR step)")
+    ap.add_argument("--compute", default="native", type=compute_arg,
+                    help="pad target compute to a hardware profile: go2-paper (620 ms/verify, 354 ms/AR step, "
+                         "620 ms/prefill), or a profile file measured by edgespec-profile (default native)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                     help="weights dtype (default float32; auto: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N or auto")

@@ -1,0 +1,718 @@
+"""edgespec-profile: measure the cloud half on the accelerator you have, for real-size Qwen2-VL.
+
+Builds Qwen2-VL models of the published 2B and 7B shapes (``bench/shapes/*.json``: configuration
+values only; random weights, no download) and measures, with this project's own verifier code
+(``decoding.batch.verify_batch``, ``TargetSession``, ``ExitHooks``):
+
+- the target's prefill of one 448x448 frame plus a prompt with a few decisions of history;
+- a verification pass over block length 1..16 (tokens fed per robot: the pending token plus the
+  drafts; 1 is the AR step) and batch rows 1..16, each robot at its own realistic KV length;
+  the time of the model's forward alone is reported beside it (the rest is the host's share:
+  stacking KV caches, logits to the host, the verification rule);
+- the cost of each early-exit head (norm + LM head over the block, the host's check);
+- the 2B's prefill and per-token drafting on the same device (a server-side proxy: an H100 is
+  not an Orin, and the profile keeps the go2-paper Orin figures for the robot);
+- peak accelerator memory;
+- batch invariance: greedy SD with rounds verified alone and batched (2/4/8/16 sessions of
+  different prompts joining and leaving) against the target decoding each prompt alone, token for
+  token, in the precisions asked for; plus the logit differences behind any divergence.
+
+It writes ``profile.json``, a compute profile that ``--compute FILE`` accepts (every benchmark,
+the fleet sweep, the verifier, the demo): its cloud terms are the measured ones, its edge terms
+the go2-paper Orin figures (labelled). ``measurements.json`` holds everything measured.
+
+A separate tool (not an ``edgespec-bench`` sweep) because it must run on a bare GPU server with
+only torch and transformers: it measures the model, not the system over a link, and imports
+nothing of the wire, the simulator or ROS. Runs on CPU with ``--shapes tiny`` (the tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding.batch import ArStep, Round, feed_batch, verify_batch
+from ..decoding.cloud import TargetSession, VerifySettings
+from ..decoding.compute import GO2_PAPER, PROFILE_FORMAT
+from ..decoding.engines import LoadedModel
+from ..decoding.inputs import PromptInputs
+from ..decoding.sampling import SamplingParams
+
+SHAPES_DIR = os.path.join(os.path.dirname(__file__), "shapes")
+GREEDY = VerifySettings(SamplingParams(0.0), seed=0, verify_mode="greedy")
+
+ROWS_DEFAULT = (1, 2, 4, 8, 12, 16)
+BLOCKS_DEFAULT = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+INVARIANCE_BATCHES = (1, 2, 4, 8, 16)  # 1: every round verified alone (block invariance only)
+
+
+def load_shape(name: str) -> dict:
+    """A shape (config values) by name (``bench/shapes/<name>.json``) or path."""
+    path = name if name.endswith(".json") else os.path.join(SHAPES_DIR, f"{name}.json")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(SHAPES_DIR) if f.endswith(".json"))
+        raise SystemExit(f"edgespec-profile: no model shape {name!r} (known: {', '.join(known)}, or a .json path)")
+    with open(path) as f:
+        shape = json.load(f)
+    shape.setdefault("_name", os.path.basename(path)[:-5])
+    return shape
+
+
+def build_config(shape: dict):
+    from transformers import Qwen2VLConfig
+    return Qwen2VLConfig(**{k: v for k, v in shape.items() if not k.startswith("_")})
+
+
+def special(config, name: str) -> int | None:
+    """A special token id of the configuration (transformers 5 keeps some on the text config)."""
+    v = getattr(config, name, None)
+    if v is None:
+        v = getattr(getattr(config, "text_config", None), name, None)
+    return v
+
+
+class ShapeTokens:
+    """What the engines ask of a tokenizer, for a model with no tokenizer (random weights): the
+    special ids of the shape's configuration."""
+
+    unk_token_id = None
+
+    def __init__(self, config):
+        self.eos_token_id = special(config, "eos_token_id")
+        self._ids = {t: special(config, n) for t, n in (("<|image_pad|>", "image_token_id"), ("<|im_end|>", "eos_token_id"),
+                                                       ("<|vision_start|>", "vision_start_token_id"),
+                                                       ("<|vision_end|>", "vision_end_token_id"))}
+
+    def convert_tokens_to_ids(self, token: str):
+        return self._ids.get(token)
+
+
+def build_lm(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    """A Qwen2-VL of the shape with random weights, on ``device`` in ``dtype`` (built as
+    ``from_pretrained(..., dtype=)`` builds it: rotary frequency buffers stay float32)."""
+    from transformers import Qwen2VLForConditionalGeneration
+    config = build_config(shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedModel(model, ShapeTokens(config), None, f"<random {shape['_name']}>", True)
+
+
+def param_count(shape: dict) -> int:
+    """Parameters of the shape (built on the meta device: no memory)."""
+    from transformers import Qwen2VLForConditionalGeneration
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(build_config(shape))
+    return sum(p.numel() for p in model.parameters())
+
+
+def text_id_range(config) -> int:
+    """Ordinary text ids are drawn below the first special id."""
+    ids = [special(config, n) for n in ("eos_token_id", "image_token_id", "vision_start_token_id",
+                                        "vision_end_token_id", "bos_token_id")]
+    return min(int(i) for i in ids if i is not None)
+
+
+def synthetic_prompt(config, seed: int, image: int = 448, text: int = 48, history: int = 96) -> PromptInputs:
+    """A prompt shaped like the robot's: a system/instruction text, one image of image x image
+    pixels (its patches random), and ``history`` tokens of earlier decisions, then the assistant
+    turn. Token ids are random ordinary ids (random weights make their identity irrelevant)."""
+    g = torch.Generator().manual_seed(seed)
+    vc = config.vision_config
+    patch, merge, tp = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size
+    side = image // patch
+    side -= side % merge
+    n_image = side * side // merge ** 2
+    high = text_id_range(config)
+
+    def words(n):
+        return torch.randint(0, high, (n,), generator=g).tolist()
+    image_id = special(config, "image_token_id")
+    ids = (words(text // 2) + [special(config, "vision_start_token_id")] + [image_id] * n_image
+           + [special(config, "vision_end_token_id")] + words(text - text // 2 + history)
+           + [special(config, "eos_token_id")] + words(3))
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    pixels = torch.randn(side * side, 3 * tp * patch * patch, generator=g)
+    return PromptInputs(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
+                        image_grid_thw=torch.tensor([[1, side, side]]),
+                        mm_token_type_ids=(input_ids == image_id).long())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of fn() per repetition (device synchronised around each)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class ForwardClock:
+    """Times every call of the model's forward (synchronised): the pass alone, without the host
+    work around it."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm, self.times, self._t0, self._handles = lm, [], 0.0, []
+
+    def __enter__(self):
+        dev = self.lm.device
+
+        def pre(*_a, **_k):
+            _sync(dev)
+            self._t0 = time.perf_counter()
+
+        def post(*_a, **_k):
+            _sync(dev)
+            self.times.append(time.perf_counter() - self._t0)
+        self._handles = [self.lm.model.register_forward_pre_hook(pre), self.lm.model.register_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+
+def open_sessions(lm: LoadedModel, prompts: list[PromptInputs]) -> list[TargetSession]:
+    """Sessions prefilled on their prompts, each with one token decoded (pending): a round then
+    feeds the pending token plus its drafts."""
+    sessions = []
+    for p in prompts:
+        s = TargetSession(lm)
+        s.settings = GREEDY
+        s.seq.prefill(p)
+        s.ar_step()
+        sessions.append(s)
+    return sessions
+
+
+def _med(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def measure_prefill(lm: LoadedModel, prompt: PromptInputs, reps: int) -> dict:
+    seq = lm.new_sequence()
+    times = timed(lambda: seq.prefill(prompt), lm.device, reps)
+    return {"tokens": prompt.num_tokens, "image_tokens": int(prompt.mm_token_type_ids.sum()),
+            "s": _med(times), "all_s": times}
+
+
+def measure_grid(lm: LoadedModel, sessions: list[TargetSession], rows_list, blocks, reps: int, seed: int,
+                 bar=None) -> list[dict]:
+    """One entry per (rows, block): the verification pass (verify_batch: what the verifier runs)
+    and the model's forward inside it. block 1 is the AR step (ArStep); block b > 1 a round of
+    b - 1 drafts plus the pending token."""
+    rng = random.Random(seed)
+    high = text_id_range(lm.model.config)
+    snaps = [s.seq.fork() for s in sessions]
+    out = []
+    for rows in rows_list:
+        for block in blocks:
+            for s, snap in zip(sessions, snaps):
+                s.seq = snap.fork()
+            group = sessions[:rows]
+
+            def one():
+                if block == 1:
+                    items = [ArStep(s) for s in group]
+                else:
+                    items = [Round(s, [rng.randrange(high) for _ in range(block - 1)], None) for s in group]
+                for r in verify_batch(items):
+                    if isinstance(r, Exception):
+                        raise r
+            one()  # warm-up (and the first shape's kernels)
+            with ForwardClock(lm) as clock:
+                total = timed(one, lm.device, reps, warmup=0)
+            kv = [s.seq.fed for s in group]
+            out.append({"rows": rows, "block": block, "s": _med(total), "forward_s": _med(clock.times),
+                        "kv_min": min(kv), "kv_max": max(kv), "all_s": total})
+            if bar is not None:
+                bar.update(1)
+    for s, snap in zip(sessions, snaps):
+        s.seq = snap
+    return out
+
+
+def measure_exits(lm: LoadedModel, sessions: list[TargetSession], layers: list[int], rows_list, block: int,
+                  reps: int, seed: int) -> dict:
+    """Cost of early exits: the same batched rounds with every session streaming its exits, minus
+    without; per exit per session (``exit_s`` of the compute profile)."""
+    from ..decoding.exits import EarlyExits
+    param = next(lm.model.parameters())
+    lm.exits = EarlyExits.for_model(lm.model, layers=layers).to(device=param.device, dtype=param.dtype).eval()
+    rng = random.Random(seed)
+    high = text_id_range(lm.model.config)
+    snaps = [s.seq.fork() for s in sessions]
+    rows_out = []
+    try:
+        for rows in rows_list:
+            per = {}
+            for streaming in (False, True):
+                for s, snap in zip(sessions, snaps):
+                    s.seq = snap.fork()
+                group = sessions[:rows]
+                got = []
+
+                def one():
+                    items = [Round(s, [rng.randrange(high) for _ in range(block - 1)], None,
+                                   on_exit=got.append if streaming else None) for s in group]
+                    for r in verify_batch(items):
+                        if isinstance(r, Exception):
+                            raise r
+                one()
+                per[streaming] = _med(timed(one, lm.device, reps, warmup=0))
+            extra = per[True] - per[False]
+            rows_out.append({"rows": rows, "block": block, "exits": len(layers), "plain_s": per[False],
+                             "with_exits_s": per[True], "per_exit_per_session_s": extra / (len(layers) * rows)})
+    finally:
+        lm.exits = None
+        for s, snap in zip(sessions, snaps):
+            s.seq = snap
+    return {"layers": list(layers), "rank": lm.model.config.text_config.hidden_size // 4, "rows": rows_out,
+            "exit_s": _med([r["per_exit_per_session_s"] for r in rows_out])}
+
+
+def measure_drafting(lm: LoadedModel, prompt: PromptInputs, tokens: int, seed: int) -> dict:
+    """Per-token drafting (one token fed per forward, KV cached) after a prefill."""
+    rng = random.Random(seed)
+    high = text_id_range(lm.model.config)
+    seq = lm.new_sequence()
+    seq.prefill(prompt)
+    seq.feed([rng.randrange(high)])
+    times = timed(lambda: seq.feed([rng.randrange(high)]), lm.device, tokens, warmup=2)
+    return {"tokens": tokens, "s": _med(times), "p90_s": sorted(times)[int(0.9 * (len(times) - 1))]}
+
+
+# --- batch invariance -------------------------------------------------------------------------
+
+def lone_reference(lm: LoadedModel, prompt: PromptInputs, max_new: int) -> tuple[list[int], list[float]]:
+    """The target decoding the prompt alone, greedy, one token per forward (the AR baseline):
+    its tokens and, at each, the margin between its two largest logits."""
+    s = TargetSession(lm)
+    s.settings = GREEDY
+    s.seq.prefill(prompt)
+    eos = lm.eos_token_ids
+    tokens, margins = [], []
+    for _ in range(max_new):
+        token, _ = s.ar_step()
+        top2 = s.seq.last_logits.topk(2).values
+        tokens.append(token)
+        margins.append(float(top2[0] - top2[1]))
+        if token in eos:
+            break
+    return tokens, margins
+
+
+def _trim(tokens: list[int], max_new: int, eos: set) -> list[int]:
+    out = []
+    for t in tokens[:max_new]:
+        out.append(t)
+        if t in eos:
+            break
+    return out
+
+
+def sd_batched(lm: LoadedModel, prompts: list[PromptInputs], refs: list[list[int]], max_news: list[int],
+               batch: int, gamma: int, seed: int, corrupt: float = 0.3) -> dict:
+    """Greedy SD over all prompts with at most ``batch`` sessions verified together: sessions
+    join as others leave (session i may join from round i // 2), each round's draft is the lone
+    reference continuation with a share ``corrupt`` of its tokens replaced (so rounds accept,
+    reject and end at various places). Returns each session's committed tokens and batch stats."""
+    rng = random.Random(seed)
+    high = text_id_range(lm.model.config)
+    eos = lm.eos_token_ids
+    n = len(prompts)
+    sessions: list[TargetSession | None] = [None] * n
+    done = [False] * n
+    rounds = sizes = 0
+    while not all(done):
+        active = [i for i in range(n) if sessions[i] is not None and not done[i]]
+        for i in range(n):
+            if sessions[i] is None and len(active) < batch and rounds >= i // 2:
+                s = TargetSession(lm)
+                s.settings = GREEDY
+                s.seq.prefill(prompts[i])
+                sessions[i] = s
+                active.append(i)
+        items = []
+        for i in active:
+            pos, ref = sessions[i].position, refs[i]
+            draft = [ref[pos + k] if pos + k < len(ref) and rng.random() >= corrupt else rng.randrange(high)
+                     for k in range(gamma)]
+            items.append(Round(sessions[i], draft, None))
+        for i, r in zip(active, verify_batch(items)):
+            if isinstance(r, Exception):
+                raise r
+            g = sessions[i].seq.generated
+            if len(g) >= max_news[i] or any(t in eos for t in g):
+                done[i] = True
+        rounds += 1
+        sizes += len(items)
+    outs = [_trim(s.seq.generated, m, eos) for s, m in zip(sessions, max_news)]
+    return {"tokens": outs, "rounds": rounds, "mean_batch": sizes / max(rounds, 1)}
+
+
+def compare(refs: list[list[int]], outs: list[list[int]]) -> dict:
+    """Divergent decisions and, for each, the first position where the tokens differ."""
+    first = []
+    for ref, out in zip(refs, outs):
+        if ref != out:
+            first.append(next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out))))
+    return {"decisions": len(refs), "divergent": len(first), "first_divergent_positions": first,
+            "tokens": sum(len(r) for r in refs)}
+
+
+def logit_deltas(lm: LoadedModel, sessions: list[TargetSession], block: int, seed: int) -> dict:
+    """The same block fed to each session alone and to all of them in one batched pass: the
+    largest logit difference and how many rows' argmax differs."""
+    rng = random.Random(seed)
+    high = text_id_range(lm.model.config)
+    drafts = [[rng.randrange(high) for _ in range(block - 1)] for _ in sessions]
+    alone, together = [], []
+    for s, d in zip(sessions, drafts):
+        seq = s.seq.fork()
+        alone.append(seq.feed(seq.take_pending() + d))
+    forks = [s.seq.fork() for s in sessions]
+    together = feed_batch(forks, [f.take_pending() + d for f, d in zip(forks, drafts)])
+    deltas = torch.stack([(a - b).abs().max() for a, b in zip(alone, together)])
+    flips = sum(int((a.argmax(-1) != b.argmax(-1)).sum()) for a, b in zip(alone, together))
+    spread = float(torch.cat([a.std(-1) for a in alone]).mean())
+    return {"rows": len(sessions), "block": block, "max_abs_delta": float(deltas.max()),
+            "mean_max_abs_delta": float(deltas.mean()), "logit_std": spread,
+            "argmax_flips": flips, "positions": len(sessions) * block}
+
+
+def batch_invariance(lm: LoadedModel, prompts: list[PromptInputs], batches, gamma: int, max_new: int,
+                     seed: int, bar=None) -> dict:
+    eos = lm.eos_token_ids
+    refs, margins = [], []
+    for p in prompts:
+        tokens, m = lone_reference(lm, p, max_new)
+        refs.append(tokens)
+        margins += m
+        if bar is not None:
+            bar.update(1)
+    max_news = [max_new - (i % 4) * 2 for i in range(len(prompts))]  # decisions of different lengths
+    refs = [_trim(r, m, eos) for r, m in zip(refs, max_news)]
+    runs = []
+    for batch in batches:
+        res = sd_batched(lm, prompts, refs, max_news, batch, gamma, seed + batch)
+        runs.append({"batch": batch, "rounds": res["rounds"], "mean_batch": res["mean_batch"],
+                     **compare(refs, res["tokens"])})
+        if bar is not None:
+            bar.update(1)
+    ms = sorted(margins)
+    return {"gamma": gamma, "max_new_tokens": max_new, "runs": runs,
+            "margin": {"median": ms[len(ms) // 2], "p01": ms[int(0.01 * (len(ms) - 1))], "min": ms[0],
+                       "count": len(ms)}}
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    shapes: tuple = ("qwen2-vl-2b", "qwen2-vl-7b")
+    device: str = "cuda"
+    dtypes: tuple = ("bfloat16", "float32")  # the grid uses the first; invariance runs each
+    rows: tuple = ROWS_DEFAULT
+    blocks: tuple = BLOCKS_DEFAULT
+    reps: int = 5
+    image: int = 448
+    text: int = 48
+    history: int = 96
+    exit_layers: tuple = (7, 14, 21)
+    exit_rows: tuple = (1, 8)
+    exit_block: int = 5
+    draft_tokens: int = 24
+    invariance_prompts: int = 16
+    invariance_batches: tuple = INVARIANCE_BATCHES
+    invariance_gamma: int = 4
+    invariance_tokens: int = 32
+    seed: int = 0
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "device": str(device), "device_name": platform.processor() or platform.machine()}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    env["commit"] = _git_commit()
+    return env
+
+
+def _git_commit() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+
+
+def run(plan: Plan, out_dir: str, progress=None) -> dict:
+    """Measure everything in the plan, the profile's own figures first: the target in the first
+    precision (prefill, the grid, exits; profile.json is written then), batch invariance in each
+    precision, then the draft's shape (a server-side proxy). measurements.json is rewritten after
+    every phase, so a run cut short keeps what it measured. Returns the measurements."""
+    from ..decoding.engines import resolve_device
+    device = resolve_device(plan.device)
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"format": "edgespec-gpu-profile/1", "env": environment(device), "plan": plan.__dict__, "models": {}}
+    target_shape = plan.shapes[-1]
+    draft_shape = draft_key(plan.shapes)
+
+    def save(profile: bool = False):
+        _write_json(os.path.join(out_dir, "measurements.json"), result)
+        if profile:
+            _write_json(os.path.join(out_dir, "profile.json"), compute_profile(result, target_shape, draft_shape))
+
+    def phase(name):
+        print(f"[{time.strftime('%H:%M:%S')}] {name}", flush=True)
+
+    def bar(total, desc):
+        return progress(total, desc) if progress else _NoBar()
+    shape = load_shape(target_shape)
+    entry = result["models"].setdefault(target_shape, {"params": param_count(shape), "invariance": {}})
+    for k, dtype_name in enumerate(plan.dtypes):
+        phase(f"{target_shape}: build ({dtype_name})")
+        _peak_reset(device)
+        lm = build_lm(shape, device, getattr(torch, dtype_name), plan.seed)
+        cfg = lm.model.config
+        prompts = [synthetic_prompt(cfg, plan.seed + 1 + i, plan.image, plan.text, plan.history + 8 * (i % 4))
+                   for i in range(max(plan.invariance_prompts, max(plan.rows)))]
+        sessions = open_sessions(lm, prompts[:max(plan.rows)])
+        if k == 0:
+            entry["dtype"] = dtype_name
+            phase(f"{target_shape} {dtype_name}: prefill")
+            entry["prefill"] = measure_prefill(lm, prompts[0], plan.reps)
+            phase(f"{target_shape} {dtype_name}: verification grid {len(plan.rows)} rows x {len(plan.blocks)} blocks")
+            with bar(len(plan.rows) * len(plan.blocks), "grid") as b:
+                entry["grid"] = measure_grid(lm, sessions, plan.rows, plan.blocks, plan.reps, plan.seed, b)
+            save(profile=True)
+            layers = [x for x in plan.exit_layers if 0 < x < cfg.text_config.num_hidden_layers]
+            if layers:
+                phase(f"{target_shape} {dtype_name}: early exits at layers {layers}")
+                entry["exits"] = measure_exits(lm, sessions, layers, [r for r in plan.exit_rows if r <= len(sessions)],
+                                               plan.exit_block, plan.reps, plan.seed)
+                save(profile=True)
+        else:  # the cost of verifying in this precision: the grid's corners
+            entry.setdefault("precision_cost", {})[dtype_name] = measure_grid(
+                lm, sessions, [plan.rows[0], plan.rows[-1]], [plan.exit_block], plan.reps, plan.seed)
+        phase(f"{target_shape} {dtype_name}: batch invariance")
+        with bar(plan.invariance_prompts + len(plan.invariance_batches), f"invariance {dtype_name}") as b:
+            inv = batch_invariance(lm, prompts[:plan.invariance_prompts], plan.invariance_batches,
+                                   plan.invariance_gamma, plan.invariance_tokens, plan.seed, b)
+        inv["logits"] = logit_deltas(lm, sessions[:8], plan.exit_block, plan.seed)
+        entry["invariance"][dtype_name] = inv
+        entry.setdefault("peak_gib_by_dtype", {})[dtype_name] = _peak(device)
+        del lm, sessions
+        save()
+    if draft_shape is not None:
+        shape = load_shape(plan.shapes[0])
+        dtype_name = plan.dtypes[0]
+        phase(f"{draft_shape}: build ({dtype_name}), prefill, drafting (a server-side proxy)")
+        _peak_reset(device)
+        lm = build_lm(shape, device, getattr(torch, dtype_name), plan.seed)
+        prompt = synthetic_prompt(lm.model.config, plan.seed, plan.image, plan.text, plan.history)
+        result["models"][draft_shape] = {
+            "params": param_count(shape), "dtype": dtype_name, "prefill": measure_prefill(lm, prompt, plan.reps),
+            "draft_token": measure_drafting(lm, prompt, plan.draft_tokens, plan.seed)}
+        result["models"][draft_shape]["peak_gib_by_dtype"] = {dtype_name: _peak(device)}
+        del lm
+        save(profile=True)
+    phase(f"wrote {os.path.join(out_dir, 'profile.json')} and measurements.json")
+    return result
+
+
+def draft_key(shapes) -> str | None:
+    """The draft's entry in the measurements (its shape's name; marked when it is the target's)."""
+    if len(shapes) < 2:
+        return None
+    return shapes[0] if shapes[0] != shapes[-1] else f"{shapes[0]} (draft)"
+
+
+def _write_json(path: str, obj) -> None:
+    """Whole or not at all: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class _NoBar:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def compute_profile(result: dict, target_shape: str, draft_shape: str | None) -> dict:
+    """The compute profile (decoding.compute.ComputeProfile.from_dict) from the measurements: the
+    cloud's terms measured, the robot's the go2-paper Orin figures."""
+    env = result["env"]
+    target = result["models"][target_shape]
+    grid = target["grid"]
+    rows = sorted({g["rows"] for g in grid})
+    blocks = sorted({g["block"] for g in grid})
+    at = {(g["rows"], g["block"]): g["s"] for g in grid}
+    table = [[at[(r, b)] for b in blocks] for r in rows]
+    device_tag = env["device_name"].replace("NVIDIA ", "").split()[0].lower() if env["device"].startswith("cuda") \
+        else "cpu"
+    name = f"{device_tag}-{target_shape}-{target['dtype']}"
+    gamma4 = at.get((1, 5), table[0][min(len(blocks) - 1, 4)])
+    return {
+        "format": PROFILE_FORMAT, "name": name,
+        "source": (f"measured by edgespec-profile on {env['device_name']} ({env['device']}), torch {env['torch']}, "
+                   f"transformers {env['transformers']}, commit {env['commit'] or '?'}: {target_shape} "
+                   f"(random weights, {target['dtype']}); the robot's terms are the go2-paper Orin figures"),
+        "verify_s": gamma4, "ar_step_s": at.get((1, 1), table[0][0]),
+        "exit_s": target.get("exits", {}).get("exit_s", 0.0),
+        "prefill_s": target["prefill"]["s"],
+        "verify_table": {"rows": rows, "blocks": blocks, "s": table},
+        "draft_token_s": GO2_PAPER.draft_token_s, "edge_prefill_s": GO2_PAPER.edge_prefill_s,
+        "edge_source": GO2_PAPER.edge_source,
+        "server_proxy": ({"model": draft_shape, "draft_token_s": result["models"][draft_shape]["draft_token"]["s"],
+                          "prefill_s": result["models"][draft_shape]["prefill"]["s"],
+                          "note": "the draft model on the server's device: not a robot figure"}
+                         if draft_shape and "draft_token" in result["models"].get(draft_shape, {}) else None),
+    }
+
+
+def format_report(result: dict) -> str:
+    """The measurements as text tables."""
+    env = result["env"]
+    lines = [f"edgespec-profile on {env['device_name']} ({env['device']}), torch {env['torch']}, "
+             f"transformers {env['transformers']}, commit {env.get('commit') or '?'}; random weights"]
+    for name, m in result["models"].items():
+        lines.append(f"\n## {name}: {m['params'] / 1e9:.2f} B parameters, {m.get('dtype', '?')}")
+        if "prefill" in m:
+            p = m["prefill"]
+            lines.append(f"prefill {p['tokens']} tokens ({p['image_tokens']} image): {p['s'] * 1e3:.1f} ms")
+        if "draft_token" in m:
+            lines.append(f"drafting: {m['draft_token']['s'] * 1e3:.1f} ms/token (server-side proxy, not a robot figure)")
+        if m.get("grid"):
+            blocks = sorted({g["block"] for g in m["grid"]})
+            rows = sorted({g["rows"] for g in m["grid"]})
+            at = {(g["rows"], g["block"]): g for g in m["grid"]}
+            lines.append("verification pass, ms (model forward alone in brackets); block = tokens fed per robot")
+            lines.append("rows \\ block " + "".join(f"{b:>14}" for b in blocks))
+            for r in rows:
+                lines.append(f"{r:>12} " + "".join(f"{at[(r, b)]['s'] * 1e3:>7.1f} ({at[(r, b)]['forward_s'] * 1e3:>4.1f})"
+                                                    for b in blocks))
+            one = at[(rows[0], blocks[0])]["s"]
+            lines.append(f"batch of {rows[-1]} at block {blocks[-1]}: {at[(rows[-1], blocks[-1])]['s'] / one:.2f}x "
+                         f"a lone AR step")
+        if m.get("exits"):
+            e = m["exits"]
+            lines.append(f"early exits at layers {e['layers']}: {e['exit_s'] * 1e3:.2f} ms per exit per session "
+                         + ", ".join(f"rows {r['rows']}: {r['plain_s'] * 1e3:.1f} -> {r['with_exits_s'] * 1e3:.1f} ms"
+                                     for r in e["rows"]))
+        for dtype, inv in m.get("invariance", {}).items():
+            lines.append(f"batch invariance, {dtype}, greedy SD gamma {inv['gamma']} vs the target alone "
+                         f"(margin top1-top2: median {inv['margin']['median']:.3g}, min {inv['margin']['min']:.3g}):")
+            for run_ in inv["runs"]:
+                label = "alone (block only)" if run_["batch"] == 1 else f"batched <= {run_['batch']}"
+                lines.append(f"  {label:<20} divergent {run_['divergent']}/{run_['decisions']} decisions"
+                             + (f", first at positions {run_['first_divergent_positions']}" if run_["divergent"] else ""))
+            lg = inv.get("logits")
+            if lg:
+                lines.append(f"  logits batched vs alone ({lg['rows']} rows x {lg['block']}): max |delta| "
+                             f"{lg['max_abs_delta']:.3g} (logit std {lg['logit_std']:.3g}), argmax flips "
+                             f"{lg['argmax_flips']}/{lg['positions']}")
+        for dtype, corner in m.get("precision_cost", {}).items():
+            lines.append(f"{dtype} verification: " + ", ".join(f"rows {c['rows']} block {c['block']}: {c['s'] * 1e3:.1f} ms"
+                                                             for c in corner))
+        peaks = {k: v for k, v in m.get("peak_gib_by_dtype", {}).items() if v is not None}
+        if peaks:
+            lines.append("peak accelerator memory: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in peaks.items()))
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edgespec-profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="qwen2-vl-2b,qwen2-vl-7b",
+                    help="draft,target model shapes (bench/shapes/*.json or paths); one name: the target only "
+                         "(default qwen2-vl-2b,qwen2-vl-7b; tiny for a CPU smoke run)")
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    ap.add_argument("--dtypes", default="bfloat16,float32",
+                    help="precisions; the first is timed over the grid, each is checked for batch invariance "
+                         "(default bfloat16,float32)")
+    ap.add_argument("--rows", type=_ints, default=ROWS_DEFAULT, help="batch rows (robots) measured")
+    ap.add_argument("--blocks", type=_ints, default=BLOCKS_DEFAULT,
+                    help="block lengths measured: tokens fed per robot (pending + drafts; 1 = AR step)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median; default 5)")
+    ap.add_argument("--invariance-prompts", type=int, default=16)
+    ap.add_argument("--invariance-tokens", type=int, default=32)
+    ap.add_argument("--out", default="out/gpu-profile", help="folder for profile.json and measurements.json")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few points, few tokens")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tqdm import tqdm
+    shapes = tuple(s for s in args.shapes.split(",") if s)
+    if not 1 <= len(shapes) <= 2:
+        raise SystemExit("edgespec-profile: --shapes takes a target, or a draft and a target")
+    plan = Plan(shapes=shapes, device=args.device, dtypes=tuple(d for d in args.dtypes.split(",") if d),
+                rows=tuple(sorted(set(args.rows))), blocks=tuple(sorted(set(args.blocks))), reps=args.reps,
+                invariance_prompts=args.invariance_prompts, invariance_tokens=args.invariance_tokens)
+    for d in plan.dtypes:
+        if not isinstance(getattr(torch, d, None), torch.dtype):
+            raise SystemExit(f"edgespec-profile: unknown dtype {d!r} (bfloat16, float16, float32)")
+    if plan.rows[0] < 1 or plan.blocks[0] < 1 or plan.reps < 1:
+        raise SystemExit("edgespec-profile: rows, blocks and reps must be >= 1")
+    if args.quick:
+        plan.rows, plan.blocks, plan.reps = plan.rows[:2], plan.blocks[:3], 2
+        plan.invariance_prompts, plan.invariance_batches, plan.invariance_tokens = 4, (1, 2, 4), 8
+        plan.draft_tokens = 4
+    if shapes == ("tiny",) or "tiny" in shapes:
+        plan.image, plan.text, plan.history, plan.exit_layers = 56, 8, 8, (1, 2)
+    def progress(total, desc):
+        return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=2.0)
+    result = run(plan, args.out, progress)
+    print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

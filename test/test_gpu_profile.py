@@ -1,0 +1,148 @@
+"""edgespec-profile (issue 36): the real-shape configs, the measurement code on tiny shapes on CPU,
+and the compute profile file it writes, read back by every benchmark."""
+import json
+import os
+
+import pytest
+import torch
+
+from edgespec_ros.bench import gpu_profile as gp
+from edgespec_ros.decoding.compute import GO2_PAPER, PROFILE_FORMAT, ComputeProfile, compute_arg, get_compute
+
+
+def test_real_shapes_have_the_published_parameter_counts():
+    # Qwen2-VL-2B-Instruct: 2.21 B parameters; Qwen2-VL-7B-Instruct: 8.29 B (model cards)
+    assert round(gp.param_count(gp.load_shape("qwen2-vl-2b")) / 1e9, 2) == 2.21
+    assert round(gp.param_count(gp.load_shape("qwen2-vl-7b")) / 1e9, 2) == 8.29
+    cfg = gp.build_config(gp.load_shape("qwen2-vl-7b"))
+    assert gp.special(cfg, "image_token_id") == 151655 and gp.special(cfg, "eos_token_id") == 151645
+
+
+def test_synthetic_prompt_is_a_448_frame_with_256_image_tokens():
+    cfg = gp.build_config(gp.load_shape("qwen2-vl-7b"))
+    p = gp.synthetic_prompt(cfg, seed=1)
+    assert int(p.mm_token_type_ids.sum()) == 256  # 448 / 14 = 32 patches a side, merged 2 x 2
+    assert tuple(p.image_grid_thw[0].tolist()) == (1, 32, 32)
+    assert p.pixel_values.shape == (1024, 3 * 2 * 14 * 14)
+    assert int(p.input_ids.max()) < 151936
+    assert p.num_tokens == 256 + 2 + 48 + 96 + 4
+
+
+def test_unknown_shape_is_a_clear_error():
+    with pytest.raises(SystemExit, match="no model shape 'qwen9'"):
+        gp.load_shape("qwen9")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gp"))
+    assert gp.main(["--shapes", "tiny,tiny", "--device", "cpu", "--quick", "--dtypes", "float32,bfloat16",
+                    "--out", out]) == 0
+    with open(os.path.join(out, "measurements.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(out, "profile.json")) as f:
+        profile = json.load(f)
+    return out, result, profile
+
+
+def test_tiny_run_measures_every_part(tiny_run):
+    _, result, _ = tiny_run
+    target, draft = result["models"]["tiny"], result["models"]["tiny (draft)"]
+    assert {(g["rows"], g["block"]) for g in target["grid"]} == {(r, b) for r in (1, 2) for b in (1, 2, 3)}
+    assert all(g["s"] > 0 and 0 < g["forward_s"] <= g["s"] for g in target["grid"])
+    assert target["prefill"]["image_tokens"] == 4 and target["prefill"]["s"] > 0
+    assert target["exits"]["layers"] == [1, 2] and len(target["exits"]["rows"]) == 1
+    assert draft["draft_token"]["s"] > 0
+    assert set(target["invariance"]) == {"float32", "bfloat16"}
+    assert "bfloat16" in target["precision_cost"]
+    # fp32 on CPU: the batched pass agrees with the lone one to float rounding, so greedy SD
+    # (alone or batched) gives the target's own tokens (the lossless claim's precision condition)
+    fp32 = target["invariance"]["float32"]
+    assert [r["batch"] for r in fp32["runs"]] == [1, 2, 4]
+    assert all(r["divergent"] == 0 for r in fp32["runs"])
+    assert fp32["logits"]["max_abs_delta"] < 1e-4 and fp32["logits"]["argmax_flips"] == 0
+
+
+def test_profile_file_is_read_by_the_benchmarks(tiny_run):
+    out, result, d = tiny_run
+    assert d["format"] == PROFILE_FORMAT and d["name"] == "cpu-tiny-float32"
+    path = os.path.join(out, "profile.json")
+    p = get_compute(path)
+    assert compute_arg(path) == path
+    assert p.emulated and p.verify_table
+    grid = {(g["rows"], g["block"]): g["s"] for g in result["models"]["tiny"]["grid"]}
+    assert p.pass_s(2, 3) == pytest.approx(grid[(2, 3)])
+    assert p.pass_s(1, 1) == pytest.approx(grid[(1, 1)])
+    assert p.prefill_s == pytest.approx(result["models"]["tiny"]["prefill"]["s"])
+    # the robot's terms stay the go2-paper Orin figures, labelled
+    assert p.draft_token_s == GO2_PAPER.draft_token_s and "Orin" in p.edge_source
+    assert d["server_proxy"]["draft_token_s"] > 0 and "not a robot figure" in d["server_proxy"]["note"]
+
+
+def test_report_names_the_device_and_the_proxy(tiny_run):
+    _, result, _ = tiny_run
+    text = gp.format_report(result)
+    assert "cpu" in text and "random weights" in text and "server-side proxy" in text
+    assert "batch invariance, float32" in text and "divergent 0/4" in text
+
+
+def test_pass_time_interpolates_and_never_falls_past_the_table():
+    p = ComputeProfile("t", verify_s=0.02, verify_table=((1, 4), (1, 5), ((0.010, 0.014), (0.016, 0.013))))
+    assert p.pass_s(1, 1) == pytest.approx(0.010)
+    assert p.pass_s(1, 3) == pytest.approx(0.012)
+    assert p.pass_s(2, 1) == pytest.approx(0.012)
+    assert p.pass_s(4, 9) == pytest.approx(0.013)  # a noisy falling segment: held, not extrapolated down
+    assert p.pass_s(8, 1) == pytest.approx(0.016 + 0.002 * 4)  # a growing one: extended
+    assert p.exit_available_s(14, 28, pass_s=0.1) == pytest.approx(0.05)
+    flat = get_compute("go2-paper")
+    assert flat.pass_s(8, 16) == flat.verify_s and flat.pass_s(8, 1, ar=True) == flat.ar_step_s
+    assert get_compute("native").pass_s(8, 16) == 0.0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"format": "x"}, "not a compute profile"),
+    ({"format": PROFILE_FORMAT, "name": "a", "verify_s": -1}, "verify_s must be seconds"),
+    ({"format": PROFILE_FORMAT, "name": "a", "verify_table": {"rows": [2, 1], "blocks": [1], "s": [[1], [1]]}},
+     "increasing rows"),
+    ({"format": PROFILE_FORMAT, "name": "a", "verify_table": {"rows": [1], "blocks": [1, 2], "s": [[1]]}},
+     "one time"),
+    ({"format": PROFILE_FORMAT, "name": "native"}, "needs a name"),
+])
+def test_bad_profile_files_are_refused_with_a_reason(tmp_path, bad, match):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=match):
+        get_compute(str(path))
+
+
+def test_missing_or_broken_profile_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot read compute profile"):
+        get_compute(str(tmp_path / "nope.json"))
+    (tmp_path / "b.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        get_compute(str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match="unknown compute profile 'go3'"):
+        get_compute("go3")
+
+
+def test_batched_sd_diverges_when_the_batched_pass_differs():
+    """The invariance check can fail: a pass that perturbs batched logits (as bf16 kernels may)
+    makes batched greedy SD leave the target's lone tokens, and it is counted."""
+    shape = gp.load_shape("tiny")
+    lm = gp.build_lm(shape, torch.device("cpu"), torch.float32, seed=0)
+    cfg = lm.model.config
+    prompts = [gp.synthetic_prompt(cfg, seed=i, image=56, text=8, history=8 + i) for i in range(4)]
+    refs = [gp.lone_reference(lm, p, 12)[0] for p in prompts]
+    clean = gp.sd_batched(lm, prompts, refs, [12] * 4, batch=4, gamma=3, seed=0)
+    assert gp.compare(refs, clean["tokens"])["divergent"] == 0
+    head = lm.model.get_output_embeddings()
+
+    def perturb_batched(_m, _inp, out):  # only batched passes (more than one row) are perturbed
+        return out + torch.randn_like(out) * 5.0 if out.shape[0] > 1 else out
+    handle = head.register_forward_hook(perturb_batched)
+    try:
+        noisy = gp.sd_batched(lm, prompts, refs, [12] * 4, batch=4, gamma=3, seed=0)
+    finally:
+        handle.remove()
+    report = gp.compare(refs, noisy["tokens"])
+    assert report["divergent"] > 0 and all(0 <= k < 12 for k in report["first_divergent_positions"])
