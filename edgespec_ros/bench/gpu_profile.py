@@ -217,16 +217,21 @@ def measure_prefill(lm: LoadedModel, prompt: PromptInputs, reps: int) -> dict:
 
 
 def measure_grid(lm: LoadedModel, sessions: list[TargetSession], rows_list, blocks, reps: int, seed: int,
-                 bar=None) -> list[dict]:
+                 bar=None, passes: int = 1) -> list[dict]:
     """One entry per (rows, block): the verification pass (verify_batch: what the verifier runs)
     and the model's forward inside it. block 1 is the AR step (ArStep); block b > 1 a round of
-    b - 1 drafts plus the pending token."""
+    b - 1 drafts plus the pending token. With ``passes`` > 1 the whole grid is swept that many
+    times, ``reps`` per point each time (a machine whose speed drifts then slows every point
+    alike); the median is over all."""
     rng = random.Random(seed)
     high = text_id_range(lm.model.config)
     snaps = [s.seq.fork() for s in sessions]
-    out = []
-    for rows in rows_list:
-        for block in blocks:
+    points = [(rows, block) for rows in rows_list for block in blocks]
+    times = {p: [] for p in points}
+    forward = {p: [] for p in points}
+    kv = {}
+    for _ in range(passes):
+        for rows, block in points:
             for s, snap in zip(sessions, snaps):
                 s.seq = snap.fork()
             group = sessions[:rows]
@@ -241,15 +246,61 @@ def measure_grid(lm: LoadedModel, sessions: list[TargetSession], rows_list, bloc
                         raise r
             one()  # warm-up (and the first shape's kernels)
             with ForwardClock(lm) as clock:
-                total = timed(one, lm.device, reps, warmup=0)
-            kv = [s.seq.fed for s in group]
-            out.append({"rows": rows, "block": block, "s": _med(total), "forward_s": _med(clock.times),
-                        "kv_min": min(kv), "kv_max": max(kv), "all_s": total})
+                times[(rows, block)] += timed(one, lm.device, reps, warmup=0)
+            forward[(rows, block)] += clock.times
+            fed = [s.seq.fed for s in group]
+            kv[(rows, block)] = (min(fed), max(fed))
             if bar is not None:
                 bar.update(1)
     for s, snap in zip(sessions, snaps):
         s.seq = snap
-    return out
+    return [{"rows": r, "block": b, "s": _med(times[(r, b)]), "forward_s": _med(forward[(r, b)]),
+             "kv_min": kv[(r, b)][0], "kv_max": kv[(r, b)][1], "all_s": times[(r, b)]} for r, b in points]
+
+
+def device_state(device: torch.device) -> dict:
+    """What the speed of a launch-bound eager forward depends on, read now: the host's speed (a
+    fixed Python loop), the accelerator's (a fixed matrix product) and its clocks."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(200_000):
+        x += i
+    state = {"host_loop_ms": (time.perf_counter() - t0) * 1e3, "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        _sync(device)
+        state["matmul_tflops"] = 20 * 2 * 4096 ** 3 / (time.perf_counter() - t0) / 1e12
+        launches = torch.zeros(1, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            launches.add_(1)
+        _sync(device)
+        state["launch_us"] = (time.perf_counter() - t0) * 1e3
+        import subprocess
+        try:
+            state["clocks"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,utilization.gpu,power.draw",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return state
+
+
+def warm_device(device: torch.device, seconds: float) -> None:
+    """Keep the accelerator busy for ``seconds`` (its clocks up) before timing."""
+    if device.type != "cuda" or seconds <= 0:
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        _sync(device)
 
 
 def measure_exits(lm: LoadedModel, sessions: list[TargetSession], layers: list[int], rows_list, block: int,
@@ -447,6 +498,9 @@ class Plan:
     invariance_batches: tuple = INVARIANCE_BATCHES
     invariance_gamma: int = 4
     invariance_tokens: int = 32
+    invariance: bool = True
+    passes: int = 1  # sweeps of the grid (round-robin over points: drift slows every point alike)
+    warm_s: float = 0.0  # keep the accelerator busy this long before timing (clocks up)
     seed: int = 0
 
 
@@ -514,11 +568,14 @@ def run(plan: Plan, out_dir: str, progress=None) -> dict:
         sessions = open_sessions(lm, prompts[:max(plan.rows)])
         if k == 0:
             entry["dtype"] = dtype_name
+            warm_device(device, plan.warm_s)
+            entry.setdefault("device_state", []).append(("before grid", device_state(device)))
             phase(f"{target_shape} {dtype_name}: prefill")
             entry["prefill"] = measure_prefill(lm, prompts[0], plan.reps)
             phase(f"{target_shape} {dtype_name}: verification grid {len(plan.rows)} rows x {len(plan.blocks)} blocks")
-            with bar(len(plan.rows) * len(plan.blocks), "grid") as b:
-                entry["grid"] = measure_grid(lm, sessions, plan.rows, plan.blocks, plan.reps, plan.seed, b)
+            with bar(plan.passes * len(plan.rows) * len(plan.blocks), "grid") as b:
+                entry["grid"] = measure_grid(lm, sessions, plan.rows, plan.blocks, plan.reps, plan.seed, b, plan.passes)
+            entry["device_state"].append(("after grid", device_state(device)))
             save(profile=True)
             layers = [x for x in plan.exit_layers if 0 < x < cfg.text_config.num_hidden_layers]
             if layers:
@@ -529,6 +586,11 @@ def run(plan: Plan, out_dir: str, progress=None) -> dict:
         else:  # the cost of verifying in this precision: the grid's corners
             entry.setdefault("precision_cost", {})[dtype_name] = measure_grid(
                 lm, sessions, [plan.rows[0], plan.rows[-1]], [plan.exit_block], plan.reps, plan.seed)
+        if not plan.invariance:
+            entry.setdefault("peak_gib_by_dtype", {})[dtype_name] = _peak(device)
+            del lm, sessions
+            save()
+            continue
         phase(f"{target_shape} {dtype_name}: batch invariance")
         with bar(plan.invariance_prompts + len(plan.invariance_batches), f"invariance {dtype_name}") as b:
             inv = batch_invariance(lm, prompts[:plan.invariance_prompts], plan.invariance_batches,
@@ -545,9 +607,11 @@ def run(plan: Plan, out_dir: str, progress=None) -> dict:
         _peak_reset(device)
         lm = build_lm(shape, device, getattr(torch, dtype_name), plan.seed)
         prompt = synthetic_prompt(lm.model.config, plan.seed, plan.image, plan.text, plan.history)
+        warm_device(device, plan.warm_s)
         result["models"][draft_shape] = {
             "params": param_count(shape), "dtype": dtype_name, "prefill": measure_prefill(lm, prompt, plan.reps),
-            "draft_token": measure_drafting(lm, prompt, plan.draft_tokens, plan.seed)}
+            "draft_token": measure_drafting(lm, prompt, plan.draft_tokens, plan.seed),
+            "device_state": [("after drafting", device_state(device))]}
         result["models"][draft_shape]["peak_gib_by_dtype"] = {dtype_name: _peak(device)}
         del lm
         save(profile=True)
@@ -654,6 +718,10 @@ def format_report(result: dict) -> str:
         for dtype, corner in m.get("precision_cost", {}).items():
             lines.append(f"{dtype} verification: " + ", ".join(f"rows {c['rows']} block {c['block']}: {c['s'] * 1e3:.1f} ms"
                                                              for c in corner))
+        for when, st in m.get("device_state", []):
+            lines.append(f"device state {when}: host loop {st['host_loop_ms']:.1f} ms, torch threads {st['torch_threads']}"
+                         + (f", matmul {st['matmul_tflops']:.0f} TFLOP/s, 1000 launches {st['launch_us']:.1f} ms, "
+                            f"clocks/util/power {st.get('clocks', '?')}" if "matmul_tflops" in st else ""))
         peaks = {k: v for k, v in m.get("peak_gib_by_dtype", {}).items() if v is not None}
         if peaks:
             lines.append("peak accelerator memory: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in peaks.items()))
@@ -682,6 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median; default 5)")
     ap.add_argument("--invariance-prompts", type=int, default=16)
     ap.add_argument("--invariance-tokens", type=int, default=32)
+    ap.add_argument("--passes", type=int, default=2,
+                    help="sweeps of the grid, round-robin over its points (default 2; drift slows every point alike)")
+    ap.add_argument("--warm-s", type=float, default=5.0,
+                    help="keep the accelerator busy this many seconds before timing (default 5)")
+    ap.add_argument("--no-invariance", dest="invariance", action="store_false",
+                    help="skip the batch-invariance check (timing only)")
     ap.add_argument("--out", default="out/gpu-profile", help="folder for profile.json and measurements.json")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few points, few tokens")
     return ap
@@ -695,14 +769,15 @@ def main(argv=None) -> int:
         raise SystemExit("edgespec-profile: --shapes takes a target, or a draft and a target")
     plan = Plan(shapes=shapes, device=args.device, dtypes=tuple(d for d in args.dtypes.split(",") if d),
                 rows=tuple(sorted(set(args.rows))), blocks=tuple(sorted(set(args.blocks))), reps=args.reps,
-                invariance_prompts=args.invariance_prompts, invariance_tokens=args.invariance_tokens)
+                invariance_prompts=args.invariance_prompts, invariance_tokens=args.invariance_tokens,
+                invariance=args.invariance, passes=args.passes, warm_s=args.warm_s)
     for d in plan.dtypes:
         if not isinstance(getattr(torch, d, None), torch.dtype):
             raise SystemExit(f"edgespec-profile: unknown dtype {d!r} (bfloat16, float16, float32)")
     if plan.rows[0] < 1 or plan.blocks[0] < 1 or plan.reps < 1:
         raise SystemExit("edgespec-profile: rows, blocks and reps must be >= 1")
     if args.quick:
-        plan.rows, plan.blocks, plan.reps = plan.rows[:2], plan.blocks[:3], 2
+        plan.rows, plan.blocks, plan.reps, plan.passes, plan.warm_s = plan.rows[:2], plan.blocks[:3], 2, 1, 0.0
         plan.invariance_prompts, plan.invariance_batches, plan.invariance_tokens = 4, (1, 2, 4), 8
         plan.draft_tokens = 4
     if shapes == ("tiny",) or "tiny" in shapes:
