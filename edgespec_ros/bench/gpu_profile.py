@@ -100,7 +100,9 @@ def build_lm(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 
     """A Qwen2-VL of the shape with random weights, on ``device`` in ``dtype`` (built as
     ``from_pretrained(..., dtype=)`` builds it: rotary frequency buffers stay float32)."""
     from transformers import Qwen2VLForConditionalGeneration
+    from ..decoding.engines import decoding_attention
     config = build_config(shape)
+    decoding_attention(device)  # as load_model does
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen2VLForConditionalGeneration._from_config(config, dtype=dtype)
