@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Edge-cloud speculative decoding of VLM control for legged robots",
     packages=find_packages(include=["edgespec_ros", "edgespec_ros.*"]),
-    package_data={"edgespec_ros": ["models/**/*", "sim/scenarios/*.json"]},
+    package_data={"edgespec_ros": ["models/**/*", "sim/scenarios/*.json", "bench/shapes/*.json"]},
     include_package_data=True,
     python_requires=">=3.10",
     # Lower bounds: the oldest releases the ROS-free tests pass with (run with transformers 5.4.0,
@@ -40,6 +40,7 @@ setup(
         "console_scripts": [
             "edgespec-verifier = edgespec_ros.wire.server:main",
             "edgespec-bench = edgespec_ros.bench.cli:main",
+            "edgespec-profile = edgespec_ros.bench.gpu_profile:main",
             "edgespec-demo = edgespec_ros.demo:main",
             "edgespec-sim = edgespec_ros.sim.cli:main",
             "edgespec-train = edgespec_ros.train.cli:main",

@@ -2,6 +2,7 @@
 as feeding each alone (to float rounding: see decoding/batch.py), each cache afterwards exactly its
 own, for prompts of different lengths, with and without images."""
 import copy
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from edgespec_ros.decoding.edge import EdgeDecoder
 from edgespec_ros.decoding.engines import Sequence
 from edgespec_ros.decoding.verifier import LocalVerifier
 
-from wire_helpers import make_pair
+from wire_helpers import make_pair, server_copy
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -221,3 +222,38 @@ def test_batched_rounds_stream_each_sessions_own_early_exits():
                 assert g.confidence == pytest.approx(r.confidence, abs=1e-4)
             assert batched[i].last_exit_layer == alone[i].last_exit_layer
         assert len(got_exits[0]) == len(p.target.exits.layers) and got_exits[2] == []
+
+
+def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_prefill(pair):
+    """--compute FILE (edgespec-profile): a batched pass costs the table's time for its rows and
+    longest block (not one flat pass), an AR-only pass the block-1 column, and a prefill the
+    profile's prefill_s."""
+    from edgespec_ros.decoding.batch import ArStep, Round
+    from edgespec_ros.decoding.compute import ComputeProfile
+    from edgespec_ros.preempt import run_steps
+    from edgespec_ros.wire.fair import Occupy
+    from edgespec_ros.wire.server import VerifierServer, _DeviceWork
+    table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.2, 0.3), (0.6, 0.9))), prefill_s=0.5)
+    server = VerifierServer(server_copy(pair.target), compute=table)
+    from edgespec_ros.decoding.cloud import TargetSession, VerifySettings
+    from edgespec_ros.decoding.sampling import SamplingParams
+    greedy = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
+    a, b = TargetSession(pair.target), TargetSession(pair.target)
+    for s, instruction in ((a, "find the silver bottle"), (b, "stop")):
+        s.start(EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, pair.image)[0], greedy)
+
+    def charged(items):
+        t0 = time.perf_counter()
+        out = server._verify_batch_on_device(items)
+        assert isinstance(out, Occupy) and [r for r in out.value if isinstance(r, Exception)] == []
+        return time.perf_counter() - t0 + out.seconds
+    assert charged([_DeviceWork(Round(a, [5, 6, 7], None), 4)]) == pytest.approx(table.pass_s(1, 4), abs=0.01)
+    assert charged([_DeviceWork(Round(a, [5], None), 2), _DeviceWork(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]) \
+        == pytest.approx(0.9, abs=0.01)
+    assert charged([_DeviceWork(ArStep(a), 1), _DeviceWork(ArStep(b), 1)]) == pytest.approx(0.6, abs=0.01)
+    # the prefill: its own compute, then the accelerator busy up to prefill_s in all
+    prompt, _ = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt("stop", pair.image)
+    t0 = time.perf_counter()
+    out = run_steps(server._prefill_on_device(TargetSession(server.lm), prompt, VerifySettings()))
+    assert isinstance(out, Occupy) and out.value == pytest.approx(0.5)
+    assert time.perf_counter() - t0 + out.seconds == pytest.approx(0.5, abs=0.02)

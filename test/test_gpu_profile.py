@@ -146,3 +146,26 @@ def test_batched_sd_diverges_when_the_batched_pass_differs():
         handle.remove()
     report = gp.compare(refs, noisy["tokens"])
     assert report["divergent"] > 0 and all(0 <= k < 12 for k in report["first_divergent_positions"])
+
+
+def test_the_robots_draft_prefill_holds_its_one_accelerator():
+    """Prefill is emulated on the robot too: edge_prefill_s on the one accelerator, so a pre-draft
+    token waits for it."""
+    import threading
+    import time
+    from edgespec_ros.decoding.compute import EdgeDevice
+    dev = EdgeDevice.for_profile(ComputeProfile("t", draft_token_s=0.01, edge_prefill_s=0.2))
+    inside = threading.Event()
+
+    def prefill():
+        with dev.prefill():
+            inside.set()
+    t = threading.Thread(target=prefill)
+    t0 = time.perf_counter()
+    t.start()
+    inside.wait(5)
+    with dev.background_token():
+        waited = time.perf_counter() - t0
+    t.join(5)
+    assert waited >= 0.2 and dev.tokens == 1 and dev.busy_s >= 0.2 + 0.01
+    assert get_compute("go2-paper").edge_prefill_s == 0.3 and get_compute("go2-paper").prefill_s == 0.62

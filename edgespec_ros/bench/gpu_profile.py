@@ -518,7 +518,11 @@ def environment(device: torch.device) -> dict:
 
 
 def _git_commit() -> str:
+    """The commit measured: $EDGESPEC_COMMIT when set (a copy of the tree may carry a stale .git),
+    else git's HEAD."""
     import subprocess
+    if os.environ.get("EDGESPEC_COMMIT"):
+        return os.environ["EDGESPEC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                               cwd=os.path.dirname(__file__)).stdout.strip()

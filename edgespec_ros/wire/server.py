@@ -1150,6 +1150,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                          "available, LOSSY)" if head else "no decision head (verify mode wisv unavailable)")
     log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
              else "none (fsd unavailable: modes ar and sd)")
+    log.info("precision: %s", precision_note(next(lm.model.parameters()).dtype))
     server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
@@ -1157,6 +1158,18 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                             max_batch=args.max_batch, server_name=server_name)
     server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
     return server
+
+
+def precision_note(dtype) -> str:
+    """What the lossless claim holds to in this precision (measured: docs/gpu-profile.md)."""
+    import torch
+    if dtype == torch.float32:
+        return ("float32: greedy output token-identical to the target decoding alone, rounds batched or not "
+                "(measured on an H200 and on CPU)")
+    return (f"{str(dtype).replace('torch.', '')}: verification is lossless in distribution, but greedy output is "
+            "NOT token-identical to the target decoding alone, batched or not: a block's logits round differently "
+            "from one token's and near-ties flip (measured on an H200: 9 of 12 decisions differ somewhere even "
+            "unbatched). --dtype float32 for token identity (2x the weights' memory)")
 
 
 def trace_recorder(args, model_name: str, fingerprint: str):
