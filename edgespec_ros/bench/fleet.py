@@ -191,7 +191,8 @@ def run_fleet(opts, progress) -> list[dict]:
                 rows.append(_row(verifier, n, outs, wall, stats, draft_s, compute.name))
             bar.update(n * per_robot)
     if "ray" in verifiers:
-        rows += _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute.name, bar, per_robot)
+        rows += _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, opts.compute or "native", bar,
+                         per_robot)
     bar.close()
     base = {r["robots"]: r for r in rows if r["verifier"] == "sequential"}
     lone = next((r for r in rows if r["verifier"] == "batched" and r["robots"] == 1), None)
@@ -215,7 +216,9 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
              ) -> list[dict]:
     """The same robots through RAY_REPLICAS batched replicas on a local Ray instance (one CPU
     each; with an emulated profile, each replica emulates its own accelerator, as each would
-    have its own GPU)."""
+    have its own GPU). ``compute``: the profile as --compute takes it (a name or a file)."""
+    from ..decoding.compute import get_compute
+    label = get_compute(compute).name
     import socket
     import ray
     from ray import serve
@@ -237,7 +240,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
             outs, wall = _drive(url, n, mine(n), fingerprint, vocab, draft_s)
             stats = _delta(_fleet_status(url, RAY_REPLICAS), before)
             stats["replicas"] = RAY_REPLICAS
-            rows.append(_row("ray", n, outs, wall, stats, draft_s, compute))
+            rows.append(_row("ray", n, outs, wall, stats, draft_s, label))
             bar.update(n * per_robot)
     finally:
         serve.shutdown()
@@ -257,8 +260,9 @@ def table_fleet(rows: list[dict]) -> str:
              for r in rows]
     draft = rows[0]["draft_ms"] if rows else 0
     compute = rows[0]["compute"] if rows else "native"
-    emulated = (" (emulated: the profile's verification time is waited out on the one compute thread, once per "
-                "pass whatever the batch: a GPU's batch of a few rounds costs about one round)"
+    emulated = (" (emulated: the profile's time for each pass is waited out on the one compute thread: a measured "
+                "profile's time for the pass's rows and block, a flat profile's one pass whatever the batch; where "
+                "this CPU's own compute takes longer, that is what is charged)"
                 if compute != "native" else "")
     errors = [f"{r['verifier']} x{r['robots']}: {len(r['errors'])} robot(s) failed ({r['errors'][0]})"
               for r in rows if r.get("errors")]
