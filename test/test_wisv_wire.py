@@ -14,8 +14,9 @@ from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import LocalVerifier, VerifierRefused
-from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, action_of_tokens, attach_wisv, choose_upload,
-                                        decode_hidden, encode_hidden, final_rows, prompt_pair)
+from edgespec_ros.decoding.replay import action_of_tokens, final_rows, prompt_pair
+from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, attach_wisv, choose_upload, decode_hidden,
+                                        encode_hidden)
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import heldout_prompts
 from edgespec_ros.wire import protocol as P

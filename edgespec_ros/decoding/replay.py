@@ -1,0 +1,116 @@
+"""Offline replay of one robot decision as speculative rounds of a draft against a target
+(greedy), with a pluggable choice of how many drafts each round keeps: greedy SD, or the WISV
+rule (``wisv_choice``). What WISV's trace labels, its DAgger policies and its evaluation replay;
+never on the serving path (it runs fresh full forwards per round).
+
+Kept apart from ``decoding.wisv`` (the serving-side pieces) because it drives the robot's and the
+cloud's halves both: ``wisv`` is imported by them, this module imports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..actions import ActionParseError, parse_action
+from .cloud import TargetSession
+from .edge import EdgeDecoder
+from .sampling import SamplingParams
+from .verifier import LocalVerifier
+from .wisv import (Csi, DecisionHead, decide, final_hidden, mismatches, protect_target_eos, protected_positions,
+                   token_pair_features)
+
+GREEDY_NEW_TOKENS = 96
+
+
+@dataclass
+class SdRound:
+    """One round: the committed tokens before it, the draft block, both models' final hidden rows
+    (d_rows[i] produced draft token i; t_rows[i] is where the target's argmax[i] comes from; the
+    last t_row gives the bonus), the mismatches and the positions that must stay strict."""
+
+    committed: list
+    draft_ids: list
+    d_rows: torch.Tensor
+    t_rows: torch.Tensor
+    argmax: list
+    mismatches: list
+    protected: set
+
+
+def final_rows(lm, inputs, tokens) -> torch.Tensor:
+    """Final-norm hidden states [n, d] of prompt + tokens, from one fresh forward (no cache state)."""
+    with final_hidden(lm) as outputs:
+        lm.new_sequence().prefill(inputs.extended(tokens) if tokens else inputs)
+    return torch.cat([o[0] for o in outputs], dim=0)
+
+
+def prompt_pair(draft, target, instruction: str, image):
+    """(draft inputs, target inputs) of one decision, as the robot and the verifier build them."""
+    prompt, d_inputs = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
+    return d_inputs, TargetSession(target).build_prompt_inputs(prompt)
+
+
+def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
+                  max_new_tokens: int = GREEDY_NEW_TOKENS) -> tuple[list[int], list[int]]:
+    """Speculative rounds of the draft (greedy) against the target; ``choose(SdRound) -> accepted``
+    says how many draft tokens each round keeps (greedy SD: the first mismatch), the next token is
+    the target's argmax there. Returns (the tokens, accepted drafts per round)."""
+    greedy = SamplingParams(temperature=0.0)
+    tokenizer, eos = target.tokenizer, target.eos_token_ids
+    n_prompt = d_inputs.num_tokens
+    lm_head = target.model.get_output_embeddings()
+    seq = draft.new_sequence()
+    seq.prefill(d_inputs)
+    committed: list[int] = []
+    accepted_per_round = []
+    while len(committed) < max_new_tokens and not any(t in eos for t in committed):
+        if committed:
+            seq.reset_to(committed)
+        ids, _ = seq.draft(min(gamma, max_new_tokens - len(committed)), greedy, seed=0)
+        start = n_prompt + len(committed) - 1  # the row that predicts the first draft token
+        d_rows = final_rows(draft, d_inputs, committed + ids)[start:start + len(ids)]
+        t_rows = final_rows(target, t_inputs, committed + ids)[start:start + len(ids) + 1]
+        with torch.inference_mode():
+            argmax = lm_head(t_rows.to(lm_head.weight.dtype)).argmax(dim=-1).tolist()
+        protected = protected_positions(tokenizer, committed, ids, eos) | protect_target_eos(argmax, len(ids), eos)
+        k = choose(SdRound(list(committed), ids, d_rows, t_rows, argmax, mismatches(ids, argmax), protected))
+        committed += ids[:k] + [argmax[k]]
+        accepted_per_round.append(k)
+    ends = [i + 1 for i, t in enumerate(committed) if t in eos][:1]  # a kept draft EOS ends the text there
+    return committed[:min([max_new_tokens] + ends)], accepted_per_round
+
+
+def action_of_tokens(lm, tokens) -> str | None:
+    """The canonical action text a decision's tokens parse to (end tokens dropped), None when the
+    text does not parse: what agreement with the target alone compares."""
+    text = lm.tokenizer.decode([t for t in tokens if t not in lm.eos_token_ids], skip_special_tokens=True)
+    try:
+        return parse_action(text).text
+    except ActionParseError:
+        return None
+
+
+def greedy_choice(r: SdRound) -> int:
+    """Greedy SD: keep the drafts up to the first mismatch."""
+    return r.mismatches[0] if r.mismatches else len(r.draft_ids)
+
+
+def wisv_choice(head: DecisionHead, csi: Csi, threshold: float, target=None):
+    """The WISV rule as a ``replay_rounds`` choice: the head scores each unprotected mismatch
+    (both hidden rows, the CSI and, for a head that reads them, the two tokens through ``target``'s
+    embeddings), ``decide`` keeps those at or below the threshold."""
+    features = csi.features()
+
+    def choose(r: SdRound) -> int:
+        asked = [i for i in r.mismatches if i not in r.protected]
+        probs = {}
+        if asked and threshold > 0:
+            tokens = None
+            if head.config.token_dim:
+                tokens = token_pair_features(target, [r.draft_ids[i] for i in asked], [r.argmax[i] for i in asked])
+            scores = head.reject_prob(r.d_rows[asked], r.t_rows[asked], features, tokens)
+            probs = dict(zip(asked, scores.tolist()))
+        result, _ = decide(r.draft_ids, r.argmax, probs, threshold, r.protected)
+        return result.accepted
+    return choose
