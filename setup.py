@@ -38,7 +38,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "edgespec-verifier = edgespec_ros.wire.server:main",
+            "edgespec-verifier = edgespec_ros.wire.cli:main",
             "edgespec-bench = edgespec_ros.bench.cli:main",
             "edgespec-profile = edgespec_ros.bench.gpu_profile:main",
             "edgespec-demo = edgespec_ros.demo:main",

@@ -25,7 +25,7 @@ from edgespec_ros.decoding.engines import load_model  # noqa: E402
 from edgespec_ros.decoding.verifier import LocalVerifier  # noqa: E402
 from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame  # noqa: E402
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError  # noqa: E402
-from edgespec_ros.wire.server import build_parser  # noqa: E402
+from edgespec_ros.wire.config import build_parser  # noqa: E402
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
 

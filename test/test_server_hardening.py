@@ -490,7 +490,7 @@ def test_sigterm_closes_sessions_with_a_reason_and_exits_cleanly(pair):
     from edgespec_ros.models import default_model_path
     target = load_model(default_model_path("target"))
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edgespec_ros.wire.server", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec_ros.wire.cli", "--port", str(port),
                              "--exits", "none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

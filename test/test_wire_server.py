@@ -675,7 +675,7 @@ def test_the_next_decision_reconnects_once_the_link_is_back(pair, refs, verifier
 
 def _cli(*args, timeout=60):
     env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "edgespec_ros.wire.server", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "edgespec_ros.wire.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

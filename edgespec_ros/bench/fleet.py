@@ -223,7 +223,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
     import ray
     from ray import serve
     from ..wire import ray_serve
-    from ..wire.server import build_parser
+    from ..wire.config import build_parser
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -249,7 +249,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
 
 
 def table_fleet(rows: list[dict]) -> str:
-    from .sweeps import _fmt, fixed_width
+    from .report import _fmt, fixed_width
     head = ["verifier", "robots", "decisions", "tokens/s", "x vs sequential", "ms/token per robot", "p50 ms",
             "p99 ms", "p99 vs lone", "mean batch", "cloud busy", "desync"]
     lines = [[r["verifier"] + (f" x{r['replicas']}" if r.get("replicas", 1) > 1 else ""), str(r["robots"]), str(r["decisions"]), _fmt(r["tokens_per_s"], ".1f"),
@@ -276,7 +276,7 @@ def table_fleet(rows: list[dict]) -> str:
 
 
 def plot_fleet(rows: list[dict], path: str) -> None:
-    from .sweeps import _pyplot, _save
+    from .report import _pyplot, _save
     plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     for verifier, style in (("sequential", "o--"), ("batched", "s-"), ("ray", "^-.")):

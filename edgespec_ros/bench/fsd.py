@@ -224,7 +224,7 @@ def _pct(v):
 
 
 def table_workers(rows: list[dict]) -> str:
-    from .sweeps import fixed_width
+    from .report import fixed_width
     lines = [[("sd" if r["mode"] == "sd" else str(r["workers"])), f"{r['ms_per_token']:.1f}",
               _pct(r.get("cache_miss_rate")), f"{r.get('speedup_vs_sd', float('nan')):.2f}x", f"{r['tau']:.2f}"]
              for r in rows]
@@ -232,7 +232,7 @@ def table_workers(rows: list[dict]) -> str:
 
 
 def table_gamma(rows: list[dict]) -> str:
-    from .sweeps import fixed_width
+    from .report import fixed_width
     gammas = sorted({r["gamma"] for r in rows if r["mode"] != "ar"})
     by = {(r["mode"], r["gamma"]): r for r in rows}
     lines = []
@@ -257,12 +257,12 @@ def table_queues(rows: list[dict]) -> str:
             if (c, s, workers[0]) in by:
                 lines.append([c, s] + [_pct(by[(c, s, w)].get("cache_miss_rate")) for w in workers]
                              + [f"{by[(c, s, w)]['ms_per_token']:.1f}" for w in workers])
-    from .sweeps import fixed_width
+    from .report import fixed_width
     return fixed_width(head, lines)
 
 
 def table_links(rows: list[dict]) -> str:
-    from .sweeps import fixed_width
+    from .report import fixed_width
     lines = [[r["link"], r["mode"], f"{r['ms_per_token']:.1f}", f"{r['tau']:.2f}", _pct(r.get("cache_miss_rate")),
               f"{r.get('speedup_vs_ar', float('nan')):.2f}x", f"{r.get('speedup_vs_sd', float('nan')):.2f}x"]
              for r in rows]
@@ -270,14 +270,14 @@ def table_links(rows: list[dict]) -> str:
 
 
 def _plt():
-    from .sweeps import _pyplot
+    from .report import _pyplot
     return _pyplot()
 
 
 def _save(fig, path):
-    from . import sweeps
+    from . import report
     fig.tight_layout()
-    sweeps._save(fig, path)
+    report._save(fig, path)
 
 
 def plot_workers(rows, path):

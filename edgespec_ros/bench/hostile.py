@@ -498,7 +498,7 @@ def _finish_rows(rows: list[dict], info: dict) -> list[dict]:
 
 
 def table_hostile(rows: list[dict]) -> str:
-    from .sweeps import _fmt, fixed_width
+    from .report import _fmt, fixed_width
     data = [r for r in rows if "hostile" in r]
     head = ["hostile", "decisions", "lost", "p50 ms", "p99 ms", "p99 vs 0", "max ms", "verifier RSS MB (peak)",
             "hostile outcomes"]
@@ -527,7 +527,7 @@ def table_hostile(rows: list[dict]) -> str:
 
 
 def plot_hostile(rows: list[dict], path: str) -> None:
-    from .sweeps import _pyplot, _save
+    from .report import _pyplot, _save
     data = [r for r in rows if "hostile" in r]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))

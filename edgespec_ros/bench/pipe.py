@@ -126,7 +126,7 @@ def sweep_modes(opts, progress) -> list[dict]:
 
 def table_modes(rows: list[dict]) -> str:
     from .runner import _times
-    from .sweeps import _fmt, fixed_width
+    from .report import _fmt, fixed_width
     lines = [[r["link"], r["mode"], f"{r['ms_per_token']:.1f}", f"{r['tau']:.2f}",
               _times(r.get("speedup_vs_ar")), _times(r.get("speedup_vs_sd")),
               _fmt(r.get("max_in_flight"), "d"), _fmt(r.get("pipe_flushes"), "d"),
@@ -141,7 +141,7 @@ def table_modes(rows: list[dict]) -> str:
 
 def plot_modes(rows: list[dict], path: str) -> None:
     """Grouped bars: ms/token per mode on each link; the pipeline's bound as a tick on the pipe bars."""
-    from .sweeps import _pyplot, _save
+    from .report import _pyplot, _save
     plt = _pyplot()
     links = list(dict.fromkeys(r["link"] for r in rows))
     modes = [m for m in SWEEP_MODES if any(r["mode"] == m for r in rows)]

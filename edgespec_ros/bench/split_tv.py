@@ -56,7 +56,7 @@ def run(opts, progress) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    from .sweeps import fixed_width
+    from .report import fixed_width
     return fixed_width(["codec", "positions", "mean TV", "p95 TV", "max TV", "down B/rejection"],
                        [[r["codec"], str(r["positions"]), f"{r['mean_tv']:.2e}", f"{r['p95_tv']:.2e}",
                          f"{r['max_tv']:.2e}", str(r["downlink_bytes_per_rejection"])] for r in rows])

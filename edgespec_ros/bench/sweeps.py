@@ -12,8 +12,6 @@ proxy (``runner.emulated_setup``), shared by all the settings measured on it; ea
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +22,7 @@ from ..decoding.sampling import SamplingParams
 from ..wire import protocol as P
 from ..wire.link import get_profile
 from ..models import ModelPair
+from .report import _fmt, _pyplot, _save, fixed_width
 from .runner import bench_prompts, emulated_setup, run_modes
 
 QWEN2_VL_VOCAB = 151_936  # Qwen2-VL's vocabulary: the analytic bytes per draft token are given for it
@@ -66,18 +65,6 @@ class Sweep:
     plot: Callable[[list[dict], str], None]
 
 
-def fixed_width(head: list[str], lines: list[list[str]]) -> str:
-    """A left-aligned text table."""
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-    return "\n".join(out)
-
-
-def _fmt(value, spec: str, none: str = "-") -> str:
-    return none if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def warm_up(draft_lm, url: str, link: str, compute, prompt, max_new_tokens: int) -> None:
     """One unmeasured SD decision on a fresh setup, so that the first measured setting does not
     pay for cold caches (first connection, first forward passes)."""
@@ -89,19 +76,6 @@ def one_decision(draft_lm, url: str, prompt, **run_kwargs) -> DecisionMetrics:
     metrics = []
     run_modes(draft_lm, url, ["sd"], [prompt], on_decision=lambda *a: metrics.append(a[3].metrics), **run_kwargs)
     return metrics[0]
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
 
 
 # --- codecs --------------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def _f(value, spec, none="-"):
 
 
 def table_wisv(rows: list[dict]) -> str:
-    from .sweeps import fixed_width
+    from .report import fixed_width
     lines = []
     for r in rows:
         success = "-" if r.get("success") is None else f"{100 * r['success']:.1f} +- {100 * r['success_se']:.1f}%"
@@ -223,7 +223,7 @@ def table_wisv(rows: list[dict]) -> str:
 
 
 def plot_wisv(rows: list[dict], path: str) -> None:
-    from .sweeps import _pyplot, _save
+    from .report import _pyplot, _save
     plt = _pyplot()
     fig, (ax_a, ax_l, ax_t) = plt.subplots(1, 3, figsize=(14, 4.2))
     for link in dict.fromkeys(r["link"] for r in rows):

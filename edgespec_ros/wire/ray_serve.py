@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import logging
 import signal
-import sys
 import threading
 
 from fastapi import FastAPI, WebSocket
@@ -31,7 +30,8 @@ from ray import serve
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close
 
-from .server import build_server, check_auth_options, metrics_text, read_token_file
+from .config import build_server, check_auth_options, read_token_file
+from .server import metrics_text
 
 log = logging.getLogger("edgespec.verifier.ray")
 
@@ -260,8 +260,3 @@ def serve_on_ray(args) -> int:
     import ray
     ray.shutdown()
     return 0
-
-
-if __name__ == "__main__":
-    from .server import main
-    sys.exit(main(["--replicas", "2", *sys.argv[1:]]))

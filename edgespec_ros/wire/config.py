@@ -1,0 +1,225 @@
+"""edgespec-verifier's configuration: the command line, tokens, TLS, limits and the model,
+turned into a ``VerifierServer`` (``build_server``). Shared by the one-process verifier
+(``wire.cli``) and its Ray Serve replicas (``wire.ray_serve``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..decoding.compute import compute_arg, get_compute
+from ..decoding.engines import QUANTIZATIONS, ModelLoadError, load_model
+from . import protocol as P
+from .limits import ServerLimits
+from .server import EXIT_QUEUE_POLICIES, VerifierServer, is_loopback
+from .tokens import read_tokens
+
+log = logging.getLogger("edgespec.verifier")
+
+
+def read_token_file(path: str | None) -> list[str]:
+    """Auth tokens, one per line (one per tenant: a robot fleet, a lab); blank lines and lines
+    starting with # are skipped. None: no auth."""
+    if path is None:
+        return []
+    try:
+        tokens = read_tokens(path, "--token-file")
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
+    short = [i + 1 for i, t in enumerate(tokens) if len(t) < 16]
+    if short:
+        log.warning("--token-file: token(s) %s shorter than 16 characters are easy to guess "
+                    "(e.g. `python -c \"import secrets; print(secrets.token_urlsafe(32))\"`)", short)
+    return tokens
+
+
+def tls_context(cert: str | None, key: str | None):
+    """The server's TLS context from a certificate chain and its private key (PEM)."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise SystemExit("edgespec-verifier: --tls-cert and --tls-key go together")
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"edgespec-verifier: cannot load --tls-cert {cert!r} / --tls-key {key!r}: {exc}")
+    return ctx
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="edgespec-verifier",
+        description="Cloud verifier for edge-cloud speculative decoding: serves a target (Qwen2-VL or causal LM) "
+                    "over websockets; robots connect with the edge client (modes ar, sd and, with early-exit "
+                    "adapters, fsd).")
+    ap.add_argument("--model", default=None,
+                    help="local directory of the target model (config.json, weights, tokenizer); "
+                         "default: the embedded target model shipped with the package")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    ap.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks a free port)")
+    ap.add_argument("--token-file", default=None,
+                    help="file of auth tokens, one per line (one per tenant; each tenant gets a fair share of "
+                         "compute); clients must present one. Required unless --host is loopback")
+    ap.add_argument("--insecure-no-auth", action="store_true",
+                    help="serve a non-loopback --host without --token-file (anyone reaching the port may use it)")
+    ap.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve wss:// (with --tls-key)")
+    ap.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
+                    help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
+    ap.add_argument("--compute", default="native", type=compute_arg,
+                    help="pad target compute to a hardware profile: go2-paper (620 ms/verify, 354 ms/AR step, "
+                         "620 ms/prefill), or a profile file measured by edgespec-profile (default native)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                    help="weights dtype (default float32; auto: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N or auto")
+    ap.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                    help="int8 / nf4 weights through bitsandbytes (cuda only; default none)")
+    ap.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this many seconds")
+    ap.add_argument("--exits", default="auto",
+                    help="early-exit adapters for fsd: a directory (from `edgespec-train exits`), 'auto' (those in "
+                         "<model>/exits if present; default) or 'none' (the verifier then serves ar and sd only)")
+    ap.add_argument("--wisv", default="auto",
+                    help="WISV decision head (verify mode wisv, LOSSY): a directory (from `edgespec-train wisv`), "
+                         "'auto' (<model>/wisv if present; default) or 'none'")
+    ap.add_argument("--exit-queue", default="priority", choices=list(EXIT_QUEUE_POLICIES),
+                    help="order in which early exits are streamed: most confident first (priority, default) or fifo")
+    ap.add_argument("--exit-queue-size", type=int, default=64,
+                    help="bound of the per-round exit send queue (default 64; beyond it the last-ranked exit is dropped)")
+    lim = ap.add_argument_group("limits", "what one client may cost the verifier (refusals name the option)")
+    d = ServerLimits()
+    for name, option, kind, text in LIMIT_OPTIONS:
+        lim.add_argument(option, dest=name, type=kind, default=getattr(d, name), metavar=kind.__name__.upper(),
+                         help=f"{text} (default {getattr(d, name)})")
+    ap.add_argument("--max-batch", type=int, default=8,
+                    help="verification rounds of up to this many sessions run as one batched forward pass "
+                         "(rounds streaming early exits run alone); 1 = one at a time (default 8)")
+    ap.add_argument("--status-interval", type=float, default=60.0,
+                    help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
+    ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    rec = ap.add_argument_group("traces", "record every verify round for distilling the draft (docs/traces.md); "
+                                          "off by default")
+    rec.add_argument("--record-traces", default=None, metavar="DIR",
+                     help="write the rounds to safetensors shards under DIR/<tenant>/ (off by default)")
+    rec.add_argument("--record-traces-max-mb", type=float, default=256.0,
+                     help="bound on each tenant's shards in MiB; the oldest shard is deleted first (default 256)")
+    rec.add_argument("--record-traces-max-files", type=int, default=64,
+                     help="bound on each tenant's shard count; the oldest is deleted first (default 64)")
+    rec.add_argument("--record-traces-topk", type=int, default=16,
+                     help="the target's top-k (ids and log-probs) kept at each drafted and bonus position (default 16)")
+    rec.add_argument("--record-images", action="store_true",
+                     help="also record each decision's JPEG: the robots' camera frames (off by default; privacy)")
+    ray = ap.add_argument_group("scale-out", "N replicas of this verifier on Ray Serve behind one websocket endpoint "
+                                             "(--host/--port); needs `pip install .[fleet]`")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="serve this many replicas on Ray Serve, each with its own model and batching engine "
+                          "(default: one process, no Ray)")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                     help="let Ray Serve's autoscaler keep MIN..MAX replicas by open sessions "
+                          "(--sessions-per-replica each); --replicas is the starting count")
+    ray.add_argument("--sessions-per-replica", type=int, default=None,
+                     help="autoscaling target of open sessions per replica (default --max-batch)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster ('auto': the one `ray start --head` started here); default: "
+                          "start a local Ray instance on this machine")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0,
+                     help="GPUs Ray reserves per replica (default 0; with > 0 the replica loads on cuda)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0,
+                     help="CPUs Ray reserves per replica (default 1; also its torch threads)")
+    return ap
+
+
+# ServerLimits field, type, help: the CLI options of the limits (one table: README "Security and limits").
+LIMIT_OPTIONS = [
+    ("max_connections", "--max-connections", int, "open connections, all clients"),
+    ("max_per_address", "--max-per-address", int, "open connections from one IP address"),
+    ("max_handshakes", "--max-handshakes", int, "connections that have not yet sent an accepted HELLO"),
+    ("auth_failures", "--auth-failures", int, "failed HELLOs from one address that lock it out for the rest of "
+                                               "--auth-window"),
+    ("auth_window_s", "--auth-window", float, "seconds of the auth-failure window"),
+    ("max_prompt_tokens", "--max-prompt-tokens", int, "prompt tokens per decision (the model's context at most)"),
+    ("max_image_pixels", "--max-image-pixels", int, "decoded image pixels, read from the header before decoding "
+                                                    "(Qwen2-VL max_pixels)"),
+    ("max_image_bytes", "--max-image-bytes", int, "encoded image bytes"),
+    ("max_new_tokens", "--max-new-tokens", int, "tokens one GENERATE may ask for"),
+    ("max_rounds", "--max-rounds", int, "VERIFY frames per decision"),
+    ("max_sessions_per_token", "--max-sessions-per-token", int, "concurrent sessions per auth token"),
+]
+
+
+def build_server(args, tokens: list[str] | None = None, server_name: str = "edgespec-verifier") -> VerifierServer:
+    """The VerifierServer the options describe (model, exits, limits, auth, TLS); SystemExit with
+    a clear message when they are wrong. ``tokens``: already read (a Ray replica gets them from
+    the driver, the token file may not exist on its node)."""
+    from ..models import default_model_path
+    path = args.model or default_model_path("target")
+    tokens = read_token_file(args.token_file) if tokens is None else tokens
+    ssl_context = tls_context(args.tls_cert, args.tls_key)
+    try:
+        limits = ServerLimits(**{name: getattr(args, name) for name, *_ in LIMIT_OPTIONS})
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
+    check_auth_options(args, tokens)
+    if getattr(args, "record_images", False) and getattr(args, "record_traces", None) is None:
+        raise SystemExit("edgespec-verifier: --record-images records into --record-traces DIR: give both")
+    try:
+        lm = load_model(path, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    except ModelLoadError as exc:
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
+    from ..decoding.exits import ExitLoadError, attach_exits
+    from ..decoding.wisv import attach_wisv
+    try:
+        exits = attach_exits(lm, args.exits)
+        head = attach_wisv(lm, args.wisv)
+    except (ExitLoadError, ValueError) as exc:
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
+    log.info("wisv: %s", f"decision head for {head.config.draft_dim}-wide drafter states (verify mode wisv "
+                         "available, LOSSY)" if head else "no decision head (verify mode wisv unavailable)")
+    log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
+             else "none (fsd unavailable: modes ar and sd)")
+    log.info("precision: %s", precision_note(next(lm.model.parameters()).dtype))
+    server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
+                            idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
+                            exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
+                            insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
+                            max_batch=args.max_batch, server_name=server_name)
+    server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
+    return server
+
+
+def precision_note(dtype) -> str:
+    """What the lossless claim holds to in this precision (measured: docs/gpu-profile.md)."""
+    import torch
+    if dtype == torch.float32:
+        return ("float32: greedy output token-identical to the target decoding alone, rounds batched or not "
+                "(measured on an H200 and on CPU)")
+    return (f"{str(dtype).replace('torch.', '')}: verification is lossless in distribution, but greedy output is "
+            "NOT token-identical to the target decoding alone, batched or not: a block's logits round differently "
+            "from one token's and near-ties flip (measured on an H200: 9 of 12 decisions differ somewhere even "
+            "unbatched). --dtype float32 for token identity (2x the weights' memory)")
+
+
+def trace_recorder(args, model_name: str, fingerprint: str):
+    """The TraceRecorder the --record-* options ask for (None: recording off); SystemExit when they are wrong."""
+    if getattr(args, "record_traces", None) is None:
+        return None
+    from ..decoding.traces import TraceRecorder
+    try:
+        recorder = TraceRecorder(args.record_traces, max_bytes=int(args.record_traces_max_mb * (1 << 20)),
+                                 max_files=args.record_traces_max_files, topk=args.record_traces_topk,
+                                 record_images=args.record_images, target=model_name, target_fingerprint=fingerprint)
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: --record-traces: {exc}") from None
+    log.info("recording verify rounds to %s (top-%d, %g MiB and %d shards per tenant%s)", args.record_traces,
+             recorder.topk, args.record_traces_max_mb, recorder.max_files,
+             "; WITH the robots' camera images (--record-images)" if recorder.record_images else "; no images")
+    return recorder
+
+
+def check_auth_options(args, tokens: list[str]) -> None:
+    """Refuse a network address without auth (unless waived) before any weights are loaded."""
+    if not tokens and not is_loopback(args.host) and not args.insecure_no_auth:
+        raise SystemExit(f"edgespec-verifier: refusing to serve on {args.host} without auth: give --token-file (and "
+                         "--tls-cert/--tls-key), or --insecure-no-auth to let anyone who reaches the port use the "
+                         "model")
