@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from edgespec_ros.decoding.engines import wrap_model
-from edgespec_ros.train import tiny
-from edgespec_ros.train.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from edgespec_ros.models import tiny
+from edgespec_ros.models.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 CORPUS = [
     "I see a red chair on the left. Action: turn left small.",

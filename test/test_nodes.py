@@ -34,7 +34,7 @@ ANSWER = "The silver bottle is a little to the left. Action: turn left small."
 @pytest.fixture(scope="module")
 def untrained_pair(tmp_path_factory):
     """(draft_dir, target_dir): small random Qwen2-VL models with a shared tokenizer."""
-    from edgespec_ros.train.tiny import write_untrained_pair
+    from edgespec_ros.models.tiny import write_untrained_pair
     return write_untrained_pair(str(tmp_path_factory.mktemp("models")))
 
 

@@ -17,7 +17,7 @@ from edgespec_ros.decoding.inputs import build_inputs
 from edgespec_ros.train import cli as train_cli
 from edgespec_ros.train.data import IGNORE, collate, encode_example
 from edgespec_ros.sim.policy import VLMPolicy
-from edgespec_ros.train.tokenizer import SPECIAL_TOKENS
+from edgespec_ros.models.tokenizer import SPECIAL_TOKENS
 
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
@@ -109,7 +109,7 @@ def test_model_stages_save_loadable_qwen2vl_models_with_tokenizer_and_processor(
 
 def test_training_reduces_loss_on_a_fixed_batch(pipeline):
     from transformers import AutoTokenizer
-    from edgespec_ros.train import tiny
+    from edgespec_ros.models import tiny
     from edgespec_ros.train.trainer import TrainConfig, train_model
     work, _ = pipeline
     tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
@@ -123,7 +123,7 @@ def test_training_reduces_loss_on_a_fixed_batch(pipeline):
 
 def test_labels_cover_only_the_answer_and_inputs_match_the_run_time_builder(pipeline):
     from transformers import AutoTokenizer
-    from edgespec_ros.train import tiny
+    from edgespec_ros.models import tiny
     work, _ = pipeline
     tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
     ip = tiny.image_processor()
@@ -231,7 +231,7 @@ def test_aux_targets_follow_the_merged_image_token_order_of_the_processor():
     """A label cell must land on the merged token whose pixels it covers (Qwen2-VL reorders patches)."""
     from PIL import Image
     from edgespec_ros.sim.dataset import DenseLabels
-    from edgespec_ros.train import tiny
+    from edgespec_ros.models import tiny
     from edgespec_ros.train.data import EncodedExample, aux_targets
     ip = tiny.image_processor()
     image = np.zeros((112, 112, 3), np.uint8)
@@ -262,7 +262,7 @@ def _labelled_draft_setup(pipeline):
     """The pipeline's tokenizer, the image processor, 8 encoded frames with dense labels and a fresh
     draft-sized model."""
     from transformers import AutoTokenizer
-    from edgespec_ros.train import tiny
+    from edgespec_ros.models import tiny
     work, _ = pipeline
     tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
     ip = tiny.image_processor()
@@ -296,7 +296,7 @@ def test_image_token_columns_get_rotary_frequencies_that_tell_them_apart(role, t
     """M-RoPE gives width the lowest frequencies; with Qwen2-VL's theta of 1e6 neighbouring columns of
     a 4 x 4 token grid rotate by ~1e-4 rad and the model cannot tell left from right."""
     from transformers import Qwen2VLConfig
-    from edgespec_ros.train import tiny
+    from edgespec_ros.models import tiny
     tok = tiny.train_tokenizer_cached()
     cfg = tiny.qwen2vl_config(tok, **train_cli.MODEL_SPECS[role])
     cfg.save_pretrained(tmp_path)

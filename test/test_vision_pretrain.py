@@ -12,7 +12,7 @@ from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, vision_frames
 from edgespec_ros.train import cli as train_cli
-from edgespec_ros.train.tiny import image_processor, tiny_vision_tower
+from edgespec_ros.models.tiny import image_processor, tiny_vision_tower
 from edgespec_ros.train.vision import VisionConfig, evaluate_vision, frames_of, pretrain_vision
 
 

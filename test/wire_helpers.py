@@ -58,8 +58,8 @@ class ModelPair:
 
 
 def make_pair(draft_noise: float = 0.005) -> ModelPair:
-    from edgespec_ros.train import tiny
-    from edgespec_ros.train.tokenizer import train_tokenizer
+    from edgespec_ros.models import tiny
+    from edgespec_ros.models.tokenizer import train_tokenizer
     tokenizer = train_tokenizer(CORPUS, vocab_size=300)
     image_processor = tiny.image_processor()
     model = tiny.tiny_qwen2vl(tokenizer, seed=1, layers=2, hidden=64, **tiny.QWEN2VL_ROPE)

@@ -40,7 +40,7 @@ def resolve_models(draft: str | None, target: str | None) -> ModelPair:
         return ModelPair(draft or default_model_path("draft"), target or default_model_path("target"),
                          "embedded default models (edgespec_ros/models)")
     tmp = tempfile.TemporaryDirectory(prefix="edgespec-untrained-")
-    from ..train.tiny import write_untrained_pair
+    from .tiny import write_untrained_pair
     d, t = write_untrained_pair(tmp.name)
     return ModelPair(draft or d, target or t, "UNTRAINED random pair (run `make models` to train the real defaults)",
                      tmp)

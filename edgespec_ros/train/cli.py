@@ -151,7 +151,7 @@ def load_dataset(work: str):
 
 def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
     from .data import corpus_texts
-    from .tokenizer import train_tokenizer
+    from ..models.tokenizer import train_tokenizer
     examples = load_dataset(work)
     tok = train_tokenizer(corpus_texts(examples), vocab_size=cfg.tokenizer_vocab)
     path = os.path.join(work, "tokenizer")
@@ -166,7 +166,7 @@ _ENCODED: dict = {}  # (dataset, tokenizer) -> encoded examples, shared by the s
 def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     from transformers import AutoTokenizer
     from tqdm import tqdm
-    from . import tiny
+    from ..models import tiny
     from .data import encode_example
     from .trainer import TrainConfig, train_model
     tok_dir = os.path.join(work, "tokenizer")

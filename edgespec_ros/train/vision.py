@@ -182,7 +182,7 @@ def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: 
     comparison arms (each costs another training budget)."""
     from tqdm import tqdm
     from ..sim.dataset import NUM_OBJECT_CLASSES
-    from .tiny import image_processor, tiny_vision_tower
+    from ..models.tiny import image_processor, tiny_vision_tower
     ip = image_processor()
     tower_kw = dict(hidden=spec["hidden"], vision_depth=spec["vision_depth"], vision_dim=spec["vision_dim"])
     t0 = time.monotonic()
