@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edgespec_ros"
 CLI_MODULES = {"edgespec_ros.bench.cli", "edgespec_ros.sim.cli", "edgespec_ros.train.cli", "edgespec_ros.bringup",
+               "edgespec_ros.wire.cli", "edgespec_ros.bench.gpu_profile",
                "edgespec_ros.demo"}
 
 
@@ -92,3 +93,75 @@ def test_the_rules_see_lazy_and_relative_imports():
     found = imports(PACKAGE / "drafting.py")
     assert "edgespec_ros.decoding.verifier" in found  # classify_error's lazy import
     assert "edgespec_ros.actions" in found
+
+
+def _graph(level=None) -> dict[str, set[str]]:
+    """Who imports whom among the package's modules (lazy imports included); with ``level``,
+    between packages ``edgespec_ros.<x>`` instead."""
+    mods = {module_name(p) for p in sources()}
+
+    def resolve(name):  # a name may be a module, a package or an attribute of a module
+        parts = name.split(".")
+        return next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in mods), None)
+    graph = {}
+    for path in sources():
+        name = module_name(path)
+        graph[name] = {r for r in map(resolve, imports(path)) if r and r != name}
+    if level is None:
+        return graph
+    top = {}
+    for name, deps in graph.items():
+        head = ".".join(name.split(".")[:level])
+        top.setdefault(head, set()).update(d for d in (".".join(x.split(".")[:level]) for x in deps) if d != head)
+    return top
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph.get(root, ())))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(graph.get(nxt, ()))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles_between_modules_or_packages():
+    """Counting imports inside functions: a cycle kept alive by a lazy import is still a cycle."""
+    assert _cycles(_graph()) == []
+    assert _cycles(_graph(level=2)) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
