@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from edgespec_ros.bench import gpu_profile as gp
+from edgespec_ros.bench import gpu_measure as gp
 
 
 def probe(name: str, device: torch.device, steps: int = 40) -> dict:

@@ -6,21 +6,22 @@ import os
 import pytest
 import torch
 
+from edgespec_ros.bench import gpu_measure as gm
 from edgespec_ros.bench import gpu_profile as gp
 from edgespec_ros.decoding.compute import GO2_PAPER, PROFILE_FORMAT, ComputeProfile, compute_arg, get_compute
 
 
 def test_real_shapes_have_the_published_parameter_counts():
     # Qwen2-VL-2B-Instruct: 2.21 B parameters; Qwen2-VL-7B-Instruct: 8.29 B (model cards)
-    assert round(gp.param_count(gp.load_shape("qwen2-vl-2b")) / 1e9, 2) == 2.21
-    assert round(gp.param_count(gp.load_shape("qwen2-vl-7b")) / 1e9, 2) == 8.29
-    cfg = gp.build_config(gp.load_shape("qwen2-vl-7b"))
-    assert gp.special(cfg, "image_token_id") == 151655 and gp.special(cfg, "eos_token_id") == 151645
+    assert round(gm.param_count(gm.load_shape("qwen2-vl-2b")) / 1e9, 2) == 2.21
+    assert round(gm.param_count(gm.load_shape("qwen2-vl-7b")) / 1e9, 2) == 8.29
+    cfg = gm.build_config(gm.load_shape("qwen2-vl-7b"))
+    assert gm.special(cfg, "image_token_id") == 151655 and gm.special(cfg, "eos_token_id") == 151645
 
 
 def test_synthetic_prompt_is_a_448_frame_with_256_image_tokens():
-    cfg = gp.build_config(gp.load_shape("qwen2-vl-7b"))
-    p = gp.synthetic_prompt(cfg, seed=1)
+    cfg = gm.build_config(gm.load_shape("qwen2-vl-7b"))
+    p = gm.synthetic_prompt(cfg, seed=1)
     assert int(p.mm_token_type_ids.sum()) == 256  # 448 / 14 = 32 patches a side, merged 2 x 2
     assert tuple(p.image_grid_thw[0].tolist()) == (1, 32, 32)
     assert p.pixel_values.shape == (1024, 3 * 2 * 14 * 14)
@@ -30,7 +31,7 @@ def test_synthetic_prompt_is_a_448_frame_with_256_image_tokens():
 
 def test_unknown_shape_is_a_clear_error():
     with pytest.raises(SystemExit, match="no model shape 'qwen9'"):
-        gp.load_shape("qwen9")
+        gm.load_shape("qwen9")
 
 
 @pytest.fixture(scope="module")
@@ -128,23 +129,23 @@ def test_missing_or_broken_profile_file_is_a_clear_error(tmp_path):
 def test_batched_sd_diverges_when_the_batched_pass_differs():
     """The invariance check can fail: a pass that perturbs batched logits (as bf16 kernels may)
     makes batched greedy SD leave the target's lone tokens, and it is counted."""
-    shape = gp.load_shape("tiny")
-    lm = gp.build_lm(shape, torch.device("cpu"), torch.float32, seed=0)
+    shape = gm.load_shape("tiny")
+    lm = gm.build_lm(shape, torch.device("cpu"), torch.float32, seed=0)
     cfg = lm.model.config
-    prompts = [gp.synthetic_prompt(cfg, seed=i, image=56, text=8, history=8 + i) for i in range(4)]
-    refs = [gp.lone_reference(lm, p, 12)[0] for p in prompts]
-    clean = gp.sd_batched(lm, prompts, refs, [12] * 4, batch=4, gamma=3, seed=0)
-    assert gp.compare(refs, clean["tokens"])["divergent"] == 0
+    prompts = [gm.synthetic_prompt(cfg, seed=i, image=56, text=8, history=8 + i) for i in range(4)]
+    refs = [gm.lone_reference(lm, p, 12)[0] for p in prompts]
+    clean = gm.sd_batched(lm, prompts, refs, [12] * 4, batch=4, gamma=3, seed=0)
+    assert gm.compare(refs, clean["tokens"])["divergent"] == 0
     head = lm.model.get_output_embeddings()
 
     def perturb_batched(_m, _inp, out):  # only batched passes (more than one row) are perturbed
         return out + torch.randn_like(out) * 5.0 if out.shape[0] > 1 else out
     handle = head.register_forward_hook(perturb_batched)
     try:
-        noisy = gp.sd_batched(lm, prompts, refs, [12] * 4, batch=4, gamma=3, seed=0)
+        noisy = gm.sd_batched(lm, prompts, refs, [12] * 4, batch=4, gamma=3, seed=0)
     finally:
         handle.remove()
-    report = gp.compare(refs, noisy["tokens"])
+    report = gm.compare(refs, noisy["tokens"])
     assert report["divergent"] > 0 and all(0 <= k < 12 for k in report["first_divergent_positions"])
 
 
