@@ -22,6 +22,8 @@ import pytest
 
 from edgespec_ros.decoding.edge import DecodeConfig
 from edgespec_ros.wire import protocol as P
+from edgespec_ros.wire import cli as cli_module
+from edgespec_ros.wire import config as config_module
 from edgespec_ros.wire import server as server_module
 from edgespec_ros.wire.fair import FairCompute, SessionGone
 from edgespec_ros.wire.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
@@ -454,13 +456,13 @@ def test_non_loopback_without_auth_refuses_to_start(pair, caplog):
 
 def test_cli_refuses_a_network_address_without_auth_before_loading(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
-    code = server_module.main(["--model", str(tmp_path / "no-model"), "--host", "0.0.0.0"])
+    code = cli_module.main(["--model", str(tmp_path / "no-model"), "--host", "0.0.0.0"])
     assert code == 2
     assert "--insecure-no-auth" in capsys.readouterr().err
 
 
 def test_tls_round_trip_and_a_wrong_ca_is_refused(pair):
-    ctx = server_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
+    ctx = config_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
         assert st.url.startswith("wss://localhost:")
         from websockets.sync.client import connect
@@ -534,7 +536,7 @@ def test_decode_caps_id_lists():
 def test_the_edge_client_over_tls_checks_the_certificate(pair):
     from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
     from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
-    ctx = server_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
+    ctx = config_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
         def client(ca):
             return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,

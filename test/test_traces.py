@@ -20,7 +20,7 @@ from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormatError, TraceRecorder, read_traces,
                                           tenant_id, trace_shards)
 from edgespec_ros.decoding.verifier import LocalVerifier
-from edgespec_ros.wire import server as server_module
+from edgespec_ros.wire import config as config_module
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.server import ServerThread, VerifierServer, metrics_text
 
@@ -92,9 +92,9 @@ def assert_topk_is_the_targets(target, record, jpeg: bytes | None = None) -> Non
 
 def test_recording_is_off_by_default(pair, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = server_module.build_parser().parse_args([])
+    args = config_module.build_parser().parse_args([])
     assert args.record_traces is None and not args.record_images
-    assert server_module.trace_recorder(args, "target", "fp") is None
+    assert config_module.trace_recorder(args, "target", "fp") is None
     server = VerifierServer(server_copy(pair.target))
     assert server.recorder is None
     with ServerThread(server) as st:
@@ -108,18 +108,18 @@ def test_recording_is_off_by_default(pair, tmp_path, monkeypatch):
 
 
 def test_record_images_needs_record_traces(tmp_path):
-    args = server_module.build_parser().parse_args(["--record-images", "--model", str(tmp_path / "none")])
+    args = config_module.build_parser().parse_args(["--record-images", "--model", str(tmp_path / "none")])
     with pytest.raises(SystemExit, match="--record-images records into --record-traces"):
-        server_module.build_server(args)  # refused before any weights are loaded
+        config_module.build_server(args)  # refused before any weights are loaded
 
 
 # --- a loopback session ---------------------------------------------------------------------------
 
 def test_a_websocket_session_records_every_round_with_the_targets_topk(pair, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="edgespec.verifier")
-    args = server_module.build_parser().parse_args(["--record-traces", str(tmp_path), "--record-images",
+    args = config_module.build_parser().parse_args(["--record-traces", str(tmp_path), "--record-images",
                                                     "--record-traces-topk", "8"])
-    recorder = server_module.trace_recorder(args, "target", pair.target.fingerprint())
+    recorder = config_module.trace_recorder(args, "target", pair.target.fingerprint())
     server = VerifierServer(server_copy(pair.target), token=TOKEN, recorder=recorder)
     seen = []
     with ServerThread(server) as st:

@@ -22,7 +22,8 @@ from edgespec_ros.decoding.verifier import LocalVerifier
 from edgespec_ros.decoding.cloud import Prompt
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
-from edgespec_ros.wire import server as server_module
+from edgespec_ros.wire import cli as cli_module
+from edgespec_ros.wire import config as config_module
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError, VerifierRefused, VerifierTimeout
 from edgespec_ros.wire.link import DOWN, PROFILES, UP, LinkProfile, LinkProxy
 from edgespec_ros.wire.server import ServerThread, VerifierServer
@@ -691,13 +692,13 @@ def test_help_documents_every_option():
 def test_missing_model_exits_nonzero_naming_the_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # main() must not reconfigure pytest's logging
     missing = str(tmp_path / "no-such-model")
-    assert server_module.main(["--model", missing, "--port", "0"]) != 0
+    assert cli_module.main(["--model", missing, "--port", "0"]) != 0
     err = capsys.readouterr().err
     assert missing in err and "not a directory" in err
 
 
 def test_parser_options_match_the_documented_defaults():
-    args = server_module.build_parser().parse_args([])
+    args = config_module.build_parser().parse_args([])
     assert (args.host, args.port, args.token_file, args.max_frame, args.compute) == \
         ("127.0.0.1", 8765, None, P.DEFAULT_MAX_FRAME, "native")
 
@@ -708,7 +709,7 @@ def test_unusable_token_file_is_a_clear_error(tmp_path, monkeypatch, capsys, con
     path = tmp_path / "token"
     if content is not None:
         path.write_text(content)
-    assert server_module.main(["--model", str(tmp_path / "no-model"), "--token-file", str(path)]) == 2
+    assert cli_module.main(["--model", str(tmp_path / "no-model"), "--token-file", str(path)]) == 2
     message = capsys.readouterr().err
     assert str(path) in message and "--token-file" in message
     assert ("cannot be read" if content is None else "holds no token") in message
@@ -717,8 +718,8 @@ def test_unusable_token_file_is_a_clear_error(tmp_path, monkeypatch, capsys, con
 def test_token_file_is_stripped_one_token_per_line(tmp_path):
     path = tmp_path / "token"
     path.write_text(f"  {TOKEN}\n# the lab's robots\n\n  second-tenant-token-xyz \n")
-    assert server_module.read_token_file(str(path)) == [TOKEN, "second-tenant-token-xyz"]
-    assert server_module.read_token_file(None) == []
+    assert config_module.read_token_file(str(path)) == [TOKEN, "second-tenant-token-xyz"]
+    assert config_module.read_token_file(None) == []
 
 
 def _verify_frame(pair, round_, ids, epoch, condition=(), codec="dense32"):
