@@ -220,13 +220,19 @@ class TargetSession:
         result = verify(ids, draft_probs, logits, settings.params,
                         seed=settings.seed, start_position=start_position, mode=settings.rule)
         self._score_exits(result)
+        self._commit(draft_ids, result, chained, result.next_token)
+        self._record(start_position, draft_ids, logits, result)
+        return result
+
+    def _commit(self, draft_ids: list[int], result: VerifyResult, chained: bool, next_token: int | None) -> None:
+        """Commit a verified round (every rule ends here): a chained block accepted in full commits
+        no bonus token, the robot's next block follows (``result.next_token`` becomes CONTINUE);
+        otherwise the accepted drafts and ``next_token`` (None: the robot resamples it, split codec)."""
         if chained and result.accepted == len(draft_ids):
             self.seq.commit_verified(draft_ids, result.accepted, None)
             result.next_token = CONTINUE
         else:
-            self.seq.commit_verified(draft_ids, result.accepted, result.next_token)
-        self._record(start_position, draft_ids, logits, result)
-        return result
+            self.seq.commit_verified(draft_ids, result.accepted, next_token)
 
     def _record(self, start: int, draft_ids: list[int], rows, result: VerifyResult) -> None:
         """Recording on: hand the committed round to the trace (the context before it is the
@@ -262,11 +268,7 @@ class TargetSession:
         result = verify_separate(draft_ids, q_at_draft, logits, settings.params, seed=settings.seed,
                                  start_position=start_position)
         rejected = result.next_token < 0
-        if chained and result.accepted == len(draft_ids):
-            self.seq.commit_verified(draft_ids, result.accepted, None)
-            result.next_token = CONTINUE
-        else:
-            self.seq.commit_verified(draft_ids, result.accepted, None if rejected else result.next_token)
+        self._commit(draft_ids, result, chained, None if rejected else result.next_token)
         self.awaiting_edge_token = rejected
         self._record(start_position, draft_ids, logits, result)
         return result, time.perf_counter() - t0
@@ -359,11 +361,7 @@ class TargetSession:
         start = self.position
         result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected)
         self._score_exits(result)
-        if r.chained and result.accepted == len(r.draft_ids):
-            self.seq.commit_verified(r.draft_ids, result.accepted, None)
-            result.next_token = CONTINUE
-        else:
-            self.seq.commit_verified(r.draft_ids, result.accepted, result.next_token)
+        self._commit(r.draft_ids, result, r.chained, result.next_token)
         self._record(start, r.draft_ids, r.topk, result)
         return result
 
