@@ -24,6 +24,10 @@ class Codec:
     name = ""
     code = 0
     PARAMS: dict = {}  # parameter -> (type, default, check(value) -> error message or None)
+    # PicoSpec's separate rejection sampling (codecs.split): the uplink carries q(x) of the drafts
+    # only, and on a rejection the cloud sends p down for the robot to resample. Every other codec
+    # sends q and leaves the whole rule to the cloud.
+    separate = False
 
     def __init__(self, **params):
         for key, (kind, default, check) in self.PARAMS.items():

@@ -89,7 +89,7 @@ class DecodeConfig:
         from .wisv import UPLOADS
         if self.hidden_upload not in UPLOADS:
             raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
-        if self.verify_mode == WISV and getattr(get_codec(self.codec), "separate", False):
+        if self.verify_mode == WISV and get_codec(self.codec).separate:
             raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
         self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
 
@@ -185,7 +185,7 @@ class _Decision:
         self.epoch = self.new_epoch()
         if reply.target_p is None:
             return int(reply.next_token)
-        if not getattr(self.codec, "separate", False) or reply.accepted >= len(block.draft_ids):
+        if not self.codec.separate or reply.accepted >= len(block.draft_ids):
             raise ValueError("the verifier sent a target distribution without a split-codec rejection")
         token = resample_separate(reply.target_p, torch.as_tensor(block.q)[reply.accepted], seed=self.cfg.seed,
                                   position=len(self.out) + reply.accepted)
@@ -390,7 +390,7 @@ class _Pipeline:
         # exit so far, sent before its verdict as conditional blocks: [(their _InFlight, cache entry)]
         self.conds: list[tuple] = []
         self.guess: tuple | None = None  # (layer, (accepted, token)) of the oldest block's deepest exit
-        self.conditional = self.pre is not None and not getattr(d.codec, "separate", False)
+        self.conditional = self.pre is not None and not d.codec.separate
         self.gamma, self.depth = strategy.plan(d.cfg)
         self.m.pipe_depth = self.depth
 

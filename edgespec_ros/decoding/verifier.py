@@ -258,7 +258,7 @@ class LocalVerifier:
             return self._verify_wisv(block, on_exit if block.stream_exits else None)
         payload = self.codec.encode(block.draft_ids, block.q)
         q = self.codec.decode(payload, block.draft_ids, self.vocab)
-        if getattr(self.codec, "separate", False):
+        if self.codec.separate:
             result, dt = self.session.verify_separate(block.draft_ids, q, block.edge_token, chained=block.chained)
             target_p = None
             if result.target_p is not None:  # the downlink as the wire carries it (top-K is lossy)

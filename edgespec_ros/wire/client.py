@@ -288,13 +288,13 @@ class RemoteVerifier:
         """Send one block (returns at once; several may be in flight). Early exits are asked for
         when the block wants them and the verifier has them (never with the split codec)."""
         flags = P.VERIFY_STREAM_EXITS if block.stream_exits and self.exit_layers else 0
-        if getattr(self.codec, "separate", False):
+        if self.codec.separate:
             flags = 0  # no early exits with separate rejection sampling
         if block.chained:
             flags |= P.VERIFY_CHAINED
         edge = P.NO_TOKEN if block.edge_token is None else int(block.edge_token)
         cond = block.condition
-        if cond is not None and getattr(self.codec, "separate", False):
+        if cond is not None and self.codec.separate:
             raise ValueError("conditional blocks are not valid with the split codec")
         csi, hidden = (0.0, 0.0, 0.0, 0.0), b""
         if block.hidden is not None:  # wisv
@@ -377,7 +377,7 @@ class RemoteVerifier:
     def _target_p(self, verdict: P.Verdict, n: int) -> torch.Tensor:
         """Split codec: the verifier rejected draft `accepted` and sent p there (the robot resamples)."""
         from ..codecs import CodecError
-        if not getattr(self.codec, "separate", False) or verdict.next_token != P.NO_TOKEN:
+        if not self.codec.separate or verdict.next_token != P.NO_TOKEN:
             self._drop()
             raise VerifierError("verdict carries a target distribution without a split-codec rejection (or the "
                                 "reverse): the verifier speaks another protocol")

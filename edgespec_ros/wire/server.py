@@ -537,7 +537,7 @@ class VerifierServer:
                 if msg.flags & ~P.VERIFY_FLAGS:
                     raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
                 self._check_context(conn, session, len(msg.draft_ids) + 1, "this block")
-                if getattr(codec, "separate", False):
+                if codec.separate:
                     ended = await self._verify_separate(conn, msg, session, codec, chained, queue_ms)
                     gate.record(msg.round, ended, 0, None)  # conditional blocks are refused with split
                     last_done = time.perf_counter()
@@ -729,7 +729,7 @@ class VerifierServer:
             return None
         if len(msg.condition) != 3:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY condition is [round, accepted, token]")
-        if getattr(codec, "separate", False):
+        if codec.separate:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "conditional blocks are not valid with the split codec "
                                                         "(the robot resamples after a rejection)")
         return Condition(*msg.condition)
