@@ -170,3 +170,21 @@ def test_the_robots_draft_prefill_holds_its_one_accelerator():
     t.join(5)
     assert waited >= 0.2 and dev.tokens == 1 and dev.busy_s >= 0.2 + 0.01
     assert get_compute("go2-paper").edge_prefill_s == 0.3 and get_compute("go2-paper").prefill_s == 0.62
+
+
+def test_exits_are_timed_within_the_rounds_own_pass():
+    """A measured profile's pass depends on the block: the verifier's exit sender makes exit l of
+    L available at l/L of the round's own pass (plus the exits' cost), not of a fixed one."""
+    import asyncio
+    from edgespec_ros.decoding.exits import ExitResult
+    from edgespec_ros.wire.server import ExitSender
+    p = ComputeProfile("t", exit_s=0.001, verify_table=((1,), (1, 16), ((0.010, 0.040),)))
+
+    async def available_at(block):
+        sender = ExitSender(None, 1, 1, 0.0, p, 28, block=block)
+        sender.push(ExitResult(14, 0, 5, confidence=0.5))
+        at = sender.items[0][0]
+        sender.cancel()
+        return at
+    assert asyncio.run(available_at(16)) == pytest.approx(0.040 * 14 / 28 + 0.001)
+    assert asyncio.run(available_at(1)) == pytest.approx(0.010 * 14 / 28 + 0.001)

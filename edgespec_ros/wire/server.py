@@ -81,9 +81,10 @@ class ExitSender:
     """
 
     def __init__(self, ws, decision: int, round_: int, started: float, compute: ComputeProfile, num_layers: int,
-                 policy: str = "priority", max_queue: int = 64):
+                 policy: str = "priority", max_queue: int = 64, block: int = 5):
         self.ws, self.decision, self.round, self.started = ws, decision, round_, started
         self.compute, self.num_layers, self.policy, self.max_queue = compute, num_layers, policy, max_queue
+        self.pass_s = compute.pass_s(1, block)  # the round's pass (block: tokens fed), exits timed within it
         self.items: list[tuple[float, int, object]] = []  # (available_at, order, ExitResult)
         self.sent = self.dropped = 0
         self._order = 0
@@ -103,7 +104,7 @@ class ExitSender:
         """Called on the event loop for each exit computed by the target."""
         if self._closing:
             return
-        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers, self._order),
+        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers, self._order, self.pass_s),
                 self._order + 1, res)
         self._order += 1
         self.items.append(item)
@@ -554,7 +555,8 @@ class VerifierServer:
                 on_exit = sender = None
                 if msg.flags & P.VERIFY_STREAM_EXITS and self.lm.exits is not None:
                     sender = ExitSender(ws, msg.decision, msg.round, started, self.compute,
-                                        self.num_layers, self.exit_queue, self.exit_queue_size)
+                                        self.num_layers, self.exit_queue, self.exit_queue_size,
+                                        block=len(msg.draft_ids) + 1)
                     live.append(sender)
                     self.live_exit_senders += 1
                     sender.task.add_done_callback(lambda _t: self._sender_done())
