@@ -58,8 +58,8 @@ class ComputeProfile:
 
     def pass_s(self, rows: int = 1, block: int = 5, ar: bool = False) -> float:
         """The accelerator's time for one pass that feeds ``block`` tokens (pending + drafts) to
-        each of ``rows`` sessions. A measured table is interpolated (linearly, extrapolated past
-        its last rows/blocks from the last two points); a flat profile charges verify_s per pass
+        each of ``rows`` sessions. A measured table is interpolated linearly (past its last rows or
+        blocks, the last segment's slope where it grows: ``_lin``); a flat profile charges verify_s per pass
         whatever its rows (ar_step_s for a pass of AR steps only)."""
         if self.verify_table:
             rows_at, blocks_at, table = self.verify_table
