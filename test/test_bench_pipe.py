@@ -79,6 +79,11 @@ def test_bench_pipe_rows_have_the_pipeline_columns(tmp_path, capsys):
         assert r["bound_ms_per_token"] > 0 and r["eq9_ms_per_token"] > 0 and r["fraction_of_bound"] > 0
         assert {"ms_per_token", "tau", "speedup_vs_sd", "time_split_s", "cloud_idle_ms_per_token"} <= r.keys()
     assert rows["pipe+fsd"]["workers"] == 2 and "cache_miss_rate" in rows["pipe+fsd"]
+    assert "Where the time goes" in text
+    for r in rows.values():  # the timeline: one pass per round; passes + idle is the wall time
+        assert sum(r["cloud_passes"].values()) == r["rounds"] and r["cloud_passes"]["fill"] == r["decisions"]
+        explained = r["passes_ms_per_token"] + sum(r["idle_ms_per_token"].values())
+        assert 0.8 * r["ms_per_token"] <= explained <= 1.02 * r["ms_per_token"]
 
 
 def test_bad_pipe_depth_is_a_clear_error(capsys):

@@ -188,6 +188,10 @@ def test_fsd_is_token_identical_to_sd_on_the_committed_models(committed, prompts
         assert fsd.tokens == sd.tokens and fsd.text == sd.text
         m = fsd.metrics
         assert m.rounds == sd.metrics.rounds and m.exits_received == m.rounds * len(target.exits.layers)
+        # the cloud timeline: SD's passes after the first wait on drafting; FSD's hits on the cache
+        assert sd.metrics.cloud_passes == {"fill": 1, **({"drafted": m.rounds - 1} if m.rounds > 1 else {})}
+        assert m.cloud_passes.get("pre-drafted", 0) == m.predraft_hits
+        assert m.cloud_passes.get("drafted", 0) == m.rounds - 1 - m.predraft_hits
         hits += m.predraft_hits
     assert hits > 0, "no pre-draft was ever used: the test would not exercise the hit path"
 

@@ -83,6 +83,9 @@ def test_greedy_pipe_is_token_identical_to_the_target_alone(pair, mode, depth, h
             assert got.tokens == ref, (instruction, max_new)
             m = got.metrics
             assert m.max_in_flight <= depth and m.tokens == len(ref)
+            # one pass per verified round, the first charged to the fill, drain after the last
+            assert sum(m.cloud_passes.values()) == m.rounds and m.cloud_passes["fill"] == 1
+            assert set(m.cloud_idle_s) <= set(m.cloud_passes) | {"drain"} and "drain" in m.cloud_idle_s
             flushes += m.pipe_flushes
             voided += m.pipe_voided_blocks
             # nothing was ever drafted past max_new_tokens within an epoch
@@ -331,8 +334,34 @@ def test_conditional_blocks_are_verified_only_on_a_right_guess_and_stay_exact(co
         # by a rejection, or a refuted guess
         unverified = verifier.dropped_blocks + len(verifier._queue)
         assert unverified == m.pipe_voided_blocks + (m.pipe_cond_sent - m.pipe_cond_hits)
+        # the timeline charges each pass to how its block came: a right guess, the cache, drafting
+        assert m.cloud_passes.get("conditional", 0) == m.pipe_cond_hits
+        assert m.cloud_passes.get("pre-drafted", 0) == m.predraft_hits - m.pipe_cond_hits
+        assert sum(m.cloud_passes.values()) == m.rounds
         sent, hits = sent + m.pipe_cond_sent, hits + m.pipe_cond_hits
     assert sent > 0 and hits > 0, "conditional blocks must have been sent and adopted"
+
+
+class _Reply:
+    def __init__(self, verify_s, downlink_s):
+        self.verify_s, self.downlink_s = verify_s, downlink_s
+
+
+def test_cloud_timeline_charges_idle_to_what_each_pass_waited_for():
+    """Busy + idle = wall: each gap before a pass goes to its cause, overlapping passes (queued
+    blocks) cost no idle, and the time after the last pass is the drain."""
+    from edgespec_ros.decoding.metrics import CloudTimeline, DecisionMetrics
+    m = DecisionMetrics()
+    t = CloudTimeline(m, started_at=100.0)
+    t.verdict(_Reply(0.6, 0.1), "fill", received_at=101.5)  # pass 100.8-101.4: 0.8 s of fill
+    t.verdict(_Reply(0.6, 0.1), "chained", received_at=102.1)  # queued behind it: no idle
+    t.verdict(_Reply(0.6, 0.1), "drafted", received_at=103.2)  # pass 102.5-103.1 after 0.5 s idle
+    t.end(103.3)
+    assert m.cloud_passes == {"fill": 1, "chained": 1, "drafted": 1}
+    assert m.cloud_idle_s == pytest.approx({"fill": 0.8, "chained": 0.0, "drafted": 0.5, "drain": 0.2})
+    assert sum(m.cloud_idle_s.values()) + 3 * 0.6 == pytest.approx(103.3 - 100.0)
+    with pytest.raises(ValueError, match="unknown pass cause"):
+        t.verdict(_Reply(0.1, 0.0), "lunch", received_at=104.0)
 
 
 def test_conditional_blocks_on_bad_guesses_are_void_and_change_nothing(pair):

@@ -208,6 +208,9 @@ def main(argv=None) -> int:
     if pipe.report(rows):
         print()
         print(pipe.report(rows))
+    if pipe.losses_table(rows):
+        print()
+        print(pipe.losses_table(rows))
     if "fsd" in modes or {"ar", "sd"} <= set(modes):
         from .fsd import model_report, paper_comparison
         print()

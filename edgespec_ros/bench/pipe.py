@@ -65,6 +65,9 @@ def annotate(rows: list[dict]) -> list[dict]:
         split = r.get("time_split_s") or {}
         if r.get("tokens") and "wall" in split:
             r["cloud_idle_ms_per_token"] = 1000 * max(0.0, split["wall"] - split["verify"]) / r["tokens"]
+            r["passes_ms_per_token"] = 1000 * split["verify"] / r["tokens"]
+        if r.get("tokens") and r.get("cloud_idle_s"):
+            r["idle_ms_per_token"] = {c: 1000 * s / r["tokens"] for c, s in r["cloud_idle_s"].items()}
         if r["mode"] not in PIPE_MODES:
             continue
         t = pipe_terms(r, rows)
@@ -102,6 +105,28 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def losses_table(rows: list[dict]) -> str:
+    """Where each mode's time per token goes: the cloud's passes, then its idle time by what the
+    pass waited for (decoding.metrics.PASS_CAUSES); ``other`` is what the split leaves over
+    (overlapping estimates of the link's one-way times). Empty when no row has a timeline."""
+    from ..decoding.metrics import PASS_CAUSES
+    from .report import _fmt, fixed_width
+    rows = [r for r in rows if r.get("idle_ms_per_token")]
+    if not rows:
+        return ""
+    lines = []
+    for r in rows:
+        idle = r["idle_ms_per_token"]
+        other = r["ms_per_token"] - r["passes_ms_per_token"] - sum(idle.values())
+        lines.append([r["link"], r["mode"], f"{r['ms_per_token']:.1f}", f"{r['passes_ms_per_token']:.1f}",
+                      *(_fmt(idle.get(c), ".1f") for c in PASS_CAUSES), f"{other:.1f}",
+                      " ".join(f"{c}:{n}" for c, n in r.get("cloud_passes", {}).items())])
+    head = ["link", "mode", "ms/token", "passes", *PASS_CAUSES, "other", "passes by cause"]
+    notes = ["Where the time goes (ms per token): the cloud's passes, then its idle time by what the next pass "
+             "waited for:"] + [f"  {c}: {what}" for c, what in PASS_CAUSES.items()]
+    return fixed_width(head, lines) + "\n" + "\n".join(notes)
+
+
 # --- the modes sweep: every mode on every link ---------------------------------------------------
 
 def sweep_modes(opts, progress) -> list[dict]:
@@ -135,8 +160,10 @@ def table_modes(rows: list[dict]) -> str:
               _fmt(r.get("bound_ms_per_token"), ".1f"), _fmt(r.get("fraction_of_bound"), ".2f"),
               _fmt(r.get("fraction_of_bound_with_fill"), ".2f")]
              for r in rows]
-    return fixed_width(["link", "mode", "ms/token", "tau", "vs AR", "vs SD", "in flight", "flushes",
-                        "cloud idle ms/tok", "cache miss", "bound ms/tok", "of bound", "of bound+fill"], lines)
+    table = fixed_width(["link", "mode", "ms/token", "tau", "vs AR", "vs SD", "in flight", "flushes",
+                         "cloud idle ms/tok", "cache miss", "bound ms/tok", "of bound", "of bound+fill"], lines)
+    losses = losses_table(rows)
+    return table + ("\n\n" + losses if losses else "")
 
 
 def plot_modes(rows: list[dict], path: str) -> None:

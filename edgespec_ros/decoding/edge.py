@@ -35,7 +35,7 @@ from .compute import ComputeProfile, EdgeDevice
 from .draft_length import AutoGamma
 from .engines import LoadedModel, eos_token_ids
 from .inputs import PromptInputs, build_inputs, encode_jpeg, prepare_image
-from .metrics import DecisionMetrics
+from .metrics import CloudTimeline, DecisionMetrics
 from .sampling import SamplingParams
 from .verifier import Block, Condition, Verifier, VerifyReply
 from .verify import resample_separate
@@ -117,8 +117,9 @@ class _Decision:
     """What one decision's rounds share: the draft sequence, the codec, the committed tokens."""
 
     def __init__(self, decoder: "EdgeDecoder", inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics,
-                 on_tokens):
+                 on_tokens, started_at: float):
         self.verifier, self.cfg, self.m, self.on_tokens = decoder.verifier, cfg, m, on_tokens
+        self.timeline = CloudTimeline(m, started_at)  # where the cloud's time went, verdict by verdict
         self.eos_ids, self.device = decoder.eos_ids, decoder.device
         self.out: list[int] = []  # committed tokens (untruncated)
         self.edge_token: int | None = None  # split codec: the token resampled here, owed to the verifier
@@ -255,6 +256,7 @@ class SdStrategy(Strategy):
             block = d.block(ids, q)
             reply = d.verifier.verify(block)
             m.record_round(reply, len(ids))
+            d.timeline.verdict(reply, "fill" if block.round == 1 else "drafted", time.perf_counter())
             if self.auto is not None:  # feed the measured round to the controller
                 m.gamma_per_round.append(gamma)
                 useful = next((i + 1 for i, t in enumerate(ids) if t in d.eos_ids), len(ids))
@@ -285,8 +287,10 @@ class FsdStrategy(Strategy):
         ids = q = None
         try:
             while True:
+                cause = "pre-drafted"
                 if ids is None:  # first round, or a cache miss: draft as SD does
                     ids, q, _ = d.draft(cfg.gamma)
+                    cause = "drafted"
                 block = d.block(ids, q, stream_exits=True)
                 pre.begin(d.seq, d.codec, ids, cfg.gamma, cfg.params, cfg.seed, d.ends_decision)
                 try:
@@ -296,6 +300,7 @@ class FsdStrategy(Strategy):
                     raise
                 m.record_round(reply, len(ids))
                 m.record_exits(reply)
+                d.timeline.verdict(reply, "fill" if block.round == 1 else cause, time.perf_counter())
                 token = d.next_token(block, reply)
                 new = ids[: reply.accepted] + [token]
                 if d.ends_decision(new):
@@ -324,6 +329,7 @@ class _InFlight:
     history: list[int]  # committed tokens + earlier in-flight drafts, before this block
     codec_after: object  # the codec state right after this block's rows were prepared
     sent_at: float = 0.0
+    cause: str = "chained"  # what the cloud waits for before its pass (metrics.PASS_CAUSES)
 
 
 class PipeStrategy(Strategy):
@@ -437,6 +443,7 @@ class _Pipeline:
         return entry
 
     def _handle(self, reply: VerifyReply) -> None:
+        received_at = time.perf_counter()
         d, m = self.d, self.m
         if not self.inflight:
             raise RuntimeError(f"verdict for round {reply.round} with no block in flight")
@@ -447,6 +454,7 @@ class _Pipeline:
                                f"{block.round} (epoch {block.epoch})")
         m.record_round(reply, len(block.draft_ids))
         m.record_exits(reply)
+        d.timeline.verdict(reply, head.cause, received_at)
         if self.s.auto is not None:
             m.gamma_per_round.append(len(block.draft_ids))
             self.s.auto.observe_round(len(block.draft_ids), reply.accepted, len(block.draft_ids) * self._token_s(),
@@ -542,7 +550,8 @@ class _Pipeline:
         chained = not self.d.ends_decision(history[len(self.d.out):] + ids)
         block = self.d.conditional_block(ids, entry.q, Condition(head.block.round, accepted, token), chained=chained,
                                          drafted_on=entry.seq)
-        self.conds.append((_InFlight(block, history, copy.deepcopy(entry.codec), time.perf_counter()), entry))
+        self.conds.append((_InFlight(block, history, copy.deepcopy(entry.codec), time.perf_counter(), "conditional"),
+                           entry))
         self.d.verifier.submit(block)
         self.m.pipe_cond_sent += 1
 
@@ -591,18 +600,23 @@ class _Pipeline:
 
     # --- the loop ------------------------------------------------------------------------
 
-    def _send(self, ids: list[int], q: torch.Tensor) -> None:
+    def _send(self, ids: list[int], q: torch.Tensor, cause: str | None = None) -> None:
+        """Send a drafted block (``cause``: what the cloud waited for, when not plain drafting)."""
         d = self.d
         history = list(d.seq.generated)
         chained = not d.ends_decision(history[len(d.out):] + list(ids))
+        if cause is None:
+            cause = "chained" if self.sent_in_epoch else "drafted"
         block = d.block(ids, q, chained=chained, stream_exits=self.pre is not None)
+        if block.round == 1:
+            cause = "fill"
         codec_after = copy.deepcopy(d.codec)
         if chained:  # draft on as if accepted in full
             d.codec.feedback(len(ids), len(ids))
             d.seq.reset_to(history + list(ids))
         else:
             self.drafting_done = True
-        self.inflight.append(_InFlight(block, history, codec_after, time.perf_counter()))
+        self.inflight.append(_InFlight(block, history, codec_after, time.perf_counter(), cause))
         self.sent_in_epoch += 1
         d.verifier.submit(block)
         self.m.max_in_flight = max(self.m.max_in_flight, len(self.inflight))
@@ -617,7 +631,7 @@ class _Pipeline:
                     ids, q = self.refill
                     self.refill = None
                     self.interrupted = False
-                    self._send(ids, q)
+                    self._send(ids, q, "pre-drafted")
                     continue
                 if not self.drafting_done and len(self.inflight) < self.depth:
                     self.interrupted = False
@@ -722,9 +736,10 @@ class EdgeDecoder:
         if cfg.mode == "ar":
             out = ArStrategy(auto).run_ar(self.verifier, cfg, m, self.eos_ids, on_tokens)
         else:
-            d = _Decision(self, inputs, cfg, m, on_tokens)
+            d = _Decision(self, inputs, cfg, m, on_tokens, t_start)
             self.strategy(cfg).run(d)
             out = d.out
+            d.timeline.end(time.perf_counter())
         out, _ = truncate_at_stop(out, self.eos_ids, cfg.max_new_tokens)
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start

@@ -48,6 +48,10 @@ class DecisionMetrics:
     wisv_relaxed: int = 0  # wisv (LOSSY): mismatches the decision head kept
     hidden_rows: int = 0  # wisv: drafter hidden rows uploaded
     hidden_exchanges: int = 0  # wisv selective upload: extra round trips for hidden rows
+    # Where the cloud's time went (CloudTimeline): idle seconds before each pass, by what the pass
+    # waited for (PASS_CAUSES), and the number of passes of each cause.
+    cloud_idle_s: dict = field(default_factory=dict)
+    cloud_passes: dict = field(default_factory=dict)
 
     def record_exits(self, reply) -> None:
         if reply.exit_layer:
@@ -101,6 +105,47 @@ class DecisionMetrics:
         return d
 
 
+# What a verification pass waited for, in the order a decision meets them (CloudTimeline).
+PASS_CAUSES = {
+    "fill": "the decision's first block: the prompt's uplink, both prefills, the first block drafted and sent",
+    "drafted": "a new epoch's first block, drafted after the verdict that opened it (SD: every round)",
+    "pre-drafted": "a new epoch's first block, from the pre-draft cache (FSD hit)",
+    "conditional": "a new epoch's first block, sent before the verdict on an early exit's guess",
+    "chained": "a block of the same epoch: the cloud waited for the robot to draft it",
+    "drain": "after the last pass: the last verdict's way down",
+}
+
+
+class CloudTimeline:
+    """Where the cloud spent one decision, reconstructed on the robot from each verdict: its pass
+    ended when the verdict left (arrival - downlink) and began ``verify_s`` earlier; the gap since
+    the previous pass ended (or since the decision began) is idle time, charged to what the pass
+    waited for. Passes are the session's own, in verdict order (voided blocks cost no pass).
+    busy + idle = wall: the idle split says which loss a change would close."""
+
+    def __init__(self, m: DecisionMetrics, started_at: float):
+        self.m = m
+        self.last_end = started_at
+
+    def verdict(self, reply, cause: str, received_at: float) -> None:
+        """Charge the idle time before this verdict's pass to ``cause`` (a PASS_CAUSES key)."""
+        end = received_at - reply.downlink_s
+        start = end - reply.verify_s
+        self._charge(cause, max(0.0, start - self.last_end))
+        self.m.cloud_passes[cause] = self.m.cloud_passes.get(cause, 0) + 1
+        self.last_end = max(self.last_end, end)
+
+    def end(self, ended_at: float) -> None:
+        """The decision is over: the time since the last pass is the drain."""
+        self._charge("drain", max(0.0, ended_at - self.last_end))
+        self.last_end = ended_at
+
+    def _charge(self, cause: str, seconds: float) -> None:
+        if cause not in PASS_CAUSES:
+            raise ValueError(f"unknown pass cause {cause!r}")
+        self.m.cloud_idle_s[cause] = self.m.cloud_idle_s.get(cause, 0.0) + seconds
+
+
 @dataclass
 class RunSummary:
     """Aggregate of decisions of one mode on one link/compute profile (one bench row)."""
@@ -147,6 +192,8 @@ class RunSummary:
     decision_ms: list[float] = field(default_factory=list)
     decision_modes: list[str] = field(default_factory=list)  # the mode each decision actually used
     gamma_per_round: list[int] = field(default_factory=list)  # gamma "auto": every round's chosen gamma
+    cloud_idle_s: dict = field(default_factory=dict)
+    cloud_passes: dict = field(default_factory=dict)
 
     def add(self, m: DecisionMetrics) -> None:
         self.decisions += 1
@@ -168,6 +215,9 @@ class RunSummary:
             self.accepted_per_position[i] += a
             self.drafted_per_position[i] += d
         self.decision_ms.append(m.wall_s * 1000)
+        for mine, theirs in ((self.cloud_idle_s, m.cloud_idle_s), (self.cloud_passes, m.cloud_passes)):
+            for cause, value in theirs.items():
+                mine[cause] = mine.get(cause, 0) + value
 
     def row(self) -> dict:
         """The JSON row of edgespec-bench."""
@@ -197,6 +247,8 @@ class RunSummary:
             **(self._auto_row() if self.gamma == "auto" and self.mode != "ar" else {}),
             **({"wisv_relaxed": self.wisv_relaxed, "hidden_rows": self.hidden_rows,
                 "hidden_exchanges": self.hidden_exchanges} if self.hidden_rows or self.wisv_relaxed else {}),
+            **({"cloud_idle_s": dict(self.cloud_idle_s), "cloud_passes": dict(self.cloud_passes)}
+               if self.cloud_passes else {}),
             "time_split_s": {"draft": self.t_draft, "uplink": self.t_uplink, "verify": self.t_verify,
                              "downlink": self.t_downlink, "wall": self.wall_s},
         }
