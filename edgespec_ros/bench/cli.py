@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-truncate", dest="pipe_truncate", action="store_false",
                     help="pipe, pipe+fsd: never cut a block short when the verifier is idle (to measure what "
                          "latency-aware truncation, i.e. verifying the sub-block drafted so far, gains)")
+    ap.add_argument("--no-fill-rows", dest="pipe_fill_rows", action="store_false",
+                    help="pipe, pipe+fsd: draft gamma, not gamma + 1, in a block the verifier feeds with no "
+                         "pending token (a chained continuation), to measure what filling its pass gains")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -197,12 +200,13 @@ def main(argv=None) -> int:
                               max_new_tokens=args.max_new_tokens, params=params, seed=args.seed, codec=args.codec,
                               on_decision=lambda *a: bar.update(1), workers=args.workers,
                               client_queue=args.client_queue, pipe_depth=args.pipe_depth,
-                              pipe_truncate=args.pipe_truncate)
+                              pipe_truncate=args.pipe_truncate, pipe_fill_rows=args.pipe_fill_rows)
         bar.close()
     fsd_settings = {"workers": args.workers, "client_queue": args.client_queue, "server_queue": args.server_queue}
     rows = pipe.annotate(add_speedups([summaries[m].row() | {"codec": args.codec, "temperature": args.temperature}
                                        | (fsd_settings if m in ("fsd", "pipe+fsd") else {})
-                                       | ({"pipe_truncate": args.pipe_truncate} if m.startswith("pipe") else {})
+                                       | ({"pipe_truncate": args.pipe_truncate, "pipe_fill_rows": args.pipe_fill_rows}
+                                          if m.startswith("pipe") else {})
                                        for m in modes]))
     print(format_table(rows, compute.emulated))
     if pipe.report(rows):

@@ -35,13 +35,14 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
               gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
               codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0, workers: int = 4,
               client_queue: str = "priority", pipe_depth: int | str = 3,
-              pipe_truncate: bool = True) -> dict[str, RunSummary]:
+              pipe_truncate: bool = True, pipe_fill_rows: bool = True) -> dict[str, RunSummary]:
     """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
     (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
     workers and client_queue set fsd's pre-drafting; pipe_depth the pipe modes' blocks in flight and
-    pipe_truncate their latency-aware truncation."""
+    pipe_truncate their latency-aware truncation, pipe_fill_rows their gamma + 1 drafts where a pass
+    feeds no pending token."""
     profile = get_profile(link)
     summaries = {}
     for mode in modes:
@@ -53,7 +54,8 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
             for i, (instruction, image) in enumerate(prompts):
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
-                                   pipe_depth=pipe_depth, pipe_truncate=pipe_truncate)
+                                   pipe_depth=pipe_depth, pipe_truncate=pipe_truncate,
+                                   pipe_fill_rows=pipe_fill_rows)
                 decision = decoder.decide(instruction, image, cfg)
                 if i >= warmup:
                     summary.add(decision.metrics)

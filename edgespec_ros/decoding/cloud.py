@@ -173,6 +173,11 @@ class TargetSession:
         """Tokens committed after the prompt: the keyed-randomness position of the next token."""
         return len(self.seq.generated)
 
+    def rows(self, drafts: int) -> int:
+        """Tokens the target feeds to verify a block of ``drafts``: the pending token, if any (the
+        last verdict's), and the drafts. A block that continues a chained one feeds none pending."""
+        return drafts + len(self.seq.pending)
+
     def verify(self, draft_ids: list[int], draft_probs: torch.Tensor | None, on_exit=None,
                chained: bool = False) -> tuple[VerifyResult, float]:
         """One verification round; commits accepted tokens + next token to the target state.

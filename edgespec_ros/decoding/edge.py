@@ -65,6 +65,10 @@ class DecodeConfig:
     # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
     # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
     pipe_truncate: bool = True
+    # pipe modes: a block the verifier feeds without a pending token (one that continues a chained
+    # block, or the decision's first) carries gamma + 1 drafts, so its pass computes the same gamma + 1
+    # rows as a block after a verdict (and as SD's); off only to measure it
+    pipe_fill_rows: bool = True
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
@@ -570,6 +574,13 @@ class _Pipeline:
             raise RuntimeError("pipeline waiting on a verifier that holds no block")
         return reply
 
+    def _block_length(self) -> int:
+        """Drafts for the next block: gamma, plus one where the verifier has no pending token to
+        feed first (the block continues a chained one in this epoch, or it is the decision's first),
+        so that every pass computes gamma + 1 rows."""
+        free_row = self.sent_in_epoch > 0 or self.d.round == 0
+        return self.gamma + int(self.d.cfg.pipe_fill_rows and free_row)
+
     def _token_s(self) -> float:
         return self.d.device.draft_token_s or (self.m.t_draft / max(1, self.m.drafted))
 
@@ -639,7 +650,7 @@ class _Pipeline:
                         self.m.pipe_stall_s += time.perf_counter() - wait_started
                         wait_started = None
                     room = d.cfg.max_new_tokens - len(d.seq.generated)  # never draft past the token limit
-                    ids, q, _ = d.draft(max(1, min(self.gamma, room)), stop=self._stop)
+                    ids, q, _ = d.draft(max(1, min(self._block_length(), room)), stop=self._stop)
                     if self.finished or self.interrupted or not ids:
                         continue
                     self._send(ids, q)

@@ -556,7 +556,7 @@ class VerifierServer:
                 if msg.flags & P.VERIFY_STREAM_EXITS and self.lm.exits is not None:
                     sender = ExitSender(ws, msg.decision, msg.round, started, self.compute,
                                         self.num_layers, self.exit_queue, self.exit_queue_size,
-                                        block=len(msg.draft_ids) + 1)
+                                        block=session.rows(len(msg.draft_ids)))
                     live.append(sender)
                     self.live_exit_senders += 1
                     sender.task.add_done_callback(lambda _t: self._sender_done())
@@ -576,7 +576,8 @@ class VerifierServer:
                     # The profile's time is the accelerator's pass; decoding q is host work beside it.
                     # Batched with the other sessions' rounds and AR steps that are ready; early
                     # exits stream from hooks on this session's row of the shared pass.
-                    work = _DeviceWork(Round(session, list(msg.draft_ids), q, chained, on_exit), len(msg.draft_ids) + 1)
+                    work = _DeviceWork(Round(session, list(msg.draft_ids), q, chained, on_exit),
+                                       session.rows(len(msg.draft_ids)))
                     if on_exit is not None:
                         work.extra = lambda: len(session.last_exits) * self.compute.exit_s
                         work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
@@ -631,8 +632,9 @@ class VerifierServer:
         try:
             q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
                                     device=False)
+            rows = session.rows(len(msg.draft_ids)) + (edge is not None)  # the robot's resampled token, owed
             result, _ = await self._run(conn, on_device, session.verify_separate, (msg.draft_ids, q, edge, chained),
-                                        lambda: self.compute.pass_s(1, len(msg.draft_ids) + 1))
+                                        lambda: self.compute.pass_s(1, rows))
             p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p,
                                                                                  device=False)
         except (CodecError, DraftDistributionError, ValueError) as exc:
@@ -666,8 +668,9 @@ class VerifierServer:
         started = time.perf_counter()
         if sender is not None:
             sender.begin(started)
+        rows = session.rows(n)
         asked = await self._run(conn, on_device, session.wisv_begin, (list(msg.draft_ids), chained, on_exit),
-                                lambda: self.compute.verify_total_s(len(session.last_exits), n + 1))
+                                lambda: self.compute.verify_total_s(len(session.last_exits), rows))
         waited = self.fair.take_wait(conn.key)
         compute_s = time.perf_counter() - started - waited
         if full is not None:
