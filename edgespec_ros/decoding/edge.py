@@ -65,9 +65,9 @@ class DecodeConfig:
     # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
     # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
     pipe_truncate: bool = True
-    # pipe modes: a block the verifier feeds without a pending token (one that continues a chained
-    # block, or the decision's first) carries gamma + 1 drafts, so its pass computes the same gamma + 1
-    # rows as a block after a verdict (and as SD's); off only to measure it
+    # pipe modes: a block that continues a chained block (the verifier feeds it with no pending token)
+    # carries gamma + 1 drafts, so its pass computes the same gamma + 1 rows as a block after a
+    # verdict (and as SD's); off only to measure it
     pipe_fill_rows: bool = True
 
     def __post_init__(self):
@@ -575,11 +575,11 @@ class _Pipeline:
         return reply
 
     def _block_length(self) -> int:
-        """Drafts for the next block: gamma, plus one where the verifier has no pending token to
-        feed first (the block continues a chained one in this epoch, or it is the decision's first),
-        so that every pass computes gamma + 1 rows."""
-        free_row = self.sent_in_epoch > 0 or self.d.round == 0
-        return self.gamma + int(self.d.cfg.pipe_fill_rows and free_row)
+        """Drafts for the next block: gamma, plus one when it continues a chained block of this
+        epoch. The verifier then feeds no pending token, so the pass computes gamma + 1 rows, as
+        after a verdict. (The decision's first block feeds none either, but the cloud waits for it:
+        one more draft there would cost a draft token of idle cloud for a token of a later pass.)"""
+        return self.gamma + int(self.d.cfg.pipe_fill_rows and self.sent_in_epoch > 0)
 
     def _token_s(self) -> float:
         return self.d.device.draft_token_s or (self.m.t_draft / max(1, self.m.drafted))
