@@ -139,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_mode() -> str:
-    """pipe+fsd: the fastest mode on the emulated Go2, tied with pipe on the demo's link (README,
-    "The pipelined modes"; on the demo's tiny models cloud-only ar is faster still, since their
-    target costs no more than their draft)."""
+    """pipe+fsd: tied with pipe on the demo's link and on two of the three emulated Go2 links,
+    3.5% behind it on go2-paper (docs/pipeline.md); on the demo's tiny models cloud-only ar is
+    faster still, since their target costs no more than their draft."""
     return "pipe+fsd"
 
 

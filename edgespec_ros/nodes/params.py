@@ -70,7 +70,7 @@ DRAFTER = (
                     "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
                     "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
                     "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the robot "
-                    "pre-drafted and sent before the verdict: the fastest mode on the emulated Go2)"),
+                    "pre-drafted and sent before the verdict; docs/pipeline.md compares the modes)"),
     P("gamma", 4, "draft tokens per verification round (sd, fsd, pipe, pipe+fsd)", min_value=1, max_value=64),
     P("auto_gamma", False, "sd: choose gamma every round (ODLD) and sd or cloud ar every decision (AS2) from "
                            "measured rounds; pipe: gamma by ODLD and pipe_depth from the measured link and "
