@@ -38,7 +38,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "edgespec-verifier = edgespec_ros.wire.cli:main",
+            "edgespec-verifier = edgespec_ros.cloud.cli:main",
             "edgespec-bench = edgespec_ros.bench.cli:main",
             "edgespec-profile = edgespec_ros.bench.gpu_profile:main",
             "edgespec-demo = edgespec_ros.demo:main",

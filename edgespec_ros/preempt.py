@@ -1,5 +1,5 @@
 """Preemptible work: a generator function that yields between bounded pieces of work (codec rows,
-prefill chunks) and returns its result. The verifier's fair scheduler (wire/fair.py) runs one
+prefill chunks) and returns its result. The verifier's fair scheduler (cloud/fair.py) runs one
 piece per quantum and lets other sessions' jobs run in between; everywhere else ``run_steps``
 drives it to completion in one go."""
 from __future__ import annotations

@@ -34,7 +34,7 @@ def verifier_process_handle(model: str, compute: str = "native", token_file: str
     """verifier_process, yielding (port, the Popen) (e.g. to read its RSS); extra_args go to the CLI;
     cpus pins it to those cores, with one torch thread per core (the cloud as a machine apart)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "edgespec_ros.wire.cli", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "edgespec_ros.cloud.cli", "--model", model, "--port", str(port),
            "--compute", compute, "--log-level", "WARNING", "--exit-queue", exit_queue, "--exits", exits,
            *extra_args]
     if token_file:

@@ -10,7 +10,7 @@ import torch
 from edgespec_ros.decoding.batch import feed_batch
 from edgespec_ros.decoding.edge import EdgeDecoder
 from edgespec_ros.decoding.engines import Sequence
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 
 from wire_helpers import make_pair, server_copy
 
@@ -131,7 +131,7 @@ def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
     from edgespec_ros.decoding.edge import DecodeConfig
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.wire.client import RemoteVerifier
-    from edgespec_ros.wire.server import ServerThread, VerifierServer
+    from edgespec_ros.cloud.server import ServerThread, VerifierServer
     from wire_helpers import INSTRUCTIONS, server_copy
     plans = [(INSTRUCTIONS[i % 2], DecodeConfig(mode="ar" if i >= 2 else "sd", gamma=2 + i % 3, max_new_tokens=24,
                                                  seed=i, params=SamplingParams(0.0 if i % 2 else 1.0)))
@@ -231,8 +231,8 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     from edgespec_ros.decoding.batch import ArStep, Round
     from edgespec_ros.decoding.compute import ComputeProfile
     from edgespec_ros.preempt import run_steps
-    from edgespec_ros.wire.fair import Occupy
-    from edgespec_ros.wire.server import VerifierServer, _DeviceWork
+    from edgespec_ros.cloud.fair import Occupy
+    from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
     table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.2, 0.3), (0.6, 0.9))), prefill_s=0.5)
     server = VerifierServer(server_copy(pair.target), compute=table)
     from edgespec_ros.decoding.cloud import TargetSession, VerifySettings

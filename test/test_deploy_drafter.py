@@ -13,7 +13,7 @@ from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import ModelLoadError, load_model, resolve_device, resolve_dtype
 from edgespec_ros.decoding.inputs import image_tokens, limit_pixels, pixel_bounds
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.models import default_model_path
 from edgespec_ros.nodes import params
 

@@ -19,7 +19,7 @@ from edgespec_ros.decoding.engines import load_model, model_content_hash, wrap_m
 from edgespec_ros.decoding.inputs import build_inputs, jpeg_roundtrip
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.traces import TraceRecorder, read_traces
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.train import cli
 from edgespec_ros.train.distill import (DIVERGENCES, DistillConfig, DistillExample, adapt_from_traces, agreement,
                                         batch_logits, dense_logprobs, distill, divergence, generate,

@@ -243,7 +243,7 @@ def test_auto_bad_settings_are_clear_errors(kwargs, fragment):
 
 def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal_target, causal_draft):
     from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
-    from edgespec_ros.decoding.verifier import LocalVerifier
+    from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.decoding.cloud import target_generate
     from edgespec_ros.decoding.sampling import SamplingParams
 

@@ -22,10 +22,10 @@ from edgespec_ros.models import resolve_models  # noqa: E402
 from edgespec_ros.bench.runner import bench_prompts  # noqa: E402
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder  # noqa: E402
 from edgespec_ros.decoding.engines import load_model  # noqa: E402
-from edgespec_ros.decoding.verifier import LocalVerifier  # noqa: E402
+from edgespec_ros.cloud.local import LocalVerifier  # noqa: E402
 from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame  # noqa: E402
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError  # noqa: E402
-from edgespec_ros.wire.config import build_parser  # noqa: E402
+from edgespec_ros.cloud.config import build_parser  # noqa: E402
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
 
@@ -48,7 +48,7 @@ def models():
 @pytest.fixture(scope="module")
 def fleet():
     from ray import serve
-    from edgespec_ros.wire import ray_serve
+    from edgespec_ros.cloud import ray_serve
     args = build_parser().parse_args(["--replicas", "2", "--port", str(_free_port()), "--status-interval", "0",
                                       "--cpus-per-replica", "1"])
     started = time.perf_counter()

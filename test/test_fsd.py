@@ -14,7 +14,7 @@ import torch
 from edgespec_ros.models import default_model_path, have_default_models
 from edgespec_ros.decoding.compute import ComputeProfile
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.cloud import TargetSession
 from edgespec_ros.decoding.engines import load_model, wrap_model
 from edgespec_ros.decoding.exits import (EXITS_CONFIG, EarlyExits, ExitHooks, ExitLoadError, ExitResult, attach_exits,
@@ -24,7 +24,7 @@ from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import verify
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
-from edgespec_ros.wire.server import ExitSender, ServerThread, VerifierServer
+from edgespec_ros.cloud.server import ExitSender, ServerThread, VerifierServer
 from wire_helpers import block_for, DEADLINE_S, INSTRUCTIONS, make_pair, raw_session, server_copy, wait_until
 
 GREEDY = SamplingParams()

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edgespec_ros"
 CLI_MODULES = {"edgespec_ros.bench.cli", "edgespec_ros.sim.cli", "edgespec_ros.train.cli", "edgespec_ros.bringup",
-               "edgespec_ros.wire.cli", "edgespec_ros.bench.gpu_profile",
+               "edgespec_ros.cloud.cli", "edgespec_ros.bench.gpu_profile",
                "edgespec_ros.demo"}
 
 
@@ -58,21 +58,27 @@ def test_no_module_imports_a_command_line_module():
 
 def test_imports_follow_the_data_flow():
     core = ("edgespec_ros.sim", "edgespec_ros.drafting", "edgespec_ros.decoding", "edgespec_ros.codecs",
-            "edgespec_ros.wire", "edgespec_ros.nodes", "edgespec_ros.motion", "edgespec_ros.actions")
+            "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.nodes", "edgespec_ros.motion",
+            "edgespec_ros.actions")
     for module, hits in importers_of("edgespec_ros.train").items():
         if module.startswith(core):
             assert not hits, f"{module} imports the training code: {hits}"
     for module, hits in importers_of("edgespec_ros.bench").items():
         if not module.startswith("edgespec_ros.bench") and module != "edgespec_ros.demo":
             assert not hits, f"{module} imports the benchmarks: {hits}"
-    # The robot's decision loop and the decoding core do not depend on the websocket layer.
+    # The robot's decision loop and the decoding core do not depend on the websocket layer, nor on
+    # the cloud product; the robot's side of the wire does not depend on the cloud's.
     for module, hits in importers_of("edgespec_ros.wire").items():
         if module == "edgespec_ros.drafting" or module.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs")):
             assert not hits, f"{module} imports the wire layer: {hits}"
+    for module, hits in importers_of("edgespec_ros.cloud").items():
+        if module.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire",
+                              "edgespec_ros.nodes", "edgespec_ros.drafting")):
+            assert not hits, f"{module} imports the cloud verifier: {hits}"
     # The decoding core stays ROS-free.
     for path in sources():
         name = module_name(path)
-        if name.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire")) or \
+        if name.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire", "edgespec_ros.cloud")) or \
                 name in ("edgespec_ros.drafting", "edgespec_ros.motion", "edgespec_ros.actions"):
             text = path.read_text()
             assert "import rclpy" not in text and "from rclpy" not in text, name

@@ -495,7 +495,7 @@ def test_reconfigure_loads_a_new_draft_model_in_the_same_process(untrained_pair,
     from rclpy.parameter import Parameter
     from edgespec_ros.decoding.edge import EdgeDecoder
     from edgespec_ros.decoding.engines import load_model, model_content_hash
-    from edgespec_ros.decoding.verifier import LocalVerifier
+    from edgespec_ros.cloud.local import LocalVerifier
     draft_dir, target_dir = untrained_pair
     other_dir = perturbed_copy(draft_dir, str(tmp_path / "draft-b"))
     target = load_model(target_dir)

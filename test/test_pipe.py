@@ -17,10 +17,11 @@ from edgespec_ros.decoding.cloud import target_generate
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.exits import EarlyExits
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.verifier import Condition, EpochGate, LocalVerifier
+from edgespec_ros.decoding.verifier import Condition, EpochGate
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierTimeout
 from edgespec_ros.wire.link import LinkProfile, LinkProxy
-from edgespec_ros.wire.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import ServerThread, VerifierServer
 from wire_helpers import INSTRUCTIONS, make_pair, server_copy
 
 GREEDY = SamplingParams()

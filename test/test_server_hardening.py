@@ -22,12 +22,12 @@ import pytest
 
 from edgespec_ros.decoding.edge import DecodeConfig
 from edgespec_ros.wire import protocol as P
-from edgespec_ros.wire import cli as cli_module
-from edgespec_ros.wire import config as config_module
-from edgespec_ros.wire import server as server_module
-from edgespec_ros.wire.fair import FairCompute, SessionGone
-from edgespec_ros.wire.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
-from edgespec_ros.wire.server import InsecureConfig, ServerThread, VerifierServer, clean
+from edgespec_ros.cloud import cli as cli_module
+from edgespec_ros.cloud import config as config_module
+from edgespec_ros.cloud import server as server_module
+from edgespec_ros.cloud.fair import FairCompute, SessionGone
+from edgespec_ros.cloud.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
+from edgespec_ros.cloud.server import InsecureConfig, ServerThread, VerifierServer, clean
 
 from wire_helpers import (DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy,
                           wait_until)
@@ -492,7 +492,7 @@ def test_sigterm_closes_sessions_with_a_reason_and_exits_cleanly(pair):
     from edgespec_ros.models import default_model_path
     target = load_model(default_model_path("target"))
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edgespec_ros.wire.cli", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec_ros.cloud.cli", "--port", str(port),
                              "--exits", "none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -637,7 +637,7 @@ def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image):
     import torch
     from edgespec_ros.decoding.engines import Sequence
     from edgespec_ros.decoding.edge import EdgeDecoder
-    from edgespec_ros.decoding.verifier import LocalVerifier
+    from edgespec_ros.cloud.local import LocalVerifier
     prompt_text = "find the silver bottle " * 12  # text before the image (the chat template's order)
     _, inputs = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(
         prompt_text, pair.image if image else None)

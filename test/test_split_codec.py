@@ -12,12 +12,12 @@ import torch
 from edgespec_ros.codecs import CodecError, get_codec
 from edgespec_ros.codecs.split import separate_output_tv
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import resample_separate, verify, verify_separate
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier, VerifierError
-from edgespec_ros.wire.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import ServerThread, VerifierServer
 from wire_helpers import block_for, INSTRUCTIONS, expect_error_then_close, make_pair, raw_session, server_copy
 
 SAMPLED = SamplingParams(temperature=1.0)

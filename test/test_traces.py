@@ -19,10 +19,10 @@ from edgespec_ros.decoding.engines import model_content_hash
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormatError, TraceRecorder, read_traces,
                                           tenant_id, trace_shards)
-from edgespec_ros.decoding.verifier import LocalVerifier
-from edgespec_ros.wire import config as config_module
+from edgespec_ros.cloud.local import LocalVerifier
+from edgespec_ros.cloud import config as config_module
 from edgespec_ros.wire.client import RemoteVerifier
-from edgespec_ros.wire.server import ServerThread, VerifierServer, metrics_text
+from edgespec_ros.cloud.server import ServerThread, VerifierServer, metrics_text
 
 from wire_helpers import INSTRUCTIONS, make_pair, server_copy
 

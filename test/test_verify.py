@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.cloud import Prompt
 from edgespec_ros.decoding.inputs import PromptInputs
 from edgespec_ros.decoding.sampling import (

@@ -9,11 +9,11 @@ import pytest
 from edgespec_ros.codecs import get_codec
 from edgespec_ros.codecs.bits import BitWriter, bits_for, compositions
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
-from edgespec_ros.wire.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import ServerThread, VerifierServer
 
 from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy
 

@@ -18,15 +18,15 @@ import torch
 
 from edgespec_ros.decoding.compute import ComputeProfile
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
-from edgespec_ros.decoding.verifier import LocalVerifier
+from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.cloud import Prompt
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
-from edgespec_ros.wire import cli as cli_module
-from edgespec_ros.wire import config as config_module
+from edgespec_ros.cloud import cli as cli_module
+from edgespec_ros.cloud import config as config_module
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError, VerifierRefused, VerifierTimeout
 from edgespec_ros.wire.link import DOWN, PROFILES, UP, LinkProfile, LinkProxy
-from edgespec_ros.wire.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import ServerThread, VerifierServer
 
 from wire_helpers import (block_for, DEADLINE_S, INSTRUCTIONS, FakeVerifier, expect_error_then_close, make_pair,
                           raw_connect, raw_session, server_copy, wait_until)
@@ -676,7 +676,7 @@ def test_the_next_decision_reconnects_once_the_link_is_back(pair, refs, verifier
 
 def _cli(*args, timeout=60):
     env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "edgespec_ros.wire.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "edgespec_ros.cloud.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -13,8 +13,9 @@ from edgespec_ros.decoding.cloud import TargetSession, VerifySettings, target_ge
 from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.verifier import LocalVerifier, VerifierRefused
-from edgespec_ros.decoding.replay import action_of_tokens, final_rows, prompt_pair
+from edgespec_ros.decoding.verifier import VerifierRefused
+from edgespec_ros.cloud.local import LocalVerifier
+from edgespec_ros.cloud.replay import action_of_tokens, final_rows, prompt_pair
 from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, attach_wisv, choose_upload, decode_hidden,
                                         encode_hidden)
 from edgespec_ros.models import default_model_path
@@ -22,7 +23,7 @@ from edgespec_ros.sim.dataset import heldout_prompts
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.link import DOWN, UP, LinkModel, get_profile
-from edgespec_ros.wire.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import ServerThread, VerifierServer
 from wire_helpers import DEADLINE_S, expect_error_then_close, raw_connect
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoding.verifier import Block, LocalVerifier
+from ..decoding.verifier import Block
+
+from ..cloud.local import LocalVerifier
 
 ROBOTS_DEFAULT = (1, 2, 4, 8)
 VERIFIERS_DEFAULT = ("sequential", "batched", "ray")  # ray: RAY_REPLICAS batched replicas on Ray Serve
@@ -154,14 +156,14 @@ RAY_REPLICAS = 2
 def _limits(robots_list):
     """Every replayed robot connects from this machine's loopback address: the per-address cap
     (--max-per-address, 8 by default, meant for one robot's reconnects) is raised to the fleet."""
-    from ..wire.limits import ServerLimits
+    from ..cloud.limits import ServerLimits
     return ServerLimits(max_per_address=max(robots_list) + 8, max_connections=max(64, max(robots_list) + 8))
 
 
 def run_fleet(opts, progress) -> list[dict]:
     from ..decoding.compute import get_compute
     from ..decoding.engines import load_model
-    from ..wire.server import ServerThread, VerifierServer
+    from ..cloud.server import ServerThread, VerifierServer
     from .runner import bench_prompts
     robots_list = list(opts.robots or ROBOTS_DEFAULT)
     per_robot = opts.decisions or 4
@@ -222,8 +224,8 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
     import socket
     import ray
     from ray import serve
-    from ..wire import ray_serve
-    from ..wire.config import build_parser
+    from ..cloud import ray_serve
+    from ..cloud.config import build_parser
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,6 +1,6 @@
 """Side-by-side runs of decoding modes over a real websocket through an emulated link.
 
-The verifier runs as its own process (``python -m edgespec_ros.wire.cli``), as it would in
+The verifier runs as its own process (``python -m edgespec_ros.cloud.cli``), as it would in
 the cloud; the edge (drafter + client) runs here; a LinkProxy on loopback shapes the traffic.
 Used by ``edgespec-bench`` and ``edgespec-demo``.
 """

@@ -12,7 +12,7 @@ import torch
 
 from ..codecs.split import separate_output_tv
 from ..decoding.edge import DecodeConfig, EdgeDecoder
-from ..decoding.verifier import LocalVerifier
+from ..cloud.local import LocalVerifier
 from ..decoding.cloud import target_generate
 from ..decoding.engines import load_model
 from ..decoding.sampling import SamplingParams

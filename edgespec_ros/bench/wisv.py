@@ -105,7 +105,7 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     import torch
     torch.set_num_threads(1)
     from ..decoding.engines import load_model
-    from ..decoding.verifier import LocalVerifier
+    from ..cloud.local import LocalVerifier
     from ..decoding.wisv import attach_wisv
     from ..sim.evaluate import run_episode
     from ..sim.policy import DecoderPolicy

@@ -1,6 +1,6 @@
 """The cloud half of decoding: one robot decision's target state (``TargetSession``).
 
-The verifier server wraps one ``TargetSession`` per connection; ``verifier.LocalVerifier`` wraps
+The verifier server wraps one ``TargetSession`` per connection; ``cloud.local.LocalVerifier`` wraps
 one in-process. It knows only what verification needs (``VerifySettings``: sampling parameters,
 seed, verification rule), never the robot's scheduling (mode, draft length, pre-draft workers).
 

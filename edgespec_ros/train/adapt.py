@@ -38,7 +38,7 @@ def record_decisions(draft_dir: str, target_dir: str, frames, trace_dir: str, te
     from ..decoding.metrics import RunSummary
     from ..decoding.sampling import SamplingParams
     from ..decoding.traces import TraceRecorder
-    from ..decoding.verifier import LocalVerifier
+    from ..cloud.local import LocalVerifier
     draft, target = load_model(draft_dir), load_model(target_dir)
     recorder = TraceRecorder(trace_dir, record_images=True, topk=16)
     decoder = EdgeDecoder(draft, LocalVerifier(target, recorder=recorder, tenant="fleet",

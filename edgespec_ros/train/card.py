@@ -15,7 +15,7 @@ from itertools import islice
 from ..sim.dataset import generate_examples, iter_scenarios
 from ..sim.evaluate import action_agreement, evaluate_closed_loop, run_episode
 from ..decoding.edge import DecodeConfig, EdgeDecoder
-from ..decoding.verifier import LocalVerifier
+from ..cloud.local import LocalVerifier
 from ..decoding.engines import load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams

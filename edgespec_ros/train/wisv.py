@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.replay import GREEDY_NEW_TOKENS
+from ..cloud.replay import GREEDY_NEW_TOKENS
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     from ..decoding.cloud import target_generate
     from ..decoding.edge import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from ..decoding.replay import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
+    from ..cloud.replay import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features
     eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
@@ -134,7 +134,7 @@ DAGGER_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
 def dagger_policies(head, target, n: int, rng: random.Random) -> list:
     """WISV choices of the first head, one per example, each under a sampled channel state and a
     threshold from DAGGER_THRESHOLDS: the trajectories the second pass collects traces on."""
-    from ..decoding.replay import wisv_choice
+    from ..cloud.replay import wisv_choice
     return [wisv_choice(head, sample_csi(rng), rng.choice(DAGGER_THRESHOLDS), target) for _ in range(n)]
 
 

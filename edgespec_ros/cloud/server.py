@@ -27,7 +27,7 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
 from ..decoding.traces import ANONYMOUS, tenant_id
 from ..decoding.verify import DraftDistributionError
-from . import protocol as P
+from ..wire import protocol as P
 from ..decoding.compute import ComputeProfile, get_compute
 from .fair import FairCompute, Occupy, SessionGone
 from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, LimitError, ServerLimits, check_image

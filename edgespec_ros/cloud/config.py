@@ -1,6 +1,6 @@
 """edgespec-verifier's configuration: the command line, tokens, TLS, limits and the model,
 turned into a ``VerifierServer`` (``build_server``). Shared by the one-process verifier
-(``wire.cli``) and its Ray Serve replicas (``wire.ray_serve``)."""
+(``cloud.cli``) and its Ray Serve replicas (``cloud.ray_serve``)."""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +8,10 @@ import logging
 
 from ..decoding.compute import compute_arg, get_compute
 from ..decoding.engines import QUANTIZATIONS, ModelLoadError, load_model
-from . import protocol as P
+from ..wire import protocol as P
 from .limits import ServerLimits
 from .server import EXIT_QUEUE_POLICIES, VerifierServer, is_loopback
-from .tokens import read_tokens
+from ..wire.tokens import read_tokens
 
 log = logging.getLogger("edgespec.verifier")
 

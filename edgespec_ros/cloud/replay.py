@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from ..actions import ActionParseError, parse_action
-from .cloud import TargetSession
-from .edge import EdgeDecoder
-from .sampling import SamplingParams
-from .verifier import LocalVerifier
-from .wisv import (Csi, DecisionHead, decide, final_hidden, mismatches, protect_target_eos, protected_positions,
+from ..decoding.cloud import TargetSession
+from ..decoding.edge import EdgeDecoder
+from ..decoding.sampling import SamplingParams
+from .local import LocalVerifier
+from ..decoding.wisv import (Csi, DecisionHead, decide, final_hidden, mismatches, protect_target_eos, protected_positions,
                    token_pair_features)
 
 GREEDY_NEW_TOKENS = 96
