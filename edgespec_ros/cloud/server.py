@@ -20,17 +20,16 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..codecs import CodecError, get_codec
-from ..decoding.batch import ArStep, Round, verify_batch
-from ..decoding.cloud import CONTINUE, VERIFY_MODES, WISV, Prompt, TargetSession, VerifySettings
+from ..decoding.batch import ArStep, verify_batch
+from ..decoding.cloud import WISV, Prompt, TargetSession, VerifySettings
+from ..decoding.compute import ComputeProfile, get_compute
 from ..decoding.engines import LoadedModel
-from ..decoding.sampling import SamplingParams
-from ..decoding.verifier import Condition, EpochGate
 from ..decoding.traces import ANONYMOUS, tenant_id
 from ..decoding.verify import DraftDistributionError
 from ..wire import protocol as P
-from ..decoding.compute import ComputeProfile, get_compute
 from .fair import FairCompute, Occupy, SessionGone
-from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, LimitError, ServerLimits, check_image
+from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, ServerLimits
+from .session import SPLIT, SessionError, Step, VerifierSession
 
 log = logging.getLogger("edgespec.verifier")
 HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its slot to a new one
@@ -56,14 +55,6 @@ class _DeviceWork:
     block: int
     extra: object = None
     on_start: object = None
-
-
-class SessionError(Exception):
-    """Ends one session with an ERROR frame (code, message)."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = int(code)
 
 
 EXIT_QUEUE_POLICIES = ("priority", "fifo")
@@ -455,32 +446,24 @@ class VerifierServer:
                                          0 if head is None else head.config.draft_dim)))
         log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
                  clean(hello.draft, 64) or "unnamed", "" if tenant is None else f", token #{tenant}")
-        session = TargetSession(self.lm)
-        if self.recorder is not None:
-            session.trace = self.recorder.session(ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
+        trace = None if self.recorder is None else self.recorder.session(
+            ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
+        session = VerifierSession(self.lm, codec, self.limits, trace)
         live: list[ExitSender] = []  # this session's exit sender while a round streams
         inbox = _Inbox(16, max(self.max_frame, 1 << 20))
         reader = asyncio.ensure_future(self._read_ahead(conn, inbox))
         try:
-            await self._serve_frames(conn, session, codec, live, inbox)
+            await self._serve_frames(conn, session, live, inbox)
         finally:
             reader.cancel()
             for sender in live:  # the robot vanished mid-round: stop streaming its exits
                 sender.cancel()
 
-    def _check_context(self, conn: _Conn, session: TargetSession, more: int, what: str) -> None:
-        if self.max_context is None:
-            return
-        used = conn.prompt_len + session.position
-        if used + more > self.max_context:
-            raise SessionError(P.ErrorCode.TOO_LARGE,
-                               f"{what} would take the decision to {used + more} tokens, past the model's context of "
-                               f"{self.max_context}")
-
-    async def _serve_frames(self, conn: _Conn, session, codec, live: list, inbox: _Inbox):
-        ws, lim = conn.ws, self.limits
-        gate = EpochGate()  # which blocks to verify: live epoch, void epochs, conditional blocks
-        last_done = time.perf_counter()  # when the target finished its last block for this session
+    async def _serve_frames(self, conn: _Conn, session: VerifierSession, live: list, inbox: _Inbox):
+        """A session's frames, one at a time: the VerifierSession checks each and says what to run;
+        here it runs (on the fair compute thread, batched with other sessions) and the replies go out."""
+        ws = conn.ws
+        last_done = time.perf_counter()  # when the target finished its last work for this session
         stash: deque = deque()  # blocks that came while a wisv round waited for hidden rows
         while True:
             msg, arrived = stash.popleft() if stash else await self._recv(ws, self.idle_timeout_s, inbox)
@@ -489,220 +472,127 @@ class VerifierServer:
                 await ws.close()
                 return
             if isinstance(msg, P.Prefill):
-                if len(msg.prompt_ids) > self.max_prompt_tokens:
-                    limit = ("--max-prompt-tokens" if self.max_prompt_tokens == lim.max_prompt_tokens
-                             else "the model's context")
-                    raise SessionError(P.ErrorCode.TOO_LARGE, f"prompt of {len(msg.prompt_ids)} tokens exceeds "
-                                                              f"{limit} ({self.max_prompt_tokens})")
-                if msg.jpeg:
-                    try:
-                        check_image(msg.jpeg, lim)  # from the header, before any pixel is decoded
-                    except LimitError as exc:
-                        raise SessionError(P.ErrorCode.TOO_LARGE, str(exc)) from None
-                    except ValueError as exc:
-                        raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
-                conn.decision, conn.rounds, conn.prompt_len = msg.decision, 0, len(msg.prompt_ids)
-                gate.reset()
-                settings = self._verify_settings(msg)
-                prompt = Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids)
-                try:
-                    dt = await self._run(conn, self._prefill_on_device, session, prompt, settings)
-                except ValueError as exc:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
+                prompt, settings = session.on_prefill(msg)
+                with session.refusing("bad prefill"):
+                    dt = await self._run(conn, self._prefill_on_device, session.target, prompt, settings)
                 await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
-                last_done = time.perf_counter()
             elif isinstance(msg, P.Verify):
-                self._check_decision(msg.decision, conn.decision)
-                conn.rounds += 1
-                if conn.rounds > lim.max_rounds:
-                    raise SessionError(P.ErrorCode.TOO_MANY, f"more than {lim.max_rounds} VERIFY frames in one "
-                                                             f"decision (--max-rounds)")
-                condition = self._condition(msg, codec)
-                try:
-                    admitted = gate.admit(msg.epoch, condition)
-                except ValueError as exc:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"block out of order: {exc}") from None
-                if not admitted:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
+                step = session.on_verify(msg)
+                if step is None:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
                     self.dropped_blocks += 1
                     continue
                 # Waited behind this session's earlier work; the wait in the compute queue (other
                 # sessions' work) is added once the round is computed.
-                queue_ms = max(0.0, last_done - arrived) * 1e3
+                queue_s = max(0.0, last_done - arrived)
                 self.fair.take_wait(conn.key)  # earlier jobs' waits (prefill, ...) are not this round's
-                chained = bool(msg.flags & P.VERIFY_CHAINED)
-                if not 1 <= len(msg.draft_ids) <= 64:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"draft length {len(msg.draft_ids)} not in 1..64")
-                if max(msg.draft_ids) >= self.vocab:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST,
-                                       f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
-                if msg.flags & ~P.VERIFY_FLAGS:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
-                self._check_context(conn, session, len(msg.draft_ids) + 1, "this block")
-                if codec.separate:
-                    ended = await self._verify_separate(conn, msg, session, codec, chained, queue_ms)
-                    gate.record(msg.round, ended, 0, None)  # conditional blocks are refused with split
-                    last_done = time.perf_counter()
-                    continue
-                if msg.edge_token != P.NO_TOKEN:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, "an edge token is only valid with the split codec")
-                wisv = session.settings.verify_mode == WISV
-                if not wisv and msg.flags & (P.VERIFY_HIDDEN | P.VERIFY_WISV):
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, "hidden rows and CSI are only valid in a wisv decision")
-                if wisv and not msg.flags & P.VERIFY_WISV:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY of a wisv decision carries the CSI "
-                                                                "(the VERIFY_WISV flag)")
-                started = time.perf_counter()  # verify time includes decoding q
-                on_exit = sender = None
-                if msg.flags & P.VERIFY_STREAM_EXITS and self.lm.exits is not None:
-                    sender = ExitSender(ws, msg.decision, msg.round, started, self.compute,
-                                        self.num_layers, self.exit_queue, self.exit_queue_size,
-                                        block=session.rows(len(msg.draft_ids)))
-                    live.append(sender)
-                    self.live_exit_senders += 1
-                    sender.task.add_done_callback(lambda _t: self._sender_done())
-                    loop = asyncio.get_running_loop()
-                    on_exit = lambda res: loop.call_soon_threadsafe(sender.push, res)  # noqa: E731
-                if wisv:
-                    ended = await self._verify_wisv(conn, msg, session, chained, queue_ms, inbox, stash, on_exit,
-                                                    sender, live)
-                    gate.record(msg.round, *ended)
-                    last_done = time.perf_counter()
-                    continue
-                try:
-                    # On the compute thread: decoding a large sparse support takes milliseconds and
-                    # must not stall the event loop that serves the other sessions.
-                    q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
-                                    device=False)
-                    # The profile's time is the accelerator's pass; decoding q is host work beside it.
-                    # Batched with the other sessions' rounds and AR steps that are ready; early
-                    # exits stream from hooks on this session's row of the shared pass.
-                    work = _DeviceWork(Round(session, list(msg.draft_ids), q, chained, on_exit),
-                                       session.rows(len(msg.draft_ids)))
-                    if on_exit is not None:
-                        work.extra = lambda: len(session.last_exits) * self.compute.exit_s
-                        work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
-                    result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow,
-                                                         cost=session.seq.fed + len(msg.draft_ids))
-                except (CodecError, DraftDistributionError) as exc:
-                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad draft distribution: {exc}") from None
-                waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
-                queue_ms += waited * 1e3
-                elapsed = time.perf_counter() - started - waited
-                sent = 0
-                if live:
-                    sent = await live.pop().finish()
-                continued = result.next_token == CONTINUE
-                await ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted,
-                                                 P.NO_TOKEN if continued else result.next_token, elapsed * 1e3,
-                                                 len(msg.draft_ids), session.last_exit_layer, sent, b"", msg.epoch,
-                                                 queue_ms)))
-                gate.record(msg.round, not continued, result.accepted, None if continued else result.next_token)
-                self.verified_tokens += result.accepted + (not continued)
-                last_done = time.perf_counter()
+                if step.rule == SPLIT:
+                    verdict = await self._verify_split(conn, session, step, queue_s)
+                elif step.rule == WISV:
+                    verdict = await self._verify_wisv(conn, session, step, queue_s, inbox, stash, live)
+                else:
+                    verdict = await self._verify_dense(conn, session, step, queue_s, live)
+                await ws.send(P.encode(verdict))
+                self.verified_tokens += verdict.accepted + (verdict.next_token != P.NO_TOKEN)
             elif isinstance(msg, P.Generate):
-                self._check_decision(msg.decision, conn.decision)
-                if not 1 <= msg.max_new_tokens <= lim.max_new_tokens:
-                    raise SessionError(P.ErrorCode.TOO_LARGE, f"max_new_tokens {msg.max_new_tokens} not in "
-                                                              f"1..{lim.max_new_tokens} (--max-new-tokens)")
-                self._check_context(conn, session, msg.max_new_tokens, f"generating {msg.max_new_tokens} tokens")
-                eos = self.lm.eos_token_ids
-                for i in range(msg.max_new_tokens):
+                steps = session.on_generate(msg)
+                for i in range(steps):
                     started = time.perf_counter()
                     # Batched with the other sessions' AR steps and verification rounds that are ready.
                     token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
-                                                           _DeviceWork(ArStep(session), 1),
-                                                           flow=conn.flow, cost=session.seq.fed + 1)
+                                                           _DeviceWork(session.ar_step(), 1),
+                                                           flow=conn.flow, cost=session.target.seq.fed + 1)
                     elapsed = time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
-                    last = token in eos or i == msg.max_new_tokens - 1
-                    await ws.send(P.encode(P.Token(msg.decision, i, token, elapsed * 1e3, last)))
+                    frame = session.token(i, steps, token, elapsed)
+                    await ws.send(P.encode(frame))
                     self.verified_tokens += 1
-                    if last:
+                    if frame.last:
                         break
-                last_done = time.perf_counter()
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+            last_done = time.perf_counter()
 
-    async def _verify_separate(self, conn: _Conn, msg: P.Verify, session: TargetSession, codec, chained: bool,
-                               queue_ms: float) -> bool:
+    def _exit_sender(self, conn: _Conn, step: Step, live: list) -> tuple:
+        """For a step that streams early exits: its ExitSender (live while the round runs) and the
+        on_exit callback the compute thread calls; (None, None) otherwise."""
+        if not step.exits:
+            return None, None
+        msg = step.msg
+        sender = ExitSender(conn.ws, msg.decision, msg.round, time.perf_counter(), self.compute, self.num_layers,
+                            self.exit_queue, self.exit_queue_size, block=step.rows)
+        live.append(sender)
+        self.live_exit_senders += 1
+        sender.task.add_done_callback(lambda _t: self._sender_done())
+        loop = asyncio.get_running_loop()
+        return sender, (lambda res: loop.call_soon_threadsafe(sender.push, res))
+
+    async def _verify_dense(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float,
+                            live: list) -> P.Verdict:
+        """A dense round, batched with the other sessions' rounds and AR steps that are ready; its
+        early exits stream from hooks on its row of the shared pass."""
+        started = time.perf_counter()  # verify time includes decoding q
+        sender, on_exit = self._exit_sender(conn, step, live)
+        # On the compute thread: decoding a large sparse support takes milliseconds and must not
+        # stall the event loop that serves the other sessions. The profile's time is the
+        # accelerator's pass; decoding q is host work beside it.
+        await self._run(conn, session.decode_steps, step, device=False)
+        work = _DeviceWork(session.dense_round(step, on_exit), step.rows)
+        if sender is not None:
+            loop = asyncio.get_running_loop()
+            work.extra = lambda: len(session.target.last_exits) * self.compute.exit_s
+            work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
+        with session.refusing("bad draft distribution", (CodecError, DraftDistributionError)):
+            result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow,
+                                                 cost=session.target.seq.fed + len(step.msg.draft_ids))
+        waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
+        sent = await live.pop().finish() if live else 0
+        return session.verdict(step, result, verify_s=time.perf_counter() - started - waited,
+                               queue_s=queue_s + waited, exits_sent=sent)
+
+    async def _verify_split(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float) -> P.Verdict:
         """A split-codec round: q(x) of each draft only; on a rejection p goes down, not a token.
-        (No early exits: an exit could not name its next token without the robot's q.) Returns
-        True when the verdict ends the epoch."""
+        (No early exits: an exit could not name its next token without the robot's q.)"""
         started = time.perf_counter()
-        edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
-        try:
-            q = await self._run(conn, codec.decode_steps, msg.q_payload, msg.draft_ids, self.vocab,
-                                    device=False)
-            rows = session.rows(len(msg.draft_ids)) + (edge is not None)  # the robot's resampled token, owed
-            result, _ = await self._run(conn, on_device, session.verify_separate, (msg.draft_ids, q, edge, chained),
-                                        lambda: self.compute.pass_s(1, rows))
-            p_payload = b"" if result.target_p is None else await self._run(conn, codec.encode_p, result.target_p,
-                                                                                 device=False)
-        except (CodecError, DraftDistributionError, ValueError) as exc:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad split-codec round: {exc}") from None
+        await self._run(conn, session.decode_steps, step, device=False)
+        result = await self._run(conn, on_device, session.split_verify, (step,),
+                                 lambda: self.compute.pass_s(1, step.rows))
+        p_payload = await self._run(conn, session.encode_p, result, device=False)
         waited = self.fair.take_wait(conn.key)
-        queue_ms += waited * 1e3
-        elapsed = time.perf_counter() - started - waited
-        next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
-        self.verified_tokens += result.accepted + (result.next_token >= 0)
-        await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted, next_token, elapsed * 1e3,
-                                              len(msg.draft_ids), 0, 0, p_payload, msg.epoch, queue_ms)))
-        return result.next_token != CONTINUE
+        return session.verdict(step, result, verify_s=time.perf_counter() - started - waited,
+                               queue_s=queue_s + waited, p_payload=p_payload)
 
-    async def _verify_wisv(self, conn: _Conn, msg: P.Verify, session: TargetSession, chained: bool, queue_ms: float,
-                           inbox: _Inbox, stash: deque, on_exit, sender, live: list) -> tuple:
+    async def _verify_wisv(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float,
+                           inbox: _Inbox, stash: deque, live: list) -> P.Verdict:
         """A WISV round (LOSSY): the target's forward, the mismatches; with a selective upload the
         rows the head needs are fetched (HIDDEN_REQUEST, one more exchange; blocks arriving
-        meanwhile wait in ``stash``); the head decides, the verdict goes down. Not batched with
-        other sessions: the round needs this session's own hidden rows from the pass. Returns
-        (ends epoch, accepted, next token) for the EpochGate."""
-        from ..decoding.wisv import Csi, decode_hidden
-        dim = self.lm.wisv.config.draft_dim
-        n = len(msg.draft_ids)
-        try:
-            csi = Csi.from_wire(msg.csi)
-            full = decode_hidden(msg.hidden, n, dim) if msg.flags & P.VERIFY_HIDDEN else None
-        except ValueError as exc:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad wisv block: {exc}") from None
-        if full is None and msg.hidden:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "hidden rows sent without the full-hidden flag")
+        meanwhile wait in ``stash``); the head decides. Not batched with other sessions: the round
+        needs this session's own hidden rows from the pass."""
+        session.wisv_rows_sent(step)
+        sender, on_exit = self._exit_sender(conn, step, live)
         started = time.perf_counter()
         if sender is not None:
             sender.begin(started)
-        rows = session.rows(n)
-        asked = await self._run(conn, on_device, session.wisv_begin, (list(msg.draft_ids), chained, on_exit),
-                                lambda: self.compute.verify_total_s(len(session.last_exits), rows))
+        asked = await self._run(conn, on_device, session.wisv_begin, (step, on_exit),
+                                lambda: self.compute.verify_total_s(len(session.target.last_exits), step.rows))
         waited = self.fair.take_wait(conn.key)
         compute_s = time.perf_counter() - started - waited
-        if full is not None:
-            rows = {i: full[i] for i in asked}
-        elif asked:
-            await conn.ws.send(P.encode(P.HiddenRequest(msg.decision, msg.round, asked)))
-            rows = await self._await_hidden(conn, msg, asked, dim, inbox, stash)
-        else:
-            rows = {}
+        rows = session.wisv_rows(step, asked)
+        if rows is None:
+            await conn.ws.send(P.encode(session.hidden_request(step, asked)))
+            rows = await self._await_hidden(conn, session, step, asked, inbox, stash)
         t1 = time.perf_counter()
-        try:
-            result = await self._run(conn, session.wisv_finish, rows, csi, device=False)
-        except ValueError as exc:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad wisv round: {exc}") from None
+        result = await self._run(conn, session.wisv_finish, step, rows, device=False)
         waited2 = self.fair.take_wait(conn.key)
         compute_s += time.perf_counter() - t1 - waited2
-        waited += waited2
         sent = await live.pop().finish() if live else 0
-        continued = result.next_token == CONTINUE
-        await conn.ws.send(P.encode(P.Verdict(msg.decision, msg.round, result.accepted,
-                                              P.NO_TOKEN if continued else result.next_token,
-                                              max(0.0, compute_s) * 1e3, n, session.last_exit_layer, sent, b"",
-                                              msg.epoch, queue_ms + waited * 1e3, len(session.last_relaxed))))
-        self.verified_tokens += result.accepted + (not continued)
-        return not continued, result.accepted, None if continued else result.next_token
+        return session.verdict(step, result, verify_s=compute_s, queue_s=queue_s + waited + waited2,
+                               exits_sent=sent)
 
-    async def _await_hidden(self, conn: _Conn, msg: P.Verify, asked: list[int], dim: int, inbox: _Inbox,
-                            stash: deque) -> dict:
+    async def _await_hidden(self, conn: _Conn, session: VerifierSession, step: Step, asked: list[int],
+                            inbox: _Inbox, stash: deque) -> dict:
         """The HIDDEN answer to a HIDDEN_REQUEST (within the idle timeout); later blocks of the
         pipeline that come first are kept in ``stash`` (at most the inbox's count and bytes, the
         inbox's own frames included)."""
-        from ..decoding.wisv import decode_hidden
+        msg = step.msg
 
         def held(v: P.Verify) -> int:  # a stashed block's bytes, counted against the inbox's byte bound
             return len(v.q_payload) + len(v.hidden) + 4 * len(v.draft_ids)
@@ -718,26 +608,7 @@ class VerifierServer:
             if not isinstance(reply, P.Hidden):
                 raise SessionError(P.ErrorCode.BAD_REQUEST, f"expected HIDDEN for round {msg.round}, got "
                                                             f"{type(reply).__name__}")
-            if (reply.decision, reply.round) != (msg.decision, msg.round) or list(reply.positions) != asked:
-                raise SessionError(P.ErrorCode.BAD_REQUEST, f"HIDDEN for round {reply.round} positions "
-                                                            f"{list(reply.positions)[:8]}: asked round {msg.round} "
-                                                            f"positions {asked}")
-            try:
-                rows = decode_hidden(reply.rows, len(asked), dim)
-            except ValueError as exc:
-                raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad HIDDEN frame: {exc}") from None
-            return {i: rows[k] for k, i in enumerate(asked)}
-
-    @staticmethod
-    def _condition(msg: P.Verify, codec) -> Condition | None:
-        if not msg.condition:
-            return None
-        if len(msg.condition) != 3:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY condition is [round, accepted, token]")
-        if codec.separate:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "conditional blocks are not valid with the split codec "
-                                                        "(the robot resamples after a rejection)")
-        return Condition(*msg.condition)
+            return session.on_hidden(step, asked, reply)
 
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
@@ -766,27 +637,6 @@ class VerifierServer:
         spent = yield from session.start_steps(prompt, settings)
         target = self.compute.prefill_s
         return Occupy(max(spent, target), target - spent) if target else spent
-
-    @staticmethod
-    def _check_decision(got: int, current: int | None) -> None:
-        if current is None:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "VERIFY/GENERATE before PREFILL")
-        if got != current:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"frame for decision {got}, current decision is {current}")
-
-    def _verify_settings(self, msg: P.Prefill) -> VerifySettings:
-        if msg.verify_mode not in VERIFY_MODES:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {VERIFY_MODES}")
-        if msg.verify_mode == WISV and getattr(self.lm, "wisv", None) is None:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "verify mode wisv: this verifier has no WISV decision head "
-                                                        "(<target>/wisv, `edgespec-train wisv`; --wisv)")
-        if not math.isfinite(msg.temperature) or not math.isfinite(msg.top_p) or not math.isfinite(msg.wisv_threshold):
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "sampling parameters must be finite")
-        try:
-            params = SamplingParams(msg.temperature, msg.top_k, msg.top_p)
-            return VerifySettings(params, msg.seed, msg.verify_mode, msg.wisv_threshold if msg.verify_mode == WISV else 0.0)
-        except ValueError as exc:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
 
     def check_exposure(self, host: str) -> None:
         """Auth is required on any non-loopback address unless explicitly waived (loudly)."""

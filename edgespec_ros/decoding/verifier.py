@@ -119,6 +119,15 @@ class EpochGate:
             self.ended, self.last_end = True, (round_, accepted, token)
 
 
+def dropped_after(block: "Block", round_: int, epoch: int, ends_epoch: bool, accepted: int, token: int | None) -> bool:
+    """The robot's side of ``EpochGate``: whether the verifier drops ``block`` (sent, not yet
+    verified) once the verdict of block ``round_`` (of ``epoch``) is out: a later block of the
+    epoch that verdict ended, or a conditional block on that verdict whose guess it refutes."""
+    if block.condition is None:
+        return ends_epoch and block.epoch <= epoch
+    return block.condition.round == round_ and not block.condition.holds(round_, ends_epoch, accepted, token)
+
+
 @dataclass
 class Block:
     """One drafted block on its way to the verifier."""

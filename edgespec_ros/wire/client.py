@@ -14,13 +14,12 @@ import threading
 import time
 from typing import Iterator
 
-import torch
-
 from ..decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout  # noqa: F401 - raised here
 from ..codecs import get_codec
 from ..decoding.cloud import Prompt, VerifySettings
-from ..decoding.verifier import Block, VerifyReply
+from ..decoding.verifier import Block, VerifyReply, dropped_after
 from . import protocol as P
+from .frames import hidden_frame, prefill_frame, verdict_reply, verify_frame
 from .link import DOWN, UP, LinkModel, LinkProfile
 
 
@@ -230,17 +229,10 @@ class RemoteVerifier:
 
     def _answer_hidden(self, msg: P.HiddenRequest) -> None:
         """wisv selective upload: send the drafter's rows the verifier asked for (from the block in flight)."""
-        from ..decoding.wisv import encode_hidden
         entry = self._inflight.get(msg.round) if msg.decision == self.decision else None
-        block = entry[0] if entry is not None else None
-        if block is None or block.hidden is None:
-            raise VerifierError(f"the verifier asked for hidden rows of round {msg.round}, which has none in flight")
-        positions = list(msg.positions)
-        if not positions or len(set(positions)) != len(positions) or max(positions) >= len(block.draft_ids):
-            raise VerifierError(f"the verifier asked for hidden rows at positions {positions[:8]} of a "
-                                f"{len(block.draft_ids)}-token block")
-        sent = self._send(P.Hidden(msg.decision, msg.round, positions, encode_hidden(block.hidden[positions])))
-        self._hidden_sent[msg.round] = (len(positions), sent)
+        answer = hidden_frame(msg, entry[0] if entry is not None else None)
+        sent = self._send(answer)
+        self._hidden_sent[msg.round] = (len(answer.positions), sent)
 
     def csi(self):
         """wisv: the link as this connection has measured it (decoding.wisv.Csi; None before any exchange)."""
@@ -268,9 +260,7 @@ class RemoteVerifier:
             raise VerifierRefused(P.ErrorCode.BAD_REQUEST, f"verify mode wisv: the verifier at {self.url} has no "
                                                            "WISV decision head")
         sent_at = time.perf_counter()
-        up = self._send(P.Prefill(self.decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids,
-                                  settings.seed, settings.params.temperature, settings.params.top_k,
-                                  settings.params.top_p, settings.verify_mode, settings.wisv_threshold))
+        up = self._send(prefill_frame(self.decision, prompt, settings))
         if not wait:
             self._prefill_pending = True
             return {"prefill_s": None, "uplink_bytes": up, "downlink_bytes": 0}
@@ -287,26 +277,7 @@ class RemoteVerifier:
     def submit(self, block: Block) -> None:
         """Send one block (returns at once; several may be in flight). Early exits are asked for
         when the block wants them and the verifier has them (never with the split codec)."""
-        flags = P.VERIFY_STREAM_EXITS if block.stream_exits and self.exit_layers else 0
-        if self.codec.separate:
-            flags = 0  # no early exits with separate rejection sampling
-        if block.chained:
-            flags |= P.VERIFY_CHAINED
-        edge = P.NO_TOKEN if block.edge_token is None else int(block.edge_token)
-        cond = block.condition
-        if cond is not None and self.codec.separate:
-            raise ValueError("conditional blocks are not valid with the split codec")
-        csi, hidden = (0.0, 0.0, 0.0, 0.0), b""
-        if block.hidden is not None:  # wisv
-            from ..decoding.wisv import encode_hidden
-            csi = tuple(block.csi.to_wire()) if block.csi is not None else csi
-            flags |= P.VERIFY_WISV
-            if block.upload == "full":
-                flags |= P.VERIFY_HIDDEN
-                hidden = encode_hidden(block.hidden)
-        up = self._send(P.Verify(self.decision, block.round, list(block.draft_ids),
-                                 self.codec.encode(block.draft_ids, block.q), flags, edge, block.epoch,
-                                 [] if cond is None else [cond.round, cond.accepted, cond.token], csi, hidden))
+        up = self._send(verify_frame(self.decision, block, self.codec, bool(self.exit_layers)))
         self._max_epoch = max(self._max_epoch, block.epoch)
         self._inflight[block.round] = (block, up, time.perf_counter())
         self.round = max(self.round, block.round)
@@ -337,22 +308,16 @@ class RemoteVerifier:
         n = len(block.draft_ids)
         asked_rows, asked_bytes = self._hidden_sent.pop(verdict.round, (0, 0))
         up += asked_bytes
-        target_p = None
-        if verdict.p_payload:
-            target_p = self._target_p(verdict, n)
-        continued = verdict.next_token == P.NO_TOKEN and target_p is None
-        if verdict.accepted > n or (not continued and target_p is None and verdict.next_token >= self.vocab_size) \
-                or (continued and (not block.chained or verdict.accepted != n)):
+        try:
+            reply = verdict_reply(verdict, block, self.codec, self.vocab_size)
+        except VerifierError:
             self._drop()
-            raise VerifierError("verdict out of range: the verifier speaks another model or protocol")
-        next_token = None if verdict.next_token == P.NO_TOKEN else int(verdict.next_token)
-        ends = next_token is not None or target_p is not None
+            raise
+        next_token, ends = reply.next_token, reply.ends_epoch
         # Blocks the verifier drops get no verdict: later blocks of an ended epoch, and conditional
         # blocks whose premise this verdict refutes (the same rule as its EpochGate).
         for r, (b, *_rest) in list(self._inflight.items()):
-            if (ends and b.condition is None and b.epoch <= verdict.epoch) or (
-                    b.condition is not None and b.condition.round == verdict.round
-                    and not b.condition.holds(verdict.round, ends, verdict.accepted, next_token)):
+            if dropped_after(b, verdict.round, verdict.epoch, ends, verdict.accepted, next_token):
                 del self._inflight[r]
         if ends:
             self.epoch = max(self._max_epoch, verdict.epoch) + 1
@@ -361,34 +326,16 @@ class RemoteVerifier:
         if not asked_rows:  # one exchange (a selective upload's second one would blur the RTT)
             self.link_estimate.observe(up, down, max(0.0, rtt - verify_s - queue_s))
         full_rows = n if block.hidden is not None and block.upload == "full" else 0
-        return VerifyReply(verdict.accepted, next_token, [True] * verdict.accepted + [False] * (n - verdict.accepted),
-                           verify_s=verify_s, uplink_bytes=up, downlink_bytes=down, uplink_s=up_s, downlink_s=down_s,
-                           exit_layer=verdict.exit_layer, exits_received=self._exits_received.pop(block.round, 0),
-                           round=block.round, epoch=block.epoch, target_p=target_p, queue_s=queue_s,
-                           relaxed=verdict.relaxed, hidden_rows=full_rows + asked_rows,
-                           hidden_exchanges=int(asked_rows > 0))
+        reply.uplink_bytes, reply.downlink_bytes, reply.uplink_s, reply.downlink_s = up, down, up_s, down_s
+        reply.exits_received = self._exits_received.pop(block.round, 0)
+        reply.hidden_rows, reply.hidden_exchanges = full_rows + asked_rows, int(asked_rows > 0)
+        return reply
 
     def verify(self, block: Block, on_exit=None) -> VerifyReply:
         """Stop-and-wait: send one block and wait for its verdict (streaming its early exits to
         on_exit(P.Exit) from this thread before returning)."""
         self.submit(block)
         return self.receive(None, on_exit=on_exit)
-
-    def _target_p(self, verdict: P.Verdict, n: int) -> torch.Tensor:
-        """Split codec: the verifier rejected draft `accepted` and sent p there (the robot resamples)."""
-        from ..codecs import CodecError
-        if not self.codec.separate or verdict.next_token != P.NO_TOKEN:
-            self._drop()
-            raise VerifierError("verdict carries a target distribution without a split-codec rejection (or the "
-                                "reverse): the verifier speaks another protocol")
-        if verdict.accepted >= n:
-            self._drop()
-            raise VerifierError("verdict out of range: a rejection after the last draft")
-        try:
-            return self.codec.decode_p(verdict.p_payload, self.vocab_size)
-        except CodecError as exc:
-            self._drop()
-            raise VerifierError(f"bad target distribution from the verifier: {exc}") from exc
 
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
         self.last_generate_uplink = self._send(P.Generate(self.decision, max_new_tokens))

@@ -1,0 +1,310 @@
+"""One robot session at the verifier, with no I/O (the model is the h11 library: a protocol as a
+state machine, the socket code around it thin).
+
+``VerifierSession`` takes a session's decoded frames (PREFILL, VERIFY, HIDDEN, GENERATE) and holds
+every rule about them: the input checks (decision, round cap, lengths, vocabulary, flags, context,
+the codec's rules, images), the epoch rule (``EpochGate``: live, ended and void epochs, conditional
+blocks), the three verification rules (dense, split, WISV) and what each verdict says. It never
+waits and never sends: it hands back ``Step``s whose model work the driver runs where it likes (the
+websocket server on its fair, batched compute thread; ``LocalVerifier`` inline), and the frames to
+send (``P.Verdict``, ``P.HiddenRequest``, ``P.Token``). Both drivers therefore verify by the same
+code, and the in-process tests exercise the server's checks.
+
+A step's order, for the driver:
+- dense: ``decode`` (host; ``decode_steps`` as preemptible steps), ``dense_round`` (the ``verify_batch`` item: the pass), ``verdict``;
+- split: ``decode``, ``split_verify`` (the pass), ``encode_p`` (host), ``verdict``;
+- wisv: ``wisv_rows_sent``, ``wisv_begin`` (the pass), then the rows the head needs, from the block
+  or asked for (``hidden_request``, then ``on_hidden``), ``wisv_finish`` (host), ``verdict``.
+
+A user's mistake raises ``SessionError`` (an ERROR frame's code and message); the driver ends the
+session with it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs import CodecError
+from ..decoding.batch import ArStep, Round
+from ..decoding.cloud import CONTINUE, VERIFY_MODES, WISV, Prompt, TargetSession, VerifySettings
+from ..decoding.engines import LoadedModel
+from ..decoding.sampling import SamplingParams
+from ..decoding.verifier import Condition, EpochGate
+from ..decoding.verify import DraftDistributionError
+from ..wire import protocol as P
+from .limits import LimitError, ServerLimits, check_image
+
+DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification rules
+MAX_BLOCK = 64  # drafts per VERIFY
+
+
+class SessionError(Exception):
+    """Ends one session with an ERROR frame (code, message)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = int(code)
+
+
+@dataclass
+class Step:
+    """One admitted VERIFY: its rule, what its pass feeds, and what the driver has decoded so far."""
+
+    msg: P.Verify
+    rule: str  # DENSE, SPLIT or WISV
+    chained: bool  # the robot's next block continues this one
+    rows: int  # tokens the target feeds for it (the pass's charge on a measured profile)
+    exits: bool  # early exits stream from its pass
+    edge_token: int | None = None  # split: the token the robot resampled after the last rejection
+    q: torch.Tensor | None = None  # the draft distribution, once decoded
+    csi: object = None  # wisv: the link as the robot measured it (decoding.wisv.Csi)
+    hidden: torch.Tensor | None = None  # wisv, full upload: the drafter's hidden rows [n, d]
+
+
+class VerifierSession:
+    """One robot session's verification: decoded frames in, steps and frames out (module docstring)."""
+
+    def __init__(self, lm: LoadedModel, codec, limits: ServerLimits | None = None, trace=None):
+        self.lm, self.codec = lm, codec
+        self.limits = limits or ServerLimits()
+        self.target = TargetSession(lm)
+        self.target.trace = trace  # decoding.traces: the recorder's session, or None (off)
+        self.gate = EpochGate()
+        self.vocab = lm.vocab_size
+        self.max_context = lm.max_context  # the model's own (None: unknown)
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens, self.max_context or self.limits.max_prompt_tokens)
+        self.decision: int | None = None
+        self.rounds = 0  # VERIFY frames of this decision, verified or dropped
+        self.prompt_len = 0
+        self.dropped_blocks = 0  # blocks of a void or ended epoch, dropped unverified
+
+    @staticmethod
+    @contextlib.contextmanager
+    def refusing(what: str, errors: tuple = (ValueError,)):
+        """Model work on a user's input: ``errors`` raised inside become a BAD_REQUEST naming ``what``."""
+        try:
+            yield
+        except errors as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"{what}: {exc}") from None
+
+    # --- PREFILL -----------------------------------------------------------------------------
+
+    def on_prefill(self, msg: P.Prefill) -> tuple[Prompt, VerifySettings]:
+        """A new decision: the prompt and settings to prefill (the driver runs ``target.start``
+        or ``start_steps`` inside ``refusing("bad prefill")``). Every block of the last decision
+        still on its way is dropped from now on."""
+        if len(msg.prompt_ids) > self.max_prompt_tokens:
+            limit = ("--max-prompt-tokens" if self.max_prompt_tokens == self.limits.max_prompt_tokens
+                     else "the model's context")
+            raise SessionError(P.ErrorCode.TOO_LARGE, f"prompt of {len(msg.prompt_ids)} tokens exceeds "
+                                                      f"{limit} ({self.max_prompt_tokens})")
+        if msg.jpeg:
+            try:
+                check_image(msg.jpeg, self.limits)  # from the header, before any pixel is decoded
+            except LimitError as exc:
+                raise SessionError(P.ErrorCode.TOO_LARGE, str(exc)) from None
+            except ValueError as exc:
+                raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad prefill: {exc}") from None
+        self.decision, self.rounds, self.prompt_len = msg.decision, 0, len(msg.prompt_ids)
+        self.gate.reset()
+        return Prompt(msg.instruction, msg.jpeg or None, msg.prompt_ids), self._settings(msg)
+
+    def _settings(self, msg: P.Prefill) -> VerifySettings:
+        if msg.verify_mode not in VERIFY_MODES:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {VERIFY_MODES}")
+        if msg.verify_mode == WISV and getattr(self.lm, "wisv", None) is None:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "verify mode wisv: this verifier has no WISV decision head "
+                                                        "(<target>/wisv, `edgespec-train wisv`; --wisv)")
+        if not all(map(math.isfinite, (msg.temperature, msg.top_p, msg.wisv_threshold))):
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "sampling parameters must be finite")
+        try:
+            params = SamplingParams(msg.temperature, msg.top_k, msg.top_p)
+            return VerifySettings(params, msg.seed, msg.verify_mode,
+                                  msg.wisv_threshold if msg.verify_mode == WISV else 0.0)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
+
+    # --- VERIFY ------------------------------------------------------------------------------
+
+    def on_verify(self, msg: P.Verify) -> Step | None:
+        """A block: the step to run, or None when the epoch rule drops it unverified (drafted past
+        a rejection the robot had not heard of yet, or a conditional block on a wrong guess)."""
+        self._check_decision(msg.decision)
+        self.rounds += 1
+        if self.rounds > self.limits.max_rounds:
+            raise SessionError(P.ErrorCode.TOO_MANY, f"more than {self.limits.max_rounds} VERIFY frames in one "
+                                                     f"decision (--max-rounds)")
+        condition = self._condition(msg)
+        try:
+            admitted = self.gate.admit(msg.epoch, condition)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"block out of order: {exc}") from None
+        if not admitted:
+            self.dropped_blocks += 1
+            return None
+        n = len(msg.draft_ids)
+        if not 1 <= n <= MAX_BLOCK:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"draft length {n} not in 1..{MAX_BLOCK}")
+        if max(msg.draft_ids) >= self.vocab:
+            raise SessionError(P.ErrorCode.BAD_REQUEST,
+                               f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
+        if msg.flags & ~P.VERIFY_FLAGS:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
+        self.check_context(n + 1, "this block")
+        chained = bool(msg.flags & P.VERIFY_CHAINED)
+        if self.codec.separate:  # no early exits: an exit could not name its next token without q
+            edge = None if msg.edge_token == P.NO_TOKEN else int(msg.edge_token)
+            return Step(msg, SPLIT, chained, self.target.rows(n) + (edge is not None), False, edge)
+        if msg.edge_token != P.NO_TOKEN:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "an edge token is only valid with the split codec")
+        wisv = self.target.settings is not None and self.target.settings.verify_mode == WISV
+        if not wisv and msg.flags & (P.VERIFY_HIDDEN | P.VERIFY_WISV):
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "hidden rows and CSI are only valid in a wisv decision")
+        if wisv and not msg.flags & P.VERIFY_WISV:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY of a wisv decision carries the CSI "
+                                                        "(the VERIFY_WISV flag)")
+        exits = bool(msg.flags & P.VERIFY_STREAM_EXITS) and self.lm.exits is not None
+        return Step(msg, WISV if wisv else DENSE, chained, self.target.rows(n), exits)
+
+    def decode_steps(self, step: Step):
+        """Host work as preemptible steps (a generator whose value is q, kept on the step): the
+        block's draft distribution from its payload. ``decode`` runs it to the end at once."""
+        what = "bad split-codec round" if step.rule == SPLIT else "bad draft distribution"
+        with self.refusing(what, (CodecError, DraftDistributionError, ValueError)):
+            step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)
+        return step.q
+
+    def decode(self, step: Step) -> torch.Tensor:
+        steps = self.decode_steps(step)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def dense_round(self, step: Step, on_exit=None) -> Round:
+        """The dense step's item for ``decoding.batch.verify_batch`` (alone or with other sessions'),
+        its early exits to ``on_exit`` from inside the pass."""
+        return Round(self.target, list(step.msg.draft_ids), step.q, step.chained, on_exit if step.exits else None)
+
+    def split_verify(self, step: Step):
+        """The split step's pass: q(x) of each draft only; on a rejection the result carries p."""
+        with self.refusing("bad split-codec round", (CodecError, DraftDistributionError, ValueError)):
+            return self.target.verify_separate(step.msg.draft_ids, step.q, step.edge_token, chained=step.chained)[0]
+
+    def encode_p(self, result) -> bytes:
+        """Host work: the split verdict's target distribution as the downlink carries it."""
+        return b"" if result.target_p is None else self.codec.encode_p(result.target_p)
+
+    def verdict(self, step: Step, result, *, verify_s: float, queue_s: float, exits_sent: int = 0,
+                p_payload: bytes = b"") -> P.Verdict:
+        """The VERDICT of a verified step; the epoch rule learns whether it ends its epoch."""
+        msg = step.msg
+        continued = result.next_token == CONTINUE
+        if step.rule == SPLIT:  # a rejection sends p, not a token: the robot resamples it
+            next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
+            self.gate.record(msg.round, not continued, 0, None)  # conditional blocks are refused with split
+        else:
+            next_token = P.NO_TOKEN if continued else result.next_token
+            self.gate.record(msg.round, not continued, result.accepted, None if continued else result.next_token)
+        exit_layer = 0 if step.rule == SPLIT else self.target.last_exit_layer
+        relaxed = len(self.target.last_relaxed) if step.rule == WISV else 0
+        return P.Verdict(msg.decision, msg.round, result.accepted, next_token, max(0.0, verify_s) * 1e3,
+                         len(msg.draft_ids), exit_layer, exits_sent, p_payload, msg.epoch, queue_s * 1e3, relaxed)
+
+    # --- WISV (LOSSY): the decision head needs the drafter's hidden rows -------------------------
+
+    def wisv_rows_sent(self, step: Step) -> None:
+        """The block's CSI and, with a full upload, its hidden rows (kept on the step)."""
+        from ..decoding.wisv import Csi, decode_hidden
+        msg, dim = step.msg, self.lm.wisv.config.draft_dim
+        with self.refusing("bad wisv block"):
+            step.csi = Csi.from_wire(msg.csi)
+            step.hidden = (decode_hidden(msg.hidden, len(msg.draft_ids), dim) if msg.flags & P.VERIFY_HIDDEN
+                           else None)
+        if step.hidden is None and msg.hidden:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "hidden rows sent without the full-hidden flag")
+
+    def wisv_begin(self, step: Step, on_exit=None) -> list[int]:
+        """The wisv step's pass; the positions whose hidden rows the decision head needs."""
+        return self.target.wisv_begin(list(step.msg.draft_ids), step.chained, on_exit if step.exits else None)
+
+    @staticmethod
+    def wisv_rows(step: Step, asked: list[int]) -> dict | None:
+        """The asked rows the block brought (full upload: all of them; none asked: {}); None when
+        they must be asked for (``hidden_request``, then ``on_hidden``)."""
+        if step.hidden is not None:
+            return {i: step.hidden[i] for i in asked}
+        return None if asked else {}
+
+    @staticmethod
+    def hidden_request(step: Step, asked: list[int]) -> P.HiddenRequest:
+        return P.HiddenRequest(step.msg.decision, step.msg.round, list(asked))
+
+    def on_hidden(self, step: Step, asked: list[int], reply: P.Hidden) -> dict:
+        """The robot's answer to a HIDDEN_REQUEST: the asked rows, checked."""
+        from ..decoding.wisv import decode_hidden
+        msg = step.msg
+        if (reply.decision, reply.round) != (msg.decision, msg.round) or list(reply.positions) != asked:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"HIDDEN for round {reply.round} positions "
+                                                        f"{list(reply.positions)[:8]}: asked round {msg.round} "
+                                                        f"positions {asked}")
+        with self.refusing("bad HIDDEN frame"):
+            rows = decode_hidden(reply.rows, len(asked), self.lm.wisv.config.draft_dim)
+        return {i: rows[k] for k, i in enumerate(asked)}
+
+    def wisv_finish(self, step: Step, rows: dict):
+        """Host work: the decision head on the mismatches, the commit."""
+        with self.refusing("bad wisv round"):
+            return self.target.wisv_finish(rows, step.csi)
+
+    # --- GENERATE (cloud AR) ----------------------------------------------------------------------
+
+    def on_generate(self, msg: P.Generate) -> int:
+        """A cloud-AR request: how many steps to run (``ar_step`` each, then ``token``)."""
+        self._check_decision(msg.decision)
+        if not 1 <= msg.max_new_tokens <= self.limits.max_new_tokens:
+            raise SessionError(P.ErrorCode.TOO_LARGE, f"max_new_tokens {msg.max_new_tokens} not in "
+                                                      f"1..{self.limits.max_new_tokens} (--max-new-tokens)")
+        self.check_context(msg.max_new_tokens, f"generating {msg.max_new_tokens} tokens")
+        return msg.max_new_tokens
+
+    def ar_step(self) -> ArStep:
+        """One AR step's item for ``verify_batch``."""
+        return ArStep(self.target)
+
+    def token(self, index: int, steps: int, token: int, step_s: float) -> P.Token:
+        """The TOKEN frame of AR step ``index`` of ``steps``; ``last`` at EOS or the last step."""
+        last = token in self.lm.eos_token_ids or index == steps - 1
+        return P.Token(self.decision, index, token, step_s * 1e3, last)
+
+    # --- checks ---------------------------------------------------------------------------------------
+
+    def check_context(self, more: int, what: str) -> None:
+        if self.max_context is None:
+            return
+        used = self.prompt_len + self.target.position
+        if used + more > self.max_context:
+            raise SessionError(P.ErrorCode.TOO_LARGE,
+                               f"{what} would take the decision to {used + more} tokens, past the model's context of "
+                               f"{self.max_context}")
+
+    def _check_decision(self, got: int) -> None:
+        if self.decision is None:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "VERIFY/GENERATE before PREFILL")
+        if got != self.decision:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"frame for decision {got}, current decision is {self.decision}")
+
+    def _condition(self, msg: P.Verify) -> Condition | None:
+        if not msg.condition:
+            return None
+        if len(msg.condition) != 3:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY condition is [round, accepted, token]")
+        if self.codec.separate:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "conditional blocks are not valid with the split codec "
+                                                        "(the robot resamples after a rejection)")
+        return Condition(*msg.condition)
+
