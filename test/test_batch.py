@@ -131,7 +131,8 @@ def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
     from edgespec_ros.decoding.edge import DecodeConfig
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.wire.client import RemoteVerifier
-    from edgespec_ros.cloud.server import ServerThread, VerifierServer
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.thread import ServerThread
     from wire_helpers import INSTRUCTIONS, server_copy
     plans = [(INSTRUCTIONS[i % 2], DecodeConfig(mode="ar" if i >= 2 else "sd", gamma=2 + i % 3, max_new_tokens=24,
                                                  seed=i, params=SamplingParams(0.0 if i % 2 else 1.0)))

@@ -24,7 +24,9 @@ from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import verify
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
-from edgespec_ros.cloud.server import ExitSender, ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.exit_stream import ExitSender
+from edgespec_ros.cloud.thread import ServerThread
 from wire_helpers import block_for, DEADLINE_S, INSTRUCTIONS, make_pair, raw_session, server_copy, wait_until
 
 GREEDY = SamplingParams()

@@ -177,7 +177,7 @@ def test_exits_are_timed_within_the_rounds_own_pass():
     L available at l/L of the round's own pass (plus the exits' cost), not of a fixed one."""
     import asyncio
     from edgespec_ros.decoding.exits import ExitResult
-    from edgespec_ros.cloud.server import ExitSender
+    from edgespec_ros.cloud.exit_stream import ExitSender
     p = ComputeProfile("t", exit_s=0.001, verify_table=((1,), (1, 16), ((0.010, 0.040),)))
 
     async def available_at(block):

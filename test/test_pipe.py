@@ -21,7 +21,8 @@ from edgespec_ros.decoding.verifier import Condition, EpochGate
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierTimeout
 from edgespec_ros.wire.link import LinkProfile, LinkProxy
-from edgespec_ros.cloud.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 from wire_helpers import INSTRUCTIONS, make_pair, server_copy
 
 GREEDY = SamplingParams()

@@ -27,7 +27,9 @@ from edgespec_ros.cloud import config as config_module
 from edgespec_ros.cloud import server as server_module
 from edgespec_ros.cloud.fair import FairCompute, SessionGone
 from edgespec_ros.cloud.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
-from edgespec_ros.cloud.server import InsecureConfig, ServerThread, VerifierServer, clean
+from edgespec_ros.cloud.limits import InsecureConfig, clean
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 
 from wire_helpers import (DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy,
                           wait_until)

@@ -17,7 +17,8 @@ from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import resample_separate, verify, verify_separate
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier, VerifierError
-from edgespec_ros.cloud.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 from wire_helpers import block_for, INSTRUCTIONS, expect_error_then_close, make_pair, raw_session, server_copy
 
 SAMPLED = SamplingParams(temperature=1.0)

@@ -20,7 +20,8 @@ from edgespec_ros.decoding.edge import EdgeDecoder
 from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
 from edgespec_ros.wire.link import LinkProxy, get_profile
-from edgespec_ros.cloud.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 
 from wire_helpers import block_for, make_pair, server_copy
 

@@ -22,7 +22,9 @@ from edgespec_ros.decoding.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormat
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud import config as config_module
 from edgespec_ros.wire.client import RemoteVerifier
-from edgespec_ros.cloud.server import ServerThread, VerifierServer, metrics_text
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
+from edgespec_ros.cloud.metrics import metrics_text
 
 from wire_helpers import INSTRUCTIONS, make_pair, server_copy
 

@@ -13,7 +13,8 @@ from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
-from edgespec_ros.cloud.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 
 from wire_helpers import INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy
 

@@ -26,7 +26,8 @@ from edgespec_ros.cloud import cli as cli_module
 from edgespec_ros.cloud import config as config_module
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError, VerifierRefused, VerifierTimeout
 from edgespec_ros.wire.link import DOWN, PROFILES, UP, LinkProfile, LinkProxy
-from edgespec_ros.cloud.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 
 from wire_helpers import (block_for, DEADLINE_S, INSTRUCTIONS, FakeVerifier, expect_error_then_close, make_pair,
                           raw_connect, raw_session, server_copy, wait_until)

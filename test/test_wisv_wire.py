@@ -23,7 +23,8 @@ from edgespec_ros.sim.dataset import heldout_prompts
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.wire.link import DOWN, UP, LinkModel, get_profile
-from edgespec_ros.cloud.server import ServerThread, VerifierServer
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
 from wire_helpers import DEADLINE_S, expect_error_then_close, raw_connect
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -163,7 +163,8 @@ def _limits(robots_list):
 def run_fleet(opts, progress) -> list[dict]:
     from ..decoding.compute import get_compute
     from ..decoding.engines import load_model
-    from ..cloud.server import ServerThread, VerifierServer
+    from ..cloud.server import VerifierServer
+    from ..cloud.thread import ServerThread
     from .runner import bench_prompts
     robots_list = list(opts.robots or ROBOTS_DEFAULT)
     per_robot = opts.decisions or 4

@@ -10,7 +10,9 @@ from ..decoding.compute import compute_arg, get_compute
 from ..decoding.engines import QUANTIZATIONS, ModelLoadError, load_model
 from ..wire import protocol as P
 from .limits import ServerLimits
-from .server import EXIT_QUEUE_POLICIES, VerifierServer, is_loopback
+from .limits import is_loopback
+from .server import VerifierServer
+from .exit_stream import EXIT_QUEUE_POLICIES
 from ..wire.tokens import read_tokens
 
 log = logging.getLogger("edgespec.verifier")

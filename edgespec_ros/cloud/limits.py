@@ -1,5 +1,6 @@
 """What one client may cost the verifier: connection caps, the pre-auth frame size, the auth
-backoff, and the per-session limits (prompt, image, generation, rounds, sessions per token).
+backoff, the per-session limits (prompt, image, generation, rounds, sessions per token), the
+bounded read-ahead inbox, and who may serve without auth (loopback only, unless waived).
 
 Every refusal names the limit and the option that sets it, so an operator can tell a hostile
 client from a robot that needs a larger limit. The defaults fit the embedded models and a
@@ -7,7 +8,9 @@ Qwen2-VL-7B serving a few robots; all are `edgespec-verifier` options.
 """
 from __future__ import annotations
 
+import asyncio
 import io
+import ipaddress
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -153,3 +156,57 @@ def check_image(data: bytes, limits: ServerLimits) -> None:
     if w * h > limits.max_image_pixels:
         raise LimitError(f"image of {w} x {h} = {w * h} pixels exceeds --max-image-pixels "
                          f"{limits.max_image_pixels}: downscale the camera frame on the robot")
+
+
+def clean(text, limit: int = 120) -> str:
+    """A client-supplied string made safe for one log line: control characters escaped (no forged
+    lines or terminal escapes), truncated."""
+    s = str(text)
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
+    return out + ("..." if len(s) > limit else "")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname or '' (all interfaces): treat as exposed
+
+
+class InsecureConfig(Exception):
+    """Serving on a network address without auth, without --insecure-no-auth."""
+
+
+class Inbox:
+    """Frames read ahead of the session (pipelined blocks queue here while the target computes),
+    bounded in count and in bytes: a client that floods it is throttled by TCP, not buffered."""
+
+    def __init__(self, max_items: int, max_bytes: int):
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.items: deque = deque()
+        self.bytes = 0
+        self._changed = asyncio.Event()  # one producer and one consumer, never both waiting
+
+    @staticmethod
+    def _size(raw) -> int:
+        return len(raw) if isinstance(raw, (bytes, bytearray, memoryview, str)) else 0
+
+    async def put(self, raw, arrived: float) -> None:
+        size = self._size(raw)
+        while self.items and (len(self.items) >= self.max_items or self.bytes + size > self.max_bytes):
+            self._changed.clear()
+            await self._changed.wait()
+        self.items.append((raw, arrived))
+        self.bytes += size
+        self._changed.set()
+
+    async def get(self):
+        while not self.items:
+            self._changed.clear()
+            await self._changed.wait()
+        raw, arrived = self.items.popleft()
+        self.bytes -= self._size(raw)
+        self._changed.set()
+        return raw, arrived

@@ -31,7 +31,7 @@ from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close
 
 from .config import build_server, check_auth_options, read_token_file
-from .server import metrics_text
+from .metrics import metrics_text
 
 log = logging.getLogger("edgespec.verifier.ray")
 

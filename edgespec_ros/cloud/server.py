@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import itertools
 import logging
 import math
@@ -27,8 +26,11 @@ from ..decoding.engines import LoadedModel
 from ..decoding.traces import ANONYMOUS, tenant_id
 from ..decoding.verify import DraftDistributionError
 from ..wire import protocol as P
+from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
-from .limits import PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, ServerLimits
+from .metrics import metrics_text
+from .limits import (PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, Inbox, InsecureConfig, ServerLimits, clean,
+                     is_loopback)
 from .session import SPLIT, SessionError, Step, VerifierSession
 
 log = logging.getLogger("edgespec.verifier")
@@ -57,116 +59,6 @@ class _DeviceWork:
     on_start: object = None
 
 
-EXIT_QUEUE_POLICIES = ("priority", "fifo")
-
-
-class ExitSender:
-    """The SENDER of FSD Algorithm 2 for one verification round.
-
-    The compute thread pushes each early exit as its layer finishes (through the event loop);
-    this task sends them to the robot while the forward pass goes on: among the exits available
-    now (with emulated compute, exit l of L becomes available at l/L of the verification time)
-    the most confident first (``priority``) or the oldest (``fifo``). The queue is bounded: when
-    full, the exit that would be sent last is dropped. ``finish`` drops what is left before the
-    VERDICT goes out, so no exit of a round ever follows its verdict from this server.
-    """
-
-    def __init__(self, ws, decision: int, round_: int, started: float, compute: ComputeProfile, num_layers: int,
-                 policy: str = "priority", max_queue: int = 64, block: int = 5):
-        self.ws, self.decision, self.round, self.started = ws, decision, round_, started
-        self.compute, self.num_layers, self.policy, self.max_queue = compute, num_layers, policy, max_queue
-        self.pass_s = compute.pass_s(1, block)  # the round's pass (block: tokens fed), exits timed within it
-        self.items: list[tuple[float, int, object]] = []  # (available_at, order, ExitResult)
-        self.sent = self.dropped = 0
-        self._order = 0
-        self._closing = False
-        self._wake = asyncio.Event()
-        self.task = asyncio.ensure_future(self._run())
-
-    def _rank(self, item):  # smaller is sent first
-        at, order, res = item
-        return (-res.confidence, order) if self.policy == "priority" else (order,)
-
-    def begin(self, started: float) -> None:
-        """The round's pass started (after any wait in the compute queue): exits are timed from here."""
-        self.started = started
-
-    def push(self, res) -> None:
-        """Called on the event loop for each exit computed by the target."""
-        if self._closing:
-            return
-        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers, self._order, self.pass_s),
-                self._order + 1, res)
-        self._order += 1
-        self.items.append(item)
-        if len(self.items) > self.max_queue:
-            worst = max(self.items, key=self._rank)
-            self.items.remove(worst)
-            self.dropped += 1
-        self._wake.set()
-
-    async def _run(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-        try:
-            while True:
-                now = time.perf_counter()
-                ready = [it for it in self.items if it[0] <= now]
-                if ready:
-                    item = min(ready, key=self._rank)
-                    self.items.remove(item)
-                    res = item[2]
-                    await self.ws.send(P.encode(P.Exit(self.decision, self.round, res.layer, res.accepted,
-                                                       res.next_token, res.confidence,
-                                                       (item[0] - self.started) * 1e3)))
-                    self.sent += 1
-                    continue
-                if self._closing:
-                    return
-                timeout = max(0.0, min(it[0] for it in self.items) - now) if self.items else None
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
-        except ConnectionClosed:
-            return  # the robot went away; the session handler sees it on its next receive
-
-    async def finish(self) -> int:
-        """Stop before the VERDICT: drop unsent exits, let a send in progress complete."""
-        self._closing = True
-        self.dropped += len(self.items)
-        self.items.clear()
-        self._wake.set()
-        await self.task
-        return self.sent
-
-    def cancel(self) -> None:
-        self._closing = True
-        self.items.clear()
-        self.task.cancel()
-
-
-def clean(text, limit: int = 120) -> str:
-    """A client-supplied string made safe for one log line: control characters escaped (no forged
-    lines or terminal escapes), truncated."""
-    s = str(text)
-    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
-    return out + ("..." if len(s) > limit else "")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname or '' (all interfaces): treat as exposed
-
-
-class InsecureConfig(Exception):
-    """Serving on a network address without auth, without --insecure-no-auth."""
-
-
 @dataclass
 class _Conn:
     """One websocket connection: its scheduling key, where it comes from, and what it may do."""
@@ -178,47 +70,11 @@ class _Conn:
     accepted: bool = False  # HELLO accepted (it no longer counts as a handshake)
     reclaimed: bool = False  # closed before HELLO to free its handshake slot
     opened: float = field(default_factory=time.monotonic)
-    decision: int | None = None
-    rounds: int = 0  # VERIFY frames of the current decision
-    prompt_len: int = 0
 
     @property
     def flow(self):
         """Its compute share: the tenant's (all sessions of one token share one) or its own."""
         return None if self.tenant is None else ("tenant", self.tenant)
-
-
-class _Inbox:
-    """Frames read ahead of the session (pipelined blocks queue here while the target computes),
-    bounded in count and in bytes: a client that floods it is throttled by TCP, not buffered."""
-
-    def __init__(self, max_items: int, max_bytes: int):
-        self.max_items, self.max_bytes = max_items, max_bytes
-        self.items: deque = deque()
-        self.bytes = 0
-        self._changed = asyncio.Event()  # one producer and one consumer, never both waiting
-
-    @staticmethod
-    def _size(raw) -> int:
-        return len(raw) if isinstance(raw, (bytes, bytearray, memoryview, str)) else 0
-
-    async def put(self, raw, arrived: float) -> None:
-        size = self._size(raw)
-        while self.items and (len(self.items) >= self.max_items or self.bytes + size > self.max_bytes):
-            self._changed.clear()
-            await self._changed.wait()
-        self.items.append((raw, arrived))
-        self.bytes += size
-        self._changed.set()
-
-    async def get(self):
-        while not self.items:
-            self._changed.clear()
-            await self._changed.wait()
-        raw, arrived = self.items.popleft()
-        self.bytes -= self._size(raw)
-        self._changed.set()
-        return raw, arrived
 
 
 class VerifierServer:
@@ -353,7 +209,7 @@ class VerifierServer:
         except Exception:
             pass
 
-    async def _recv(self, ws, timeout: float, inbox: _Inbox | None = None, max_frame: int | None = None):
+    async def _recv(self, ws, timeout: float, inbox: Inbox | None = None, max_frame: int | None = None):
         """The next frame (decoded) and when it arrived; from ``inbox`` once the session reads
         ahead (pipelined blocks queue there while the target computes)."""
         try:
@@ -372,7 +228,7 @@ class VerifierServer:
         except P.ProtocolError as exc:
             raise SessionError(exc.code, str(exc)) from None
 
-    async def _read_ahead(self, conn: _Conn, inbox: _Inbox) -> None:
+    async def _read_ahead(self, conn: _Conn, inbox: Inbox) -> None:
         """Timestamp frames as they arrive; a closed connection reaches the session as its next
         frame, and cancels the session's queued compute at once (the client is gone)."""
         try:
@@ -450,7 +306,7 @@ class VerifierServer:
             ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
         session = VerifierSession(self.lm, codec, self.limits, trace)
         live: list[ExitSender] = []  # this session's exit sender while a round streams
-        inbox = _Inbox(16, max(self.max_frame, 1 << 20))
+        inbox = Inbox(16, max(self.max_frame, 1 << 20))
         reader = asyncio.ensure_future(self._read_ahead(conn, inbox))
         try:
             await self._serve_frames(conn, session, live, inbox)
@@ -459,7 +315,7 @@ class VerifierServer:
             for sender in live:  # the robot vanished mid-round: stop streaming its exits
                 sender.cancel()
 
-    async def _serve_frames(self, conn: _Conn, session: VerifierSession, live: list, inbox: _Inbox):
+    async def _serve_frames(self, conn: _Conn, session: VerifierSession, live: list, inbox: Inbox):
         """A session's frames, one at a time: the VerifierSession checks each and says what to run;
         here it runs (on the fair compute thread, batched with other sessions) and the replies go out."""
         ws = conn.ws
@@ -561,7 +417,7 @@ class VerifierServer:
                                queue_s=queue_s + waited, p_payload=p_payload)
 
     async def _verify_wisv(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float,
-                           inbox: _Inbox, stash: deque, live: list) -> P.Verdict:
+                           inbox: Inbox, stash: deque, live: list) -> P.Verdict:
         """A WISV round (LOSSY): the target's forward, the mismatches; with a selective upload the
         rows the head needs are fetched (HIDDEN_REQUEST, one more exchange; blocks arriving
         meanwhile wait in ``stash``); the head decides. Not batched with other sessions: the round
@@ -588,7 +444,7 @@ class VerifierServer:
                                exits_sent=sent)
 
     async def _await_hidden(self, conn: _Conn, session: VerifierSession, step: Step, asked: list[int],
-                            inbox: _Inbox, stash: deque) -> dict:
+                            inbox: Inbox, stash: deque) -> dict:
         """The HIDDEN answer to a HIDDEN_REQUEST (within the idle timeout); later blocks of the
         pipeline that come first are kept in ``stash`` (at most the inbox's count and bytes, the
         inbox's own frames included)."""
@@ -739,101 +595,3 @@ class VerifierServer:
 
 
 TRACE_STATUS = ("trace_records", "trace_dropped", "trace_shards", "trace_rotated")  # TraceRecorder.stats()
-
-# status() key -> Prometheus metric name (prefixed edgespec_verifier_), type, help.
-METRICS = {
-    "sessions": ("sessions", "gauge", "open sessions (HELLO accepted)"),
-    "tenants": ("tenants", "gauge", "auth tokens with open sessions"),
-    "handshaking": ("handshaking", "gauge", "connections that have not sent an accepted HELLO"),
-    "queued_jobs": ("queued_jobs", "gauge", "jobs waiting for the compute thread (queue depth)"),
-    "mean_batch": ("mean_batch", "gauge", "mean sessions per batched verification pass since start"),
-    "refused": ("refused_total", "counter", "connections refused by the caps"),
-    "reclaimed_handshakes": ("reclaimed_handshakes_total", "counter",
-                             "silent connections closed to free a handshake slot"),
-    "sessions_served": ("sessions_served_total", "counter", "sessions ended"),
-    "jobs": ("jobs_total", "counter", "compute jobs finished"),
-    "compute_busy_s": ("compute_busy_seconds_total", "counter", "seconds the compute thread was busy"),
-    "batches": ("batches_total", "counter", "batched verification passes"),
-    "batched_jobs": ("batched_rounds_total", "counter", "verification rounds those passes carried"),
-    "dropped_blocks": ("dropped_blocks_total", "counter", "pipelined blocks of an ended epoch, dropped unverified"),
-    "verified_tokens": ("verified_tokens_total", "counter",
-                        "tokens the target decided (throughput: the rate of this counter)"),
-    "trace_records": ("trace_records_total", "counter", "verify rounds written to trace shards (--record-traces)"),
-    "trace_dropped": ("trace_records_dropped_total", "counter",
-                      "verify rounds not recorded: the trace queue was full, or a shard could not be written"),
-    "trace_shards": ("trace_shards_total", "counter", "trace shards written"),
-    "trace_rotated": ("trace_shards_rotated_total", "counter", "oldest trace shards deleted to keep the bounds"),
-}
-
-
-def metrics_text(status: dict, labels: dict | None = None) -> str:
-    """status() in the Prometheus text exposition format (GET /metrics)."""
-    tag = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-    lines = []
-    for key, (name, kind, text) in METRICS.items():
-        name = f"edgespec_verifier_{name}"
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{tag} {float(status[key]):g}"]
-    return "\n".join(lines) + "\n"
-
-
-class ServerThread:
-    """Run a VerifierServer on its own event loop in a daemon thread (tests, in-process bench)."""
-
-    def __init__(self, server: VerifierServer, host: str = "127.0.0.1", port: int = 0):
-        self.server, self.host, self.port = server, host, port
-        self._loop = self._stop = self._thread = None
-        self.error: BaseException | None = None
-
-    def start(self) -> "ServerThread":
-        import threading
-        ready = threading.Event()
-
-        def run():
-            loop = self._loop = asyncio.new_event_loop()
-            self._stop = asyncio.Event()
-            started = asyncio.Event()
-
-            async def main():
-                task = asyncio.ensure_future(self.server.serve(self.host, self.port, started, self._stop))
-                await asyncio.wait([task, asyncio.ensure_future(started.wait())],
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if task.done():  # failed to start
-                    self.error = task.exception()
-                    ready.set()
-                    return
-                self.port = self.server.port
-                ready.set()
-                await task
-
-            try:
-                loop.run_until_complete(main())
-            finally:
-                loop.close()  # the local: start() may already have dropped self._loop
-
-        self._thread = threading.Thread(target=run, name="verifier", daemon=True)
-        self._thread.start()
-        if not ready.wait(15):
-            raise RuntimeError("verifier thread failed to start")
-        if self.error is not None:
-            self._thread.join(5)
-            self._loop = None
-            raise self.error
-        return self
-
-    @property
-    def url(self) -> str:
-        scheme = "wss" if self.server.ssl_context is not None else "ws"
-        host = "localhost" if self.server.ssl_context is not None and self.host == "127.0.0.1" else self.host
-        return f"{scheme}://{host}:{self.port}"
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(10)
-            self._loop = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
