@@ -110,7 +110,7 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .decoding.edge import DECODING_MODES
+    from .robot.decoder import DECODING_MODES
     from .wire.link import PROFILES
     from .decoding.compute import COMPUTE_PROFILES, compute_arg
     ap = argparse.ArgumentParser(

@@ -113,9 +113,9 @@ def vlm_target_with_eos(tokenizer, image_processor, image):
     """Special tokens not muted, and greedy decoding of the test prompt stops at an EOS within
     EOS_TEST_MAX_NEW tokens: the first seed whose random weights do that (whether one does depends
     on the prompt, so it is searched for, not hard-wired)."""
-    from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
     from edgespec_ros.cloud.local import LocalVerifier
-    from edgespec_ros.decoding.cloud import target_generate
+    from edgespec_ros.cloud.target import target_generate
     from edgespec_ros.decoding.sampling import SamplingParams
     cfg = DecodeConfig(mode="ar", max_new_tokens=EOS_TEST_MAX_NEW, params=SamplingParams(temperature=0.0))
     for seed in range(1, 64):

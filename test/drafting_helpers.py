@@ -4,8 +4,8 @@ import threading
 
 import numpy as np
 
-from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame
-from edgespec_ros.decoding.edge import Decision
+from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+from edgespec_ros.robot.decoder import Decision
 from edgespec_ros.decoding.metrics import DecisionMetrics
 
 S = 1_000_000_000

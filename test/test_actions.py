@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgespec_ros.actions import (Action, ActionConfig, ActionParseError, format_action, parse_action,
-                                  split_reasoning_action)
+from edgespec_ros.control.actions import (Action, ActionConfig, ActionParseError, format_action, parse_action,
+                                          split_reasoning_action)
 
 SIZE_M = {"small": 0.25, "medium": 0.5, "large": 1.0}
 SIZE_DEG = {"small": 15.0, "medium": 30.0, "large": 60.0}
@@ -185,7 +185,7 @@ def test_metric_turn_round_trip(direction, degrees):
 
 
 def test_fields_rebuild_the_parsed_action_and_are_checked_like_text():
-    from edgespec_ros.actions import action_from_fields
+    from edgespec_ros.control.actions import action_from_fields
     for text in ("move forward medium", "turn right large", "turn left 20 degrees", "move forward 0.75 m", "stop"):
         a = parse_action(text)
         assert action_from_fields(a.kind, a.direction or "", a.size or "", a.distance_m, a.angle_rad) == a

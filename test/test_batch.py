@@ -1,5 +1,5 @@
 """Batched forward passes over several sessions' own KV caches (issue 19, part 1): the same logits
-as feeding each alone (to float rounding: see decoding/batch.py), each cache afterwards exactly its
+as feeding each alone (to float rounding: see cloud/batch.py), each cache afterwards exactly its
 own, for prompts of different lengths, with and without images."""
 import copy
 import time
@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from edgespec_ros.decoding.batch import feed_batch
-from edgespec_ros.decoding.edge import EdgeDecoder
+from edgespec_ros.cloud.batch import feed_batch
+from edgespec_ros.robot.decoder import EdgeDecoder
 from edgespec_ros.decoding.engines import Sequence
 from edgespec_ros.cloud.local import LocalVerifier
 
@@ -87,7 +87,8 @@ def test_feed_batch_refuses_mixed_or_empty_input(pair):
 
 
 def _target_sessions(pair, cfgs):
-    from edgespec_ros.decoding.cloud import TargetSession, VerifySettings
+    from edgespec_ros.cloud.target import TargetSession
+    from edgespec_ros.decoding.verify import VerifySettings
     sessions = []
     for instruction, image, temperature in cfgs:
         prompt, _ = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, image)
@@ -102,7 +103,7 @@ def test_verify_batch_gives_each_session_its_own_results(pair):
     """Greedy and sampled sessions of different prompts, several rounds batched (sessions joining
     and leaving the batch between rounds) vs each alone: identical accepted counts, next tokens
     and committed text."""
-    from edgespec_ros.decoding.batch import Round, verify_batch
+    from edgespec_ros.cloud.batch import Round, verify_batch
     cfgs = [("find the silver bottle", pair.image, 0.0), ("turn left at the red chair " * 3, None, 1.0),
             ("stop", pair.image, 0.7)]
     alone, batched = _target_sessions(pair, cfgs), _target_sessions(pair, cfgs)
@@ -128,7 +129,7 @@ def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
     """Four robots decode at once through one verifier: their rounds and AR steps share forward
     passes (mean batch > 1) and each robot's tokens are those it gets alone (greedy and sampled)."""
     import threading
-    from edgespec_ros.decoding.edge import DecodeConfig
+    from edgespec_ros.robot.decoder import DecodeConfig
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.wire.client import RemoteVerifier
     from edgespec_ros.cloud.server import VerifierServer
@@ -172,7 +173,7 @@ def test_ar_steps_batch_with_rounds_and_decode_as_alone(pair):
     """AR steps of several sessions (greedy and sampled) in the same passes as another session's
     verification rounds: each AR session's tokens are those it decodes alone, and the round's results
     those it gets alone."""
-    from edgespec_ros.decoding.batch import ArStep, Round, verify_batch
+    from edgespec_ros.cloud.batch import ArStep, Round, verify_batch
     cfgs = [("find the silver bottle", pair.image, 0.0), ("turn left at the red chair " * 3, None, 1.0),
             ("stop", pair.image, 0.7)]
     alone, batched = _target_sessions(pair, cfgs), _target_sessions(pair, cfgs)
@@ -196,7 +197,7 @@ def test_ar_steps_batch_with_rounds_and_decode_as_alone(pair):
 def test_batched_rounds_stream_each_sessions_own_early_exits():
     """Two sessions streaming early exits and one without, batched: each streaming session gets
     the exits (layer, verdict guess, confidence) and the result it gets alone, the other none."""
-    from edgespec_ros.decoding.batch import Round, verify_batch
+    from edgespec_ros.cloud.batch import Round, verify_batch
     from edgespec_ros.decoding.exits import EarlyExits
     p = make_pair()
     p.target.exits = EarlyExits.for_model(p.target.model).eval()
@@ -229,14 +230,15 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     """--compute FILE (edgespec-profile): a batched pass costs the table's time for its rows and
     longest block (not one flat pass), an AR-only pass the block-1 column, and a prefill the
     profile's prefill_s."""
-    from edgespec_ros.decoding.batch import ArStep, Round
+    from edgespec_ros.cloud.batch import ArStep, Round
     from edgespec_ros.decoding.compute import ComputeProfile
     from edgespec_ros.preempt import run_steps
     from edgespec_ros.cloud.fair import Occupy
     from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
     table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.2, 0.3), (0.6, 0.9))), prefill_s=0.5)
     server = VerifierServer(server_copy(pair.target), compute=table)
-    from edgespec_ros.decoding.cloud import TargetSession, VerifySettings
+    from edgespec_ros.cloud.target import TargetSession
+    from edgespec_ros.decoding.verify import VerifySettings
     from edgespec_ros.decoding.sampling import SamplingParams
     greedy = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
     a, b = TargetSession(pair.target), TargetSession(pair.target)

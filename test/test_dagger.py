@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from edgespec_ros.actions import ActionParseError, parse_action
+from edgespec_ros.control.actions import ActionParseError, parse_action
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import generate_examples, learner_frames, scenario_for_seed, split_seeds

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgespec_ros.decoding.cloud import target_generate
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.cloud.target import target_generate
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model, model_content_hash, wrap_model
 from edgespec_ros.decoding.inputs import build_inputs, jpeg_roundtrip
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.traces import TraceRecorder, read_traces
+from edgespec_ros.cloud.traces import TraceRecorder, read_traces
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.train import cli
 from edgespec_ros.train.distill import (DIVERGENCES, DistillConfig, DistillExample, adapt_from_traces, agreement,

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from edgespec_ros.decoding.draft_length import (GAMMA_MAX, AutoGamma, adaptive_selection, gamma0, optimal_draft_length,
-                                            speedup)
+from edgespec_ros.robot.draft_length import (GAMMA_MAX, AutoGamma, adaptive_selection, gamma0, optimal_draft_length,
+                                             speedup)
 
 # TK-SLT Table I: optimal gamma* for alpha (rows) and L = b + c (columns); "1*" = use cloud AR.
 TABLE_I_L = [0.01, 0.1, 0.2, 0.4, 0.6]
@@ -242,9 +242,9 @@ def test_auto_bad_settings_are_clear_errors(kwargs, fragment):
 # --- gamma "auto" in the decoding loop -------------------------------------------------------------
 
 def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal_target, causal_draft):
-    from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
     from edgespec_ros.cloud.local import LocalVerifier
-    from edgespec_ros.decoding.cloud import target_generate
+    from edgespec_ros.cloud.target import target_generate
     from edgespec_ros.decoding.sampling import SamplingParams
 
     decoder = EdgeDecoder(causal_draft, LocalVerifier(causal_target))
@@ -272,6 +272,6 @@ def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal
     ({"gamma": "automatic"}, "must be in 1..64 or 'auto'"),
 ])
 def test_decode_config_gamma_errors_are_clear(kwargs, fragment):
-    from edgespec_ros.decoding.edge import DecodeConfig
+    from edgespec_ros.robot.decoder import DecodeConfig
     with pytest.raises(ValueError, match=fragment):
         DecodeConfig(**kwargs)

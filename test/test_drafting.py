@@ -3,9 +3,9 @@ import threading
 
 import pytest
 
-from edgespec_ros.drafting import DrafterSettings, outcome_from_text
+from edgespec_ros.robot.drafter import DrafterSettings, outcome_from_text
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
-from edgespec_ros.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED
+from edgespec_ros.control.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED
 
 from drafting_helpers import TEXT, FakeDecoder, frame, make
 
@@ -242,7 +242,7 @@ def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():
 
 
 def test_an_instruct_goal_counts_its_own_outcomes_and_ends_as_its_command_does():
-    from edgespec_ros.drafting import GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
+    from edgespec_ros.robot.drafter import GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
     core, clock = make(max_decisions=0, wait_for_motion=False)
     core.set_command("go", max_decisions=2)
     goal = GoalProgress(core.status().generation, clock(), timeout_s=5.0)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding.cloud import TargetSession, target_generate
+from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.engines import ModelLoadError, load_model
 from edgespec_ros.decoding.inputs import IMAGE_PAD, VISION_END, VISION_START, PromptInputs, build_inputs, chat_prompt
 from edgespec_ros.decoding.sampling import (

@@ -13,13 +13,13 @@ import torch
 
 from edgespec_ros.models import default_model_path, have_default_models
 from edgespec_ros.decoding.compute import ComputeProfile
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding.cloud import TargetSession
+from edgespec_ros.cloud.target import TargetSession
 from edgespec_ros.decoding.engines import load_model, wrap_model
 from edgespec_ros.decoding.exits import (EXITS_CONFIG, EarlyExits, ExitHooks, ExitLoadError, ExitResult, attach_exits,
                                      default_exits_dir)
-from edgespec_ros.decoding.fsd import PreDrafter
+from edgespec_ros.robot.predraft import PreDrafter
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import verify
 from edgespec_ros.wire import protocol as P

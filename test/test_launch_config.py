@@ -198,7 +198,7 @@ def test_parameters_are_declared_once_and_every_file_agrees_with_the_table():
     same defaults; the shipped YAML files restate the table's defaults (one deliberate exception:
     the camera source is the Go2's H.264 multicast pipeline there, a device index in the table)."""
     from dataclasses import fields
-    from edgespec_ros.drafting import DrafterSettings
+    from edgespec_ros.robot.drafter import DrafterSettings
     table = {s.name: s.default for s in params.DRAFTER}
     for f in fields(DrafterSettings):
         assert f.name in table and table[f.name] == f.default, f.name

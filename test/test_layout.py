@@ -57,29 +57,35 @@ def test_no_module_imports_a_command_line_module():
 
 
 def test_imports_follow_the_data_flow():
-    core = ("edgespec_ros.sim", "edgespec_ros.drafting", "edgespec_ros.decoding", "edgespec_ros.codecs",
-            "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.nodes", "edgespec_ros.motion",
-            "edgespec_ros.actions")
+    """The folders are the data flow: decoding/ (the shared core) and codecs/ under everything;
+    robot/ (the decision loop, the drafter) and control/ (actions, motion) on the robot; cloud/ (the
+    verifier) in the cloud; wire/ (protocol, the robot's client, the link) between them."""
+    core = ("edgespec_ros.sim", "edgespec_ros.robot", "edgespec_ros.control", "edgespec_ros.decoding",
+            "edgespec_ros.codecs", "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.nodes")
     for module, hits in importers_of("edgespec_ros.train").items():
         if module.startswith(core):
             assert not hits, f"{module} imports the training code: {hits}"
     for module, hits in importers_of("edgespec_ros.bench").items():
         if not module.startswith("edgespec_ros.bench") and module != "edgespec_ros.demo":
             assert not hits, f"{module} imports the benchmarks: {hits}"
-    # The robot's decision loop and the decoding core do not depend on the websocket layer, nor on
-    # the cloud product; the robot's side of the wire does not depend on the cloud's.
-    for module, hits in importers_of("edgespec_ros.wire").items():
-        if module == "edgespec_ros.drafting" or module.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs")):
-            assert not hits, f"{module} imports the wire layer: {hits}"
-    for module, hits in importers_of("edgespec_ros.cloud").items():
-        if module.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire",
-                              "edgespec_ros.nodes", "edgespec_ros.drafting")):
-            assert not hits, f"{module} imports the cloud verifier: {hits}"
-    # The decoding core stays ROS-free.
+    below = {  # who must not import whom
+        "edgespec_ros.wire": ("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.robot", "edgespec_ros.control"),
+        "edgespec_ros.cloud": ("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.robot", "edgespec_ros.control",
+                               "edgespec_ros.wire", "edgespec_ros.nodes"),
+        "edgespec_ros.robot": ("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.control", "edgespec_ros.wire",
+                               "edgespec_ros.cloud"),
+        "edgespec_ros.nodes": ("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.robot", "edgespec_ros.control",
+                               "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.sim"),
+    }
+    for layer, users in below.items():
+        for module, hits in importers_of(layer).items():
+            if module.startswith(users):
+                assert not hits, f"{module} imports {layer}: {hits}"
+    # The core, the robot's loop, the verifier and the control end stay ROS-free.
     for path in sources():
         name = module_name(path)
-        if name.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire", "edgespec_ros.cloud")) or \
-                name in ("edgespec_ros.drafting", "edgespec_ros.motion", "edgespec_ros.actions"):
+        if name.startswith(("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.wire", "edgespec_ros.cloud",
+                            "edgespec_ros.robot", "edgespec_ros.control")):
             text = path.read_text()
             assert "import rclpy" not in text and "from rclpy" not in text, name
 
@@ -96,9 +102,9 @@ def test_test_modules_share_helpers_not_each_other():
 
 def test_the_rules_see_lazy_and_relative_imports():
     """The checker itself: a relative import inside a function is found and resolved."""
-    found = imports(PACKAGE / "drafting.py")
+    found = imports(PACKAGE / "robot" / "drafter.py")
     assert "edgespec_ros.decoding.verifier" in found  # classify_error's lazy import
-    assert "edgespec_ros.actions" in found
+    assert "edgespec_ros.control.actions" in found
 
 
 def _graph(level=None) -> dict[str, set[str]]:

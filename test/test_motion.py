@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from edgespec_ros.actions import parse_action
-from edgespec_ros.motion import (ESTOP, IDLE, MOVING, SPORT_API_MOVE, SPORT_API_STOP_MOVE, WATCHDOG, ZERO,
-                                 MotionExecutor, MotionLimits, Pose2D, VelocityCommand, braking_speed, motion_preview,
-                                 quaternion_from_yaw, ramp, sport_request, trapezoid_time, wrap_angle,
-                                 yaw_from_quaternion)
+from edgespec_ros.control.actions import parse_action
+from edgespec_ros.control.motion import (ESTOP, IDLE, MOVING, SPORT_API_MOVE, SPORT_API_STOP_MOVE, WATCHDOG, ZERO,
+                                         MotionExecutor, MotionLimits, Pose2D, VelocityCommand, braking_speed,
+                                         motion_preview, quaternion_from_yaw, ramp, sport_request, trapezoid_time,
+                                         wrap_angle, yaw_from_quaternion)
 
 DT = 0.05
 LIMITS = MotionLimits(max_linear_mps=0.5, max_angular_rps=1.0, max_linear_accel_mps2=1.0, max_angular_accel_rps2=2.0)

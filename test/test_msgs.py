@@ -15,7 +15,7 @@ from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
-from edgespec_ros.actions import ActionParseError
+from edgespec_ros.control.actions import ActionParseError
 from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction
 
 DEADLINE_S = 15.0
@@ -74,8 +74,8 @@ def test_types_import_and_defaults():
 
 def test_message_constants_are_the_cores_enums():
     """VerifiedAction.KIND_* index actions.ACTION_KIND_CODES; MotionState.OUTCOME_* index motion.OUTCOMES."""
-    from edgespec_ros.actions import ACTION_KIND_CODES
-    from edgespec_ros.motion import OUTCOMES
+    from edgespec_ros.control.actions import ACTION_KIND_CODES
+    from edgespec_ros.control.motion import OUTCOMES
     kinds = {name[len("KIND_"):].lower(): getattr(VerifiedAction, name) for name in dir(VerifiedAction)
              if name.startswith("KIND_")}
     assert kinds == {kind: i for i, kind in enumerate(ACTION_KIND_CODES)}
@@ -85,7 +85,7 @@ def test_message_constants_are_the_cores_enums():
 
 
 def test_a_decision_message_carries_the_action_parsed_once():
-    from edgespec_ros.drafting import outcome_from_text
+    from edgespec_ros.robot.drafter import outcome_from_text
     from edgespec_ros.nodes.common import action_of
     from edgespec_ros.nodes.drafter import decision_message
     msg = decision_message(outcome_from_text("The chair is left. Action: turn left 20 degrees.", instruction="go",
@@ -163,7 +163,7 @@ def test_decoding_stats_round_trip(node):
 
 def test_instruct_result_constants_are_the_goal_outcomes():
     from edgespec_ros.action import Instruct
-    from edgespec_ros.drafting import GOAL_OUTCOMES
+    from edgespec_ros.robot.drafter import GOAL_OUTCOMES
     outcomes = {name[len("OUTCOME_"):].lower(): getattr(Instruct.Result, name) for name in dir(Instruct.Result)
                 if name.startswith("OUTCOME_")}
     assert outcomes == {outcome: i for i, outcome in enumerate(GOAL_OUTCOMES) if outcome}

@@ -19,7 +19,7 @@ from std_msgs.msg import Bool, String
 from visualization_msgs.msg import MarkerArray
 
 from edgespec_ros.nodes.graph import Graph
-from edgespec_ros.drafting import fault_outcome, outcome_from_text
+from edgespec_ros.robot.drafter import fault_outcome, outcome_from_text
 from edgespec_ros.nodes.drafter import decision_message
 from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction
 from edgespec_ros.nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, rgb_to_image, \
@@ -493,7 +493,7 @@ def test_reconfigure_loads_a_new_draft_model_in_the_same_process(untrained_pair,
     import gc
     import weakref
     from rclpy.parameter import Parameter
-    from edgespec_ros.decoding.edge import EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
     from edgespec_ros.decoding.engines import load_model, model_content_hash
     from edgespec_ros.cloud.local import LocalVerifier
     draft_dir, target_dir = untrained_pair
@@ -506,7 +506,7 @@ def test_reconfigure_loads_a_new_draft_model_in_the_same_process(untrained_pair,
         verifier, blocks = decoder.verifier, []
         inner = verifier._verify
         verifier._verify = lambda block, on_exit: blocks.append(list(block.draft_ids)) or inner(block, on_exit)
-        from edgespec_ros.decoding.edge import DecodeConfig
+        from edgespec_ros.robot.decoder import DecodeConfig
         decoder.decide("find the silver bottle", image, DecodeConfig(mode="sd", gamma=4, max_new_tokens=12))
         return blocks
 

@@ -20,7 +20,7 @@ import struct
 import numpy as np
 import pytest
 
-from edgespec_ros.decoding.edge import DecodeConfig
+from edgespec_ros.robot.decoder import DecodeConfig
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.cloud import cli as cli_module
 from edgespec_ros.cloud import config as config_module
@@ -406,7 +406,7 @@ def test_welcome_names_the_model_not_its_path(pair, tmp_path):
 
 
 def test_internal_errors_reach_the_client_without_details(pair, caplog, monkeypatch):
-    from edgespec_ros.decoding.cloud import TargetSession
+    from edgespec_ros.cloud.target import TargetSession
 
     def boom(self, prompt, settings):
         raise RuntimeError("disk /srv/secret/weights.bin unreadable")
@@ -536,7 +536,7 @@ def test_decode_caps_id_lists():
 
 
 def test_the_edge_client_over_tls_checks_the_certificate(pair):
-    from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
     from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
     ctx = config_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
@@ -638,7 +638,7 @@ def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image):
     the cache holds the whole prompt."""
     import torch
     from edgespec_ros.decoding.engines import Sequence
-    from edgespec_ros.decoding.edge import EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
     from edgespec_ros.cloud.local import LocalVerifier
     prompt_text = "find the silver bottle " * 12  # text before the image (the chat template's order)
     _, inputs = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(

@@ -10,7 +10,7 @@ from edgespec_ros.cloud.limits import ServerLimits
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.session import DENSE, SPLIT, SessionError, VerifierSession
 from edgespec_ros.codecs import get_codec
-from edgespec_ros.decoding.cloud import VerifySettings
+from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.decoding.verifier import Block, Condition, VerifierRefused
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.frames import prefill_frame, verify_frame

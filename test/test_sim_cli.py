@@ -2,7 +2,7 @@
 import numpy as np
 from PIL import Image
 
-from edgespec_ros.actions import parse_action
+from edgespec_ros.control.actions import parse_action
 from edgespec_ros.sim.cli import main
 from edgespec_ros.sim.scenario import builtin_scenarios
 

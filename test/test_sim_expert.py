@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from edgespec_ros.actions import Action, parse_action, split_reasoning_action
+from edgespec_ros.control.actions import Action, parse_action, split_reasoning_action
 from edgespec_ros.sim.dataset import (SPLIT_SIZE, generate_examples, iter_scenarios, random_scenario,
                                       scenario_for_seed, seed_split, split_seeds, write_heldout_scenarios)
 from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, run_expert_episode
@@ -242,7 +242,7 @@ def test_closeups_add_frames_near_objects_mostly_look_alikes_labelled_by_the_exp
     after the scenario's rollout frames, each with the expert's answer for that pose."""
     from edgespec_ros.sim.dataset import _closeup
     from edgespec_ros.sim.render import render_view
-    from edgespec_ros.motion import wrap_angle
+    from edgespec_ros.control.motion import wrap_angle
     from edgespec_ros.sim.world import pose_collision
 
     picks = {"look-alike": 0, "other": 0}

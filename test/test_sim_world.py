@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from edgespec_ros.actions import Action, parse_action
+from edgespec_ros.control.actions import Action, parse_action
 from edgespec_ros.sim.scenario import ROBOT_RADIUS_M, Pose, scenario_from_dict
-from edgespec_ros.motion import wrap_angle
+from edgespec_ros.control.motion import wrap_angle
 from edgespec_ros.sim.world import SimWorld, forward_clearance
 
 

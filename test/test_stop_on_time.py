@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from edgespec_ros.decoding.edge import EdgeDecoder
-from edgespec_ros.drafting import DrafterCore, DrafterSettings, Frame
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
 from edgespec_ros.wire.link import LinkProxy, get_profile
 from edgespec_ros.cloud.server import VerifierServer
@@ -177,7 +177,7 @@ def test_the_client_send_has_a_timeout_on_a_dead_link(pair, proxy):
 
 
 def _settings():
-    from edgespec_ros.decoding.edge import DecodeConfig
+    from edgespec_ros.robot.decoder import DecodeConfig
     return DecodeConfig()
 
 

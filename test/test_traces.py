@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from edgespec_ros.decoding.cloud import Prompt, TargetSession, VerifySettings
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.decoding.inputs import Prompt
+from edgespec_ros.cloud.target import TargetSession
+from edgespec_ros.decoding.verify import VerifySettings
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import model_content_hash
 from edgespec_ros.decoding.sampling import SamplingParams
-from edgespec_ros.decoding.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormatError, TraceRecorder, read_traces,
-                                          tenant_id, trace_shards)
+from edgespec_ros.cloud.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormatError, TraceRecorder, read_traces,
+                                       tenant_id, trace_shards)
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud import config as config_module
 from edgespec_ros.wire.client import RemoteVerifier

@@ -160,7 +160,7 @@ class _StubbornPolicy:
         self.calls = []
 
     def decide(self, image, instruction, temperature=0.0, seed=0):
-        from edgespec_ros.actions import parse_action
+        from edgespec_ros.control.actions import parse_action
         from edgespec_ros.sim.policy import PolicyOutput
         self.calls.append((temperature, seed))
         if temperature == 0:
@@ -190,7 +190,7 @@ class _PushingPolicy:
         self.calls = []
 
     def decide(self, image, instruction, temperature=0.0, seed=0):
-        from edgespec_ros.actions import parse_action
+        from edgespec_ros.control.actions import parse_action
         from edgespec_ros.sim.policy import PolicyOutput
         self.calls.append(temperature)
         text = "Action: move forward large." if temperature == 0 else "Action: turn left large."

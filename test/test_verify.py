@@ -11,9 +11,9 @@ import pytest
 import torch
 from scipy import stats
 
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding.cloud import Prompt
+from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.decoding.inputs import PromptInputs
 from edgespec_ros.decoding.sampling import (
     STREAM_RESAMPLE,

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from edgespec_ros.decoding.compute import ComputeProfile
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding.cloud import Prompt
+from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.cloud import cli as cli_module

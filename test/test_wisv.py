@@ -132,11 +132,11 @@ def test_traces_come_from_greedy_sd_rounds_and_label_mismatches_by_the_parsed_ac
 
 
 def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more_when_permissive():
-    from edgespec_ros.decoding.cloud import target_generate
-    from edgespec_ros.decoding.edge import DecodeConfig
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.robot.decoder import DecodeConfig
     from edgespec_ros.decoding.engines import load_model
     from edgespec_ros.decoding.sampling import SamplingParams
-    from edgespec_ros.cloud.replay import prompt_pair, replay_rounds, wisv_choice
+    from edgespec_ros.train.replay import prompt_pair, replay_rounds, wisv_choice
     from edgespec_ros.models import default_model_path
     from edgespec_ros.sim.dataset import heldout_prompts
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from edgespec_ros.decoding.cloud import TargetSession, VerifySettings, target_generate
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.cloud.target import TargetSession, target_generate
+from edgespec_ros.decoding.verify import VerifySettings
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import VerifierRefused
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.cloud.replay import action_of_tokens, final_rows, prompt_pair
+from edgespec_ros.train.replay import action_of_tokens, final_rows, prompt_pair
 from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, attach_wisv, choose_upload, decode_hidden,
                                         encode_hidden)
 from edgespec_ros.models import default_model_path
@@ -164,7 +165,7 @@ def test_a_head_that_keeps_everything_still_yields_the_targets_action_clause(mod
     """The most permissive head possible (rejection probability ~0 everywhere, threshold 1) keeps
     every unprotected mismatch, yet from the token completing "Action:" on the decision is the
     target's own greedy continuation of its prefix, token for token: it parses as the target's."""
-    from edgespec_ros.actions import parse_action
+    from edgespec_ros.control.actions import parse_action
     draft, target = models
     saved = target.wisv
     keep_all = DecisionHead(saved.config)

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgespec_ros.decoding.edge import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding.cloud import Prompt, target_generate
+from edgespec_ros.decoding.inputs import Prompt
+from edgespec_ros.cloud.target import target_generate
 from edgespec_ros.decoding.engines import LoadedModel, wrap_model
 from edgespec_ros.wire import protocol as P
 

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from ..codecs import get_codec
 from ..decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
-from ..decoding.edge import DECODING_MODES, DecodeConfig
+from ..robot.decoder import DECODING_MODES, DecodeConfig
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from . import pipe
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the sweep's, small)")
     ap.add_argument("--gamma", type=gamma_arg, default=4,
                     help="draft length 1..64, or auto: ODLD per round and AS2 (sd or ar) per decision on "
-                         "online estimates (decoding.draft_length.AutoGamma)")
+                         "online estimates (robot.draft_length.AutoGamma)")
     ap.add_argument("--pipe-depth", type=depth_arg, default=3,
                     help="pipe, pipe+fsd: blocks in flight 1..8, or auto (covers a block's round trip with "
                          "drafting; with --gamma auto) (default 3)")

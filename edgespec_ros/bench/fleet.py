@@ -62,7 +62,7 @@ class RecordingVerifier(LocalVerifier):
 
 def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> list[Recorded]:
     """Greedy SD decisions of the real models, in-process: the rounds the robots will replay."""
-    from ..decoding.edge import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import DecodeConfig, EdgeDecoder
     rec = RecordingVerifier(target_lm)
     decoder = EdgeDecoder(draft_lm, rec)
     for i, (instruction, image) in enumerate(prompts):

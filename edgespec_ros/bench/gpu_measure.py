@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from ..decoding.batch import ArStep, Round, feed_batch, verify_batch
-from ..decoding.cloud import TargetSession, VerifySettings
+from ..cloud.batch import ArStep, Round, feed_batch, verify_batch
+from ..cloud.target import TargetSession
+from ..decoding.verify import VerifySettings
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
 Builds Qwen2-VL models of the published 2B and 7B shapes (``bench/shapes/*.json``: configuration
 values only; random weights, no download) and measures, with this project's own verifier code
-(``decoding.batch.verify_batch``, ``TargetSession``, ``ExitHooks``):
+(``cloud.batch.verify_batch``, ``TargetSession``, ``ExitHooks``):
 
 - the target's prefill of one 448x448 frame plus a prompt with a few decisions of history;
 - a verification pass over block length 1..16 (tokens fed per robot: the pending token plus the

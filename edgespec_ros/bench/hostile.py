@@ -352,7 +352,7 @@ class GoodRobot:
     unmeasured decision before the load starts, as a fleet's robots are connected before an attack."""
 
     def __init__(self, draft_lm, url: str, prompts, max_new_tokens: int):
-        from ..decoding.edge import EdgeDecoder
+        from ..robot.decoder import EdgeDecoder
         from ..wire.client import RemoteVerifier
         self.rv = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                  token=GOOD_TOKEN, timeout_s=30.0, client_name="good-robot")
@@ -361,7 +361,7 @@ class GoodRobot:
         self.decide(0)  # connects
 
     def decide(self, i: int) -> float:
-        from ..decoding.edge import DecodeConfig
+        from ..robot.decoder import DecodeConfig
         instruction, image = self.prompts[i % len(self.prompts)]
         cfg = DecodeConfig(mode=GOOD_MODE, max_new_tokens=self.max_new_tokens, seed=i)
         t0 = time.perf_counter()

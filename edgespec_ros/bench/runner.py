@@ -12,7 +12,7 @@ import numpy as np
 
 from ..models import ModelPair
 from ..processes import verifier_process
-from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..robot.decoder import DecodeConfig, EdgeDecoder
 from ..decoding.engines import LoadedModel, load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from ..codecs.split import separate_output_tv
-from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..robot.decoder import DecodeConfig, EdgeDecoder
 from ..cloud.local import LocalVerifier
-from ..decoding.cloud import target_generate
+from ..cloud.target import target_generate
 from ..decoding.engines import load_model
 from ..decoding.sampling import SamplingParams
 from .runner import bench_prompts

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from ..decoding.compute import get_compute
-from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..robot.decoder import DecodeConfig, EdgeDecoder
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier

@@ -206,7 +206,7 @@ def trace_recorder(args, model_name: str, fingerprint: str):
     """The TraceRecorder the --record-* options ask for (None: recording off); SystemExit when they are wrong."""
     if getattr(args, "record_traces", None) is None:
         return None
-    from ..decoding.traces import TraceRecorder
+    from .traces import TraceRecorder
     try:
         recorder = TraceRecorder(args.record_traces, max_bytes=int(args.record_traces_max_mb * (1 << 20)),
                                  max_files=args.record_traces_max_files, topk=args.record_traces_topk,

@@ -10,8 +10,9 @@ from collections import deque
 from typing import Iterator
 
 from ..codecs import get_codec
-from ..decoding.batch import verify_batch
-from ..decoding.cloud import WISV, Prompt, VerifySettings
+from .batch import verify_batch
+from ..decoding.verify import WISV, VerifySettings
+from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.verifier import Block, VerifierRefused, VerifyReply
 from ..wire import protocol as P
@@ -29,7 +30,7 @@ class LocalVerifier:
     there at the first poll after its block was sent (verdicts interrupt drafting mid-block).
     ``verdict_delay`` (with eager): a verdict computed at a poll (its exits already streamed) is
     held back for that many further polls, as a verdict still on the downlink is.
-    ``recorder`` (a ``decoding.traces.TraceRecorder``): record every verified round as the
+    ``recorder`` (a ``cloud.traces.TraceRecorder``): record every verified round as the
     websocket verifier does, under ``tenant``, tagged with the drafter's ``draft_hash``.
     What the server would refuse raises ``VerifierRefused`` with the server's code and message."""
 

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..codecs import CodecError, get_codec
-from ..decoding.batch import ArStep, verify_batch
-from ..decoding.cloud import WISV, Prompt, TargetSession, VerifySettings
+from .batch import ArStep, verify_batch
+from ..decoding.verify import WISV, VerifySettings
+from ..decoding.inputs import Prompt
+from .target import TargetSession
 from ..decoding.compute import ComputeProfile, get_compute
 from ..decoding.engines import LoadedModel
-from ..decoding.traces import ANONYMOUS, tenant_id
+from .traces import ANONYMOUS, tenant_id
 from ..decoding.verify import DraftDistributionError
 from ..wire import protocol as P
 from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
@@ -90,7 +92,7 @@ class VerifierServer:
         if any(not t for t in tokens):
             raise ValueError("auth tokens must be non-empty")
         self.tokens = [t.encode() for t in tokens]  # one per tenant; empty list: no auth
-        # decoding.traces.TraceRecorder (None: recording off); its owner closes it. Tenants are
+        # cloud.traces.TraceRecorder (None: recording off); its owner closes it. Tenants are
         # recorded under a hash of their token, never the token.
         self.recorder = recorder
         self.tenant_ids = [tenant_id(t) for t in self.tokens]
@@ -117,7 +119,7 @@ class VerifierServer:
         self.gate = ConnectionGate(self.limits)
         self.throttle = AuthThrottle(self.limits)
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
-        # sessions run as one forward pass (decoding.batch.verify_batch).
+        # sessions run as one forward pass (cloud.batch.verify_batch).
         self.fair = FairCompute("target", max_batch=max_batch)
         self._keys = itertools.count(1)
         self._tenant_sessions: dict[int, int] = defaultdict(int)

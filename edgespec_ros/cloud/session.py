@@ -28,8 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import CodecError
-from ..decoding.batch import ArStep, Round
-from ..decoding.cloud import CONTINUE, VERIFY_MODES, WISV, Prompt, TargetSession, VerifySettings
+from .batch import ArStep, Round
+from .target import CONTINUE, TargetSession
+from ..decoding.verify import VERIFY_MODES, WISV, VerifySettings
+from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
@@ -71,7 +73,7 @@ class VerifierSession:
         self.lm, self.codec = lm, codec
         self.limits = limits or ServerLimits()
         self.target = TargetSession(lm)
-        self.target.trace = trace  # decoding.traces: the recorder's session, or None (off)
+        self.target.trace = trace  # cloud.traces: the recorder's session, or None (off)
         self.gate = EpochGate()
         self.vocab = lm.vocab_size
         self.max_context = lm.max_context  # the model's own (None: unknown)
@@ -186,7 +188,7 @@ class VerifierSession:
                 return done.value
 
     def dense_round(self, step: Step, on_exit=None) -> Round:
-        """The dense step's item for ``decoding.batch.verify_batch`` (alone or with other sessions'),
+        """The dense step's item for ``cloud.batch.verify_batch`` (alone or with other sessions'),
         its early exits to ``on_exit`` from inside the pass."""
         return Round(self.target, list(step.msg.draft_ids), step.q, step.chained, on_exit if step.exits else None)
 

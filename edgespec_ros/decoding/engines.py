@@ -507,7 +507,7 @@ class Sequence:
 
     def begin_target(self, draft_ids: list[int]) -> list[int]:
         """The tokens to feed for verifying draft_ids (pending + drafts); then ``end_target`` with
-        the logits of feeding them, here or in a batch (decoding.batch.feed_batch)."""
+        the logits of feeding them, here or in a batch (cloud.batch.feed_batch)."""
         if self.pending:
             pending, self.pending = self.pending, []
             self._verify_base = self.fed + len(pending)

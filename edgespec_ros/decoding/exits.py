@@ -4,7 +4,7 @@ One small residual adapter after each chosen decoder layer of the target feeds t
 final norm and LM head:  z^(l) = LMHead(Norm(h^(l) + Up(SiLU(Down(h^(l))))))  with Up initialised
 to zero (so an untrained exit is the plain "logit lens"). Base weights stay frozen; each adapter's
 loss only reaches that adapter. Exits never commit tokens: they only let the robot guess the
-verdict early (decoding.fsd); the final layer alone decides.
+verdict early (robot.predraft); the final layer alone decides.
 
 ``ExitHooks`` computes exit logits *during* the target's forward pass (a forward hook per exit
 layer), so a verifier can stream each exit's verification while the deeper layers still run.

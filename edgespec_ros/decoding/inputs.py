@@ -25,6 +25,15 @@ DEFAULT_MAX_PIXELS = 16384 * 28 * 28  # Qwen2-VL's own: a 1280x720 frame is ~1,2
 
 
 @dataclass
+class Prompt:
+    """What the edge sends once per decision: instruction, JPEG and the prompt token ids."""
+
+    instruction: str
+    jpeg: bytes | None
+    prompt_ids: list[int]
+
+
+@dataclass
 class PromptInputs:
     """One prompt, batch size 1. pixel_values etc. are None for a text-only prompt."""
 

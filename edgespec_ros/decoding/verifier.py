@@ -23,7 +23,8 @@ from typing import Iterator, Protocol
 
 import torch
 
-from .cloud import Prompt, VerifySettings
+from .inputs import Prompt
+from .verify import VerifySettings
 
 
 # Why a verifier could not be used: raised by every Verifier (wire.client's over the network); the

@@ -27,11 +27,37 @@ from .sampling import (
 )
 
 MODES = ("rejection", "greedy")
+WISV = "wisv"  # semantic verification (decoding.wisv): LOSSY; greedy rounds, a decision head at mismatches
+VERIFY_MODES = MODES + (WISV,)
 _Q_SUM_TOL = 1e-3
 
 
 class DraftDistributionError(ValueError):
     """The q sent with a draft is not a valid distribution for the drafted tokens."""
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """What the cloud needs to verify one decision: the same sampling rule and seed as the robot."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: greedy with the decision head at mismatches)
+    wisv_threshold: float = 0.0  # wisv: keep a mismatch whose rejection probability is at most this (0 = greedy SD)
+
+    def __post_init__(self):
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(f"verify mode {self.verify_mode!r} not in {VERIFY_MODES}")
+        if not (isinstance(self.wisv_threshold, (int, float)) and 0 <= self.wisv_threshold <= 1):
+            raise ValueError(f"wisv_threshold must be in [0, 1], got {self.wisv_threshold!r}")
+        if self.verify_mode == WISV and self.params.temperature != 0:
+            raise ValueError("verify mode wisv is for greedy decoding (temperature 0); "
+                             f"got temperature {self.params.temperature}")
+
+    @property
+    def rule(self) -> str:
+        """The token-level rule (decoding.verify.MODES): wisv rounds locate mismatches greedily."""
+        return "greedy" if self.verify_mode == WISV else self.verify_mode
 
 
 @dataclass

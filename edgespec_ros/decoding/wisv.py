@@ -17,7 +17,7 @@ says so. Two guards keep the robot's side safe whatever the head says:
   text the navigator parses is the target's own continuation of the accepted prefix (and the
   navigator still executes only text that parses).
 
-Pure functions and a torch module, no I/O: ``wire`` carries the hidden states, ``decoding.cloud``
+Pure functions and a torch module, no I/O: ``wire`` carries the hidden states, ``cloud.target``
 calls ``decide``.
 """
 from __future__ import annotations

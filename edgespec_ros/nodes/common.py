@@ -13,9 +13,9 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 
-from ..actions import ACTION_KIND_CODES, Action, ActionParseError, action_from_fields
+from ..control.actions import ACTION_KIND_CODES, Action, ActionParseError, action_from_fields
 from ..imaging import raw_from_rgb, rgb_from_compressed, rgb_from_raw
-from ..motion import OUTCOMES
+from ..control.motion import OUTCOMES
 from .params import ParamSpec
 
 # Camera images: BEST_EFFORT matches both best-effort publishers (go2_ros2_sdk's camera/image_raw)

@@ -14,7 +14,7 @@ goal or command replaces it, as in ros2/examples' single-goal server); both star
 DrafterCore command. Decisions run on a timer, never in a subscription callback; a supervisor timer publishes a
 ``stop`` when a decision misses its deadline while the decision is still running (all in one
 reentrant callback group on a MultiThreadedExecutor). The
-scheduling rules live in ``edgespec_ros.drafting``; decoding in ``decoding.edge.EdgeDecoder``.
+scheduling rules live in ``edgespec_ros.robot.drafter``; decoding in ``robot.decoder.EdgeDecoder``.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
 from ..action import Instruct
-from ..drafting import ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, DecisionOutcome, DrafterCore, \
-    DrafterSettings, Frame, GoalProgress
+from ..robot.drafter import (ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, DecisionOutcome, DrafterCore,
+                             DrafterSettings, Frame, GoalProgress)
 from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from ..wire.tokens import read_token
@@ -95,7 +95,7 @@ class DrafterNode(LifecycleNode):
         try:
             if self.draft_lm is None:
                 self._load_model()
-            from ..decoding.edge import EdgeDecoder
+            from ..robot.decoder import EdgeDecoder
             decoder = EdgeDecoder(self.draft_lm, self.verifier_factory(self.draft_lm))
             self.core = DrafterCore(decoder, self.settings, lambda: now_ns(self))
         except Exception as exc:  # noqa: BLE001

@@ -23,9 +23,9 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image
 from visualization_msgs.msg import Marker, MarkerArray
 
-from ..actions import ActionParseError
+from ..control.actions import ActionParseError
 from ..imaging import ImageFormatError, annotate
-from ..motion import Pose2D, motion_preview, yaw_from_quaternion
+from ..control.motion import Pose2D, motion_preview, yaw_from_quaternion
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, image_to_rgb, \

@@ -15,10 +15,10 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.node import Node
 from std_msgs.msg import Bool
 
-from ..actions import ActionParseError, parse_action
+from ..control.actions import ActionParseError, parse_action
 from ..msg import MotionState, VerifiedAction
-from ..motion import COMPLETED, FAULT, REJECTED, SPORT_MIN_RATE_HZ, STALE, MotionExecutor, MotionLimits, Pose2D, \
-    sport_request, yaw_from_quaternion
+from ..control.motion import (COMPLETED, FAULT, REJECTED, SPORT_MIN_RATE_HZ, STALE, MotionExecutor, MotionLimits,
+                              Pose2D, sport_request, yaw_from_quaternion)
 from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, outcome_code, run_node, time_to_ns

@@ -20,8 +20,8 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image
 from std_msgs.msg import String
 
-from ..actions import ActionParseError
-from ..motion import quaternion_from_yaw, wrap_angle
+from ..control.actions import ActionParseError
+from ..control.motion import quaternion_from_yaw, wrap_angle
 from ..msg import VerifiedAction
 from ..sim.scenario import resolve_scenario
 from ..sim.world import SimWorld

@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from ..actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
+from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
 from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from ..actions import parse_action
+from ..control.actions import parse_action
 from .scenario import Scenario
 from .world import SimWorld
 

@@ -34,8 +34,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
-from ..motion import wrap_angle
+from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
+from ..control.motion import wrap_angle
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
 from .world import SimWorld, StepResult, forward_clearance

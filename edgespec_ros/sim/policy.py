@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..actions import ActionParseError, parse_action
-from ..decoding.edge import DecodeConfig
-from ..decoding.cloud import target_generate
+from ..control.actions import ActionParseError, parse_action
+from ..robot.decoder import DecodeConfig
+from ..cloud.target import target_generate
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import build_inputs, jpeg_roundtrip
 from ..decoding.sampling import SamplingParams

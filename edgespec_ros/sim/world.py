@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig, parse_action
-from ..motion import wrap_angle
+from ..control.actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig, parse_action
+from ..control.motion import wrap_angle
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
 

@@ -33,11 +33,11 @@ def record_decisions(draft_dir: str, target_dir: str, frames, trace_dir: str, te
     """Decide each frame with SD (draft against target, in process) through a verifier that records
     every round, camera frames included, into ``trace_dir``; returns the run's summary row."""
     from tqdm import tqdm
-    from ..decoding.edge import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import DecodeConfig, EdgeDecoder
     from ..decoding.engines import load_model
     from ..decoding.metrics import RunSummary
     from ..decoding.sampling import SamplingParams
-    from ..decoding.traces import TraceRecorder
+    from ..cloud.traces import TraceRecorder
     from ..cloud.local import LocalVerifier
     draft, target = load_model(draft_dir), load_model(target_dir)
     recorder = TraceRecorder(trace_dir, record_images=True, topk=16)
@@ -58,7 +58,7 @@ def reusable_traces(trace_dir: str, draft_dir: str, n: int) -> dict | None:
     """A summary of the traces already in ``trace_dir`` when they hold at least ``n`` decisions, all
     recorded with this very draft (a rerun resumes there instead of recording again); else None."""
     from ..decoding.engines import model_content_hash
-    from ..decoding.traces import TraceFormatError, read_traces
+    from ..cloud.traces import TraceFormatError, read_traces
     if not os.path.isdir(trace_dir):
         return None
     try:

@@ -14,7 +14,7 @@ from itertools import islice
 
 from ..sim.dataset import generate_examples, iter_scenarios
 from ..sim.evaluate import action_agreement, evaluate_closed_loop, run_episode
-from ..decoding.edge import DecodeConfig, EdgeDecoder
+from ..robot.decoder import DecodeConfig, EdgeDecoder
 from ..cloud.local import LocalVerifier
 from ..decoding.engines import load_model
 from ..decoding.metrics import RunSummary
@@ -93,7 +93,7 @@ def resampled_outcomes(policy, scenarios, loop: dict) -> list[tuple[bool, int]]:
     """Each episode's (success, collisions) as the drafter node decides: the decision after an
     unparseable one or after a move that ran into something samples at its ``resample_temperature``.
     Episodes with neither are the same as greedy, so only the others run again (from the start)."""
-    from ..drafting import DrafterSettings
+    from ..robot.drafter import DrafterSettings
     temperature = DrafterSettings().resample_temperature
     outcomes = []
     for scenario, ep in zip(scenarios, loop["per_scenario"]):
@@ -104,7 +104,7 @@ def resampled_outcomes(policy, scenarios, loop: dict) -> list[tuple[bool, int]]:
 
 def _summarise(parts: list[dict]) -> dict:
     """One model's card row from its workers' parts."""
-    from ..drafting import DrafterSettings
+    from ..robot.drafter import DrafterSettings
     episodes = [ep for part in parts for ep in part["episodes"]]
     resampled = [outcome for part in parts for outcome in part["resampled"]]
     n = len(episodes)

@@ -16,7 +16,7 @@ distribution ``p`` and the draft's ``q`` at every continuation position:
 Everything works for any Qwen2-VL draft/target pair that shares a vocabulary (the embedded pair,
 or Qwen2-VL-2B/7B given as local directories on a GPU with ``device``). The target's
 distributions come from a forward pass in process, or from the fleet's verified traffic
-(``decoding.traces``): there the verifier already computed them, and only their top-k was kept.
+(``cloud.traces``): there the verifier already computed them, and only their top-k was kept.
 """
 from __future__ import annotations
 
@@ -403,7 +403,7 @@ def format_report(report: dict) -> str:
 
 
 def trace_examples(records, tokenizer) -> tuple[list[DistillExample], int]:
-    """Training examples from recorded verify rounds (``decoding.traces.TraceRecord``) that carry
+    """Training examples from recorded verify rounds (``cloud.traces.TraceRecord``) that carry
     their camera frame: the round's context and drafts, the loss on the drafted positions and the
     bonus position, against the target's recorded top-k. Returns (examples, rounds skipped: no
     frame, or a vision token among the drafts)."""
@@ -454,7 +454,7 @@ def adapt_from_traces(draft_dir: str, trace_dir: str, out_parent: str, cfg: Dist
     import tempfile
     from collections import Counter
     from ..decoding.engines import load_model, model_content_hash
-    from ..decoding.traces import read_traces
+    from ..cloud.traces import read_traces
     records = first_decisions(read_traces(trace_dir), decisions)
     draft = load_model(draft_dir, device=device)
     examples, skipped = trace_examples(records, draft.tokenizer)

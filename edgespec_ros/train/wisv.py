@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cloud.replay import GREEDY_NEW_TOKENS
+from .replay import GREEDY_NEW_TOKENS
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,10 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     on greedily gives another action than the target alone. ``policy`` (an ``SdRound -> accepted``
     choice, e.g. ``wisv_choice``) decides the rounds; None is greedy SD. Under a WISV policy the
     prefix holds the mismatches kept before (the states the head meets when it decides: DAgger)."""
-    from ..decoding.cloud import target_generate
-    from ..decoding.edge import DecodeConfig
+    from ..cloud.target import target_generate
+    from ..robot.decoder import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from ..cloud.replay import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
+    from .replay import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features
     eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
@@ -134,7 +134,7 @@ DAGGER_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
 def dagger_policies(head, target, n: int, rng: random.Random) -> list:
     """WISV choices of the first head, one per example, each under a sampled channel state and a
     threshold from DAGGER_THRESHOLDS: the trajectories the second pass collects traces on."""
-    from ..cloud.replay import wisv_choice
+    from .replay import wisv_choice
     return [wisv_choice(head, sample_csi(rng), rng.choice(DAGGER_THRESHOLDS), target) for _ in range(n)]
 
 

@@ -14,9 +14,10 @@ import threading
 import time
 from typing import Iterator
 
-from ..decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout  # noqa: F401 - raised here
+from ..decoding.verifier import (LinkLostError, VerifierError, VerifierRefused, VerifierTimeout)  # noqa: F401 - raised here
 from ..codecs import get_codec
-from ..decoding.cloud import Prompt, VerifySettings
+from ..decoding.inputs import Prompt
+from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifyReply, dropped_after
 from . import protocol as P
 from .frames import hidden_frame, prefill_frame, verdict_reply, verify_frame

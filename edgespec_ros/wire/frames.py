@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding.cloud import Prompt, VerifySettings
+from ..decoding.inputs import Prompt
+from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifierError, VerifyReply, mask_of
 from . import protocol as P
 

@@ -15,43 +15,18 @@ from __future__ import annotations
 import contextlib
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..preempt import run_steps
-from .engines import LoadedModel
-from .inputs import PromptInputs
-from .sampling import STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, sample_from
-from .verify import MODES, VerifyResult, verify, verify_separate
+from ..decoding.engines import LoadedModel
+from ..decoding.inputs import PromptInputs
+from ..decoding.sampling import STREAM_RESAMPLE, keyed_uniform, probs_from_logits, sample_from
+from ..decoding.inputs import Prompt
+from ..decoding.verify import WISV, VerifyResult, VerifySettings, verify, verify_separate
 
 CONTINUE = -2  # VerifyResult.next_token of a chained block accepted in full: the next block follows
-WISV = "wisv"  # semantic verification (decoding.wisv): LOSSY
-VERIFY_MODES = MODES + (WISV,)
-
-
-@dataclass(frozen=True)
-class VerifySettings:
-    """What the cloud needs to verify one decision: the same sampling rule and seed as the robot."""
-
-    params: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
-    verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: greedy with the decision head at mismatches)
-    wisv_threshold: float = 0.0  # wisv: keep a mismatch whose rejection probability is at most this (0 = greedy SD)
-
-    def __post_init__(self):
-        if self.verify_mode not in VERIFY_MODES:
-            raise ValueError(f"verify mode {self.verify_mode!r} not in {VERIFY_MODES}")
-        if not (isinstance(self.wisv_threshold, (int, float)) and 0 <= self.wisv_threshold <= 1):
-            raise ValueError(f"wisv_threshold must be in [0, 1], got {self.wisv_threshold!r}")
-        if self.verify_mode == WISV and self.params.temperature != 0:
-            raise ValueError("verify mode wisv is for greedy decoding (temperature 0); "
-                             f"got temperature {self.params.temperature}")
-
-    @property
-    def rule(self) -> str:
-        """The token-level rule (decoding.verify.MODES): wisv rounds locate mismatches greedily."""
-        return "greedy" if self.verify_mode == WISV else self.verify_mode
 
 
 @dataclass
@@ -68,15 +43,6 @@ class WisvRound:
     topk: tuple | None = None  # recording on: the target's top-k of the round (traces.target_topk)
 
 
-@dataclass
-class Prompt:
-    """What the edge sends once per decision: instruction, JPEG and the prompt token ids."""
-
-    instruction: str
-    jpeg: bytes | None
-    prompt_ids: list[int]
-
-
 class TargetSession:
     """The cloud side of one decision: prefill, verify rounds (chained or not), or AR generation."""
 
@@ -90,7 +56,7 @@ class TargetSession:
         self.last_exit_layer = 0
         self.wisv_round: WisvRound | None = None  # a WISV round waiting for drafter hidden states
         self.last_relaxed: list[int] = []  # wisv: the mismatch positions the last round kept
-        self.trace = None  # decoding.traces.SessionTrace: every verified round is recorded (None: off)
+        self.trace = None  # cloud.traces.SessionTrace: every verified round is recorded (None: off)
 
     def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
         """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
@@ -103,7 +69,7 @@ class TargetSession:
         if prompt.jpeg is not None:
             if not self.lm.is_vlm:
                 raise ValueError("an image was sent but the target model is text-only")
-            from .inputs import prepare_image
+            from ..decoding.inputs import prepare_image
             image = prepare_image(prompt.jpeg, self.lm.image_processor)
             out = self.lm.image_processor(images=[image], return_tensors="pt")
             image_token = self.lm.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -160,7 +126,7 @@ class TargetSession:
     def _exit_hooks(self):
         if self.lm.exits is None:
             return contextlib.nullcontext()
-        from .exits import ExitHooks
+        from ..decoding.exits import ExitHooks
         return ExitHooks(self.lm.model, self.lm.exits)
 
     def _require_started(self) -> VerifySettings:
@@ -208,7 +174,7 @@ class TargetSession:
     def begin_round(self) -> int:
         """Checks before a (dense) verification round; its start position. Then the target's
         logits for the round, alone (``verify``) or batched with other sessions
-        (``decoding.batch.verify_batch``), and ``finish_round``."""
+        (``cloud.batch.verify_batch``), and ``finish_round``."""
         self._require_started()
         if self.wisv_round is not None:
             raise ValueError("a WISV round is waiting for the drafter's hidden states")
@@ -283,8 +249,8 @@ class TargetSession:
         (layer, exit logits [n, V] of the n tokens the round feeds) that verifies the draft at
         that exit (Eq. 5: same rule, same keyed randomness, its own logits), records it in
         ``last_exits`` and passes it to on_exit. Called from inside the forward pass, alone or
-        batched (``decoding.batch.verify_batch``)."""
-        from .exits import ExitResult
+        batched (``cloud.batch.verify_batch``)."""
+        from ..decoding.exits import ExitResult
         settings = self.settings
         ids = torch.tensor(draft_ids, dtype=torch.long)
         rows = len(draft_ids) + 1
@@ -306,7 +272,7 @@ class TargetSession:
         return exit_verified
 
     def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:
-        from .exits import ExitHooks
+        from ..decoding.exits import ExitHooks
         verified = self.exit_verifier(draft_ids, draft_probs, start_position, on_exit)
         with ExitHooks(self.lm.model, self.lm.exits) as hooks:
             hooks.rows = len(draft_ids) + 1  # at most the pending token(s)' last row and the drafts'
@@ -321,7 +287,7 @@ class TargetSession:
         ``wisv_finish`` then needs (full-hidden uploads carry them all; selective ones fetch these).
         Nothing is committed until ``wisv_finish``. Early exits (on_exit) guess the greedy verdict
         (the head may keep more than they guess: a pre-draft then misses, nothing else changes)."""
-        from .wisv import mismatches, protect_target_eos, protected_positions
+        from ..decoding.wisv import mismatches, protect_target_eos, protected_positions
         settings = self._require_started()
         if settings.verify_mode != WISV:
             raise ValueError(f"a WISV round in a decision verified by {settings.verify_mode!r}")
@@ -344,7 +310,7 @@ class TargetSession:
         """Second half: the head's rejection probability at each asked mismatch (``draft_hidden``
         maps those positions, or more, to the drafter's rows), the decision, the commit (chained
         blocks as in ``finish_round``). ``last_relaxed`` lists the mismatches kept."""
-        from .wisv import decide, token_pair_features
+        from ..decoding.wisv import decide, token_pair_features
         r = self.wisv_round
         if r is None:
             raise ValueError("no WISV round is waiting for hidden states")

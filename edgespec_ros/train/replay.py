@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..actions import ActionParseError, parse_action
-from ..decoding.cloud import TargetSession
-from ..decoding.edge import EdgeDecoder
+from ..control.actions import ActionParseError, parse_action
+from ..cloud.target import TargetSession
+from ..robot.decoder import EdgeDecoder
 from ..decoding.sampling import SamplingParams
-from .local import LocalVerifier
+from ..cloud.local import LocalVerifier
 from ..decoding.wisv import (Csi, DecisionHead, decide, final_hidden, mismatches, protect_target_eos, protected_positions,
                    token_pair_features)
 

@@ -73,7 +73,7 @@ class PreDrafter:
             raise ValueError(f"unknown client queue policy {policy!r}; expected one of {QUEUE_POLICIES}")
         if not 1 <= workers <= 64:
             raise ValueError(f"pre-draft workers must be in 1..64, got {workers}")
-        from .compute import EdgeDevice
+        from ..decoding.compute import EdgeDevice
         self.workers, self.policy, self.max_queue = workers, policy, max_queue
         self.device = device if device is not None else EdgeDevice()
         self.stats = PreDraftStats()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engines import _TRANSFORMERS_MAJOR, Sequence
+from ..decoding.engines import _TRANSFORMERS_MAJOR, Sequence
 
 
 def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -166,7 +166,7 @@ def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict):
     import contextlib
     if not exits:
         return contextlib.nullcontext()
-    from .exits import ExitHooks
+    from ..decoding.exits import ExitHooks
     lm = sessions[fed_rows[0]].lm
     streaming = [i for i in fed_rows if i in exits]
     hooks = ExitHooks(lm.model, lm.exits)

@@ -30,15 +30,16 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..codecs import get_codec
-from .cloud import WISV, Prompt, VerifySettings
-from .compute import ComputeProfile, EdgeDevice
+from ..decoding.verify import WISV, VerifySettings
+from ..decoding.inputs import Prompt
+from ..decoding.compute import ComputeProfile, EdgeDevice
 from .draft_length import AutoGamma
-from .engines import LoadedModel, eos_token_ids
-from .inputs import PromptInputs, build_inputs, encode_jpeg, prepare_image
-from .metrics import CloudTimeline, DecisionMetrics
-from .sampling import SamplingParams
-from .verifier import Block, Condition, Verifier, VerifyReply
-from .verify import resample_separate
+from ..decoding.engines import LoadedModel, eos_token_ids
+from ..decoding.inputs import PromptInputs, build_inputs, encode_jpeg, prepare_image
+from ..decoding.metrics import CloudTimeline, DecisionMetrics
+from ..decoding.sampling import SamplingParams
+from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
+from ..decoding.verify import resample_separate
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
 PIPE_DEPTH_MAX = 8
@@ -85,12 +86,12 @@ class DecodeConfig:
         get_codec(self.codec)  # raises on an unknown name or a bad parameter
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        from .fsd import QUEUE_POLICIES
+        from .predraft import QUEUE_POLICIES
         if self.client_queue not in QUEUE_POLICIES:
             raise ValueError(f"client_queue must be one of {QUEUE_POLICIES}, got {self.client_queue!r}")
         if not 1 <= self.workers <= 64:
             raise ValueError(f"workers (pre-draft threads) must be in 1..64, got {self.workers}")
-        from .wisv import UPLOADS
+        from ..decoding.wisv import UPLOADS
         if self.hidden_upload not in UPLOADS:
             raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
         if self.verify_mode == WISV and get_codec(self.codec).separate:
@@ -174,7 +175,7 @@ class _Decision:
         """wisv: the drafter's hidden rows of the block, the link as measured, the upload protocol."""
         if self.cfg.verify_mode != WISV:
             return block
-        from .wisv import choose_upload
+        from ..decoding.wisv import choose_upload
         hidden = None if seq is None else seq.draft_hidden
         if hidden is None or len(hidden) != len(block.draft_ids):
             raise RuntimeError("wisv: the block's drafts have no hidden rows (drafted on another sequence)")
@@ -707,7 +708,7 @@ class EdgeDecoder:
                 self._strategies.pop(old_key).close()
             predrafter = None
             if fsd:
-                from .fsd import PreDrafter
+                from .predraft import PreDrafter
                 predrafter = PreDrafter(cfg.workers, cfg.client_queue, self.device, seed=cfg.seed)
             if cfg.mode == "sd":
                 strategy = SdStrategy(self._auto(cfg))

@@ -5,7 +5,7 @@ The drafter node owns a :class:`DrafterCore` and only translates: a command mess
 :meth:`DrafterCore.set_command`, an image :meth:`DrafterCore.set_frame`, the navigator's state
 :meth:`DrafterCore.note_motion`; its decision timer runs ``begin`` + ``run``, and a supervisor
 timer calls :meth:`DrafterCore.check_deadline`. Every :class:`DecisionOutcome` returned is
-published. Decoding itself is ``decoding.edge.EdgeDecoder.decide``.
+published. Decoding itself is ``robot.decoder.EdgeDecoder.decide``.
 
 Safety rules enforced here:
 * a decision is made only on a frame newer than the previous decision's, at most
@@ -31,11 +31,12 @@ from typing import Callable
 
 import numpy as np
 
-from .actions import Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action, split_reasoning_action
-from .motion import BLOCKED_CONTACT, NO_OUTCOME
-from .decoding.edge import DECODING_MODES, DecodeConfig
-from .decoding.metrics import DecisionMetrics, RunSummary
-from .decoding.sampling import SamplingParams
+from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
+                               split_reasoning_action)
+from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME
+from .decoder import DECODING_MODES, DecodeConfig
+from ..decoding.metrics import DecisionMetrics, RunSummary
+from ..decoding.sampling import SamplingParams
 
 NS = 1_000_000_000
 
@@ -108,7 +109,7 @@ class DrafterSettings:
 
     mode: str = "pipe+fsd"
     gamma: int = 4
-    auto_gamma: bool = False  # sd, pipe: gamma "auto" (decoding.draft_length.AutoGamma); pipe: pipe_depth too
+    auto_gamma: bool = False  # sd, pipe: gamma "auto" (robot.draft_length.AutoGamma); pipe: pipe_depth too
     pipe_depth: int = 3  # pipe modes: blocks in flight
     max_new_tokens: int = 96
     temperature: float = 0.0
@@ -235,7 +236,7 @@ class Ticket:
 
 def classify_error(exc: BaseException) -> str:
     """A fault text for an exception raised while deciding (names the verifier problem)."""
-    from .decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout
+    from ..decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout
     if isinstance(exc, LinkLostError):
         return f"verifier unreachable: {exc}"
     if isinstance(exc, VerifierTimeout):
