@@ -504,8 +504,8 @@ def test_reconfigure_loads_a_new_draft_model_in_the_same_process(untrained_pair,
     def drafted_blocks(decoder) -> list:
         """The draft ids of every block of one greedy SD decision, through a spying LocalVerifier."""
         verifier, blocks = decoder.verifier, []
-        inner = verifier._verify
-        verifier._verify = lambda block, on_exit: blocks.append(list(block.draft_ids)) or inner(block, on_exit)
+        inner = verifier.submit
+        verifier.submit = lambda block: blocks.append(list(block.draft_ids)) or inner(block)
         from edgespec_ros.robot.decoder import DecodeConfig
         decoder.decide("find the silver bottle", image, DecodeConfig(mode="sd", gamma=4, max_new_tokens=12))
         return blocks

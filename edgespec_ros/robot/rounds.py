@@ -1,0 +1,297 @@
+"""One decision's rounds on the robot: the state they share (``DecisionState``: the draft
+sequence, the codec, the committed tokens, the split codec's owed token, the cloud timeline) and
+the stop-and-wait strategies (``ar``, ``sd``, ``fsd``); the pipelined ones are in ``pipeline``.
+A strategy keeps its own state across decisions (AutoGamma's estimates, the pre-draft threads).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codecs import get_codec
+from ..decoding.inputs import PromptInputs
+from ..decoding.metrics import CloudTimeline, DecisionMetrics
+from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
+from ..decoding.sampling import SamplingParams
+from ..decoding.verify import WISV, VerifySettings, resample_separate
+from .draft_length import AutoGamma
+
+DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
+PIPE_DEPTH_MAX = 8
+
+
+@dataclass
+class DecodeConfig:
+    """The robot's decoding settings for one decision (the cloud sees only ``verify_settings``)."""
+
+    mode: str = "sd"
+    gamma: int | str = 4  # draft length, or "auto" (sd, pipe, pipe+fsd): picked from the measured link and compute
+    max_new_tokens: int = 64
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: semantic acceptance, decoding.wisv)
+    wisv_threshold: float = 0.01  # wisv: the decision head keeps a mismatch at or below this rejection probability
+    hidden_upload: str = "auto"  # wisv: "full" (FH), "selective" (SH) or "auto" (by the measured link)
+    codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
+    workers: int = 4  # fsd, pipe+fsd: pre-draft worker threads
+    client_queue: str = "priority"  # fsd: order in which early exits are pre-drafted (priority|fifo|random)
+    pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto" (from the measured link and compute)
+    # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
+    # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
+    pipe_truncate: bool = True
+    # pipe modes: a block that continues a chained block (the verifier feeds it with no pending token)
+    # carries gamma + 1 drafts, so its pass computes the same gamma + 1 rows as a block after a
+    # verdict (and as SD's); off only to measure it
+    pipe_fill_rows: bool = True
+
+    def __post_init__(self):
+        if self.mode not in DECODING_MODES:
+            raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
+        if self.gamma == "auto":
+            if self.mode == "fsd":
+                raise ValueError("gamma 'auto' is for the sd and pipe modes; give fsd an integer gamma")
+        elif isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
+            raise ValueError(f"gamma (draft length) must be in 1..64 or 'auto', got {self.gamma!r}")
+        if self.pipe_depth != "auto" and (isinstance(self.pipe_depth, bool) or not isinstance(self.pipe_depth, int)
+                                          or not 1 <= self.pipe_depth <= PIPE_DEPTH_MAX):
+            raise ValueError(f"pipe_depth (blocks in flight) must be in 1..{PIPE_DEPTH_MAX} or 'auto', "
+                             f"got {self.pipe_depth!r}")
+        get_codec(self.codec)  # raises on an unknown name or a bad parameter
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        from .predraft import QUEUE_POLICIES
+        if self.client_queue not in QUEUE_POLICIES:
+            raise ValueError(f"client_queue must be one of {QUEUE_POLICIES}, got {self.client_queue!r}")
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"workers (pre-draft threads) must be in 1..64, got {self.workers}")
+        from ..decoding.wisv import UPLOADS
+        if self.hidden_upload not in UPLOADS:
+            raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
+        if self.verify_mode == WISV and get_codec(self.codec).separate:
+            raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
+        self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
+
+    def verify_settings(self) -> VerifySettings:
+        return VerifySettings(self.params, self.seed, self.verify_mode,
+                              self.wisv_threshold if self.verify_mode == WISV else 0.0)
+
+
+def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut a token list after the first EOS and at max_new_tokens; returns (tokens, finished)."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+class DecisionState:
+    """What one decision's rounds share: the draft sequence, the codec, the committed tokens."""
+
+    def __init__(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics,
+                 on_tokens, started_at: float):
+        """decoder: the EdgeDecoder (its verifier, draft model, EOS ids and device)."""
+        self.verifier, self.cfg, self.m, self.on_tokens = decoder.verifier, cfg, m, on_tokens
+        self.timeline = CloudTimeline(m, started_at)  # where the cloud's time went, verdict by verdict
+        self.eos_ids, self.device = decoder.eos_ids, decoder.device
+        self.out: list[int] = []  # committed tokens (untruncated)
+        self.edge_token: int | None = None  # split codec: the token resampled here, owed to the verifier
+        self.round = 0
+        self.epoch = 0  # the epoch blocks are drafted in now (ids increase; verifier.EpochGate)
+        self._last_epoch = 0
+        if decoder.draft is None:
+            raise ValueError(f"{cfg.mode} mode needs a draft model")
+        self.codec = get_codec(cfg.codec)  # fresh per decision: stateful codecs (csqs) start over
+        self.seq = decoder.draft.new_sequence()
+        self.seq.keep_hidden = cfg.verify_mode == WISV  # the decision head reads the drafter's hidden states
+        t0 = time.perf_counter()
+        with self.device.prefill():  # on the robot's one accelerator (emulated: the profile's edge_prefill_s)
+            self.seq.prefill(inputs)
+        m.t_draft += time.perf_counter() - t0
+
+    def draft(self, gamma: int, stop=None) -> tuple[list[int], torch.Tensor, float]:
+        """Draft up to gamma tokens on the decision's sequence (on the robot's device)."""
+        t0 = time.perf_counter()
+        ids, q = self.seq.draft(gamma, self.cfg.params, self.cfg.seed, prepare=self.codec.prepare, stop=stop,
+                                pace=self.device.main_token)
+        dt = time.perf_counter() - t0
+        self.m.t_draft += dt
+        return ids, q, dt
+
+    def new_epoch(self) -> int:
+        """A fresh epoch id, greater than every one used so far in this decision."""
+        self._last_epoch += 1
+        return self._last_epoch
+
+    def block(self, ids: list[int], q: torch.Tensor, *, chained: bool = False, stream_exits: bool = False) -> Block:
+        """The next round's block (of the drafts ``self.seq`` just drafted); carries the split
+        codec's owed token (then owed no more)."""
+        self.round += 1
+        block = Block(self.round, self.epoch, list(ids), q, chained, stream_exits, self.edge_token)
+        self.edge_token = None
+        return self._with_hidden(block, self.seq)
+
+    def conditional_block(self, ids: list[int], q: torch.Tensor, condition: Condition, *, chained: bool,
+                          drafted_on=None) -> Block:
+        """A block of a new epoch that the verifier verifies only if ``condition`` holds (drafted
+        on the pre-draft sequence ``drafted_on``)."""
+        self.round += 1
+        return self._with_hidden(Block(self.round, self.new_epoch(), list(ids), q, chained, True, None, condition),
+                                 drafted_on)
+
+    def _with_hidden(self, block: Block, seq) -> Block:
+        """wisv: the drafter's hidden rows of the block, the link as measured, the upload protocol."""
+        if self.cfg.verify_mode != WISV:
+            return block
+        from ..decoding.wisv import choose_upload
+        hidden = None if seq is None else seq.draft_hidden
+        if hidden is None or len(hidden) != len(block.draft_ids):
+            raise RuntimeError("wisv: the block's drafts have no hidden rows (drafted on another sequence)")
+        csi_of = getattr(self.verifier, "csi", None)
+        block.hidden, block.csi = hidden, csi_of() if csi_of is not None else None
+        block.upload = choose_upload(self.cfg.hidden_upload, block.csi, len(block.draft_ids), hidden.shape[1])
+        return block
+
+    def next_token(self, block: Block, reply: VerifyReply) -> int:
+        """The token after the accepted drafts of a verdict that ends its epoch: the verifier's, or
+        (split codec) resampled here from the target p it sent, with the position-keyed uniform
+        the cloud would have used. Opens a new epoch."""
+        self.epoch = self.new_epoch()
+        if reply.target_p is None:
+            return int(reply.next_token)
+        if not self.codec.separate or reply.accepted >= len(block.draft_ids):
+            raise ValueError("the verifier sent a target distribution without a split-codec rejection")
+        token = resample_separate(reply.target_p, torch.as_tensor(block.q)[reply.accepted], seed=self.cfg.seed,
+                                  position=len(self.out) + reply.accepted)
+        self.edge_token = token
+        return token
+
+    def commit(self, new: list[int]) -> bool:
+        """Append verified tokens (streamed to on_tokens); True when the decision is complete."""
+        self.out += new
+        if self.on_tokens and new:
+            self.on_tokens(list(new))
+        return truncate_at_stop(self.out, self.eos_ids, self.cfg.max_new_tokens)[1]
+
+    def ends_decision(self, new_tokens: list[int]) -> bool:
+        return truncate_at_stop(self.out + list(new_tokens), self.eos_ids, self.cfg.max_new_tokens)[1]
+
+
+class Strategy:
+    """A decoding technique: runs one decision's rounds; keeps its own state across decisions."""
+
+    name = ""
+
+    def run(self, d: DecisionState) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads (pre-drafting)."""
+
+
+class ArStrategy(Strategy):
+    name = "ar"
+
+    def __init__(self, auto: AutoGamma | None = None):
+        self.auto = auto  # gamma "auto": AR decisions measure the target step and the round trip
+
+    def run_ar(self, verifier: Verifier, cfg: DecodeConfig, m: DecisionMetrics, eos_ids, on_tokens) -> list[int]:
+        out: list[int] = []
+        t_generate = time.perf_counter()
+        for token, step_s in verifier.generate(cfg.max_new_tokens):
+            out.append(token)
+            m.rounds += 1
+            m.t_verify += step_s
+            if on_tokens:
+                on_tokens([token])
+            if token in eos_ids:
+                break
+        m.uplink_bytes += getattr(verifier, "last_generate_uplink", 0)
+        m.downlink_bytes += getattr(verifier, "last_generate_downlink", 0)
+        if self.auto is not None:  # AR step time, and the stream's round trip (wall - steps)
+            self.auto.observe_ar(m.rounds, m.t_verify, time.perf_counter() - t_generate - m.t_verify)
+        return out
+
+
+class SdStrategy(Strategy):
+    """Stop-and-wait SD: draft a block, wait for its verdict, commit, repeat."""
+
+    name = "sd"
+
+    def __init__(self, auto: AutoGamma | None = None):
+        self.auto = auto
+
+    def run(self, d: DecisionState) -> None:
+        cfg, m = d.cfg, d.m
+        while True:
+            gamma = cfg.gamma if self.auto is None else self.auto.next_gamma()
+            ids, q, draft_s = d.draft(gamma)
+            block = d.block(ids, q)
+            reply = d.verifier.verify(block)
+            m.record_round(reply, len(ids))
+            d.timeline.verdict(reply, "fill" if block.round == 1 else "drafted", time.perf_counter())
+            if self.auto is not None:  # feed the measured round to the controller
+                m.gamma_per_round.append(gamma)
+                useful = next((i + 1 for i, t in enumerate(ids) if t in d.eos_ids), len(ids))
+                self.auto.observe_round(len(ids), reply.accepted, draft_s, reply.uplink_s + reply.downlink_s,
+                                        reply.verify_s, useful=useful)
+            token = d.next_token(block, reply)
+            d.codec.feedback(reply.accepted, len(ids))
+            d.seq.commit_draft(ids, reply.accepted, token)
+            if d.commit(ids[: reply.accepted] + [token]):
+                return
+
+
+class FsdStrategy(Strategy):
+    """Fast speculative decoding (FSD Algorithm 1): SD whose next block is pre-drafted on the
+    cloud's streamed early exits; a cache hit sends it at once, a miss drafts as SD would."""
+
+    name = "fsd"
+
+    def __init__(self, predrafter):
+        self.pre = predrafter
+
+    def close(self) -> None:
+        self.pre.close()
+
+    def run(self, d: DecisionState) -> None:
+        cfg, m, pre = d.cfg, d.m, self.pre
+        fork_s0 = pre.stats.fork_s
+        ids = q = None
+        try:
+            while True:
+                cause = "pre-drafted"
+                if ids is None:  # first round, or a cache miss: draft as SD does
+                    ids, q, _ = d.draft(cfg.gamma)
+                    cause = "drafted"
+                block = d.block(ids, q, stream_exits=True)
+                pre.begin(d.seq, d.codec, ids, cfg.gamma, cfg.params, cfg.seed, d.ends_decision)
+                try:
+                    reply = d.verifier.verify(block, on_exit=pre.offer)
+                except BaseException:
+                    pre.finish(None, None)
+                    raise
+                m.record_round(reply, len(ids))
+                m.record_exits(reply)
+                d.timeline.verdict(reply, "fill" if block.round == 1 else cause, time.perf_counter())
+                token = d.next_token(block, reply)
+                new = ids[: reply.accepted] + [token]
+                if d.ends_decision(new):
+                    pre.finish(None, None)
+                    d.commit(new)
+                    return
+                entry, waited = pre.finish(reply.accepted, token)
+                m.t_draft += waited
+                if entry is not None:  # hit: adopt the pre-drafted state and send its block at once
+                    m.predraft_hits += 1
+                    m.hit_wait_s += waited
+                    d.seq, d.codec, ids, q = entry.seq, entry.codec, entry.ids, entry.q
+                else:
+                    m.predraft_misses += 1
+                    d.codec.feedback(reply.accepted, len(ids))
+                    d.seq.commit_draft(ids, reply.accepted, token)
+                    ids = None
+                d.commit(new)
+        finally:
+            m.fork_s += pre.stats.fork_s - fork_s0
