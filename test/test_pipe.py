@@ -18,6 +18,7 @@ from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.exits import EarlyExits
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import Condition, EpochGate
+from edgespec_ros.decoding.verify import NO_TOKEN
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierTimeout
 from edgespec_ros.wire.link import LinkProfile, LinkProxy
@@ -300,7 +301,7 @@ def test_condition_holds_only_for_the_verdict_it_names():
     c = Condition(3, 1, 42)
     assert c.holds(3, True, 1, 42)
     assert not c.holds(3, False, 1, 42) and not c.holds(4, True, 1, 42)
-    assert not c.holds(3, True, 2, 42) and not c.holds(3, True, 1, 41) and not c.holds(3, True, 1, None)
+    assert not c.holds(3, True, 2, 42) and not c.holds(3, True, 1, 41) and not c.holds(3, True, 1, NO_TOKEN)
 
 
 @pytest.fixture(scope="module")

@@ -53,13 +53,9 @@ def spy_rounds(verifier, method: str) -> list:
     return seen
 
 
-def verdict_token(reply) -> int:
-    return NO_TOKEN if reply.next_token is None else reply.next_token
-
-
 def assert_rounds_match(records, seen) -> None:
     assert [(r.draft_ids, r.accepted, r.next_token) for r in records] == \
-        [(ids, reply.accepted, verdict_token(reply)) for ids, reply in seen]
+        [(ids, reply.accepted, reply.next_token) for ids, reply in seen]
 
 
 def assert_contexts_chain(records) -> None:
@@ -222,7 +218,7 @@ def synthetic_rounds(trace, n_decisions: int, rounds: int, vocab: int = 50, jpeg
             drafts = [int(t) for t in torch.randint(0, vocab, (2 + r % 3,), generator=gen)]
             logits = torch.randn(len(drafts) + 1, vocab, generator=gen)
             accepted = r % (len(drafts) + 1)
-            trace.round(context, drafts, logits, accepted, 7 if r % 2 else -2)
+            trace.round(context, drafts, logits, accepted, 7 if r % 2 else NO_TOKEN)
             expected.append((prompt, list(context), drafts, accepted, 7 if r % 2 else NO_TOKEN, logits))
             context = context + drafts[:accepted] + ([7] if r % 2 else [])
     return expected

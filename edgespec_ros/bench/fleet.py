@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoding.verifier import Block
+from ..decoding.verify import NO_TOKEN
 
 from ..cloud.local import LocalVerifier
 
@@ -87,7 +88,7 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
             for (ids, q), expected in zip(d.blocks, d.verdicts):
                 time.sleep(draft_s * len(ids))  # this robot's own accelerator drafting the block
                 reply = rv.verify(Block(rv.round + 1, rv.epoch, ids, q))
-                out["tokens"] += reply.accepted + (reply.next_token is not None)
+                out["tokens"] += reply.accepted + (reply.next_token != NO_TOKEN)
                 if (reply.accepted, reply.next_token) != expected:
                     out["desync"] += 1
                     break

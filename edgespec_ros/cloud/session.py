@@ -29,13 +29,13 @@ import torch
 
 from ..codecs import CodecError
 from .batch import ArStep, Round
-from .target import CONTINUE, TargetSession
+from .target import TargetSession
 from ..decoding.verify import VERIFY_MODES, WISV, VerifySettings
 from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
-from ..decoding.verify import DraftDistributionError
+from ..decoding.verify import NO_TOKEN, DraftDistributionError
 from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
 
@@ -205,13 +205,10 @@ class VerifierSession:
                 p_payload: bytes = b"") -> P.Verdict:
         """The VERDICT of a verified step; the epoch rule learns whether it ends its epoch."""
         msg = step.msg
-        continued = result.next_token == CONTINUE
-        if step.rule == SPLIT:  # a rejection sends p, not a token: the robot resamples it
-            next_token = P.NO_TOKEN if result.next_token < 0 else result.next_token
-            self.gate.record(msg.round, not continued, 0, None)  # conditional blocks are refused with split
-        else:
-            next_token = P.NO_TOKEN if continued else result.next_token
-            self.gate.record(msg.round, not continued, result.accepted, None if continued else result.next_token)
+        # A split-codec rejection sends p, not a token (the robot resamples it): it ends the epoch too.
+        continued = result.next_token == NO_TOKEN and result.target_p is None
+        self.gate.record(msg.round, not continued, result.accepted, result.next_token)
+        next_token = P.NO_TOKEN if result.next_token == NO_TOKEN else result.next_token
         exit_layer = 0 if step.rule == SPLIT else self.target.last_exit_layer
         relaxed = len(self.target.last_relaxed) if step.rule == WISV else 0
         return P.Verdict(msg.decision, msg.round, result.accepted, next_token, max(0.0, verify_s) * 1e3,

@@ -6,7 +6,7 @@ seed, verification rule), never the robot's scheduling (mode, draft length, pre-
 
 Rounds may be *chained* (the pipelined modes): the robot drafted the next block assuming this one
 is accepted in full, so when it is, no bonus token is sampled and the next block's first draft is
-verified like any other draft (``VerifyResult.next_token`` is then ``CONTINUE``). That keeps the
+verified like any other draft (``VerifyResult.next_token`` is then ``NO_TOKEN``). That keeps the
 output exactly the target's: every committed token is either a draft accepted by the rejection
 rule, a residual sample at a rejection, or a bonus from p at the end of an unchained block.
 """
@@ -24,9 +24,8 @@ from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.sampling import STREAM_RESAMPLE, keyed_uniform, probs_from_logits, sample_from
 from ..decoding.inputs import Prompt
-from ..decoding.verify import WISV, VerifyResult, VerifySettings, verify, verify_separate
+from ..decoding.verify import NO_TOKEN, WISV, VerifyResult, VerifySettings, verify, verify_separate
 
-CONTINUE = -2  # VerifyResult.next_token of a chained block accepted in full: the next block follows
 
 
 @dataclass
@@ -149,7 +148,7 @@ class TargetSession:
         """One verification round; commits accepted tokens + next token to the target state.
 
         chained: the robot's next block continues this one; accepted in full, no bonus token is
-        committed and ``result.next_token`` is ``CONTINUE``.
+        committed and ``result.next_token`` is ``NO_TOKEN``.
 
         With early exits loaded and ``on_exit`` given, each exit's own verification of the draft
         (Eq. 5: same rule, same keyed randomness, its own logits) is passed to on_exit(ExitResult)
@@ -195,13 +194,13 @@ class TargetSession:
         self._record(start_position, draft_ids, logits, result)
         return result
 
-    def _commit(self, draft_ids: list[int], result: VerifyResult, chained: bool, next_token: int | None) -> None:
+    def _commit(self, draft_ids: list[int], result: VerifyResult, chained: bool, next_token: int) -> None:
         """Commit a verified round (every rule ends here): a chained block accepted in full commits
-        no bonus token, the robot's next block follows (``result.next_token`` becomes CONTINUE);
-        otherwise the accepted drafts and ``next_token`` (None: the robot resamples it, split codec)."""
+        no bonus token, the robot's next block follows (``result.next_token`` becomes NO_TOKEN);
+        otherwise the accepted drafts and ``next_token`` (NO_TOKEN: the robot resamples it, split codec)."""
         if chained and result.accepted == len(draft_ids):
-            self.seq.commit_verified(draft_ids, result.accepted, None)
-            result.next_token = CONTINUE
+            self.seq.commit_verified(draft_ids, result.accepted, NO_TOKEN)
+            result.next_token = NO_TOKEN
         else:
             self.seq.commit_verified(draft_ids, result.accepted, next_token)
 
@@ -221,7 +220,7 @@ class TargetSession:
     def verify_separate(self, draft_ids: list[int], q_at_draft: torch.Tensor,
                         edge_token: int | None, chained: bool = False) -> tuple[VerifyResult, float]:
         """A round of the split codec (separate rejection sampling): only q(x) of each draft is
-        known here; a rejection leaves the next token to the robot (result.next_token -1,
+        known here; a rejection leaves the next token to the robot (result.next_token NO_TOKEN,
         result.target_p = p there), which sends it as ``edge_token`` with the next round."""
         settings = self._require_started()
         if self.awaiting_edge_token and edge_token is None:
@@ -238,8 +237,8 @@ class TargetSession:
         logits = self.seq.target_logits(draft_ids)
         result = verify_separate(draft_ids, q_at_draft, logits, settings.params, seed=settings.seed,
                                  start_position=start_position)
-        rejected = result.next_token < 0
-        self._commit(draft_ids, result, chained, None if rejected else result.next_token)
+        rejected = result.target_p is not None
+        self._commit(draft_ids, result, chained, result.next_token)
         self.awaiting_edge_token = rejected
         self._record(start_position, draft_ids, logits, result)
         return result, time.perf_counter() - t0

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..decoding.verify import NO_TOKEN  # noqa: F401 - TraceRecord.next_token: none after the accepted drafts
+
 FORMAT = "edgespec-traces"
 VERSION = 1
-NO_TOKEN = -1  # TraceRecord.next_token: the verifier committed no token after the accepted drafts
 ANONYMOUS = "anonymous"  # the tenant of a verifier without auth
 SHARD_SUFFIX = ".safetensors"
 
@@ -141,7 +142,7 @@ class SessionTrace:
 
     def round(self, context: list[int], draft_ids: list[int], rows, accepted: int, next_token: int) -> None:
         """A verified round: ``rows`` the target's logits [n + 1, V] of the round (or their
-        ``topk`` already taken); a negative next_token (none, chained continue) is stored as NO_TOKEN."""
+        ``topk`` already taken); next_token NO_TOKEN: none (a chained block continues)."""
         if self._decision is None:  # rounds always follow a prefill; nothing to attach them to otherwise
             return
         self._rounds += 1
@@ -153,7 +154,7 @@ class SessionTrace:
         if len(ids) != len(draft_ids) + 1:
             raise AssertionError(f"a round of {len(draft_ids)} drafts has {len(ids)} target rows")
         rec.submit(_Round(self._decision, self.tenant, self.draft_hash, self._rounds, list(context),
-                          [int(t) for t in draft_ids], int(accepted), int(next_token) if next_token >= 0 else NO_TOKEN,
+                          [int(t) for t in draft_ids], int(accepted), int(next_token),
                           ids, logprobs))
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
+from .verify import NO_TOKEN
 from ..preempt import run_steps
 from .inputs import PromptInputs
 from .sampling import STREAM_DRAFT, SamplingParams, keyed_uniform, probs_from_logits, sample_from
@@ -534,11 +535,12 @@ class Sequence:
         first = self._first_row.view(1, -1)
         return first if fed_logits is None else torch.cat([first, fed_logits], dim=0)
 
-    def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int | None) -> None:
-        """Keep the accepted drafts in the target cache and queue next_token (None: the robot
-        resamples it, split codec; it comes with the next round through ``append_generated``)."""
+    def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
+        """Keep the accepted drafts in the target cache and queue next_token (``verify.NO_TOKEN``:
+        none: a chained block continues, or the robot resamples it, split codec, and it comes with
+        the next round through ``append_generated``)."""
         self.crop(self._verify_base + accepted)
-        if next_token is None:
+        if next_token == NO_TOKEN:
             self.pending = []
             self.generated.extend(int(t) for t in draft_ids[:accepted])
             return

@@ -24,7 +24,7 @@ from typing import Iterator, Protocol
 import torch
 
 from .inputs import Prompt
-from .verify import VerifySettings
+from .verify import NO_TOKEN, VerifySettings
 
 
 # Why a verifier could not be used: raised by every Verifier (wire.client's over the network); the
@@ -59,7 +59,7 @@ class Condition:
     accepted: int
     token: int
 
-    def holds(self, round_: int, ends_epoch: bool, accepted: int, token: int | None) -> bool:
+    def holds(self, round_: int, ends_epoch: bool, accepted: int, token: int) -> bool:
         """Whether the verdict of block ``round_`` (ending its epoch, or not) makes this block valid."""
         return round_ == self.round and ends_epoch and (accepted, token) == (self.accepted, self.token)
 
@@ -114,13 +114,13 @@ class EpochGate:
         self.epoch, self.ended, self.last_end = epoch, False, None
         self.void = {e for e in self.void if e > epoch}
 
-    def record(self, round_: int, ends_epoch: bool, accepted: int, token: int | None) -> None:
+    def record(self, round_: int, ends_epoch: bool, accepted: int, token: int) -> None:
         """A verdict of the live epoch was sent."""
         if ends_epoch:
             self.ended, self.last_end = True, (round_, accepted, token)
 
 
-def dropped_after(block: "Block", round_: int, epoch: int, ends_epoch: bool, accepted: int, token: int | None) -> bool:
+def dropped_after(block: "Block", round_: int, epoch: int, ends_epoch: bool, accepted: int, token: int) -> bool:
     """The robot's side of ``EpochGate``: whether the verifier drops ``block`` (sent, not yet
     verified) once the verdict of block ``round_`` (of ``epoch``) is out: a later block of the
     epoch that verdict ended, or a conditional block on that verdict whose guess it refutes."""
@@ -151,7 +151,7 @@ class Block:
 @dataclass
 class VerifyReply:
     accepted: int
-    next_token: int | None  # None: a chained block accepted in full, or a split-codec rejection (target_p)
+    next_token: int  # NO_TOKEN: a chained block accepted in full, or a split-codec rejection (target_p)
     accepted_mask: list[bool]
     verify_s: float = 0.0  # target compute time reported by the verifier
     uplink_bytes: int = 0
@@ -172,7 +172,7 @@ class VerifyReply:
     def ends_epoch(self) -> bool:
         """A token was committed after the accepted drafts (or is owed by the robot): blocks drafted
         after this one, on the assumption that it was accepted in full, are void."""
-        return self.next_token is not None or self.target_p is not None
+        return self.next_token != NO_TOKEN or self.target_p is not None
 
 
 def mask_of(accepted: int, n: int) -> list[bool]:

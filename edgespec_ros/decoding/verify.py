@@ -27,6 +27,10 @@ from .sampling import (
 )
 
 MODES = ("rejection", "greedy")
+# next_token when no token follows the accepted drafts: a chained block accepted in full (the
+# robot's next block continues it), or a split-codec rejection (the robot resamples it from
+# target_p). The one "no next token" of the core; the wire writes it as protocol.NO_TOKEN.
+NO_TOKEN = -1
 WISV = "wisv"  # semantic verification (decoding.wisv): LOSSY; greedy rounds, a decision head at mismatches
 VERIFY_MODES = MODES + (WISV,)
 _Q_SUM_TOL = 1e-3
@@ -63,10 +67,10 @@ class VerifySettings:
 @dataclass
 class VerifyResult:
     accepted: int  # number of leading draft tokens accepted (0..gamma)
-    next_token: int  # the token that follows them (resampled at a rejection, or the bonus)
+    next_token: int  # the token that follows them (resampled at a rejection, or the bonus); NO_TOKEN: none
     accepted_mask: list[bool] = field(default_factory=list)  # per draft position; False after the first rejection
     resampled: bool = False  # True when next_token came from the residual of a rejection
-    target_p: torch.Tensor | None = None  # separate rejection sampling: p at the rejected position (next_token -1)
+    target_p: torch.Tensor | None = None  # separate rejection sampling: p at the rejected position (next_token NO_TOKEN)
 
     def committed_tokens(self, draft_ids) -> list[int]:
         """The tokens this round commits: the accepted draft prefix, then next_token."""
@@ -170,7 +174,7 @@ def verify_separate(draft_ids, q_at_draft: torch.Tensor, target_logits: torch.Te
     """PicoSpec separate rejection sampling, cloud half: only q_i(x_i) is known here.
 
     The accept test is ``verify``'s (same coins). At a rejection the residual needs the whole q_i,
-    which stayed on the robot: the result has next_token -1 and ``target_p`` = p_i, and the robot
+    which stayed on the robot: the result has next_token NO_TOKEN and ``target_p`` = p_i, and the robot
     finishes with ``resample_separate``. With all drafts accepted the bonus token is sampled here.
     """
     draft_ids, gamma, vocab = _check_round(draft_ids, target_logits)
@@ -186,7 +190,7 @@ def verify_separate(draft_ids, q_at_draft: torch.Tensor, target_logits: torch.Te
             mask.append(True)
             continue
         mask.extend([False] * (gamma - i))
-        return VerifyResult(i, -1, mask, resampled=True, target_p=p[i])
+        return VerifyResult(i, NO_TOKEN, mask, resampled=True, target_p=p[i])
     bonus = sample_from(p[gamma], keyed_uniform(seed, start_position + gamma, STREAM_RESAMPLE))
     return VerifyResult(gamma, bonus, mask)
 

@@ -9,6 +9,7 @@ import torch
 from ..decoding.inputs import Prompt
 from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifierError, VerifyReply, mask_of
+from ..decoding.verify import NO_TOKEN
 from . import protocol as P
 
 
@@ -66,7 +67,7 @@ def verdict_reply(verdict: P.Verdict, block: Block, codec, vocab_size: int) -> V
     if verdict.accepted > n or (not continued and target_p is None and verdict.next_token >= vocab_size) \
             or (continued and (not block.chained or verdict.accepted != n)):
         raise VerifierError("verdict out of range: the verifier speaks another model or protocol")
-    next_token = None if verdict.next_token == P.NO_TOKEN else int(verdict.next_token)
+    next_token = NO_TOKEN if verdict.next_token == P.NO_TOKEN else int(verdict.next_token)
     return VerifyReply(verdict.accepted, next_token, mask_of(verdict.accepted, n), verify_s=verdict.verify_ms / 1e3,
                        exit_layer=verdict.exit_layer, round=block.round, epoch=block.epoch, target_p=target_p,
                        queue_s=verdict.queue_ms / 1e3, relaxed=verdict.relaxed)
