@@ -16,7 +16,7 @@ help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
 	@echo "           ARGS='--scenario red-chair --mode ar --link go2-paper'  (edgespec-demo --help)"
 	@echo "           ARGS='--compare'  the one-frame AR vs SD comparison"
-	@echo "make test               run the test suite (what CI runs; about 5 minutes here)"
+	@echo "make test               run the test suite (what CI runs; about 15 minutes here)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
