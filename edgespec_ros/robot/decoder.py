@@ -32,8 +32,8 @@ from ..decoding.metrics import DecisionMetrics
 from ..decoding.verifier import Verifier
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
-from .rounds import (DECODING_MODES, ArStrategy, DecisionState, DecodeConfig, FsdStrategy, SdStrategy, Strategy,  # noqa: F401
-                     truncate_at_stop)
+from .rounds import (DECODING_MODES, ArStrategy, DecisionState, DecodeConfig, Drafter, PreDrafted, StopAndWait,
+                     Strategy, truncate_at_stop)
 
 __all__ = ["DECODING_MODES", "Decision", "DecodeConfig", "EdgeDecoder"]
 
@@ -89,9 +89,9 @@ class EdgeDecoder:
                 from .predraft import PreDrafter
                 predrafter = PreDrafter(cfg.workers, cfg.client_queue, self.device, seed=cfg.seed)
             if cfg.mode == "sd":
-                strategy = SdStrategy(self._auto(cfg))
+                strategy = StopAndWait(Drafter(self._auto(cfg)))
             elif cfg.mode == "fsd":
-                strategy = FsdStrategy(predrafter)
+                strategy = StopAndWait(PreDrafted(predrafter))
             elif cfg.mode == "ar":
                 strategy = ArStrategy()
             else:

@@ -214,84 +214,150 @@ class ArStrategy(Strategy):
         return out
 
 
-class SdStrategy(Strategy):
-    """Stop-and-wait SD: draft a block, wait for its verdict, commit, repeat."""
+class Proposer:
+    """Where a stop-and-wait round's block comes from (the model is transformers'
+    ``CandidateGenerator``): ``propose`` the drafts, hear the verdict, say whether its own state
+    continues the decision. ``StopAndWait`` runs every such proposer through one loop."""
+
+    name = ""
+    exits = False  # ask the verifier to stream its early exits
+
+    def propose(self, d: "DecisionState") -> tuple[list[int], torch.Tensor, str]:
+        """(drafts, their q rows, the timeline's cause: what the cloud waited for)."""
+        raise NotImplementedError
+
+    def sent(self, d: "DecisionState", block: Block):
+        """The block is on its way: the on_exit callback for its early exits, or None."""
+        return None
+
+    def heard(self, d: "DecisionState", block: Block, reply: VerifyReply) -> None:
+        """The block's verdict arrived (before its tokens are committed)."""
+
+    def adopt(self, d: "DecisionState", accepted: int, token: int) -> bool:
+        """The verdict ended the round with ``accepted`` drafts and ``token``: True when this
+        proposer's state already continues the decision from there (a pre-draft hit), False to
+        roll the draft state back past the rejection."""
+        return False
+
+    def abort(self, d: "DecisionState") -> None:
+        """The round ends without a next block (the decision is over, or failed)."""
+
+    def close(self) -> None:
+        """Release threads."""
+
+
+class StopAndWait(Strategy):
+    """Stop-and-wait rounds (``sd``, ``fsd``): propose a block, wait for its verdict, commit,
+    roll back or adopt the proposer's continuation, repeat."""
+
+    def __init__(self, proposer: Proposer):
+        self.proposer = proposer
+        self.name = proposer.name
+
+    def close(self) -> None:
+        self.proposer.close()
+
+    def run(self, d: DecisionState) -> None:
+        pro, m = self.proposer, d.m
+        try:
+            while True:
+                ids, q, cause = pro.propose(d)
+                block = d.block(ids, q, stream_exits=pro.exits)
+                on_exit = pro.sent(d, block)
+                reply = d.verifier.verify(block, on_exit=on_exit)
+                m.record_round(reply, len(ids))
+                m.record_exits(reply)
+                d.timeline.verdict(reply, "fill" if block.round == 1 else cause, time.perf_counter())
+                pro.heard(d, block, reply)
+                token = d.next_token(block, reply)
+                new = ids[: reply.accepted] + [token]
+                if d.ends_decision(new):
+                    pro.abort(d)
+                    d.commit(new)
+                    return
+                if not pro.adopt(d, reply.accepted, token):
+                    d.codec.feedback(reply.accepted, len(ids))
+                    d.seq.commit_draft(ids, reply.accepted, token)
+                d.commit(new)
+        except BaseException:
+            pro.abort(d)
+            raise
+
+
+class Drafter(Proposer):
+    """SD: draft gamma tokens (gamma fixed, or ODLD's per round with ``auto``, fed every verdict)."""
 
     name = "sd"
 
     def __init__(self, auto: AutoGamma | None = None):
         self.auto = auto
+        self._gamma, self._draft_s = 0, 0.0
 
-    def run(self, d: DecisionState) -> None:
-        cfg, m = d.cfg, d.m
-        while True:
-            gamma = cfg.gamma if self.auto is None else self.auto.next_gamma()
-            ids, q, draft_s = d.draft(gamma)
-            block = d.block(ids, q)
-            reply = d.verifier.verify(block)
-            m.record_round(reply, len(ids))
-            d.timeline.verdict(reply, "fill" if block.round == 1 else "drafted", time.perf_counter())
-            if self.auto is not None:  # feed the measured round to the controller
-                m.gamma_per_round.append(gamma)
-                useful = next((i + 1 for i, t in enumerate(ids) if t in d.eos_ids), len(ids))
-                self.auto.observe_round(len(ids), reply.accepted, draft_s, reply.uplink_s + reply.downlink_s,
-                                        reply.verify_s, useful=useful)
-            token = d.next_token(block, reply)
-            d.codec.feedback(reply.accepted, len(ids))
-            d.seq.commit_draft(ids, reply.accepted, token)
-            if d.commit(ids[: reply.accepted] + [token]):
-                return
+    def propose(self, d: DecisionState):
+        self._gamma = d.cfg.gamma if self.auto is None else self.auto.next_gamma()
+        ids, q, self._draft_s = d.draft(self._gamma)
+        return ids, q, "drafted"
+
+    def heard(self, d: DecisionState, block: Block, reply: VerifyReply) -> None:
+        if self.auto is None:
+            return
+        ids = block.draft_ids
+        d.m.gamma_per_round.append(self._gamma)
+        useful = next((i + 1 for i, t in enumerate(ids) if t in d.eos_ids), len(ids))
+        self.auto.observe_round(len(ids), reply.accepted, self._draft_s, reply.uplink_s + reply.downlink_s,
+                                reply.verify_s, useful=useful)
 
 
-class FsdStrategy(Strategy):
-    """Fast speculative decoding (FSD Algorithm 1): SD whose next block is pre-drafted on the
-    cloud's streamed early exits; a cache hit sends it at once, a miss drafts as SD would."""
+class PreDrafted(Proposer):
+    """FSD (Algorithm 1): the next block comes from the pre-draft cache the verifier's streamed
+    early exits filled while this one was verified; on a miss it is drafted as SD's."""
 
     name = "fsd"
+    exits = True
 
     def __init__(self, predrafter):
         self.pre = predrafter
+        self._next: tuple | None = None  # a hit's (ids, q), sent next
+        self._open = False  # a pre-draft round is running
+        self._fork_s0 = 0.0
+
+    def propose(self, d: DecisionState):
+        if self._next is not None:
+            (ids, q), self._next = self._next, None
+            return ids, q, "pre-drafted"
+        ids, q, _ = d.draft(d.cfg.gamma)
+        return ids, q, "drafted"
+
+    def sent(self, d: DecisionState, block: Block):
+        cfg = d.cfg
+        self._fork_s0 = self.pre.stats.fork_s
+        self.pre.begin(d.seq, d.codec, block.draft_ids, cfg.gamma, cfg.params, cfg.seed, d.ends_decision)
+        self._open = True
+        return self.pre.offer
+
+    def _finish(self, d: DecisionState, key: tuple):
+        entry, waited = self.pre.finish(*key)
+        self._open = False
+        d.m.t_draft += waited
+        d.m.fork_s += self.pre.stats.fork_s - self._fork_s0  # the forks of this round's pre-drafts
+        return entry, waited
+
+    def adopt(self, d: DecisionState, accepted: int, token: int) -> bool:
+        m = d.m
+        entry, waited = self._finish(d, (accepted, token))
+        if entry is None:
+            m.predraft_misses += 1
+            return False
+        m.predraft_hits += 1
+        m.hit_wait_s += waited
+        d.seq, d.codec = entry.seq, entry.codec  # the pre-drafted state continues the decision
+        self._next = (entry.ids, entry.q)
+        return True
+
+    def abort(self, d: DecisionState) -> None:
+        self._next = None
+        if self._open:
+            self._finish(d, (None, None))
 
     def close(self) -> None:
         self.pre.close()
-
-    def run(self, d: DecisionState) -> None:
-        cfg, m, pre = d.cfg, d.m, self.pre
-        fork_s0 = pre.stats.fork_s
-        ids = q = None
-        try:
-            while True:
-                cause = "pre-drafted"
-                if ids is None:  # first round, or a cache miss: draft as SD does
-                    ids, q, _ = d.draft(cfg.gamma)
-                    cause = "drafted"
-                block = d.block(ids, q, stream_exits=True)
-                pre.begin(d.seq, d.codec, ids, cfg.gamma, cfg.params, cfg.seed, d.ends_decision)
-                try:
-                    reply = d.verifier.verify(block, on_exit=pre.offer)
-                except BaseException:
-                    pre.finish(None, None)
-                    raise
-                m.record_round(reply, len(ids))
-                m.record_exits(reply)
-                d.timeline.verdict(reply, "fill" if block.round == 1 else cause, time.perf_counter())
-                token = d.next_token(block, reply)
-                new = ids[: reply.accepted] + [token]
-                if d.ends_decision(new):
-                    pre.finish(None, None)
-                    d.commit(new)
-                    return
-                entry, waited = pre.finish(reply.accepted, token)
-                m.t_draft += waited
-                if entry is not None:  # hit: adopt the pre-drafted state and send its block at once
-                    m.predraft_hits += 1
-                    m.hit_wait_s += waited
-                    d.seq, d.codec, ids, q = entry.seq, entry.codec, entry.ids, entry.q
-                else:
-                    m.predraft_misses += 1
-                    d.codec.feedback(reply.accepted, len(ids))
-                    d.seq.commit_draft(ids, reply.accepted, token)
-                    ids = None
-                d.commit(new)
-        finally:
-            m.fork_s += pre.stats.fork_s - fork_s0
