@@ -21,7 +21,7 @@ setup(
         "torch>=2.2",
         "transformers>=5.4,<6",  # the 5.x Qwen2-VL API (mm_token_type_ids), the PIL image processor
         "tokenizers>=0.22",
-        "websockets>=16",  # 13-15 lose the close reason on shutdown (test_server_hardening)
+        "websockets>=16",  # 13-15 lose the close reason on shutdown (test_cloud_hardening)
         "numpy>=1.26",  # 1.x too: ROS Humble's and Jazzy's own C extensions are built against it
         "scipy>=1.11",
         "safetensors>=0.4.3",
