@@ -17,7 +17,7 @@ from ..decoding.engines import LoadedModel
 from ..decoding.verifier import Block, VerifierRefused, VerifyReply
 from ..wire import protocol as P
 from ..wire.frames import hidden_frame, prefill_frame, verdict_reply, verify_frame
-from .session import SPLIT, SessionError, Step, VerifierSession
+from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
 
 class LocalVerifier:
@@ -124,7 +124,7 @@ class LocalVerifier:
                                  p_payload=vs.encode_p(result))
         else:
             vs.decode(step)
-            with vs.refusing("bad draft distribution", (ValueError,)):
+            with vs.refusing("bad draft distribution", DENSE_ERRORS):
                 result = verify_batch([vs.dense_round(step, on_exit)])[0]
                 if isinstance(result, Exception):
                     raise result

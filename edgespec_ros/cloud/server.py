@@ -18,7 +18,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..codecs import CodecError, get_codec
+from ..codecs import get_codec
 from .batch import ArStep, verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
@@ -26,14 +26,13 @@ from .target import TargetSession
 from ..decoding.compute import ComputeProfile, get_compute
 from ..decoding.engines import LoadedModel
 from .traces import ANONYMOUS, tenant_id
-from ..decoding.verify import DraftDistributionError
 from ..wire import protocol as P
 from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import metrics_text
 from .limits import (PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, Inbox, InsecureConfig, ServerLimits, clean,
                      is_loopback)
-from .session import SPLIT, SessionError, Step, VerifierSession
+from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
 log = logging.getLogger("edgespec.verifier")
 HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its slot to a new one
@@ -398,13 +397,13 @@ class VerifierServer:
             loop = asyncio.get_running_loop()
             work.extra = lambda: len(session.target.last_exits) * self.compute.exit_s
             work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
-        with session.refusing("bad draft distribution", (CodecError, DraftDistributionError)):
+        with session.refusing("bad draft distribution", DENSE_ERRORS):
             result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow,
                                                  cost=session.target.seq.fed + len(step.msg.draft_ids))
         waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
+        verify_s = time.perf_counter() - started - waited  # before the exit sender winds down
         sent = await live.pop().finish() if live else 0
-        return session.verdict(step, result, verify_s=time.perf_counter() - started - waited,
-                               queue_s=queue_s + waited, exits_sent=sent)
+        return session.verdict(step, result, verify_s=verify_s, queue_s=queue_s + waited, exits_sent=sent)
 
     async def _verify_split(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float) -> P.Verdict:
         """A split-codec round: q(x) of each draft only; on a rejection p goes down, not a token.
@@ -413,7 +412,7 @@ class VerifierServer:
         await self._run(conn, session.decode_steps, step, device=False)
         result = await self._run(conn, on_device, session.split_verify, (step,),
                                  lambda: self.compute.pass_s(1, step.rows))
-        p_payload = await self._run(conn, session.encode_p, result, device=False)
+        p_payload = b"" if result.target_p is None else await self._run(conn, session.encode_p, result, device=False)
         waited = self.fair.take_wait(conn.key)
         return session.verdict(step, result, verify_s=time.perf_counter() - started - waited,
                                queue_s=queue_s + waited, p_payload=p_payload)

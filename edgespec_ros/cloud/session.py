@@ -40,6 +40,7 @@ from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
 
 DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification rules
+DENSE_ERRORS = (CodecError, DraftDistributionError)  # a dense round's errors a client's q can cause
 MAX_BLOCK = 64  # drafts per VERIFY
 
 
@@ -174,8 +175,11 @@ class VerifierSession:
     def decode_steps(self, step: Step):
         """Host work as preemptible steps (a generator whose value is q, kept on the step): the
         block's draft distribution from its payload. ``decode`` runs it to the end at once."""
-        what = "bad split-codec round" if step.rule == SPLIT else "bad draft distribution"
-        with self.refusing(what, (CodecError, DraftDistributionError, ValueError)):
+        if step.rule == SPLIT:
+            what, errors = "bad split-codec round", (CodecError, DraftDistributionError, ValueError)
+        else:
+            what, errors = "bad draft distribution", DENSE_ERRORS
+        with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)
         return step.q
 
@@ -199,7 +203,10 @@ class VerifierSession:
 
     def encode_p(self, result) -> bytes:
         """Host work: the split verdict's target distribution as the downlink carries it."""
-        return b"" if result.target_p is None else self.codec.encode_p(result.target_p)
+        if result.target_p is None:
+            return b""
+        with self.refusing("bad split-codec round", (CodecError, DraftDistributionError, ValueError)):
+            return self.codec.encode_p(result.target_p)
 
     def verdict(self, step: Step, result, *, verify_s: float, queue_s: float, exits_sent: int = 0,
                 p_payload: bytes = b"") -> P.Verdict:

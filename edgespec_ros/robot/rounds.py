@@ -356,8 +356,10 @@ class PreDrafted(Proposer):
 
     def abort(self, d: DecisionState) -> None:
         self._next = None
-        if self._open:
-            self._finish(d, (None, None))
+        if self._open:  # nothing adopted: the wait is not drafting, only the forks count
+            self.pre.finish(None, None)
+            self._open = False
+            d.m.fork_s += self.pre.stats.fork_s - self._fork_s0
 
     def close(self) -> None:
         self.pre.close()
