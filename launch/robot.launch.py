@@ -8,9 +8,9 @@ the camera node, talking to a cloud verifier at ``server_url``.
 
 Parameters come from config/<node>.yaml (``config_dir``), then ``params_file`` (optional, any node,
 e.g. ``/**/drafter: {ros__parameters: {gamma: 6}}``, which matches in any namespace), then the arguments below.
-With go2_ros2_sdk running, its ``camera/image_raw`` (BEST_EFFORT) is used directly and the
-navigator drives ``cmd_vel``; with unitree_ros2, start the camera node on the H.264 multicast
-and use ``backend:=unitree_sport``.
+With go2_ros2_sdk running, its ``camera/image_raw`` (BEST_EFFORT) is used directly; use
+``backend:=go2_webrtc`` (that stack drops a zero Twist, so ``twist`` cannot stop it); with
+unitree_ros2, start the camera node on the H.264 multicast and use ``backend:=unitree_sport``.
 """
 import os
 
@@ -54,7 +54,7 @@ ARGUMENTS = [
                                         "and monitor are remapped to it"),
     ("use_camera_node", "false", "start the camera node (OpenCV/GStreamer source) instead of using an existing topic"),
     ("camera_source", "0", "camera node source: device index, video file or GStreamer pipeline"),
-    ("backend", "twist", "navigator backend: twist (cmd_vel) | unitree_sport"),
+    ("backend", "twist", "navigator backend: twist (cmd_vel) | go2_webrtc (go2_ros2_sdk) | unitree_sport"),
     ("use_monitor", "true", "start the monitor (markers, annotated image, diagnostics)"),
     ("twist_mux", "false", "start twist_mux with config/twist_mux.yaml (teleop on cmd_vel_joy above the navigator, "
                            "estop lock) in front of cmd_vel; the navigator then publishes cmd_vel_nav"),

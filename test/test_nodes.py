@@ -192,6 +192,83 @@ def test_estop_wins_over_decisions():
                    what="motion after the release")
 
 
+class WebRtcReq:
+    """A stand-in for go2_interfaces/msg/WebRtcReq (go2_ros2_sdk), with its five fields."""
+
+    def __init__(self):
+        self.id, self.topic, self.api_id, self.parameter, self.priority = 0, "", 0, "", 0
+
+
+class _Recorder:
+    """A stand-in node whose one publisher keeps (monotonic time, message)."""
+
+    def __init__(self):
+        self.sent, self.lock = [], threading.Lock()
+
+    def create_publisher(self, message, topic, qos):
+        self.topic = topic
+        return self
+
+    def publish(self, msg) -> None:
+        with self.lock:
+            self.sent.append((time.monotonic(), msg))
+
+    def requests(self) -> list:
+        with self.lock:
+            return list(self.sent)
+
+
+def test_go2_webrtc_backend_stops_the_robot_on_every_stop_path():
+    """go2_ros2_sdk drops an all-zero Twist, so on that stack the navigator speaks its WebRtcReq:
+    Move (1008) while moving, and StopMove (1003, priority) on the e-stop, the watchdog, a fault
+    stop and at shutdown; never a Move after a stop until a new decision."""
+    from edgespec_ros.control.motion import GO2_WEBRTC_SPORT_TOPIC, SPORT_API_MOVE, SPORT_API_STOP_MOVE
+    from edgespec_ros.nodes.navigator import Go2WebRtcBackend
+    recorder = _Recorder()
+
+    def factory(node, name):
+        assert name == "go2_webrtc"
+        return Go2WebRtcBackend(recorder, "webrtc_req", message=WebRtcReq)
+
+    def stop_after(t0):
+        stops = [(t, m) for t, m in recorder.requests() if t > t0 and m.api_id == SPORT_API_STOP_MOVE]
+        return stops and stops[0][0]
+
+    def moves_between(t0, t1):
+        return [m for t, m in recorder.requests() if t0 < t < t1 and m.api_id == SPORT_API_MOVE]
+
+    overrides = {"navigator": {"backend": "go2_webrtc", "use_odometry": False, "watchdog_timeout_s": 0.6}}
+    with graph(("navigator",), overrides=overrides, node_kwargs={"navigator": {"backend_factory": factory}}) as g:
+        probe = navigator_probe(g)
+        for stop in ("estop", "fault", "watchdog"):
+            t0 = time.monotonic()
+            probe.publish_when_matched("decision", decision_msg(probe, "Action: move forward 2 m"))
+            wait_until(lambda: moves_between(t0, time.monotonic() + 1), what=f"Move before the {stop}")
+            t_stop = time.monotonic()
+            if stop == "estop":
+                probe.publish_when_matched("estop", Bool(data=True))
+            elif stop == "fault":
+                probe.publish_when_matched("decision", decision_msg(probe, "", fault="verifier unreachable"))
+            stopped = wait_until(lambda: stop_after(t_stop), what=f"StopMove on the {stop}")
+            time.sleep(0.3)
+            assert not moves_between(stopped, time.monotonic()), f"Move after the {stop}'s StopMove"
+            if stop == "estop":
+                probe.publish_when_matched("estop", Bool(data=False))
+                wait_until(lambda: any(m.reason == "e-stop released" for m in probe.messages("navigator/state")),
+                           what="the release")
+        move = next(m for _, m in recorder.requests() if m.api_id == SPORT_API_MOVE)
+        assert move.topic == GO2_WEBRTC_SPORT_TOPIC and move.priority == 0 and '"x": ' in move.parameter
+        t_end = time.monotonic()
+    stop = [m for t, m in recorder.requests() if t > t_end]
+    assert stop and stop[-1].api_id == SPORT_API_STOP_MOVE and stop[-1].priority == 1, "no StopMove at shutdown"
+
+
+def test_the_go2_webrtc_backend_names_its_missing_message_package():
+    from edgespec_ros.nodes.navigator import Go2WebRtcBackend
+    with pytest.raises(ImportError, match="go2_interfaces"):
+        Go2WebRtcBackend(_Recorder(), "webrtc_req")
+
+
 def test_fault_stop_stops_motion_and_is_not_an_episode_step():
     with graph(("sim_robot", "navigator"), overrides={"sim_robot": {"camera_rate_hz": 1.0}}) as g:
         probe = navigator_probe(g)

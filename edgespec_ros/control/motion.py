@@ -47,6 +47,10 @@ OUTCOMES = ("none", "completed", "stopped", "blocked_contact", "blocked_no_odome
 SPORT_API_MOVE = 1008
 SPORT_API_STOP_MOVE = 1003
 SPORT_MIN_RATE_HZ = 20.0  # Move must be streamed at 20 Hz or more, or the robot stops
+# go2_ros2_sdk's request topic (go2_interfaces/msg/WebRtcReq): the same sport API over WebRTC, to the
+# robot's own request topic; StopMove goes out with priority (Unitree's SportClient sends it so).
+GO2_WEBRTC_SPORT_TOPIC = "rt/api/sport/request"
+WEBRTC_PRIORITY, WEBRTC_NORMAL = 1, 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,14 @@ def sport_request(command: VelocityCommand) -> tuple[int, str]:
         return SPORT_API_STOP_MOVE, ""
     return SPORT_API_MOVE, json.dumps({"x": round(command.linear_mps, 4), "y": 0.0,
                                        "z": round(command.angular_rps, 4)})
+
+
+def webrtc_request(command: VelocityCommand) -> tuple[int, str, int]:
+    """go2_ros2_sdk's ``(api_id, parameter JSON, priority)`` for a velocity command: the sport
+    request of ``sport_request``, StopMove with priority. Its cmd_vel path drops an all-zero Twist
+    (it moves only if x, y or z is non-zero), so on that stack this is how a stop reaches the robot."""
+    api_id, parameter = sport_request(command)
+    return api_id, parameter, WEBRTC_PRIORITY if api_id == SPORT_API_STOP_MOVE else WEBRTC_NORMAL
 
 
 def motion_preview(pose: Pose2D, action: Action | None, turn_arrow_m: float = 0.6) -> tuple[Pose2D, Pose2D] | None:

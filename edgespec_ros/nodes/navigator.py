@@ -1,8 +1,9 @@
 """navigator: verified action text -> motion, through the action grammar and ``motion.MotionExecutor``.
 
 Subscribes to decisions (edgespec_ros/VerifiedAction), the e-stop (std_msgs/Bool) and odometry;
-publishes velocity commands on one backend (geometry_msgs/Twist on cmd_vel, or the unitree sport
-API when unitree_api is installed) and its state (edgespec_ros/MotionState, latched).
+publishes velocity commands on one backend (geometry_msgs/Twist on cmd_vel; go2_ros2_sdk's WebRtcReq;
+or unitree_ros2's sport API) and its state (edgespec_ros/MotionState, latched). Which backend for
+which Go2 stack: docs/robot.md.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from std_msgs.msg import Bool
 
 from ..control.actions import ActionParseError, parse_action
 from ..msg import MotionState, VerifiedAction
-from ..control.motion import (COMPLETED, FAULT, REJECTED, SPORT_MIN_RATE_HZ, STALE, MotionExecutor, MotionLimits,
-                              Pose2D, sport_request, yaw_from_quaternion)
+from ..control.motion import (COMPLETED, FAULT, GO2_WEBRTC_SPORT_TOPIC, REJECTED, SPORT_MIN_RATE_HZ, STALE,
+                              ZERO, MotionExecutor, MotionLimits, Pose2D, sport_request, webrtc_request,
+                              yaw_from_quaternion)
 from . import params, topics
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, outcome_code, run_node, time_to_ns
@@ -27,8 +29,9 @@ NS = 1e-9
 
 
 class TwistBackend:
-    """geometry_msgs/Twist on cmd_vel (go2_ros2_sdk, twist_mux). Note: go2_ros2_sdk drops an
-    all-zero Twist; the robot then stops because the stream ends (twist_mux's 0.5 s timeout)."""
+    """geometry_msgs/Twist on cmd_vel (twist_mux, nav2, simulators). Not for go2_ros2_sdk: its cmd_vel
+    path drops an all-zero Twist, so a stop never reaches the robot, which keeps its last velocity
+    until the stream's own timeout; use ``go2_webrtc`` there."""
 
     name = "twist"
 
@@ -65,11 +68,43 @@ class SportBackend:
         self.publisher.publish(msg)
 
 
+class Go2WebRtcBackend:
+    """go2_ros2_sdk's own request topic: go2_interfaces/msg/WebRtcReq on ``webrtc_req``, the sport API
+    over its WebRTC link: Move (1008) streamed at the control rate, StopMove (1003, priority) for zero,
+    so every stop (e-stop, watchdog, fault, a refused decision, shutdown) reaches the robot.
+    ``message``: the WebRtcReq class (default: imported from go2_interfaces)."""
+
+    name = "go2_webrtc"
+
+    def __init__(self, node: Node, topic: str, message=None):
+        if message is None:
+            try:
+                from go2_interfaces.msg import WebRtcReq as message
+            except ImportError as exc:
+                raise ImportError("backend 'go2_webrtc' needs go2_ros2_sdk's go2_interfaces message package "
+                                  "(github.com/abizovnuralem/go2_ros2_sdk: build it in your workspace and source "
+                                  "it), or use backend 'twist' (whose zero Twist that stack drops)") from exc
+        self.message = message
+        self.publisher = node.create_publisher(message, topic, RELIABLE_QOS)
+
+    def send(self, command) -> None:
+        api_id, parameter, priority = webrtc_request(command)
+        msg = self.message()
+        msg.id, msg.topic, msg.api_id, msg.parameter, msg.priority = 0, GO2_WEBRTC_SPORT_TOPIC, api_id, parameter, priority
+        self.publisher.publish(msg)
+
+
+BACKENDS = {"twist": (TwistBackend, topics.CMD_VEL), "go2_webrtc": (Go2WebRtcBackend, topics.WEBRTC_REQ),
+            "unitree_sport": (SportBackend, topics.SPORT_REQUEST)}
+
+
 class NavigatorNode(Node):
-    def __init__(self, **kwargs):
+    """``backend_factory(node, name)`` (tests): the motion backend to use instead of BACKENDS[name]."""
+
+    def __init__(self, backend_factory=None, **kwargs):
         super().__init__("navigator", **kwargs)
         p = self.p = declare_parameters(self, params.NAVIGATOR)
-        if p["backend"] == "unitree_sport" and p["control_rate_hz"] < SPORT_MIN_RATE_HZ:
+        if p["backend"] != "twist" and p["control_rate_hz"] < SPORT_MIN_RATE_HZ:
             raise ValueError(f"control_rate_hz {p['control_rate_hz']} is too low for the sport API: Move must be "
                              f"streamed at >= {SPORT_MIN_RATE_HZ:g} Hz")
         limits = MotionLimits(p["max_linear_mps"], p["max_angular_rps"], p["max_linear_accel_mps2"],
@@ -78,8 +113,11 @@ class NavigatorNode(Node):
         self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                         p["stall_timeout_s"])
         self._lock = threading.Lock()
-        self.backend = TwistBackend(self, topics.CMD_VEL) if p["backend"] == "twist" \
-            else SportBackend(self, topics.SPORT_REQUEST)
+        if backend_factory is not None:
+            self.backend = backend_factory(self, p["backend"])
+        else:
+            backend, topic = BACKENDS[p["backend"]]
+            self.backend = backend(self, topic)
         self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
         self._published_state = None
         self._state_since_ns = now_ns(self)
@@ -105,6 +143,16 @@ class NavigatorNode(Node):
 
     def _now_s(self) -> float:
         return now_ns(self) * NS
+
+    def close(self) -> None:
+        """Shutting down (run_node and the in-process graph call this before destroying the node):
+        a last stop goes out on the backend, so a sport-API robot does not keep its last Move until
+        its own timeout. Best effort: after an external shutdown the context may be gone."""
+        with self._lock:
+            try:
+                self.backend.send(ZERO)
+            except Exception as exc:  # noqa: BLE001 - the context or the link may already be gone
+                self.get_logger().warning(f"no stop sent at shutdown: {exc}")
 
     def on_decision(self, msg) -> None:
         now = self._now_s()

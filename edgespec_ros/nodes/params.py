@@ -118,12 +118,15 @@ DRAFTER = (
 )
 
 NAVIGATOR = (
-    P("backend", "twist", "twist: geometry_msgs/Twist on cmd_vel (go2_ros2_sdk, twist_mux); unitree_sport: "
-                          "unitree_api/msg/Request (Move 1008 / StopMove 1003), needs unitree_api",
-      choices=("twist", "unitree_sport")),
+    P("backend", "twist", "twist: geometry_msgs/Twist on cmd_vel (twist_mux, nav2; NOT a stop on go2_ros2_sdk, "
+                          "which drops an all-zero Twist); go2_webrtc: go2_ros2_sdk's go2_interfaces/msg/WebRtcReq "
+                          "on webrtc_req (Move 1008 streamed, StopMove 1003 with priority), needs go2_interfaces; "
+                          "unitree_sport: unitree_ros2's unitree_api/msg/Request (Move 1008 / StopMove 1003), "
+                          "needs unitree_api",
+      choices=("twist", "go2_webrtc", "unitree_sport")),
     P("use_odometry", True, "track primitives on odometry when it is fresh (else timed)"),
     P("odom_timeout_s", 0.5, "odometry older than this is stale: fall back to timed execution", min_value=0.01),
-    P("control_rate_hz", 20.0, "velocity command rate (the sport API needs >= 20 Hz)", min_value=1.0,
+    P("control_rate_hz", 20.0, "velocity command rate (the sport API backends need >= 20 Hz)", min_value=1.0,
       max_value=200.0),
     P("max_linear_mps", 0.5, "forward speed limit", min_value=0.01),
     P("max_angular_rps", 1.0, "yaw rate limit", min_value=0.01),

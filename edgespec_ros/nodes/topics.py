@@ -19,6 +19,7 @@ DECODING_STATS = "decoding_stats"
 MOTION_STATE = "navigator/state"
 CMD_VEL = "cmd_vel"
 SPORT_REQUEST = "/api/sport/request"
+WEBRTC_REQ = "webrtc_req"  # go2_ros2_sdk's request topic (robotN/webrtc_req in its multi-robot mode)
 ESTOP = "estop"
 ODOM = "odom"
 MARKERS = "monitor/markers"
@@ -59,6 +60,7 @@ NODE_TOPICS = {
         T(ESTOP, "std_msgs/Bool", "in", "true stops at once and refuses decisions until false"),
         T(ODOM, "nav_msgs/Odometry", "in", "closed-loop primitives (use_odometry)"),
         T(CMD_VEL, "geometry_msgs/Twist", "out", "backend twist (go2_ros2_sdk, twist_mux)"),
+        T(WEBRTC_REQ, "go2_interfaces/WebRtcReq", "out", "backend go2_webrtc (go2_ros2_sdk: Move 1008 / StopMove 1003)"),
         T(SPORT_REQUEST, "unitree_api/Request", "out", "backend unitree_sport (Move 1008 / StopMove 1003)"),
         T(MOTION_STATE, "edgespec_ros/MotionState", "out", "what the navigator is doing (latched)"),
     ),
