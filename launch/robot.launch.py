@@ -1,4 +1,4 @@
-"""The robot: drafter (lifecycle, configured and activated here), navigator, monitor and, optionally,
+"""The robot: drafter and navigator (lifecycle nodes, configured and activated here), monitor and, optionally,
 the camera node, talking to a cloud verifier at ``server_url``.
 
     ros2 launch edgespec_ros robot.launch.py server_url:=wss://cloud:8765 token_file:=/etc/edgespec/token
@@ -94,6 +94,18 @@ def _remappings(context, role):
     return [(DEFAULT_IMAGE_TOPIC, image), (DEFAULT_IMAGE_TOPIC + "/compressed", image + "/compressed")]
 
 
+def _started(node) -> list:
+    """A lifecycle node and what brings it up: configure, then activate once it is inactive (a
+    failure is logged by the node, and it stays down)."""
+    return [node,
+            RegisterEventHandler(OnStateTransition(
+                target_lifecycle_node=node, goal_state="inactive",
+                entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                                      transition_id=Transition.TRANSITION_ACTIVATE))])),
+            EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                        transition_id=Transition.TRANSITION_CONFIGURE))]
+
+
 def _launch_setup(context, *args, **kwargs):
     namespace = LaunchConfiguration("namespace").perform(context)
     actions = []
@@ -101,21 +113,15 @@ def _launch_setup(context, *args, **kwargs):
         actions.append(Node(package=PACKAGE, executable="camera", name="camera", namespace=namespace,
                             output="screen", parameters=_parameters(context, "camera"),
                             remappings=_remappings(context, "camera")))
-    drafter = LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
-                            output="screen", parameters=_parameters(context, "drafter"),
-                            remappings=_remappings(context, "drafter"))
-    actions.append(drafter)
-    # configure -> (inactive) -> activate: the model loads on configure; a failure is logged by the node
-    actions.append(RegisterEventHandler(OnStateTransition(
-        target_lifecycle_node=drafter, goal_state="inactive",
-        entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
-                                              transition_id=Transition.TRANSITION_ACTIVATE))])))
-    actions.append(EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
-                                               transition_id=Transition.TRANSITION_CONFIGURE)))
+    # The two lifecycle nodes: the drafter loads its model on configure; the navigator commands
+    # motion only once active, and stops the robot when deactivated or shut down.
+    actions += _started(LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
+                                      output="screen", parameters=_parameters(context, "drafter"),
+                                      remappings=_remappings(context, "drafter")))
     mux = _true(context, "twist_mux")
-    actions.append(Node(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
-                        output="screen", parameters=_parameters(context, "navigator"),
-                        remappings=[TWIST_MUX_NAVIGATOR_REMAP] if mux else []))
+    actions += _started(LifecycleNode(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
+                                      output="screen", parameters=_parameters(context, "navigator"),
+                                      remappings=[TWIST_MUX_NAVIGATOR_REMAP] if mux else []))
     if mux:
         mux_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "twist_mux.yaml"]).perform(context)
         actions.append(Node(package="twist_mux", executable="twist_mux", name="twist_mux", namespace=namespace,

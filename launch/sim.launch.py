@@ -1,5 +1,5 @@
-"""The simulated Go2 on one machine: sim_robot, a local verifier process, drafter (lifecycle,
-configured and activated here), navigator and monitor, optionally rviz2.
+"""The simulated Go2 on one machine: sim_robot, a local verifier process, drafter and navigator (lifecycle,
+configured and activated here), and monitor, optionally rviz2.
 
     ros2 launch edgespec_ros sim.launch.py                       # then send the command:
     ros2 topic pub --once /command std_msgs/msg/String "{data: 'find the silver bottle'}"
@@ -61,6 +61,18 @@ def _parameters(context, role):
     return params
 
 
+def _started(node) -> list:
+    """A lifecycle node and what brings it up: configure, then activate once it is inactive (a
+    failure is logged by the node, and it stays down)."""
+    return [node,
+            RegisterEventHandler(OnStateTransition(
+                target_lifecycle_node=node, goal_state="inactive",
+                entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                                      transition_id=Transition.TRANSITION_ACTIVATE))])),
+            EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                        transition_id=Transition.TRANSITION_CONFIGURE))]
+
+
 def _launch_setup(context, *args, **kwargs):
     namespace = LaunchConfiguration("namespace").perform(context)
     verifier = PathJoinSubstitution([FindPackagePrefix(PACKAGE), "lib", PACKAGE, "verifier"]).perform(context)
@@ -73,18 +85,11 @@ def _launch_setup(context, *args, **kwargs):
         Node(package=PACKAGE, executable="sim_robot", name="sim_robot", namespace=namespace, output="screen",
              parameters=_parameters(context, "sim_robot")),
     ]
-    drafter = LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
-                            output="screen", parameters=_parameters(context, "drafter"))
+    actions += _started(LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
+                                      output="screen", parameters=_parameters(context, "drafter")))
+    actions += _started(LifecycleNode(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
+                                      output="screen", parameters=_parameters(context, "navigator")))
     actions += [
-        drafter,
-        RegisterEventHandler(OnStateTransition(
-            target_lifecycle_node=drafter, goal_state="inactive",
-            entities=[EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
-                                                  transition_id=Transition.TRANSITION_ACTIVATE))])),
-        EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(drafter),
-                                    transition_id=Transition.TRANSITION_CONFIGURE)),
-        Node(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace, output="screen",
-             parameters=_parameters(context, "navigator")),
         Node(package=PACKAGE, executable="monitor", name="monitor", namespace=namespace, output="screen",
              parameters=_parameters(context, "monitor")),
     ]

@@ -263,6 +263,37 @@ def test_go2_webrtc_backend_stops_the_robot_on_every_stop_path():
     assert stop and stop[-1].api_id == SPORT_API_STOP_MOVE and stop[-1].priority == 1, "no StopMove at shutdown"
 
 
+def test_the_navigator_is_a_lifecycle_node_that_stops_the_robot_before_it_stops_listening():
+    """Only an active navigator commands motion; deactivating it while it moves sends the stop
+    first (StopMove here) and it then ignores decisions; activated again, it drives; a missing
+    backend package fails configure, loudly, and leaves it unconfigured."""
+    from edgespec_ros.control.motion import SPORT_API_MOVE, SPORT_API_STOP_MOVE
+    from edgespec_ros.nodes.navigator import Go2WebRtcBackend
+    recorder = _Recorder()
+    factory = lambda node, name: Go2WebRtcBackend(recorder, "webrtc_req", message=WebRtcReq)  # noqa: E731
+    overrides = {"navigator": {"backend": "go2_webrtc", "use_odometry": False}}
+    with graph(("navigator",), overrides=overrides, node_kwargs={"navigator": {"backend_factory": factory}}) as g:
+        probe, nav = navigator_probe(g), g.nodes["navigator"]
+        probe.publish_when_matched("decision", decision_msg(probe, "Action: move forward 2 m"))
+        wait_until(lambda: [m for _, m in recorder.requests() if m.api_id == SPORT_API_MOVE], what="Move")
+        t0 = time.monotonic()
+        assert nav.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+        after = [(t, m) for t, m in recorder.requests() if t > t0]
+        assert after and after[0][1].api_id == SPORT_API_STOP_MOVE, "the stop goes out before motion is disabled"
+        probe.publisher(VerifiedAction, "decision", RELIABLE_QOS).publish(decision_msg(probe, "Action: turn left large"))
+        time.sleep(0.5)
+        assert not [m for t, m in recorder.requests() if t > t0 and m.api_id == SPORT_API_MOVE], "moved while inactive"
+        assert nav.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        t1 = time.monotonic()
+        probe.publish_when_matched("decision", decision_msg(probe, "Action: turn left large"))
+        wait_until(lambda: [m for t, m in recorder.requests() if t > t1 and m.api_id == SPORT_API_MOVE],
+                   what="motion once active again")
+    broken = lambda node, name: Go2WebRtcBackend(recorder, "webrtc_req")  # noqa: E731 - no go2_interfaces here
+    with pytest.raises(RuntimeError, match="navigator configure failed: .*go2_interfaces"):
+        with graph(("navigator",), overrides=overrides, node_kwargs={"navigator": {"backend_factory": broken}}):
+            pass
+
+
 def test_the_go2_webrtc_backend_names_its_missing_message_package():
     from edgespec_ros.nodes.navigator import Go2WebRtcBackend
     with pytest.raises(ImportError, match="go2_interfaces"):

@@ -113,6 +113,13 @@ class Graph:
                     set_logger_level(logger, getattr(LoggingSeverity, self.log_level.upper()))
                 self.nodes[role] = factories[role](context=self.context, cli_args=cli, parameter_overrides=params,
                                                    **self.node_kwargs.get(role, {}))
+            navigator = self.nodes.get("navigator")
+            if navigator is not None:  # as the launch files do: it commands motion only once active
+                from rclpy.lifecycle import TransitionCallbackReturn
+                for name, trigger in (("configure", navigator.trigger_configure),
+                                      ("activate", navigator.trigger_activate)):
+                    if trigger() != TransitionCallbackReturn.SUCCESS:
+                        raise RuntimeError(f"navigator {name} failed: {navigator.last_error}")
             # One executor for the whole graph: several MultiThreadedExecutors in one process
             # starve each other's timers (measured: 0.3-0.9 s stalls), one does not.
             self.executor = MultiThreadedExecutor(num_threads=self.threads, context=self.context)
@@ -157,11 +164,13 @@ class Graph:
         if self._thread is not None:
             self._thread.join(10.0)  # the spin must be over before the nodes are destroyed
             self._thread = None
-        drafter = self.nodes.get("drafter")
-        if drafter is not None:
+        for role in ("drafter", "navigator"):  # the drafter publishes a stop, the navigator stops the robot
+            node = self.nodes.get(role)
+            if node is None:
+                continue
             try:
-                if drafter._state_machine.current_state[1] == "active":
-                    drafter.trigger_deactivate()  # publishes a stop when a command was running
+                if node._state_machine.current_state[1] == "active":
+                    node.trigger_deactivate()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
         for node in list(self.nodes.values()) + self.extra_nodes:

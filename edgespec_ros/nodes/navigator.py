@@ -13,6 +13,7 @@ import threading
 from geometry_msgs.msg import Twist
 from nav_msgs.msg import Odometry
 from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.node import Node
 from std_msgs.msg import Bool
 
@@ -98,48 +99,115 @@ BACKENDS = {"twist": (TwistBackend, topics.CMD_VEL), "go2_webrtc": (Go2WebRtcBac
             "unitree_sport": (SportBackend, topics.SPORT_REQUEST)}
 
 
-class NavigatorNode(Node):
-    """``backend_factory(node, name)`` (tests): the motion backend to use instead of BACKENDS[name]."""
+class NavigatorNode(LifecycleNode):
+    """The one node that commands motion, so a lifecycle node (as nav2's controllers): configure
+    reads the limits and opens the backend, activate enables motion (subscriptions, the control
+    timer), deactivate and shutdown stop the robot first. Launch files drive the transitions (the
+    in-process graph does as they do); ``autostart`` (for ``ros2 run``) configures and activates at
+    start-up. ``backend_factory(node, name)`` (tests): the backend to use instead of BACKENDS[name]."""
 
     def __init__(self, backend_factory=None, **kwargs):
         super().__init__("navigator", **kwargs)
-        p = self.p = declare_parameters(self, params.NAVIGATOR)
-        if p["backend"] != "twist" and p["control_rate_hz"] < SPORT_MIN_RATE_HZ:
-            raise ValueError(f"control_rate_hz {p['control_rate_hz']} is too low for the sport API: Move must be "
-                             f"streamed at >= {SPORT_MIN_RATE_HZ:g} Hz")
-        limits = MotionLimits(p["max_linear_mps"], p["max_angular_rps"], p["max_linear_accel_mps2"],
-                              p["max_angular_accel_rps2"], p["min_linear_mps"], p["min_angular_rps"],
-                              p["position_tolerance_m"], math.radians(p["angle_tolerance_deg"]))
-        self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
-                                        p["stall_timeout_s"])
+        self.p = declare_parameters(self, params.NAVIGATOR)
+        self._backend_factory = backend_factory
         self._lock = threading.Lock()
-        if backend_factory is not None:
-            self.backend = backend_factory(self, p["backend"])
-        else:
-            backend, topic = BACKENDS[p["backend"]]
-            self.backend = backend(self, topic)
-        self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
+        self.executor_: MotionExecutor | None = None
+        self.backend = None
+        self.state_pub = None
+        self._entities: list = []
         self._published_state = None
         self._state_since_ns = now_ns(self)
+        self.last_error = ""
 
-        # Reentrant + self._lock (held only for microseconds): the e-stop never queues behind another
-        # callback in the executor, and no group has several entities due at once (a mutually
-        # exclusive group in that state made rclpy's MultiThreadedExecutor stall timers by 0.3-0.9 s).
-        control = safety = ReentrantCallbackGroup()
-        self.create_subscription(VerifiedAction, topics.DECISION, self.on_decision, RELIABLE_QOS,
-                                 callback_group=control)
-        self.create_subscription(Bool, topics.ESTOP, self.on_estop, RELIABLE_QOS, callback_group=safety)
-        if p["use_odometry"]:
-            self.create_subscription(Odometry, topics.ODOM, self.on_odometry, SENSOR_STREAM_QOS,
-                                     callback_group=control)
-        self.create_timer(1.0 / p["control_rate_hz"], self.on_control, callback_group=control)
-        self._publish_state()
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_configure(self, state) -> TransitionCallbackReturn:
+        p = self.p  # read-only parameters, validated when declared
+        try:
+            if p["backend"] != "twist" and p["control_rate_hz"] < SPORT_MIN_RATE_HZ:
+                raise ValueError(f"control_rate_hz {p['control_rate_hz']} is too low for the sport API: Move must "
+                                 f"be streamed at >= {SPORT_MIN_RATE_HZ:g} Hz")
+            limits = MotionLimits(p["max_linear_mps"], p["max_angular_rps"], p["max_linear_accel_mps2"],
+                                  p["max_angular_accel_rps2"], p["min_linear_mps"], p["min_angular_rps"],
+                                  p["position_tolerance_m"], math.radians(p["angle_tolerance_deg"]))
+            if self._backend_factory is not None:
+                backend = self._backend_factory(self, p["backend"])
+            else:
+                kind, topic = BACKENDS[p["backend"]]
+                backend = kind(self, topic)
+        except (ValueError, ImportError) as exc:
+            self.last_error = str(exc)
+            self.get_logger().error(f"configure failed: {exc}")
+            return TransitionCallbackReturn.FAILURE
+        with self._lock:
+            self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
+                                            p["stall_timeout_s"])
+            self.backend = backend
+            self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
+            self._published_state = None
+            self._publish_state()
         longest = limits.duration_s(parse_action("move forward 2 m"))
         if longest >= p["watchdog_timeout_s"]:
             self.get_logger().warning(f"watchdog_timeout_s {p['watchdog_timeout_s']:g} s is shorter than the longest "
                                    f"move ({longest:.1f} s at these limits): long moves will be cut short")
         self.get_logger().info(f"navigator: backend {self.backend.name}, limits {limits.max_linear_mps:g} m/s "
                                f"{limits.max_angular_rps:g} rad/s, watchdog {p['watchdog_timeout_s']:g} s")
+        return super().on_configure(state)
+
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        # Reentrant + self._lock (held only for microseconds): the e-stop never queues behind another
+        # callback in the executor, and no group has several entities due at once (a mutually
+        # exclusive group in that state made rclpy's MultiThreadedExecutor stall timers by 0.3-0.9 s).
+        control = safety = ReentrantCallbackGroup()
+        self._entities = [
+            self.create_subscription(VerifiedAction, topics.DECISION, self.on_decision, RELIABLE_QOS,
+                                     callback_group=control),
+            self.create_subscription(Bool, topics.ESTOP, self.on_estop, RELIABLE_QOS, callback_group=safety),
+            self.create_timer(1.0 / self.p["control_rate_hz"], self.on_control, callback_group=control),
+        ]
+        if self.p["use_odometry"]:
+            self._entities.append(self.create_subscription(Odometry, topics.ODOM, self.on_odometry,
+                                                           SENSOR_STREAM_QOS, callback_group=control))
+        self.get_logger().info("active: motion enabled")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        self._halt("navigator deactivated")
+        self.get_logger().info("deactivated: robot stopped, motion disabled")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state) -> TransitionCallbackReturn:
+        self._halt("navigator cleaned up")
+        with self._lock:
+            if self.state_pub is not None:
+                self.destroy_publisher(self.state_pub)
+            self.backend = self.executor_ = self.state_pub = None
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        self._halt("navigator shutting down")
+        return super().on_shutdown(state)
+
+    def _halt(self, reason: str) -> None:
+        """Stop the robot first (the backend's stop, whatever the executor was doing), then
+        forget the running decision and disable motion (no subscriptions, no control timer)."""
+        for entity in self._entities:
+            if hasattr(entity, "cancel"):
+                entity.cancel()
+        with self._lock:
+            if self.backend is not None:
+                self.backend.send(ZERO)
+            if self.executor_ is not None:
+                now = self._now_s()
+                self.executor_.on_decision(now, None, reason=reason, refusal=FAULT)
+                self.executor_.update(now)
+                self._publish_state()
+        for entity in self._entities:
+            if hasattr(entity, "cancel"):
+                self.destroy_timer(entity)
+            else:
+                self.destroy_subscription(entity)
+        self._entities = []
 
     def _now_s(self) -> float:
         return now_ns(self) * NS
@@ -149,6 +217,8 @@ class NavigatorNode(Node):
         a last stop goes out on the backend, so a sport-API robot does not keep its last Move until
         its own timeout. Best effort: after an external shutdown the context may be gone."""
         with self._lock:
+            if self.backend is None:  # never configured, or cleaned up: nothing to stop
+                return
             try:
                 self.backend.send(ZERO)
             except Exception as exc:  # noqa: BLE001 - the context or the link may already be gone
@@ -238,7 +308,19 @@ class NavigatorNode(Node):
 
 
 def main(args=None) -> int:
-    return run_node(NavigatorNode, args)
+    return run_node(make_navigator, args)
+
+
+def make_navigator(**kwargs) -> NavigatorNode:
+    """A navigator; with ``autostart`` it configures and activates itself (RuntimeError if it cannot)."""
+    node = NavigatorNode(**kwargs)
+    if node.p["autostart"]:
+        if node.trigger_configure() != TransitionCallbackReturn.SUCCESS or \
+                node.trigger_activate() != TransitionCallbackReturn.SUCCESS:
+            error = node.last_error or "see the log"
+            node.destroy_node()
+            raise RuntimeError(f"navigator autostart: {error}")
+    return node
 
 
 if __name__ == "__main__":

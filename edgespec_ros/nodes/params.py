@@ -124,6 +124,8 @@ NAVIGATOR = (
                           "unitree_sport: unitree_ros2's unitree_api/msg/Request (Move 1008 / StopMove 1003), "
                           "needs unitree_api",
       choices=("twist", "go2_webrtc", "unitree_sport")),
+    P("autostart", False, "configure and activate at startup (for `ros2 run`; launch files drive the "
+                          "lifecycle themselves)"),
     P("use_odometry", True, "track primitives on odometry when it is fresh (else timed)"),
     P("odom_timeout_s", 0.5, "odometry older than this is stale: fall back to timed execution", min_value=0.01),
     P("control_rate_hz", 20.0, "velocity command rate (the sport API backends need >= 20 Hz)", min_value=1.0,
