@@ -30,6 +30,10 @@ PACKAGE = "edgespec_ros"
 # (config/twist_mux.yaml; test_launch_config checks the two agree).
 TWIST_MUX_NAVIGATOR_REMAP = ("cmd_vel", "cmd_vel_nav")
 TWIST_MUX_OUTPUT_REMAP = ("cmd_vel_out", "cmd_vel")
+# collision_monitor:=true: the navigator's Twist goes through nav2's collision monitor first
+# (config/collision_monitor.yaml names these two topics; test_launch_config checks they agree).
+COLLISION_MONITOR_INPUT = "cmd_vel_raw"
+COLLISION_MONITOR_OUTPUT = "cmd_vel_cm"
 
 # node -> {parameter: launch argument that overrides it (strings only)}
 ROLE_ARGS = {
@@ -58,6 +62,10 @@ ARGUMENTS = [
     ("use_monitor", "true", "start the monitor (markers, annotated image, diagnostics)"),
     ("twist_mux", "false", "start twist_mux with config/twist_mux.yaml (teleop on cmd_vel_joy above the navigator, "
                            "estop lock) in front of cmd_vel; the navigator then publishes cmd_vel_nav"),
+    ("collision_monitor", "false", "start nav2's collision_monitor with config/collision_monitor.yaml between the "
+                                   "navigator (twist backend) and cmd_vel or twist_mux, fed by pointcloud_topic"),
+    ("pointcloud_topic", "point_cloud2", "the Go2's point cloud for collision_monitor (go2_ros2_sdk: point_cloud2; "
+                                         "unitree_ros2: /utlidar/cloud)"),
     ("rviz", "false", "start rviz2 with config/edgespec.rviz"),
     ("namespace", "", "namespace of all nodes"),
     ("config_dir", "", "directory of the <node>.yaml files ('' = this package's share/config)"),
@@ -118,10 +126,20 @@ def _launch_setup(context, *args, **kwargs):
     actions += _started(LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
                                       output="screen", parameters=_parameters(context, "drafter"),
                                       remappings=_remappings(context, "drafter")))
-    mux = _true(context, "twist_mux")
+    mux, guard = _true(context, "twist_mux"), _true(context, "collision_monitor")
+    # Where the navigator's Twist goes: straight to cmd_vel, into twist_mux, or through the
+    # collision monitor first (which then feeds the mux or cmd_vel).
+    navigator_out = COLLISION_MONITOR_INPUT if guard else (TWIST_MUX_NAVIGATOR_REMAP[1] if mux else "cmd_vel")
     actions += _started(LifecycleNode(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
                                       output="screen", parameters=_parameters(context, "navigator"),
-                                      remappings=[TWIST_MUX_NAVIGATOR_REMAP] if mux else []))
+                                      remappings=[("cmd_vel", navigator_out)] if navigator_out != "cmd_vel" else []))
+    if guard:
+        cm_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "collision_monitor.yaml"]).perform(context)
+        cloud = LaunchConfiguration("pointcloud_topic").perform(context)
+        actions += _started(LifecycleNode(
+            package="nav2_collision_monitor", executable="collision_monitor", name="collision_monitor",
+            namespace=namespace, output="screen", parameters=[cm_config, {"pointcloud.topic": cloud}],
+            remappings=[(COLLISION_MONITOR_OUTPUT, TWIST_MUX_NAVIGATOR_REMAP[1] if mux else "cmd_vel")]))
     if mux:
         mux_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "twist_mux.yaml"]).perform(context)
         actions.append(Node(package="twist_mux", executable="twist_mux", name="twist_mux", namespace=namespace,

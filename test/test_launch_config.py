@@ -103,7 +103,7 @@ def test_every_launched_executable_exists(path):
         launcher = ROOT / "scripts" / "nodes" / executable
         assert launcher.is_file() and launcher.stat().st_mode & stat.S_IXUSR, f"{launcher} missing"
     external = {n[0] for n in launched_nodes(path) if n[0] != PACKAGE}
-    assert external <= {"rviz2", "twist_mux"}, f"unexpected external packages {external}"
+    assert external <= {"rviz2", "twist_mux", "nav2_collision_monitor"}, f"unexpected external packages {external}"
 
 
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
@@ -131,7 +131,8 @@ def yaml_parameters(role: str) -> dict:
 
 
 def test_one_config_file_per_node_role():
-    assert sorted(p.stem for p in (ROOT / "config").glob("*.yaml")) == sorted([*params.NODES, "twist_mux"])
+    assert sorted(p.stem for p in (ROOT / "config").glob("*.yaml")) == sorted([*params.NODES, "twist_mux",
+                                                                              "collision_monitor"])
     assert (ROOT / "config" / "edgespec.rviz").is_file()
 
 
@@ -177,6 +178,34 @@ def test_the_shipped_twist_mux_puts_teleop_above_the_navigator_and_the_estop_abo
     assert 3 * period <= topics["navigator"]["timeout"] <= 0.5
     # The navigator's own watchdog outlasts the mux timeout: the mux never holds a stale command.
     assert navigator["watchdog_timeout_s"] > topics["navigator"]["timeout"]
+
+
+GO2_NOSE_M = 0.35  # base_link to the Go2's front (its body is 0.70 x 0.31 m)
+
+
+def test_the_shipped_collision_monitor_stops_the_robot_before_it_reaches_an_obstacle():
+    """config/collision_monitor.yaml (collision_monitor:=true): its topics are the ones the launch
+    file remaps, and its stop polygon reaches past the Go2's nose by more than the navigator's
+    braking distance at its shipped speed and deceleration limits."""
+    cm = yaml.safe_load((ROOT / "config" / "collision_monitor.yaml").read_text())["collision_monitor"]["ros__parameters"]
+    tree = ast.parse((ROOT / "launch" / "robot.launch.py").read_text())
+    assert cm["cmd_vel_in_topic"] == module_constant(tree, "COLLISION_MONITOR_INPUT")
+    assert cm["cmd_vel_out_topic"] == module_constant(tree, "COLLISION_MONITOR_OUTPUT")
+    assert cm["base_frame_id"] == "base_link" and cm["odom_frame_id"] == names.ODOM
+    navigator = {s.name: s.default for s in params.NAVIGATOR} | yaml_parameters("navigator")
+    braking_m = navigator["max_linear_mps"] ** 2 / (2 * navigator["max_linear_accel_mps2"])
+    stops = [cm[name] for name in cm["polygons"] if cm[name]["action_type"] == "stop" and cm[name]["enabled"]]
+    assert stops, "no enabled stop polygon"
+    for polygon in stops:
+        points = yaml.safe_load(polygon["points"])
+        front = max(x for x, _ in points)
+        half_width = min(max(y for _, y in points), -min(y for _, y in points))
+        assert front >= GO2_NOSE_M + braking_m + 0.1, f"stop polygon ends {front} m ahead: the robot brakes into it"
+        assert half_width >= 0.31 / 2, "stop polygon narrower than the robot"
+    sources = [cm[s] for s in cm["observation_sources"]]
+    assert any(s["type"] == "pointcloud" and s["enabled"] for s in sources)
+    # a source older than this is ignored: it must outlast a few clouds (the Go2's lidar: ~10 Hz)
+    assert 0.3 <= cm["source_timeout"] <= 2.0
 
 
 def test_topics_are_renamed_by_remapping_not_parameters():
