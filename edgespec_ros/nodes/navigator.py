@@ -29,6 +29,17 @@ from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, dec
 NS = 1e-9
 
 
+def robot_message(backend: str, package: str, name: str, source: str, why: str = ""):
+    """The message class ``package``.msg.``name`` a Go2 backend publishes; ImportError naming the
+    package, where it comes from (``source``) and the way out, when it is not in the workspace."""
+    import importlib
+    try:
+        return getattr(importlib.import_module(f"{package}.msg"), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"backend '{backend}' needs the {package} message package ({source}: build it in your "
+                          f"workspace and source it), or use backend 'twist'{why}") from exc
+
+
 class TwistBackend:
     """geometry_msgs/Twist on cmd_vel (twist_mux, nav2, simulators). Not for go2_ros2_sdk: its cmd_vel
     path drops an all-zero Twist, so a stop never reaches the robot, which keeps its last velocity
@@ -52,12 +63,7 @@ class SportBackend:
     name = "unitree_sport"
 
     def __init__(self, node: Node, topic: str):
-        try:
-            from unitree_api.msg import Request
-        except ImportError as exc:
-            raise ImportError("backend 'unitree_sport' needs the unitree_api message package "
-                              "(github.com/unitreerobotics/unitree_ros2: build it in your workspace and source "
-                              "it), or use backend 'twist'") from exc
+        Request = robot_message(self.name, "unitree_api", "Request", "github.com/unitreerobotics/unitree_ros2")
         self.request_type = Request
         self.publisher = node.create_publisher(Request, topic, RELIABLE_QOS)
 
@@ -79,12 +85,8 @@ class Go2WebRtcBackend:
 
     def __init__(self, node: Node, topic: str, message=None):
         if message is None:
-            try:
-                from go2_interfaces.msg import WebRtcReq as message
-            except ImportError as exc:
-                raise ImportError("backend 'go2_webrtc' needs go2_ros2_sdk's go2_interfaces message package "
-                                  "(github.com/abizovnuralem/go2_ros2_sdk: build it in your workspace and source "
-                                  "it), or use backend 'twist' (whose zero Twist that stack drops)") from exc
+            message = robot_message(self.name, "go2_interfaces", "WebRtcReq", "go2_ros2_sdk, "
+                                    "github.com/abizovnuralem/go2_ros2_sdk", " (whose zero Twist that stack drops)")
         self.message = message
         self.publisher = node.create_publisher(message, topic, RELIABLE_QOS)
 
