@@ -27,6 +27,8 @@ setup(
         "safetensors>=0.4.3",
         "pillow>=10.0",
         "tqdm>=4.66",
+        "rosbags>=0.11.9",  # recordings: demo/sim bags, edgespec-bench --replay (MCAP and sqlite3, no ROS needed)
+        "prometheus-client>=0.26",  # the verifier's /metrics
     ],
     extras_require={
         "robot": ["opencv-python-headless>=4.8", "matplotlib>=3.7", "qwen-vl-utils>=0.0.14"],

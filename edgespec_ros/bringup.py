@@ -17,6 +17,7 @@ processes are ``processes``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     ap.add_argument("--max-faults", type=int, default=5,
                     help="give up after this many fault stops in a row (default 5)")
+    ap.add_argument("--record", action="store_true",
+                    help="record the run as a rosbag2 bag (MCAP) in <out>/bag: command, camera, decisions, cmd_vel, "
+                         "odometry, decoding stats, navigator state (ros2 bag play / Foxglove open it; "
+                         "edgespec-bench --replay decodes its frames again)")
     ap.add_argument("--verbose", action="store_true", help="show the nodes' INFO logs (default: warnings and errors)")
     return ap
 
@@ -180,9 +185,15 @@ def run_closed_loop(args) -> int:
         overrides = {"sim_robot": {"scenario": args.scenario}, "drafter": drafter_overrides}
         graph = Graph(config_dir=args.config_dir, params_file=args.params_file, overrides=overrides,
                       log_level=None if args.verbose else "warn")
-        with graph:
+        bag = None
+        with graph, contextlib.ExitStack() as recording:
             observer = Observer(graph.context, scenario)
             graph.add_node(observer.node)
+            if args.record:
+                from .bags import BagWriter
+                from .nodes.recorder import BagRecorder
+                bag = recording.enter_context(BagWriter(out / "bag"))
+                graph.add_node(BagRecorder(graph.context, bag).node)
             graph.activate_drafter()
             # torch and transformers leave millions of long-lived objects; without this, full garbage
             # collections triggered by message traffic pause every thread for ~0.1 s
@@ -217,6 +228,8 @@ def run_closed_loop(args) -> int:
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     print(f"\n  wrote {out}/trajectory.png, {saved} annotated frames in {out}/frames/, metrics.json")
+    if bag is not None:
+        print(f"  recorded {out}/bag: " + ", ".join(f"{t} {n}" for t, n in bag.counts.items()))
     return 0 if result["success"] else 1
 
 

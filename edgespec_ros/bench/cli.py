@@ -18,6 +18,8 @@ from .sweeps import SWEEPS, SweepOptions
 from ..models import resolve_models
 from ..processes import env_threads
 from .runner import add_speedups, bench_prompts, emulated_setup, format_table, run_modes
+from ..bags import PICKS, BagError, BagReplay
+from .. import topics
 
 
 def gamma_arg(text: str) -> int | str:
@@ -81,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=None, help="draft model dir (default: embedded draft)")
     ap.add_argument("--target", default=None, help="target model dir (default: embedded target)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
+    replay = ap.add_argument_group(
+        "replay", "--replay BAG decodes your own recording instead of simulated frames: a rosbag2 bag (MCAP "
+        "or sqlite3 directory, or one .mcap/.db3 file); each command is paired with the camera frames "
+        "that followed it; same rows, keys and plots; --decisions keeps the first pairs (default: all)")
+    replay.add_argument("--replay", default=None, metavar="BAG", help="the bag to replay")
+    replay.add_argument("--camera-topic", default=topics.IMAGE,
+                        help=f"sensor_msgs/Image or CompressedImage topic (default /{topics.IMAGE}; a namespaced "
+                             "one such as /robot0/camera/image_raw is found too)")
+    replay.add_argument("--command-topic", default=topics.COMMAND,
+                        help=f"std_msgs/String command topic (default /{topics.COMMAND})")
+    replay.add_argument("--decision-topic", default=topics.DECISION,
+                        help=f"the drafter's decisions, if recorded (default /{topics.DECISION})")
+    replay.add_argument("--replay-pick", default="auto", choices=list(PICKS),
+                        help="decided: the frames the recorded decisions used (and compare their text); every: "
+                             "one frame per --replay-every seconds after each command; auto (default): decided "
+                             "when the bag has decisions, else every")
+    replay.add_argument("--replay-every", type=float, default=1.0,
+                        help="seconds of bag time between replayed frames with --replay-pick every (default 1)")
     sweep = ap.add_argument_group("sweeps", "--sweep NAME runs a named sweep instead of the mode comparison: "
                                   + "; ".join(f"{s.name}: {s.summary}" for s in SWEEPS.values()))
     sweep.add_argument("--sweep", default=None, choices=list(SWEEPS), help="the sweep to run")
@@ -135,6 +155,13 @@ def run_sweep(args) -> int:
         print(f"edgespec-bench: --gammas must be in 1..64, got {args.gammas}", file=sys.stderr)
         return 2
     sweep = SWEEPS[args.sweep]
+    replay = None
+    if args.replay is not None:
+        try:
+            replay = replay_prompts(args)
+        except BagError as exc:
+            print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
+            return 2
     env_threads()
     pair = resolve_models(args.draft, args.target)
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -143,7 +170,7 @@ def run_sweep(args) -> int:
                         pipe_depth=args.pipe_depth, hostile=args.hostile,
                         hostile_kinds=args.hostile_kinds, robots=args.robots, draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
-                        episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds)
+                        episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -164,12 +191,47 @@ def write_json(path: str, rows) -> None:
     print(f"wrote {path}")
 
 
+def replay_prompts(args) -> BagReplay:
+    """--replay: the bag's (command, frame) pairs, scanned once with a progress bar."""
+    with tqdm(desc=f"scanning {os.path.basename(os.path.normpath(args.replay))}", unit="msg") as bar:
+        replay = BagReplay(args.replay, camera_topic=args.camera_topic, command_topic=args.command_topic,
+                           decision_topic=args.decision_topic, pick=args.replay_pick, every_s=args.replay_every,
+                           limit=args.decisions, progress=bar.update)
+    print(f"replay: {replay.describe()}")
+    return replay
+
+
+def replay_agreement(replay: BagReplay, texts: list[str], temperature: float) -> dict:
+    """How many replayed decisions repeat the recorded ones: counted over the recorded decisions that
+    were greedy (temperature 0), and only when this replay is greedy too (else None)."""
+    pairs = [(p.recorded, t) for p, t in zip(replay.pairs, texts)
+             if p.recorded is not None and p.recorded.temperature == 0]
+    if temperature != 0 or not pairs:
+        return {"recorded_greedy": len(pairs), "recorded_identical": None}
+    return {"recorded_greedy": len(pairs), "recorded_identical": sum(rec.text == text for rec, text in pairs)}
+
+
+def replay_report(rows: list[dict]) -> str:
+    """One line per mode: the replay against the decisions the bag recorded."""
+    lines = []
+    for r in rows:
+        if r["recorded_identical"] is None:
+            why = ("this replay samples (--temperature > 0)" if r["recorded_greedy"] else
+                   "the bag records no greedy decisions on these frames")
+            lines.append(f"replay vs recording [{r['mode']}]: not compared ({why})")
+        else:
+            lines.append(f"replay vs recording [{r['mode']}]: {r['recorded_identical']} of {r['recorded_greedy']} "
+                         "recorded greedy decisions repeated token for token")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.sweep:
         return run_sweep(args)
     args.compute = args.compute or "native"
-    args.decisions = args.decisions or 8
+    if args.replay is None:
+        args.decisions = args.decisions or 8
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in DECODING_MODES]
     if bad:
@@ -190,15 +252,28 @@ def main(argv=None) -> int:
     env_threads()
     compute = get_compute(args.compute)
     pair = resolve_models(args.draft, args.target)
-    prompts = bench_prompts(args.decisions, args.seed)
+    if args.replay is not None:
+        try:
+            prompts = replay_prompts(args)
+        except BagError as exc:
+            print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
+            return 2
+    else:
+        prompts = bench_prompts(args.decisions, args.seed)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
           f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits) as (draft_lm, url):
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
+        texts: dict[str, list[str]] = {m: [] for m in modes}
+
+        def on_decision(mode, _i, _instruction, decision):
+            texts[mode].append(decision.text)
+            bar.update(1)
+
         summaries = run_modes(draft_lm, url, modes, prompts, link=args.link, compute=compute, gamma=args.gamma,
                               max_new_tokens=args.max_new_tokens, params=params, seed=args.seed, codec=args.codec,
-                              on_decision=lambda *a: bar.update(1), workers=args.workers,
+                              on_decision=on_decision, workers=args.workers,
                               client_queue=args.client_queue, pipe_depth=args.pipe_depth,
                               pipe_truncate=args.pipe_truncate, pipe_fill_rows=args.pipe_fill_rows)
         bar.close()
@@ -208,7 +283,14 @@ def main(argv=None) -> int:
                                        | ({"pipe_truncate": args.pipe_truncate, "pipe_fill_rows": args.pipe_fill_rows}
                                           if m.startswith("pipe") else {})
                                        for m in modes]))
+    if args.replay is not None:
+        for r in rows:
+            r["source"] = f"bag:{args.replay}"
+            r.update(replay_agreement(prompts, texts[r["mode"]], args.temperature))
     print(format_table(rows, compute.emulated))
+    if args.replay is not None:
+        print()
+        print(replay_report(rows))
     if pipe.report(rows):
         print()
         print(pipe.report(rows))

@@ -166,7 +166,6 @@ def run_fleet(opts, progress) -> list[dict]:
     from ..decoding.engines import load_model
     from ..cloud.server import VerifierServer
     from ..cloud.thread import ServerThread
-    from .runner import bench_prompts
     robots_list = list(opts.robots or ROBOTS_DEFAULT)
     per_robot = opts.decisions or 4
     draft_s = (opts.draft_ms if opts.draft_ms is not None else DRAFT_MS_DEFAULT) / 1e3
@@ -175,7 +174,7 @@ def run_fleet(opts, progress) -> list[dict]:
         print("fleet: ray[serve] is not installed (pip install .[fleet]): no ray rows")
         verifiers.remove("ray")
     draft_lm, target_lm = load_model(opts.pair.draft_path), load_model(opts.pair.target_path)
-    prompts = bench_prompts(max(8, per_robot), opts.seed)
+    prompts = opts.prompts(max(8, per_robot))
     decisions = record(draft_lm, target_lm, prompts, (opts.gammas or [4])[0], opts.max_new_tokens)
     compute = get_compute(opts.compute or "native")
     bar = progress(len(verifiers) * sum(robots_list) * per_robot)

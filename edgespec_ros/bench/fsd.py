@@ -9,7 +9,7 @@ Every figure is measured end to end over a real websocket through the emulated l
 from __future__ import annotations
 
 from ..decoding.compute import get_compute
-from .runner import bench_prompts, emulated_setup, run_modes
+from .runner import emulated_setup, run_modes
 
 # FSD paper Table 8 (Unitree Go2 / Jetson Orin + A100, Qwen2-VL-2B/7B, gamma 4)
 PAPER_TABLE8 = {"tau": 2.92, "cache_miss_rate": 0.5563, "avg_exit_layer": 8, "exit_layers_of": 28,
@@ -144,7 +144,7 @@ def sweep_workers(opts, progress) -> list[dict]:
     workers = opts.workers_list or [1, 2, 4, 8, 16]
     link = (opts.links or ["go2-paper"])[0]
     compute = opts.compute or "go2-paper"
-    prompts = bench_prompts(opts.decisions or 3, opts.seed)
+    prompts = opts.prompts(opts.decisions or 3)
     bar = progress(len(prompts) * (len(workers) + 1))
     settings = [({"workers": 0}, "sd", {})] + [({"workers": w}, "fsd", {"workers": w}) for w in workers]
     rows = _setting_rows(opts.pair, link, compute, prompts, settings, progress=bar,
@@ -161,7 +161,7 @@ def sweep_gamma(opts, progress) -> list[dict]:
     gammas = opts.gammas or list(range(1, 11))
     link = (opts.links or ["go2-paper"])[0]
     compute = opts.compute or "go2-paper"
-    prompts = bench_prompts(opts.decisions or 2, opts.seed)
+    prompts = opts.prompts(opts.decisions or 2)
     bar = progress(len(prompts) * (1 + 2 * len(gammas)))
     w = opts.workers or 4
     settings = [({"setting": "ar"}, "ar", {})]
@@ -188,7 +188,7 @@ def sweep_queues(opts, progress) -> list[dict]:
     workers = opts.workers_list or [1, 2, 3]
     link = (opts.links or ["go2-paper"])[0]
     compute = opts.compute or "go2-paper"
-    prompts = bench_prompts(opts.decisions or 2, opts.seed)
+    prompts = opts.prompts(opts.decisions or 2)
     bar = progress(len(prompts) * len(clients) * len(servers) * len(workers))
     rows = []
     for server in servers:
@@ -204,7 +204,7 @@ def sweep_links(opts, progress) -> list[dict]:
     """AR, SD and FSD on each link profile (same compute)."""
     links = opts.links or ["lan", "go2-paper", "wifi-poor", "cellular"]
     compute = opts.compute or "go2-paper"
-    prompts = bench_prompts(opts.decisions or 2, opts.seed)
+    prompts = opts.prompts(opts.decisions or 2)
     bar = progress(len(prompts) * 3 * len(links))
     rows = []
     for link in links:

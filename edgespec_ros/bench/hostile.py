@@ -393,7 +393,6 @@ def _percentile(values: list[float], p: float) -> float:
 
 def run_hostile(opts, progress) -> list[dict]:
     from ..decoding.engines import load_model
-    from .runner import bench_prompts
     counts_n = list(opts.hostile or HOSTILE_N_DEFAULT)
     if 0 not in counts_n:
         counts_n = [0] + counts_n
@@ -402,7 +401,7 @@ def run_hostile(opts, progress) -> list[dict]:
     max_new = min(opts.max_new_tokens, 32)
     draft_lm = load_model(opts.pair.draft_path)
     info = _model_info(draft_lm, max_new)
-    prompts = bench_prompts(max(4, decisions), opts.seed)
+    prompts = opts.prompts(max(4, decisions))
     bar = progress(decisions * len(counts_n))
     # The robot and the cloud are different machines: on a machine with 2+ cores the good robot
     # (this process) keeps core 0, and the verifier and the hostile load share the others.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..decoding.compute import get_compute
 from .fsd import measured_terms
-from .runner import add_speedups, bench_prompts, emulated_setup, run_modes
+from .runner import add_speedups, emulated_setup, run_modes
 
 PIPE_MODES = ("pipe", "pipe+fsd")
 SWEEP_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
@@ -135,7 +135,7 @@ def sweep_modes(opts, progress) -> list[dict]:
     links = opts.links or ["go2-paper", "wifi-poor", "cellular"]
     compute_name = opts.compute or "go2-paper"
     compute = get_compute(compute_name)
-    prompts = bench_prompts(opts.decisions or 2, opts.seed)
+    prompts = opts.prompts(opts.decisions or 2)
     bar = progress(len(prompts) * len(SWEEP_MODES) * len(links))
     rows = []
     for link in links:

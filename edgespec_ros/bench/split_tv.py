@@ -16,7 +16,6 @@ from ..cloud.local import LocalVerifier
 from ..cloud.target import target_generate
 from ..decoding.engines import load_model
 from ..decoding.sampling import SamplingParams
-from .runner import bench_prompts
 
 KS = [0, 1, 3, 8, 32, 128]
 
@@ -27,7 +26,7 @@ def run(opts, progress) -> list[dict]:
     decoder = EdgeDecoder(draft, LocalVerifier(target))
     ks = KS
     temperature = (opts.temperatures or [1.0])[0]
-    prompts = bench_prompts(opts.decisions or 10, opts.seed)
+    prompts = opts.prompts(opts.decisions or 10)
     tv = {k: [] for k in ks}
     bar = progress(len(prompts))
     for i, (instruction, image) in enumerate(prompts):

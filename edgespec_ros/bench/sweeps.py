@@ -54,6 +54,13 @@ class SweepOptions:
     frames: int | None = None  # wisv sweep: held-out frames for the action agreement (card's 600)
     episodes: int | None = None  # wisv sweep: held-out closed-loop episodes (card's 120)
     closed_loop_thresholds: list[float] | None = None  # wisv sweep: thresholds run in closed loop (default all)
+    replay: object | None = None  # bags.BagReplay: decide on a recording's frames instead of simulated ones
+
+    def prompts(self, n: int):
+        """The first ``n`` (instruction, frame) pairs: held-out simulated scenes, or the replayed bag's."""
+        if self.replay is not None:
+            return self.replay.first(n)
+        return bench_prompts(n, self.seed)
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,7 @@ def run_codecs(opts: SweepOptions, progress) -> list[dict]:
     compute = get_compute(opts.compute or "native")
     decisions = opts.decisions or 2
     gamma = (opts.gammas or [4])[0]
-    prompts = bench_prompts(decisions, opts.seed)
+    prompts = opts.prompts(decisions)
     bar = progress(len(links) * (len(temperatures) * len(specs) * decisions + 1))
     rows = []
     for link in links:
@@ -281,7 +288,7 @@ def run_gamma_auto(opts: SweepOptions, progress) -> list[dict]:
               [(link, opts.compute or compute) for link, compute in GAMMA_AUTO_SETUPS])
     gammas = opts.gammas or GAMMA_AUTO_GAMMAS
     decisions = opts.decisions or 2
-    prompts = bench_prompts(AUTO_WARMUP + decisions, opts.seed)
+    prompts = opts.prompts(AUTO_WARMUP + decisions)
     measured = prompts[AUTO_WARMUP:]
     params = SamplingParams(opts.temperatures[0] if opts.temperatures else 0.0)
     bar = progress(len(setups) * ((len(gammas) + 2) * decisions + AUTO_WARMUP + 1))

@@ -24,7 +24,7 @@ from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..wire.link import get_profile
-from .runner import bench_prompts, emulated_setup
+from .runner import emulated_setup
 
 THRESHOLDS = [0.01, 0.05, 0.2]
 LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
@@ -178,7 +178,7 @@ def run_wisv(opts, progress) -> list[dict]:
     links = opts.links or LINKS
     thresholds = opts.thresholds or THRESHOLDS
     closed_loop = thresholds if opts.closed_loop_thresholds is None else opts.closed_loop_thresholds
-    prompts = bench_prompts(opts.decisions or 8, opts.seed)
+    prompts = opts.prompts(opts.decisions or 8)
     n_frames = 600 if opts.frames is None else opts.frames
     n_episodes = CARD_SCENARIOS if opts.episodes is None else min(opts.episodes, CARD_SCENARIOS)
     timed_bar = progress(len(links) * len(prompts) * (1 + len(UPLOADS) * len(thresholds)))

@@ -16,7 +16,8 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..imaging import jpeg_bytes, parse_camera_source
-from . import params, topics
+from .. import topics
+from . import params
 from .common import SENSOR_QOS, declare_parameters, now_ns, ns_to_time, rgb_to_image, run_node
 
 

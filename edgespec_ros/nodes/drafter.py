@@ -35,7 +35,8 @@ from ..robot.drafter import (ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEO
 from ..imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from ..wire.tokens import read_token
-from . import params, topics
+from .. import topics
+from . import params
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, guard_at_configure, image_to_rgb, \
     now_ns, ns_to_time, outcome_name, read_at_configure, run_node, set_action, time_to_ns
 
@@ -414,6 +415,7 @@ def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
     msg.rounds = outcome.rounds
     msg.tau = float(outcome.tau)
     msg.latency_s = float(outcome.latency_s)
+    msg.temperature = float(outcome.temperature)
     msg.fault = outcome.fault
     return msg
 

@@ -72,6 +72,7 @@ class DecisionOutcome:
     rounds: int = 0
     tau: float = 0.0
     latency_s: float = 0.0        # frame capture -> outcome ready
+    temperature: float = 0.0      # its sampling temperature (0: greedy)
     fault: str = ""
     metrics: DecisionMetrics | None = None
     generation: int = -1          # the command it belongs to (DrafterCore.generation then)
@@ -390,9 +391,9 @@ class DrafterCore:
                     on_partial(text)
 
         outcome: DecisionOutcome
+        cfg = s.decode_config(ticket.index, ticket.resample)
         try:
-            decision = self.decoder.decide(ticket.instruction, ticket.frame.image,
-                                           s.decode_config(ticket.index, ticket.resample), on_tokens=on_tokens)
+            decision = self.decoder.decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens)
         except DecisionCancelled:
             self._drop_connection()
             return self._finish(ticket, None)
@@ -406,6 +407,7 @@ class DrafterCore:
                                     frame_id=ticket.frame.frame_id, mode=s.mode, config=self.action_config)
         m = decision.metrics
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
+        outcome.temperature = cfg.params.temperature
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
 

@@ -134,7 +134,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         policy = VLMPolicy(load_model(args.model), max_new_tokens=args.max_new_tokens)
     except ModelLoadError as err:
         raise ValueError(str(err)) from None
-    report = evaluate_closed_loop(policy, scenarios, resample_temperature=args.resample_temperature)
+    report = evaluate_closed_loop(policy, scenarios, resample_temperature=args.resample_temperature,
+                                  bags_dir=args.bags)
     report["model"] = args.model
     for ep in report["per_scenario"]:
         print(f"  {ep['scenario']:<32} {'success' if ep['success'] else 'FAIL   '} steps {ep['steps']:>3} "
@@ -159,6 +160,10 @@ def _setup_eval(sub) -> None:
                         help="sample the decision after an unparseable one, or after a move into "
                              "something, at this temperature, as the drafter node does (its default: 0.7); "
                              "0 (default): greedy throughout")
+    parser.add_argument("--bags", default=None,
+                        help="write each episode as a rosbag2 bag (MCAP) in this folder, <folder>/<scenario>/: "
+                             "command, camera frames, decisions, odometry in simulated time (1 s per decision); "
+                             "replay them with edgespec-bench --replay")
     parser.set_defaults(func=cmd_eval)
 
 

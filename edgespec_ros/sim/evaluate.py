@@ -30,17 +30,24 @@ class EpisodeResult:
     actions: list[str] = field(default_factory=list)
 
 
-def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0) -> EpisodeResult:
+def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
+                recording=None) -> EpisodeResult:
     """Roll out `policy` (VLMPolicy-like: decide(image, instruction, temperature, seed) -> .action/.text)
-    in one scenario."""
+    in one scenario; ``recording`` (a bags.EpisodeRecording) writes it to a bag."""
     world = SimWorld(scenario)
     unparseable, actions = 0, []
     resample = False
+    if recording is not None:
+        recording.command(scenario.instruction, world.pose)
     while not world.done:
-        if resample and resample_temperature > 0:
-            out = policy.decide(world.camera_image(), scenario.instruction, resample_temperature, world.steps)
+        image = world.camera_image()
+        temperature = resample_temperature if resample and resample_temperature > 0 else 0.0
+        if temperature:
+            out = policy.decide(image, scenario.instruction, temperature, world.steps)
         else:
-            out = policy.decide(world.camera_image(), scenario.instruction)
+            out = policy.decide(image, scenario.instruction)
+        if recording is not None:
+            recording.decision(image, scenario.instruction, out, temperature)
         resample = out.action is None
         if out.action is None:
             unparseable += 1
@@ -49,14 +56,26 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0) -
             continue
         actions.append(out.action.text)
         resample = world.step(out.action).collided
+        if recording is not None:
+            recording.moved(world.pose)
     return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
                          round(world.goal_distance(), 3), actions)
 
 
 def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes",
-                         resample_temperature: float = 0.0) -> dict:
-    """Run every scenario; returns {'success_rate', 'episodes': [...], ...} (JSON-ready)."""
-    results = [run_episode(policy, s, resample_temperature) for s in tqdm(scenarios, desc=desc, unit="ep")]
+                         resample_temperature: float = 0.0, bags_dir=None) -> dict:
+    """Run every scenario; returns {'success_rate', 'episodes': [...], ...} (JSON-ready).
+    ``bags_dir``: write each episode as a bag there (``<dir>/<scenario>``)."""
+    results = []
+    for s in tqdm(scenarios, desc=desc, unit="ep"):
+        if bags_dir is None:
+            results.append(run_episode(policy, s, resample_temperature))
+            continue
+        from pathlib import Path
+
+        from ..bags import BagWriter, EpisodeRecording
+        with BagWriter(Path(bags_dir) / s.name) as bag:
+            results.append(run_episode(policy, s, resample_temperature, EpisodeRecording(bag)))
     n = len(results)
     return {
         "success_rate": sum(r.success for r in results) / n if n else 0.0,

@@ -1,0 +1,473 @@
+"""Recordings: rosbag2 bags (MCAP) written by the demo and the simulator, read back for replay.
+
+ROS-free: messages are CDR-serialized and parsed by ``rosbags`` (pure Python), so a bag is
+written and read with no ROS installation. A bag is a rosbag2 directory (``metadata.yaml`` +
+``<name>_0.mcap``) that ``ros2 bag play`` and Foxglove open as they are.
+
+    BagWriter   one bag: topics, then messages (already-serialized CDR bytes from rclpy, or
+                messages built here from plain values: image, string, odometry, decision)
+    EpisodeRecording  a simulated episode (edgespec-sim eval --bags) written to a BagWriter
+    BagReplay   the (command, camera frame) pairs of a bag, streamed: a first pass picks the pairs
+                from timestamps alone, each pass over the pairs reads only the frames it needs, so
+                a 10 GB bag never sits in memory
+    BagError    every problem with a bag (missing, truncated, no such topic, unknown encoding),
+                worded for the person who gave its path
+
+Topic names in a bag are absolute; ``find_topic`` also accepts a namespaced one
+(``/robot0/camera/image_raw`` for ``camera/image_raw``) when exactly one matches.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .imaging import ImageFormatError, raw_from_rgb, rgb_from_compressed, rgb_from_raw
+from . import topics
+
+NS = 1_000_000_000
+PACKAGE = "edgespec_ros"
+OWN_MESSAGES = ("VerifiedAction", "DecodingStats", "MotionState")
+IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
+STRING_TYPE = "std_msgs/msg/String"
+DECISION_TYPE = f"{PACKAGE}/msg/VerifiedAction"
+# frames decoded and kept between passes over a replay (above this, each pass re-reads the bag)
+FRAME_CACHE_BYTES = 256 * 2**20
+
+
+class BagError(ValueError):
+    """A bag cannot be written or replayed; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Types
+
+def _interface_dirs() -> list[Path]:
+    """Where this package's .msg files are: the ament share directories (a colcon install), the
+    venv's share/ (scripts/build_msgs.sh installs them there), then this checkout's msg/."""
+    prefixes = [p for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p] + [sys.prefix]
+    dirs = [Path(p) / "share" / PACKAGE / "msg" for p in prefixes]
+    dirs.append(Path(__file__).resolve().parents[1] / "msg")
+    return dirs
+
+
+@lru_cache(maxsize=1)
+def typestore():
+    """The ROS 2 Kilted standard types plus this package's messages (from their .msg files)."""
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    for name in OWN_MESSAGES:
+        path = next((d / f"{name}.msg" for d in _interface_dirs() if (d / f"{name}.msg").is_file()), None)
+        if path is not None:
+            store.register(get_types_from_msg(path.read_text(), f"{PACKAGE}/msg/{name}"))
+    return store
+
+
+def ros2_type(name: str) -> str:
+    """'sensor_msgs/Image' (the project's topic table) -> 'sensor_msgs/msg/Image' (a bag's)."""
+    pkg, _, rest = name.partition("/")
+    return name if rest.startswith("msg/") else f"{pkg}/msg/{rest}"
+
+
+def _stamp(ns: int):
+    t = typestore().types
+    return t["builtin_interfaces/msg/Time"](sec=int(ns // NS), nanosec=int(ns % NS))
+
+
+def _header(ns: int, frame_id: str):
+    return typestore().types["std_msgs/msg/Header"](stamp=_stamp(ns), frame_id=frame_id)
+
+
+def stamp_ns(stamp) -> int:
+    return int(stamp.sec) * NS + int(stamp.nanosec)
+
+
+def image_message(rgb: np.ndarray, stamp: int, frame_id: str = "camera", encoding: str = "rgb8"):
+    """A sensor_msgs/Image of an RGB array (rgb8 or bgr8)."""
+    h, w, step, data = raw_from_rgb(rgb, encoding)
+    return typestore().types["sensor_msgs/msg/Image"](
+        header=_header(stamp, frame_id), height=h, width=w, encoding=encoding, is_bigendian=0, step=step,
+        data=np.frombuffer(data, np.uint8))
+
+
+def string_message(text: str):
+    return typestore().types[STRING_TYPE](data=text)
+
+
+def twist_message(linear_x: float, angular_z: float):
+    t = typestore().types
+    vec = t["geometry_msgs/msg/Vector3"]
+    return t["geometry_msgs/msg/Twist"](linear=vec(x=float(linear_x), y=0.0, z=0.0),
+                                        angular=vec(x=0.0, y=0.0, z=float(angular_z)))
+
+
+def odometry_message(x: float, y: float, yaw: float, stamp: int, frame_id: str = "odom",
+                     child_frame_id: str = "base_link"):
+    """A nav_msgs/Odometry at a planar pose (zero twist, zero covariance)."""
+    t = typestore().types
+    pose = t["geometry_msgs/msg/Pose"](
+        position=t["geometry_msgs/msg/Point"](x=float(x), y=float(y), z=0.0),
+        orientation=t["geometry_msgs/msg/Quaternion"](x=0.0, y=0.0, z=math.sin(yaw / 2), w=math.cos(yaw / 2)))
+    vec = t["geometry_msgs/msg/Vector3"]
+    twist = t["geometry_msgs/msg/Twist"](linear=vec(x=0.0, y=0.0, z=0.0), angular=vec(x=0.0, y=0.0, z=0.0))
+    cov = np.zeros(36, np.float64)
+    return t["nav_msgs/msg/Odometry"](
+        header=_header(stamp, frame_id), child_frame_id=child_frame_id,
+        pose=t["geometry_msgs/msg/PoseWithCovariance"](pose=pose, covariance=cov),
+        twist=t["geometry_msgs/msg/TwistWithCovariance"](twist=twist, covariance=cov.copy()))
+
+
+KINDS = {"": 0, "stop": 1, "move": 2, "turn": 3}
+
+
+def decision_message(*, stamp: int, instruction: str, text: str, action=None, parse_error: str = "",
+                     reasoning: str = "", mode: str = "", tokens: int = 0, rounds: int = 0, latency_s: float = 0.0,
+                     temperature: float = 0.0, frame_id: str = "camera", fault: str = ""):
+    """An edgespec_ros/VerifiedAction from plain values (``action``: a parsed control.actions.Action
+    or None), as the drafter node fills it."""
+    store = typestore()
+    if DECISION_TYPE not in store.types:
+        raise BagError(f"cannot write {DECISION_TYPE}: its .msg file is in none of "
+                       f"{', '.join(str(d) for d in _interface_dirs())} (build the messages: make install)")
+    kind = action.kind if action is not None else ""
+    return store.types[DECISION_TYPE](
+        header=_header(stamp, frame_id), instruction=instruction,
+        action=action.text if action is not None else "", kind=KINDS[kind],
+        direction=getattr(action, "direction", "") or "" if action is not None else "",
+        size=getattr(action, "size", "") or "" if action is not None else "",
+        distance_m=float(action.distance_m) if action is not None and kind == "move" else 0.0,
+        angle_rad=float(action.angle_rad) if action is not None and kind == "turn" else 0.0,
+        reasoning=reasoning, text=text, mode=mode, parsed=action is not None, parse_error=parse_error,
+        tokens=tokens, rounds=rounds, tau=float(tokens / rounds) if rounds else 0.0, latency_s=float(latency_s),
+        temperature=float(temperature), fault=fault)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+class BagWriter:
+    """A rosbag2 bag in MCAP storage at ``path`` (a directory that must not exist yet).
+
+    ``add_topic(name, type)`` then ``write(name, t_ns, message)`` (a message built here) or
+    ``write_raw(name, t_ns, cdr_bytes)`` (what an rclpy raw subscription delivers). Thread-safe.
+    ``close()`` (or leaving the ``with`` block) writes the summary; a bag not closed is a truncated
+    MCAP file that ``BagReplay`` refuses with the way to recover it."""
+
+    def __init__(self, path: str | os.PathLike):
+        from rosbags.rosbag2 import StoragePlugin, Writer
+        from rosbags.rosbag2.enums import CompressionFormat, CompressionMode
+
+        self.path = Path(path)
+        if self.path.exists():
+            raise BagError(f"{self.path} exists: a bag is never overwritten; choose a new path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = Writer(self.path, version=Writer.VERSION_LATEST, storage_plugin=StoragePlugin.MCAP)
+        # zstd chunks, as `ros2 bag record --compression-mode storage` (camera frames shrink several times)
+        self._writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
+        self._writer.open()
+        self._connections: dict[str, object] = {}
+        self._types: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def add_topic(self, topic: str, msgtype: str) -> None:
+        topic = "/" + topic.lstrip("/")
+        msgtype = ros2_type(msgtype)
+        store = typestore()
+        if msgtype not in store.types:
+            raise BagError(f"cannot record {topic}: unknown message type {msgtype}")
+        with self._lock:
+            if topic not in self._connections:
+                self._connections[topic] = self._writer.add_connection(topic, msgtype, typestore=store)
+                self._types[topic] = msgtype
+                self.counts[topic] = 0
+
+    def write(self, topic: str, t_ns: int, message) -> None:
+        topic = "/" + topic.lstrip("/")
+        self.write_raw(topic, t_ns, typestore().serialize_cdr(message, self._types[topic]))
+
+    def write_raw(self, topic: str, t_ns: int, data: bytes) -> None:
+        topic = "/" + topic.lstrip("/")
+        with self._lock:
+            if self._writer is None:
+                return  # closed: late messages from a subscription are dropped
+            self._writer.write(self._connections[topic], int(t_ns), data)
+            self.counts[topic] += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+    def __enter__(self) -> "BagWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EpisodeRecording:
+    """A simulated episode (``sim.evaluate.run_episode``) in a bag, in simulated time, one decision
+    per ``period_s``: the command (t = 0), each decision's camera frame, the decision (a VerifiedAction whose stamp is
+    its frame's), and the odometry after the primitive ran. The simulator executes primitives, not
+    velocities, so there is no cmd_vel here (the demo's bag has it: ``edgespec-demo --record``)."""
+
+    def __init__(self, bag, period_s: float = 1.0):
+        self.bag, self.period_ns, self.t = bag, int(period_s * NS), 0
+        for name, kind in ((topics.COMMAND, "std_msgs/String"), (topics.IMAGE, "sensor_msgs/Image"),
+                           (topics.DECISION, "edgespec_ros/VerifiedAction"), (topics.ODOM, "nav_msgs/Odometry")):
+            bag.add_topic(name, kind)
+
+    def command(self, instruction: str, pose) -> None:
+        self.bag.write(topics.COMMAND, self.t, string_message(instruction))
+        self.bag.write(topics.ODOM, self.t + 1, odometry_message(pose.x, pose.y, pose.yaw_rad, self.t + 1))
+
+    def decision(self, image, instruction: str, out, temperature: float) -> None:
+        self.t += self.period_ns
+        frame_t = self.t
+        self.bag.write(topics.IMAGE, frame_t, image_message(image, frame_t))
+        self.bag.write(topics.DECISION, frame_t + 1, decision_message(
+            stamp=frame_t, instruction=instruction, text=out.text, action=out.action, parse_error=out.error or "",
+            mode="sim", tokens=out.tokens, temperature=temperature))
+
+    def moved(self, pose) -> None:
+        t = self.t + self.period_ns // 2
+        self.bag.write(topics.ODOM, t, odometry_message(pose.x, pose.y, pose.yaw_rad, t))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+@contextlib.contextmanager
+def _open_reader(path: Path):
+    """An open rosbags AnyReader (closed on leaving), or BagError saying what is wrong with the bag
+    and what to do."""
+    from rosbags.highlevel import AnyReader, AnyReaderError
+    from rosbags.rosbag2 import ReaderError
+
+    if not path.exists():
+        raise BagError(f"no bag at {path}")
+    target = path
+    if path.is_dir() and not (path / "metadata.yaml").is_file():
+        # a bag directory whose metadata.yaml is missing (recording killed): its one storage file
+        files = sorted([*path.glob("*.mcap"), *path.glob("*.db3")])
+        if len(files) != 1:
+            raise BagError(f"{path} has no metadata.yaml and {len(files)} .mcap/.db3 files: give the bag "
+                           "directory of a rosbag2 recording, or one .mcap or .db3 file")
+        target = files[0]
+    try:
+        reader = AnyReader([target], default_typestore=typestore())
+        reader.open()
+    except (AnyReaderError, ReaderError) as exc:
+        text = str(exc)
+        if "magic" in text or "footer" in text.lower() or "summary" in text:
+            raise BagError(
+                f"{target} is truncated or was never closed (a recording that was killed?): {text}. "
+                "Recover what it holds with the mcap CLI, `mcap recover IN.mcap -o FIXED.mcap`, and replay "
+                "FIXED.mcap") from None
+        raise BagError(f"cannot read the bag {target}: {text}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise BagError(f"cannot read the bag {target}: {exc}") from None
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+def find_topic(reader, name: str, types: tuple[str, ...], what: str, required: bool = True):
+    """The connections of topic ``name`` (absolute, or the one topic ending in /name), checked
+    against ``types``; BagError listing the bag's topics when it is missing."""
+    want = "/" + name.lstrip("/")
+    names = sorted({c.topic for c in reader.connections})
+    match = [t for t in names if t == want] or [t for t in names if t.endswith(want)]
+    if len(match) != 1:
+        if not required and not match:
+            return []
+        listing = ", ".join(f"{c.topic} ({c.msgtype})" for c in
+                            sorted(reader.connections, key=lambda c: c.topic)) or "none"
+        why = "no topic" if not match else f"{len(match)} topics ({', '.join(match)})"
+        raise BagError(f"the bag has {why} for the {what} {want}; its topics: {listing}. "
+                       f"Name the right one with --{what.replace(' ', '-')}-topic")
+    connections = [c for c in reader.connections if c.topic == match[0]]
+    bad = {c.msgtype for c in connections} - set(types)
+    if bad:
+        raise BagError(f"the {what} topic {match[0]} carries {', '.join(sorted(bad))}; expected "
+                       f"{' or '.join(types)}")
+    return connections
+
+
+def frame_rgb(message, msgtype: str) -> np.ndarray:
+    """RGB array of a deserialized sensor_msgs Image or CompressedImage."""
+    if msgtype.endswith("CompressedImage"):
+        return rgb_from_compressed(bytes(message.data))
+    return rgb_from_raw(message.encoding, message.height, message.width, message.step, message.data)
+
+
+@dataclass(frozen=True)
+class RecordedDecision:
+    """A decision the bag holds (the drafter's VerifiedAction)."""
+    text: str
+    action: str
+    mode: str
+    temperature: float | None  # None: recorded by a version without the field
+    fault: str
+
+
+@dataclass(frozen=True)
+class ReplayPair:
+    """One decision to replay: the command in force and the camera frame it decides on."""
+    instruction: str
+    log_ns: int        # when the bag received the frame
+    stamp_ns: int      # the frame's capture stamp (header)
+    recorded: RecordedDecision | None = None  # the decision the robot took on this frame, if recorded
+
+
+PICKS = ("auto", "decided", "every")
+
+
+class BagReplay:
+    """The (instruction, RGB frame) pairs of a bag, re-iterable, in bag order.
+
+    pick "decided": the frames the recorded decisions used (a decision's header stamp is its
+    frame's capture stamp), each with the command in force; "every": after each command, one frame
+    every ``every_s`` seconds of bag time until the next command ('' cancels: no frames until the
+    next one); "auto": decided when the bag has decisions whose frames it holds, else every.
+    ``limit``: keep the first pairs only. Iterating yields ``(instruction, rgb)`` like
+    ``bench.runner.bench_prompts``."""
+
+    def __init__(self, path: str | os.PathLike, *, camera_topic: str = topics.IMAGE,
+                 command_topic: str = topics.COMMAND, decision_topic: str = topics.DECISION,
+                 pick: str = "auto", every_s: float = 1.0, limit: int | None = None, progress=None):
+        if pick not in PICKS:
+            raise BagError(f"unknown pick {pick!r}; choose from {', '.join(PICKS)}")
+        if not every_s > 0:
+            raise BagError(f"every_s must be > 0, got {every_s}")
+        self.path = Path(path)
+        self.camera_topic, self.command_topic, self.decision_topic = camera_topic, command_topic, decision_topic
+        self._cache: dict[int, np.ndarray] | None = None
+        with _open_reader(self.path) as reader:
+            self._check(reader)
+            self.camera_name = find_topic(reader, camera_topic, IMAGE_TYPES, "camera")[0].topic
+            self.size_bytes = sum(f.stat().st_size for f in (self.path.rglob("*") if self.path.is_dir()
+                                                              else [self.path]) if f.is_file())
+            self.duration_s = reader.duration / NS if reader.message_count else 0.0
+            self.pairs, self.pick = self._scan(reader, pick, every_s, progress)
+        if limit is not None:
+            self.pairs = self.pairs[:max(0, limit)]
+        if not self.pairs:
+            raise BagError(f"{self.path}: no camera frame follows a command on {self.command_topic} "
+                           f"(the bag holds {self.duration_s:.1f} s); nothing to replay")
+
+    @staticmethod
+    def _check(reader) -> None:
+        if not reader.message_count:
+            raise BagError("the bag holds no messages")
+
+    def _scan(self, reader, pick: str, every_s: float, progress) -> tuple[list[ReplayPair], str]:
+        camera = find_topic(reader, self.camera_topic, IMAGE_TYPES, "camera")
+        command = find_topic(reader, self.command_topic, (STRING_TYPE,), "command")
+        decision = find_topic(reader, self.decision_topic, (DECISION_TYPE,), "decision", required=False)
+        camera_ids = {id(c) for c in camera}
+        command_ids = {id(c) for c in command}
+        frames: list[tuple[int, int, str]] = []  # (log ns, capture stamp ns, instruction in force)
+        decisions: dict[int, RecordedDecision] = {}
+        decision_instr: dict[int, str] = {}
+        instruction, checked = "", False
+        last_taken = None
+        for conn, t, raw in reader.messages(connections=[*camera, *command, *decision]):
+            if progress is not None:
+                progress(1)
+            if id(conn) in command_ids:
+                instruction, last_taken = reader.deserialize(raw, conn.msgtype).data.strip(), None
+            elif id(conn) in camera_ids:
+                msg = reader.deserialize(raw, conn.msgtype)
+                if not checked:  # an encoding the replay cannot read fails now, not mid-benchmark
+                    try:
+                        frame_rgb(msg, conn.msgtype)
+                    except ImageFormatError as exc:
+                        raise BagError(f"the camera topic {conn.topic} ({conn.msgtype}): {exc}") from None
+                    checked = True
+                stamp = stamp_ns(msg.header.stamp)
+                if pick == "decided" or pick == "auto":
+                    frames.append((t, stamp, instruction))
+                if pick in ("every", "auto") and instruction and (last_taken is None or t - last_taken >= every_s * NS):
+                    last_taken = t
+                    frames.append((t, stamp, "\0every\0" + instruction))
+            else:
+                msg = reader.deserialize(raw, conn.msgtype)
+                key = stamp_ns(msg.header.stamp)
+                decisions[key] = RecordedDecision(msg.text, msg.action, msg.mode,
+                                                  getattr(msg, "temperature", None), msg.fault)
+                decision_instr[key] = msg.instruction
+        decided = []
+        seen = set()
+        for t, stamp, instr in frames:
+            if instr.startswith("\0every\0") or stamp in seen:
+                continue
+            rec = decisions.get(stamp)
+            if rec is not None and not rec.fault:
+                seen.add(stamp)
+                decided.append(ReplayPair(decision_instr[stamp] or instr, t, stamp, rec))
+        every = [ReplayPair(instr[len("\0every\0"):], t, stamp, decisions.get(stamp))
+                 for t, stamp, instr in frames if instr.startswith("\0every\0")]
+        if pick == "decided" and not decided:
+            raise BagError(f"--replay-pick decided: the bag has no decisions on {self.decision_topic} whose camera "
+                           "frames it also holds; use --replay-pick every")
+        if pick == "decided" or (pick == "auto" and decided):
+            return decided, "decided"
+        return every, "every"
+
+    def describe(self) -> str:
+        greedy = sum(1 for p in self.pairs if p.recorded is not None and p.recorded.temperature == 0)
+        what = ("the frames the recorded decisions used" if self.pick == "decided"
+                else "a frame per interval after each command")
+        return (f"{self.path} ({self.size_bytes / 2**20:.1f} MiB, {self.duration_s:.1f} s): {len(self.pairs)} pairs, "
+                f"{what}; camera {self.camera_name}"
+                + (f"; {greedy} recorded greedy decisions to compare" if self.pick == "decided" else ""))
+
+    def first(self, n: int) -> "BagReplay":
+        """The same replay over its first ``n`` pairs (no second scan)."""
+        view = object.__new__(BagReplay)
+        view.__dict__.update(self.__dict__)
+        view.pairs, view._cache = self.pairs[:max(0, n)], None
+        return view
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __iter__(self):
+        if self._cache is not None:
+            for pair in self.pairs:
+                yield pair.instruction, self._cache[pair.log_ns]
+            return
+        wanted = {p.log_ns for p in self.pairs}
+        cache: dict[int, np.ndarray] = {}
+        cached_bytes = 0
+        with _open_reader(self.path) as reader:
+            camera = [c for c in reader.connections if c.topic == self.camera_name]
+            by_time = iter(self.pairs)
+            pair = next(by_time)
+            for conn, t, raw in reader.messages(connections=camera, start=self.pairs[0].log_ns):
+                if t not in wanted or t != pair.log_ns:
+                    continue
+                rgb = frame_rgb(reader.deserialize(raw, conn.msgtype), conn.msgtype)
+                if cache is not None:
+                    cache[t] = rgb
+                    cached_bytes += rgb.nbytes
+                    if cached_bytes > FRAME_CACHE_BYTES:
+                        cache = None
+                yield pair.instruction, rgb
+                pair = next(by_time, None)
+                if pair is None:
+                    break
+        if cache is not None and pair is None:
+            self._cache = cache

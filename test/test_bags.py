@@ -1,0 +1,189 @@
+"""Recordings (edgespec_ros.bags): the simulator writes an episode as a rosbag2 MCAP bag, the replay
+reads back exactly its frames, commands and decisions, and broken bags fail with a message that
+says what to do, without loading the bag into memory."""
+from __future__ import annotations
+
+import shutil
+import tracemalloc
+
+import numpy as np
+import pytest
+import yaml
+
+from edgespec_ros.bags import BagError, BagReplay, BagWriter, EpisodeRecording, image_message, string_message
+from edgespec_ros.control.actions import ActionParseError, parse_action
+from edgespec_ros.sim.dataset import iter_scenarios
+from edgespec_ros.sim.evaluate import run_episode
+from edgespec_ros.sim.policy import PolicyOutput
+
+TEXTS = ("The cone is ahead on the left. Action: turn left small",
+         "I see the cone. Action: move forward small",
+         "nothing to parse here")
+
+
+class ScriptedPolicy:
+    """Cycles through TEXTS and remembers every frame it was shown."""
+
+    def __init__(self):
+        self.frames, self.texts, self.temperatures = [], [], []
+
+    def decide(self, image, instruction, temperature=0.0, seed=0):
+        text = TEXTS[len(self.frames) % len(TEXTS)]
+        self.frames.append(image.copy())
+        self.texts.append(text)
+        self.temperatures.append(temperature)
+        try:
+            return PolicyOutput(text, parse_action(text), None, 7)
+        except ActionParseError as exc:
+            return PolicyOutput(text, None, str(exc), 7)
+
+
+@pytest.fixture(scope="module")
+def episode_bag(tmp_path_factory):
+    scenario = next(iter(iter_scenarios("heldout", 1, 0)))
+    path = tmp_path_factory.mktemp("bags") / "episode"
+    policy = ScriptedPolicy()
+    with BagWriter(path) as bag:
+        result = run_episode(policy, scenario, resample_temperature=0.7, recording=EpisodeRecording(bag))
+    return path, scenario, policy, result, dict(bag.counts)
+
+
+def test_episode_bag_is_a_rosbag2_mcap_directory(episode_bag):
+    path, _scenario, policy, result, counts = episode_bag
+    meta = yaml.safe_load((path / "metadata.yaml").read_text())["rosbag2_bagfile_information"]
+    assert meta["storage_identifier"] == "mcap"
+    assert (path / meta["relative_file_paths"][0]).is_file()
+    topics = {t["topic_metadata"]["name"]: t["topic_metadata"]["type"] for t in meta["topics_with_message_count"]}
+    assert topics == {"/command": "std_msgs/msg/String", "/camera/image_raw": "sensor_msgs/msg/Image",
+                      "/decision": "edgespec_ros/msg/VerifiedAction", "/odom": "nav_msgs/msg/Odometry"}
+    assert counts["/camera/image_raw"] == counts["/decision"] == len(policy.frames) == result.steps
+    assert counts["/command"] == 1
+
+
+def test_replay_returns_the_decided_frames_with_their_command_and_decision(episode_bag):
+    path, scenario, policy, _result, _counts = episode_bag
+    replay = BagReplay(path)
+    assert replay.pick == "decided" and len(replay) == len(policy.frames)
+    got = list(replay)
+    for (instruction, rgb), frame in zip(got, policy.frames):
+        assert instruction == scenario.instruction
+        np.testing.assert_array_equal(rgb, frame)
+    assert [p.recorded.text for p in replay.pairs] == policy.texts
+    assert [p.recorded.temperature for p in replay.pairs] == pytest.approx(policy.temperatures)
+    # an unparseable decision was followed by a sampled one: the bag says which were greedy
+    assert any(t > 0 for t in policy.temperatures) and any(t == 0 for t in policy.temperatures)
+    # a second pass (another mode) gives the same frames from the cache
+    for (_, a), (_, b) in zip(got, replay):
+        np.testing.assert_array_equal(a, b)
+    assert len(list(replay.first(3))) == 3
+
+
+def test_replay_every_takes_one_frame_per_interval_after_the_command(episode_bag):
+    path, _scenario, policy, _result, _counts = episode_bag
+    replay = BagReplay(path, pick="every", every_s=2.5)  # frames are 1 s apart in simulated time
+    assert replay.pick == "every"
+    times = [p.log_ns for p in replay.pairs]
+    assert all(b - a >= 2.5e9 for a, b in zip(times, times[1:]))
+    assert len(replay) == pytest.approx(len(policy.frames) / 3, abs=1)
+    assert len(BagReplay(path, pick="every", limit=4)) == 4
+
+
+def test_a_cancelled_command_pairs_no_frames(tmp_path):
+    path = tmp_path / "cancel"
+    frame = np.zeros((8, 8, 3), np.uint8)
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        for t, text in ((0, "go to the door"), (5, ""), (10, "turn around")):
+            bag.write("command", t * 10**9, string_message(text))
+            for k in range(1, 4):
+                ns = (t + k) * 10**9
+                bag.write("camera/image_raw", ns, image_message(frame, ns))
+    replay = BagReplay(path, pick="every")
+    assert [p.instruction for p in replay.pairs] == ["go to the door"] * 3 + ["turn around"] * 3
+    assert replay.pick == "every"  # no decisions recorded: auto falls back
+
+
+def test_a_missing_topic_names_the_bags_topics(episode_bag):
+    path = episode_bag[0]
+    with pytest.raises(BagError, match=r"no topic for the camera /front/image.*/camera/image_raw \(sensor_msgs/msg/Image\)"):
+        BagReplay(path, camera_topic="/front/image")
+    with pytest.raises(BagError, match="command topic /odom carries nav_msgs/msg/Odometry"):
+        BagReplay(path, command_topic="odom")
+
+
+def test_a_namespaced_topic_is_found(tmp_path):
+    path = tmp_path / "ns"
+    with BagWriter(path) as bag:
+        bag.add_topic("/robot0/command", "std_msgs/String")
+        bag.add_topic("/robot0/camera/image_raw", "sensor_msgs/Image")
+        bag.write("/robot0/command", 1, string_message("sit"))
+        bag.write("/robot0/camera/image_raw", 2, image_message(np.ones((4, 4, 3), np.uint8), 2))
+    replay = BagReplay(path)
+    assert replay.camera_name == "/robot0/camera/image_raw" and len(replay) == 1
+
+
+def test_a_truncated_bag_says_how_to_recover_it(episode_bag, tmp_path):
+    path = tmp_path / "cut"
+    shutil.copytree(episode_bag[0], path)
+    mcap = next(path.glob("*.mcap"))
+    data = mcap.read_bytes()
+    mcap.write_bytes(data[: len(data) // 2])
+    with pytest.raises(BagError, match=r"truncated or was never closed.*mcap recover"):
+        BagReplay(path)
+
+
+def test_a_bag_without_metadata_is_read_from_its_one_mcap_file(episode_bag, tmp_path):
+    path = tmp_path / "nometa"
+    shutil.copytree(episode_bag[0], path)
+    (path / "metadata.yaml").unlink()
+    assert len(BagReplay(path)) == len(episode_bag[2].frames)
+    with pytest.raises(BagError, match="no bag at"):
+        BagReplay(tmp_path / "nowhere")
+
+
+def test_an_unknown_image_encoding_fails_before_any_decoding(tmp_path):
+    path = tmp_path / "depth"
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.write("command", 1, string_message("go"))
+        msg = image_message(np.zeros((4, 4, 3), np.uint8), 2)
+        msg.encoding = "16UC1"
+        bag.write("camera/image_raw", 2, msg)
+    with pytest.raises(BagError, match=r"camera topic /camera/image_raw .*unsupported image encoding '16UC1'"):
+        BagReplay(path)
+
+
+def test_a_bag_is_never_overwritten(episode_bag):
+    with pytest.raises(BagError, match="never overwritten"):
+        BagWriter(episode_bag[0])
+
+
+def test_replay_streams_a_bag_larger_than_what_it_keeps(tmp_path, monkeypatch):
+    """40 MB of frames: scanning and replaying keep a small fraction of it in memory."""
+    import edgespec_ros.bags as bags
+
+    path = tmp_path / "big"
+    rng = np.random.default_rng(0)
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.write("command", 0, string_message("explore"))
+        for k in range(1, 181):
+            ns = k * 10**8
+            frame = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)  # random: zstd cannot shrink it
+            bag.write("camera/image_raw", ns, image_message(frame, ns))
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size > 40e6
+    monkeypatch.setattr(bags, "FRAME_CACHE_BYTES", 2**20)
+    tracemalloc.start()
+    try:
+        replay = BagReplay(path, pick="every", every_s=0.5)
+        seen = sum(1 for _ in replay)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"peak {peak / 1e6:.1f} MB of a {size / 1e6:.1f} MB bag")
+    assert seen == len(replay) == 36
+    assert peak < size / 5, f"peak {peak / 1e6:.1f} MB for a {size / 1e6:.1f} MB bag"
