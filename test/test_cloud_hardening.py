@@ -760,7 +760,9 @@ def test_metrics_and_health_over_plain_http(pair):
         verdict = P.decode(ws.recv(timeout=DEADLINE_S))
         text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
         ws.close()
-        metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+        # one series per name here (one model, no replica label): keyed by the name without labels
+        metrics = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                   if line and not line.startswith("#")}
         assert metrics["edgespec_verifier_sessions"] == 1
         assert metrics["edgespec_verifier_verified_tokens_total"] == verdict.accepted + 1
         assert metrics["edgespec_verifier_batches_total"] == 1

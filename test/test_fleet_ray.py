@@ -101,9 +101,16 @@ def test_sessions_spread_over_replicas_and_match_a_single_verifier(models, fleet
         t.start()
     for t in threads:
         t.join(120)
+    # /metrics answers from the replica the request lands on, its series labelled with that replica
+    import urllib.request
+    http = fleet.replace("ws://", "http://").rstrip("/")
+    text = urllib.request.urlopen(http + "/metrics", timeout=30).read().decode()
     for robot in robots:
         robot.verifier.close()
     assert got == expected
+    drafts = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total{")]
+    assert drafts and all('replica="' in line for line in drafts), text[:2000]
+    assert sum(float(line.split()[-1]) for line in drafts) > 0
 
 
 def test_a_replica_killed_mid_decision_faults_the_robot_and_the_next_decision_lands_on_a_live_one(models, fleet):

@@ -26,7 +26,6 @@ from edgespec_ros.cloud import config as config_module
 from edgespec_ros.wire.client import RemoteVerifier
 from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
-from edgespec_ros.cloud.metrics import metrics_text
 
 from wire_helpers import INSTRUCTIONS, make_pair, server_copy
 
@@ -318,9 +317,10 @@ def test_a_full_queue_drops_and_counts_without_blocking(pair, tmp_path):
     for i in range(5):  # 2 fit the queue, 3 are dropped; none waits
         trace.round([5, 9], [i], torch.randn(2, 40), 0, 9)
     assert recorder.stats()["trace_dropped"] == 3
-    status = VerifierServer(pair.target, recorder=recorder).status()
-    assert status["trace_dropped"] == 3
-    assert "edgespec_verifier_trace_records_dropped_total 3" in metrics_text(status)
+    server = VerifierServer(pair.target, recorder=recorder)
+    assert server.status()["trace_dropped"] == 3
+    assert 'edgespec_verifier_trace_records_dropped_total{model_name="%s"} 3.0' % server.model_name \
+        in server.metrics.text().decode()
     recorder.release.set()
     recorder.close()
     assert [r.draft_ids for r in read_traces(str(tmp_path))] == [[5, 6], [0], [1]]

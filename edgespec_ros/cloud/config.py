@@ -150,7 +150,8 @@ LIMIT_OPTIONS = [
 ]
 
 
-def build_server(args, tokens: list[str] | None = None, server_name: str = "edgespec-verifier") -> VerifierServer:
+def build_server(args, tokens: list[str] | None = None, server_name: str = "edgespec-verifier",
+                 metrics_labels: dict | None = None) -> VerifierServer:
     """The VerifierServer the options describe (model, exits, limits, auth, TLS); SystemExit with
     a clear message when they are wrong. ``tokens``: already read (a Ray replica gets them from
     the driver, the token file may not exist on its node)."""
@@ -185,7 +186,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
                             insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
-                            max_batch=args.max_batch, server_name=server_name)
+                            max_batch=args.max_batch, server_name=server_name, metrics_labels=metrics_labels)
     server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
     return server
 

@@ -31,7 +31,6 @@ from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close
 
 from .config import build_server, check_auth_options, read_token_file
-from .metrics import metrics_text
 
 log = logging.getLogger("edgespec.verifier.ray")
 
@@ -112,7 +111,8 @@ class VerifierReplica:
         self.replica = serve.get_replica_context().replica_tag
         torch.set_num_threads(max(1, int(options.get("cpus_per_replica") or 1)))
         args = argparse.Namespace(**options)
-        self.server = build_server(args, tokens, server_name=f"edgespec-verifier replica {self.replica}")
+        self.server = build_server(args, tokens, server_name=f"edgespec-verifier replica {self.replica}",
+                                   metrics_labels={"replica": self.replica})
         self._status = None
         self._gauges = None
         log.info("replica %s ready (model %s, compute %s, max batch %d)", self.replica, self.server.model_name,
@@ -159,7 +159,8 @@ class VerifierReplica:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        return PlainTextResponse(metrics_text(self.server.status(), {"replica": self.replica}))
+        """This replica's Prometheus metrics (every series labelled replica=...)."""
+        return PlainTextResponse(self.server.metrics.text().decode())
 
     def check_health(self) -> None:
         """Serve restarts a replica whose compute thread is gone."""

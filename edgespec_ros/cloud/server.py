@@ -29,7 +29,7 @@ from .traces import ANONYMOUS, tenant_id
 from ..wire import protocol as P
 from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
-from .metrics import metrics_text
+from .metrics import VerifierMetrics
 from .limits import (PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, Inbox, InsecureConfig, ServerLimits, clean,
                      is_loopback)
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
@@ -71,6 +71,11 @@ class _Conn:
     accepted: bool = False  # HELLO accepted (it no longer counts as a handshake)
     reclaimed: bool = False  # closed before HELLO to free its handshake slot
     opened: float = field(default_factory=time.monotonic)
+    label: str = ""  # its tenant's metrics label (set when HELLO is accepted)
+    decision: int | None = None  # the decision it is on, and the tokens the target decided in it
+    decision_tokens: int = 0
+    exit_rounds: int = 0  # rounds that streamed early exits, and those an exit guessed right
+    exit_hits: int = 0
 
     @property
     def flow(self):
@@ -84,7 +89,8 @@ class VerifierServer:
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 300.0, model_name: str | None = None,
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
                  ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
-                 max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None):
+                 max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None,
+                 metrics_labels: dict | None = None):
         self.lm = lm
         self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
         tokens = [token] if isinstance(token, str) else list(token or [])
@@ -131,6 +137,8 @@ class VerifierServer:
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.verified_tokens = 0  # tokens the target decided (accepted drafts, corrections, AR tokens)
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
+        # Prometheus (GET /metrics); the Ray front end labels its replica
+        self.metrics = VerifierMetrics(self.model_name, self.status, metrics_labels)
 
     async def _run(self, conn: _Conn, fn, *args, device: bool = True):
         """fn(*args) on the one compute thread, in the connection's fair share; SessionGone when
@@ -183,6 +191,9 @@ class VerifierServer:
                     last = True
             self.fair.forget(key, conn.flow if last else None)
             self.sessions_served += 1
+            if conn.accepted:
+                self.metrics.on_decision_end(conn.decision_tokens)
+                self.metrics.on_session_end(time.monotonic() - conn.opened, conn.exit_rounds, conn.exit_hits)
 
     def _reclaim_handshake(self) -> None:
         """Handshake slots are full: free the oldest one held longer than HANDSHAKE_GRACE_S. A
@@ -288,6 +299,7 @@ class VerifierServer:
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
         conn.tenant, conn.accepted = tenant, True
+        conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
         if tenant is not None:
             self._tenant_sessions[tenant] += 1
         self.gate.authenticated()
@@ -332,6 +344,9 @@ class VerifierServer:
                 prompt, settings = session.on_prefill(msg)
                 with session.refusing("bad prefill"):
                     dt = await self._run(conn, self._prefill_on_device, session.target, prompt, settings)
+                self.metrics.on_decision_end(conn.decision_tokens)
+                conn.decision, conn.decision_tokens = msg.decision, 0
+                self.metrics.on_prefill(conn.label, dt)
                 await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
             elif isinstance(msg, P.Verify):
                 step = session.on_verify(msg)
@@ -349,7 +364,10 @@ class VerifierServer:
                 else:
                     verdict = await self._verify_dense(conn, session, step, queue_s, live)
                 await ws.send(P.encode(verdict))
-                self.verified_tokens += verdict.accepted + (verdict.next_token != P.NO_TOKEN)
+                decided = verdict.accepted + (verdict.next_token != P.NO_TOKEN)
+                self.verified_tokens += decided
+                conn.decision_tokens += decided
+                self._count_round(conn, step, verdict)
             elif isinstance(msg, P.Generate):
                 steps = session.on_generate(msg)
                 for i in range(steps):
@@ -362,11 +380,22 @@ class VerifierServer:
                     frame = session.token(i, steps, token, elapsed)
                     await ws.send(P.encode(frame))
                     self.verified_tokens += 1
+                    conn.decision_tokens += 1
                     if frame.last:
                         break
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
             last_done = time.perf_counter()
+
+    def _count_round(self, conn: _Conn, step: Step, verdict: P.Verdict) -> None:
+        """A verified round in the metrics: its drafts, acceptances, waits and early-exit guess."""
+        exits = bool(step.exits) and verdict.exit_layer > 0  # 0: the exits' agreement was not computed
+        hit = exits and verdict.exit_layer < self.num_layers
+        conn.exit_rounds += exits
+        conn.exit_hits += hit
+        self.metrics.on_round(conn.label, drafted=len(step.msg.draft_ids), accepted=verdict.accepted,
+                              queue_s=verdict.queue_ms / 1e3, compute_s=verdict.verify_ms / 1e3,
+                              relaxed=verdict.relaxed, exits=exits, exit_hit=hit)
 
     def _exit_sender(self, conn: _Conn, step: Step, live: list) -> tuple:
         """For a step that streams early exits: its ExitSender (live while the round runs) and the
@@ -481,6 +510,7 @@ class VerifierServer:
             if w.on_start is not None:
                 w.on_start(t0)
         results = verify_batch([w.item for w in items])
+        self.metrics.on_batch(len(items))
         ar = all(isinstance(w.item, ArStep) for w in items)
         budget = (self.compute.pass_s(len(items), max(w.block for w in items), ar=ar)
                   + sum(w.extra() for w in items if w.extra is not None))
@@ -553,7 +583,8 @@ class VerifierServer:
             peer = getattr(connection, "remote_address", None) or ("?",)
             if not is_loopback(str(peer[0])):
                 return connection.respond(HTTPStatus.FORBIDDEN, "/metrics is served to loopback clients only\n")
-            return connection.respond(HTTPStatus.OK, metrics_text(self.status()))
+            # text/plain (version 0.0.4 of the exposition format): what Prometheus scrapes
+            return connection.respond(HTTPStatus.OK, self.metrics.text().decode())
         return None
 
     def status(self) -> dict:
