@@ -1,4 +1,5 @@
-"""The robot: drafter and navigator (lifecycle nodes, configured and activated here), monitor and, optionally,
+"""The robot: drafter and navigator (lifecycle nodes, brought up by nav2's lifecycle manager where it is
+installed, else by this file), monitor and, optionally,
 the camera node, talking to a cloud verifier at ``server_url``.
 
     ros2 launch edgespec_ros robot.launch.py server_url:=wss://cloud:8765 token_file:=/etc/edgespec/token
@@ -66,6 +67,10 @@ ARGUMENTS = [
                                    "navigator (twist backend) and cmd_vel or twist_mux, fed by pointcloud_topic"),
     ("pointcloud_topic", "point_cloud2", "the Go2's point cloud for collision_monitor (go2_ros2_sdk: point_cloud2; "
                                          "unitree_ros2: /utlidar/cloud)"),
+    ("lifecycle_manager", "auto", "who configures and activates the lifecycle nodes (drafter, navigator, collision "
+                                  "monitor): nav2 (nav2_lifecycle_manager: up in order, down in reverse on shutdown, "
+                                  "so the navigator stops the robot first) | launch (this file's configure/activate "
+                                  "events) | auto (nav2 where nav2_lifecycle_manager is installed, else launch)"),
     ("rviz", "false", "start rviz2 with config/edgespec.rviz"),
     ("namespace", "", "namespace of all nodes"),
     ("config_dir", "", "directory of the <node>.yaml files ('' = this package's share/config)"),
@@ -102,6 +107,36 @@ def _remappings(context, role):
     return [(DEFAULT_IMAGE_TOPIC, image), (DEFAULT_IMAGE_TOPIC + "/compressed", image + "/compressed")]
 
 
+LIFECYCLE_MANAGERS = ("auto", "nav2", "launch")
+NAV2_MANAGER_NAME = "lifecycle_manager_edgespec"
+
+
+def _lifecycle_manager(context) -> str:
+    """nav2 or launch: the lifecycle_manager argument, auto resolved by what is installed."""
+    choice = LaunchConfiguration("lifecycle_manager").perform(context).strip().lower()
+    if choice not in LIFECYCLE_MANAGERS:
+        raise ValueError(f"lifecycle_manager:={choice!r}: choose from {', '.join(LIFECYCLE_MANAGERS)}")
+    if choice != "auto":
+        return choice
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        get_package_share_directory("nav2_lifecycle_manager")
+        return "nav2"
+    except Exception:  # noqa: BLE001 - PackageNotFoundError, or no ament index at all
+        return "launch"
+
+
+def _brought_up(context, namespace, nodes: dict) -> list:
+    """The lifecycle nodes and what configures and activates them, in this order: nav2's lifecycle
+    manager (autostart; no bonds, which these nodes do not offer) or this file's own events.
+    ``nodes``: {node name: LifecycleNode}, in bring-up order."""
+    if _lifecycle_manager(context) == "launch":
+        return [action for node in nodes.values() for action in _started(node)]
+    return [*nodes.values(), Node(package="nav2_lifecycle_manager", executable="lifecycle_manager", name=NAV2_MANAGER_NAME,
+                         namespace=namespace, output="screen",
+                         parameters=[{"autostart": True, "node_names": list(nodes), "bond_timeout": 0.0}])]
+
+
 def _started(node) -> list:
     """A lifecycle node and what brings it up: configure, then activate once it is inactive (a
     failure is logged by the node, and it stays down)."""
@@ -121,25 +156,30 @@ def _launch_setup(context, *args, **kwargs):
         actions.append(Node(package=PACKAGE, executable="camera", name="camera", namespace=namespace,
                             output="screen", parameters=_parameters(context, "camera"),
                             remappings=_remappings(context, "camera")))
-    # The two lifecycle nodes: the drafter loads its model on configure; the navigator commands
-    # motion only once active, and stops the robot when deactivated or shut down.
-    actions += _started(LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
-                                      output="screen", parameters=_parameters(context, "drafter"),
-                                      remappings=_remappings(context, "drafter")))
     mux, guard = _true(context, "twist_mux"), _true(context, "collision_monitor")
-    # Where the navigator's Twist goes: straight to cmd_vel, into twist_mux, or through the
-    # collision monitor first (which then feeds the mux or cmd_vel).
-    navigator_out = COLLISION_MONITOR_INPUT if guard else (TWIST_MUX_NAVIGATOR_REMAP[1] if mux else "cmd_vel")
-    actions += _started(LifecycleNode(package=PACKAGE, executable="navigator", name="navigator", namespace=namespace,
-                                      output="screen", parameters=_parameters(context, "navigator"),
-                                      remappings=[("cmd_vel", navigator_out)] if navigator_out != "cmd_vel" else []))
+    # The lifecycle nodes, in bring-up order (shutdown runs it backwards): the collision monitor
+    # guards the velocity path before anything can move and outlives the navigator's last stop;
+    # the drafter loads its model on configure; the navigator commands motion only once active,
+    # and stops the robot when deactivated or shut down.
+    lifecycle = {}
     if guard:
         cm_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "collision_monitor.yaml"]).perform(context)
         cloud = LaunchConfiguration("pointcloud_topic").perform(context)
-        actions += _started(LifecycleNode(
+        lifecycle["collision_monitor"] = LifecycleNode(
             package="nav2_collision_monitor", executable="collision_monitor", name="collision_monitor",
             namespace=namespace, output="screen", parameters=[cm_config, {"pointcloud.topic": cloud}],
-            remappings=[(COLLISION_MONITOR_OUTPUT, TWIST_MUX_NAVIGATOR_REMAP[1] if mux else "cmd_vel")]))
+            remappings=[(COLLISION_MONITOR_OUTPUT, TWIST_MUX_NAVIGATOR_REMAP[1] if mux else "cmd_vel")])
+    lifecycle["drafter"] = LifecycleNode(package=PACKAGE, executable="drafter", name="drafter", namespace=namespace,
+                                         output="screen", parameters=_parameters(context, "drafter"),
+                                         remappings=_remappings(context, "drafter"))
+    # Where the navigator's Twist goes: straight to cmd_vel, into twist_mux, or through the
+    # collision monitor first (which then feeds the mux or cmd_vel).
+    navigator_out = COLLISION_MONITOR_INPUT if guard else (TWIST_MUX_NAVIGATOR_REMAP[1] if mux else "cmd_vel")
+    lifecycle["navigator"] = LifecycleNode(
+        package=PACKAGE, executable="navigator", name="navigator", namespace=namespace, output="screen",
+        parameters=_parameters(context, "navigator"),
+        remappings=[("cmd_vel", navigator_out)] if navigator_out != "cmd_vel" else [])
+    actions += _brought_up(context, namespace, lifecycle)
     if mux:
         mux_config = PathJoinSubstitution([FindPackageShare(PACKAGE), "config", "twist_mux.yaml"]).perform(context)
         actions.append(Node(package="twist_mux", executable="twist_mux", name="twist_mux", namespace=namespace,

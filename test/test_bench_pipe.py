@@ -4,6 +4,7 @@ judged on speed)."""
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from edgespec_ros.bench import cli, pipe
@@ -68,7 +69,8 @@ def test_annotate_takes_t_p_and_the_round_trip_from_the_sd_row():
 def test_bench_pipe_rows_have_the_pipeline_columns(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli.main(["--modes", "sd,pipe,pipe+fsd", "--link", "lan", "--decisions", "1", "--max-new-tokens", "16",
-                     "--pipe-depth", "2", "--workers", "2", "--json", str(out)]) == 0
+                     "--pipe-depth", "2", "--workers", "2", "--json", str(out),
+                     "--metrics-out", str(tmp_path / "metrics.txt")]) == 0
     text = capsys.readouterr().out
     assert "in flight" in text and "Pipeline model" in text and "of bound" in text
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
@@ -84,6 +86,14 @@ def test_bench_pipe_rows_have_the_pipeline_columns(tmp_path, capsys):
         assert sum(r["cloud_passes"].values()) == r["rounds"] and r["cloud_passes"]["fill"] == r["decisions"]
         explained = r["passes_ms_per_token"] + sum(r["idle_ms_per_token"].values())
         assert 0.8 * r["ms_per_token"] <= explained <= 1.02 * r["ms_per_token"]
+    # the verifier's /metrics after the run: vLLM's counters agree with what the robot counted
+    scraped = {}
+    for family in text_string_to_metric_families((tmp_path / "metrics.txt").read_text()):
+        for sample in family.samples:
+            scraped[sample.name] = scraped.get(sample.name, 0.0) + sample.value
+    assert scraped["vllm:spec_decode_num_drafts_total"] == sum(r["rounds"] for r in rows.values())
+    assert scraped["vllm:spec_decode_num_draft_tokens_total"] == sum(r["drafted"] for r in rows.values())
+    assert scraped["edgespec_verifier_decisions_total"] == 3
 
 
 def test_bad_pipe_depth_is_a_clear_error(capsys):

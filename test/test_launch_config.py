@@ -103,7 +103,8 @@ def test_every_launched_executable_exists(path):
         launcher = ROOT / "scripts" / "nodes" / executable
         assert launcher.is_file() and launcher.stat().st_mode & stat.S_IXUSR, f"{launcher} missing"
     external = {n[0] for n in launched_nodes(path) if n[0] != PACKAGE}
-    assert external <= {"rviz2", "twist_mux", "nav2_collision_monitor"}, f"unexpected external packages {external}"
+    assert external <= {"rviz2", "twist_mux", "nav2_collision_monitor", "nav2_lifecycle_manager"}, \
+        f"unexpected external packages {external}"
 
 
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
@@ -329,3 +330,103 @@ def test_colcon_test_runs_the_unit_lane(tmp_path):
     assert "PYTEST_ADDOPTS=-m 'not slow' -p no:cacheprovider" in command
     props = {p["name"]: p["value"] for p in tests["unit"]["properties"]}
     assert props["WORKING_DIRECTORY"] == str(ROOT)
+
+
+# --------------------------------------------------------------------------------------------------
+# robot.launch.py run against stand-ins for launch and launch_ros (which do not exist here): what it
+# starts for a set of launch arguments.
+
+class _Action:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+class _Config:
+    def __init__(self, name):
+        self.name = name
+
+    def perform(self, context):
+        return context[self.name]
+
+
+class _Join:
+    def __init__(self, parts):
+        self.parts = parts
+
+    def perform(self, context):
+        return "/".join(p if isinstance(p, str) else f"/share/{p.args[0]}" for p in self.parts)
+
+
+def _stand_ins(monkeypatch, nav2_installed: bool):
+    import sys
+    import types
+    kinds = {}
+    for kind in ("Node", "LifecycleNode", "RegisterEventHandler", "EmitEvent", "OnStateTransition", "ChangeState",
+                 "DeclareLaunchArgument", "OpaqueFunction", "LaunchDescription", "FindPackageShare"):
+        kinds[kind] = type(kind, (_Action,), {})
+    modules = {
+        "launch": {"LaunchDescription": kinds["LaunchDescription"]},
+        "launch.actions": {k: kinds[k] for k in ("DeclareLaunchArgument", "EmitEvent", "OpaqueFunction",
+                                                 "RegisterEventHandler")},
+        "launch.substitutions": {"LaunchConfiguration": _Config, "PathJoinSubstitution": _Join},
+        "launch.events": {"matches_action": lambda action: ("matches", action)},
+        "launch_ros": {}, "launch_ros.events": {},
+        "launch_ros.actions": {"LifecycleNode": kinds["LifecycleNode"], "Node": kinds["Node"]},
+        "launch_ros.event_handlers": {"OnStateTransition": kinds["OnStateTransition"]},
+        "launch_ros.events.lifecycle": {"ChangeState": kinds["ChangeState"]},
+        "launch_ros.substitutions": {"FindPackageShare": kinds["FindPackageShare"]},
+    }
+
+    def share(package):
+        if package == "nav2_lifecycle_manager" and not nav2_installed:
+            raise LookupError(package)
+        return f"/opt/ros/share/{package}"
+    modules["ament_index_python"] = {}
+    modules["ament_index_python.packages"] = {"get_package_share_directory": share}
+    for name, attrs in modules.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+    spec = importlib.util.spec_from_file_location("robot_launch_under_test", ROOT / "launch" / "robot.launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, kinds
+
+
+def _launched(monkeypatch, nav2_installed=False, **arguments):
+    module, kinds = _stand_ins(monkeypatch, nav2_installed)
+    context = {name: default for name, default, _ in module.ARGUMENTS} | arguments
+    return module._launch_setup(context), kinds
+
+
+@pytest.mark.parametrize("guard", ["false", "true"])
+def test_nav2s_lifecycle_manager_brings_up_every_lifecycle_node_in_order(monkeypatch, guard):
+    actions, kinds = _launched(monkeypatch, lifecycle_manager="nav2", collision_monitor=guard)
+    lifecycle = [a.kwargs["name"] for a in actions if type(a) is kinds["LifecycleNode"]]
+    managers = [a for a in actions if type(a) is kinds["Node"] and a.kwargs["package"] == "nav2_lifecycle_manager"]
+    assert len(managers) == 1
+    (manager_params,) = managers[0].kwargs["parameters"]
+    # every lifecycle node, and only those, in the order that keeps the velocity path guarded: the
+    # collision monitor up first and down last, the navigator (whose deactivation stops the robot) down first
+    assert manager_params["node_names"] == lifecycle
+    assert lifecycle == (["collision_monitor"] if guard == "true" else []) + ["drafter", "navigator"]
+    assert manager_params["autostart"] is True and manager_params["bond_timeout"] == 0.0  # our nodes have no bond
+    assert not [a for a in actions if type(a) in (kinds["EmitEvent"], kinds["RegisterEventHandler"])]
+
+
+def test_without_nav2_the_launch_file_configures_and_activates_each_node(monkeypatch):
+    for arguments in ({"lifecycle_manager": "launch"}, {"lifecycle_manager": "auto"}):
+        actions, kinds = _launched(monkeypatch, nav2_installed=False, collision_monitor="true", **arguments)
+        lifecycle = [a for a in actions if type(a) is kinds["LifecycleNode"]]
+        assert len(lifecycle) == 3
+        assert not [a for a in actions if type(a) is kinds["Node"] and a.kwargs["package"] == "nav2_lifecycle_manager"]
+        configure = [a.kwargs["event"] for a in actions if type(a) is kinds["EmitEvent"]]
+        activate = [a.args[0].kwargs for a in actions if type(a) is kinds["RegisterEventHandler"]]
+        assert [e.kwargs["lifecycle_node_matcher"] for e in configure] == [("matches", n) for n in lifecycle]
+        assert [h["target_lifecycle_node"] for h in activate] == lifecycle
+        assert all(h["goal_state"] == "inactive" for h in activate)
+
+
+def test_auto_picks_nav2_where_it_is_installed_and_a_bad_choice_is_refused(monkeypatch):
+    actions, kinds = _launched(monkeypatch, nav2_installed=True)
+    assert [a for a in actions if type(a) is kinds["Node"] and a.kwargs["package"] == "nav2_lifecycle_manager"]
+    with pytest.raises(ValueError, match="lifecycle_manager:='nav3'"):
+        _launched(monkeypatch, lifecycle_manager="nav3")

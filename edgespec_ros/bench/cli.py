@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=None, help="draft model dir (default: embedded draft)")
     ap.add_argument("--target", default=None, help="target model dir (default: embedded target)")
     ap.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
+    ap.add_argument("--metrics-out", default=None, metavar="FILE",
+                    help="write the verifier's Prometheus /metrics, as they stand after the run, to FILE "
+                         "(docs/operating.md says what each figure means)")
     replay = ap.add_argument_group(
         "replay", "--replay BAG decodes your own recording instead of simulated frames: a rosbag2 bag (MCAP "
         "or sqlite3 directory, or one .mcap/.db3 file); each command is paired with the camera frames "
@@ -263,7 +266,8 @@ def main(argv=None) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
           f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
-    with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits) as (draft_lm, url):
+    with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
+                        metrics_out=args.metrics_out) as (draft_lm, url):
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
         texts: dict[str, list[str]] = {m: [] for m in modes}
 

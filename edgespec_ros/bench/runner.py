@@ -7,6 +7,9 @@ Used by ``edgespec-bench`` and ``edgespec-demo``.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
+import urllib.request
 
 import numpy as np
 
@@ -67,12 +70,21 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
 
 
 @contextlib.contextmanager
-def emulated_setup(pair: ModelPair, link: str, compute: str, exit_queue: str = "priority", exits: str = "auto"):
-    """Verifier process + link proxy; yields (draft LoadedModel, proxy url)."""
+def emulated_setup(pair: ModelPair, link: str, compute: str, exit_queue: str = "priority", exits: str = "auto",
+                   metrics_out: str | None = None):
+    """Verifier process + link proxy; yields (draft LoadedModel, proxy url). ``metrics_out``: the
+    verifier's /metrics as it stands at the end, written to that file."""
     draft_lm = load_model(pair.draft_path)
     with verifier_process(pair.target_path, compute, exit_queue=exit_queue, exits=exits) as port:
         with LinkProxy(get_profile(link), "127.0.0.1", port) as proxy:
             yield draft_lm, proxy.url
+        if metrics_out:
+            time.sleep(0.2)  # the last session's end is counted when the verifier sees the close
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_out)), exist_ok=True)
+            with open(metrics_out, "wb") as f:
+                f.write(text)
+            print(f"wrote {metrics_out} (the verifier's /metrics)")
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
