@@ -260,3 +260,33 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     out = run_steps(server._prefill_on_device(TargetSession(server.lm), prompt, VerifySettings()))
     assert isinstance(out, Occupy) and out.value == pytest.approx(0.5)
     assert time.perf_counter() - t0 + out.seconds == pytest.approx(0.5, abs=0.02)
+
+
+def test_one_sessions_bad_round_inside_a_batched_pass_fails_only_that_session():
+    """Issue 34.1: a round whose early exits cannot verify its draft (a NaN q that got past the
+    session's checks) fails inside the shared pass; its error is its own, and the honest rounds
+    batched with it get exactly what they get alone."""
+    from edgespec_ros.cloud.batch import Round, verify_batch
+    from edgespec_ros.decoding.exits import EarlyExits
+    from edgespec_ros.decoding.verify import DraftDistributionError
+    p = make_pair()
+    p.target.exits = EarlyExits.for_model(p.target.model).eval()
+    cfgs = [("find the silver bottle", p.image, 1.0), ("turn left at the red chair", None, 1.0),
+            ("stop", p.image, 0.7)]
+    alone, batched = _target_sessions(p, cfgs), _target_sessions(p, cfgs)
+    gen = torch.Generator().manual_seed(3)
+    rounds, refs, exits = [], [], [[], [], []]
+    for i in range(3):
+        q = torch.softmax(torch.randn(3, p.vocab, generator=gen), -1).double()
+        ids = [int(t) for t in torch.multinomial(q.float(), 1, generator=gen).view(-1)]
+        if i == 1:
+            q[0, ids[0]] = float("nan")  # the attacker's row
+        else:
+            refs.append((i, alone[i].verify(ids, q)[0]))
+        rounds.append(Round(batched[i], ids, q, on_exit=exits[i].append))
+    got = verify_batch(rounds)
+    assert isinstance(got[1], DraftDistributionError)
+    for i, ref in refs:
+        assert (got[i].accepted, got[i].next_token) == (ref.accepted, ref.next_token)
+        assert len(exits[i]) == len(p.target.exits.layers)  # the honest rows streamed every exit
+    assert exits[1] == []

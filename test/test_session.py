@@ -10,6 +10,7 @@ from edgespec_ros.cloud.limits import ServerLimits
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.session import DENSE, SPLIT, SessionError, VerifierSession
 from edgespec_ros.codecs import get_codec
+from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.decoding.verifier import Block, Condition, VerifierRefused
 from edgespec_ros.wire import protocol as P
@@ -112,3 +113,38 @@ def test_the_split_codec_session_refuses_conditional_blocks(pair):
         session.on_verify(frame)
     step = session.on_verify(P.Verify(1, 2, [1], codec.encode([1], _q(1, pair.vocab))))
     assert step.rule == SPLIT and step.rows == 1
+
+
+@pytest.mark.parametrize("poison", ["nan", "zero at the draft"])
+def test_a_bad_draft_distribution_is_refused_before_it_can_join_a_batch(pair, poison):
+    """Issue 34.1: q is checked when the block is decoded, before its round may share a forward pass
+    with other robots' rounds (where the rule or its early exits would fail inside the pass)."""
+    codec = get_codec("dense32")
+    session = VerifierSession(pair.target, codec)
+    prompt, settings = session.on_prefill(prefill_frame(
+        1, pair.prompt(), VerifySettings(params=SamplingParams(1.0), verify_mode="rejection")))
+    session.target.start(prompt, settings)
+    q = _q(2, pair.vocab)
+    if poison == "nan":
+        q[1, 5] = float("nan")
+    else:
+        q[0] = 0.0
+        q[0, 7] = 1.0  # all of row 0's mass away from the drafted token 1
+    step = session.on_verify(verify_frame(1, Block(1, 0, [1, 2], q), codec, exits=True))
+    with pytest.raises(SessionError, match="bad draft distribution") as info:
+        session.decode(step)
+    assert info.value.code == P.ErrorCode.BAD_REQUEST
+    assert session.target.position == 0  # nothing was fed
+
+
+def test_greedy_rounds_do_not_need_a_valid_q(pair):
+    """The greedy rule (verify_mode greedy) never reads q: a zero q is not refused."""
+    codec = get_codec("dense32")
+    session = VerifierSession(pair.target, codec)
+    prompt, settings = session.on_prefill(prefill_frame(1, pair.prompt(), VerifySettings(verify_mode="greedy")))
+    session.target.start(prompt, settings)
+    q = _q(1, pair.vocab)
+    q[0] = 0.0
+    q[0, 3] = 1.0
+    step = session.on_verify(verify_frame(1, Block(1, 0, [1], q), codec, exits=False))
+    assert session.decode(step) is not None

@@ -120,8 +120,9 @@ def verify_batch(rounds: list) -> list:
     """Verify several sessions' rounds (``Round``) and decode their AR steps (``ArStep``) with one
     forward pass (one model; at most one item per session): each session's result and commit are
     those of ``TargetSession.verify``/``ar_step`` on its own, up to float rounding in the logits
-    (see the module docstring). An item that fails its own checks (state, draft distribution)
-    gets its exception in its place in the list, and the others go on. A round with ``on_exit``
+    (see the module docstring). An item that fails its own checks (state, draft distribution:
+    before the pass, inside it in its early exits, or after it) gets its exception in its place in
+    the list, and the others go on. A round with ``on_exit``
     gets its early exits from inside the shared pass (the adapters run on its batch row only),
     shallowest first, as alone."""
     sessions = [r.session for r in rounds]
@@ -144,12 +145,16 @@ def verify_batch(rounds: list) -> list:
             out[i] = exc
     fed_rows = [i for i in live if tokens[i]]
     fed = {}
+    failed: dict[int, Exception] = {}  # rows whose early exits raised inside the pass: their own error
     if fed_rows:  # (AR steps right after the prefill have nothing to feed)
-        with _exit_hooks(sessions, fed_rows, tokens, exits):
+        with _exit_hooks(sessions, fed_rows, tokens, exits, failed):
             fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows],
                                                 [tokens[i] for i in fed_rows])))
     for i in live:
         s, r = sessions[i], rounds[i]
+        if i in failed:
+            out[i] = failed[i]
+            continue
         try:
             if isinstance(r, ArStep):
                 out[i] = s.ar_step()  # its pending token was fed above: samples from its last logits
@@ -161,8 +166,11 @@ def verify_batch(rounds: list) -> list:
     return out
 
 
-def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict):
-    """Early-exit hooks for the batch rows whose rounds stream exits (none: no hooks)."""
+def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict, failed: dict):
+    """Early-exit hooks for the batch rows whose rounds stream exits (none: no hooks). A row whose
+    exit verification raises (its session's own input, e.g. a draft distribution that cannot be
+    verified) stops streaming and gets the error in ``failed``; it never reaches the shared pass,
+    so the other rows' rounds go on."""
     import contextlib
     if not exits:
         return contextlib.nullcontext()
@@ -174,6 +182,11 @@ def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict):
 
     def callback(layer: int, logits: torch.Tensor) -> None:  # [len(streaming), longest, V]
         for k, i in enumerate(streaming):
-            exits[i](layer, logits[k, :len(tokens[i])])  # the row's own tokens (pads come after)
+            if i in failed:
+                continue
+            try:
+                exits[i](layer, logits[k, :len(tokens[i])])  # the row's own tokens (pads come after)
+            except Exception as exc:  # noqa: BLE001 - that row's error, never the batch's
+                failed[i] = exc
     hooks.callback = callback
     return hooks

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"{text} (default {getattr(d, name)})")
     ap.add_argument("--max-batch", type=int, default=8,
                     help="verification rounds of up to this many sessions run as one batched forward pass "
-                         "(rounds streaming early exits run alone); 1 = one at a time (default 8)")
+                         "(rounds streaming early exits are batched too, each exit streamed from its own row); 1 = one at a time (default 8)")
     ap.add_argument("--status-interval", type=float, default=60.0,
                     help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

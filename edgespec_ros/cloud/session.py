@@ -35,7 +35,7 @@ from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
-from ..decoding.verify import NO_TOKEN, DraftDistributionError
+from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs
 from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
 
@@ -181,6 +181,10 @@ class VerifierSession:
             what, errors = "bad draft distribution", DENSE_ERRORS
         with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)
+            if step.rule != SPLIT and step.q is not None and self.target.settings.rule == "rejection":
+                # checked here, before the round may join a batched pass with other robots' rounds:
+                # the rule (and the early exits inside the pass) would refuse it there
+                check_draft_probs(torch.as_tensor(step.msg.draft_ids, dtype=torch.long), step.q, self.vocab)
         return step.q
 
     def decode(self, step: Step) -> torch.Tensor:
