@@ -155,10 +155,11 @@ RAY_REPLICAS = 2
 
 
 def _limits(robots_list):
-    """Every replayed robot connects from this machine's loopback address: the per-address cap
-    (--max-per-address, 8 by default, meant for one robot's reconnects) is raised to the fleet."""
+    """Every replayed robot connects from this machine's loopback address at once: the per-address
+    handshake cap (--max-handshakes-per-address, 8 by default) and the sessions are raised to the fleet."""
     from ..cloud.limits import ServerLimits
-    return ServerLimits(max_per_address=max(robots_list) + 8, max_connections=max(64, max(robots_list) + 8))
+    n = max(robots_list) + 8
+    return ServerLimits(max_handshakes_per_address=n, max_handshakes=max(32, n), max_sessions=max(64, n))
 
 
 def run_fleet(opts, progress) -> list[dict]:
@@ -233,8 +234,10 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
     args = build_parser().parse_args(["--model", opts.pair.target_path, "--replicas", str(RAY_REPLICAS),
                                       "--port", str(port), "--compute", compute, "--status-interval", "0",
                                       "--max-batch", "8", "--cpus-per-replica", "1", "--exits", "none",
-                                      "--max-per-address", str(_limits(robots_list).max_per_address),
-                                      "--max-connections", str(_limits(robots_list).max_connections)])
+                                      "--max-handshakes-per-address",
+                                      str(_limits(robots_list).max_handshakes_per_address),
+                                      "--max-handshakes", str(_limits(robots_list).max_handshakes),
+                                      "--max-sessions", str(_limits(robots_list).max_sessions)])
     rows = []
     url = ray_serve.start(args, [], local_cpus=RAY_REPLICAS)
     try:

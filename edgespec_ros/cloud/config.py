@@ -134,11 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ServerLimits field, type, help: the CLI options of the limits (one table: README "Security and limits").
 LIMIT_OPTIONS = [
-    ("max_connections", "--max-connections", int, "open connections, all clients"),
-    ("max_per_address", "--max-per-address", int, "open connections from one IP address"),
-    ("max_handshakes", "--max-handshakes", int, "connections that have not yet sent an accepted HELLO"),
-    ("auth_failures", "--auth-failures", int, "failed HELLOs from one address that lock it out for the rest of "
-                                               "--auth-window"),
+    ("max_sessions", "--max-sessions", int, "authenticated sessions, all tenants"),
+    ("max_handshakes", "--max-handshakes", int, "connections that have not yet sent an accepted HELLO (when full, "
+                                                "one from the address holding the most is closed for a new one)"),
+    ("max_handshakes_per_address", "--max-handshakes-per-address", int,
+     "of those, from one IP address (sessions are not counted per address: a fleet behind one NAT)"),
+    ("connect_rate", "--connect-rate", float, "new connections per second from one IP address (bursts of twice that)"),
+    ("auth_failures", "--auth-failures", int, "failed HELLOs with one token guess from one address that refuse "
+                                               "that guess there for the rest of --auth-window (the right token "
+                                               "from the same address is never refused)"),
     ("auth_window_s", "--auth-window", float, "seconds of the auth-failure window"),
     ("max_prompt_tokens", "--max-prompt-tokens", int, "prompt tokens per decision (the model's context at most)"),
     ("max_image_pixels", "--max-image-pixels", int, "decoded image pixels, read from the header before decoding "

@@ -9,6 +9,7 @@ Qwen2-VL-7B serving a few robots; all are `edgespec-verifier` options.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import ipaddress
 import time
@@ -23,13 +24,20 @@ PREAUTH_MAX_FRAME = 4096
 
 @dataclass
 class ServerLimits:
-    """Per-verifier caps (connections, auth) and per-session limits."""
+    """Per-verifier caps (admission, auth) and per-session limits.
 
-    max_connections: int = 64  # open websocket connections, all clients
-    max_per_address: int = 8  # open connections from one IP address
-    max_handshakes: int = 16  # connections that have not yet sent an accepted HELLO
-    auth_failures: int = 5  # failed HELLOs from one address within auth_window_s ...
-    auth_window_s: float = 60.0  # ... lock that address out for the rest of the window
+    Admission has two pools: handshakes (connections without an accepted HELLO) and sessions. A
+    connection without a valid token can only ever hold a handshake slot, and a full handshake pool
+    evicts from the address holding the most of them, so clients without a token cannot keep a
+    robot with one out; sessions are capped in all and per token (tenant), never per address (a
+    fleet behind one NAT shares an address)."""
+
+    max_sessions: int = 64  # authenticated sessions, all tenants
+    max_handshakes: int = 32  # connections that have not yet sent an accepted HELLO
+    max_handshakes_per_address: int = 8  # of those, from one IP address
+    connect_rate: float = 20.0  # new connections per second from one address (bursts of twice that)
+    auth_failures: int = 5  # failed HELLOs with one token guess from one address within auth_window_s ...
+    auth_window_s: float = 60.0  # ... refuse that guess from that address for the rest of the window
     max_prompt_tokens: int = 8192  # prompt length (capped further by the model's own context)
     max_image_pixels: int = 1280 * 28 * 28  # decoded image size (Qwen2-VL's max_pixels), checked before decoding
     max_image_bytes: int = 8 * 1024 * 1024  # encoded image size
@@ -47,23 +55,32 @@ class LimitError(Exception):
     """A request beyond a limit (the server turns it into an ERROR frame naming the limit)."""
 
 
-TRUSTED_FOR_S = 3600.0  # an address that authenticated this recently skips the handshake cap
+TRUSTED_FOR_S = 3600.0  # an address that authenticated this recently is evicted last from the handshake pool
+MAX_TRACKED_ADDRESSES = 65536  # per-address state (trust, connect rate, auth failures) stays bounded under a scan
 
 
 class ConnectionGate:
-    """Caps on open connections (total and per address) and on handshakes in flight. ``admit``
-    returns a refusal text or '' (admitted: call ``release`` when the connection ends).
+    """Admission: the handshake pool, the session pool, and each address's connect rate.
 
-    An address that completed a HELLO within TRUSTED_FOR_S (a robot reconnecting) is not held by
-    the handshake cap: a botnet that keeps the handshake slots full with fresh connections cannot
-    lock the fleet's robots out (it still counts against the total and per-address caps)."""
+    ``admit(key, address)`` returns (refusal text or '', the key of a handshake to evict or None):
+    an address past its connect rate or its handshake cap is refused; a full pool evicts one
+    handshake from the address that holds the most (untrusted addresses first, then the oldest),
+    so a flood from a few addresses only ever churns its own slots. ``authenticated(key)`` moves a
+    handshake into the session pool (a refusal text when the pool is full); ``release(key)`` frees
+    whatever the connection held. A robot's HELLO arrives one round trip after it connects; the
+    connect rate bounds how fast a flood can churn the pool around it."""
 
     def __init__(self, limits: ServerLimits, clock=time.monotonic):
         self.limits, self.clock = limits, clock
-        self.total = 0
-        self.handshaking = 0
-        self.per_address: dict[str, int] = defaultdict(int)
+        self.handshakes: dict[object, tuple[str, float]] = {}  # key -> (address, when admitted)
+        self.per_address: dict[str, int] = defaultdict(int)  # handshakes per address
+        self.sessions: set = set()
         self.trusted: dict[str, float] = {}  # address -> when it last completed a HELLO
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when)
+
+    @property
+    def handshaking(self) -> int:
+        return len(self.handshakes)
 
     def is_trusted(self, address: str) -> bool:
         when = self.trusted.get(address)
@@ -72,65 +89,102 @@ class ConnectionGate:
     def trust(self, address: str) -> None:
         self.trusted.pop(address, None)
         self.trusted[address] = self.clock()
-        if len(self.trusted) > 65536:  # bounded: forget the oldest
+        if len(self.trusted) > MAX_TRACKED_ADDRESSES:  # bounded: forget the oldest
             self.trusted.pop(next(iter(self.trusted)))
 
-    def admit(self, address: str) -> str:
+    def _rate_ok(self, address: str) -> bool:
+        rate = self.limits.connect_rate
+        burst, now = 2 * rate, self.clock()
+        tokens, when = self._buckets.pop(address, (burst, now))
+        tokens = min(burst, tokens + (now - when) * rate)
+        ok = tokens >= 1.0
+        self._buckets[address] = (tokens - 1.0 if ok else tokens, now)
+        if len(self._buckets) > MAX_TRACKED_ADDRESSES:
+            self._buckets.pop(next(iter(self._buckets)))
+        return ok
+
+    def _victim(self):
+        """The handshake to evict: from the address holding the most, untrusted before trusted,
+        the oldest among those."""
+        return min(self.handshakes, key=lambda k: (-self.per_address[self.handshakes[k][0]],
+                                                   self.is_trusted(self.handshakes[k][0]), self.handshakes[k][1]))
+
+    def admit(self, key, address: str) -> tuple[str, object]:
         lim = self.limits
-        if self.total >= lim.max_connections:
-            return f"verifier full: {self.total} connections open (--max-connections {lim.max_connections})"
-        if self.per_address[address] >= lim.max_per_address:
-            return (f"too many connections from this address: {self.per_address[address]} open "
-                    f"(--max-per-address {lim.max_per_address})")
-        if self.handshaking >= lim.max_handshakes and not self.is_trusted(address):
-            return f"too many handshakes in progress ({self.handshaking}; --max-handshakes {lim.max_handshakes})"
-        self.total += 1
-        self.handshaking += 1
+        if not self._rate_ok(address):
+            return (f"connecting too fast from this address (--connect-rate {lim.connect_rate:g} per second)", None)
+        if self.per_address[address] >= lim.max_handshakes_per_address:
+            return (f"too many handshakes in progress from this address: {self.per_address[address]} "
+                    f"(--max-handshakes-per-address {lim.max_handshakes_per_address})", None)
+        victim = None
+        if len(self.handshakes) >= lim.max_handshakes:
+            victim = self._victim()
+            self._drop(victim)
+        self.handshakes[key] = (address, self.clock())
         self.per_address[address] += 1
-        return ""
+        return "", victim
 
-    def authenticated(self) -> None:
-        self.handshaking -= 1
-
-    def release(self, address: str, authenticated: bool) -> None:
-        self.total -= 1
-        if not authenticated:
-            self.handshaking -= 1
+    def _drop(self, key) -> None:
+        address, _ = self.handshakes.pop(key)
         self.per_address[address] -= 1
         if self.per_address[address] <= 0:
             del self.per_address[address]
 
+    def holds_handshake(self, key) -> bool:
+        return key in self.handshakes
+
+    def authenticated(self, key) -> str:
+        """The handshake ``key`` sent a valid HELLO: it becomes a session ('' ) or is refused."""
+        if len(self.sessions) >= self.limits.max_sessions:
+            return f"verifier full: {len(self.sessions)} sessions open (--max-sessions {self.limits.max_sessions})"
+        if key in self.handshakes:
+            self._drop(key)
+        self.sessions.add(key)
+        return ""
+
+    def release(self, key) -> None:
+        if key in self.handshakes:
+            self._drop(key)
+        self.sessions.discard(key)
+
 
 class AuthThrottle:
-    """Failed HELLOs per address in a sliding window: past ``auth_failures`` the address is locked
-    out (its HELLOs are refused without looking at the token) until the window has passed."""
+    """Failed HELLOs per (address, token guess) in a sliding window: past ``auth_failures`` that
+    guess from that address is refused without comparing it, until the window has passed. Keyed by
+    the guess too, so a robot behind the same address (a NAT) with the right token is never locked
+    out by another's wrong one; guessing many tokens is bounded by the connect rate."""
 
     def __init__(self, limits: ServerLimits, clock=time.monotonic):
         self.limits, self.clock = limits, clock
-        self.failures: dict[str, deque] = {}
+        self.failures: dict[tuple[str, bytes], deque] = {}
 
-    def _recent(self, address: str) -> deque:
-        q = self.failures.get(address)
+    @staticmethod
+    def _key(address: str, guess: str) -> tuple[str, bytes]:
+        return address, hashlib.blake2b(guess.encode(), digest_size=16).digest()
+
+    def _recent(self, key) -> deque:
+        q = self.failures.get(key)
         if q is None:
             return deque()
         horizon = self.clock() - self.limits.auth_window_s
         while q and q[0] < horizon:
             q.popleft()
         if not q:
-            del self.failures[address]
+            del self.failures[key]
         return q
 
-    def locked_for(self, address: str) -> float:
-        """Seconds this address stays locked out (0: it may try)."""
-        q = self._recent(address)
+    def locked_for(self, address: str, guess: str) -> float:
+        """Seconds this guess from this address stays refused (0: it may try)."""
+        q = self._recent(self._key(address, guess))
         if len(q) < self.limits.auth_failures:
             return 0.0
         return max(0.0, q[-self.limits.auth_failures] + self.limits.auth_window_s - self.clock())
 
-    def failed(self, address: str) -> None:
-        if address not in self.failures and len(self.failures) >= 65536:  # bounded memory under a scan
+    def failed(self, address: str, guess: str) -> None:
+        key = self._key(address, guess)
+        if key not in self.failures and len(self.failures) >= MAX_TRACKED_ADDRESSES:  # bounded under a scan
             self.failures.pop(next(iter(self.failures)))
-        self.failures.setdefault(address, deque(maxlen=self.limits.auth_failures)).append(self.clock())
+        self.failures.setdefault(key, deque(maxlen=self.limits.auth_failures)).append(self.clock())
 
 
 def image_size(data: bytes) -> tuple[int, int]:

@@ -202,7 +202,7 @@ def verifier_app(args, tokens: list[str]):
     # answers with a BUSY frame, which a robot treats as an unreachable verifier); the router
     # balances on open sessions per replica.
     options = dict(ray_actor_options={"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica},
-                   max_ongoing_requests=args.max_connections + args.max_handshakes, max_queued_requests=-1,
+                   max_ongoing_requests=args.max_sessions + args.max_handshakes, max_queued_requests=-1,
                    health_check_period_s=5.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=10.0)
     autoscale = parse_autoscale(args.autoscale)
     if autoscale is None:

@@ -35,7 +35,6 @@ from .limits import (PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, Inbox, Ins
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
 log = logging.getLogger("edgespec.verifier")
-HANDSHAKE_GRACE_S = 1.0  # a connection without HELLO for longer may lose its slot to a new one
 
 
 def on_device(fn, args: tuple, budget) -> Occupy:
@@ -69,7 +68,7 @@ class _Conn:
     ws: object
     tenant: int | None = None  # index of the token it authenticated with (None: auth is off)
     accepted: bool = False  # HELLO accepted (it no longer counts as a handshake)
-    reclaimed: bool = False  # closed before HELLO to free its handshake slot
+    reclaimed: bool = False  # closed before HELLO: its handshake slot went to a newer connection
     opened: float = field(default_factory=time.monotonic)
     label: str = ""  # its tenant's metrics label (set when HELLO is accepted)
     decision: int | None = None  # the decision it is on, and the tokens the target decided in it
@@ -133,10 +132,11 @@ class VerifierServer:
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
         self.sessions_served = 0
         self.refused = 0  # connections refused by the caps
-        self.reclaimed_handshakes = 0  # silent connections closed to free a handshake slot
+        self.reclaimed_handshakes = 0  # connections without HELLO evicted from a full handshake pool
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.verified_tokens = 0  # tokens the target decided (accepted drafts, corrections, AR tokens)
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
+        self._refusal_log_t, self._refusals_unlogged = -1e9, 0  # refusal log lines: at most one a second
         # Prometheus (GET /metrics); the Ray front end labels its replica
         self.metrics = VerifierMetrics(self.model_name, self.status, metrics_labels)
 
@@ -150,13 +150,12 @@ class VerifierServer:
         peer = getattr(ws, "remote_address", None) or ("?", 0)
         key = next(self._keys)
         conn = _Conn(key, str(peer[0]), f"{peer[0]}:{peer[1] if len(peer) > 1 else 0}#{key}", ws)
-        if (not self.stopping and self.gate.handshaking >= self.limits.max_handshakes
-                and not self.gate.is_trusted(conn.address)):
-            self._reclaim_handshake()
-        refusal = "verifier shutting down" if self.stopping else self.gate.admit(conn.address)
+        refusal, victim = ("verifier shutting down", None) if self.stopping else self.gate.admit(key, conn.address)
+        if victim is not None:
+            self._evict_handshake(victim)
         if refusal:
             self.refused += 1
-            log.warning("connection %s refused: %s", conn.peer, refusal)
+            self._log_refusal(conn.peer, refusal)
             await self._refuse(ws, P.ErrorCode.BUSY, refusal, 1013)
             return
         self.connections[key] = conn
@@ -181,7 +180,7 @@ class VerifierServer:
                                    f"internal error (incident {incident}; details in the verifier's log)", 1011)
         finally:
             self.connections.pop(key, None)
-            self.gate.release(conn.address, conn.accepted or conn.reclaimed)
+            self.gate.release(key)
             self.fair.close(key)
             last = False
             if conn.accepted and conn.tenant is not None:
@@ -195,23 +194,29 @@ class VerifierServer:
                 self.metrics.on_decision_end(conn.decision_tokens)
                 self.metrics.on_session_end(time.monotonic() - conn.opened, conn.exit_rounds, conn.exit_hits)
 
-    def _reclaim_handshake(self) -> None:
-        """Handshake slots are full: free the oldest one held longer than HANDSHAKE_GRACE_S. A
-        robot sends HELLO one round trip after connecting, so only a silent or trickling client
-        loses its slot, and idle connections cannot lock new robots out for a whole timeout."""
-        now = time.monotonic()
-        waiting = [c for c in self.connections.values()
-                   if not c.accepted and not c.reclaimed and now - c.opened > HANDSHAKE_GRACE_S]
-        if not waiting:
-            return
-        oldest = min(waiting, key=lambda c: c.opened)
-        oldest.reclaimed = True
-        self.gate.authenticated()  # its handshake slot is free now (release() will not count it again)
+    def _evict_handshake(self, key) -> None:
+        """The handshake pool was full: the gate chose this connection (no HELLO yet, from the
+        address holding the most handshakes) to make room for a new one."""
+        conn = self.connections.get(key)
         self.reclaimed_handshakes += 1
-        log.info("session %s: no HELLO after %.1f s while handshake slots are full: closed", oldest.peer,
-                 now - oldest.opened)
-        asyncio.ensure_future(self._refuse(oldest.ws, P.ErrorCode.BUSY, "handshake too slow: HELLO must follow "
+        if conn is None:
+            return
+        conn.reclaimed = True
+        log.info("session %s: no HELLO yet while the handshake slots are full: closed", conn.peer)
+        asyncio.ensure_future(self._refuse(conn.ws, P.ErrorCode.BUSY, "handshake too slow: HELLO must follow "
                                            "the connection at once while the verifier is busy", 1013))
+
+    def _log_refusal(self, peer: str, refusal: str) -> None:
+        """A refused connection's log line, rate-limited: a flood must not fill the disk."""
+        now = time.monotonic()
+        if now - self._refusal_log_t >= 1.0:
+            if self._refusals_unlogged:
+                log.warning("%d more connection(s) refused in the last second (not logged one by one)",
+                            self._refusals_unlogged)
+            self._refusal_log_t, self._refusals_unlogged = now, 0
+            log.warning("connection %s refused: %s", peer, refusal)
+        else:
+            self._refusals_unlogged += 1
 
     @staticmethod
     async def _refuse(ws, code: int, message: str, close_code: int) -> None:
@@ -256,21 +261,21 @@ class VerifierServer:
 
     def _authenticate(self, conn: _Conn, hello: P.Hello) -> int | None:
         """The tenant (token index) of an accepted HELLO; None when auth is off."""
-        locked = self.throttle.locked_for(conn.address)
-        if locked > 0:
-            raise SessionError(P.ErrorCode.TOO_MANY,
-                               f"too many failed auth attempts from this address: locked out for {math.ceil(locked)} s "
-                               f"(--auth-failures {self.limits.auth_failures} per --auth-window "
-                               f"{self.limits.auth_window_s:g} s)")
         if not self.tokens:
             return None
+        locked = self.throttle.locked_for(conn.address, hello.token)
+        if locked > 0:
+            raise SessionError(P.ErrorCode.TOO_MANY,
+                               f"this token was refused too often from this address: locked out for "
+                               f"{math.ceil(locked)} s (--auth-failures {self.limits.auth_failures} per --auth-window "
+                               f"{self.limits.auth_window_s:g} s)")
         presented = hello.token.encode()
         match = None
         for i, token in enumerate(self.tokens):  # every token compared, each in constant time
             if hmac.compare_digest(presented, token) and match is None:
                 match = i
         if match is None:
-            self.throttle.failed(conn.address)
+            self.throttle.failed(conn.address, hello.token)
             raise SessionError(P.ErrorCode.UNAUTHORIZED, "bad or missing auth token (see --token-file)")
         if self._tenant_sessions[match] >= self.limits.max_sessions_per_token:
             raise SessionError(P.ErrorCode.TOO_MANY,
@@ -298,11 +303,13 @@ class VerifierServer:
             codec = get_codec(hello.codec)
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
+        full = self.gate.authenticated(conn.key)
+        if full:
+            raise SessionError(P.ErrorCode.BUSY, full)
         conn.tenant, conn.accepted = tenant, True
         conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
         if tenant is not None:
             self._tenant_sessions[tenant] += 1
-        self.gate.authenticated()
         self.gate.trust(conn.address)
         protocol = getattr(ws, "protocol", None)
         if protocol is not None:  # the session's own frame limit from now on
