@@ -821,3 +821,47 @@ def test_a_long_context_does_not_share_passes_with_short_ones():
         assert calls == [["robot1", "robot2", "robot3"], ["hostile"]]
     finally:
         fair.shutdown()
+
+
+def test_blocks_of_an_ended_epoch_do_not_keep_a_session_alive(pair):
+    """Issue 34.6: a VERIFY the epoch rule drops is no work: a client sending only those is closed
+    at --idle-timeout like a silent one (each dropped block is checked first, too)."""
+    with _server(pair, idle_timeout_s=1.0) as st:
+        ws = raw_session(st.url, pair)
+        q = np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes()
+        ws.send(P.encode(P.Verify(1, 1, [pair.vocab - 1], q, epoch=0)))  # epoch 0 ends with this verdict
+        assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.Verdict)
+        started = time.monotonic()
+        reply = None
+        for r in range(2, 40):  # a dropped block every 0.2 s: 7.6 s of "activity"
+            try:
+                ws.send(P.encode(P.Verify(1, r, [1], q, epoch=0)))
+                reply = P.decode(ws.recv(timeout=0.2))
+                break
+            except TimeoutError:
+                continue
+            except Exception:  # closed under us
+                break
+        assert isinstance(reply, P.Error) and "no frame within 1 s" in reply.message, reply
+        assert time.monotonic() - started < 3.0
+        assert st.server.dropped_blocks >= 3
+        bad = raw_session(st.url, pair)
+        bad.send(P.encode(P.Verify(1, 1, [pair.vocab - 1], q, epoch=0)))
+        assert isinstance(P.decode(bad.recv(timeout=DEADLINE_S)), P.Verdict)
+        bad.send(P.encode(P.Verify(1, 2, [pair.vocab + 5], q, epoch=0)))  # dropped, but checked first
+        expect_error_then_close(bad, P.ErrorCode.BAD_REQUEST, "out of range")
+
+
+def test_without_auth_the_address_is_the_tenant_for_the_session_cap(pair):
+    """Issue 34.6: in open mode (no tokens) idle sessions from one address cannot take the whole
+    pool: --max-sessions-per-token applies per address."""
+    with _server(pair, limits=ServerLimits(max_sessions_per_token=2)) as st:
+        held = [raw_session(st.url, pair, prefill=False) for _ in range(2)]
+        ws = raw_connect(st.url)
+        ws.send(_hello(pair))
+        expect_error_then_close(ws, P.ErrorCode.TOO_MANY, "per address without auth")
+        other = _connect_from(st.url, "127.0.0.7")  # another address still gets in
+        other.send(_hello(pair))
+        _welcomed(other)
+        for w in held + [other]:
+            w.close()

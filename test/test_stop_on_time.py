@@ -246,3 +246,32 @@ def test_a_result_just_in_time_is_published():
     core.set_frame(Frame(np.zeros((8, 8, 3), np.uint8), clock(), "cam"))
     outcome = core.run(core.begin())
     assert outcome is not None and not outcome.fault and core.late_results == 0
+
+
+def test_pipe_fsd_gives_up_at_the_clients_timeout_not_twice_it(pair):
+    """Issue 34.6: in pipe+fsd the wait for a verdict (conditional-block slices, then the rest) is
+    bounded by the client's verifier_timeout_s in all: a dead link raises VerifierTimeout then,
+    not after a second full timeout."""
+    from edgespec_ros.decoding.exits import EarlyExits
+    from edgespec_ros.decoding.verifier import VerifierTimeout
+    from edgespec_ros.robot.decoder import DecodeConfig
+    from wire_helpers import INSTRUCTIONS
+    target = server_copy(pair.target)
+    target.exits = EarlyExits.for_model(target.model).eval()  # exits: the robot pre-drafts conditional blocks
+    timeout_s = 1.0
+    with ServerThread(VerifierServer(target)) as st, LinkProxy(get_profile("lan"), "127.0.0.1", st.port) as px:
+        rv = _client(pair, px.url, timeout_s=timeout_s)
+        cut, times = [], {}
+
+        def on_tokens(_ids):
+            if not cut:
+                cut.append(1)
+                px.blackhole()
+                times["cut"] = time.monotonic()
+        decoder = EdgeDecoder(pair.draft, rv)
+        with pytest.raises(VerifierTimeout, match="within 1 s"):
+            decoder.decide(INSTRUCTIONS[0], pair.image, DecodeConfig(mode="pipe+fsd", gamma=3, max_new_tokens=96),
+                           on_tokens=on_tokens)
+        waited = time.monotonic() - times["cut"]
+        assert cut and waited < timeout_s + 0.8, f"gave up {waited:.2f} s after the cut (timeout {timeout_s} s)"
+        decoder.close()

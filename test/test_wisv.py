@@ -72,6 +72,11 @@ def test_csi_quality_orders_the_shipped_link_profiles():
         Csi(1e6, 1e6, 0.01, loss=1.0)
     with pytest.raises(ValueError, match="Csi.rtt_s"):
         Csi(1e6, 1e6, float("nan"))
+    # finite but beyond any link (issue 34.6): refused, not fed to the head
+    with pytest.raises(ValueError, match="Csi.up_bps must be at most"):
+        Csi(1e300, 1e6, 0.01)
+    with pytest.raises(ValueError, match="Csi.rtt_s must be at most 60"):
+        Csi(1e6, 1e6, 3600.0)
 
 
 def test_the_head_gives_one_probability_per_position_and_round_trips(tmp_path):

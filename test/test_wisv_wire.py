@@ -6,6 +6,8 @@ against the emulated profiles' ground truth."""
 import random
 
 import numpy as np
+import time
+
 import pytest
 import torch
 
@@ -380,3 +382,20 @@ def test_blocks_stashed_while_waiting_for_hidden_rows_are_bounded_in_bytes(model
             ws.send(P.encode(P.Verify(1, r, ids, junk, P.VERIFY_WISV | P.VERIFY_CHAINED, P.NO_TOKEN, 0, [],
                                       CELLULAR.to_wire())))
         expect_error_then_close(ws, P.ErrorCode.TOO_MANY, "too many blocks")
+
+
+def test_an_unanswered_hidden_request_ends_at_the_handshake_timeout(models, frames):
+    """Issue 34.6: a selective round whose HIDDEN never comes holds the session's place for the
+    handshake timeout (the robot answers at once), not the idle timeout."""
+    draft, target = models
+    with ServerThread(VerifierServer(target, insecure_no_auth=True, handshake_timeout_s=1.0,
+                                     idle_timeout_s=300.0)) as st:
+        ids = _mismatching_ids(models, frames)
+        ws = _wisv_session(st.url, target, _prompt(draft, target, *frames[0]))
+        ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids), P.VERIFY_WISV, P.NO_TOKEN, 0, [],
+                                  CELLULAR.to_wire())))
+        assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.HiddenRequest)
+        started = time.monotonic()
+        reply = P.decode(ws.recv(timeout=10))
+        assert isinstance(reply, P.Error) and "no frame within 1 s" in reply.message, reply
+        assert time.monotonic() - started < 5

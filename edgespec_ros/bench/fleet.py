@@ -155,11 +155,12 @@ RAY_REPLICAS = 2
 
 
 def _limits(robots_list):
-    """Every replayed robot connects from this machine's loopback address at once: the per-address
-    handshake cap (--max-handshakes-per-address, 8 by default) and the sessions are raised to the fleet."""
+    """Every replayed robot connects from this machine's loopback address at once, without auth: the
+    per-address handshake and session caps (8 by default) and the session pool are raised to the fleet."""
     from ..cloud.limits import ServerLimits
     n = max(robots_list) + 8
-    return ServerLimits(max_handshakes_per_address=n, max_handshakes=max(32, n), max_sessions=max(64, n))
+    return ServerLimits(max_handshakes_per_address=n, max_handshakes=max(32, n), max_sessions=max(64, n),
+                        max_sessions_per_token=n)  # (without auth: sessions per address)
 
 
 def run_fleet(opts, progress) -> list[dict]:
@@ -237,7 +238,8 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
                                       "--max-handshakes-per-address",
                                       str(_limits(robots_list).max_handshakes_per_address),
                                       "--max-handshakes", str(_limits(robots_list).max_handshakes),
-                                      "--max-sessions", str(_limits(robots_list).max_sessions)])
+                                      "--max-sessions", str(_limits(robots_list).max_sessions),
+                                      "--max-sessions-per-token", str(_limits(robots_list).max_sessions_per_token)])
     rows = []
     url = ray_serve.start(args, [], local_cpus=RAY_REPLICAS)
     try:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import ipaddress
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+
+from ..wire.protocol import is_loopback  # noqa: F401 - re-exported: the cloud's checks use it from here
 
 # HELLO carries a token, a fingerprint, a codec spec and a client name: a few hundred bytes. Until
 # a client has authenticated, no frame may be larger (the websocket layer cuts it before it is
@@ -218,15 +219,6 @@ def clean(text, limit: int = 120) -> str:
     s = str(text)
     out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
     return out + ("..." if len(s) > limit else "")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname or '' (all interfaces): treat as exposed
 
 
 class InsecureConfig(Exception):

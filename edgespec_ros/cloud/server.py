@@ -127,6 +127,7 @@ class VerifierServer:
         self.fair = FairCompute("target", max_batch=max_batch)
         self._keys = itertools.count(1)
         self._tenant_sessions: dict[int, int] = defaultdict(int)
+        self._address_sessions: dict[str, int] = defaultdict(int)  # open mode: sessions per address
         self.connections: dict[int, _Conn] = {}
         self.stopping = False
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
@@ -188,6 +189,10 @@ class VerifierServer:
                 if self._tenant_sessions[conn.tenant] <= 0:
                     del self._tenant_sessions[conn.tenant]
                     last = True
+            elif conn.accepted:
+                self._address_sessions[conn.address] -= 1
+                if self._address_sessions[conn.address] <= 0:
+                    del self._address_sessions[conn.address]
             self.fair.forget(key, conn.flow if last else None)
             self.sessions_served += 1
             if conn.accepted:
@@ -226,9 +231,11 @@ class VerifierServer:
         except Exception:
             pass
 
-    async def _recv(self, ws, timeout: float, inbox: Inbox | None = None, max_frame: int | None = None):
+    async def _recv(self, ws, timeout: float, inbox: Inbox | None = None, max_frame: int | None = None,
+                    timeout_text: float | None = None):
         """The next frame (decoded) and when it arrived; from ``inbox`` once the session reads
-        ahead (pipelined blocks queue there while the target computes)."""
+        ahead (pipelined blocks queue there while the target computes). ``timeout_text``: the
+        timeout to name when it expires (the idle timeout, of which ``timeout`` is what is left)."""
         try:
             if inbox is None:
                 raw, arrived = await asyncio.wait_for(ws.recv(), timeout), time.perf_counter()
@@ -237,7 +244,8 @@ class VerifierServer:
                 if isinstance(raw, BaseException):
                     raise raw
         except asyncio.TimeoutError:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"no frame within {timeout:g} s: closing idle session") from None
+            raise SessionError(P.ErrorCode.BAD_REQUEST,
+                               f"no frame within {timeout_text or timeout:g} s: closing idle session") from None
         try:
             # Id lists far beyond the prompt limit are refused by the decoder before they cost a
             # Python list on the event loop (the exact limit is checked, by name, on PREFILL).
@@ -261,7 +269,12 @@ class VerifierServer:
 
     def _authenticate(self, conn: _Conn, hello: P.Hello) -> int | None:
         """The tenant (token index) of an accepted HELLO; None when auth is off."""
-        if not self.tokens:
+        if not self.tokens:  # open mode (loopback, or --insecure-no-auth): the address is the only identity
+            if self._address_sessions[conn.address] >= self.limits.max_sessions_per_token:
+                raise SessionError(P.ErrorCode.TOO_MANY,
+                                   f"this address already has {self._address_sessions[conn.address]} sessions open "
+                                   f"(--max-sessions-per-token {self.limits.max_sessions_per_token}, per address "
+                                   "without auth)")
             return None
         locked = self.throttle.locked_for(conn.address, hello.token)
         if locked > 0:
@@ -310,6 +323,8 @@ class VerifierServer:
         conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
         if tenant is not None:
             self._tenant_sessions[tenant] += 1
+        else:
+            self._address_sessions[conn.address] += 1
         self.gate.trust(conn.address)
         protocol = getattr(ws, "protocol", None)
         if protocol is not None:  # the session's own frame limit from now on
@@ -340,9 +355,14 @@ class VerifierServer:
         here it runs (on the fair compute thread, batched with other sessions) and the replies go out."""
         ws = conn.ws
         last_done = time.perf_counter()  # when the target finished its last work for this session
+        # Idle means no work: a frame that is dropped unverified (a block of an ended epoch) does not
+        # keep a session open past --idle-timeout.
+        idle_since = time.monotonic()
         stash: deque = deque()  # blocks that came while a wisv round waited for hidden rows
         while True:
-            msg, arrived = stash.popleft() if stash else await self._recv(ws, self.idle_timeout_s, inbox)
+            idle_left = max(0.0, self.idle_timeout_s - (time.monotonic() - idle_since))
+            msg, arrived = stash.popleft() if stash else await self._recv(ws, idle_left, inbox,
+                                                                           timeout_text=self.idle_timeout_s)
             if isinstance(msg, P.Close):
                 log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
                 await ws.close()
@@ -359,7 +379,7 @@ class VerifierServer:
                 step = session.on_verify(msg)
                 if step is None:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
                     self.dropped_blocks += 1
-                    continue
+                    continue  # (not work: the idle clock runs on)
                 # Waited behind this session's earlier work; the wait in the compute queue (other
                 # sessions' work) is added once the round is computed.
                 queue_s = max(0.0, last_done - arrived)
@@ -393,6 +413,7 @@ class VerifierServer:
             else:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
             last_done = time.perf_counter()
+            idle_since = time.monotonic()
 
     def _count_round(self, conn: _Conn, step: Step, verdict: P.Verdict) -> None:
         """A verified round in the metrics: its drafts, acceptances, waits and early-exit guess."""
@@ -482,15 +503,18 @@ class VerifierServer:
 
     async def _await_hidden(self, conn: _Conn, session: VerifierSession, step: Step, asked: list[int],
                             inbox: Inbox, stash: deque) -> dict:
-        """The HIDDEN answer to a HIDDEN_REQUEST (within the idle timeout); later blocks of the
-        pipeline that come first are kept in ``stash`` (at most the inbox's count and bytes, the
-        inbox's own frames included)."""
+        """The HIDDEN answer to a HIDDEN_REQUEST, within the handshake timeout (the robot answers at
+        once: the round holds the session's place meanwhile); later blocks of the pipeline that come
+        first are kept in ``stash`` (at most the inbox's count and bytes, the inbox's own frames
+        included)."""
         msg = step.msg
+        deadline = time.monotonic() + self.handshake_timeout_s
 
         def held(v: P.Verify) -> int:  # a stashed block's bytes, counted against the inbox's byte bound
             return len(v.q_payload) + len(v.hidden) + 4 * len(v.draft_ids)
         while True:
-            reply, arrived = await self._recv(conn.ws, self.idle_timeout_s, inbox)
+            left = max(0.0, deadline - time.monotonic())
+            reply, arrived = await self._recv(conn.ws, left, inbox, timeout_text=self.handshake_timeout_s)
             if isinstance(reply, P.Verify) and reply.decision == msg.decision:
                 if (len(stash) >= inbox.max_items
                         or sum(held(v) for v, _ in stash) + held(reply) + inbox.bytes > inbox.max_bytes):

@@ -140,14 +140,8 @@ class VerifierSession:
         if self.rounds > self.limits.max_rounds:
             raise SessionError(P.ErrorCode.TOO_MANY, f"more than {self.limits.max_rounds} VERIFY frames in one "
                                                      f"decision (--max-rounds)")
-        condition = self._condition(msg)
-        try:
-            admitted = self.gate.admit(msg.epoch, condition)
-        except ValueError as exc:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, f"block out of order: {exc}") from None
-        if not admitted:
-            self.dropped_blocks += 1
-            return None
+        # Every block is checked before the epoch rule may drop it: a dropped block is no cheaper
+        # to send than a verified one, and no less bounded.
         n = len(msg.draft_ids)
         if not 1 <= n <= MAX_BLOCK:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"draft length {n} not in 1..{MAX_BLOCK}")
@@ -156,6 +150,14 @@ class VerifierSession:
                                f"draft token id {max(msg.draft_ids)} out of range (vocab {self.vocab})")
         if msg.flags & ~P.VERIFY_FLAGS:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
+        condition = self._condition(msg)
+        try:
+            admitted = self.gate.admit(msg.epoch, condition)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"block out of order: {exc}") from None
+        if not admitted:
+            self.dropped_blocks += 1
+            return None
         self.check_context(n + 1, "this block")
         chained = bool(msg.flags & P.VERIFY_CHAINED)
         if self.codec.separate:  # no early exits: an exit could not name its next token without q

@@ -35,6 +35,8 @@ from .verify import VerifyResult
 
 CSI_DIM = 4
 UNLIMITED_BPS = 10e9  # a link profile's 0 ("unlimited") rate, as a number
+MAX_CSI_BPS = 100e9  # CSI beyond these is refused: no robot's link is faster, or slower to answer
+MAX_CSI_RTT_S = 60.0
 # One extra round's cost on a link is judged for this payload each way (a draft block of ids and
 # a verdict are a few hundred bytes; a full-hidden upload of a 2B drafter is ~10 kB).
 REFERENCE_ROUND_BYTES = 4096
@@ -57,6 +59,9 @@ class Csi:
                 raise ValueError(f"Csi.{name} must be a finite number >= 0, got {value!r}")
         if self.loss >= 1:
             raise ValueError(f"Csi.loss must be below 1, got {self.loss!r}")
+        for name, top in (("up_bps", MAX_CSI_BPS), ("down_bps", MAX_CSI_BPS), ("rtt_s", MAX_CSI_RTT_S)):
+            if getattr(self, name) > top:  # beyond any link: the head was never trained there
+                raise ValueError(f"Csi.{name} must be at most {top:g}, got {getattr(self, name)!r}")
 
     @classmethod
     def from_profile(cls, profile) -> "Csi":

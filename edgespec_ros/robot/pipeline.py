@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.verifier import Block, Condition, VerifyReply
+from ..decoding.verifier import Block, Condition, VerifierTimeout, VerifyReply
 from .draft_length import AutoGamma
 from .rounds import PIPE_DEPTH_MAX, DecisionState, DecodeConfig, Strategy
 
@@ -254,15 +254,22 @@ class _Pipeline:
         """Wait for the next verdict with a full pipeline; pipe+fsd sends its conditional block as
         soon as a pre-draft is ready (polling in slices of COND_SLICE_S, up to the verifier's timeout)."""
         verifier = self.d.verifier
-        limit = time.monotonic() + getattr(verifier, "timeout_s", 60.0)
+        if not self.inflight and not self.conds:
+            raise RuntimeError("pipeline waiting on a verifier that holds no block")
+        timeout = getattr(verifier, "timeout_s", 60.0)
+        limit = time.monotonic() + timeout  # the whole wait, conditional slices included
         while self._can_condition() and time.monotonic() < limit:
             self._send_conditional(COND_SLICE_S)
-            reply = verifier.receive(COND_SLICE_S, on_exit=self._on_exit)
+            reply = verifier.receive(min(COND_SLICE_S, max(0.0, limit - time.monotonic())), on_exit=self._on_exit)
             if reply is not None:
                 return reply
-        reply = verifier.receive(None, on_exit=self._on_exit)
+        left = limit - time.monotonic()
+        reply = verifier.receive(left, on_exit=self._on_exit) if left > 0 else None
         if reply is None:
-            raise RuntimeError("pipeline waiting on a verifier that holds no block")
+            abort = getattr(verifier, "abort", None)
+            if abort is not None:  # the blocks still in flight: their verdicts must not reach the next decision
+                abort()
+            raise VerifierTimeout(f"no verdict from the verifier within {timeout:g} s (verifier_timeout_s)")
         return reply
 
     def _block_length(self) -> int:

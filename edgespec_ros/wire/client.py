@@ -11,8 +11,10 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import logging
 import time
 from typing import Iterator
+from urllib.parse import urlsplit
 
 from ..decoding.verifier import (LinkLostError, VerifierError, VerifierRefused, VerifierTimeout)  # noqa: F401 - raised here
 from ..codecs import get_codec
@@ -23,6 +25,8 @@ from . import protocol as P
 from .frames import hidden_frame, prefill_frame, verdict_reply, verify_frame
 from .link import DOWN, UP, LinkModel, LinkProfile
 
+
+log = logging.getLogger("edgespec.edge")
 
 CLOSE_TIMEOUT_S = 1.0  # a graceful close() waits at most this long for the server's close frame
 
@@ -58,6 +62,10 @@ class RemoteVerifier:
                  ca_file: str | None = None, draft: str = ""):
         self.url = url
         self.ssl_context = tls_client_context(url, ca_file)
+        host = urlsplit(url).hostname or ""
+        if token and url.startswith("ws://") and not P.is_loopback(host):
+            log.warning("sending the verifier's auth token in clear to %s (ws://, not wss://): anyone on the path "
+                        "can read it and the camera frames; serve the verifier with TLS and use wss://", host)
         self.ca_file = ca_file
         self.fingerprint = fingerprint
         self.vocab_size = vocab_size

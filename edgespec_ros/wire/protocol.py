@@ -386,3 +386,15 @@ def decode(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME, max_ids: int | None
     msg = _DECODERS[ftype](reader)
     reader.done()
     return msg
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost`` (a hostname or '' counts as exposed): where a
+    verifier may serve without auth, /metrics may be read, and a robot may send its token in clear."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
