@@ -243,12 +243,13 @@ def _prefill(pair, **overrides):
 
 def test_image_bomb_is_refused_from_its_header_before_any_decoding(pair, monkeypatch):
     import edgespec_ros.decoding.inputs as inputs
+    frame = _prefill(pair, jpeg=_png_header(13300, 13300))  # (the prompt's own image is prepared here, first)
     decoded = []
     monkeypatch.setattr(inputs, "prepare_image", lambda *a, **k: decoded.append(1) or (_ for _ in ()).throw(
         AssertionError("the image was decoded")))
     with _server(pair) as st:
         ws = raw_session(st.url, pair, prefill=False)
-        ws.send(_prefill(pair, jpeg=_png_header(13300, 13300)))
+        ws.send(frame)
         expect_error_then_close(ws, P.ErrorCode.TOO_LARGE, "13300 x 13300", "--max-image-pixels")
     assert decoded == []
 
@@ -262,6 +263,32 @@ def test_image_limits_unit():
     check_image(_png_header(20, 20), limits)
     with pytest.raises(ValueError, match="cannot decode image"):
         check_image(b"\xff\xd8 not a jpeg", limits)
+
+
+def test_a_png_chunk_bomb_is_refused_from_its_header_in_milliseconds(pair):
+    """Issue 34.5: an 8 MiB PNG of 700k empty chunks took 1.3 s of event-loop CPU to size and was
+    accepted; the header walk is now bounded by the file's size (legit encoders write 8-64 KiB
+    chunks), so it is refused at once, and a real PNG or JPEG of the same size is not."""
+    bomb = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0))
+            + _chunk(b"tEXt", b"") * 700_000 + _chunk(b"IDAT", zlib.compress(b"\0" * (1 + 64 * 3) * 64))
+            + _chunk(b"IEND", b""))
+    limits = ServerLimits(max_image_bytes=16 * 1024 * 1024)
+    started = time.perf_counter()
+    with pytest.raises(LimitError, match="chunk bomb"):
+        check_image(bomb, limits)
+    assert time.perf_counter() - started < 0.1
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for fmt in ("PNG", "JPEG"):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (896, 1120, 3), dtype=np.uint8)).save(buf, fmt)
+        check_image(buf.getvalue(), limits)  # 1120 x 896 is within --max-image-pixels
+    with pytest.raises(ValueError, match="only JPEG and PNG"):
+        check_image(b"GIF89a" + bytes(64), limits)
+    with _server(pair, limits=limits) as st:
+        ws = raw_session(st.url, pair, prefill=False)
+        ws.send(_prefill(pair, jpeg=bomb))
+        expect_error_then_close(ws, P.ErrorCode.TOO_LARGE, "chunk bomb")
 
 
 LIMIT_CASES = {

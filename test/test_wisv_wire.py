@@ -4,9 +4,9 @@ token-identical to greedy SD in every mode, full- and selective-hidden uploads d
 hidden-state frames length- and range-checked, the action clause never relaxed, the link estimate
 against the emulated profiles' ground truth."""
 import random
+import time
 
 import numpy as np
-import time
 
 import pytest
 import torch
