@@ -892,3 +892,34 @@ def test_without_auth_the_address_is_the_tenant_for_the_session_cap(pair):
         _welcomed(other)
         for w in held + [other]:
             w.close()
+
+
+def test_torch_threads_are_chosen_deliberately(monkeypatch):
+    """Issue 34.7: --torch-threads auto leaves the event loop a core on CPU, uses one thread on
+    cuda, and a Ray replica uses its --cpus-per-replica; a bad value is refused by the parser."""
+    from edgespec_ros.cloud.config import build_parser, torch_threads
+    from edgespec_ros.cloud.ray_serve import replica_options
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert torch_threads("auto", "cpu") == 3 and torch_threads("auto", "cuda:0") == 1
+    assert torch_threads("2", "cpu") == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert torch_threads("auto", "cpu") == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--torch-threads", "0"])
+    args = build_parser().parse_args(["--replicas", "2", "--cpus-per-replica", "2"])
+    assert replica_options(args)["torch_threads"] == "2"
+    args = build_parser().parse_args(["--replicas", "2", "--torch-threads", "5"])
+    assert replica_options(args)["torch_threads"] == "5"
+
+
+def test_the_verifier_sets_its_torch_threads(tmp_path):
+    import torch
+    from edgespec_ros.cloud.config import build_parser, build_server
+    before = torch.get_num_threads()
+    args = build_parser().parse_args(["--model", str(tmp_path / "missing"), "--torch-threads", "1"])
+    try:
+        with pytest.raises(SystemExit):  # the model is missing: the threads were set first, and logged
+            build_server(args)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

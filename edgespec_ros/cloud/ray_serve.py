@@ -107,9 +107,7 @@ class VerifierReplica:
     """One replica: its own model, batching engine and limits, serving websocket sessions."""
 
     def __init__(self, options: dict, tokens: list[str]):
-        import torch
         self.replica = serve.get_replica_context().replica_tag
-        torch.set_num_threads(max(1, int(options.get("cpus_per_replica") or 1)))
         args = argparse.Namespace(**options)
         self.server = build_server(args, tokens, server_name=f"edgespec-verifier replica {self.replica}",
                                    metrics_labels={"replica": self.replica})
@@ -177,6 +175,9 @@ def replica_options(args) -> dict:
     options["tls_cert"] = options["tls_key"] = None  # TLS ends at Serve's proxy
     if (args.gpus_per_replica or 0) > 0 and args.device == "cpu":
         options["device"] = "cuda"
+    if options.get("torch_threads", "auto") == "auto" and options["device"] == "cpu":
+        # a replica's share of the node is its --cpus-per-replica, not the node's cores
+        options["torch_threads"] = str(max(1, int(args.cpus_per_replica or 1)))
     return options
 
 
