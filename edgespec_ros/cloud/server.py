@@ -7,14 +7,12 @@ other clients. Any bad input closes only that session, with an ERROR frame and a
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
-import math
 import os
 import secrets
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,8 +28,8 @@ from ..wire import protocol as P
 from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import VerifierMetrics
-from .limits import (PREAUTH_MAX_FRAME, AuthThrottle, ConnectionGate, Inbox, InsecureConfig, ServerLimits, clean,
-                     is_loopback)
+from .admission import Doorman
+from .limits import PREAUTH_MAX_FRAME, Inbox, InsecureConfig, ServerLimits, clean, is_loopback
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
 log = logging.getLogger("edgespec.verifier")
@@ -120,14 +118,13 @@ class VerifierServer:
         self.ssl_context = ssl_context
         self.insecure_no_auth = insecure_no_auth
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
-        self.gate = ConnectionGate(self.limits)
-        self.throttle = AuthThrottle(self.limits)
+        self.doorman = Doorman(self.limits, self.tokens)  # admission: handshakes, auth, session quotas
+        self.gate = self.doorman.gate
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
         self.fair = FairCompute("target", max_batch=max_batch)
         self._keys = itertools.count(1)
-        self._tenant_sessions: dict[int, int] = defaultdict(int)
-        self._address_sessions: dict[str, int] = defaultdict(int)  # open mode: sessions per address
+        self._tenant_sessions = self.doorman.tenant_sessions  # tenant -> open sessions
         self.connections: dict[int, _Conn] = {}
         self.stopping = False
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
@@ -181,18 +178,8 @@ class VerifierServer:
                                    f"internal error (incident {incident}; details in the verifier's log)", 1011)
         finally:
             self.connections.pop(key, None)
-            self.gate.release(key)
             self.fair.close(key)
-            last = False
-            if conn.accepted and conn.tenant is not None:
-                self._tenant_sessions[conn.tenant] -= 1
-                if self._tenant_sessions[conn.tenant] <= 0:
-                    del self._tenant_sessions[conn.tenant]
-                    last = True
-            elif conn.accepted:
-                self._address_sessions[conn.address] -= 1
-                if self._address_sessions[conn.address] <= 0:
-                    del self._address_sessions[conn.address]
+            last = self.doorman.leave(key)
             self.fair.forget(key, conn.flow if last else None)
             self.sessions_served += 1
             if conn.accepted:
@@ -267,35 +254,6 @@ class VerifierServer:
         self.fair.close(conn.key)
         await inbox.put(ConnectionClosedOK(None, None), time.perf_counter())
 
-    def _authenticate(self, conn: _Conn, hello: P.Hello) -> int | None:
-        """The tenant (token index) of an accepted HELLO; None when auth is off."""
-        if not self.tokens:  # open mode (loopback, or --insecure-no-auth): the address is the only identity
-            if self._address_sessions[conn.address] >= self.limits.max_sessions_per_token:
-                raise SessionError(P.ErrorCode.TOO_MANY,
-                                   f"this address already has {self._address_sessions[conn.address]} sessions open "
-                                   f"(--max-sessions-per-token {self.limits.max_sessions_per_token}, per address "
-                                   "without auth)")
-            return None
-        locked = self.throttle.locked_for(conn.address, hello.token)
-        if locked > 0:
-            raise SessionError(P.ErrorCode.TOO_MANY,
-                               f"this token was refused too often from this address: locked out for "
-                               f"{math.ceil(locked)} s (--auth-failures {self.limits.auth_failures} per --auth-window "
-                               f"{self.limits.auth_window_s:g} s)")
-        presented = hello.token.encode()
-        match = None
-        for i, token in enumerate(self.tokens):  # every token compared, each in constant time
-            if hmac.compare_digest(presented, token) and match is None:
-                match = i
-        if match is None:
-            self.throttle.failed(conn.address, hello.token)
-            raise SessionError(P.ErrorCode.UNAUTHORIZED, "bad or missing auth token (see --token-file)")
-        if self._tenant_sessions[match] >= self.limits.max_sessions_per_token:
-            raise SessionError(P.ErrorCode.TOO_MANY,
-                               f"this token already has {self._tenant_sessions[match]} sessions open "
-                               f"(--max-sessions-per-token {self.limits.max_sessions_per_token})")
-        return match
-
     async def _session(self, conn: _Conn):
         ws = conn.ws
         # Before HELLO is accepted, frames are capped at PREAUTH_MAX_FRAME (by the websocket
@@ -306,7 +264,7 @@ class VerifierServer:
                                                  "while the verifier is busy")
         if not isinstance(hello, P.Hello):
             raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(hello).__name__}")
-        tenant = self._authenticate(conn, hello)
+        tenant = self.doorman.authenticate(conn.address, hello.token)
         if hello.fingerprint != self.fingerprint or hello.vocab_size != self.vocab:
             raise SessionError(P.ErrorCode.MODEL_MISMATCH,
                                f"model mismatch: edge tokenizer {hello.fingerprint[:12]}.. vocab {hello.vocab_size}, "
@@ -316,16 +274,9 @@ class VerifierServer:
             codec = get_codec(hello.codec)
         except ValueError as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
-        full = self.gate.authenticated(conn.key)
-        if full:
-            raise SessionError(P.ErrorCode.BUSY, full)
+        self.doorman.enter(conn.key, conn.address, tenant)
         conn.tenant, conn.accepted = tenant, True
         conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
-        if tenant is not None:
-            self._tenant_sessions[tenant] += 1
-        else:
-            self._address_sessions[conn.address] += 1
-        self.gate.trust(conn.address)
         protocol = getattr(ws, "protocol", None)
         if protocol is not None:  # the session's own frame limit from now on
             # websockets >= 16 names it max_message_size, 13-15 max_size
