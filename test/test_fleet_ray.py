@@ -57,6 +57,7 @@ def fleet():
     try:
         yield url
     finally:
+        ray_serve.stop_edge()
         serve.shutdown()
         ray.shutdown()
 
@@ -102,9 +103,13 @@ def test_sessions_spread_over_replicas_and_match_a_single_verifier(models, fleet
     for t in threads:
         t.join(120)
     # /metrics answers from the replica the request lands on, its series labelled with that replica
+    import urllib.error
     import urllib.request
     http = fleet.replace("ws://", "http://").rstrip("/")
-    text = urllib.request.urlopen(http + "/metrics", timeout=30).read().decode()
+    try:
+        text = urllib.request.urlopen(http + "/metrics", timeout=30).read().decode()
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(exc.read().decode()) from None
     for robot in robots:
         robot.verifier.close()
     assert got == expected

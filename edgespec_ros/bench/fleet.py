@@ -251,6 +251,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
             rows.append(_row("ray", n, outs, wall, stats, draft_s, label))
             bar.update(n * per_robot)
     finally:
+        ray_serve.stop_edge()
         serve.shutdown()
         ray.shutdown()
     return rows

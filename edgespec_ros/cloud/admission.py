@@ -89,3 +89,13 @@ class Doorman:
             del counts[who]
             return kind == "tenant"
         return False
+
+
+async def refuse(ws, code: int, message: str, close_code: int) -> None:
+    """An ERROR frame, then the close (each bounded: a client that does not read cannot hold us)."""
+    import asyncio
+    try:
+        await asyncio.wait_for(ws.send(P.encode(P.Error(code, message))), 5.0)
+        await asyncio.wait_for(ws.close(close_code, message[:120]), 5.0)
+    except Exception:
+        pass

@@ -12,10 +12,13 @@ is routed by load again: when a replica dies, its robots' decisions fail cleanly
 lost: fault stop, nothing committed) and their next decisions land on a live replica while Serve
 replaces the dead one.
 
-Limits (connections, sessions per token, the auth lockout) hold per replica. The frame size cap
-before HELLO is checked by the replica after the proxy read the frame (the proxy's own websocket
-limit is uvicorn's 16 MiB): through Ray, a pre-auth client can make the proxy buffer one such
-frame, not more.
+Serve's proxy listens on loopback only (an internal port): the public --host/--port is the edge
+(``cloud.ray_edge``), the single process's front door (admission, the 4 KiB pre-auth frame cap in
+the websocket layer, the token, fleet-wide session quotas, TLS) in front of a relay to the proxy;
+the replicas see each robot's address (X-Forwarded-For from the edge) and check again. Ray's own
+ports (GCS, raylet, workers) listen on every interface in Ray 2.60 (measured with ``ss``; binding
+them is Ray's, not ours) and require Ray's cluster token (RAY_AUTH_MODE=token, Ray's default):
+firewall them to the cluster's network (docs/verifier.md).
 """
 # No `from __future__ import annotations`: FastAPI reads the WebSocket parameter's annotation at run time.
 import argparse
@@ -24,13 +27,15 @@ import logging
 import signal
 import threading
 
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import PlainTextResponse
 from ray import serve
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close
 
-from .config import build_server, check_auth_options, read_token_file
+from .config import LIMIT_OPTIONS, build_server, check_auth_options, read_token_file, tls_context
+from .limits import ServerLimits, is_loopback
+from .ray_edge import FORWARDED_FOR, EdgeRelay
 
 log = logging.getLogger("edgespec.verifier.ray")
 
@@ -50,6 +55,9 @@ class ServeSocket:
         self._ws = ws
         client = ws.client
         self.remote_address = (client.host, client.port) if client else ("?", 0)
+        forwarded = ws.headers.get(FORWARDED_FOR.lower())
+        if forwarded and is_loopback(self.remote_address[0]):  # the edge on this host names the robot
+            self.remote_address = (forwarded.split(",")[0].strip(), 0)
         self._closed: Exception | None = None
 
     def _gone(self, code: int | None, reason: str = "") -> Exception:
@@ -96,6 +104,13 @@ class ServeSocket:
                 await self._ws.close(code, reason)
             except Exception:  # already closed by the peer or the proxy
                 pass
+
+
+def _from_loopback(request: Request) -> bool:
+    """A request from this host: its peer is loopback and, through the edge, so was the client."""
+    client = request.client.host if request.client else "?"
+    forwarded = request.headers.get(FORWARDED_FOR.lower())
+    return is_loopback(client) and (forwarded is None or is_loopback(forwarded.split(",")[0].strip()))
 
 
 app = FastAPI(title="edgespec-verifier", docs_url=None, redoc_url=None, openapi_url=None)
@@ -150,14 +165,18 @@ class VerifierReplica:
             await sock.close()
 
     @app.get("/status")
-    async def status(self) -> dict:
+    async def status(self, request: Request):
         """The status of the replica this request was routed to (each replica's also goes to
-        its log every --status-interval seconds, and to Ray's metrics)."""
+        its log every --status-interval seconds, and to Ray's metrics); loopback clients only."""
+        if not _from_loopback(request):
+            return PlainTextResponse("/status is served to loopback clients only\n", status_code=403)
         return {"replica": self.replica, **self.server.status()}
 
     @app.get("/metrics")
-    async def metrics(self) -> PlainTextResponse:
-        """This replica's Prometheus metrics (every series labelled replica=...)."""
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        """This replica's Prometheus metrics (every series labelled replica=...); loopback clients only."""
+        if not _from_loopback(request):
+            return PlainTextResponse("/metrics is served to loopback clients only\n", status_code=403)
         return PlainTextResponse(self.server.metrics.text().decode())
 
     def check_health(self) -> None:
@@ -218,27 +237,48 @@ def verifier_app(args, tokens: list[str]):
     return VerifierReplica.options(**options).bind(replica_options(args), tokens)
 
 
+_EDGE = []  # the running edge (a ServerThread), stopped by stop_edge()
+
+
 def start(args, tokens: list[str], *, local_cpus: int | None = None) -> str:
-    """Ray (a local instance or ``--ray-address``), Serve's proxy on --host/--port, the
-    application deployed and healthy; returns the websocket URL."""
+    """Ray (a local instance or ``--ray-address``), Serve's proxy on loopback, the application
+    deployed and healthy, and the edge (``cloud.ray_edge``) on --host/--port in front of it;
+    returns the edge's websocket URL."""
     import os
+    import socket
     import ray
+    from .thread import ServerThread
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves this machine unless asked
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        log.warning("RAY_AUTH_MODE=disabled: Ray's own ports (GCS, raylet, workers; they listen on every interface) "
+                    "accept unauthenticated calls: anyone who reaches them can run code on this machine")
     if not ray.is_initialized():
         if args.ray_address:
             ray.init(address=args.ray_address, log_to_driver=False)
         else:
             ray.init(num_cpus=local_cpus, include_dashboard=False, log_to_driver=False,
                      object_store_memory=256 * 1024 * 1024)
-    http = {"host": args.host, "port": args.port}
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise SystemExit("edgespec-verifier: --tls-cert and --tls-key go together")
-        http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
-    serve.start(http_options=http)
+    with socket.socket() as sock:  # the proxy's internal port, on loopback: only the edge talks to it
+        sock.bind(("127.0.0.1", 0))
+        internal = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": internal})
     serve.run(verifier_app(args, tokens), name=APP_NAME, route_prefix="/")
-    scheme = "wss" if args.tls_cert else "ws"
-    return f"{scheme}://{args.host}:{args.port}"
+    limits = ServerLimits(**{name: getattr(args, name) for name, *_ in LIMIT_OPTIONS})
+    # the edge holds the fleet-wide quotas; each replica's own gate sees only its share
+    edge = EdgeRelay(f"ws://127.0.0.1:{internal}", limits=limits, tokens=tokens,
+                     ssl_context=tls_context(args.tls_cert, args.tls_key), max_frame=args.max_frame)
+    thread = ServerThread(edge, args.host, args.port).start()
+    _EDGE.append(thread)
+    return thread.url if args.host != "0.0.0.0" else f"{'wss' if args.tls_cert else 'ws'}://127.0.0.1:{thread.port}"
+
+
+def stop_edge() -> None:
+    """Stop the edge (Serve and Ray are the caller's: serve.shutdown(), ray.shutdown())."""
+    while _EDGE:
+        _EDGE.pop().stop()
 
 
 def serve_on_ray(args) -> int:
@@ -246,9 +286,6 @@ def serve_on_ray(args) -> int:
     tokens = read_token_file(args.token_file)
     check_auth_options(args, tokens)
     parse_autoscale(args.autoscale)
-    if args.port == 0:
-        raise SystemExit("edgespec-verifier: --port 0 is not supported with --replicas (Serve's proxy needs a "
-                         "fixed port)")
     url = start(args, tokens)
     log.info("edgespec-verifier on Ray Serve: %s with %s replica(s) (%s CPU, %s GPU each; auth %s)", url,
              args.autoscale or args.replicas, args.cpus_per_replica, args.gpus_per_replica,
@@ -257,7 +294,8 @@ def serve_on_ray(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    log.info("shutting down the Serve application")
+    log.info("shutting down the edge and the Serve application")
+    stop_edge()
     serve.shutdown()
     import ray
     ray.shutdown()

@@ -28,7 +28,7 @@ from ..wire import protocol as P
 from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import VerifierMetrics
-from .admission import Doorman
+from .admission import Doorman, refuse
 from .limits import PREAUTH_MAX_FRAME, Inbox, InsecureConfig, ServerLimits, clean, is_loopback
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
@@ -210,13 +210,7 @@ class VerifierServer:
         else:
             self._refusals_unlogged += 1
 
-    @staticmethod
-    async def _refuse(ws, code: int, message: str, close_code: int) -> None:
-        try:
-            await asyncio.wait_for(ws.send(P.encode(P.Error(code, message))), 5.0)
-            await asyncio.wait_for(ws.close(close_code, message[:120]), 5.0)
-        except Exception:
-            pass
+    _refuse = staticmethod(refuse)
 
     async def _recv(self, ws, timeout: float, inbox: Inbox | None = None, max_frame: int | None = None,
                     timeout_text: float | None = None):

@@ -1,0 +1,109 @@
+"""The edge in front of Ray Serve's proxy (cloud.ray_edge), tested against a single-process verifier
+as its backend (no Ray needed): the same admission as the single process at the public port, the
+pre-auth frame cap enforced before anything reaches a replica, tokens and fleet-wide quotas checked
+at the edge, frames relayed exactly, metrics and status for loopback clients only; and the replica
+side (ServeSocket) believing X-Forwarded-For only from the edge on its own host."""
+from __future__ import annotations
+
+import asyncio
+import types
+import urllib.request
+
+import pytest
+
+from edgespec_ros.cloud.limits import ServerLimits
+from edgespec_ros.cloud.ray_edge import EdgeRelay
+from edgespec_ros.cloud.server import VerifierServer
+from edgespec_ros.cloud.thread import ServerThread
+from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.wire import protocol as P
+from edgespec_ros.wire.client import RemoteVerifier, VerifierRefused
+
+from wire_helpers import DEADLINE_S, INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect, server_copy
+
+TOKEN = "edge-test-token-5b1f"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+@pytest.fixture(scope="module")
+def backend(pair):
+    with ServerThread(VerifierServer(server_copy(pair.target), token=[TOKEN], status_interval_s=0)) as st:
+        yield st
+
+
+def _edge(backend, **kw) -> ServerThread:
+    kw.setdefault("tokens", [TOKEN])
+    return ServerThread(EdgeRelay(f"ws://127.0.0.1:{backend.port}", **kw))
+
+
+def _client(pair, url, token=TOKEN) -> RemoteVerifier:
+    return RemoteVerifier(url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, token=token,
+                          timeout_s=DEADLINE_S)
+
+
+def test_a_robot_through_the_edge_gets_the_same_tokens(pair, backend):
+    cfg = DecodeConfig(mode="pipe", gamma=3, max_new_tokens=24)
+    with _client(pair, backend.url) as rv:
+        direct = EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, cfg).tokens
+    with _edge(backend) as edge, _client(pair, edge.url) as rv:
+        relayed = EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, cfg).tokens
+        assert edge.server.relayed == 1
+    assert relayed == direct
+
+
+def test_the_pre_auth_frame_cap_holds_at_the_edge(pair, backend):
+    """Issue 34.2: through Ray, 16 MiB frames before HELLO were buffered by Serve's proxy and the
+    replicas; the edge's websocket layer cuts anything above 4 KiB, and nothing reaches a replica."""
+    from websockets.exceptions import ConnectionClosed
+    served = backend.server.sessions_served
+    with _edge(backend) as edge:
+        ws = raw_connect(edge.url)
+        with pytest.raises(ConnectionClosed) as info:
+            ws.send(bytes(8 * 1024 * 1024))
+            ws.recv(timeout=DEADLINE_S)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+        assert edge.server.relayed == 0
+    assert backend.server.sessions_served == served and not backend.server.connections
+
+
+def test_tokens_and_fleet_wide_quotas_are_checked_at_the_edge(pair, backend):
+    served = backend.server.sessions_served
+    with _edge(backend, limits=ServerLimits(max_sessions_per_token=1)) as edge:
+        with pytest.raises(VerifierRefused, match="auth token"):
+            _client(pair, edge.url, token="wrong").connect()
+        with _client(pair, edge.url):  # (connected on entering)
+            second = _client(pair, edge.url)
+            with pytest.raises(VerifierRefused, match="--max-sessions-per-token 1"):
+                second.connect()
+        assert edge.server.relayed == 1
+    assert backend.server.sessions_served <= served + 1
+
+
+def test_metrics_and_status_only_for_loopback_clients(pair, backend):
+    with _edge(backend) as edge:
+        base = edge.url.replace("ws://", "http://")
+        assert urllib.request.urlopen(base + "/healthz", timeout=5).read() == b"ok\n"
+        text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        assert "edgespec_verifier_sessions" in text
+
+        class Far:
+            remote_address = ("192.0.2.9", 4242)
+
+            @staticmethod
+            def respond(status, body):
+                return status, body
+        status, body = asyncio.run(edge.server._http_request(Far(), types.SimpleNamespace(path="/metrics")))
+        assert int(status) == 403 and "loopback" in body
+
+
+def test_replicas_believe_the_forwarded_address_only_from_loopback():
+    from edgespec_ros.cloud.ray_serve import ServeSocket
+    fake = lambda host, fwd: types.SimpleNamespace(client=types.SimpleNamespace(host=host, port=5),
+                                                   headers={"x-forwarded-for": fwd} if fwd else {})
+    assert ServeSocket(fake("127.0.0.1", "203.0.113.7")).remote_address == ("203.0.113.7", 0)
+    assert ServeSocket(fake("198.51.100.2", "203.0.113.7")).remote_address == ("198.51.100.2", 5)
+    assert ServeSocket(fake("127.0.0.1", None)).remote_address == ("127.0.0.1", 5)
