@@ -923,3 +923,51 @@ def test_the_verifier_sets_its_torch_threads(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):
+    """Issue 34.4: after HELLO a frame could be 2 x --max-frame (128 MiB); now the websocket layer
+    cuts it past what the session's codec, vocabulary and image limit can need (here ~8 MiB: the
+    largest allowed image), and a frame just past that cap gets a clear ERROR."""
+    from websockets.exceptions import ConnectionClosed
+    from edgespec_ros.cloud.session import VerifierSession
+    from edgespec_ros.codecs import get_codec
+    limits = ServerLimits()
+    cap = VerifierSession(pair.target, get_codec("dense32"), limits).frame_cap(P.DEFAULT_MAX_FRAME)
+    assert limits.max_image_bytes < cap < limits.max_image_bytes + 1024 * 1024  # the image, not 64 MiB
+    qwen_like = VerifierSession(pair.target, get_codec("dense32"), limits)
+    qwen_like.vocab = 151_936
+    assert qwen_like.frame_cap(P.DEFAULT_MAX_FRAME) == 64 * (4 * 151_936 + 64 + 4) + 4096  # 64 dense rows
+    with _server(pair) as st:
+        ws = raw_session(st.url, pair, prefill=False)
+        with pytest.raises(ConnectionClosed) as info:
+            ws.send(bytes(24 * 1024 * 1024))
+            ws.recv(timeout=DEADLINE_S)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+        ws = raw_session(st.url, pair, prefill=False)
+        prompt = pair.prompt()
+        ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg + bytes(cap), prompt.prompt_ids)))
+        expect_error_then_close(ws, P.ErrorCode.TOO_LARGE)
+
+
+def test_inboxes_of_one_tenant_share_one_byte_budget():
+    """Issue 34.4: a tenant's sessions draw their read-ahead from one budget (each may still hold
+    one frame, so every session progresses)."""
+    from edgespec_ros.cloud.limits import Inbox, InboxBudget
+
+    async def scenario():
+        budget = InboxBudget()
+        a, b = (Inbox(16, 2000, budget, "tenant", 1500) for _ in range(2))
+        await asyncio.wait_for(a.put(b"x" * 600, 0.0), 1.0)
+        await asyncio.wait_for(a.put(b"x" * 600, 0.0), 1.0)
+        await asyncio.wait_for(b.put(b"y" * 600, 0.0), 1.0)  # b holds nothing yet: one frame always fits
+        blocked = asyncio.ensure_future(b.put(b"y" * 600, 0.0))  # 1800 + 600 > 1500: waits
+        await asyncio.sleep(0.05)
+        assert not blocked.done() and budget.used["tenant"] == 1800
+        await a.get()
+        await a.get()  # a's frames consumed: the budget has room again
+        await asyncio.wait_for(blocked, 1.0)
+        assert budget.used["tenant"] == 1200
+        b.release()
+        assert budget.used.get("tenant", 0) == 0
+    asyncio.run(scenario())

@@ -156,6 +156,8 @@ LIMIT_OPTIONS = [
     ("max_new_tokens", "--max-new-tokens", int, "tokens one GENERATE may ask for"),
     ("max_rounds", "--max-rounds", int, "VERIFY frames per decision"),
     ("max_sessions_per_token", "--max-sessions-per-token", int, "concurrent sessions per auth token"),
+    ("max_tenant_inbox_bytes", "--max-tenant-inbox-bytes", int,
+     "bytes of frames read ahead across one tenant's sessions (each session's own is its largest frame)"),
 ]
 
 

@@ -45,6 +45,7 @@ class ServerLimits:
     max_new_tokens: int = 1024  # GENERATE, per decision
     max_rounds: int = 1024  # VERIFY frames per decision (verified or dropped)
     max_sessions_per_token: int = 8  # concurrent sessions authenticated with one token
+    max_tenant_inbox_bytes: int = 256 * 1024 * 1024  # frames read ahead across one tenant's sessions
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -268,12 +269,32 @@ class InsecureConfig(Exception):
     """Serving on a network address without auth, without --insecure-no-auth."""
 
 
+class InboxBudget:
+    """Bytes read ahead across the sessions of one tenant (or one session without auth): one
+    budget all their inboxes draw from, so a tenant's many sessions cannot multiply it."""
+
+    def __init__(self):
+        self.used: dict[object, int] = defaultdict(int)
+        self.changed = asyncio.Event()
+
+    def add(self, owner, size: int) -> None:
+        self.used[owner] += size
+        if self.used[owner] <= 0:
+            del self.used[owner]
+        if size < 0:
+            self.changed.set()
+
+
 class Inbox:
     """Frames read ahead of the session (pipelined blocks queue here while the target computes),
-    bounded in count and in bytes: a client that floods it is throttled by TCP, not buffered."""
+    bounded in count and bytes, and in bytes across the owner's sessions (``budget``, at most
+    ``owner_bytes``): a client that floods it is throttled by TCP, not buffered. A session with
+    nothing queued may always take one frame, so every session makes progress."""
 
-    def __init__(self, max_items: int, max_bytes: int):
+    def __init__(self, max_items: int, max_bytes: int, budget: InboxBudget | None = None, owner=None,
+                 owner_bytes: int | None = None):
         self.max_items, self.max_bytes = max_items, max_bytes
+        self.budget, self.owner, self.owner_bytes = budget, owner, owner_bytes
         self.items: deque = deque()
         self.bytes = 0
         self._changed = asyncio.Event()  # one producer and one consumer, never both waiting
@@ -282,13 +303,28 @@ class Inbox:
     def _size(raw) -> int:
         return len(raw) if isinstance(raw, (bytes, bytearray, memoryview, str)) else 0
 
+    def _full(self, size: int) -> bool:
+        if not self.items:
+            return False
+        if len(self.items) >= self.max_items or self.bytes + size > self.max_bytes:
+            return True
+        return self.budget is not None and self.budget.used[self.owner] + size > self.owner_bytes
+
     async def put(self, raw, arrived: float) -> None:
         size = self._size(raw)
-        while self.items and (len(self.items) >= self.max_items or self.bytes + size > self.max_bytes):
+        while self._full(size):
             self._changed.clear()
-            await self._changed.wait()
+            waits = [asyncio.ensure_future(self._changed.wait())]
+            if self.budget is not None:
+                self.budget.changed.clear()
+                waits.append(asyncio.ensure_future(self.budget.changed.wait()))
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
         self.items.append((raw, arrived))
         self.bytes += size
+        if self.budget is not None:
+            self.budget.add(self.owner, size)
         self._changed.set()
 
     async def get(self):
@@ -296,6 +332,16 @@ class Inbox:
             self._changed.clear()
             await self._changed.wait()
         raw, arrived = self.items.popleft()
-        self.bytes -= self._size(raw)
+        size = self._size(raw)
+        self.bytes -= size
+        if self.budget is not None:
+            self.budget.add(self.owner, -size)
         self._changed.set()
         return raw, arrived
+
+    def release(self) -> None:
+        """The session ended: give back what its queued frames held of the owner's budget."""
+        if self.budget is not None and self.bytes:
+            self.budget.add(self.owner, -self.bytes)
+        self.items.clear()
+        self.bytes = 0

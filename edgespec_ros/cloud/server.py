@@ -29,10 +29,11 @@ from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import VerifierMetrics
 from .admission import Doorman, refuse
-from .limits import PREAUTH_MAX_FRAME, Inbox, InsecureConfig, ServerLimits, clean, is_loopback
+from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, InsecureConfig, ServerLimits, clean, is_loopback
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
 log = logging.getLogger("edgespec.verifier")
+FRAME_MARGIN = 64 * 1024  # past a session's frame cap: frames within this get an ERROR, beyond it a 1009 close
 
 
 def on_device(fn, args: tuple, budget) -> Occupy:
@@ -73,6 +74,7 @@ class _Conn:
     decision_tokens: int = 0
     exit_rounds: int = 0  # rounds that streamed early exits, and those an exit guessed right
     exit_hits: int = 0
+    frame_cap: int = PREAUTH_MAX_FRAME  # the largest frame it may send (set at HELLO)
 
     @property
     def flow(self):
@@ -125,6 +127,7 @@ class VerifierServer:
         self.fair = FairCompute("target", max_batch=max_batch)
         self._keys = itertools.count(1)
         self._tenant_sessions = self.doorman.tenant_sessions  # tenant -> open sessions
+        self._tenant_bytes = InboxBudget()  # bytes read ahead, per tenant, across its sessions
         self.connections: dict[int, _Conn] = {}
         self.stopping = False
         self.live_exit_senders = 0  # exit sender tasks alive now (tests: nothing leaks)
@@ -271,27 +274,32 @@ class VerifierServer:
         self.doorman.enter(conn.key, conn.address, tenant)
         conn.tenant, conn.accepted = tenant, True
         conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
+        trace = None if self.recorder is None else self.recorder.session(
+            ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
+        session = VerifierSession(self.lm, codec, self.limits, trace)
+        # The session's own frame limit from now on: what its settings can need (the websocket layer
+        # cuts anything past it plus a margin; decode() gives frames in the margin a clear ERROR).
+        conn.frame_cap = session.frame_cap(self.max_frame)
         protocol = getattr(ws, "protocol", None)
-        if protocol is not None:  # the session's own frame limit from now on
+        if protocol is not None:
             # websockets >= 16 names it max_message_size, 13-15 max_size
             name = "max_message_size" if hasattr(protocol, "max_message_size") else "max_size"
-            setattr(protocol, name, 2 * self.max_frame + 1024)
+            setattr(protocol, name, conn.frame_cap + FRAME_MARGIN)
         head = getattr(self.lm, "wisv", None)
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
                                          self.server_name, self.num_layers, self.exit_layers,
                                          0 if head is None else head.config.draft_dim)))
         log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
                  clean(hello.draft, 64) or "unnamed", "" if tenant is None else f", token #{tenant}")
-        trace = None if self.recorder is None else self.recorder.session(
-            ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
-        session = VerifierSession(self.lm, codec, self.limits, trace)
         live: list[ExitSender] = []  # this session's exit sender while a round streams
-        inbox = Inbox(16, max(self.max_frame, 1 << 20))
+        inbox = Inbox(16, max(conn.frame_cap, 1 << 20), self._tenant_bytes, conn.flow or ("session", conn.key),
+                      self.limits.max_tenant_inbox_bytes)
         reader = asyncio.ensure_future(self._read_ahead(conn, inbox))
         try:
             await self._serve_frames(conn, session, live, inbox)
         finally:
             reader.cancel()
+            inbox.release()
             for sender in live:  # the robot vanished mid-round: stop streaming its exits
                 sender.cancel()
 
@@ -306,7 +314,7 @@ class VerifierServer:
         stash: deque = deque()  # blocks that came while a wisv round waited for hidden rows
         while True:
             idle_left = max(0.0, self.idle_timeout_s - (time.monotonic() - idle_since))
-            msg, arrived = stash.popleft() if stash else await self._recv(ws, idle_left, inbox,
+            msg, arrived = stash.popleft() if stash else await self._recv(ws, idle_left, inbox, conn.frame_cap,
                                                                            timeout_text=self.idle_timeout_s)
             if isinstance(msg, P.Close):
                 log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
@@ -459,7 +467,8 @@ class VerifierServer:
             return len(v.q_payload) + len(v.hidden) + 4 * len(v.draft_ids)
         while True:
             left = max(0.0, deadline - time.monotonic())
-            reply, arrived = await self._recv(conn.ws, left, inbox, timeout_text=self.handshake_timeout_s)
+            reply, arrived = await self._recv(conn.ws, left, inbox, conn.frame_cap,
+                                              timeout_text=self.handshake_timeout_s)
             if isinstance(reply, P.Verify) and reply.decision == msg.decision:
                 if (len(stash) >= inbox.max_items
                         or sum(held(v) for v, _ in stash) + held(reply) + inbox.bytes > inbox.max_bytes):

@@ -84,6 +84,23 @@ class VerifierSession:
         self.prompt_len = 0
         self.dropped_blocks = 0  # blocks of a void or ended epoch, dropped unverified
 
+    def frame_cap(self, max_frame: int) -> int:
+        """The largest frame this session's settings can need (at most ``max_frame``): a PREFILL of
+        the largest allowed image and prompt, or a VERIFY of MAX_BLOCK drafts in its codec (and a
+        WISV head's hidden rows). Frames are cut to it in the websocket layer, so a session's
+        buffers are sized by what it may send, not by the verifier's largest frame."""
+        lim, vocab = self.limits, self.vocab
+        prefill = lim.max_image_bytes + 4 * self.max_prompt_tokens + 65535 + 1024  # image, ids, instruction
+        try:
+            row = -(-self.codec.formula_bits(vocab, vocab) // 8)
+        except (NotImplementedError, ValueError):
+            row = 4 * vocab
+        row = min(4 * vocab, 2 * row) + 64  # twice the formula: framing and padding, never past dense32
+        head = getattr(self.lm, "wisv", None)
+        hidden = 0 if head is None else MAX_BLOCK * head.config.draft_dim * 2
+        verify = MAX_BLOCK * (row + 4) + hidden + 4096
+        return min(max_frame, max(prefill, verify))
+
     @staticmethod
     @contextlib.contextmanager
     def refusing(what: str, errors: tuple = (ValueError,)):
