@@ -15,6 +15,7 @@ from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from . import pipe
 from .sweeps import SWEEPS, SweepOptions
+from .hostile import KINDS as HOSTILE_KINDS
 from ..models import resolve_models
 from ..processes import env_threads
 from .runner import add_speedups, bench_prompts, emulated_setup, format_table, run_modes
@@ -119,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pre-draft worker counts (fsd-workers: default 1 2 4 8 16; fsd-queues: 1 2 3)")
     sweep.add_argument("--hostile", nargs="+", type=int, default=None,
                        help="hostile sweep: numbers of hostile clients (default 0 10 100; 0 is always measured)")
-    sweep.add_argument("--hostile-kinds", nargs="+", default=None,
-                       choices=["idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen"],
+    sweep.add_argument("--hostile-kinds", nargs="+", default=None, choices=list(HOSTILE_KINDS),
                        help="hostile sweep: the kinds of hostile client, round-robin (default all)")
+    sweep.add_argument("--hostile-paths", nargs="+", default=None, choices=["single", "ray"],
+                       help="hostile sweep: the serving paths soaked (default single; ray: 2 replicas on a local "
+                            "Ray Serve behind the edge, needs pip install .[fleet])")
     sweep.add_argument("--robots", nargs="+", type=int, default=None,
                        help="fleet sweep: numbers of robots (default 1 2 4 8)")
     sweep.add_argument("--draft-ms", type=float, default=None,
@@ -171,7 +174,8 @@ def run_sweep(args) -> int:
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
                         pipe_depth=args.pipe_depth, hostile=args.hostile,
-                        hostile_kinds=args.hostile_kinds, robots=args.robots, draft_ms=args.draft_ms,
+                        hostile_kinds=args.hostile_kinds, hostile_paths=args.hostile_paths, robots=args.robots,
+                        draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")

@@ -19,7 +19,13 @@ load generator is stopped; every loop is bounded by the run's time):
   PREFILLs of the longest prompt the model's context allows and 64-draft VERIFYs;
 - ``big-image``: authenticated, PREFILLs with a decompression-bomb PNG header (13300 x 13300)
   and with a legit image of the largest allowed size (1120 x 896 = Qwen2-VL's max_pixels);
-- ``long-gen``: authenticated, GENERATE with the largest allowed ``max_new_tokens``, read in full.
+- ``long-gen``: authenticated, GENERATE with the largest allowed ``max_new_tokens``, read in full;
+- ``poison``: authenticated, a sampled decision whose VERIFYs ask for early exits with a draft
+  distribution full of NaN (it used to fail every robot batched with it);
+- ``reconnect``: no token, from one of 4 addresses shared by all such clients, connecting and
+  hanging up as fast as it may (it used to keep every not-yet-trusted robot out);
+- ``big-frames``: authenticated, the largest frames it may send after HELLO (past its cap: cut);
+- ``chunk-bomb``: authenticated, PREFILLs with an 8 MiB PNG of 700,000 empty chunks.
 
 Honest about the machine: all three processes share this machine's cores, so part of the good
 robot's slowdown is plain CPU contention with the load generator, not the verifier's doing.
@@ -45,7 +51,8 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-KINDS = ("idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen")
+KINDS = ("idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen", "poison", "reconnect",
+         "big-frames", "chunk-bomb")
 GOOD_TOKEN = "good-robot-token-7f3a9c2e41d8b6a0"
 HOSTILE_TOKEN = "stolen-fleet-token-0b5e8d7c6a4f2e1d"
 HOSTILE_N_DEFAULT = (0, 10, 100)
@@ -61,6 +68,15 @@ def _png_bomb(width: int = 13300, height: int = 13300) -> bytes:
     rows = zlib.compress(b"\0" * (1 + 3 * width) * 4, 9)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+def _png_chunk_bomb(chunks: int = 700_000) -> bytes:
+    """A small valid PNG hidden behind many empty ancillary chunks (8 MiB of chunk headers)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0))
+            + chunk(b"tEXt", b"") * chunks + chunk(b"IDAT", zlib.compress(b"\0" * (1 + 64 * 3) * 64))
+            + chunk(b"IEND", b""))
 
 
 def _big_jpeg(width: int = 1120, height: int = 896) -> bytes:
@@ -88,7 +104,10 @@ class Load:
         self.long_prompt = [int(t) for t in rng.choice(pool, info["max_prompt"])]
         self.short_prompt = [int(t) for t in rng.choice(pool, 16)]
         self.draft = [int(t) for t in rng.choice(pool, 64)]
-        self.bomb, self.jpeg = _png_bomb(), _big_jpeg()
+        self.bomb, self.jpeg, self.chunk_bomb = _png_bomb(), _big_jpeg(), _png_chunk_bomb()
+        nan_q = np.full((8, info["vocab"]), 1.0 / info["vocab"], dtype="<f4")
+        nan_q[:, ::7] = np.nan
+        self.nan_payload = nan_q.tobytes()
         self.expensive_codec = "ksqs:k=128,l=1024"
         from ..codecs import get_codec
         import torch
@@ -246,6 +265,61 @@ class Load:
             await ws.close()
 
 
+    async def _poison(self, src, count):
+        P = self.P
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN)
+            count["authenticated"] += 1
+            for decision in range(1, 1000):
+                await ws.send(P.encode(P.Prefill(decision, "hostile", b"", self.short_prompt, 1, 1.0)))
+                await self._expect(ws, P.PrefillOk)
+                await ws.send(P.encode(P.Verify(decision, 1, self.draft[:8], self.nan_payload,
+                                                P.VERIFY_STREAM_EXITS, P.NO_TOKEN, 0)))
+                await self._expect(ws, P.Verdict)  # refused (422), never verified
+                count["verified (should not happen)"] += 1
+        finally:
+            await ws.close()
+
+    async def _reconnect(self, src, count):
+        """Connect and hang up at once, again and again, from one of 4 shared addresses."""
+        src = f"127.0.250.{2 + int(src.rsplit('.', 1)[1]) % 4}"
+        for _ in range(200):
+            ws = await self._connect(src)
+            count["connected"] += 1
+            await asyncio.sleep(0.03)
+            await ws.close()
+
+    async def _big_frames(self, src, count):
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN)
+            count["authenticated"] += 1
+            try:
+                await ws.send(bytes(self.info.get("big_frame", 16 << 20)))  # past any session's cap here
+                count["sent"] += 1
+                await self._until_closed(ws, count)
+            except Exception:  # noqa: BLE001 - cut mid-send, the client library may fail oddly: ask the socket
+                await asyncio.sleep(0.1)
+                if ws.close_code is None:
+                    raise
+                count[f"closed {ws.close_code}"] += 1
+        finally:
+            await ws.close()
+
+    async def _chunk_bomb(self, src, count):
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN)
+            count["authenticated"] += 1
+            await self._prefill(ws, 1, self.short_prompt, self.chunk_bomb)  # refused from its header
+        finally:
+            await ws.close()
+
+
 class Refused(Exception):
     def __init__(self, code: int):
         super().__init__(code)
@@ -303,6 +377,36 @@ def _load_process_setup(cores: set[int] | None) -> None:
     if cores:
         os.sched_setaffinity(0, cores)
     os.nice(19)
+
+
+def _descendants(pid: int) -> list[int]:
+    """pid and every process below it (Ray's raylet, GCS, replicas and workers under a driver)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants, MB."""
+    total = 0.0
+    for p in _descendants(pid):
+        try:
+            total += _rss_mb(p)[0]
+        except OSError:
+            pass
+    return total
 
 
 def _rss_mb(pid: int) -> tuple[float, float]:
@@ -398,11 +502,12 @@ def run_hostile(opts, progress) -> list[dict]:
         counts_n = [0] + counts_n
     decisions = opts.decisions or 60
     kinds = list(opts.hostile_kinds or KINDS)
+    paths = list(opts.hostile_paths or ["single"])
     max_new = min(opts.max_new_tokens, 32)
     draft_lm = load_model(opts.pair.draft_path)
     info = _model_info(draft_lm, max_new)
     prompts = opts.prompts(max(4, decisions))
-    bar = progress(decisions * len(counts_n))
+    bar = progress(decisions * len(counts_n) * len(opts.hostile_paths or ["single"]))
     # The robot and the cloud are different machines: on a machine with 2+ cores the good robot
     # (this process) keeps core 0, and the verifier and the hostile load share the others.
     cores = sorted(os.sched_getaffinity(0))
@@ -413,7 +518,9 @@ def run_hostile(opts, progress) -> list[dict]:
         os.sched_setaffinity(0, robot)
         torch.set_num_threads(1)
     try:
-        rows = _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud)
+        rows = []
+        for path in paths:
+            rows += _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud, path)
     finally:
         os.sched_setaffinity(0, previous)
         torch.set_num_threads(threads)
@@ -423,7 +530,13 @@ def run_hostile(opts, progress) -> list[dict]:
     return _finish_rows(rows, info)
 
 
-def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud) -> list[dict]:
+# The serving paths the soak covers: the single process, and 2 replicas on a local Ray Serve behind
+# the edge (each replica half a CPU of the cloud's core(s): the same machine as the single process).
+PATHS = {"single": (), "ray": ("--replicas", "2", "--cpus-per-replica", "0.5")}
+
+
+def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts, bar, cloud,
+             path: str = "single") -> list[dict]:
     from ..processes import verifier_process_handle
     rows = []
     with tempfile.TemporaryDirectory(prefix="edgespec-hostile-") as tmp:
@@ -432,7 +545,8 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
             f.write(f"{GOOD_TOKEN}\n{HOSTILE_TOKEN}\n")
         for n in counts_n:
             with verifier_process_handle(opts.pair.target_path, "native", token_file, exits=opts.exits,
-                                         extra_args=("--log-level", "ERROR"), cpus=cloud) as (port, proc):
+                                         extra_args=("--log-level", "ERROR", *PATHS[path]), cpus=cloud,
+                                         timeout_s=240.0) as (port, proc):
                 url = f"ws://127.0.0.1:{port}"
                 peak = [0.0]
                 sampling = threading.Event()
@@ -440,7 +554,7 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                 def sample():  # at once, then every 0.2 s until the setting ends
                     while True:
                         try:
-                            peak[0] = max(peak[0], _rss_mb(proc.pid)[0])
+                            peak[0] = max(peak[0], _tree_rss_mb(proc.pid))
                         except OSError:
                             return
                         if sampling.wait(0.2):
@@ -471,13 +585,13 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                     sampling.set()
                     sampler.join(2)
                 wall = time.monotonic() - t0
-                rss, hwm = _rss_mb(proc.pid)
+                rss, hwm = _tree_rss_mb(proc.pid), _rss_mb(proc.pid)[1]
                 peak[0] = max(peak[0], rss)
                 hostile = {}
                 if load is not None and os.path.exists(counts_path):
                     with open(counts_path) as f:
                         hostile = json.load(f)
-            rows.append({"hostile": n, "decisions": len(latencies), "lost": lost, "errors": errors,
+            rows.append({"path": path, "hostile": n, "decisions": len(latencies), "lost": lost, "errors": errors,
                          "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
                          "max_ms": max(latencies) if latencies else float("nan"),
                          "rss_peak_mb": max(peak[0], 0.0), "rss_hwm_mb": hwm, "wall_s": wall,
@@ -487,8 +601,8 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
 
 
 def _finish_rows(rows: list[dict], info: dict) -> list[dict]:
-    base = next((r for r in rows if r["hostile"] == 0), None)
     for r in rows:
+        base = next((b for b in rows if b["hostile"] == 0 and b.get("path") == r.get("path")), None)
         r["p50_ratio"] = r["p50_ms"] / base["p50_ms"] if base and base["p50_ms"] else float("nan")
         r["p99_ratio"] = r["p99_ms"] / base["p99_ms"] if base and base["p99_ms"] else float("nan")
     rows.append({"worst_frame_decode_ms": worst_frame_ms(info["vocab"]),
@@ -499,18 +613,18 @@ def _finish_rows(rows: list[dict], info: dict) -> list[dict]:
 def table_hostile(rows: list[dict]) -> str:
     from .report import _fmt, fixed_width
     data = [r for r in rows if "hostile" in r]
-    head = ["hostile", "decisions", "lost", "p50 ms", "p99 ms", "p99 vs 0", "max ms", "verifier RSS MB (peak)",
-            "hostile outcomes"]
+    head = ["path", "hostile", "decisions", "lost", "p50 ms", "p99 ms", "p99 vs 0", "max ms",
+            "verifier RSS MB (peak)", "hostile outcomes"]
     lines = []
     for r in data:
         outcomes = "; ".join(f"{k}: " + ", ".join(f"{o} {c}" for o, c in sorted(v.items()))
                              for k, v in sorted(r["hostile_counts"].items()))
-        lines.append([str(r["hostile"]), str(r["decisions"]), str(r["lost"]), _fmt(r["p50_ms"], ".0f"),
+        lines.append([r.get("path", "single"), str(r["hostile"]), str(r["decisions"]), str(r["lost"]), _fmt(r["p50_ms"], ".0f"),
                       _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_ratio"], ".2f") + "x", _fmt(r["max_ms"], ".0f"),
                       _fmt(r["rss_peak_mb"], ".0f"), outcomes or "-"])
     out = [fixed_width(head[:-1], [line[:-1] for line in lines])]
     out.append("hostile outcomes per setting (connections refused or closed, by code):")
-    out += [f"  N={line[0]}: {line[-1]}" for line in lines]
+    out += [f"  {line[0]} N={line[1]}: {line[-1]}" for line in lines]
     worst = next((r for r in rows if "worst_frame_decode_ms" in r), None)
     if worst:
         out.append("worst allowed VERIFY frame (64 drafts) decode time, median: "
@@ -530,18 +644,24 @@ def plot_hostile(rows: list[dict], path: str) -> None:
     data = [r for r in rows if "hostile" in r]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    xs = list(range(len(data)))  # one slot per setting (N = 0, 10, 100 are not evenly spaced)
-    ax.plot(xs, [r["p50_ms"] for r in data], "o-", label="good robot p50")
-    ax.plot(xs, [r["p99_ms"] for r in data], "s-", label="good robot p99")
-    if data and not math.isnan(data[0]["p99_ms"]):
-        ax.axhline(1.25 * data[0]["p99_ms"], color="gray", ls="--", lw=1, label="goal: p99 < 1.25x unloaded")
-    ax.set_xticks(xs, [str(r["hostile"]) for r in data])
+    counts = sorted({r["hostile"] for r in data})
+    slot = {n: i for i, n in enumerate(counts)}  # one slot per setting (N = 0, 10, 100 are not evenly spaced)
+    for serving in dict.fromkeys(r.get("path", "single") for r in data):
+        mine = [r for r in data if r.get("path", "single") == serving]
+        xs = [slot[r["hostile"]] for r in mine]
+        ax.plot(xs, [r["p50_ms"] for r in mine], "o-", label=f"{serving}: good robot p50")
+        ax.plot(xs, [r["p99_ms"] for r in mine], "s--", label=f"{serving}: good robot p99")
+        base = next((r for r in mine if r["hostile"] == 0), None)
+        if base and not math.isnan(base["p99_ms"]):
+            ax.axhline(1.25 * base["p99_ms"], color="gray", ls=":", lw=1)
+    ax.set_xticks(range(len(counts)), [str(n) for n in counts])
     ax.set_ylim(bottom=0)
     ax.set_xlabel("hostile clients")
     ax.set_ylabel("decision latency, ms")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Good robot vs N hostile clients (loopback, native compute)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.set_title("Good robot vs N hostile clients (loopback, native compute; dotted: 1.25x unloaded p99)",
+                 fontsize=8)
     fig.tight_layout()
     _save(fig, path)
 

@@ -47,6 +47,7 @@ class SweepOptions:
     pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto"
     hostile: list[int] | None = None  # hostile sweep: numbers of hostile clients
     hostile_kinds: list[str] | None = None  # hostile sweep: which kinds (default all)
+    hostile_paths: list[str] | None = None  # hostile sweep: serving paths (single, ray; default single)
     robots: list[int] | None = None  # fleet sweep: robot counts
     draft_ms: float | None = None  # fleet sweep: emulated drafting time per token
     verifiers: list[str] | None = None  # fleet sweep: sequential, batched, ray
