@@ -169,8 +169,10 @@ class BagWriter:
         if self.path.exists():
             raise BagError(f"{self.path} exists: a bag is never overwritten; choose a new path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = Writer(self.path, version=Writer.VERSION_LATEST, storage_plugin=StoragePlugin.MCAP)
-        # zstd chunks, as `ros2 bag record --compression-mode storage` (camera frames shrink several times)
+        # metadata version 8, the older of the two rosbags writes (more rosbag2 releases read it); any MCAP
+        # reader (Foxglove) opens the .mcap itself
+        self._writer = Writer(self.path, version=8, storage_plugin=StoragePlugin.MCAP)
+        # zstd-compressed MCAP chunks, as rosbag2's mcap presets (zstd_fast, zstd_small) write them: frames shrink
         self._writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
         self._writer.open()
         self._connections: dict[str, object] = {}
