@@ -428,7 +428,9 @@ def _register_fsd_sweeps() -> None:
               "(K = 0 exact, 1, 3, 8, 32, 128)", split_tv.run, split_tv.table, split_tv.plot),
         Sweep("hostile", "a good robot's decision latency (p50/p99), decisions lost and the verifier's RSS while "
               "N hostile clients (idle, slowloris, oversize, bad auth, expensive codecs, image bombs, long "
-              "generations) hit the same verifier (--hostile 0 10 100)", hostile.run_hostile, hostile.table_hostile,
+              "generations, batch poisoning, lock-out reconnects, large post-auth frames, PNG chunk bombs) hit the "
+              "same verifier (--hostile 0 10 100; --hostile-paths single ray)", hostile.run_hostile,
+              hostile.table_hostile,
               hostile.plot_hostile),
         Sweep("fleet", "one verifier, 1..N robots replaying recorded rounds: aggregate tokens/s, p50/p99 decision "
               "latency and mean batch, one-at-a-time (--max-batch 1) vs batched verification vs 2 batched replicas on "
