@@ -22,6 +22,7 @@ import urllib.request
 from ..wire import protocol as P
 from .admission import Doorman, refuse
 from .limits import PREAUTH_MAX_FRAME, ServerLimits, clean, is_loopback
+from .server import FRAME_MARGIN
 from .session import SessionError
 
 log = logging.getLogger("edgespec.verifier.edge")
@@ -139,6 +140,14 @@ class EdgeRelay:
         self.relayed += 1
         async with back:
             await back.send(hello)
+            welcome = await asyncio.wait_for(back.recv(), self.handshake_timeout_s)
+            try:
+                msg = P.decode(welcome, PREAUTH_MAX_FRAME)
+            except P.ProtocolError:
+                msg = None
+            if isinstance(msg, P.Welcome):  # the session's own frame cap, here too (else the backend's ERROR)
+                _set_max_size(ws, min(msg.max_frame, self.max_frame) + FRAME_MARGIN)
+            await ws.send(welcome)
             up = asyncio.ensure_future(_pump(ws, back))
             down = asyncio.ensure_future(_pump(back, ws))
             done, pending = await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)

@@ -286,7 +286,7 @@ class VerifierServer:
             name = "max_message_size" if hasattr(protocol, "max_message_size") else "max_size"
             setattr(protocol, name, conn.frame_cap + FRAME_MARGIN)
         head = getattr(self.lm, "wisv", None)
-        await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, self.max_frame,
+        await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, conn.frame_cap,
                                          self.server_name, self.num_layers, self.exit_layers,
                                          0 if head is None else head.config.draft_dim)))
         log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.spec,

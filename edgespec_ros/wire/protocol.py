@@ -177,7 +177,7 @@ class Welcome:
     fingerprint: str
     vocab_size: int
     model: str
-    max_frame: int
+    max_frame: int  # the largest frame this session may send (what its settings can need)
     server: str = ""
     num_layers: int = 0  # target decoder layers
     exit_layers: list[int] = field(default_factory=list)  # layers with early-exit adapters (empty: no fsd)
