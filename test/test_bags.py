@@ -187,3 +187,11 @@ def test_replay_streams_a_bag_larger_than_what_it_keeps(tmp_path, monkeypatch):
     print(f"peak {peak / 1e6:.1f} MB of a {size / 1e6:.1f} MB bag")
     assert seen == len(replay) == 36
     assert peak < size / 5, f"peak {peak / 1e6:.1f} MB for a {size / 1e6:.1f} MB bag"
+
+
+def test_the_bench_refuses_a_broken_bag_before_starting_anything(tmp_path, capsys):
+    from edgespec_ros.bench.cli import main
+    assert main(["--replay", str(tmp_path / "nowhere"), "--modes", "sd"]) == 2
+    assert "--replay: no bag at" in capsys.readouterr().err
+    assert main(["--replay", str(tmp_path / "nowhere"), "--sweep", "modes"]) == 2
+    assert "--replay: no bag at" in capsys.readouterr().err

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run_sweep(args) -> int:
+def run_sweep(args, replay: BagReplay | None = None) -> int:
     """--sweep NAME: measure, print the table, write the plot and (--json) the rows."""
     try:
         codecs = [get_codec(c).spec for c in args.codecs] if args.codecs else None
@@ -161,13 +161,6 @@ def run_sweep(args) -> int:
         print(f"edgespec-bench: --gammas must be in 1..64, got {args.gammas}", file=sys.stderr)
         return 2
     sweep = SWEEPS[args.sweep]
-    replay = None
-    if args.replay is not None:
-        try:
-            replay = replay_prompts(args)
-        except BagError as exc:
-            print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
-            return 2
     env_threads()
     pair = resolve_models(args.draft, args.target)
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -234,8 +227,15 @@ def replay_report(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    replay = None
+    if args.replay is not None:  # the bag is checked before anything starts
+        try:
+            replay = replay_prompts(args)
+        except BagError as exc:
+            print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
+            return 2
     if args.sweep:
-        return run_sweep(args)
+        return run_sweep(args, replay)
     args.compute = args.compute or "native"
     if args.replay is None:
         args.decisions = args.decisions or 8
@@ -259,14 +259,7 @@ def main(argv=None) -> int:
     env_threads()
     compute = get_compute(args.compute)
     pair = resolve_models(args.draft, args.target)
-    if args.replay is not None:
-        try:
-            prompts = replay_prompts(args)
-        except BagError as exc:
-            print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
-            return 2
-    else:
-        prompts = bench_prompts(args.decisions, args.seed)
+    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
           f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
