@@ -390,3 +390,24 @@ def test_sd_decode_first_two_tokens_match_exact_target_distribution(small_lm_pai
     # Power: the same samples are clearly NOT distributed as the drafter's own law.
     draft_law = _exact_two_token_law(draft, params)
     assert chi_square_pvalue(counts, np.array([draft_law[o] for o in outcomes])) < 1e-6
+
+
+def test_a_q_is_scanned_once_per_round_not_once_per_exit(monkeypatch):
+    """The session checks q when it decodes the block; the rule at each early exit and at the final
+    layer reuse that check for the same unchanged tensor (an in-place change, or other drafts, are
+    checked again)."""
+    import edgespec_ros.decoding.verify as V
+    calls = []
+    real = V.check_draft_probs
+    monkeypatch.setattr(V, "check_draft_probs", lambda *a: calls.append(1) or real(*a))
+    q = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1).double()
+    ids = q.argmax(-1)
+    for _ in range(5):
+        V.check_draft_probs_once(ids, q, 50)
+    assert len(calls) == 1
+    V.check_draft_probs_once(ids.flip(0), q, 50)
+    assert len(calls) == 2
+    q[1] = 0.0
+    q[1, 3] = 1.0  # in place: the version changes, the tensor is scanned again and refused
+    with pytest.raises(V.DraftDistributionError):
+        V.check_draft_probs_once(ids, q, 50)

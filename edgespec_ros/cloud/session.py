@@ -35,7 +35,7 @@ from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
-from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs
+from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs_once
 from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
 
@@ -203,7 +203,7 @@ class VerifierSession:
             if step.rule != SPLIT and step.q is not None and self.target.settings.rule == "rejection":
                 # checked here, before the round may join a batched pass with other robots' rounds:
                 # the rule (and the early exits inside the pass) would refuse it there
-                check_draft_probs(torch.as_tensor(step.msg.draft_ids, dtype=torch.long), step.q, self.vocab)
+                check_draft_probs_once(torch.as_tensor(step.msg.draft_ids, dtype=torch.long), step.q, self.vocab)
         return step.q
 
     def decode(self, step: Step) -> torch.Tensor:

@@ -13,6 +13,8 @@ applied them to its own (see ``sampling.probs_from_logits``).
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +102,27 @@ def check_draft_probs(draft_ids: torch.Tensor, draft_probs: torch.Tensor, vocab_
             f"draft token {int(draft_ids[i])} at position {i} has q = 0: q is not what the draft sampled from")
 
 
+_CHECKED = threading.local()  # per thread: the q tensors checked last (at most _CHECKED_KEPT)
+_CHECKED_KEPT = 16
+
+
+def check_draft_probs_once(draft_ids: torch.Tensor, draft_probs: torch.Tensor, vocab_size: int) -> None:
+    """check_draft_probs, skipped for a tensor this thread already checked unchanged (same object,
+    same in-place version, same drafts): a round's q is checked when its block is decoded, then read
+    by every early exit's rule and the final one, which need not scan [gamma, V] again each."""
+    key = (draft_probs._version, vocab_size, tuple(int(t) for t in draft_ids))
+    seen = getattr(_CHECKED, "seen", None)
+    if seen is None:
+        seen = _CHECKED.seen = []
+    for ref, k in seen:
+        if k == key and ref() is draft_probs:
+            return
+    check_draft_probs(draft_ids, draft_probs, vocab_size)
+    seen.append((weakref.ref(draft_probs), key))
+    if len(seen) > _CHECKED_KEPT:
+        del seen[0]
+
+
 def _check_round(draft_ids, target_logits: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(draft ids as a long vector, gamma, V); target_logits must be [gamma + 1, V], ids in range."""
     draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
@@ -146,7 +169,7 @@ def verify(
     if draft_probs is None:
         raise DraftDistributionError("rejection sampling needs the draft distributions q")
     draft_probs = torch.as_tensor(draft_probs)
-    check_draft_probs(draft_ids, draft_probs, vocab)
+    check_draft_probs_once(draft_ids, draft_probs, vocab)
     p = probs_from_logits(target_logits, params)
     q = draft_probs.to(torch.float64)
     q = q / q.sum(dim=-1, keepdim=True)
