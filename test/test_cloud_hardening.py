@@ -24,7 +24,6 @@ from edgespec_ros.robot.decoder import DecodeConfig
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.cloud import cli as cli_module
 from edgespec_ros.cloud import config as config_module
-from edgespec_ros.cloud import server as server_module
 from edgespec_ros.cloud.fair import FairCompute, SessionGone
 from edgespec_ros.cloud.limits import AuthThrottle, ConnectionGate, ServerLimits, check_image, LimitError
 from edgespec_ros.cloud.limits import InsecureConfig, clean

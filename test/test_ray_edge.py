@@ -16,10 +16,9 @@ from edgespec_ros.cloud.ray_edge import EdgeRelay
 from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
 from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
-from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier, VerifierRefused
 
-from wire_helpers import DEADLINE_S, INSTRUCTIONS, expect_error_then_close, make_pair, raw_connect, server_copy
+from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_connect, server_copy
 
 TOKEN = "edge-test-token-5b1f"
 
