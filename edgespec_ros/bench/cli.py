@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from tqdm import tqdm
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hostile sweep: numbers of hostile clients (default 0 10 100; 0 is always measured)")
     sweep.add_argument("--hostile-kinds", nargs="+", default=None, choices=list(HOSTILE_KINDS),
                        help="hostile sweep: the kinds of hostile client, round-robin (default all)")
+    sweep.add_argument("--hostile-verifier-args", default="", metavar="ARGS",
+                       help="hostile sweep: extra edgespec-verifier options for the soaked verifier, one string "
+                            "(e.g. \"--prefill-chunk 64\": to measure a scheduling lever)")
     sweep.add_argument("--hostile-paths", nargs="+", default=None, choices=["single", "ray"],
                        help="hostile sweep: the serving paths soaked (default single; ray: 2 replicas on a local "
                             "Ray Serve behind the edge, needs pip install .[fleet])")
@@ -167,7 +171,8 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
                         pipe_depth=args.pipe_depth, hostile=args.hostile,
-                        hostile_kinds=args.hostile_kinds, hostile_paths=args.hostile_paths, robots=args.robots,
+                        hostile_kinds=args.hostile_kinds, hostile_paths=args.hostile_paths,
+                        hostile_verifier_args=shlex.split(args.hostile_verifier_args), robots=args.robots,
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay)

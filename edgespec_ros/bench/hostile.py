@@ -545,7 +545,8 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
             f.write(f"{GOOD_TOKEN}\n{HOSTILE_TOKEN}\n")
         for n in counts_n:
             with verifier_process_handle(opts.pair.target_path, "native", token_file, exits=opts.exits,
-                                         extra_args=("--log-level", "ERROR", *PATHS[path]), cpus=cloud,
+                                         extra_args=("--log-level", "ERROR", *PATHS[path],
+                                                     *(opts.hostile_verifier_args or ())), cpus=cloud,
                                          timeout_s=240.0) as (port, proc):
                 url = f"ws://127.0.0.1:{port}"
                 peak = [0.0]
@@ -591,7 +592,7 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                 if load is not None and os.path.exists(counts_path):
                     with open(counts_path) as f:
                         hostile = json.load(f)
-            rows.append({"path": path, "hostile": n, "decisions": len(latencies), "lost": lost, "errors": errors,
+            rows.append({"path": path, "verifier_args": list(opts.hostile_verifier_args or []), "hostile": n, "decisions": len(latencies), "lost": lost, "errors": errors,
                          "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
                          "max_ms": max(latencies) if latencies else float("nan"),
                          "rss_peak_mb": max(peak[0], 0.0), "rss_hwm_mb": hwm, "wall_s": wall,

@@ -48,6 +48,7 @@ class SweepOptions:
     hostile: list[int] | None = None  # hostile sweep: numbers of hostile clients
     hostile_kinds: list[str] | None = None  # hostile sweep: which kinds (default all)
     hostile_paths: list[str] | None = None  # hostile sweep: serving paths (single, ray; default single)
+    hostile_verifier_args: list[str] | None = None  # hostile sweep: extra edgespec-verifier options
     robots: list[int] | None = None  # fleet sweep: robot counts
     draft_ms: float | None = None  # fleet sweep: emulated drafting time per token
     verifiers: list[str] | None = None  # fleet sweep: sequential, batched, ray

@@ -158,6 +158,8 @@ LIMIT_OPTIONS = [
     ("max_sessions_per_token", "--max-sessions-per-token", int, "concurrent sessions per auth token"),
     ("max_tenant_inbox_bytes", "--max-tenant-inbox-bytes", int,
      "bytes of frames read ahead across one tenant's sessions (each session's own is its largest frame)"),
+    ("prefill_chunk", "--prefill-chunk", int, "prompt tokens per prefill piece, each one quantum of the fair scheduler "
+                                              "(smaller: a robot's round waits less behind another tenant's prefill)"),
 ]
 
 

@@ -46,6 +46,7 @@ class ServerLimits:
     max_rounds: int = 1024  # VERIFY frames per decision (verified or dropped)
     max_sessions_per_token: int = 8  # concurrent sessions authenticated with one token
     max_tenant_inbox_bytes: int = 256 * 1024 * 1024  # frames read ahead across one tenant's sessions
+    prefill_chunk: int = 256  # prompt tokens per prefill piece: one quantum of the fair scheduler each
 
     def __post_init__(self):
         for name, value in vars(self).items():

@@ -506,7 +506,7 @@ class VerifierServer:
         emulated profile the accelerator then stays busy until the profile's ``prefill_s`` has
         passed in all (its quanta included). Returns the prefill's compute seconds (emulated:
         the profile's)."""
-        spent = yield from session.start_steps(prompt, settings)
+        spent = yield from session.start_steps(prompt, settings, self.limits.prefill_chunk)
         target = self.compute.prefill_s
         return Occupy(max(spent, target), target - spent) if target else spent
 

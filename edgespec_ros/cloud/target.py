@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..preempt import run_steps
-from ..decoding.engines import LoadedModel
+from ..decoding.engines import PREFILL_CHUNK, LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.sampling import STREAM_RESAMPLE, keyed_uniform, probs_from_logits, sample_from
 from ..decoding.inputs import Prompt
@@ -85,9 +85,10 @@ class TargetSession:
         """Prefill the target on the prompt; returns compute seconds."""
         return run_steps(self.start_steps(prompt, settings))
 
-    def start_steps(self, prompt: Prompt, settings: VerifySettings):
+    def start_steps(self, prompt: Prompt, settings: VerifySettings, chunk: int = PREFILL_CHUNK):
         """start() as preemptible steps (edgespec_ros.preempt): the image is processed in the first
-        quantum, then the prompt is prefilled chunk by chunk; returns compute seconds (quanta only)."""
+        quantum, then the prompt is prefilled ``chunk`` tokens at a time; returns compute seconds
+        (quanta only)."""
         vocab = self.lm.vocab_size
         if not prompt.prompt_ids:
             raise ValueError("prompt has no token ids")
@@ -105,7 +106,7 @@ class TargetSession:
         self.seq.keep_hidden = settings.verify_mode == WISV
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
-        steps = self.seq.prefill_steps(inputs)
+        steps = self.seq.prefill_steps(inputs, chunk)
         spent = 0.0
         while True:
             # Hooks only around this session's own quanta: between two of them other sessions'
