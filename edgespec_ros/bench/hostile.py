@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import math
@@ -158,6 +159,18 @@ class Load:
         await ws.send(P.encode(P.Hello(token, self.info["fingerprint"], self.info["vocab"], codec, "hostile")))
         return await self._expect(ws, P.Welcome)
 
+    @contextlib.asynccontextmanager
+    async def _authenticated(self, src: str, count: Counter, codec: str = "dense32"):
+        """A connection with the stolen token's accepted HELLO (counted), closed on leaving."""
+        ws = await self._connect(src)
+        count["connected"] += 1
+        try:
+            await self._hello(ws, HOSTILE_TOKEN, codec)
+            count["authenticated"] += 1
+            yield ws
+        finally:
+            await ws.close()
+
     async def _expect(self, ws, kind):
         P = self.P
         while True:
@@ -221,38 +234,22 @@ class Load:
 
     async def _expensive(self, src, count):
         P = self.P
-        ws = await self._connect(src)
-        count["connected"] += 1
-        try:
-            await self._hello(ws, HOSTILE_TOKEN, self.expensive_codec)
-            count["authenticated"] += 1
+        async with self._authenticated(src, count, self.expensive_codec) as ws:
             for decision in range(1, 1000):
                 await self._prefill(ws, decision, self.long_prompt)
                 for r in range(1, 4):
                     await ws.send(P.encode(P.Verify(decision, r, self.draft, self.payload, 0, P.NO_TOKEN, r - 1)))
                     await self._expect(ws, P.Verdict)
                     count["verified"] += 1
-        finally:
-            await ws.close()
 
     async def _big_image(self, src, count):
-        ws = await self._connect(src)
-        count["connected"] += 1
-        try:
-            await self._hello(ws, HOSTILE_TOKEN)
-            count["authenticated"] += 1
+        async with self._authenticated(src, count) as ws:
             image = self.bomb if count["connected"] % 2 else self.jpeg
             await self._prefill(ws, 1, self.short_prompt, image)  # refused: a bomb, or pads that do not match
-        finally:
-            await ws.close()
 
     async def _long_gen(self, src, count):
         P = self.P
-        ws = await self._connect(src)
-        count["connected"] += 1
-        try:
-            await self._hello(ws, HOSTILE_TOKEN)
-            count["authenticated"] += 1
+        async with self._authenticated(src, count) as ws:
             for decision in range(1, 1000):
                 await self._prefill(ws, decision, self.short_prompt)
                 await ws.send(P.encode(P.Generate(decision, self.info["max_new_tokens"])))
@@ -261,17 +258,11 @@ class Load:
                     count["tokens"] += 1
                     if tok.last:
                         break
-        finally:
-            await ws.close()
 
 
     async def _poison(self, src, count):
         P = self.P
-        ws = await self._connect(src)
-        count["connected"] += 1
-        try:
-            await self._hello(ws, HOSTILE_TOKEN)
-            count["authenticated"] += 1
+        async with self._authenticated(src, count) as ws:
             for decision in range(1, 1000):
                 await ws.send(P.encode(P.Prefill(decision, "hostile", b"", self.short_prompt, 1, 1.0)))
                 await self._expect(ws, P.PrefillOk)
@@ -279,8 +270,6 @@ class Load:
                                                 P.VERIFY_STREAM_EXITS, P.NO_TOKEN, 0)))
                 await self._expect(ws, P.Verdict)  # refused (422), never verified
                 count["verified (should not happen)"] += 1
-        finally:
-            await ws.close()
 
     async def _reconnect(self, src, count):
         """Connect and hang up at once, again and again, from one of 4 shared addresses."""
@@ -292,11 +281,7 @@ class Load:
             await ws.close()
 
     async def _big_frames(self, src, count):
-        ws = await self._connect(src)
-        count["connected"] += 1
-        try:
-            await self._hello(ws, HOSTILE_TOKEN)
-            count["authenticated"] += 1
+        async with self._authenticated(src, count) as ws:
             try:
                 await ws.send(bytes(self.info.get("big_frame", 16 << 20)))  # past any session's cap here
                 count["sent"] += 1
@@ -306,18 +291,10 @@ class Load:
                 if ws.close_code is None:
                     raise
                 count[f"closed {ws.close_code}"] += 1
-        finally:
-            await ws.close()
 
     async def _chunk_bomb(self, src, count):
-        ws = await self._connect(src)
-        count["connected"] += 1
-        try:
-            await self._hello(ws, HOSTILE_TOKEN)
-            count["authenticated"] += 1
+        async with self._authenticated(src, count) as ws:
             await self._prefill(ws, 1, self.short_prompt, self.chunk_bomb)  # refused from its header
-        finally:
-            await ws.close()
 
 
 class Refused(Exception):
