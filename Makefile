@@ -10,7 +10,7 @@ SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) 
 # scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
 MSGS   := $(wildcard msg/*.msg action/*.action) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
-.PHONY: demo test test-fast install msgs models models-quick clean help
+.PHONY: demo test test-fast install msgs models models-long models-quick clean help
 
 help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
@@ -19,6 +19,7 @@ help:
 	@echo "make test               run the test suite (what CI runs; about 15 minutes here)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
+	@echo "make models-long        the long recipe (~4x the target's steps, hours): resumable, run it again to carry on"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
 
 $(DEPS): requirements/dev.txt requirements/msgs-build.txt
@@ -51,6 +52,9 @@ test-fast: install
 
 models: install
 	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)
+
+models-long: install
+	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)
 
 models-quick: install
 	$(VENV)/bin/edgespec-train all --quick $(ARGS)

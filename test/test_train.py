@@ -492,3 +492,93 @@ def test_card_repeats_the_pipeline_records_note(tmp_path):
     assert len(reproduce_lines(str(tmp_path))) == 1
     (tmp_path / "pipeline.json").write_text(json.dumps(dict(record, note="Draft re-run apart.")))
     assert reproduce_lines(str(tmp_path))[-1] == "Draft re-run apart."
+
+
+def _resume_setup(pipeline):
+    from transformers import AutoTokenizer
+    from edgespec_ros.models import tiny
+    from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES
+    from edgespec_ros.train.trainer import train_model
+    work, _ = pipeline
+    tok = AutoTokenizer.from_pretrained(os.path.join(work, "tokenizer"))
+    ip = tiny.image_processor()
+    examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
+                for e in list(generate_examples("train", 2, with_labels=True))[:12]]
+
+    def run(cfg, stop_after=None):
+        """Train a fresh draft-shaped model; ``stop_after``: the run dies in that forward pass."""
+        model = tiny.tiny_qwen2vl(tok, seed=0, **train_cli.MODEL_SPECS["draft"])
+        calls = [0]
+
+        def die(*_):
+            calls[0] += 1
+            if stop_after is not None and calls[0] > stop_after:
+                raise KeyboardInterrupt("stopped mid-run")
+        handle = model.register_forward_pre_hook(die)
+        try:
+            losses = train_model(model, examples, tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES)
+        finally:
+            handle.remove()
+        return losses, model
+    return run
+
+
+def test_a_stopped_run_resumes_bit_identically_to_an_uninterrupted_one(pipeline, tmp_path):
+    """Issue 37: a long recipe stopped (here: killed mid-step 6) and resumed from its checkpoint
+    continues exactly as if it had never stopped: the same losses and the same weights, bit for bit
+    (model, optimizer, probes, schedule and batches all restored)."""
+    import torch
+    from edgespec_ros.train.trainer import CHECKPOINT_FILE, TrainConfig
+    run = _resume_setup(pipeline)
+    base = dict(steps=9, batch_size=4, warmup=2, lr=3e-3, aux_weight=1.0, goal_probe_layer=-1)
+    whole, whole_model = run(TrainConfig(**base))
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        run(TrainConfig(**base, checkpoint_dir=ckpt, checkpoint_every_s=0.0), stop_after=5)
+    state = torch.load(os.path.join(ckpt, CHECKPOINT_FILE), weights_only=False)
+    assert state["step"] == 5 and len(state["losses"]) == 5  # the last checkpoint: after step 5
+    # resumed in another process's shoes: a fresh model, collated by a worker process this time
+    resumed, resumed_model = run(TrainConfig(**base, checkpoint_dir=ckpt, checkpoint_every_s=1e9, loader_workers=1))
+    assert resumed == whole
+    for (name, a), (_, b) in zip(whole_model.state_dict().items(), resumed_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    # resuming a finished run does nothing more
+    again, _ = run(TrainConfig(**base, checkpoint_dir=ckpt, checkpoint_every_s=1e9))
+    assert again == whole
+
+
+def test_a_checkpoint_of_another_run_is_refused_with_what_differs(pipeline, tmp_path):
+    from edgespec_ros.train.trainer import CHECKPOINT_FILE, CheckpointError, TrainConfig
+    run = _resume_setup(pipeline)
+    ckpt = str(tmp_path / "ckpt")
+    run(TrainConfig(steps=2, batch_size=4, warmup=1, checkpoint_dir=ckpt, run_id="a"))
+    with pytest.raises(CheckpointError, match="differs in: lr, run_id"):
+        run(TrainConfig(steps=2, batch_size=4, warmup=1, lr=1e-3, checkpoint_dir=ckpt, run_id="b"))
+    with open(os.path.join(ckpt, CHECKPOINT_FILE), "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        run(TrainConfig(steps=2, batch_size=4, warmup=1, checkpoint_dir=ckpt, run_id="a"))
+
+
+def test_resume_skips_the_stages_done_with_the_same_options_and_reruns_the_rest(tmp_path):
+    cfg = train_cli.PipelineConfig()
+    done = train_cli.StagesDone(str(tmp_path), cfg)
+    for stage in ("data", "tokenizer", "vision", "target"):
+        done.mark(stage)
+    again = train_cli.StagesDone(str(tmp_path), cfg)
+    assert [s for s in train_cli.ALL_STAGES if again.has(s)] == ["data", "tokenizer", "vision", "target"]
+    again.mark("tokenizer")  # a stage run again: what read its output is no longer done
+    assert [s for s in train_cli.ALL_STAGES if again.has(s)] == ["data", "tokenizer"]
+    other = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(target_steps=5))
+    assert not other.has("data")  # other options: nothing is done
+    workers_only = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(loader_workers=3))
+    assert workers_only.has("data")  # how it runs is not what it computes
+
+
+def test_target_spec_overrides_the_shape_and_rejects_nonsense():
+    cfg = train_cli.PipelineConfig(target_spec="layers=8,hidden=192")
+    assert train_cli.model_spec("target", cfg)["layers"] == 8
+    assert train_cli.model_spec("target", cfg)["hidden"] == 192
+    assert train_cli.model_spec("draft", cfg) == train_cli.MODEL_SPECS["draft"]
+    with pytest.raises(SystemExit, match="KEY=INT"):
+        train_cli.model_spec("target", train_cli.PipelineConfig(target_spec="depth=8"))

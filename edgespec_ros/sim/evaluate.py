@@ -88,6 +88,42 @@ def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episode
     }
 
 
+FAILURE_KINDS = ("cycle", "push", "early stop", "ran out")
+
+
+def classify_failure(episode: dict) -> str | None:
+    """Why a closed-loop episode (``run_episode``'s result as a dict) failed, in the kinds the
+    hidden scenarios showed (issue 37), or None when it succeeded:
+
+    - ``cycle``: a left/right limit cycle, at least half of its consecutive decisions are turns
+      the opposite way of the one before;
+    - ``push``: it ran into something at least 3 times (a policy that keeps moving into a wall);
+    - ``early stop``: it said stop away from the goal;
+    - ``ran out``: none of these, the decisions ran out while it searched."""
+    if episode["success"]:
+        return None
+    turns = [a.split()[1] if a.startswith("turn ") and len(a.split()) > 1 else None for a in episode["actions"]]
+    pairs = list(zip(turns, turns[1:]))
+    reversals = sum(1 for a, b in pairs if a and b and a != b)
+    if pairs and reversals >= len(pairs) / 2:
+        return "cycle"
+    if episode["collisions"] >= 3:
+        return "push"
+    if episode["actions"] and episode["actions"][-1] == "stop":
+        return "early stop"
+    return "ran out"
+
+
+def failure_counts(episodes: list[dict]) -> dict:
+    """How many of ``episodes`` failed in each of :data:`FAILURE_KINDS`."""
+    counts = dict.fromkeys(FAILURE_KINDS, 0)
+    for ep in episodes:
+        kind = classify_failure(ep)
+        if kind:
+            counts[kind] += 1
+    return counts
+
+
 def action_agreement(policy, examples, desc: str = "frames") -> dict:
     """Fraction of frames where the model's parsed action equals the expert's (examples:
     sim.dataset.Example): ``agreement`` exactly (kind, direction and size), and

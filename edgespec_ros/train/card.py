@@ -148,6 +148,59 @@ def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_
             "expert_noise": expert_ceiling(n_scenarios, n_frames)}
 
 
+def _target_job(target_dir: str, kind: str, lo: int, hi: int, n_scenarios: int, n_frames: int,
+                max_steps: int) -> dict:
+    """One share of :func:`measure_targets`: closed-loop episodes ``lo:hi`` (greedy), agreement on
+    frames ``lo:hi``, or the demo's jittered starts."""
+    import torch
+    torch.set_num_threads(1)
+    policy = VLMPolicy(load_model(target_dir))
+    if kind == "demo":
+        return {"demo": demo_starts(policy, max_steps=max_steps)}
+    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps)
+    if kind == "episodes":
+        return {"episodes": evaluate_closed_loop(policy, scenarios[lo:hi], desc="closed loop")["per_scenario"]}
+    agreement = action_agreement(policy, frames[lo:hi], desc="agreement")
+    return {"frames": hi - lo, "agree": agreement["agreement"] * (hi - lo),
+            "coarse": agreement["kind_direction_agreement"] * (hi - lo)}
+
+
+def measure_targets(target_dirs: list[str], workers: int = 2, n_scenarios: int = 120, n_frames: int = 600,
+                    max_steps: int = 40, episode_parts: int = 4, frame_parts: int = 2) -> dict:
+    """The card's target figures (closed-loop success on ``n_scenarios`` held-out episodes,
+    agreement on ``n_frames`` frames, the demo from 20 jittered starts, and why the failed
+    episodes failed: ``sim.evaluate.failure_counts``) for several target directories at once,
+    each cut into shares over ``workers`` processes: for comparing training runs on a machine
+    with many cores. Greedy decisions only (the card's resampled figure is not repeated)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+    from ..sim.evaluate import failure_counts
+    cut = lambda n, k: [(n * i // k, n * (i + 1) // k) for i in range(k)]  # noqa: E731
+    jobs = []
+    for d in target_dirs:
+        jobs += [(d, "episodes", lo, hi, n_scenarios, n_frames, max_steps) for lo, hi in cut(n_scenarios, episode_parts)]
+        jobs += [(d, "frames", lo, hi, n_scenarios, n_frames, max_steps) for lo, hi in cut(n_frames, frame_parts)]
+        jobs.append((d, "demo", 0, 0, n_scenarios, n_frames, max_steps))
+    with ProcessPoolExecutor(max(1, workers), mp_context=get_context("spawn")) as pool:
+        parts = list(pool.map(_target_job, *zip(*jobs)))
+    out = {}
+    for d in target_dirs:
+        mine = [p for job, p in zip(jobs, parts) if job[0] == d]
+        episodes = [ep for p in mine for ep in p.get("episodes", [])]
+        frames = sum(p.get("frames", 0) for p in mine)
+        n = len(episodes)
+        out[d] = {"episodes": n, "frames": frames,
+                  "success_rate": sum(ep["success"] for ep in episodes) / n,
+                  "mean_steps": sum(ep["steps"] for ep in episodes) / n,
+                  "collisions": sum(ep["collisions"] for ep in episodes),
+                  "unparseable_decisions": sum(ep["unparseable"] for ep in episodes),
+                  "action_agreement": sum(p.get("agree", 0) for p in mine) / frames,
+                  "kind_direction_agreement": sum(p.get("coarse", 0) for p in mine) / frames,
+                  "demo": next(p["demo"] for p in mine if "demo" in p),
+                  "failures": failure_counts(episodes), "per_scenario": episodes}
+    return out
+
+
 def expert_ceiling(n_scenarios: int, n_frames: int) -> dict:
     """The expert under perception noise on the card's held-out data (sim.robustness): what a
     learner that misjudges bearings and ranges by that much could reach on both bars."""

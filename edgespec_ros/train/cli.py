@@ -95,7 +95,20 @@ class PipelineConfig:
     dagger_repeat: int = 1  # each DAgger frame joins the training set this many times
     heldout_scenarios: int = 20  # held-out scenarios the vision, exits and wisv stages measure on
     seed: int = 0
+    # the target's shape against MODEL_SPECS["target"], e.g. "layers=8" or "layers=6,hidden=192"
+    # (capacity pilots; empty: the committed shape)
+    target_spec: str = ""
+    # the target and the draft stage: collate the next batches in this many processes beside torch
+    # (train.trainer.TrainConfig.loader_workers) and checkpoint every checkpoint_every_s to
+    # <work>/checkpoints/<role> (`--resume` carries on from there)
+    loader_workers: int = 1
+    checkpoint_every_s: float = 300.0
 
+
+# `make models-long` (`edgespec-train all --long --resume`): the scaling table's next points
+# (docs/models.md: "Where the bars stand"): the target's steps fixed instead of its wall-clock
+# budget, so that the run is the same on any machine and can be stopped and resumed in pieces
+LONG = dict(target_steps=38000, target_budget_s=0.0)
 
 # `edgespec-train all --quick`: every stage on a sliver of the data, for smoke runs (~5 min); the
 # models are useless and go to build/train-quick/models unless --out is given.
@@ -163,7 +176,8 @@ def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
 _ENCODED: dict = {}  # (dataset, tokenizer) -> encoded examples, shared by the stages of one run
 
 
-def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
+def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str = "cpu",
+                resume: bool = False) -> str:
     from transformers import AutoTokenizer
     from tqdm import tqdm
     from ..models import tiny
@@ -189,7 +203,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
         raise SystemExit(f"edgespec-train: the dataset in {work} has no dense labels for the auxiliary "
                          f"perception loss: rerun `edgespec-train data --work {work}` (or pass "
                          f"--{role}-aux-weight 0)")
-    spec = MODEL_SPECS[role]
+    spec = model_spec(role, cfg)
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
     vision_init = target_vision_dir(work, cfg) if role == "target" else None
     if vision_init:
@@ -202,18 +216,27 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
     dagger_at = parse_fractions(cfg.dagger_at) if role == "target" else ()
+    checkpoints = os.path.join(work, "checkpoints", role)
+    if not resume and os.path.isdir(checkpoints):
+        import shutil
+        shutil.rmtree(checkpoints)  # a fresh run: an old run's checkpoint must not be mistaken for this one's
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
-                       aux_weight=aux_weight, dagger_at=dagger_at)
+                       aux_weight=aux_weight, dagger_at=dagger_at, device=resolve_device(device),
+                       loader_workers=cfg.loader_workers, checkpoint_dir=checkpoints,
+                       checkpoint_every_s=cfg.checkpoint_every_s,
+                       run_id=run_fingerprint(role, work, cfg, spec, vision_init))
     dagger_log: list[dict] = []
     t0 = time.monotonic()
     losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES,
                          collect=dagger_collector(tok, ip, cfg, role, dagger_log) if dagger_at else None)
     path = os.path.join(out, role)
+    model.to("cpu")
     model.save_pretrained(path)
     tok.save_pretrained(path)
     ip.save_pretrained(path)
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
             "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight,
+            "device": tcfg.device, "examples_per_s": round(len(losses) * cfg.batch_size / max(1e-9, time.monotonic() - t0), 1),
             "goal_probe_layer": tcfg.goal_probe_layer if aux_weight > 0 else None,
             "vision_init": vision_init, "vision_mode": cfg.target_vision_mode if vision_init else None,
             "dagger": dagger_log,
@@ -223,6 +246,44 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig) -> str:
         json.dump(info, f, indent=2)
     print(f"{role}: {info['params'] / 1e6:.2f} M params, {info['steps']} steps, loss {info['final_loss']:.3f} -> {path}")
     return path
+
+
+def model_spec(role: str, cfg: PipelineConfig) -> dict:
+    """``MODEL_SPECS[role]`` with ``--target-spec`` applied (target only)."""
+    spec = dict(MODEL_SPECS[role])
+    if role != "target" or not cfg.target_spec:
+        return spec
+    for item in cfg.target_spec.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in spec or not value.strip().isdigit():
+            raise SystemExit(f"edgespec-train: --target-spec {cfg.target_spec!r}: give KEY=INT pairs, "
+                             f"KEY one of {', '.join(spec)}")
+        spec[key] = int(value)
+    return spec
+
+
+def resolve_device(device: str) -> str:
+    """``--device`` for training: cpu | cuda | cuda:N | auto (a GPU when there is one)."""
+    import torch
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"edgespec-train: --device {device}: this torch ({torch.__version__}) sees no GPU")
+    return device
+
+
+def run_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, vision_init: str | None) -> str:
+    """What a checkpoint of ``role`` was trained from: the data stage's file, the tokenizer, the
+    model's spec, the tower it started from and every option of the recipe that changes the run.
+    A checkpoint resumes only into the same run."""
+    import hashlib
+    stamp = lambda p: [os.path.getsize(p), os.path.getmtime(p)] if os.path.exists(p) else None  # noqa: E731
+    recipe = {k: v for k, v in asdict(cfg).items() if k not in ("loader_workers", "checkpoint_every_s")}
+    ident = {"role": role, "spec": spec, "recipe": recipe, "data": stamp(dataset_path(work)),
+             "tokenizer": stamp(os.path.join(work, "tokenizer", "tokenizer.json")),
+             "vision": stamp(os.path.join(vision_init, "model.safetensors")) if vision_init else None}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def target_vision_dir(work: str, cfg: PipelineConfig) -> str | None:
@@ -359,6 +420,35 @@ def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}")
 
 
+def stage_compare(args) -> dict:
+    """``edgespec-train compare --targets A,B``: the card's target figures for several targets."""
+    from .card import measure_targets
+    dirs = [d for d in args.targets.split(",") if d]
+    missing = [d for d in dirs if not os.path.isfile(os.path.join(d, "config.json"))]
+    if not dirs or missing:
+        raise SystemExit(f"edgespec-train compare: give --targets DIR[,DIR...] of trained models"
+                         + (f" (no model in {', '.join(missing)})" if missing else ""))
+    report = measure_targets(dirs, workers=args.workers, n_scenarios=args.compare_episodes,
+                             n_frames=args.compare_frames)
+    print("| target | steps | closed-loop success | exact | kind + direction | demo starts | collisions | "
+          "failures: cycle / push / early stop / ran out |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d, m in report.items():
+        try:
+            with open(os.path.join(d, "training.json")) as f:
+                steps = json.load(f).get("steps")
+        except (OSError, ValueError):
+            steps = None
+        se = (m["success_rate"] * (1 - m["success_rate"]) / m["episodes"]) ** 0.5
+        print(f"| {d} | {steps} | {m['success_rate']:.1%} ± {se:.1%} | {m['action_agreement']:.1%} | "
+              f"{m['kind_direction_agreement']:.1%} | {m['demo']['success_rate']:.0%} | {m['collisions']} | "
+              + " / ".join(str(v) for v in m["failures"].values()) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
 def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict:
     """Pretrain a tower of the target's spec alone and measure it (``train.vision``); with
     ``baselines`` also the probe on a random and on the committed target's tower."""
@@ -374,11 +464,47 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
     return report
 
 
+class StagesDone:
+    """``<work>/stages.json``: the stages that finished, each with the options it ran with, so that
+    ``--resume`` skips exactly those (a stage run with other options runs again)."""
+
+    def __init__(self, work: str, cfg: PipelineConfig):
+        import hashlib
+        self.path = os.path.join(work, "stages.json")
+        recipe = {k: v for k, v in asdict(cfg).items() if k not in ("loader_workers", "checkpoint_every_s")}
+        self.key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+        try:
+            with open(self.path) as f:
+                self.done = json.load(f)
+        except (OSError, ValueError):
+            self.done = {}
+
+    def has(self, stage: str) -> bool:
+        return self.done.get(stage) == self.key
+
+    def mark(self, stage: str) -> None:
+        """``stage`` ran: it is done, and every later stage (which read what it wrote) is not."""
+        later = ALL_STAGES[ALL_STAGES.index(stage) + 1:] if stage in ALL_STAGES else ()
+        self.done = {k: v for k, v in self.done.items() if k not in later}
+        self.done[stage] = self.key
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.done, f, indent=2)
+        os.replace(self.path + ".tmp", self.path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["all", "data", "tokenizer", "target", "draft", "distill", "exits", "wisv", "card",
-                                      "vision", "adapt-curve"])
+                                      "vision", "adapt-curve", "compare"])
+    ap.add_argument("--targets", default="",
+                    help="compare: target model dirs, comma-separated: the card's target figures for each "
+                         "(success, agreement, demo starts, why episodes failed), over --workers processes")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="compare: processes")
+    ap.add_argument("--compare-episodes", type=int, default=120, help="compare: held-out episodes (the card's 120)")
+    ap.add_argument("--compare-frames", type=int, default=600, help="compare: held-out frames (the card's 600)")
+    ap.add_argument("--json", default=None, help="compare: write the figures here")
     ap.add_argument("--draft", default=None, help="distill: the draft model dir (default: <out>/draft)")
     ap.add_argument("--distill-out", default=None,
                     help="distill: where the distilled draft goes (default: in place; with --traces: a new "
@@ -391,7 +517,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapt-heldout", type=int, default=40, help="adapt-curve: held-out decisions per measurement")
     ap.add_argument("--adapt-steps", type=int, default=150, help="adapt-curve: training steps per adapted draft")
     ap.add_argument("--plot", default=None, help="adapt-curve: the curve's PNG (default <work>/adapt/adapt.png)")
-    ap.add_argument("--device", default="cpu", help="distill: cpu | cuda | cuda:N | auto (real 2B/7B pairs on a GPU)")
+    ap.add_argument("--device", default="cpu",
+                    help="target, draft, distill: cpu | cuda | cuda:N | auto (a GPU when there is one; real 2B/7B "
+                         "pairs for distill)")
+    ap.add_argument("--resume", action="store_true",
+                    help="carry on a stopped run: skip the stages <work>/stages.json records as done with the "
+                         "same options, and resume the target and draft from <work>/checkpoints (written every "
+                         "--checkpoint-every-s); without it those checkpoints are discarded")
+    ap.add_argument("--long", action="store_true",
+                    help=f"the long recipe (make models-long): {', '.join(f'--{k.replace(chr(95), chr(45))} {v:g}' for k, v in LONG.items())} "
+                         "(options given explicitly still win); run it with --resume to carry it on in pieces")
     ap.add_argument("--target", default=None,
                     help="exits, wisv, distill: the target model dir (default: <out>/target)")
     ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
@@ -413,6 +548,8 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     values = {k: getattr(args, k) for k in asdict(PipelineConfig())}
+    if args.long:  # the long recipe's sizes, except where an option was given explicitly
+        values.update({k: v for k, v in LONG.items() if values[k] == parser.get_default(k)})
     if args.quick:  # the quick sizes, except where an option was given explicitly
         values.update({k: v for k, v in QUICK.items() if values[k] == parser.get_default(k)})
         if args.work == parser.get_default("work"):
@@ -424,10 +561,14 @@ def main(argv=None) -> int:
     stages = ([s for s in ALL_STAGES if s != "vision" or cfg.target_vision == "auto"] if args.stage == "all"
               else [args.stage])
     timings = {}
+    done = StagesDone(args.work, cfg)
     for stage in stages:
+        if args.resume and stage != "card" and done.has(stage):
+            print(f"{stage}: done earlier with these options ({done.path}): skipped (--resume)")
+            continue
         if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
             with open(os.path.join(args.out, "pipeline.json"), "w") as f:
-                json.dump({"command": "edgespec-train all" + (" --quick" if args.quick else ""),
+                json.dump({"command": "edgespec-train all" + (" --long" if args.long else "") + (" --quick" if args.quick else ""),
                            "config": asdict(cfg), "stage_seconds": timings,
                            "total_seconds_before_card": round(time.monotonic() - t0, 1),
                            "threads": torch.get_num_threads()}, f, indent=2)
@@ -450,6 +591,8 @@ def main(argv=None) -> int:
                               args.distill_out or draft, cfg, args.device)
             else:
                 print("distill: off (--distill-steps 0)")
+        elif stage == "compare":
+            stage_compare(args)
         elif stage == "adapt-curve":
             stage_adapt_curve(args, cfg)
         elif stage == "exits":
@@ -464,10 +607,11 @@ def main(argv=None) -> int:
             path = write_card(args.out, measure(args.out, **(QUICK_CARD if args.quick else {})))
             print(f"card: {path}")
         else:
-            stage_model(stage, args.work, args.out, cfg)
+            stage_model(stage, args.work, args.out, cfg, args.device, args.resume)
             if args.stage == "all" and stage == "draft":
                 _ENCODED.clear()  # both models are trained: free the encoded frames (~1 GB)
         timings[stage] = round(time.monotonic() - started, 1)
+        done.mark(stage)
     print(f"edgespec-train {args.stage}: done in {time.monotonic() - t0:.0f} s")
     return 0
 

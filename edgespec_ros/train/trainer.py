@@ -1,9 +1,16 @@
-"""A short, readable training loop (nanoGPT spirit) for the small Qwen2-VL models, on CPU."""
+"""A short, readable training loop (nanoGPT spirit) for the small Qwen2-VL models, on CPU or a GPU.
+
+Long runs checkpoint (``TrainConfig.checkpoint_dir``, every ``checkpoint_every_s``) and resume
+exactly: the model, the optimizer, the probes, the step, the losses, DAgger's added frames and the
+RNG states are saved, and the batches are a pure function of the seed and the examples, so a run
+stopped and resumed continues bit-identically to one that was never stopped.
+"""
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -30,6 +37,24 @@ class TrainConfig:
     # DAgger: at these fractions of the schedule, ``train_model``'s ``collect`` rolls the model out
     # and what it returns joins the training examples (empty: off)
     dagger_at: tuple[float, ...] = ()
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    # collate (image processor, dense labels) in this many worker processes ahead of the model
+    # (0: in the training process), so the cores that torch leaves idle prepare the next batches
+    loader_workers: int = 0
+    # checkpoints: <checkpoint_dir>/checkpoint.pt every checkpoint_every_s of training, and
+    # train_model resumes from it when it exists (None: off)
+    checkpoint_dir: str | None = None
+    checkpoint_every_s: float = 300.0
+    run_id: str = ""  # what the examples and the model are (the caller's fingerprint): checked on resume
+
+
+# fields that may differ between a checkpointed run and its resumption (how, not what, is trained)
+_RESUMABLE_CHANGES = {"device", "loader_workers", "checkpoint_dir", "checkpoint_every_s", "time_budget_s"}
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed (another configuration, a damaged file)."""
 
 
 def dense_perception_loss(head_out: torch.Tensor, present: torch.Tensor, log_depth: torch.Tensor,
@@ -151,6 +176,75 @@ class LengthGroupedSampler:
         return self._ready.pop()
 
 
+class _Batches(torch.utils.data.Dataset):
+    """Batch ``k`` of a schedule segment, collated (and its dense-label targets), for a DataLoader."""
+
+    def __init__(self, examples, batches, tokenizer, image_processor, num_classes: int, aux: bool):
+        self.examples, self.batches = examples, batches
+        self.tokenizer, self.image_processor, self.num_classes, self.aux = tokenizer, image_processor, num_classes, aux
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, k):
+        chosen = [self.examples[i] for i in self.batches[k]]
+        targets = aux_targets(chosen, self.image_processor, self.num_classes) if self.aux else None
+        return collate(chosen, self.tokenizer, self.image_processor), targets
+
+
+def segment_batches(lengths, cfg: TrainConfig, segment: int, n: int) -> list[np.ndarray]:
+    """The ``n`` index batches of schedule segment ``segment`` (0 before any DAgger round, k after
+    round k): a pure function of the seed and the examples' lengths, so a resumed run draws the
+    batches the uninterrupted one would have."""
+    rng = np.random.default_rng(cfg.seed if segment == 0 else [cfg.seed, segment])
+    sampler = LengthGroupedSampler(lengths, cfg.batch_size, cfg.group_batches, rng)
+    return [sampler.next() for _ in range(n)]
+
+
+def _to(value, device):
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
+def _what_is_trained(cfg: TrainConfig) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _RESUMABLE_CHANGES}
+
+
+def load_checkpoint(cfg: TrainConfig) -> dict | None:
+    """The checkpoint in ``cfg.checkpoint_dir`` (None when there is none); a clear error when it
+    was written for another configuration or cannot be read."""
+    if not cfg.checkpoint_dir:
+        return None
+    path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); delete it to start "
+                              "afresh") from None
+    saved = state.get("config", {})
+    wanted = {k: list(v) if isinstance(v, tuple) else v for k, v in _what_is_trained(cfg).items()}
+    saved = {k: list(v) if isinstance(v, tuple) else v for k, v in saved.items()}
+    if saved != wanted:
+        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        raise CheckpointError(f"{path} was written for another training configuration (differs in: "
+                              f"{', '.join(changed)}); resume with the same options or delete it to start afresh")
+    return state
+
+
+def save_checkpoint(cfg: TrainConfig, state: dict) -> str:
+    """Write ``state`` to ``cfg.checkpoint_dir`` atomically (a stop mid-write leaves the last one)."""
+    os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+    path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_FILE)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, desc: str = "train",
                 params=None, num_classes: int = 0, collect=None) -> list[float]:
     """Train `model` (or only `params`) on encoded examples with AdamW; returns per-step losses
@@ -160,13 +254,17 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     DAgger: at each fraction ``cfg.dagger_at`` of the schedule, ``collect(model, round)`` gets
     the model in eval mode and returns encoded examples (the states it visits, labelled by the
     expert), which join the training set for the rest of the schedule. The time it takes counts
-    against ``cfg.time_budget_s`` like any step (equal-compute comparisons stay honest)."""
+    against ``cfg.time_budget_s`` like any step (equal-compute comparisons stay honest).
+
+    With ``cfg.checkpoint_dir`` the run checkpoints every ``cfg.checkpoint_every_s`` and, when a
+    checkpoint of the same configuration is there, resumes from it (module docstring)."""
     if cfg.dagger_at and (collect is None or not all(0 < f < 1 for f in cfg.dagger_at)):
         raise ValueError("train_model: dagger_at needs fractions in (0, 1) and a collect function")
+    device = torch.device(cfg.device)
     examples = list(examples)
     dagger = sorted(cfg.dagger_at)
-    rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
+    model.to(device)
     model.train()
     trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
     aux = None
@@ -178,18 +276,58 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         goal_layer = None
         if cfg.goal_probe_layer is not None:
             goal_layer = cfg.goal_probe_layer % model.config.text_config.num_hidden_layers
-        aux = AuxPerception(model, num_classes, cells, goal_layer)
+        aux = AuxPerception(model, num_classes, cells, goal_layer).to(device)
         image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         trainable += list(aux.parameters())
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    losses, aux_losses = [], []
-    sampler = LengthGroupedSampler([len(e.input_ids) for e in examples], cfg.batch_size, cfg.group_batches, rng)
-    started = time.monotonic()
-    total = cfg.steps
-    bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
+    losses, aux_losses, added_rounds = [], [], []
+    step, total, elapsed = 0, cfg.steps, 0.0
+    state = load_checkpoint(cfg)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        if aux is not None:
+            aux.load_state_dict(state["aux"])
+        opt.load_state_dict(state["optimizer"])
+        step, total, elapsed = state["step"], state["total"], state["elapsed_s"]
+        losses, aux_losses, added_rounds = state["losses"], state["aux_losses"], state["dagger_added"]
+        for added in added_rounds:
+            examples += added
+        dagger = dagger[len(added_rounds):]
+        torch.set_rng_state(state["torch_rng"])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
+        tqdm.write(f"{desc}: resumed at step {step} of {total} from {cfg.checkpoint_dir}")
+
+    def checkpoint(next_step: int) -> None:  # next_step: steps done (one loss each)
+        save_checkpoint(cfg, {
+                "config": _what_is_trained(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "aux": aux.state_dict() if aux is not None else None, "step": next_step, "total": total,
+                "segment_start": segment_start[0],
+                "elapsed_s": time.monotonic() - started, "losses": losses, "aux_losses": aux_losses,
+                "dagger_added": added_rounds, "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None})
+
+    def loader_from(first: int):
+        """Batches ``first``.. of the current segment, collated ahead by ``cfg.loader_workers``."""
+        segment = len(added_rounds)
+        seg_start = segment_start[0]
+        batches = segment_batches([len(e.input_ids) for e in examples], cfg, segment, cfg.steps - seg_start)
+        data = _Batches(examples, batches[first - seg_start:], tokenizer, image_processor, num_classes, aux is not None)
+        workers = cfg.loader_workers
+        return iter(torch.utils.data.DataLoader(
+            data, batch_size=None, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda",
+            prefetch_factor=4 if workers else None, persistent_workers=False,
+            multiprocessing_context="fork" if workers else None))
+
+    # the step each segment's batches start at: 0, then each DAgger round's step (kept in the checkpoint)
+    segment_start = [state["segment_start"] if state is not None else 0]
+    started = time.monotonic() - elapsed
+    last_checkpoint = time.monotonic()
+    batches = loader_from(step)
+    bar = tqdm(range(step, cfg.steps), desc=desc, unit="step", dynamic_ncols=True, initial=step, total=cfg.steps)
     try:  # the probe's hook never outlives training, even when it fails
         for step in bar:
             total = budgeted_total(step, cfg, total, started)
@@ -197,25 +335,24 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
                 break
             if dagger and step >= dagger[0] * total:
                 model.eval()
-                added = collect(model, len(cfg.dagger_at) - len(dagger))
+                added = list(collect(model, len(cfg.dagger_at) - len(dagger)))
                 model.train()
                 dagger.pop(0)
                 if aux is not None and any(e.scene is None for e in added):
                     raise ValueError("train_model: DAgger examples need dense labels with aux_weight > 0")
                 examples += added
-                sampler = LengthGroupedSampler([len(e.input_ids) for e in examples], cfg.batch_size,
-                                               cfg.group_batches, rng)
+                added_rounds.append(added)
+                segment_start[0] = step
+                batches = loader_from(step)
                 bar.set_postfix(examples=len(examples))
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
-            idx = sampler.next()
-            batch = collate([examples[i] for i in idx], tokenizer, image_processor)
+            batch, targets = _to(next(batches), device)
             out = model(**batch)
             loss = out.loss
             losses.append(loss.item())
             if aux is not None:
-                aux_loss = aux.loss(*aux_targets([examples[i] for i in idx], image_processor, num_classes),
-                                    image_mask=batch["input_ids"] == image_token)
+                aux_loss = aux.loss(*targets, image_mask=batch["input_ids"] == image_token)
                 aux_losses.append(aux_loss.item())
                 loss = loss + cfg.aux_weight * aux_loss
             opt.zero_grad(set_to_none=True)
@@ -227,8 +364,14 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
                 if aux_losses:
                     shown["aux"] = f"{np.mean(aux_losses[-10:]):.3f}"
                 bar.set_postfix(**shown, lr=f"{opt.param_groups[0]['lr']:.1e}")
+            if cfg.checkpoint_dir and time.monotonic() - last_checkpoint >= cfg.checkpoint_every_s:
+                checkpoint(len(losses))
+                last_checkpoint = time.monotonic()
+        if cfg.checkpoint_dir:  # the run's end: a resumption of it has nothing left to do
+            checkpoint(len(losses))
     finally:
         bar.close()
+        del batches  # shuts the loader's workers down
         if aux is not None:
             aux.remove()
     model.eval()
