@@ -439,6 +439,7 @@ class GoodRobot:
                                  token=GOOD_TOKEN, timeout_s=30.0, client_name="good-robot")
         self.decoder = EdgeDecoder(draft_lm, self.rv)
         self.prompts, self.max_new_tokens = prompts, max_new_tokens
+        self.parts: list[dict] = []  # where each measured decision's time went (ms): BREAKDOWN
         self.decide(0)  # connects
 
     def decide(self, i: int) -> float:
@@ -446,14 +447,22 @@ class GoodRobot:
         instruction, image = self.prompts[i % len(self.prompts)]
         cfg = DecodeConfig(mode=GOOD_MODE, max_new_tokens=self.max_new_tokens, seed=i)
         t0 = time.perf_counter()
-        self.decoder.decide(instruction, image, cfg)
-        return 1e3 * (time.perf_counter() - t0)
+        m = self.decoder.decide(instruction, image, cfg).metrics
+        wall = 1e3 * (time.perf_counter() - t0)
+        # the verifier's own figures for the robot's rounds: the queue (behind other sessions'
+        # work) and the rounds' compute; the rest is the robot's drafting, the wire and both ends'
+        # event loops (a core shared with the attack's traffic shows there)
+        queue, verify, draft = 1e3 * m.queue_s, 1e3 * m.t_verify, 1e3 * m.t_draft
+        self.parts.append({"wall": wall, "queue": queue, "verify": verify, "draft": draft,
+                           "rest": max(0.0, wall - queue - verify - draft), "rounds": m.rounds})
+        return wall
 
     def run(self, n: int, progress) -> tuple[list[float], int, dict]:
         """n measured decisions: latencies in ms, decisions lost (an error: the robot would stop
         and retry), and the errors by text."""
         from ..wire.client import VerifierError
         latencies, lost, errors = [], 0, Counter()
+        self.parts.clear()
         for i in range(1, n + 1):
             try:
                 latencies.append(self.decide(i))
@@ -553,6 +562,7 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                 try:
                     latencies, lost, errors = robot.run(decisions, bar)
                 finally:
+                    parts = list(robot.parts)
                     robot.close()
                     if load is not None:
                         load.send_signal(signal.SIGTERM)
@@ -574,8 +584,22 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                          "max_ms": max(latencies) if latencies else float("nan"),
                          "rss_peak_mb": max(peak[0], 0.0), "rss_hwm_mb": hwm, "wall_s": wall,
                          "hostile_counts": hostile, "mode": GOOD_MODE, "max_new_tokens": max_new,
-                         "kinds": kinds if n else []})
+                         "kinds": kinds if n else [], "breakdown": breakdown(parts)})
     return rows
+
+
+BREAKDOWN = ("queue", "verify", "draft", "rest")
+
+
+def breakdown(parts: list[dict]) -> dict:
+    """Where the good robot's decisions spent their time (ms): the mean over all decisions and the
+    mean over the slowest 10% (the tail), for the verifier's queue wait, the verifier's compute of
+    the robot's own rounds, the robot's drafting and the rest (wire, event loops)."""
+    if not parts:
+        return {}
+    tail = sorted(parts, key=lambda p: p["wall"])[-max(1, len(parts) // 10):]
+    return {"mean": {k: float(np.mean([p[k] for p in parts])) for k in BREAKDOWN + ("rounds",)},
+            "tail": {k: float(np.mean([p[k] for p in tail])) for k in BREAKDOWN + ("rounds",)}}
 
 
 def _finish_rows(rows: list[dict], info: dict) -> list[dict]:
@@ -601,6 +625,15 @@ def table_hostile(rows: list[dict]) -> str:
                       _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_ratio"], ".2f") + "x", _fmt(r["max_ms"], ".0f"),
                       _fmt(r["rss_peak_mb"], ".0f"), outcomes or "-"])
     out = [fixed_width(head[:-1], [line[:-1] for line in lines])]
+    split = [r for r in data if r.get("breakdown")]
+    if split:
+        out.append("where the good robot's decisions went, ms (mean | slowest 10%): verifier queue, verifier "
+                   "compute of its rounds, drafting, rest (prefill, wire, event loops):")
+        for r in split:
+            b = r["breakdown"]
+            out.append(f"  {r.get('path', 'single')} N={r['hostile']}: "
+                       + "  ".join(f"{k} {b['mean'][k]:.0f} | {b['tail'][k]:.0f}" for k in BREAKDOWN)
+                       + f"  (rounds {b['mean']['rounds']:.1f})")
     out.append("hostile outcomes per setting (connections refused or closed, by code):")
     out += [f"  {line[0]} N={line[1]}: {line[-1]}" for line in lines]
     worst = next((r for r in rows if "worst_frame_decode_ms" in r), None)
