@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=8,
                     help="verification rounds of up to this many sessions run as one batched forward pass "
                          "(rounds streaming early exits are batched too, each exit streamed from its own row); 1 = one at a time (default 8)")
+    ap.add_argument("--batch-tenants", choices=["any", "own"], default="any",
+                    help="which sessions' rounds may share a batched pass: any tenant's (default: a GPU's pass costs "
+                         "about the same for 1 or 8 rows) or only the tenant's whose turn it is (own: one tenant's "
+                         "rows never lengthen another's pass; for CPU verifiers under hostile load, docs/verifier.md)")
+    ap.add_argument("--idle-credit", type=float, default=0.05, metavar="S",
+                    help="seconds of compute a tenant returning from idle starts ahead of the job in progress "
+                         "(bounded lag, as EEVDF: a robot drafting between rounds is served before a tenant that "
+                         "keeps its queue full); 0 = plain start-time fair queuing (default 0.05)")
     ap.add_argument("--status-interval", type=float, default=60.0,
                     help="seconds between status log lines (sessions, refusals, compute load); 0 = none (default 60)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -224,7 +232,8 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
                             insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
-                            max_batch=args.max_batch, server_name=server_name, metrics_labels=metrics_labels)
+                            max_batch=args.max_batch, server_name=server_name, metrics_labels=metrics_labels,
+                            batch_tenants=args.batch_tenants, idle_credit_s=args.idle_credit)
     server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
     return server
 
