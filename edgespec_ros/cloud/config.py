@@ -168,6 +168,9 @@ LIMIT_OPTIONS = [
      "bytes of frames read ahead across one tenant's sessions (each session's own is its largest frame)"),
     ("prefill_chunk", "--prefill-chunk", int, "prompt tokens per prefill piece, each one quantum of the fair scheduler "
                                               "(smaller: a robot's round waits less behind another tenant's prefill)"),
+    ("max_batch_tokens", "--max-batch-tokens", int, "tokens one batched pass may feed, its rows summed, each pass "
+                                                    "one quantum of the fair scheduler (smaller: a robot's round waits "
+                                                    "less behind a batch of another tenant's long drafts)"),
 ]
 
 

@@ -48,7 +48,7 @@ class Occupy:
 
 class _Job:
     __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch", "device",
-                 "cost")
+                 "cost", "then", "rows")
 
     def __init__(self, key, flow, fn, args, future, loop, order):
         self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
@@ -58,13 +58,15 @@ class _Job:
         self.batch = False  # fn(items) -> results takes several sessions' items in one call
         self.device = False  # uses the model (the accelerator), not only the host CPU
         self.cost = None  # a batchable job's size (its context length): only similar sizes share a pass
+        self.then = None  # (fn, make_item): a host prelude's batched pass, run next on the same turn
+        self.rows = 1  # a batchable job's tokens fed in the pass (max_batch_tokens counts them)
 
 
 class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
     def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8, batch_spread: float = 2.0,
-                 batch_tenants: str = "any", idle_credit_s: float = 0.05):
+                 batch_tenants: str = "any", idle_credit_s: float = 0.05, max_batch_tokens: int | None = None):
         if batch_tenants not in BATCH_TENANTS:
             raise ValueError(f"batch_tenants must be one of {BATCH_TENANTS}, got {batch_tenants!r}")
         self.max_queued, self.max_batch = max_queued, max_batch
@@ -72,6 +74,9 @@ class FairCompute:
         # 1 or 8 rows); "own": only the rounds of the tenant whose turn it is, so that one tenant's
         # rows never lengthen another's pass (a CPU's pass grows with its rows)
         self.batch_tenants = batch_tenants
+        # a pass's tokens (its rows summed) at most this many: one pass is one quantum that every
+        # other flow's job waits for, so its size bounds their wait (None: max_batch rows only)
+        self.max_batch_tokens = max_batch_tokens
         # A flow that returns from idle starts this many seconds of compute behind the virtual time
         # of the job in progress (never behind what it has itself used), as EEVDF keeps a sleeping
         # task's lag: a robot that drafts between its rounds is served before a tenant that keeps
@@ -100,12 +105,14 @@ class FairCompute:
         self.batches = 0  # runs of batchable jobs ...
         self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
+        self._next_job: _Job | None = None  # a prelude's pass: runs before any other job
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     # --- event-loop side -------------------------------------------------------------------
 
-    async def run(self, key, fn, *args, flow=None, device: bool = False, _batch: bool = False, _cost=None):
+    async def run(self, key, fn, *args, flow=None, device: bool = False, _batch: bool = False, _cost=None,
+                  _then=None, _rows: int = 1):
         """Run fn(*args) on the compute thread for session ``key`` (sharing ``flow``'s share; the
         session alone when None); SessionGone when the session was closed. ``device``: fn uses
         the model, so it waits while an emulated accelerator is busy (fn may return Occupy)."""
@@ -121,19 +128,30 @@ class FairCompute:
                 self._queues[flow] = deque()
                 self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock - self.idle_credit_s)
             job = _Job(key, flow, fn, args, future, loop, next(self._order))
-            job.batch, job.device, job.cost = _batch, device, _cost
+            job.batch, job.device, job.cost, job.then, job.rows = _batch, device, _cost, _then, max(1, _rows)
             self._queues[flow].append(job)
             self._queued += 1
             self._cond.notify()
         return await future
 
-    async def run_batched(self, key, fn, item, flow=None, cost: float | None = None):
+    async def run_batched(self, key, fn, item, flow=None, cost: float | None = None, prelude=None, rows: int = 1):
         """Like run(key, fn, [item]), but fn(items) -> results takes the items of several sessions
         at once: when the job comes up, the same fn's queued jobs of other sessions (the head job
         of each session, in fair order, up to max_batch, whose ``cost`` is within batch_spread of
         this job's) ride along in the same call. A result that is an Exception is raised to its
-        own session only."""
-        result = await self.run(key, fn, item, flow=flow, device=True, _batch=True, _cost=cost)
+        own session only. ``rows``: the tokens this item feeds (``max_batch_tokens`` bounds a
+        pass's sum; the first item always runs).
+
+        ``prelude`` = (host_fn, args): host work that must come first (decoding the round's draft
+        distribution; a generator runs as preemptible quanta) and ``item`` a function of its
+        result that builds the item. The pass then follows the prelude on the compute thread at
+        once, in the same turn: a round waits for one other flow's quantum, not one before its
+        decode and another before its pass (the event loop's hop between the two was that gap)."""
+        if prelude is None:
+            result = await self.run(key, fn, item, flow=flow, device=True, _batch=True, _cost=cost, _rows=rows)
+        else:
+            host_fn, args = prelude
+            result = await self.run(key, host_fn, *args, flow=flow, _then=(fn, item), _cost=cost, _rows=rows)
         if isinstance(result, BaseException):
             raise result
         return result
@@ -155,6 +173,8 @@ class FairCompute:
                 else:
                     del self._queues[flow]
             self._queued -= len(jobs)
+            if self._next_job is not None and self._next_job.key == key:
+                self._next_job = None
         for job in jobs:
             if job.steps is not None:
                 job.steps.close()  # a preempted job between two quanta
@@ -201,10 +221,26 @@ class FairCompute:
                 if self._stopping and not self._queued:
                     return None
                 busy_for = self._device_free - time.perf_counter()
+                forced = self._next_job
+                if forced is not None:  # a prelude's pass goes next, once the accelerator is free
+                    if busy_for <= 0:
+                        break
+                    self._cond.wait(busy_for)
+                    continue
                 ready = [f for f in self._queues if busy_for <= 0 or not self._queues[f][0].device]
                 if ready:
                     break
                 self._cond.wait(busy_for)  # every head job needs the accelerator: wait for it (or new work)
+            if forced is not None:
+                self._next_job = None
+                flow = forced.flow
+                self._clock = self._vtime.get(flow, self._clock)
+                self._queues[flow].remove(forced)
+                self._queued -= 1
+                if not self._queues[flow]:
+                    del self._queues[flow]
+                self.running_key, self.running_flow = forced.key, flow
+                return forced
             flow = min(ready, key=lambda f: (self._vtime[f], self._queues[f][0].order))
             queue = self._queues[flow]
             job = queue.popleft()
@@ -222,6 +258,7 @@ class FairCompute:
         batchable job of the same fn (a session's jobs never overtake each other), flows in fair
         order, up to max_batch. Called with the lock held."""
         batch, seen = [first], {first.key}
+        tokens = first.rows
         flows = [first.flow] if self.batch_tenants == "own" else sorted(self._queues, key=lambda f: self._vtime[f])
         for flow in flows:
             if flow not in self._queues:
@@ -233,7 +270,9 @@ class FairCompute:
                 if job.key in seen:
                     continue
                 seen.add(job.key)  # only a session's head job may join
-                if job.batch and job.fn == first.fn and not job.future.cancelled() and self._similar(first, job):
+                fits = self.max_batch_tokens is None or tokens + job.rows <= self.max_batch_tokens
+                if job.batch and job.fn == first.fn and not job.future.cancelled() and self._similar(first, job) and fits:
+                    tokens += job.rows
                     queue.remove(job)
                     self._queued -= 1
                     batch.append(job)
@@ -331,6 +370,22 @@ class FairCompute:
                     job.steps.close()
                     result, error = None, SessionGone("session closed")
                 self.jobs += 1
+                if job.then is not None and error is None and job.key not in self._closed_keys and not self._stopping:
+                    # the prelude is done: its pass is the next job to run (the same turn)
+                    fn, make_item = job.then
+                    try:
+                        item = make_item(result)
+                    except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
+                        error = exc
+                    else:
+                        job.fn, job.args, job.then, job.steps = fn, (item,), None, None
+                        job.batch = job.device = True
+                        job.queued_at = time.perf_counter()
+                        self._queues.setdefault(job.flow, deque()).appendleft(job)
+                        self._vtime.setdefault(job.flow, self._clock)
+                        self._queued += 1
+                        self._next_job = job
+                        continue
             _deliver(job, result, error, occupy)
 
 

@@ -47,6 +47,9 @@ class ServerLimits:
     max_sessions_per_token: int = 8  # concurrent sessions authenticated with one token
     max_tenant_inbox_bytes: int = 256 * 1024 * 1024  # frames read ahead across one tenant's sessions
     prefill_chunk: int = 256  # prompt tokens per prefill piece: one quantum of the fair scheduler each
+    # tokens one batched pass may feed, its rows summed (vLLM's max_num_batched_tokens): a pass is
+    # one quantum that every other tenant's round waits for (a round larger than this runs alone)
+    max_batch_tokens: int = 512
 
     def __post_init__(self):
         for name, value in vars(self).items():

@@ -125,7 +125,7 @@ class VerifierServer:
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
         self.fair = FairCompute("target", max_batch=max_batch, batch_tenants=batch_tenants,
-                                idle_credit_s=idle_credit_s)
+                                idle_credit_s=idle_credit_s, max_batch_tokens=self.limits.max_batch_tokens)
         self._keys = itertools.count(1)
         self._tenant_sessions = self.doorman.tenant_sessions  # tenant -> open sessions
         self._tenant_bytes = InboxBudget()  # bytes read ahead, per tenant, across its sessions
@@ -402,15 +402,19 @@ class VerifierServer:
         # On the compute thread: decoding a large sparse support takes milliseconds and must not
         # stall the event loop that serves the other sessions. The profile's time is the
         # accelerator's pass; decoding q is host work beside it.
-        await self._run(conn, session.decode_steps, step, device=False)
-        work = _DeviceWork(session.dense_round(step, on_exit), step.rows)
-        if sender is not None:
-            loop = asyncio.get_running_loop()
-            work.extra = lambda: len(session.target.last_exits) * self.compute.exit_s
-            work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
+        # The decode and the pass are one turn: the pass follows the decode on the compute thread.
+        loop = asyncio.get_running_loop()
+
+        def device_work(_q) -> _DeviceWork:  # on the compute thread, once q is decoded
+            work = _DeviceWork(session.dense_round(step, on_exit), step.rows)
+            if sender is not None:
+                work.extra = lambda: len(session.target.last_exits) * self.compute.exit_s
+                work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
+            return work
         with session.refusing("bad draft distribution", DENSE_ERRORS):
-            result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, work, flow=conn.flow,
-                                                 cost=session.target.seq.fed + len(step.msg.draft_ids))
+            result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, device_work, flow=conn.flow,
+                                                 cost=session.target.seq.fed + len(step.msg.draft_ids),
+                                                 prelude=(session.decode_steps, (step,)), rows=step.rows)
         waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
         verify_s = time.perf_counter() - started - waited  # before the exit sender winds down
         sent = await live.pop().finish() if live else 0
