@@ -374,6 +374,91 @@ def test_fair_compute_serves_the_flow_that_used_less_first():
         fair.shutdown()
 
 
+def test_a_rounds_pass_follows_its_decode_in_the_same_turn():
+    """Issue 34, item 8: a round's host decode and its batched pass were two jobs with the event
+    loop's hop between them, so another tenant's quantum ran in the gap and a robot's round waited
+    for two quanta. The pass now follows its decode on the compute thread: no other job between."""
+    fair = FairCompute("t")
+    order = []
+    try:
+        async def warm():  # the other tenant has used more: the robot's decode goes first, and the
+            await fair.run("o0", time.sleep, 0.05, flow="other")  # other's job is all that waits in the gap
+
+        asyncio.run(warm())
+        hold = threading.Event()
+
+        def decode():
+            order.append("decode")
+            return "q"
+
+        def passes(items):
+            order.append(f"pass {items}")
+            return [f"verdict {i}" for i in items]
+
+        async def main():
+            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+            await asyncio.sleep(0.05)
+            robot = asyncio.ensure_future(fair.run_batched("r1", passes, lambda q: q + "-row", flow="robot",
+                                                           prelude=(decode, ())))
+            await asyncio.sleep(0.02)
+            other = asyncio.ensure_future(fair.run("o1", order.append, "other", flow="other"))
+            await asyncio.sleep(0.02)
+            hold.set()
+            await blocker
+            return await robot, await other
+
+        assert asyncio.run(main()) == ("verdict q-row", None)
+        assert order == ["decode", "pass ['q-row']", "other"]
+    finally:
+        fair.shutdown()
+
+
+def test_a_failed_decode_never_reaches_the_pass_and_is_raised_to_its_session():
+    fair = FairCompute("t")
+    ran = []
+    try:
+        def bad_decode():
+            raise ValueError("bad draft distribution")
+
+        async def main():
+            return await fair.run_batched("r1", lambda items: ran.append(items) or items, lambda q: q,
+                                          prelude=(bad_decode, ()))
+        with pytest.raises(ValueError, match="bad draft distribution"):
+            asyncio.run(main())
+        assert ran == []
+        assert asyncio.run(fair.run("r2", lambda: "still serving")) == "still serving"
+    finally:
+        fair.shutdown()
+
+
+@pytest.mark.parametrize("max_tokens, passes", [(None, [3]), (64, [1, 1, 1]), (80, [2, 1])])
+def test_max_batch_tokens_bounds_what_one_pass_carries(max_tokens, passes):
+    """A pass is one quantum every other tenant waits for: its rows summed stay within
+    --max-batch-tokens (the first round always runs, even alone past it)."""
+    fair = FairCompute("t", max_batch_tokens=max_tokens)
+    sizes = []
+    try:
+        hold = threading.Event()
+
+        def verify(items):
+            sizes.append(len(items))
+            return items
+
+        async def main():
+            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+            await asyncio.sleep(0.05)
+            futs = [asyncio.ensure_future(fair.run_batched(f"s{i}", verify, i, rows=40)) for i in range(3)]
+            await asyncio.sleep(0.05)
+            hold.set()
+            await blocker
+            return await asyncio.gather(*futs)
+
+        assert asyncio.run(main()) == [0, 1, 2]
+        assert sizes == passes
+    finally:
+        fair.shutdown()
+
+
 def test_fair_compute_cancels_the_queued_work_of_a_closed_session():
     fair = FairCompute("t")
     hold = threading.Event()
@@ -909,6 +994,21 @@ def test_torch_threads_are_chosen_deliberately(monkeypatch):
     assert replica_options(args)["torch_threads"] == "2"
     args = build_parser().parse_args(["--replicas", "2", "--torch-threads", "5"])
     assert replica_options(args)["torch_threads"] == "5"
+
+
+def test_the_quantum_sizes_follow_the_device_unless_given():
+    """Issue 34.8: a CPU verifier uses small quanta (64-token prefill pieces and passes: the soak's
+    p99 lever), a GPU one larger; explicit values win and nonsense is refused by the parser."""
+    from edgespec_ros.cloud.config import build_parser, limits_from_args
+    cpu = limits_from_args(build_parser().parse_args([]))
+    assert (cpu.prefill_chunk, cpu.max_batch_tokens) == (64, 64)
+    gpu = limits_from_args(build_parser().parse_args(["--device", "cuda:0"]))
+    assert (gpu.prefill_chunk, gpu.max_batch_tokens) == (256, 512)
+    given = limits_from_args(build_parser().parse_args(["--prefill-chunk", "128", "--max-batch-tokens", "96"]))
+    assert (given.prefill_chunk, given.max_batch_tokens) == (128, 96)
+    for bad in ("0", "-3", "big"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--max-batch-tokens", bad])
 
 
 def test_the_verifier_sets_its_torch_threads(tmp_path):

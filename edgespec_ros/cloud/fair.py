@@ -5,8 +5,7 @@ overlap). Jobs are served by start-time fair queuing over the compute time each 
 a flow is a tenant (the auth token a session presented; every session of one token shares one
 flow) or, without auth, the session itself. The next job is the oldest job of the flow with the
 least virtual time; a flow's virtual time grows by the seconds its jobs ran, and a flow that was
-idle starts at the current virtual time less a small bounded credit (``idle_credit_s``; it is not
-owed the past, only the lag a latency-sensitive client needs). So a tenant that sends
+idle starts at the current virtual time (it is not owed the past). So a tenant that sends
 expensive-but-allowed work (big prompts, the largest codec parameters, long generations, many
 sessions) is served after the flows that used less, and its share is bounded: a job waits for at
 most the job in progress plus one job of each flow that used less than its own. When a session
@@ -26,9 +25,6 @@ import itertools
 import threading
 import time
 from collections import deque
-
-
-BATCH_TENANTS = ("any", "own")
 
 
 class SessionGone(Exception):
@@ -66,24 +62,11 @@ class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
     def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8, batch_spread: float = 2.0,
-                 batch_tenants: str = "any", idle_credit_s: float = 0.05, max_batch_tokens: int | None = None):
-        if batch_tenants not in BATCH_TENANTS:
-            raise ValueError(f"batch_tenants must be one of {BATCH_TENANTS}, got {batch_tenants!r}")
+                 max_batch_tokens: int | None = None):
         self.max_queued, self.max_batch = max_queued, max_batch
-        # "any": a pass carries the rounds of any tenants (a GPU's pass costs about the same for
-        # 1 or 8 rows); "own": only the rounds of the tenant whose turn it is, so that one tenant's
-        # rows never lengthen another's pass (a CPU's pass grows with its rows)
-        self.batch_tenants = batch_tenants
         # a pass's tokens (its rows summed) at most this many: one pass is one quantum that every
         # other flow's job waits for, so its size bounds their wait (None: max_batch rows only)
         self.max_batch_tokens = max_batch_tokens
-        # A flow that returns from idle starts this many seconds of compute behind the virtual time
-        # of the job in progress (never behind what it has itself used), as EEVDF keeps a sleeping
-        # task's lag: a robot that drafts between its rounds is served before a tenant that keeps
-        # its queue full, and its round's decode and verify jobs run back to back instead of each
-        # waiting for one of that tenant's quanta. A flow can gain at most this much over its share
-        # per return from idle (0: plain start-time fair queuing).
-        self.idle_credit_s = max(0.0, idle_credit_s)
         # Jobs share a pass only when their costs are within this factor of the first job's: a
         # padded batch costs about max(cost) per row, so one session's long context (a tenant's
         # 8k-token prompt) must not slow every robot it would ride with.
@@ -126,7 +109,7 @@ class FairCompute:
                 raise RuntimeError(f"compute queue full ({self._queued} jobs)")
             if flow not in self._queues:
                 self._queues[flow] = deque()
-                self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock - self.idle_credit_s)
+                self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
             job = _Job(key, flow, fn, args, future, loop, next(self._order))
             job.batch, job.device, job.cost, job.then, job.rows = _batch, device, _cost, _then, max(1, _rows)
             self._queues[flow].append(job)
@@ -259,10 +242,7 @@ class FairCompute:
         order, up to max_batch. Called with the lock held."""
         batch, seen = [first], {first.key}
         tokens = first.rows
-        flows = [first.flow] if self.batch_tenants == "own" else sorted(self._queues, key=lambda f: self._vtime[f])
-        for flow in flows:
-            if flow not in self._queues:
-                continue
+        for flow in sorted(self._queues, key=lambda f: self._vtime[f]):
             queue = self._queues[flow]
             for job in list(queue):
                 if len(batch) >= self.max_batch:

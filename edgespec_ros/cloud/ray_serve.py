@@ -33,8 +33,8 @@ from ray import serve
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close
 
-from .config import LIMIT_OPTIONS, build_server, check_auth_options, read_token_file, tls_context
-from .limits import ServerLimits, is_loopback
+from .config import build_server, check_auth_options, limits_from_args, read_token_file, tls_context
+from .limits import is_loopback
 from .ray_edge import FORWARDED_FOR, EdgeRelay
 
 log = logging.getLogger("edgespec.verifier.ray")
@@ -266,7 +266,7 @@ def start(args, tokens: list[str], *, local_cpus: int | None = None) -> str:
         internal = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": internal})
     serve.run(verifier_app(args, tokens), name=APP_NAME, route_prefix="/")
-    limits = ServerLimits(**{name: getattr(args, name) for name, *_ in LIMIT_OPTIONS})
+    limits = limits_from_args(args)
     # the edge holds the fleet-wide quotas; each replica's own gate sees only its share
     edge = EdgeRelay(f"ws://127.0.0.1:{internal}", limits=limits, tokens=tokens,
                      ssl_context=tls_context(args.tls_cert, args.tls_key), max_frame=args.max_frame)

@@ -89,7 +89,7 @@ class VerifierServer:
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
                  ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
                  max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None,
-                 metrics_labels: dict | None = None, batch_tenants: str = "any", idle_credit_s: float = 0.05):
+                 metrics_labels: dict | None = None):
         self.lm = lm
         self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
         tokens = [token] if isinstance(token, str) else list(token or [])
@@ -124,8 +124,7 @@ class VerifierServer:
         self.gate = self.doorman.gate
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
-        self.fair = FairCompute("target", max_batch=max_batch, batch_tenants=batch_tenants,
-                                idle_credit_s=idle_credit_s, max_batch_tokens=self.limits.max_batch_tokens)
+        self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens)
         self._keys = itertools.count(1)
         self._tenant_sessions = self.doorman.tenant_sessions  # tenant -> open sessions
         self._tenant_bytes = InboxBudget()  # bytes read ahead, per tenant, across its sessions

@@ -426,7 +426,7 @@ def stage_compare(args) -> dict:
     dirs = [d for d in args.targets.split(",") if d]
     missing = [d for d in dirs if not os.path.isfile(os.path.join(d, "config.json"))]
     if not dirs or missing:
-        raise SystemExit(f"edgespec-train compare: give --targets DIR[,DIR...] of trained models"
+        raise SystemExit("edgespec-train compare: give --targets DIR[,DIR...] of trained models"
                          + (f" (no model in {', '.join(missing)})" if missing else ""))
     report = measure_targets(dirs, workers=args.workers, n_scenarios=args.compare_episodes,
                              n_frames=args.compare_frames)
