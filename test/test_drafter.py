@@ -234,6 +234,35 @@ def test_partial_text_and_stats():
     assert s["rtt_ms"] == pytest.approx(50.0) and s["tokens_per_second"] == pytest.approx(24.0)
 
 
+def test_lossy_settings_say_so_in_the_stats_the_logs_and_diagnostics_read():
+    """Issue 35: a lossy drafter says so at run time: DecodingStats (and so the monitor's
+    diagnostics and the drafter's log lines) carry how decisions are verified and how many
+    mismatched draft tokens were kept; every lossy setting is named, the lossless ones are not."""
+    from edgespec_ros.decoding.metrics import DecisionMetrics
+    from edgespec_ros.nodes.monitor import link_key_values
+    from edgespec_ros.robot.drafter import DecisionOutcome, DecodingStatsAggregator
+    assert DrafterSettings().verification() == "lossless"
+    assert DrafterSettings(codec="split").verification() == "lossless"  # the exact split codec
+    wisv = DrafterSettings(verify_mode="wisv", temperature=0.0, wisv_threshold=0.05)
+    assert wisv.verification() == "LOSSY: verify_mode wisv, threshold 0.05 (greedy decisions)"
+    both = DrafterSettings(verify_mode="rejection", codec="split:k=32").verification()
+    assert both.startswith("LOSSY: codec split:k=32")
+    stats = DecodingStatsAggregator("sd", verification=wisv.verification())
+    stats.add(DecisionOutcome("go", 0, parsed=True, metrics=DecisionMetrics(mode="sd", tokens=10, rounds=2,
+                                                                             wisv_relaxed=3)))
+    snap = stats.snapshot()
+    assert snap["verification"].startswith("LOSSY") and snap["relaxed_tokens"] == 3
+
+    class Msg:  # what the monitor reads off a DecodingStats message
+        pass
+    msg = Msg()
+    for key in ("mode", "link", "rtt_ms", "tau", "acceptance_rate", "cache_miss_rate", "tokens_per_second",
+                "decisions", "uplink_bytes", "downlink_bytes", "verification", "relaxed_tokens"):
+        setattr(msg, key, snap.get(key, "wifi-poor") if key != "link" else "wifi-poor")
+    shown = dict(link_key_values(msg))
+    assert shown["verification"].startswith("LOSSY") and shown["relaxed_tokens"] == "3"
+
+
 def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():
     assert DrafterSettings(mode="sd", auto_gamma=True).decode_config(3).gamma == "auto"
     assert DrafterSettings(mode="sd", gamma=6).decode_config(0).gamma == 6

@@ -137,14 +137,40 @@ def test_a_bad_draft_distribution_is_refused_before_it_can_join_a_batch(pair, po
     assert session.target.position == 0  # nothing was fed
 
 
-def test_greedy_rounds_do_not_need_a_valid_q(pair):
-    """The greedy rule (verify_mode greedy) never reads q: a zero q is not refused."""
+@pytest.mark.parametrize("mode", ["greedy", "wisv"])
+def test_greedy_and_wisv_blocks_carry_no_q_and_a_block_with_one_is_refused(pair, mode):
+    """Issue 35 (first WISV note, follow-up 1): the greedy rule never reads q, so greedy and WISV
+    blocks go up without it (with a 152k vocabulary a dense q dwarfs everything else in the frame)
+    and the verifier refuses one that carries it; rejection sampling keeps it."""
+    from edgespec_ros.wire.frames import carries_q
     codec = get_codec("dense32")
+    settings = VerifySettings(verify_mode=mode)
+    assert not carries_q(settings, codec)
+    assert carries_q(VerifySettings(params=SamplingParams(1.0)), codec)
+    assert carries_q(settings, get_codec("split"))  # the split codec's separate rule reads q(x)
+    block = Block(1, 0, [1], _q(1, pair.vocab))
+    assert verify_frame(1, block, codec, exits=False, send_q=False).q_payload == b""
+    assert verify_frame(1, block, codec, exits=False).q_payload != b""
+    if mode == "wisv" and getattr(pair.target, "wisv", None) is None:
+        return  # the session half needs a target with a decision head
     session = VerifierSession(pair.target, codec)
-    prompt, settings = session.on_prefill(prefill_frame(1, pair.prompt(), VerifySettings(verify_mode="greedy")))
-    session.target.start(prompt, settings)
-    q = _q(1, pair.vocab)
-    q[0] = 0.0
-    q[0, 3] = 1.0
-    step = session.on_verify(verify_frame(1, Block(1, 0, [1], q), codec, exits=False))
-    assert session.decode(step) is not None
+    session.target.start(*session.on_prefill(prefill_frame(1, pair.prompt(), settings)))
+    step = session.on_verify(verify_frame(1, Block(1, 0, [1], _q(1, pair.vocab)), codec, exits=False))
+    with pytest.raises(SessionError, match="carries a draft distribution: send none") as info:
+        session.decode(step)
+    assert info.value.code == P.ErrorCode.BAD_REQUEST
+    step = session.on_verify(verify_frame(1, Block(2, 0, [1], _q(1, pair.vocab)), codec, exits=False, send_q=False))
+    assert session.decode(step) is None
+
+
+def test_a_greedy_local_decision_sends_no_q_and_matches_the_target(pair):
+    """End to end in process: greedy SD with q-less blocks is still token-identical to the target."""
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from wire_helpers import INSTRUCTIONS
+    verifier = LocalVerifier(pair.target)
+    cfg = DecodeConfig(mode="sd", max_new_tokens=24, verify_mode="greedy")
+    out = EdgeDecoder(pair.draft, verifier).decide(INSTRUCTIONS[0], pair.image, cfg)
+    assert verifier._send_q is False
+    assert out.tokens == pair.reference(INSTRUCTIONS[0], cfg)
+
+

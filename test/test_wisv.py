@@ -63,6 +63,84 @@ def test_the_action_clause_and_end_tokens_are_always_verified_strictly():
     assert (result.accepted, chr(result.next_token), relaxed) == (4, "m", [])
 
 
+class CountingTokenizer(CharTokenizer):
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_the_action_marker_scan_decodes_a_tail_and_finds_what_a_full_decode_finds():
+    """Follow-up 2 of the first WISV note: one decision's scan decodes what was committed since its
+    last call (plus a short overlap), never the whole history per draft token, and protects exactly
+    the positions the full decode protects, also for a marker split across rounds."""
+    from edgespec_ros.decoding.wisv import ActionMarkerScan
+    rng = random.Random(0)
+    text = "I see a long corridor " * 40 + "and the red chair ahead. Action: move forward small."
+    ids = [ord(c) for c in text]
+    tok, full = CountingTokenizer(), CharTokenizer()
+    scan = ActionMarkerScan(tok)
+    position = 0
+    rounds = 0
+    while position < len(ids):
+        gamma = rng.randint(1, 8)
+        committed, draft = ids[:position], ids[position:position + gamma]
+        before = tok.decoded
+        got = protected_positions(tok, committed, draft, eos_ids={0}, scan=scan)
+        assert got == protected_positions(full, committed, draft, eos_ids={0}), (position, gamma)
+        assert tok.decoded - before <= 2 * (ActionMarkerScan.OVERLAP + 8) + gamma * (ActionMarkerScan.OVERLAP + 8)
+        position += rng.randint(1, gamma + 1)
+        rounds += 1
+    assert tok.decoded < 0.3 * rounds * len(ids) / 2  # a full decode per call would cost ~this much
+
+
+def test_an_abandoned_wisv_round_leaves_the_session_where_it_was():
+    """Follow-up 4: a round that fails between the target's pass and the head's decision (here, a
+    drafter that cannot answer the hidden-row request) is undone: the next round verifies exactly
+    as it would have without it."""
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.decoding.verifier import Block, VerifierError
+    from edgespec_ros.decoding.wisv import attach_wisv
+    from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.sim.dataset import heldout_prompts
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    assert attach_wisv(target) is not None
+    instruction, image = next(iter(heldout_prompts(1, seed=1000)))
+    prompt, _ = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
+    settings = VerifySettings(verify_mode="wisv", wisv_threshold=0.5)
+    dim = target.wisv.config.draft_dim
+    ids = [t for t in range(200, 260) if t not in target.eos_token_ids][:4]
+
+    def verifier():
+        v = LocalVerifier(target, csi=Csi(1e6, 1e6, 0.05))
+        v.start(prompt, settings)
+        return v
+
+    clean = verifier()
+    clean.submit(Block(1, 0, ids, None, hidden=torch.zeros(len(ids), dim), upload="full", csi=Csi(1e6, 1e6, 0.05)))
+    expected = clean.receive()
+    broken = verifier()
+    finish = broken.verifier_session.wisv_finish
+
+    def fails_once(step, rows):  # the round fails after the target's pass, before the head decides
+        broken.verifier_session.wisv_finish = finish
+        raise RuntimeError("the drafter's link dropped mid-round")
+    broken.verifier_session.wisv_finish = fails_once
+    broken.submit(Block(1, 0, ids, None, hidden=torch.zeros(len(ids), dim), upload="full", csi=Csi(1e6, 1e6, 0.05)))
+    with pytest.raises(Exception, match="link dropped"):
+        broken.receive()
+    assert broken.session.wisv_round is None
+    broken.submit(Block(1, 0, ids, None, hidden=torch.zeros(len(ids), dim), upload="full", csi=Csi(1e6, 1e6, 0.05)))
+    again = broken.receive()
+    assert (again.accepted, again.next_token) == (expected.accepted, expected.next_token)
+    assert broken.session.seq.generated == clean.session.seq.generated
+
+
 def test_csi_quality_orders_the_shipped_link_profiles():
     q = {name: Csi.from_profile(get_profile(name)).quality() for name in ("lan", "wifi-poor", "cellular")}
     assert 1 >= q["lan"] > 0.9 and q["lan"] > q["wifi-poor"] > q["cellular"] > 0

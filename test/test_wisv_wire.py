@@ -244,7 +244,7 @@ def test_full_hidden_frames_are_length_and_range_checked(models, frames, server,
     blob = rows.tobytes()
     blob = {"short": blob[:-2], "long": blob + b"\x00\x00", "flag-without-rows": b""}.get(case, blob)
     ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
-    ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids), P.VERIFY_HIDDEN | P.VERIFY_WISV, P.NO_TOKEN,
+    ws.send(P.encode(P.Verify(1, 1, ids, b"", P.VERIFY_HIDDEN | P.VERIFY_WISV, P.NO_TOKEN,
                               0, [], CELLULAR.to_wire(), blob)))
     expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "hidden-state payload")
 
@@ -254,7 +254,7 @@ def _selective_round(models, frames, server):
     draft, target = models
     ids = _mismatching_ids(models, frames)
     ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
-    ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids), P.VERIFY_WISV, P.NO_TOKEN, 0, [],
+    ws.send(P.encode(P.Verify(1, 1, ids, b"", P.VERIFY_WISV, P.NO_TOKEN, 0, [],
                               CELLULAR.to_wire())))
     request = P.decode(ws.recv(timeout=DEADLINE_S))
     assert isinstance(request, P.HiddenRequest) and request.positions == [0, 1]
@@ -364,7 +364,7 @@ def test_a_wisv_block_without_its_csi_is_refused(models, frames, server):
     draft, target = models
     ids = _mismatching_ids(models, frames)
     ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
-    ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids))))
+    ws.send(P.encode(P.Verify(1, 1, ids, b"")))
     expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "carries the CSI")
 
 
@@ -392,10 +392,38 @@ def test_an_unanswered_hidden_request_ends_at_the_handshake_timeout(models, fram
                                      idle_timeout_s=300.0)) as st:
         ids = _mismatching_ids(models, frames)
         ws = _wisv_session(st.url, target, _prompt(draft, target, *frames[0]))
-        ws.send(P.encode(P.Verify(1, 1, ids, _dense(target.vocab_size, ids), P.VERIFY_WISV, P.NO_TOKEN, 0, [],
+        ws.send(P.encode(P.Verify(1, 1, ids, b"", P.VERIFY_WISV, P.NO_TOKEN, 0, [],
                                   CELLULAR.to_wire())))
         assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.HiddenRequest)
         started = time.monotonic()
         reply = P.decode(ws.recv(timeout=10))
         assert isinstance(reply, P.Error) and "no frame within 1 s" in reply.message, reply
         assert time.monotonic() - started < 5
+
+
+def test_a_close_while_the_verifier_waits_for_hidden_rows_is_graceful(models, frames, server):
+    """Issue 35 (first WISV note, follow-up 3): a robot that closes the session while its selective
+    round waits for the rows it was asked for is closed as anywhere else, not told BAD_REQUEST."""
+    ws, _dim = _selective_round(models, frames, server)
+    errors = len(server.server.errors)
+    ws.send(P.encode(P.Close("operator stop")))
+    from websockets.exceptions import ConnectionClosed
+    got = []
+    with pytest.raises(ConnectionClosed):  # the server closes the connection
+        while True:
+            got.append(P.decode(ws.recv(timeout=DEADLINE_S)))
+    assert not any(isinstance(m, P.Error) for m in got), got  # no ERROR frame first
+    assert not any("expected HIDDEN" in e for e in list(server.server.errors)[errors:])
+
+
+def test_the_link_estimate_starts_from_a_neutral_prior_not_a_perfect_link():
+    """Follow-up 5: before the first measured exchange the CSI is the middle of the range the head
+    was trained on, not zeros (which read as a perfect link, the head's least permissive state)."""
+    from edgespec_ros.decoding.wisv import NEUTRAL_CSI
+    est = CsiEstimator()
+    assert est.csi() == NEUTRAL_CSI
+    perfect = Csi(0.0, 0.0, 0.0, 0.0)  # what the wire carried before
+    assert NEUTRAL_CSI.quality() < perfect.quality()
+    assert 0.2 < NEUTRAL_CSI.quality() < 0.9
+    rv = RemoteVerifier("ws://127.0.0.1:9", fingerprint="x", vocab_size=8)
+    assert rv.csi() == NEUTRAL_CSI

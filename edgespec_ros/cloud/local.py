@@ -16,7 +16,7 @@ from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.verifier import Block, VerifierRefused, VerifyReply
 from ..wire import protocol as P
-from ..wire.frames import hidden_frame, prefill_frame, verdict_reply, verify_frame
+from ..wire.frames import carries_q, hidden_frame, prefill_frame, verdict_reply, verify_frame
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
 
@@ -44,6 +44,7 @@ class LocalVerifier:
         self.vocab = lm.vocab_size
         self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
         self._queue: deque[Block] = deque()
+        self._send_q = True  # this decision's blocks carry q (wire.frames.carries_q)
         self.eager = eager
         self.verdict_delay = verdict_delay
         self._held: list = []  # [reply, polls left] of a verdict computed but not yet "arrived"
@@ -59,6 +60,7 @@ class LocalVerifier:
         self._queue.clear()
         self._held = []
         self.decision += 1
+        self._send_q = carries_q(settings, self.codec)
         vs = self.verifier_session
         with _refused():
             prompt, settings = vs.on_prefill(prefill_frame(self.decision, prompt, settings))
@@ -86,7 +88,8 @@ class LocalVerifier:
             block = self._queue.popleft()
             with _refused():
                 step = self.verifier_session.on_verify(verify_frame(self.decision, block, self.codec,
-                                                                    bool(self.exit_layers)))
+                                                                    bool(self.exit_layers),
+                                                                    self._send_q))
                 if step is None:
                     continue
                 reply = self._verify(block, step, on_exit)
@@ -108,13 +111,17 @@ class LocalVerifier:
         if step.rule == WISV:
             vs.wisv_rows_sent(step)
             asked = vs.wisv_begin(step, on_exit)
-            rows = vs.wisv_rows(step, asked)
-            if rows is None:  # selective upload: the robot answers the verifier's request
-                answer = hidden_frame(vs.hidden_request(step, asked), block)
-                rows = vs.on_hidden(step, asked, answer)
-                exchanges = 1
+            try:
+                rows = vs.wisv_rows(step, asked)
+                if rows is None:  # selective upload: the robot answers the verifier's request
+                    answer = hidden_frame(vs.hidden_request(step, asked), block)
+                    rows = vs.on_hidden(step, asked, answer)
+                    exchanges = 1
+                result = vs.wisv_finish(step, rows)
+            except BaseException:
+                vs.target.wisv_abort()  # the session stays usable: the round is undone, not half kept
+                raise
             uploaded = len(block.draft_ids) if step.hidden is not None else exchanges * len(asked)
-            result = vs.wisv_finish(step, rows)
             verdict = vs.verdict(step, result, verify_s=time.perf_counter() - t0, queue_s=0.0,
                                  exits_sent=len(vs.target.last_exits) if step.exits else 0)
         elif step.rule == SPLIT:

@@ -82,6 +82,14 @@ class _Conn:
         return None if self.tenant is None else ("tenant", self.tenant)
 
 
+class ClientClosed(Exception):
+    """The client closed the session gracefully (CLOSE) while a round waited for its reply."""
+
+    def __init__(self, reason: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class VerifierServer:
     def __init__(self, lm: LoadedModel, *, token: str | Sequence[str] | None = None,
                  max_frame: int = P.DEFAULT_MAX_FRAME, compute: ComputeProfile | None = None,
@@ -297,6 +305,9 @@ class VerifierServer:
         reader = asyncio.ensure_future(self._read_ahead(conn, inbox))
         try:
             await self._serve_frames(conn, session, live, inbox)
+        except ClientClosed as closed:  # a CLOSE where a round waited for a reply (HIDDEN)
+            log.info("session %s: closed by client (%s)", conn.peer, clean(closed.reason))
+            await ws.close()
         finally:
             reader.cancel()
             inbox.release()
@@ -480,6 +491,8 @@ class VerifierServer:
                                                              "the hidden rows it asked for")
                 stash.append((reply, arrived))
                 continue
+            if isinstance(reply, P.Close):  # a graceful close, as anywhere else: not a protocol error
+                raise ClientClosed(reply.reason)
             if not isinstance(reply, P.Hidden):
                 raise SessionError(P.ErrorCode.BAD_REQUEST, f"expected HIDDEN for round {msg.round}, got "
                                                             f"{type(reply).__name__}")

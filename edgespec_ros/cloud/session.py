@@ -198,6 +198,13 @@ class VerifierSession:
             what, errors = "bad split-codec round", (CodecError, DraftDistributionError, ValueError)
         else:
             what, errors = "bad draft distribution", DENSE_ERRORS
+        if step.rule != SPLIT and self.target.settings.rule != "rejection":
+            # greedy and WISV rounds compare drafts with the target's argmax: no q is read, none is sent
+            if step.msg.q_payload:
+                raise SessionError(P.ErrorCode.BAD_REQUEST, f"a {self.target.settings.verify_mode} block carries a "
+                                                            "draft distribution: send none (protocol 7)")
+            step.q = None
+            return None
         with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)
             if step.rule != SPLIT and step.q is not None and self.target.settings.rule == "rejection":

@@ -54,6 +54,7 @@ class TargetSession:
         self.last_exits: list = []
         self.last_exit_layer = 0
         self.wisv_round: WisvRound | None = None  # a WISV round waiting for drafter hidden states
+        self._marker_scan = None  # wisv: the decision's decoding.wisv.ActionMarkerScan
         self.last_relaxed: list[int] = []  # wisv: the mismatch positions the last round kept
         self.trace = None  # cloud.traces.SessionTrace: every verified round is recorded (None: off)
 
@@ -103,6 +104,7 @@ class TargetSession:
             self.trace.begin(prompt, settings)
         self.awaiting_edge_token = False
         self.wisv_round = None
+        self._marker_scan = None  # wisv: the decision's ActionMarkerScan, made at its first round
         self.seq.keep_hidden = settings.verify_mode == WISV
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
@@ -287,7 +289,7 @@ class TargetSession:
         ``wisv_finish`` then needs (full-hidden uploads carry them all; selective ones fetch these).
         Nothing is committed until ``wisv_finish``. Early exits (on_exit) guess the greedy verdict
         (the head may keep more than they guess: a pre-draft then misses, nothing else changes)."""
-        from ..decoding.wisv import mismatches, protect_target_eos, protected_positions
+        from ..decoding.wisv import ActionMarkerScan, mismatches, protect_target_eos, protected_positions
         settings = self._require_started()
         if settings.verify_mode != WISV:
             raise ValueError(f"a WISV round in a decision verified by {settings.verify_mode!r}")
@@ -296,7 +298,9 @@ class TargetSession:
         eos = self.lm.eos_token_ids
         protected, asked = set(), []
         if settings.wisv_threshold > 0:  # at 0 nothing is kept: greedy SD, no text to decode
-            protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos)
+            if self._marker_scan is None:
+                self._marker_scan = ActionMarkerScan(self.lm.tokenizer)
+            protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos, self._marker_scan)
                          | protect_target_eos(argmax, len(draft_ids), eos))
             for i in mismatches(draft_ids, argmax):
                 if i in protected:
@@ -305,6 +309,13 @@ class TargetSession:
         self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained,
                                     self.trace.topk(logits) if self.trace is not None else None)
         return list(asked)
+
+    def wisv_abort(self) -> None:
+        """Abandon the WISV round waiting for hidden states (its caller failed between the two
+        halves): nothing of it is kept and the session verifies the next round from where it was."""
+        if self.wisv_round is not None:
+            self.wisv_round = None
+            self.seq.abort_target()
 
     def wisv_finish(self, draft_hidden, csi) -> VerifyResult:
         """Second half: the head's rejection probability at each asked mismatch (``draft_hidden``

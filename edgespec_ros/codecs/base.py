@@ -29,6 +29,12 @@ class Codec:
     # sends q and leaves the whole rule to the cloud.
     separate = False
 
+    @property
+    def lossy(self) -> bool:
+        """Whether decisions verified through this codec can differ in distribution from the
+        target's own (every codec but ``split:k=K`` verifies against exactly what the drafter sampled from)."""
+        return False
+
     def __init__(self, **params):
         for key, (kind, default, check) in self.PARAMS.items():
             value = kind(params.get(key, default))

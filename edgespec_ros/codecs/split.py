@@ -38,6 +38,10 @@ class Split(Codec):
     def exact(self) -> bool:
         return self.k == 0
 
+    @property
+    def lossy(self) -> bool:
+        return not self.exact  # the robot resamples a rejection from the top-K of p only
+
     def prepare_row(self, q: torch.Tensor) -> torch.Tensor:
         return q
 

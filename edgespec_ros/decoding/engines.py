@@ -535,6 +535,17 @@ class Sequence:
         first = self._first_row.view(1, -1)
         return first if fed_logits is None else torch.cat([first, fed_logits], dim=0)
 
+    def abort_target(self) -> None:
+        """Undo a ``begin_target`` whose round will never be committed (a WISV round abandoned
+        between its pass and its decision): the cache, the pending tokens and the next-token
+        logits are as they were before it, so the next round verifies from the same place."""
+        head = self._verify_head
+        self.crop(self._verify_base - head)
+        if head:
+            self.pending = list(self.generated[-head:])
+        else:
+            self.last_logits, self.last_hidden = self._first_row, self._first_hidden
+
     def commit_verified(self, draft_ids: list[int], accepted: int, next_token: int) -> None:
         """Keep the accepted drafts in the target cache and queue next_token (``verify.NO_TOKEN``:
         none: a chained block continues, or the robot resamples it, split codec, and it comes with

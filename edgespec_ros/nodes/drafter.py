@@ -89,7 +89,8 @@ class DrafterNode(LifecycleNode):
         lm = self.draft_lm
         self._configured = True
         self.get_logger().info(f"configured: draft model {lm.path} (content {lm.content_hash}) on {lm.device} "
-                               f"({lm.model.dtype}), verifier {self.p['server_url']}, mode {self.settings.mode}")
+                               f"({lm.model.dtype}), verifier {self.p['server_url']}, mode {self.settings.mode}, "
+                               f"verification {self.settings.verification()}")
         return super().on_configure(state)
 
     def on_activate(self, state) -> TransitionCallbackReturn:
@@ -376,8 +377,11 @@ class DrafterNode(LifecycleNode):
                     if resample > self.settings.temperature else "the robot does not move")
             log.warning(f"unparseable decision ({outcome.parse_error}): {outcome.text!r}; {then}")
         else:
+            how = "lossless" if self.settings.verification() == "lossless" else "LOSSY"
+            if self.settings.verify_mode == "wisv" and outcome.metrics is not None:
+                how += f" wisv, {outcome.metrics.wisv_relaxed} mismatches kept"
             log.info(f"decision: {outcome.action} ({outcome.tokens} tokens, {outcome.rounds} rounds, "
-                     f"{outcome.latency_s * 1e3:.0f} ms)")
+                     f"{outcome.latency_s * 1e3:.0f} ms, {how})")
         core = self.core
         stats_pub = self._lifecycle_pubs.get("stats")
         if core is not None and stats_pub is not None:
@@ -398,6 +402,7 @@ class DrafterNode(LifecycleNode):
         msg.tokens_per_second = float(s["tokens_per_second"])
         msg.rtt_ms = float(s["rtt_ms"])
         msg.uplink_bytes, msg.downlink_bytes = int(s["uplink_bytes"]), int(s["downlink_bytes"])
+        msg.verification, msg.relaxed_tokens = s["verification"], int(s["relaxed_tokens"])
         return msg
 
 

@@ -62,7 +62,8 @@ def link_key_values(stats) -> list[tuple[str, str]]:
             ("tau", f"{stats.tau:.2f}"), ("acceptance_rate", f"{stats.acceptance_rate:.3f}"),
             ("cache_miss_rate", "n/a" if math.isnan(miss) else f"{miss:.3f}"),
             ("tokens_per_second", f"{stats.tokens_per_second:.1f}"), ("decisions", str(stats.decisions)),
-            ("uplink_bytes", str(stats.uplink_bytes)), ("downlink_bytes", str(stats.downlink_bytes))]
+            ("uplink_bytes", str(stats.uplink_bytes)), ("downlink_bytes", str(stats.downlink_bytes)),
+            ("verification", stats.verification or "lossless"), ("relaxed_tokens", str(stats.relaxed_tokens))]
 
 
 class MonitorNode(Node):
@@ -198,7 +199,9 @@ class MonitorNode(Node):
         if stats is None:
             link.level, link.message = DiagnosticStatus.STALE, "no decoding statistics yet"
         else:
-            link.level, link.message = DiagnosticStatus.OK, f"{stats.mode} over {stats.link}"
+            lossy = (stats.verification or "lossless") != "lossless"
+            link.level = DiagnosticStatus.OK
+            link.message = f"{stats.mode} over {stats.link}" + (f", {stats.verification}" if lossy else ", lossless")
             link.values = [KeyValue(key=k, value=v) for k, v in link_key_values(stats)]
         drafter = DiagnosticStatus(name="edgespec: drafter", hardware_id="edgespec")
         if decision is None:

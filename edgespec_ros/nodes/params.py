@@ -84,7 +84,9 @@ DRAFTER = (
                                    "blocked by contact (no progress on fresh odometry), the next decision "
                                    "samples at this temperature if above temperature; 0 = off", min_value=0.0),
     P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
-    P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs)"),
+    P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs); every codec is "
+                          "lossless but split:k=K (K > 0: a rejection is resampled from the top-K of the "
+                          "target's distribution, LOSSY)"),
     P("verify_mode", "rejection", "rejection (lossless: the target's own output) or wisv (LOSSY: at temperature 0 the "
                                   "verifier's decision head keeps draft tokens that differ from the target's where it "
                                   "judges the difference harmless, more readily on a poor link; the action clause is "

@@ -152,6 +152,18 @@ class DrafterSettings:
                              "verified losslessly)")
         self.decode_config(0)  # validates gamma, codec, max_new_tokens, the verify mode and threshold
 
+    def verification(self) -> str:
+        """How this drafter's decisions are verified, for logs and DecodingStats: "lossless", or
+        "LOSSY: ..." naming every setting that makes them differ from the target's own output."""
+        from ..codecs import get_codec
+        lossy = []
+        if self.verify_mode == "wisv":
+            lossy.append(f"verify_mode wisv, threshold {self.wisv_threshold:g} (greedy decisions)")
+        codec = get_codec(self.codec)
+        if codec.lossy:
+            lossy.append(f"codec {codec.spec} (a rejection resampled from the top-{codec.k} of p)")
+        return "LOSSY: " + "; ".join(lossy) if lossy else "lossless"
+
     def decode_config(self, decision_index: int, resample: bool = False) -> DecodeConfig:
         """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable or
         blocked one."""
@@ -280,7 +292,7 @@ class DrafterCore:
         self.retry_after_ns = 0
         self.resample_next = False  # the last decision did not parse or its move was blocked
         self.late_results = 0  # results that came back after their deadline (dropped, a stop instead)
-        self.stats = DecodingStatsAggregator(settings.mode)
+        self.stats = DecodingStatsAggregator(settings.mode, verification=settings.verification())
 
     # ------------------------------------------------------------------ inputs
 
@@ -498,6 +510,7 @@ class DecodingStatsAggregator:
     """
 
     mode: str
+    verification: str = "lossless"  # DrafterSettings.verification()
     decisions: int = 0
     faults: int = 0
     unparseable: int = 0
@@ -543,4 +556,6 @@ class DecodingStatsAggregator:
                 "rtt_ms": statistics.median(self.rtt_ms) if self.rtt_ms else 0.0,
                 "uplink_bytes": t.uplink_bytes,
                 "downlink_bytes": t.downlink_bytes,
+                "verification": self.verification,
+                "relaxed_tokens": t.wisv_relaxed,
             }

@@ -22,7 +22,7 @@ from ..decoding.inputs import Prompt
 from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifyReply, dropped_after
 from . import protocol as P
-from .frames import hidden_frame, prefill_frame, verdict_reply, verify_frame
+from .frames import carries_q, hidden_frame, prefill_frame, verdict_reply, verify_frame
 from .link import DOWN, UP, LinkModel, LinkProfile
 
 
@@ -86,6 +86,7 @@ class RemoteVerifier:
         self.stale_exits = 0  # early exits that arrived after their round's verdict (discarded)
         self.epoch = 0  # a stop-and-wait robot's next epoch: after every id sent, once a verdict ended one
         self._inflight: dict[int, tuple] = {}  # round -> (Block, uplink bytes, sent at): sent, no verdict yet
+        self._send_q = True  # this decision's blocks carry q (wire.frames.carries_q)
         self._max_epoch = 0  # the newest epoch id a block was sent in
         self._exits_received: dict[int, int] = {}  # round -> early exits passed to the receiver
         self._exit_bytes = 0  # EXIT bytes read by polls that found no verdict (counted with the next one)
@@ -244,7 +245,8 @@ class RemoteVerifier:
         self._hidden_sent[msg.round] = (len(answer.positions), sent)
 
     def csi(self):
-        """wisv: the link as this connection has measured it (decoding.wisv.Csi; None before any exchange)."""
+        """wisv: the link as this connection has measured it (decoding.wisv.Csi; before any
+        exchange the neutral prior, decoding.wisv.NEUTRAL_CSI)."""
         return self.link_estimate.csi()
 
     def _drop(self) -> None:
@@ -265,6 +267,7 @@ class RemoteVerifier:
         self._inflight.clear()
         self._hidden_sent.clear()
         self.epoch = self._max_epoch = 0
+        self._send_q = carries_q(settings, self.codec)
         if settings.verify_mode == "wisv" and not (self.welcome and self.welcome.wisv_dim):
             raise VerifierRefused(P.ErrorCode.BAD_REQUEST, f"verify mode wisv: the verifier at {self.url} has no "
                                                            "WISV decision head")
@@ -286,7 +289,8 @@ class RemoteVerifier:
     def submit(self, block: Block) -> None:
         """Send one block (returns at once; several may be in flight). Early exits are asked for
         when the block wants them and the verifier has them (never with the split codec)."""
-        up = self._send(verify_frame(self.decision, block, self.codec, bool(self.exit_layers)))
+        up = self._send(verify_frame(self.decision, block, self.codec, bool(self.exit_layers),
+                                     self._send_q))
         self._max_epoch = max(self._max_epoch, block.epoch)
         self._inflight[block.round] = (block, up, time.perf_counter())
         self.round = max(self.round, block.round)

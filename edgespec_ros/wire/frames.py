@@ -20,8 +20,15 @@ def prefill_frame(decision: int, prompt: Prompt, settings: VerifySettings) -> P.
                      settings.verify_mode, settings.wisv_threshold)
 
 
-def verify_frame(decision: int, block: Block, codec, exits: bool) -> P.Verify:
-    """The VERIFY carrying ``block`` (its q through ``codec``). Early exits are asked for when the
+def carries_q(settings: VerifySettings, codec) -> bool:
+    """Whether a decision's VERIFY frames carry the draft distribution q: rejection sampling reads
+    it and the split codec's separate rule does; greedy and WISV verification (argmax against the
+    drafts) never do, so their blocks go up without it (protocol 7: the verifier refuses one)."""
+    return settings.rule == "rejection" or bool(codec.separate)
+
+
+def verify_frame(decision: int, block: Block, codec, exits: bool, send_q: bool = True) -> P.Verify:
+    """The VERIFY carrying ``block`` (its q through ``codec`` when ``send_q``: :func:`carries_q`). Early exits are asked for when the
     block wants them and the verifier has them (``exits``), never with the split codec;
     ValueError for a conditional block with the split codec (the robot resamples a rejection)."""
     flags = P.VERIFY_STREAM_EXITS if block.stream_exits and exits and not codec.separate else 0
@@ -39,7 +46,8 @@ def verify_frame(decision: int, block: Block, codec, exits: bool) -> P.Verify:
         if block.upload == "full":
             flags |= P.VERIFY_HIDDEN
             hidden = encode_hidden(block.hidden)
-    return P.Verify(decision, block.round, list(block.draft_ids), codec.encode(block.draft_ids, block.q), flags,
+    q = codec.encode(block.draft_ids, block.q) if send_q else b""
+    return P.Verify(decision, block.round, list(block.draft_ids), q, flags,
                     edge, block.epoch, [] if cond is None else [cond.round, cond.accepted, cond.token], csi, hidden)
 
 

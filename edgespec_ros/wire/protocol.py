@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 6  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
+PROTOCOL_VERSION = 7  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
 #                      (epochs, chaining); 4: conditional blocks (VERIFY condition); 5: WISV (PREFILL threshold,
 #                      VERIFY CSI + hidden rows, HIDDEN_REQUEST/HIDDEN frames, WELCOME head width, VERDICT relaxed);
-#                      6: HELLO names the draft model (its content hash, recorded with traces)
+#                      6: HELLO names the draft model (its content hash, recorded with traces); 7: greedy and
+#                      WISV blocks carry no draft distribution (VERIFY q empty: the rule never reads it)
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
