@@ -214,6 +214,61 @@ def test_traces_come_from_greedy_sd_rounds_and_label_mismatches_by_the_parsed_ac
     assert info["examples"] == 2 * len(flat) and head.config.draft_dim == d_dim
 
 
+def test_cached_trace_collection_matches_fresh_forwards_and_fresh_counterfactuals():
+    """Issue 35: traces come from both models' own KV caches and each label from a copy of the
+    target's cache (no fresh prefill per mismatch). Every trace still has the hidden rows a fresh
+    full forward over its context gives, and the label a fresh greedy continuation gives."""
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.sim.dataset import generate_examples
+    from edgespec_ros.train.replay import action_of_tokens, final_rows, prompt_pair
+    from edgespec_ros.train.wisv import episode_traces
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    greedy = SamplingParams(temperature=0.0)
+    checked = 0
+    for ex in list(generate_examples("train", 2))[:4]:
+        d_inputs, t_inputs = prompt_pair(draft, target, ex.instruction, ex.image)
+        reference = action_of_tokens(target, target_generate(target, t_inputs, DecodeConfig(
+            mode="ar", max_new_tokens=96, params=greedy)))
+        for t in episode_traces(draft, target, ex.instruction, ex.image):
+            context = list(t.context)
+            fresh_t = final_rows(target, t_inputs, context + [t.draft_token])[t_inputs.num_tokens + len(context) - 1]
+            fresh_d = final_rows(draft, d_inputs, context + [t.draft_token])[d_inputs.num_tokens + len(context) - 1]
+            assert torch.allclose(t.h_target, fresh_t, atol=1e-4) and torch.allclose(t.h_draft, fresh_d, atol=1e-4)
+            prefix = context + [t.draft_token]
+            rest = [] if t.draft_token in target.eos_token_ids else target_generate(
+                target, t_inputs.extended(prefix), DecodeConfig(mode="ar", max_new_tokens=96 - len(prefix),
+                                                                params=greedy))
+            assert t.critical == (action_of_tokens(target, prefix + rest) != reference)
+            checked += 1
+    assert checked > 0
+
+
+def test_traces_collected_on_two_processes_equal_those_collected_in_one(tmp_path):
+    """Issue 35: both cores collect traces (greedy and DAgger passes alike); the result does not
+    depend on how many processes collected it."""
+    import random as _random
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.sim.dataset import generate_examples
+    from edgespec_ros.train.wisv import collect_traces, dagger_policy_specs
+    dirs = (default_model_path("draft"), default_model_path("target"))
+    draft, target = load_model(dirs[0]), load_model(dirs[1])
+    examples = list(generate_examples("train", 2))[:4]
+    head, _ = DecisionHead.load(dirs[1] + "/wisv")
+    head.save(str(tmp_path / "head"))
+    specs = dagger_policy_specs(str(tmp_path / "head"), len(examples), _random.Random(3))
+    for policies in (None, specs):
+        one = collect_traces(draft, target, examples, policies=policies)
+        two = collect_traces(draft, target, examples, policies=policies, workers=2, model_dirs=dirs)
+        assert [[(t.position, t.critical, t.context, t.draft_token) for t in e] for e in one] == \
+               [[(t.position, t.critical, t.context, t.draft_token) for t in e] for e in two]
+        assert all(torch.allclose(a.h_target, b.h_target, atol=1e-5) for e1, e2 in zip(one, two) for a, b in zip(e1, e2))
+
+
 def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more_when_permissive():
     from edgespec_ros.cloud.target import target_generate
     from edgespec_ros.robot.decoder import DecodeConfig

@@ -80,6 +80,7 @@ class PipelineConfig:
     exit_layers: str = ""  # empty: every decoder layer but the last
     wisv_scenarios: int = 40  # simulator scenarios whose frames give the WISV head's mismatch traces
     wisv_epochs: int = 30
+    wisv_workers: int = 2  # processes collecting the WISV traces (one torch thread each)
     vision_scenarios: int = 1500  # training scenarios whose random views pretrain the vision tower
     vision_per_scenario: int = 8
     vision_budget_s: float = 240.0
@@ -117,6 +118,8 @@ QUICK = dict(train_scenarios=60, target_budget_s=45.0, draft_steps=30, distill_s
              wisv_scenarios=3, wisv_epochs=2, vision_scenarios=60, vision_per_scenario=4, vision_budget_s=20.0,
              dagger_scenarios=4, heldout_scenarios=3)
 QUICK_CARD = dict(n_scenarios=6, n_frames=30, draft_scenarios=3, draft_frames=15, n_sd=4, n_demo=2, max_steps=20)
+# options that change how a run is computed, not what it computes (checkpoints and stages.json ignore them)
+HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers")
 ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exits", "wisv", "card")
 
 
@@ -279,7 +282,7 @@ def run_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, visio
     A checkpoint resumes only into the same run."""
     import hashlib
     stamp = lambda p: [os.path.getsize(p), os.path.getmtime(p)] if os.path.exists(p) else None  # noqa: E731
-    recipe = {k: v for k, v in asdict(cfg).items() if k not in ("loader_workers", "checkpoint_every_s")}
+    recipe = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
     ident = {"role": role, "spec": spec, "recipe": recipe, "data": stamp(dataset_path(work)),
              "tokenizer": stamp(os.path.join(work, "tokenizer", "tokenizer.json")),
              "vision": stamp(os.path.join(vision_init, "model.safetensors")) if vision_init else None}
@@ -417,7 +420,8 @@ def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
     heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
-                          command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}")
+                          command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}",
+                          workers=max(1, min(cfg.wisv_workers, os.cpu_count() or 1)))
 
 
 def stage_compare(args) -> dict:
@@ -471,7 +475,7 @@ class StagesDone:
     def __init__(self, work: str, cfg: PipelineConfig):
         import hashlib
         self.path = os.path.join(work, "stages.json")
-        recipe = {k: v for k, v in asdict(cfg).items() if k not in ("loader_workers", "checkpoint_every_s")}
+        recipe = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
         self.key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
         try:
             with open(self.path) as f:

@@ -1,7 +1,9 @@
 """Offline replay of one robot decision as speculative rounds of a draft against a target
 (greedy), with a pluggable choice of how many drafts each round keeps: greedy SD, or the WISV
 rule (``wisv_choice``). What WISV's trace labels, its DAgger policies and its evaluation replay;
-never on the serving path (it runs fresh full forwards per round).
+never on the serving path. Both models run on their own KV caches, as the robot and the verifier
+do (the hidden rows are the ones the head meets at run time), and a round hands out copies of
+the target's cache for counterfactual continuations (``SdRound.continuation_from``).
 
 Kept apart from ``decoding.wisv`` (the serving-side pieces) because it drives the robot's and the
 cloud's halves both: ``wisv`` is imported by them, this module imports them.
@@ -36,6 +38,14 @@ class SdRound:
     argmax: list
     mismatches: list
     protected: set
+    target_seq: object = None  # the target's cached Sequence after this round's forward, before its commit
+
+    def continuation_from(self, i: int):
+        """A copy of the target's cache holding the committed tokens and ``draft_ids[:i + 1]``, ready
+        to decode on (``greedy_continue``): a counterfactual without a fresh prefill."""
+        seq = self.target_seq.fork()
+        seq.reset_to(self.committed + self.draft_ids[:i + 1])
+        return seq
 
 
 def final_rows(lm, inputs, tokens) -> torch.Tensor:
@@ -51,6 +61,19 @@ def prompt_pair(draft, target, instruction: str, image):
     return d_inputs, TargetSession(target).build_prompt_inputs(prompt)
 
 
+def greedy_continue(seq, budget: int, eos) -> list[int]:
+    """Greedy decoding on a cached Sequence for up to ``budget`` tokens (stops after an end token)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max(0, budget)):
+            token = int(seq.next_logits().argmax())
+            out.append(token)
+            seq.append_generated(token)
+            if token in eos:
+                break
+    return out
+
+
 def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
                   max_new_tokens: int = GREEDY_NEW_TOKENS) -> tuple[list[int], list[int]]:
     """Speculative rounds of the draft (greedy) against the target; ``choose(SdRound) -> accepted``
@@ -58,23 +81,25 @@ def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
     the target's argmax there. Returns (the tokens, accepted drafts per round)."""
     greedy = SamplingParams(temperature=0.0)
     tokenizer, eos = target.tokenizer, target.eos_token_ids
-    n_prompt = d_inputs.num_tokens
-    lm_head = target.model.get_output_embeddings()
-    seq = draft.new_sequence()
-    seq.prefill(d_inputs)
+    dseq, tseq = draft.new_sequence(), target.new_sequence()
+    dseq.keep_hidden = tseq.keep_hidden = True  # the rows the decision head reads, as at run time
+    with torch.inference_mode():
+        dseq.prefill(d_inputs)
+        tseq.prefill(t_inputs)
     committed: list[int] = []
     accepted_per_round = []
     while len(committed) < max_new_tokens and not any(t in eos for t in committed):
-        if committed:
-            seq.reset_to(committed)
-        ids, _ = seq.draft(min(gamma, max_new_tokens - len(committed)), greedy, seed=0)
-        start = n_prompt + len(committed) - 1  # the row that predicts the first draft token
-        d_rows = final_rows(draft, d_inputs, committed + ids)[start:start + len(ids)]
-        t_rows = final_rows(target, t_inputs, committed + ids)[start:start + len(ids) + 1]
         with torch.inference_mode():
-            argmax = lm_head(t_rows.to(lm_head.weight.dtype)).argmax(dim=-1).tolist()
+            if committed:
+                dseq.reset_to(committed)
+            ids, _ = dseq.draft(min(gamma, max_new_tokens - len(committed)), greedy, seed=0)
+            d_rows = dseq.draft_hidden  # row i produced draft token i
+            argmax = tseq.target_logits(ids).argmax(dim=-1).tolist()
+            t_rows = tseq.round_hidden  # row i: where the target's argmax[i] comes from (the last: the bonus)
         protected = protected_positions(tokenizer, committed, ids, eos) | protect_target_eos(argmax, len(ids), eos)
-        k = choose(SdRound(list(committed), ids, d_rows, t_rows, argmax, mismatches(ids, argmax), protected))
+        k = choose(SdRound(list(committed), ids, d_rows, t_rows, argmax, mismatches(ids, argmax), protected, tseq))
+        with torch.inference_mode():
+            tseq.commit_verified(ids, k, argmax[k])
         committed += ids[:k] + [argmax[k]]
         accepted_per_round.append(k)
     ends = [i + 1 for i, t in enumerate(committed) if t in eos][:1]  # a kept draft EOS ends the text there

@@ -69,6 +69,8 @@ class MismatchTrace:
     critical: bool            # accepting the draft token (then decoding on greedily) changes the parsed action
     position: int             # token index after the prompt
     tokens: torch.Tensor | None = None  # [2 d]: the target's embeddings of the draft token and of its own
+    context: tuple = ()       # the tokens before the mismatch (committed, then the round's drafts before it)
+    draft_token: int = -1     # the draft token judged there
 
 
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
@@ -82,7 +84,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     from ..cloud.target import target_generate
     from ..robot.decoder import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from .replay import action_of_tokens, greedy_choice, prompt_pair, replay_rounds
+    from .replay import action_of_tokens, greedy_choice, greedy_continue, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features
     eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
@@ -105,9 +107,11 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
             if i in r.protected:
                 continue
             prefix = r.committed + r.draft_ids[:i + 1]
-            changed = action(prefix + continue_greedily(prefix, max_new_tokens - len(prefix))) != reference_action
+            rest = [] if prefix[-1] in eos else greedy_continue(r.continuation_from(i), max_new_tokens - len(prefix), eos)
+            changed = action(prefix + rest) != reference_action
             traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i,
-                                        token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0]))
+                                        token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0],
+                                        tuple(prefix[:-1]), int(r.draft_ids[i])))
         return greedy_choice(r) if policy is None else policy(r)
 
     tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
@@ -116,30 +120,73 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     return traces
 
 
-def collect_traces(draft, target, examples, gamma: int = 4, progress=None, policies=None) -> list[list[MismatchTrace]]:
+def collect_traces(draft, target, examples, gamma: int = 4, progress=None, policies=None, workers: int = 1,
+                   model_dirs: tuple[str, str] | None = None) -> list[list[MismatchTrace]]:
     """One episode of traces per example (``sim.dataset`` Example: image, instruction); policies
-    (one per example, or None: greedy SD) decide the rounds."""
+    (one per example, or None: greedy SD) decide the rounds. With ``workers`` > 1 and
+    ``model_dirs`` (draft, target) the episodes run in that many processes, one torch thread
+    each (small decode steps: one thread per episode beats two on one), and ``policies`` must be
+    ``dagger_policy_specs`` (plain data a process can receive). Results do not depend on it."""
+    if workers > 1 and model_dirs is not None and len(examples) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+        specs = policies if policies is not None else [None] * len(examples)
+        episodes = []
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_trace_worker_init,
+                                 initargs=model_dirs) as pool:
+            for episode in pool.map(_trace_job, examples, [gamma] * len(examples), specs):
+                episodes.append(episode)
+                if progress is not None:
+                    progress(1)
+        return episodes
     episodes = []
     for i, example in enumerate(examples):
-        policy = None if policies is None else policies[i]
+        policy = None if policies is None else _policy(policies[i], target)
         episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma, policy=policy))
         if progress is not None:
             progress(1)
     return episodes
 
 
+_WORKER: dict = {}  # a trace process's models and heads
+
+
+def _trace_worker_init(draft_dir: str, target_dir: str) -> None:
+    import torch
+    from ..decoding.engines import load_model
+    torch.set_num_threads(1)
+    _WORKER.update(draft=load_model(draft_dir), target=load_model(target_dir), heads={})
+
+
+def _trace_job(example, gamma: int, spec):
+    target = _WORKER["target"]
+    return episode_traces(_WORKER["draft"], target, example.instruction, example.image, gamma,
+                          policy=_policy(spec, target, _WORKER["heads"]))
+
+
+def _policy(spec, target, heads: dict | None = None):
+    """A round choice from a ``dagger_policy_specs`` entry (head dir, CSI, threshold); a callable
+    passes through; None is greedy SD."""
+    if spec is None or callable(spec):
+        return spec
+    from ..decoding.wisv import Csi, DecisionHead
+    from .replay import wisv_choice
+    head_dir, csi, threshold = spec
+    heads = {} if heads is None else heads  # a process's cache: its heads live as long as the pass
+    if head_dir not in heads:
+        heads[head_dir] = DecisionHead.load(head_dir)[0]
+    return wisv_choice(heads[head_dir], Csi.from_wire(csi), threshold, target)
+
+
 DAGGER_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
 
 
-def dagger_policies(head, target, n: int, rng: random.Random) -> list:
-    """WISV choices of the first head, one per example, each under a sampled channel state and a
-    threshold from DAGGER_THRESHOLDS: the trajectories the second pass collects traces on."""
-    from .replay import wisv_choice
-    return [wisv_choice(head, sample_csi(rng), rng.choice(DAGGER_THRESHOLDS), target) for _ in range(n)]
+def dagger_policy_specs(head_dir: str, n: int, rng: random.Random) -> list[tuple]:
+    """The first head's WISV choices, one per example, each under a sampled channel state and a
+    threshold from DAGGER_THRESHOLDS (head dir, CSI on the wire, threshold): the trajectories the
+    second pass collects traces on (``collect_traces`` makes them choices, in any process)."""
+    return [(head_dir, sample_csi(rng).to_wire(), rng.choice(DAGGER_THRESHOLDS)) for _ in range(n)]
 
-
-# --------------------------------------------------------------------------------------------------
-# Training (Stage 2 + BCE)
 
 def sample_csi(rng: random.Random):
     """A channel state to relabel under: rates log-uniform 0.5..1000 Mbit/s (downlink 1-4x the
@@ -302,7 +349,7 @@ def write_head_report(out_dir: str, meta: dict, cfg: HeadTrainConfig, n_frames: 
 
 
 def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_examples, heldout_examples,
-                   cfg: HeadTrainConfig = HeadTrainConfig(), command: str = "") -> dict:
+                   cfg: HeadTrainConfig = HeadTrainConfig(), command: str = "", workers: int = 1) -> dict:
     """Collect traces, relabel, train, measure on held-out traces; save the head beside the target
     (``<target>/wisv``: weights, wisv_head.json with the metrics, README.md, acceptance.png)."""
     import os
@@ -310,21 +357,25 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
     from dataclasses import asdict
     from tqdm import tqdm
     from ..decoding.engines import load_model
+    import tempfile
     draft, target = load_model(draft_dir), load_model(target_dir)
     out_dir = out_dir or os.path.join(target_dir, "wisv")
+    many = dict(workers=workers, model_dirs=(draft_dir, target_dir))
     t0 = time.monotonic()
     with tqdm(total=len(train_examples) + len(heldout_examples), desc="wisv: traces", unit="ep") as bar:
-        train = collect_traces(draft, target, train_examples, progress=bar.update)
-        heldout = collect_traces(draft, target, heldout_examples, progress=bar.update)
+        train = collect_traces(draft, target, train_examples, progress=bar.update, **many)
+        heldout = collect_traces(draft, target, heldout_examples, progress=bar.update, **many)
     greedy_train = len(train)
     with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
         head, info = train_head(train, cfg, progress=bar.update)
     for p in range(cfg.dagger_passes):
         # The first head's own trajectories (kept mismatches in the prefix), labelled by the task
         # and added to the traces: the states a greedy-SD prefix never shows it.
-        policies = dagger_policies(head, target, len(train_examples), random.Random(cfg.seed + 1 + p))
-        with tqdm(total=len(train_examples), desc=f"wisv: dagger {p + 1}", unit="ep") as bar:
-            train += collect_traces(draft, target, train_examples, progress=bar.update, policies=policies)
+        with tempfile.TemporaryDirectory(prefix="wisv-head-") as head_dir:
+            head.save(head_dir)  # the processes load the first head from here
+            policies = dagger_policy_specs(head_dir, len(train_examples), random.Random(cfg.seed + 1 + p))
+            with tqdm(total=len(train_examples), desc=f"wisv: dagger {p + 1}", unit="ep") as bar:
+                train += collect_traces(draft, target, train_examples, progress=bar.update, policies=policies, **many)
         with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
             head, info = train_head(train, cfg, progress=bar.update)
     trace_s = time.monotonic() - t0
@@ -335,7 +386,7 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
             "traces": {"train_episodes": len(train), "greedy_episodes": greedy_train, "train_mismatches": count(train)[0],
                        "train_critical": count(train)[1], "heldout_episodes": len(heldout),
                        "heldout_mismatches": count(heldout)[0], "heldout_critical": count(heldout)[1],
-                       "seconds": round(trace_s, 1)},
+                       "seconds": round(trace_s, 1), "workers": workers},
             "fit": info, "heldout_acceptance": rows, "command": command}
     head.save(out_dir, **meta)
     write_head_report(out_dir, meta, cfg, len(train_examples))
