@@ -98,7 +98,8 @@ def test_all_runs_the_vision_stage_first_and_quick_keeps_the_committed_models(tm
     monkeypatch.setattr(cli, "stage_data", lambda work, cfg: calls.append(("data", work, cfg)))
     monkeypatch.setattr(cli, "stage_tokenizer", lambda work, cfg: calls.append(("tokenizer", work, cfg)))
     monkeypatch.setattr(cli, "stage_vision", lambda work, cfg, baselines=True: calls.append(("vision", baselines, cfg)))
-    monkeypatch.setattr(cli, "stage_model", lambda role, work, out, cfg: calls.append((role, out, cfg)))
+    monkeypatch.setattr(cli, "stage_model", lambda role, work, out, cfg, device="cpu", resume=False:
+                        calls.append((role, out, cfg)))
     monkeypatch.setattr(cli, "stage_distill", lambda work, draft, target, out, cfg, device="cpu":
                         calls.append(("distill", (draft, target, out), cfg)))
     monkeypatch.setattr(cli, "stage_exits", lambda target, out, cfg: calls.append(("exits", target, cfg)))

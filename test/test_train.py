@@ -582,3 +582,19 @@ def test_target_spec_overrides_the_shape_and_rejects_nonsense():
     assert train_cli.model_spec("draft", cfg) == train_cli.MODEL_SPECS["draft"]
     with pytest.raises(SystemExit, match="KEY=INT"):
         train_cli.model_spec("target", train_cli.PipelineConfig(target_spec="depth=8"))
+
+
+def test_failed_episodes_are_classified_as_the_hidden_scenarios_showed():
+    """Issue 37: the card says how many failures were left/right cycles, pushes into something,
+    early stops and decisions run out."""
+    from edgespec_ros.sim.evaluate import classify_failure, failure_counts
+    ep = lambda actions, collisions=0, success=False: {"success": success, "actions": actions,  # noqa: E731
+                                                      "collisions": collisions}
+    cycle = ep(["turn left medium", "turn right medium"] * 19 + ["move forward small"])
+    push = ep(["move forward large"] * 30, collisions=30)
+    early = ep(["turn left small", "move forward medium", "stop"])
+    searching = ep(["turn left large", "move forward medium"] * 20)
+    assert [classify_failure(e) for e in (cycle, push, early, searching)] == ["cycle", "push", "early stop", "ran out"]
+    assert classify_failure(ep(["stop"], success=True)) is None
+    assert failure_counts([cycle, push, early, searching, ep([], success=True)]) == \
+        {"cycle": 1, "push": 1, "early stop": 1, "ran out": 1}

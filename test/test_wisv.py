@@ -247,6 +247,27 @@ def test_cached_trace_collection_matches_fresh_forwards_and_fresh_counterfactual
     assert checked > 0
 
 
+def test_sequential_labels_follow_the_oracle_and_keep_the_targets_action():
+    """Issue 35: sequential counterfactual labels judge each mismatch with the harmless ones before
+    it kept (the decision keeps several); the oracle's decision still ends in the target's action
+    (checked inside) and keeps at least as many drafts as greedy SD."""
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.sim.dataset import generate_examples
+    from edgespec_ros.train.wisv import episode_traces
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    alone = sequential = 0
+    for ex in list(generate_examples("train", 2))[:4]:
+        a = episode_traces(draft, target, ex.instruction, ex.image)
+        q = episode_traces(draft, target, ex.instruction, ex.image, labels="sequential")
+        alone, sequential = alone + len(a), sequential + len(q)
+        for t in q:  # a trace's context holds the mismatches kept before it (its own round's drafts too)
+            assert len(t.context) == t.position
+    assert sequential > 0 and alone > 0
+    with pytest.raises(ValueError, match="labels must be one of"):
+        episode_traces(draft, target, "x", None, labels="oracle")
+
+
 def test_traces_collected_on_two_processes_equal_those_collected_in_one(tmp_path):
     """Issue 35: both cores collect traces (greedy and DAgger passes alike); the result does not
     depend on how many processes collected it."""

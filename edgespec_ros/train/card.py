@@ -13,7 +13,7 @@ import os
 from itertools import islice
 
 from ..sim.dataset import generate_examples, iter_scenarios
-from ..sim.evaluate import action_agreement, evaluate_closed_loop, run_episode
+from ..sim.evaluate import action_agreement, evaluate_closed_loop, failure_counts, run_episode
 from ..robot.decoder import DecodeConfig, EdgeDecoder
 from ..cloud.local import LocalVerifier
 from ..decoding.engines import load_model
@@ -102,6 +102,14 @@ def resampled_outcomes(policy, scenarios, loop: dict) -> list[tuple[bool, int]]:
     return outcomes
 
 
+def examples_per_s(training: dict) -> str:
+    """A model's training throughput for the card (measured, or from its steps and seconds)."""
+    rate = training.get("examples_per_s")
+    if rate is None and training.get("train_seconds"):
+        rate = training.get("steps", 0) * training.get("batch_size", 0) / training["train_seconds"]
+    return f"{rate:.0f}" if rate else "-"
+
+
 def _summarise(parts: list[dict]) -> dict:
     """One model's card row from its workers' parts."""
     from ..robot.drafter import DrafterSettings
@@ -120,7 +128,8 @@ def _summarise(parts: list[dict]) -> dict:
             "resample_temperature": DrafterSettings().resample_temperature,
             "resampled_episodes": sum(1 for ep in episodes if ep["unparseable"] or ep["collisions"]),
             "success_rate_resampled": sum(ok for ok, _ in resampled) / n,
-            "collisions_resampled": sum(hits for _, hits in resampled)}
+            "collisions_resampled": sum(hits for _, hits in resampled),
+            "failures": failure_counts(episodes)}
 
 
 def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_scenarios: int = 40,
@@ -174,7 +183,6 @@ def measure_targets(target_dirs: list[str], workers: int = 2, n_scenarios: int =
     with many cores. Greedy decisions only (the card's resampled figure is not repeated)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
-    from ..sim.evaluate import failure_counts
     cut = lambda n, k: [(n * i // k, n * (i + 1) // k) for i in range(k)]  # noqa: E731
     jobs = []
     for d in target_dirs:
@@ -239,15 +247,15 @@ def write_card(models_dir: str, metrics: dict) -> str:
         *reproduce_lines(models_dir),
         "Re-measure this card: `edgespec-train card`.",
         "",
-        "| model | params | layers x width | vision depth x dim | steps x batch | train s | final loss |",
-        "|---|---|---|---|---|---|---|",
+        "| model | params | layers x width | vision depth x dim | steps x batch | train s | examples/s | final loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for role in ("target", "draft"):
         t = training.get(role, {})
         s = t.get("spec", {})
         lines.append(f"| {role} | {t.get('params', 0) / 1e6:.2f} M | {s.get('layers')} x {s.get('hidden')} | "
                      f"{s.get('vision_depth')} x {s.get('vision_dim')} | {t.get('steps')} x {t.get('batch_size')} | "
-                     f"{t.get('train_seconds')} | {t.get('final_loss', float('nan')):.3f} |")
+                     f"{t.get('train_seconds')} | {examples_per_s(t)} | {t.get('final_loss', float('nan')):.3f} |")
     t, d = metrics["target"], metrics["draft"]
     lines += ["", f"## Quality on held-out data (target: {t['episodes']} scenarios, {t['frames']} frames; "
                   f"draft: {d['episodes']}, {d['frames']})", "",
@@ -266,6 +274,11 @@ def write_card(models_dir: str, metrics: dict) -> str:
         lines += ["", f"The demo's scenario (`make demo`: {demo['scenario']}) from {demo['starts']} jittered starts "
                       f"(up to 0.25 m and 15 degrees off): the target reaches the goal in {pct(demo['success_rate'])} "
                       f"({demo['collisions']} collisions)."]
+    if t.get("failures"):
+        f = t["failures"]
+        lines += ["", f"Why the target's failed episodes failed (`sim.evaluate.classify_failure`): "
+                      f"{f['cycle']} left/right limit cycles, {f['push']} pushes into something (3+ collisions), "
+                      f"{f['early stop']} early stops away from the goal, {f['ran out']} ran out of decisions."]
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
         lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something, the "

@@ -81,6 +81,7 @@ class PipelineConfig:
     wisv_scenarios: int = 40  # simulator scenarios whose frames give the WISV head's mismatch traces
     wisv_epochs: int = 30
     wisv_workers: int = 2  # processes collecting the WISV traces (one torch thread each)
+    wisv_labels: str = "alone"  # alone | sequential (train.wisv.episode_traces): how the greedy pass labels mismatches
     vision_scenarios: int = 1500  # training scenarios whose random views pretrain the vision tower
     vision_per_scenario: int = 8
     vision_budget_s: float = 240.0
@@ -418,7 +419,7 @@ def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
     from .wisv import HeadTrainConfig, run_wisv_stage
     train = list(generate_examples("train", cfg.wisv_scenarios))
     heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
-    hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed)
+    hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed, labels=cfg.wisv_labels)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}",
                           workers=max(1, min(cfg.wisv_workers, os.cpu_count() or 1)))

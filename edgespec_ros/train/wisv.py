@@ -73,14 +73,27 @@ class MismatchTrace:
     draft_token: int = -1     # the draft token judged there
 
 
+LABELS = ("alone", "sequential")
+
+
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
-                   max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None) -> list[MismatchTrace]:
+                   max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None, labels: str = "alone") -> list[MismatchTrace]:
     """Speculative rounds of one decision, recording every unprotected mismatch of every round (in
     the round's own context: positions after an earlier mismatch see the draft tokens before them,
     as WISV would) with its task label: critical when keeping the draft token there and decoding
     on greedily gives another action than the target alone. ``policy`` (an ``SdRound -> accepted``
     choice, e.g. ``wisv_choice``) decides the rounds; None is greedy SD. Under a WISV policy the
-    prefix holds the mismatches kept before (the states the head meets when it decides: DAgger)."""
+    prefix holds the mismatches kept before (the states the head meets when it decides: DAgger).
+
+    ``labels``: "alone" judges each mismatch with everything before it as greedy SD (or the policy)
+    left it; "sequential" (issue 35) follows the oracle instead: each mismatch judged harmless is
+    kept and stays kept while the next is judged, and a round stops at the first critical one,
+    so every label is taken in the context a head that keeps what is harmless would meet (the
+    decision keeps several mismatches, not one). The oracle's decision ends in the target's action."""
+    if labels not in LABELS:
+        raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
+    if labels == "sequential" and policy is not None:
+        raise ValueError("sequential labels follow the oracle: give no policy")
     from ..cloud.target import target_generate
     from ..robot.decoder import DecodeConfig
     from ..decoding.sampling import SamplingParams
@@ -105,6 +118,8 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     def record(r):
         for i in r.mismatches:
             if i in r.protected:
+                if labels == "sequential":
+                    return i  # the oracle rejects a protected mismatch, as WISV does
                 continue
             prefix = r.committed + r.draft_ids[:i + 1]
             rest = [] if prefix[-1] in eos else greedy_continue(r.continuation_from(i), max_new_tokens - len(prefix), eos)
@@ -112,16 +127,23 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
             traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i,
                                         token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0],
                                         tuple(prefix[:-1]), int(r.draft_ids[i])))
+            if labels == "sequential" and changed:
+                return i  # the first critical mismatch is rejected: the round ends there
+        if labels == "sequential":
+            return len(r.draft_ids)  # every mismatch harmless: all kept
         return greedy_choice(r) if policy is None else policy(r)
 
     tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
-    if policy is None and tokens[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
+    if labels == "sequential":
+        if action(tokens) != reference_action:  # each kept mismatch was harmless in its context
+            raise RuntimeError("the oracle's decision lost the target's action: labels inconsistent")
+    elif policy is None and tokens[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
         raise RuntimeError("trace collection diverged from the target's greedy output: hidden rows misaligned")
     return traces
 
 
 def collect_traces(draft, target, examples, gamma: int = 4, progress=None, policies=None, workers: int = 1,
-                   model_dirs: tuple[str, str] | None = None) -> list[list[MismatchTrace]]:
+                   model_dirs: tuple[str, str] | None = None, labels: str = "alone") -> list[list[MismatchTrace]]:
     """One episode of traces per example (``sim.dataset`` Example: image, instruction); policies
     (one per example, or None: greedy SD) decide the rounds. With ``workers`` > 1 and
     ``model_dirs`` (draft, target) the episodes run in that many processes, one torch thread
@@ -134,7 +156,7 @@ def collect_traces(draft, target, examples, gamma: int = 4, progress=None, polic
         episodes = []
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_trace_worker_init,
                                  initargs=model_dirs) as pool:
-            for episode in pool.map(_trace_job, examples, [gamma] * len(examples), specs):
+            for episode in pool.map(_trace_job, examples, [gamma] * len(examples), specs, [labels] * len(examples)):
                 episodes.append(episode)
                 if progress is not None:
                     progress(1)
@@ -142,7 +164,8 @@ def collect_traces(draft, target, examples, gamma: int = 4, progress=None, polic
     episodes = []
     for i, example in enumerate(examples):
         policy = None if policies is None else _policy(policies[i], target)
-        episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma, policy=policy))
+        episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma, policy=policy,
+                                       labels=labels))
         if progress is not None:
             progress(1)
     return episodes
@@ -158,10 +181,10 @@ def _trace_worker_init(draft_dir: str, target_dir: str) -> None:
     _WORKER.update(draft=load_model(draft_dir), target=load_model(target_dir), heads={})
 
 
-def _trace_job(example, gamma: int, spec):
+def _trace_job(example, gamma: int, spec, labels: str = "alone"):
     target = _WORKER["target"]
     return episode_traces(_WORKER["draft"], target, example.instruction, example.image, gamma,
-                          policy=_policy(spec, target, _WORKER["heads"]))
+                          policy=_policy(spec, target, _WORKER["heads"]), labels=labels)
 
 
 def _policy(spec, target, heads: dict | None = None):
@@ -209,6 +232,9 @@ class HeadTrainConfig:
     seed: int = 0
     dagger_passes: int = 1    # passes of traces on the trained head's own WISV trajectories, added to the greedy ones
     token_features: bool = True  # the head also reads the target's embeddings of the two tokens at a mismatch
+    # how the greedy pass labels mismatches (episode_traces): "alone" (each judged with the ones
+    # before it rejected) or "sequential" (the oracle keeps the harmless ones while judging the next)
+    labels: str = "alone"
     relabel: RelabelConfig = RelabelConfig()
 
 
@@ -363,7 +389,7 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
     many = dict(workers=workers, model_dirs=(draft_dir, target_dir))
     t0 = time.monotonic()
     with tqdm(total=len(train_examples) + len(heldout_examples), desc="wisv: traces", unit="ep") as bar:
-        train = collect_traces(draft, target, train_examples, progress=bar.update, **many)
+        train = collect_traces(draft, target, train_examples, progress=bar.update, labels=cfg.labels, **many)
         heldout = collect_traces(draft, target, heldout_examples, progress=bar.update, **many)
     greedy_train = len(train)
     with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:

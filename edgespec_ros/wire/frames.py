@@ -24,7 +24,8 @@ def carries_q(settings: VerifySettings, codec) -> bool:
     """Whether a decision's VERIFY frames carry the draft distribution q: rejection sampling reads
     it and the split codec's separate rule does; greedy and WISV verification (argmax against the
     drafts) never do, so their blocks go up without it (protocol 7: the verifier refuses one)."""
-    return settings.rule == "rejection" or bool(codec.separate)
+    # settings: a VerifySettings or a robot config with its fields (verify_mode: rejection | greedy | wisv)
+    return getattr(settings, "verify_mode", "rejection") == "rejection" or bool(codec.separate)
 
 
 def verify_frame(decision: int, block: Block, codec, exits: bool, send_q: bool = True) -> P.Verify:
