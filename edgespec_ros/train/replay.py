@@ -74,6 +74,27 @@ def greedy_continue(seq, budget: int, eos) -> list[int]:
     return out
 
 
+def greedy_continue_batch(seqs: list, budgets: list[int], eos) -> list[list[int]]:
+    """``greedy_continue`` for several cached Sequences of one model at once: each step feeds
+    every live sequence its pending token in one batched forward (``cloud.batch.feed_batch``, the
+    verifier's batched pass); a sequence leaves the batch after an end token or its budget."""
+    from ..cloud.batch import feed_batch
+    outs: list[list[int]] = [[] for _ in seqs]
+    live = [i for i, b in enumerate(budgets) if b > 0]
+    with torch.inference_mode():
+        while live:
+            logits = feed_batch([seqs[i] for i in live], [seqs[i].take_pending() for i in live])
+            still = []
+            for i, rows in zip(live, logits):
+                token = int(rows[-1].argmax())
+                outs[i].append(token)
+                seqs[i].append_generated(token)
+                if token not in eos and len(outs[i]) < budgets[i]:
+                    still.append(i)
+            live = still
+    return outs
+
+
 def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
                   max_new_tokens: int = GREEDY_NEW_TOKENS) -> tuple[list[int], list[int]]:
     """Speculative rounds of the draft (greedy) against the target; ``choose(SdRound) -> accepted``

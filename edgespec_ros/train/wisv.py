@@ -97,7 +97,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     from ..cloud.target import target_generate
     from ..robot.decoder import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from .replay import action_of_tokens, greedy_choice, greedy_continue, prompt_pair, replay_rounds
+    from .replay import action_of_tokens, greedy_choice, greedy_continue_batch, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features
     eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
@@ -111,19 +111,54 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
         return target_generate(target, t_inputs.extended(tokens),
                                DecodeConfig(mode="ar", max_new_tokens=budget, params=SamplingParams(temperature=0.0)))
 
+    traces = []
+    if policy is None and labels == "alone":
+        # Greedy SD is lossless: its own output is the target's reference, so the replay records
+        # each mismatch with a copy of the target's cache there, and every counterfactual of the
+        # decision is then decoded in one batch (no reference decode, larger batches).
+        found = []
+
+        def note(r):
+            for i in r.mismatches:
+                if i not in r.protected:
+                    prefix = r.committed + r.draft_ids[:i + 1]
+                    fork = None if prefix[-1] in eos else r.continuation_from(i)
+                    found.append((MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), False, len(r.committed) + i,
+                                                token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0],
+                                                tuple(prefix[:-1]), int(r.draft_ids[i])), fork))
+            return greedy_choice(r)
+
+        reference, _ = replay_rounds(draft, target, d_inputs, t_inputs, note, gamma, max_new_tokens)
+        reference_action = action(reference)
+        open_ = [(t, fork) for t, fork in found if fork is not None]
+        rests = greedy_continue_batch([fork for _, fork in open_],
+                                      [max_new_tokens - len(t.context) - 1 for t, _ in open_], eos)
+        rest_of = {id(t): rest for (t, _), rest in zip(open_, rests)}
+        for t, _ in found:
+            t.critical = action(list(t.context) + [t.draft_token] + rest_of.get(id(t), [])) != reference_action
+            traces.append(t)
+        return traces
+
     reference = continue_greedily([], max_new_tokens)
     reference_action = action(reference)
-    traces = []
 
     def record(r):
+        judged = [i for i in r.mismatches if i not in r.protected]
+        if labels == "sequential":  # the oracle stops at the first protected mismatch
+            first = next((i for i in r.mismatches if i in r.protected), len(r.draft_ids))
+            judged = [i for i in judged if i < first]
+        # every judged mismatch's counterfactual continuation, in one batch (copies of the target's cache)
+        prefixes = {i: r.committed + r.draft_ids[:i + 1] for i in judged}
+        open_ = [i for i in judged if prefixes[i][-1] not in eos]
+        rests = dict(zip(open_, greedy_continue_batch([r.continuation_from(i) for i in open_],
+                                                      [max_new_tokens - len(prefixes[i]) for i in open_], eos)))
         for i in r.mismatches:
             if i in r.protected:
                 if labels == "sequential":
                     return i  # the oracle rejects a protected mismatch, as WISV does
                 continue
-            prefix = r.committed + r.draft_ids[:i + 1]
-            rest = [] if prefix[-1] in eos else greedy_continue(r.continuation_from(i), max_new_tokens - len(prefix), eos)
-            changed = action(prefix + rest) != reference_action
+            prefix = prefixes[i]
+            changed = action(prefix + rests.get(i, [])) != reference_action
             traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i,
                                         token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0],
                                         tuple(prefix[:-1]), int(r.draft_ids[i])))
@@ -134,11 +169,8 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
         return greedy_choice(r) if policy is None else policy(r)
 
     tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
-    if labels == "sequential":
-        if action(tokens) != reference_action:  # each kept mismatch was harmless in its context
-            raise RuntimeError("the oracle's decision lost the target's action: labels inconsistent")
-    elif policy is None and tokens[:len(reference)] != reference:  # greedy SD is lossless: the rounds must rebuild it
-        raise RuntimeError("trace collection diverged from the target's greedy output: hidden rows misaligned")
+    if labels == "sequential" and action(tokens) != reference_action:  # each kept mismatch was harmless there
+        raise RuntimeError("the oracle's decision lost the target's action: labels inconsistent")
     return traces
 
 
