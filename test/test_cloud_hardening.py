@@ -413,6 +413,59 @@ def test_a_rounds_pass_follows_its_decode_in_the_same_turn():
         fair.shutdown()
 
 
+def test_rounds_of_several_sessions_still_share_one_pass():
+    """Review of the first design: with each pass forced right after its own decode, dense rounds of
+    different sessions never met in a pass again. The decodes queued beside a round's now run in
+    its turn, and all those rounds share its pass (within max_batch)."""
+    fair = FairCompute("t", max_batch=8)
+    sizes = []
+    try:
+        hold = threading.Event()
+
+        def verify(items):
+            sizes.append(len(items))
+            return [f"verdict {i}" for i in items]
+
+        async def main():
+            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
+            await asyncio.sleep(0.05)
+            futs = [asyncio.ensure_future(fair.run_batched(f"s{i}", verify, lambda q: q, flow=f"tenant{i}",
+                                                           prelude=(lambda i=i: i, ()), rows=4))
+                    for i in range(4)]
+            await asyncio.sleep(0.05)
+            hold.set()
+            await blocker
+            return await asyncio.gather(*futs)
+
+        assert asyncio.run(main()) == [f"verdict {i}" for i in range(4)]
+        assert sizes == [4]
+    finally:
+        fair.shutdown()
+
+
+def test_a_session_closed_during_its_decode_gets_session_gone_not_the_decode():
+    fair = FairCompute("t")
+    started, release = threading.Event(), threading.Event()
+    try:
+        def decode():
+            started.set()
+            release.wait(5)
+            return "q"
+
+        async def main():
+            fut = asyncio.ensure_future(fair.run_batched("r1", lambda items: ["verdict"] * len(items),
+                                                         lambda q: q, prelude=(decode, ())))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+            fair.close("r1")
+            release.set()
+            return await asyncio.gather(fut, return_exceptions=True)
+
+        (result,) = asyncio.run(main())
+        assert isinstance(result, SessionGone), result
+    finally:
+        fair.shutdown()
+
+
 def test_a_failed_decode_never_reaches_the_pass_and_is_raised_to_its_session():
     fair = FairCompute("t")
     ran = []

@@ -570,9 +570,14 @@ def test_resume_skips_the_stages_done_with_the_same_options_and_reruns_the_rest(
     again.mark("tokenizer")  # a stage run again: what read its output is no longer done
     assert [s for s in train_cli.ALL_STAGES if again.has(s)] == ["data", "tokenizer"]
     other = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(target_steps=5))
-    assert not other.has("data")  # other options: nothing is done
-    workers_only = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(loader_workers=3))
-    assert workers_only.has("data")  # how it runs is not what it computes
+    assert other.has("data") and other.has("tokenizer")  # a target option: the stages before it stay done
+    full = train_cli.StagesDone(str(tmp_path), cfg)
+    full.mark("target")
+    assert not train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(target_steps=5)).has("target")
+    assert not train_cli.StagesDone(str(tmp_path), cfg, out=str(tmp_path / "elsewhere")).has("target")
+    assert train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(wisv_epochs=3)).has("target")
+    workers_only = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(loader_workers=3, wisv_workers=1))
+    assert workers_only.has("data") and workers_only.has("target")  # how it runs is not what it computes
 
 
 def test_target_spec_overrides_the_shape_and_rejects_nonsense():

@@ -427,3 +427,14 @@ def test_the_link_estimate_starts_from_a_neutral_prior_not_a_perfect_link():
     assert 0.2 < NEUTRAL_CSI.quality() < 0.9
     rv = RemoteVerifier("ws://127.0.0.1:9", fingerprint="x", vocab_size=8)
     assert rv.csi() == NEUTRAL_CSI
+
+
+def test_a_wisv_block_that_carries_q_is_refused(models, frames, server):
+    """Protocol 7: WISV blocks go up without a draft distribution (their rule never reads it)."""
+    draft, target = models
+    ids = _mismatching_ids(models, frames)
+    ws = _wisv_session(server.url, target, _prompt(draft, target, *frames[0]))
+    q = np.zeros((len(ids), target.vocab_size), dtype="<f4")
+    q[np.arange(len(ids)), ids] = 1.0
+    ws.send(P.encode(P.Verify(1, 1, ids, q.tobytes(), P.VERIFY_WISV, P.NO_TOKEN, 0, [], CELLULAR.to_wire())))
+    expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "carries a draft distribution")

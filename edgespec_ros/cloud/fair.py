@@ -44,7 +44,7 @@ class Occupy:
 
 class _Job:
     __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch", "device",
-                 "cost", "then", "rows")
+                 "cost", "then", "rows", "companions")
 
     def __init__(self, key, flow, fn, args, future, loop, order):
         self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
@@ -56,6 +56,7 @@ class _Job:
         self.cost = None  # a batchable job's size (its context length): only similar sizes share a pass
         self.then = None  # (fn, make_item): a host prelude's batched pass, run next on the same turn
         self.rows = 1  # a batchable job's tokens fed in the pass (max_batch_tokens counts them)
+        self.companions: list = []  # other sessions' passes whose preludes ran in this job's turn
 
 
 class FairCompute:
@@ -156,8 +157,20 @@ class FairCompute:
                 else:
                     del self._queues[flow]
             self._queued -= len(jobs)
-            if self._next_job is not None and self._next_job.key == key:
-                self._next_job = None
+            forced = self._next_job
+            if forced is not None:
+                mine = [c for c in forced.companions if c.key == key]
+                forced.companions = [c for c in forced.companions if c.key != key]
+                jobs += mine
+                if forced.key == key:  # its pass is gone: the first companion's pass leads the rest
+                    self._next_job = None
+                    if forced.companions:
+                        lead, lead.companions = forced.companions[0], forced.companions[1:]
+                        forced.companions = []
+                        self._queues.setdefault(lead.flow, deque()).appendleft(lead)
+                        self._vtime.setdefault(lead.flow, self._clock)
+                        self._queued += 1
+                        self._next_job = lead
         for job in jobs:
             if job.steps is not None:
                 job.steps.close()  # a preempted job between two quanta
@@ -205,13 +218,12 @@ class FairCompute:
                     return None
                 busy_for = self._device_free - time.perf_counter()
                 forced = self._next_job
-                if forced is not None:  # a prelude's pass goes next, once the accelerator is free
-                    if busy_for <= 0:
-                        break
-                    self._cond.wait(busy_for)
-                    continue
+                if forced is not None and busy_for <= 0:  # a prelude's pass goes next
+                    break
+                # (while the accelerator is busy, host-only work runs, the forced pass included not)
                 ready = [f for f in self._queues if busy_for <= 0 or not self._queues[f][0].device]
                 if ready:
+                    forced = None
                     break
                 self._cond.wait(busy_for)  # every head job needs the accelerator: wait for it (or new work)
             if forced is not None:
@@ -222,6 +234,9 @@ class FairCompute:
                 self._queued -= 1
                 if not self._queues[flow]:
                     del self._queues[flow]
+                now = time.perf_counter()
+                for job in [forced] + forced.companions:  # waiting for the accelerator is queueing too
+                    self._waits[job.key] = self._waits.get(job.key, 0.0) + now - job.queued_at
                 self.running_key, self.running_flow = forced.key, flow
                 return forced
             flow = min(ready, key=lambda f: (self._vtime[f], self._queues[f][0].order))
@@ -240,8 +255,10 @@ class FairCompute:
         """The batch that rides with ``first``: for each other session, its head job if it is a
         batchable job of the same fn (a session's jobs never overtake each other), flows in fair
         order, up to max_batch. Called with the lock held."""
-        batch, seen = [first], {first.key}
-        tokens = first.rows
+        batch = [first] + [c for c in first.companions
+                           if not c.future.cancelled() and c.key not in self._closed_keys]
+        seen = {job.key for job in batch}
+        tokens = sum(job.rows for job in batch)
         for flow in sorted(self._queues, key=lambda f: self._vtime[f]):
             queue = self._queues[flow]
             for job in list(queue):
@@ -349,24 +366,110 @@ class FairCompute:
                 if not done:  # its session ended (or the verifier stops) between two quanta
                     job.steps.close()
                     result, error = None, SessionGone("session closed")
-                self.jobs += 1
-                if job.then is not None and error is None and job.key not in self._closed_keys and not self._stopping:
-                    # the prelude is done: its pass is the next job to run (the same turn)
-                    fn, make_item = job.then
-                    try:
-                        item = make_item(result)
-                    except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
-                        error = exc
+                if job.then is not None and error is None:
+                    if job.key in self._closed_keys or self._stopping:
+                        result, error = None, SessionGone("session closed")  # never the prelude's value as the pass's
                     else:
-                        job.fn, job.args, job.then, job.steps = fn, (item,), None, None
-                        job.batch = job.device = True
-                        job.queued_at = time.perf_counter()
-                        self._queues.setdefault(job.flow, deque()).appendleft(job)
-                        self._vtime.setdefault(job.flow, self._clock)
-                        self._queued += 1
-                        self._next_job = job
-                        continue
+                        error = self._convert(job, result)
+                        if error is None:
+                            companions = self._companions(job)
+                if job.then is None or error is not None:
+                    self.jobs += 1
+            if job.then is not None and error is None:
+                self._decode_companions(job, companions)
+                continue
             _deliver(job, result, error, occupy)
+
+    # --- a round's decode and its pass in one turn ------------------------------------------
+
+    def _convert(self, job: _Job, result):
+        """A finished prelude becomes its pass (``then``); the exception when its item cannot be
+        built. Called with the lock held."""
+        fn, make_item = job.then
+        try:
+            item = make_item(result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
+            return exc
+        job.fn, job.args, job.steps = fn, (item,), None
+        job.then = (fn, None)  # converted: a pass now (then[1] None)
+        job.batch = job.device = True
+        job.queued_at = time.perf_counter()
+        job.companions = []
+        return None
+
+    def _companions(self, first: _Job) -> list[_Job]:
+        """Other sessions' head jobs that are unstarted preludes of the same pass (fair order,
+        within max_batch and max_batch_tokens): their decodes run in this turn, so their rounds
+        share the pass as rounds did when decode and pass were separate jobs. Taken off their
+        queues. Called with the lock held."""
+        fn = first.fn
+        taken, seen, tokens = [], {first.key}, first.rows
+        for flow in sorted(self._queues, key=lambda f: self._vtime[f]):
+            queue = self._queues[flow]
+            for job in list(queue):
+                if len(taken) + 1 >= self.max_batch:
+                    break
+                if job.key in seen:
+                    continue
+                seen.add(job.key)  # only a session's head job may join
+                fits = self.max_batch_tokens is None or tokens + job.rows <= self.max_batch_tokens
+                if (job.then is not None and job.then[1] is not None and job.then[0] == fn and job.steps is None
+                        and not job.future.cancelled() and fits and self._similar(first, job)):
+                    tokens += job.rows
+                    queue.remove(job)
+                    self._queued -= 1
+                    taken.append(job)
+            if not queue:
+                del self._queues[flow]
+        return taken
+
+    def _decode_companions(self, first: _Job, companions: list[_Job]) -> None:
+        """Run each companion's prelude for one quantum: finished ones ride in ``first``'s pass,
+        a longer one (a large codec frame) goes back to its flow's head, preempted, as usual.
+        Then ``first``'s pass is the next device job."""
+        for job in companions:
+            t0 = time.perf_counter()
+            done, result, error = True, None, None
+            try:
+                result = job.fn(*job.args)
+                if inspect.isgenerator(result):
+                    job.steps, result = result, None
+                    try:
+                        next(job.steps)
+                        done = False
+                    except StopIteration as stop:
+                        result = stop.value
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
+                result, error = None, exc
+            spent = time.perf_counter() - t0
+            with self._cond:
+                self.busy_s += spent
+                self.quanta += 1
+                if job.flow in self._vtime:
+                    self._vtime[job.flow] += spent
+                closed = job.key in self._closed_keys or self._stopping
+                if not done and not closed:
+                    self._queues.setdefault(job.flow, deque()).appendleft(job)
+                    self._vtime.setdefault(job.flow, self._clock)
+                    self._queued += 1
+                    continue
+                if not done:
+                    job.steps.close()
+                if closed:
+                    result, error = None, SessionGone("session closed")
+                elif error is None:
+                    error = self._convert(job, result)
+                    if error is None:
+                        first.companions.append(job)
+                        continue
+                self.jobs += 1
+            _deliver(job, result, error, 0.0)
+        with self._cond:
+            self._queues.setdefault(first.flow, deque()).appendleft(first)
+            self._vtime.setdefault(first.flow, self._clock)
+            self._queued += 1
+            self._next_job = first
+            self._cond.notify()
 
 
 def _deliver(job: _Job, result, error, after_s: float) -> None:

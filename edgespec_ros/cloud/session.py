@@ -189,6 +189,9 @@ class VerifierSession:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "a VERIFY of a wisv decision carries the CSI "
                                                         "(the VERIFY_WISV flag)")
         exits = bool(msg.flags & P.VERIFY_STREAM_EXITS) and self.lm.exits is not None
+        if wisv and msg.q_payload:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "a wisv block carries a draft distribution: send none "
+                                                        "(protocol 7)")
         return Step(msg, WISV if wisv else DENSE, chained, self.target.rows(n), exits)
 
     def decode_steps(self, step: Step):

@@ -220,15 +220,16 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
     dagger_at = parse_fractions(cfg.dagger_at) if role == "target" else ()
-    checkpoints = os.path.join(work, "checkpoints", role)
+    run_id = run_fingerprint(role, work, cfg, spec, vision_init)
+    # one directory per run: variants trained side by side (scripts/gpu_train.sh) never share one
+    checkpoints = os.path.join(work, "checkpoints", f"{role}-{run_id}")
     if not resume and os.path.isdir(checkpoints):
         import shutil
         shutil.rmtree(checkpoints)  # a fresh run: an old run's checkpoint must not be mistaken for this one's
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
                        aux_weight=aux_weight, dagger_at=dagger_at, device=resolve_device(device),
                        loader_workers=cfg.loader_workers, checkpoint_dir=checkpoints,
-                       checkpoint_every_s=cfg.checkpoint_every_s,
-                       run_id=run_fingerprint(role, work, cfg, spec, vision_init))
+                       checkpoint_every_s=cfg.checkpoint_every_s, run_id=run_id)
     dagger_log: list[dict] = []
     t0 = time.monotonic()
     losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES,
@@ -469,15 +470,38 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
     return report
 
 
-class StagesDone:
-    """``<work>/stages.json``: the stages that finished, each with the options it ran with, so that
-    ``--resume`` skips exactly those (a stage run with other options runs again)."""
+# What each stage reads of the recipe (besides what earlier stages wrote): ``StagesDone`` keys a
+# finished stage by these options only, so changing, say, --wisv-epochs reruns wisv and what follows,
+# not the data and the target.
+STAGE_OPTIONS = {
+    "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "seed"),
+    "tokenizer": ("tokenizer_vocab",),
+    "vision": ("vision_", "heldout_scenarios", "seed"),
+    "target": ("target_", "dagger_", "batch_size", "seed"),
+    "draft": ("draft_", "batch_size", "seed"),
+    "distill": ("distill_", "seed"),
+    "exits": ("exit_", "heldout_scenarios", "seed"),
+    "wisv": ("wisv_", "heldout_scenarios", "seed"),
+    "card": (),
+}
 
-    def __init__(self, work: str, cfg: PipelineConfig):
+
+class StagesDone:
+    """``<work>/stages.json``: the stages that finished, each with the options it read (and the
+    models directory it wrote to), so that ``--resume`` skips exactly those; a stage that runs
+    again makes every later stage run again too."""
+
+    def __init__(self, work: str, cfg: PipelineConfig, out: str = ""):
         import hashlib
         self.path = os.path.join(work, "stages.json")
         recipe = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
-        self.key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+        self.keys = {}
+        for stage, names in STAGE_OPTIONS.items():
+            mine = {k: v for k, v in recipe.items() if any(k == n or (n.endswith("_") and k.startswith(n))
+                                                           for n in names)}
+            if stage not in ("data", "tokenizer", "vision"):
+                mine["out"] = os.path.abspath(out) if out else ""
+            self.keys[stage] = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
         try:
             with open(self.path) as f:
                 self.done = json.load(f)
@@ -485,17 +509,21 @@ class StagesDone:
             self.done = {}
 
     def has(self, stage: str) -> bool:
-        return self.done.get(stage) == self.key
+        return stage in self.keys and self.done.get(stage) == self.keys[stage]
 
     def mark(self, stage: str) -> None:
         """``stage`` ran: it is done, and every later stage (which read what it wrote) is not."""
+        import tempfile
         later = ALL_STAGES[ALL_STAGES.index(stage) + 1:] if stage in ALL_STAGES else ()
         self.done = {k: v for k, v in self.done.items() if k not in later}
-        self.done[stage] = self.key
+        if stage not in self.keys:
+            return
+        self.done[stage] = self.keys[stage]
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path + ".tmp", "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", prefix="stages.json.")
+        with os.fdopen(fd, "w") as f:
             json.dump(self.done, f, indent=2)
-        os.replace(self.path + ".tmp", self.path)
+        os.replace(tmp, self.path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -566,7 +594,7 @@ def main(argv=None) -> int:
     stages = ([s for s in ALL_STAGES if s != "vision" or cfg.target_vision == "auto"] if args.stage == "all"
               else [args.stage])
     timings = {}
-    done = StagesDone(args.work, cfg)
+    done = StagesDone(args.work, cfg, args.out)
     for stage in stages:
         if args.resume and stage != "card" and done.has(stage):
             print(f"{stage}: done earlier with these options ({done.path}): skipped (--resume)")

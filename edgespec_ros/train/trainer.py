@@ -238,10 +238,17 @@ def load_checkpoint(cfg: TrainConfig) -> dict | None:
 
 def save_checkpoint(cfg: TrainConfig, state: dict) -> str:
     """Write ``state`` to ``cfg.checkpoint_dir`` atomically (a stop mid-write leaves the last one)."""
+    import tempfile
     os.makedirs(cfg.checkpoint_dir, exist_ok=True)
     path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_FILE)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    fd, tmp = tempfile.mkstemp(dir=cfg.checkpoint_dir, prefix=CHECKPOINT_FILE + ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
 
 
@@ -317,8 +324,9 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         batches = segment_batches([len(e.input_ids) for e in examples], cfg, segment, cfg.steps - seg_start)
         data = _Batches(examples, batches[first - seg_start:], tokenizer, image_processor, num_classes, aux is not None)
         workers = cfg.loader_workers
-        return iter(torch.utils.data.DataLoader(
+        return iter(torch.utils.data.DataLoader(  # its own generator: the global RNG is not drawn from
             data, batch_size=None, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda",
+            generator=torch.Generator().manual_seed(cfg.seed),
             prefetch_factor=4 if workers else None, persistent_workers=False,
             multiprocessing_context="fork" if workers else None))
 
