@@ -167,9 +167,7 @@ class FairCompute:
                     if forced.companions:
                         lead, lead.companions = forced.companions[0], forced.companions[1:]
                         forced.companions = []
-                        self._queues.setdefault(lead.flow, deque()).appendleft(lead)
-                        self._vtime.setdefault(lead.flow, self._clock)
-                        self._queued += 1
+                        self._to_front(lead)
                         self._next_job = lead
         for job in jobs:
             if job.steps is not None:
@@ -327,20 +325,7 @@ class FairCompute:
                     job.steps.close()
                 continue
             t0 = time.perf_counter()
-            done, result, error = True, None, None
-            try:
-                if job.steps is None:
-                    result = job.fn(*job.args)
-                    if inspect.isgenerator(result):
-                        job.steps, result = result, None
-                if job.steps is not None:  # one quantum: up to its next yield
-                    try:
-                        next(job.steps)
-                        done = False
-                    except StopIteration as stop:
-                        result = stop.value
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
-                result, error = None, exc
+            done, result, error = self._quantum(job)
             occupy = 0.0
             if isinstance(result, Occupy):
                 result, occupy = result.value, result.seconds
@@ -357,11 +342,7 @@ class FairCompute:
                 if not done and job.key not in self._closed_keys and not self._stopping:
                     # Preempted: back at the head of its flow's queue (the flow keeps its order);
                     # the next quantum goes to whichever flow has used the least.
-                    if job.flow not in self._queues:
-                        self._queues[job.flow] = deque()
-                        self._vtime.setdefault(job.flow, self._clock)
-                    self._queues[job.flow].appendleft(job)
-                    self._queued += 1
+                    self._to_front(job)
                     continue
                 if not done:  # its session ended (or the verifier stops) between two quanta
                     job.steps.close()
@@ -379,6 +360,33 @@ class FairCompute:
                 self._decode_companions(job, companions)
                 continue
             _deliver(job, result, error, occupy)
+
+    def _to_front(self, job: _Job) -> None:
+        """Put ``job`` back at the head of its flow's queue (preempted, or a pass to run next).
+        Called with the lock held."""
+        self._queues.setdefault(job.flow, deque()).appendleft(job)
+        self._vtime.setdefault(job.flow, self._clock)
+        self._queued += 1
+
+    @staticmethod
+    def _quantum(job: _Job) -> tuple[bool, object, BaseException | None]:
+        """Run one quantum of ``job`` (the whole job, or up to its generator's next yield):
+        (done, result, error)."""
+        done, result, error = True, None, None
+        try:
+            if job.steps is None:
+                result = job.fn(*job.args)
+                if inspect.isgenerator(result):
+                    job.steps, result = result, None
+            if job.steps is not None:
+                try:
+                    next(job.steps)
+                    done = False
+                except StopIteration as stop:
+                    result = stop.value
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
+            result, error = None, exc
+        return done, result, error
 
     # --- a round's decode and its pass in one turn ------------------------------------------
 
@@ -429,18 +437,7 @@ class FairCompute:
         Then ``first``'s pass is the next device job."""
         for job in companions:
             t0 = time.perf_counter()
-            done, result, error = True, None, None
-            try:
-                result = job.fn(*job.args)
-                if inspect.isgenerator(result):
-                    job.steps, result = result, None
-                    try:
-                        next(job.steps)
-                        done = False
-                    except StopIteration as stop:
-                        result = stop.value
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting session
-                result, error = None, exc
+            done, result, error = self._quantum(job)
             spent = time.perf_counter() - t0
             with self._cond:
                 self.busy_s += spent
@@ -449,9 +446,7 @@ class FairCompute:
                     self._vtime[job.flow] += spent
                 closed = job.key in self._closed_keys or self._stopping
                 if not done and not closed:
-                    self._queues.setdefault(job.flow, deque()).appendleft(job)
-                    self._vtime.setdefault(job.flow, self._clock)
-                    self._queued += 1
+                    self._to_front(job)
                     continue
                 if not done:
                     job.steps.close()
@@ -465,9 +460,7 @@ class FairCompute:
                 self.jobs += 1
             _deliver(job, result, error, 0.0)
         with self._cond:
-            self._queues.setdefault(first.flow, deque()).appendleft(first)
-            self._vtime.setdefault(first.flow, self._clock)
-            self._queued += 1
+            self._to_front(first)
             self._next_job = first
             self._cond.notify()
 
