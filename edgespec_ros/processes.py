@@ -21,9 +21,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def verifier_process(model: str, compute: str = "native", token_file: str | None = None, timeout_s: float = 120.0,
-                     exit_queue: str = "priority", exits: str = "auto"):
+                     exit_queue: str = "priority", exits: str = "auto", extra_args: tuple[str, ...] = ()):
     """Start edgespec-verifier in a subprocess on a free loopback port; yields its port."""
-    with verifier_process_handle(model, compute, token_file, timeout_s, exit_queue, exits) as (port, _proc):
+    with verifier_process_handle(model, compute, token_file, timeout_s, exit_queue, exits, extra_args) as (port, _proc):
         yield port
 
 

@@ -39,17 +39,17 @@ def test_the_learner_drives_and_the_expert_labels_every_state_it_visits():
     assert len(frames) == policy.calls == scenario.max_steps  # never stops: every decision is a frame
     assert outcomes == [(False, 0, scenario.max_steps)]
     expert = ExpertPolicy(seed=0)
-    for (_, pose, view, decision), (_, after, _, _) in zip(frames, frames[1:]):
+    for (_, pose, view, decision, _), (_, after, *_) in zip(frames, frames[1:]):
         turned = math.remainder(after.yaw_rad - pose.yaw_rad, math.tau)
         assert turned == pytest.approx(math.radians(15), abs=1e-6)  # the learner's move, not the expert's
         assert (after.x, after.y) == pytest.approx((pose.x, pose.y))
         assert expert.decide(scenario, pose, view).action.text == decision.action.text
-    assert {d.action.text for *_, d in frames} != {"turn left small"}  # the labels are the expert's own
+    assert {f.decision.action.text for f in frames} != {"turn left small"}  # the labels are the expert's own
 
 
 def test_unparseable_answers_spend_decisions_in_place_and_a_stop_ends_the_episode():
     stuck = list(learner_frames(Scripted("no idea"), "train", 1))
-    assert len({(p.x, p.y, p.yaw_rad) for _, p, _, _ in stuck}) == 1 and len(stuck) > 1
+    assert len({(f.pose.x, f.pose.y, f.pose.yaw_rad) for f in stuck}) == 1 and len(stuck) > 1
     outcomes = []
     stopped = list(learner_frames(Scripted("I am there. Action: stop."), "train", 2, outcomes=outcomes))
     assert len(stopped) == 2 and [ok for ok, _, steps in outcomes if steps == 1] == [False, False]

@@ -296,3 +296,46 @@ def test_an_instruct_goal_counts_its_own_outcomes_and_ends_as_its_command_does()
     stop = core.set_command("something else")  # the replaced command's stop belongs to the goal
     assert stop.generation == goal.generation and goal.count(stop) and goal.faults == 1
     assert goal.ended(core.status(), clock())[0] == PREEMPTED
+
+
+class RememberingDecoder(FakeDecoder):
+    """A FakeDecoder whose draft model reads 2 earlier decisions (``LoadedModel.memory``)."""
+
+    def __init__(self, texts):
+        super().__init__()
+        self.texts, self.histories = list(texts), []
+        self.draft = type("Draft", (), {"memory": 2})()
+
+    def decide(self, instruction, image, cfg, on_tokens=None, history=()):
+        self.histories.append(history)
+        self.text = self.texts[len(self.histories) - 1]
+        return super().decide(instruction, image, cfg, on_tokens)
+
+
+def test_a_drafter_with_memory_prompts_with_the_commands_decisions_and_how_each_ended():
+    from edgespec_ros.decoding.memory import BLOCKED, DONE, NO_ACTION, Turn
+    texts = ["Ahead. Action: move forward large.", "Hm. Action: dance.", "Left. Action: turn left small.",
+             "Ahead. Action: move forward small.", "Go. Action: move forward small."]
+    decoder = RememberingDecoder(texts)
+    core, clock = make(decoder)
+    core.set_command("find the silver bottle")
+
+    def decide(motion_outcome=None):
+        clock.advance(0.1)
+        core.set_frame(frame(clock))
+        out = core.run(core.begin())
+        if motion_outcome:
+            core.note_motion("moving", out.stamp_ns, clock())
+            core.note_motion("idle", out.stamp_ns, clock(), motion_outcome)
+        return out
+
+    decide(BLOCKED_CONTACT)
+    decide()  # unparseable: the robot never moved
+    decide(COMPLETED)
+    assert decoder.histories[:3] == [(), (Turn("move forward large", BLOCKED),),
+                                     (Turn("move forward large", BLOCKED), Turn("", NO_ACTION))]
+    decide(COMPLETED)
+    assert decoder.histories[3][-1] == Turn("turn left small", DONE)
+    core.set_command("find the red ball")  # a new command starts with an empty memory
+    decide()
+    assert decoder.histories[4] == ()

@@ -22,13 +22,13 @@ def frames():
 def test_expert_frames_are_the_examples_frames():
     examples = list(islice(generate_examples("heldout", 3), 20))
     frames = list(islice(expert_frames("heldout", 3), 20))
-    assert [e.text for e in examples] == [d.text for *_, d in frames]
-    assert all(np.array_equal(e.image, view.rgb) for e, (_, _, view, _) in zip(examples, frames))
+    assert [e.text for e in examples] == [f.decision.text for f in frames]
+    assert all(np.array_equal(e.image, view.rgb) for e, (_, _, view, _, _) in zip(examples, frames))
 
 
 def test_without_noise_the_perceived_scenario_is_the_scenario(frames):
     rng = np.random.default_rng(0)
-    for scenario, pose, _, _ in frames[:10]:
+    for scenario, pose, *_ in frames[:10]:
         seen, seen_pose = perceived_scenario(scenario, pose, PerceptionNoise(0, 0, 0), rng)
         assert seen.room == scenario.room and seen_pose == pose
         for a, b in zip(seen.objects, scenario.objects):
@@ -37,7 +37,7 @@ def test_without_noise_the_perceived_scenario_is_the_scenario(frames):
 
 
 def test_noise_moves_objects_in_range_and_bearing_and_walls_about_the_robot(frames):
-    scenario, pose, _, _ = frames[0]
+    scenario, pose, *_ = frames[0]
     rng = np.random.default_rng(1)
     walls_only, moved = perceived_scenario(scenario, pose, PerceptionNoise(0, 0, 0.2), rng)
     scale = walls_only.room.width_m / scenario.room.width_m

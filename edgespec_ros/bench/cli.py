@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uplink codec spec for q: dense32, dense16, topk:k=8, ksqs:k=8,l=32, "
                          "csqs:l=100,eta=0.001,alpha=0.0005, ids (default dense32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory", type=int, default=0, metavar="K",
+                    help="prompt as a policy with memory K does (decoding.memory): the decisions are consecutive "
+                         "frames of held-out expert rollouts, each prompt after the episode's earlier decisions "
+                         "(default 0: first frames of separate scenarios, memoryless prompts)")
+    ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                    help="start the verifier with --no-prefix-reuse (every prompt prefilled in full), to measure "
+                         "what prefix reuse saves (table: cloud prefill ms)")
     ap.add_argument("--workers", type=int, default=4, help="fsd: pre-draft worker threads (default 4)")
     ap.add_argument("--client-queue", default="priority", choices=["priority", "fifo", "random"],
                     help="fsd: order in which the robot pre-drafts received early exits (default priority)")
@@ -264,12 +271,13 @@ def main(argv=None) -> int:
     env_threads()
     compute = get_compute(args.compute)
     pair = resolve_models(args.draft, args.target)
-    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed)
+    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, args.memory)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
           f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
-                        metrics_out=args.metrics_out) as (draft_lm, url):
+                        metrics_out=args.metrics_out,
+                        verifier_args=() if args.prefix_reuse else ("--no-prefix-reuse",)) as (draft_lm, url):
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
         texts: dict[str, list[str]] = {m: [] for m in modes}
 

@@ -24,13 +24,20 @@ from ..decoding.compute import ComputeProfile
 from ..wire.link import LinkProxy, get_profile
 
 
-def bench_prompts(n: int, seed: int = 0) -> list[tuple[str, np.ndarray | None]]:
-    """(instruction, camera image) pairs: first frames of held-out simulated scenarios."""
+def bench_prompts(n: int, seed: int = 0, memory: int = 0) -> list[tuple]:
+    """(instruction, camera image) pairs: first frames of held-out simulated scenarios. ``memory`` > 0:
+    (instruction, image, history) triples instead, the consecutive decisions of held-out expert
+    rollouts as a policy with that much memory is prompted (``decoding.memory``): each prompt
+    extends the last one of its episode, which the verifier's prefix reuse serves from its cache."""
     try:
-        from ..sim.dataset import heldout_prompts
+        from ..sim.dataset import expert_frames, heldout_prompts
     except ImportError:  # the simulator is optional for the bench: fall back to plain images
         rng = np.random.default_rng(seed)
         return [("find the silver bottle", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)) for _ in range(n)]
+    if memory:
+        from itertools import islice
+        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, memory=memory)
+        return [(f.scenario.instruction, f.view.rgb, f.history) for f in islice(frames, n)]
     return heldout_prompts(n, seed)
 
 
@@ -54,12 +61,12 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
                                   token=token, codec=codec, link_profile=profile, timeout_s=60.0)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
-            for i, (instruction, image) in enumerate(prompts):
+            for i, (instruction, image, *history) in enumerate(prompts):
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
                                    pipe_depth=pipe_depth, pipe_truncate=pipe_truncate,
                                    pipe_fill_rows=pipe_fill_rows)
-                decision = decoder.decide(instruction, image, cfg)
+                decision = decoder.decide(instruction, image, cfg, history=history[0] if history else ())
                 if i >= warmup:
                     summary.add(decision.metrics)
                 if on_decision:
@@ -71,11 +78,13 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
 
 @contextlib.contextmanager
 def emulated_setup(pair: ModelPair, link: str, compute: str, exit_queue: str = "priority", exits: str = "auto",
-                   metrics_out: str | None = None):
+                   metrics_out: str | None = None, verifier_args: tuple[str, ...] = ()):
     """Verifier process + link proxy; yields (draft LoadedModel, proxy url). ``metrics_out``: the
-    verifier's /metrics as it stands at the end, written to that file."""
+    verifier's /metrics as it stands at the end, written to that file; ``verifier_args``: more
+    edgespec-verifier options (e.g. --no-prefix-reuse)."""
     draft_lm = load_model(pair.draft_path)
-    with verifier_process(pair.target_path, compute, exit_queue=exit_queue, exits=exits) as port:
+    with verifier_process(pair.target_path, compute, exit_queue=exit_queue, exits=exits,
+                          extra_args=tuple(verifier_args)) as port:
         with LinkProxy(get_profile(link), "127.0.0.1", port) as proxy:
             yield draft_lm, proxy.url
         if metrics_out:
@@ -106,7 +115,7 @@ def _times(value) -> str:
 def format_table(rows: list[dict], emulated: bool) -> str:
     """A fixed-width table of bench rows (emulated compute is labelled)."""
     head = ["mode", "link", "compute", "codec", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
-            "resample", "ms/token", "ms/decision", "up B/draft tok", "x vs AR", "x vs SD", "cache miss", "avg exit",
+            "resample", "ms/token", "ms/decision", "prompt tok", "cloud prefill ms", "up B/draft tok", "x vs AR", "x vs SD", "cache miss", "avg exit",
             "in flight", "flushes", "truncated", "cloud idle ms/tok"]
     lines = []
     for r in rows:
@@ -118,6 +127,8 @@ def format_table(rows: list[dict], emulated: bool) -> str:
             "-" if acc is None else f"{acc:.3f}",
             "-" if r.get("resampling_rate") is None else f"{r['resampling_rate']:.2f}",
             f"{r['ms_per_token']:.1f}", f"{r['ms_per_decision']:.0f}",
+            "-" if r.get("prompt_tokens_mean") is None else f"{r['prompt_tokens_mean']:.0f}",
+            "-" if not r.get("cloud_prefill_ms_mean") else f"{r['cloud_prefill_ms_mean']:.1f}",
             "-" if r["uplink_bytes_per_draft_token"] is None else f"{r['uplink_bytes_per_draft_token']:.0f}",
             _times(r.get("speedup_vs_ar")), _times(r.get("speedup_vs_sd")),
             "-" if r.get("cache_miss_rate") is None else f"{100 * r['cache_miss_rate']:.1f}%",

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve a non-loopback --host without --token-file (anyone reaching the port may use it)")
     ap.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve wss:// (with --tls-key)")
     ap.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                    help="prefill every decision's whole prompt (default: keep the part of a session's cache the "
+                         "new prompt shares with the last one, e.g. the earlier turns of a policy with memory)")
     ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
     ap.add_argument("--compute", default="native", type=compute_arg,
@@ -266,6 +269,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
                             insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
                             max_batch=args.max_batch, server_name=server_name, metrics_labels=metrics_labels)
+    server.prefix_reuse = getattr(args, "prefix_reuse", True)
     server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
     return server
 

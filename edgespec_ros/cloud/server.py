@@ -99,6 +99,7 @@ class VerifierServer:
                  max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None,
                  metrics_labels: dict | None = None):
         self.lm = lm
+        self.prefix_reuse = True  # keep what a session's cache shares with its next prompt (Sequence.prefill_steps)
         self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
         tokens = [token] if isinstance(token, str) else list(token or [])
         if any(not t for t in tokens):
@@ -523,7 +524,7 @@ class VerifierServer:
         emulated profile the accelerator then stays busy until the profile's ``prefill_s`` has
         passed in all (its quanta included). Returns the prefill's compute seconds (emulated:
         the profile's)."""
-        spent = yield from session.start_steps(prompt, settings, self.limits.prefill_chunk)
+        spent = yield from session.start_steps(prompt, settings, self.limits.prefill_chunk, self.prefix_reuse)
         target = self.compute.prefill_s
         return Occupy(max(spent, target), target - spent) if target else spent
 

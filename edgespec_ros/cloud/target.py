@@ -86,10 +86,12 @@ class TargetSession:
         """Prefill the target on the prompt; returns compute seconds."""
         return run_steps(self.start_steps(prompt, settings))
 
-    def start_steps(self, prompt: Prompt, settings: VerifySettings, chunk: int = PREFILL_CHUNK):
+    def start_steps(self, prompt: Prompt, settings: VerifySettings, chunk: int = PREFILL_CHUNK,
+                    reuse: bool = True):
         """start() as preemptible steps (edgespec_ros.preempt): the image is processed in the first
         quantum, then the prompt is prefilled ``chunk`` tokens at a time; returns compute seconds
-        (quanta only)."""
+        (quanta only). ``reuse``: keep the cached positions the prompt shares with this session's
+        last one (``Sequence.prefill_steps``)."""
         vocab = self.lm.vocab_size
         if not prompt.prompt_ids:
             raise ValueError("prompt has no token ids")
@@ -108,7 +110,7 @@ class TargetSession:
         self.seq.keep_hidden = settings.verify_mode == WISV
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
-        steps = self.seq.prefill_steps(inputs, chunk)
+        steps = self.seq.prefill_steps(inputs, chunk, reuse)
         spent = 0.0
         while True:
             # Hooks only around this session's own quanta: between two of them other sessions'

@@ -67,6 +67,12 @@ class LoadedModel:
         return None
 
     @property
+    def memory(self) -> int:
+        """How many earlier decisions the model was trained to read in its prompt
+        (``decoding.memory``; ``policy_memory`` in config.json; 0, a memoryless policy, when absent)."""
+        return int(getattr(self.model.config, "policy_memory", 0) or 0)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         cfg_eos = getattr(self.model.generation_config, "eos_token_id", None)
         if cfg_eos is None:
@@ -287,12 +293,13 @@ def crop_cache(cache, keep: int) -> None:
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (edgespec_ros.preempt: one quantum each)
 
 
-def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None) -> list[tuple[int, int]]:
-    """[a, b) pieces of an n-token prompt: at most chunk tokens each, except the piece holding all
-    of an image's tokens (which must meet their pixels in one forward); one piece when n <= chunk."""
-    if n <= chunk:
-        return [(0, n)]
-    spans = [(0, image[0]), image, (image[1], n)] if image is not None else [(0, n)]
+def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: int = 0) -> list[tuple[int, int]]:
+    """[a, b) pieces of an n-token prompt from ``start`` on (the positions before it are cached):
+    at most chunk tokens each, except the piece holding all of an image's tokens (which must meet
+    their pixels in one forward); one piece when n - start <= chunk."""
+    if n - start <= chunk:
+        return [(start, n)]
+    spans = [(start, image[0]), image, (image[1], n)] if image is not None else [(start, n)]
     pieces = []
     for lo, hi in spans:
         if image is not None and (lo, hi) == image:
@@ -300,6 +307,18 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None) -> list[t
             continue
         pieces += [(a, min(hi, a + chunk)) for a in range(lo, hi, chunk)]
     return [p for p in pieces if p[1] > p[0]]
+
+
+def reusable_prefix(cached: list[int], prompt: list[int], image_start: int | None) -> int:
+    """How many leading positions of a cache holding ``cached`` (token ids, in order) a prefill of
+    ``prompt`` may keep: the common prefix, ending before the prompt's first image token (an image
+    pad id says nothing about which image it stands for, and positions after an image depend on
+    its grid) and before the prompt's last token (whose logits the prefill must return)."""
+    limit = min(len(cached), len(prompt) - 1, len(prompt) if image_start is None else image_start)
+    keep = 0
+    while keep < limit and cached[keep] == prompt[keep]:
+        keep += 1
+    return keep
 
 
 @dataclass
@@ -320,6 +339,8 @@ class Sequence:
     fed_hidden: torch.Tensor | None = None  # [n, d] of the last feed
     draft_hidden: torch.Tensor | None = None  # [n, d] after draft(): row i produced draft token i
     round_hidden: torch.Tensor | None = None  # [gamma + 1, d] after end_target(): beside its logits rows
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt whose positions begin the cache
+    reused: int = 0  # prompt positions the last prefill kept from the cache instead of computing
 
     def _hidden_capture(self):
         if not self.keep_hidden:
@@ -337,34 +358,51 @@ class Sequence:
         """Reset and feed the prompt; returns next-token logits [V]."""
         return run_steps(self.prefill_steps(inputs))
 
-    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK):
+    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK, reuse: bool = True):
         """prefill() in pieces of at most ``chunk`` prompt tokens, yielding between them
         (edgespec_ros.preempt: the verifier interleaves other sessions' rounds with a long prompt,
         as chunked prefill does in vLLM). All of an image's tokens go in one piece, with its
         pixels (the vision tower runs once); positions are the whole prompt's M-RoPE positions,
         sliced. A prompt of at most ``chunk`` tokens is one forward, as before. Returns next-token
-        logits [V]."""
+        logits [V].
+
+        ``reuse``: the positions the new prompt shares with what this sequence's cache holds (the
+        last prompt and every token fed after it) are kept, up to the prompt's image
+        (:func:`reusable_prefix`), and only the rest is computed, as vLLM's prefix caching does: a
+        policy with memory sends prompts that extend the previous decision's (``decoding.memory``).
+        Only this sequence's own cache is reused, so nothing crosses between sessions."""
         from transformers import DynamicCache
         model = self.lm.model
         device = self.lm.device
         inputs = inputs.to(device)
-        self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
-        self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = 0, 0, [], [], []
         kwargs = inputs.model_kwargs()
         n = inputs.num_tokens
+        ids = inputs.input_ids[0].tolist()
         image = None  # (first, last + 1) of the image tokens
         with torch.inference_mode():
             if self.lm.is_vlm and inputs.pixel_values is not None:
                 position_ids, deltas = model.model.get_rope_index(
                     inputs.input_ids, mm_token_type_ids=inputs.mm_token_type_ids,
                     image_grid_thw=inputs.image_grid_thw, attention_mask=inputs.attention_mask)
-                self.rope_delta = int(deltas.view(-1)[0])
+                rope_delta = int(deltas.view(-1)[0])
                 at = torch.nonzero(inputs.mm_token_type_ids[0]).view(-1)
                 image = (int(at[0]), int(at[-1]) + 1) if len(at) else None
             else:
-                position_ids = self._positions(n)
+                rope_delta = 0
+                position_ids = torch.arange(n, device=device)
+                position_ids = position_ids.view(1, 1, n).expand(3, 1, n) if self.lm.is_vlm else position_ids.view(1, n)
                 kwargs.pop("mm_token_type_ids", None)
-        pieces = _prefill_pieces(n, chunk, image)
+        keep = 0
+        if reuse and self.cache is not None:
+            keep = reusable_prefix((self.prompt_ids + self.fed_tokens)[:self.fed], ids, image and image[0])
+        if keep:
+            crop_cache(self.cache, keep)
+        else:
+            self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
+        self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = keep, rope_delta, [], [], []
+        self.prompt_ids, self.reused = ids, keep
+        self.last_logits = self.last_hidden = None
+        pieces = _prefill_pieces(n, chunk, image, keep)
         out = None
         for i, (a, b) in enumerate(pieces):
             if i:
@@ -408,6 +446,7 @@ class Sequence:
         twin = Sequence(self.lm, copy.deepcopy(self.cache), self.fed, self.rope_delta, list(self.pending),
                         self.last_logits, list(self.generated), list(self.fed_tokens), self.keep_hidden,
                         self.last_hidden)
+        twin.prompt_ids = self.prompt_ids  # never mutated in place: shared safely
         for attr in ("_verify_base",):
             if hasattr(self, attr):
                 setattr(twin, attr, getattr(self, attr))

@@ -173,20 +173,36 @@ def prepare_image(image, image_processor) -> Image.Image:
     return pil
 
 
-def chat_prompt(instruction: str, has_image: bool, system: str | None = DEFAULT_SYSTEM) -> str:
+def chat_prompt(instruction: str, has_image: bool, system: str | None = DEFAULT_SYSTEM, history=()) -> str:
     """The Qwen2-VL chat format, generation prompt included (one image pad after the text).
 
     The instruction comes before the image (the chat template of a user message whose content
     is [text, image]): with causal attention, image tokens then see what was asked for and can
     mark where it is while the frame is read, instead of the answer having to search the whole
     frame for it afterwards. Qwen2-VL takes text and images in any order.
+
+    ``history`` (``decoding.memory.Turn``s, oldest first; a policy with memory): the instruction
+    is a user turn of its own, each earlier decision an assistant turn with its action and a user
+    turn with its outcome, and the current frame comes with the last outcome (:func:`_turns`).
     """
-    parts = []
-    if system:
-        parts.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+    parts = [f"<|im_start|>system\n{system}<|im_end|>\n"] if system else []
     vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}" if has_image else ""
-    parts.append(f"<|im_start|>user\n{instruction}{vision}<|im_end|>\n<|im_start|>assistant\n")
+    for role, text, with_image in _turns(instruction, history):
+        parts.append(f"<|im_start|>{role}\n{text}{vision if with_image else ''}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+
+
+def _turns(instruction: str, history) -> list[tuple[str, str, bool]]:
+    """(role, text, carries the current image) of a prompt's turns: the one home of the memory
+    prompt's layout, for :func:`chat_prompt` and the ecosystem processor's messages alike."""
+    if not history:
+        return [("user", instruction, True)]
+    turns = [("user", instruction, False)]
+    for i, turn in enumerate(history):
+        turns.append(("assistant", turn.action or "none", False))
+        turns.append(("user", turn.outcome, i == len(history) - 1))
+    return turns
 
 
 def ecosystem_processor(path: str):
@@ -204,15 +220,18 @@ def ecosystem_processor(path: str):
     return processor if hasattr(processor, "image_processor") else None
 
 
-def processor_inputs(processor, instruction: str, image=None, system: str | None = DEFAULT_SYSTEM) -> PromptInputs:
+def processor_inputs(processor, instruction: str, image=None, system: str | None = DEFAULT_SYSTEM,
+                     history=()) -> PromptInputs:
     """The prompt as the ecosystem builds it: chat messages, ``qwen_vl_utils.process_vision_info``
     at the processor's pixel bounds, then the ``Qwen2VLProcessor``."""
     from qwen_vl_utils import process_vision_info
-    content = [{"type": "text", "text": instruction}]
-    if image is not None:
-        lo, hi = pixel_bounds(processor.image_processor)
-        content.append({"type": "image", "image": to_pil(image), "min_pixels": lo, "max_pixels": hi})
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    messages = [{"role": "system", "content": system}] if system else []
+    for role, text, with_image in _turns(instruction, history):
+        content = [{"type": "text", "text": text}]
+        if with_image and image is not None:
+            lo, hi = pixel_bounds(processor.image_processor)
+            content.append({"type": "image", "image": to_pil(image), "min_pixels": lo, "max_pixels": hi})
+        messages.append({"role": role, "content": content})
     images, _ = process_vision_info(messages)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     out = processor(text=[text], images=images, return_tensors="pt")
@@ -224,14 +243,15 @@ def processor_inputs(processor, instruction: str, image=None, system: str | None
 
 
 def build_inputs(tokenizer, instruction: str, image=None, image_processor=None,
-                 system: str | None = DEFAULT_SYSTEM, processor=None) -> PromptInputs:
-    """Tokenized chat prompt (+ image tensors) for one instruction and optional image: through
+                 system: str | None = DEFAULT_SYSTEM, processor=None, history=()) -> PromptInputs:
+    """Tokenized chat prompt (+ image tensors) for one instruction and optional image, after the
+    earlier decisions ``history`` (``decoding.memory``; empty for a memoryless policy): through
     ``processor`` (``ecosystem_processor``) when given, else built here, equal to
     Qwen2VLProcessor(text=chat_prompt(...), images=[prepared image]).
     """
     if processor is not None:
-        return processor_inputs(processor, instruction, image, system)
-    text = chat_prompt(instruction, image is not None, system)
+        return processor_inputs(processor, instruction, image, system, history)
+    text = chat_prompt(instruction, image is not None, system, history)
     pixel_values = grid = None
     if image is not None:
         if image_processor is None:

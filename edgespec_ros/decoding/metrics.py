@@ -27,6 +27,8 @@ class DecisionMetrics:
     t_verify: float = 0.0
     t_downlink: float = 0.0
     wall_s: float = 0.0
+    prompt_tokens: int = 0  # the decision's prompt (a policy with memory: its earlier turns too)
+    cloud_prefill_s: float = 0.0  # the verifier's prefill compute for it (PREFILL_OK; 0 when not reported)
     # fsd: pre-draft cache outcomes (rounds that needed a next block) and early-exit statistics
     predraft_hits: int = 0
     predraft_misses: int = 0
@@ -186,6 +188,8 @@ class RunSummary:
     wisv_relaxed: int = 0
     hidden_rows: int = 0
     hidden_exchanges: int = 0
+    prompt_tokens: int = 0
+    cloud_prefill_s: float = 0.0
     gamma: int | str = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -204,7 +208,8 @@ class RunSummary:
                      "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
                      "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s",
                      "pipe_flushes", "pipe_voided_blocks", "pipe_truncations", "pipe_stall_s", "queue_s",
-                     "pipe_cond_sent", "pipe_cond_hits", "wisv_relaxed", "hidden_rows", "hidden_exchanges"):
+                     "pipe_cond_sent", "pipe_cond_hits", "wisv_relaxed", "hidden_rows", "hidden_exchanges",
+                     "prompt_tokens", "cloud_prefill_s"):
             setattr(self, name, getattr(self, name) + getattr(m, name))
         self.pipe_depth = max(self.pipe_depth, m.pipe_depth)
         self.max_in_flight = max(self.max_in_flight, m.max_in_flight)
@@ -242,6 +247,9 @@ class RunSummary:
             # Measured VERIFY frames (ids + encoded q + framing) per drafted token; the PREFILL is in uplink_bytes.
             "uplink_bytes_per_draft_token": self.draft_uplink_bytes / self.drafted if self.drafted else None,
             "resampling_rate": self.resampled / self.rounds if self.rounds and self.drafted else None,
+            "prompt_tokens_mean": self.prompt_tokens / self.decisions if self.decisions else None,
+            # the verifier's prefill compute per decision (its PREFILL_OK figure; emulated profiles: theirs)
+            "cloud_prefill_ms_mean": 1000 * self.cloud_prefill_s / self.decisions if self.decisions else None,
             **(self._fsd_row() if self.mode in ("fsd", "pipe+fsd") else {}),
             **(self._pipe_row() if self.mode.startswith("pipe") else {}),
             **(self._auto_row() if self.gamma == "auto" and self.mode != "ar" else {}),

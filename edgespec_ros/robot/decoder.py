@@ -99,18 +99,20 @@ class EdgeDecoder:
             self._strategies[key] = strategy
         return strategy
 
-    def make_prompt(self, instruction: str, image=None) -> tuple[Prompt, PromptInputs]:
+    def make_prompt(self, instruction: str, image=None, history=()) -> tuple[Prompt, PromptInputs]:
         """Resize the frame to the drafter's pixel bounds (``inputs.limit_pixels``), then encode it
         as JPEG once: both sides see the same decoded JPEG at the same size, so they agree on the
         image tokens (and a 1280x720 camera frame crosses the uplink at the size the models read)."""
         if image is not None and self.image_processor is not None:
             image = prepare_image(image, self.image_processor)
         jpeg = encode_jpeg(image) if image is not None else None
-        inputs = build_inputs(self.tokenizer, instruction, jpeg, self.image_processor, processor=self.processor)
+        inputs = build_inputs(self.tokenizer, instruction, jpeg, self.image_processor, processor=self.processor,
+                              history=history)
         return Prompt(instruction, jpeg, inputs.input_ids[0].tolist()), inputs
 
-    def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None) -> Decision:
-        """Decode one decision's text. on_tokens(list[int]) is called with each newly verified chunk."""
+    def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=()) -> Decision:
+        """Decode one decision's text. on_tokens(list[int]) is called with each newly verified chunk.
+        ``history``: the earlier decisions a policy with memory reads (``decoding.memory``)."""
         codec = getattr(self.verifier, "codec", None)
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
@@ -119,7 +121,8 @@ class EdgeDecoder:
             cfg = replace(cfg, mode="ar")
         m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma)
         t_start = time.perf_counter()
-        prompt, inputs = self.make_prompt(instruction, image)
+        prompt, inputs = self.make_prompt(instruction, image, history)
+        m.prompt_tokens = len(prompt.prompt_ids)
         # Overlapped: the draft prefill and the first block go ahead while PREFILL is on its way.
         info = self.verifier.start(prompt, cfg.verify_settings(), wait=False)
         m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
@@ -133,5 +136,6 @@ class EdgeDecoder:
         out, _ = truncate_at_stop(out, self.eos_ids, cfg.max_new_tokens)
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start
+        m.cloud_prefill_s = getattr(self.verifier, "last_prefill_s", None) or 0.0
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)

@@ -33,7 +33,8 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME
+from ..control.motion import BLOCKED_CONTACT, COMPLETED, NO_OUTCOME
+from ..decoding.memory import DONE, INTERRUPTED, NO_ACTION, PolicyMemory
 from .decoder import DECODING_MODES, DecodeConfig
 from ..decoding.metrics import DecisionMetrics, RunSummary
 from ..decoding.sampling import SamplingParams
@@ -245,6 +246,7 @@ class Ticket:
     deadline_ns: int
     abandoned: bool = False
     resample: bool = False  # the last decision was unparseable or blocked: sample this one
+    history: tuple = ()  # a policy with memory: the earlier decisions its prompt shows (decoding.memory)
 
 
 def classify_error(exc: BaseException) -> str:
@@ -293,6 +295,10 @@ class DrafterCore:
         self.resample_next = False  # the last decision did not parse or its move was blocked
         self.late_results = 0  # results that came back after their deadline (dropped, a stop instead)
         self.stats = DecodingStatsAggregator(settings.mode, verification=settings.verification())
+        # a policy with memory (decoding.memory): the command's decisions and how each ended, as the
+        # draft model was trained to read them (0 for a memoryless model: prompts as before)
+        self.memory = PolicyMemory(getattr(getattr(decoder, "draft", None), "memory", 0) or 0)
+        self.awaiting_action = ""  # the action of the decision whose motion we wait for
 
     # ------------------------------------------------------------------ inputs
 
@@ -318,6 +324,7 @@ class DrafterCore:
             self.awaiting_motion_stamp = None
             self.retry_after_ns = 0
             self.resample_next = False
+            self.memory.reset()
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -342,6 +349,8 @@ class DrafterCore:
             if state != "moving":
                 self.awaiting_motion_stamp = None
                 self.motion_idle_since_ns = state_stamp_ns
+                # a navigator that reports no outcome ended the motion the ordinary way
+                self.memory.add(self.awaiting_action, COMPLETED if outcome == NO_OUTCOME else outcome)
                 # pushing into something (not stale odometry: then the view may well have changed)
                 self.resample_next = outcome == BLOCKED_CONTACT
 
@@ -379,8 +388,10 @@ class DrafterCore:
                 return None
             if self.settings.wait_for_motion and self.awaiting_motion_stamp is not None:
                 self.awaiting_motion_stamp = None  # motion wait timed out
+                self.memory.add(self.awaiting_action, INTERRUPTED)
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
-                            now + int(self.settings.deadline_s * NS), resample=self.resample_next)
+                            now + int(self.settings.deadline_s * NS), resample=self.resample_next,
+                            history=self.memory.shown())
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
@@ -405,7 +416,8 @@ class DrafterCore:
         outcome: DecisionOutcome
         cfg = s.decode_config(ticket.index, ticket.resample)
         try:
-            decision = self.decoder.decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens)
+            memory = {"history": ticket.history} if self.memory.k else {}
+            decision = self.decoder.decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens, **memory)
         except DecisionCancelled:
             self._drop_connection()
             return self._finish(ticket, None)
@@ -472,8 +484,13 @@ class DrafterCore:
             self.decisions += 1
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
+            if not outcome.parsed:
+                self.memory.add(None, NO_ACTION)
+            elif outcome.action == "stop":
+                self.memory.add("stop", DONE)
             if outcome.parsed and outcome.action != "stop":
                 self.awaiting_motion_stamp = outcome.stamp_ns
+                self.awaiting_action = outcome.action
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
             elif self.command_max_decisions and self.decisions >= self.command_max_decisions:

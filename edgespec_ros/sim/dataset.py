@@ -14,11 +14,12 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
+from ..decoding.memory import BLOCKED, DONE, Turn, shown_turns
 from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
                        ScenarioError, scenario_from_dict, write_scenario)
-from .world import SimWorld, pose_collision
+from .world import SimWorld, forward_clearance, pose_collision
 
 SPLITS = ("train", "heldout")
 SPLIT_SEED_BASE = {"train": 0, "heldout": 1_000_000_000}
@@ -35,13 +36,26 @@ INSTRUCTION_TEMPLATES = (
 
 
 class Example(NamedTuple):
-    """One training example: camera frame, instruction, expert answer, and (when asked for) the
-    frame's dense scene labels (:func:`dense_labels`)."""
+    """One training example: camera frame, instruction, expert answer, (when asked for) the
+    frame's dense scene labels (:func:`dense_labels`), and the earlier decisions the prompt shows
+    (``decoding.memory.Turn``s; empty for a memoryless policy)."""
 
     image: np.ndarray
     instruction: str
     text: str
     labels: "DenseLabels | None" = None
+    history: tuple = ()
+
+
+class ExpertFrame(NamedTuple):
+    """One frame of :func:`expert_frames`: where, what was seen, the expert's decision there, and
+    the earlier decisions of the rollout a policy with memory would be shown (``memory.shown_turns``)."""
+
+    scenario: Scenario
+    pose: Pose
+    view: CameraView
+    decision: ExpertDecision
+    history: tuple = ()
 
 
 # One class per (colour, type) pair: what the auxiliary perception loss teaches the vision tower.
@@ -174,7 +188,9 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
                       expert_config: ExpertConfig = ExpertConfig(),
                       with_labels: bool = False, action_noise: float = 0.0,
-                      closeups_per_scenario: float = 0.0, family: str | None = None) -> Iterator[Example]:
+                      closeups_per_scenario: float = 0.0, family: str | None = None,
+                      memory: int = 0, memory_noise: float = 0.0,
+                      memory_dropout: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -190,13 +206,23 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     obstacle) and the data shows how to recover from them.
 
     ``family``: scenarios of a SCENARIO_FAMILIES family (outside the training distribution) instead.
+
+    ``memory`` > 0: each example carries the rollout's earlier decisions as a policy with that much
+    memory is shown them (``decoding.memory``); ``memory_noise``: with that probability a decision
+    executes a learned policy's typical mistake instead of the expert's action (:func:`expert_frames`),
+    so the memory shows reversals and blocked moves and the expert's next answer shows the way out.
+    ``memory_dropout``: the share of examples shown without their memory (ChauffeurNet's past-motion
+    dropout, Bansal et al. 2018): the expert's own history predicts its next action (a stop follows
+    its small approach moves), and a policy that copies it stops early (docs/models.md).
     """
-    for scenario, _pose, view, decision in expert_frames(
+
+    for frame in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
-            closeups_per_scenario=closeups_per_scenario, family=family):
-        yield Example(view.rgb, scenario.instruction, decision.text,
-                      dense_labels(view, scenario) if with_labels else None)
+            closeups_per_scenario=closeups_per_scenario, family=family, memory=memory, memory_noise=memory_noise,
+            memory_dropout=memory_dropout):
+        yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
+                      dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
 
 
 def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
@@ -206,11 +232,24 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   expert_config: ExpertConfig = ExpertConfig(),
                   action_noise: float = 0.0,
                   closeups_per_scenario: float = 0.0,
-                  family: str | None = None) -> Iterator[tuple[Scenario, Pose, CameraView, ExpertDecision]]:
+                  family: str | None = None, memory: int = 0,
+                  memory_noise: float = 0.0, memory_dropout: float = 0.0) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
-    ``(scenario, pose, view, expert decision)``: for analyses that need the pose and the situation."""
+    :class:`ExpertFrame`s: for analyses that need the pose and the situation.
+
+    ``memory_noise``: with that probability a decision executes a mistake of the two kinds a
+    memoryless policy repeats (issue 37): the opposite of the last turn (a left/right limit
+    cycle's step) or ``move forward large`` (which runs into whatever is close ahead). Its
+    outcome ("done" or "blocked") is what the next frames' memory shows. Jittered frames share
+    their decision's memory; close-ups have none."""
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
+    if not 0.0 <= memory_noise < 1.0:
+        raise ValueError(f"generate_examples: memory_noise must be in [0, 1), got {memory_noise}")
+    if not 0.0 <= memory_dropout < 1.0:
+        raise ValueError(f"generate_examples: memory_dropout must be in [0, 1), got {memory_dropout}")
+    if memory < 0:
+        raise ValueError(f"generate_examples: memory must be >= 0 decisions, got {memory}")
     if closeups_per_scenario < 0:
         raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
@@ -221,34 +260,47 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         rng = np.random.default_rng([seed, 1])
         noise_rng = np.random.default_rng([seed, 2])
         closeup_rng = np.random.default_rng([seed, 3])
+        mistake_rng = np.random.default_rng([seed, 5])
+        dropout_rng = np.random.default_rng([seed, 6])
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
+        turns, last_turn = [], None
         while not world.done:
             pose = world.pose
             view = world.camera_view()
             decision = policy.decide(scenario, pose, view)
-            yield scenario, pose, view, decision
+            history = shown_turns(turns, memory)
+            if memory_dropout and history and dropout_rng.random() < memory_dropout:
+                history = ()  # this frame (and its jittered ones) shown without memory
+            yield ExpertFrame(scenario, pose, view, decision, history)
             for _ in range(rng.poisson(perturbations_per_step)):
                 jittered = _perturb(scenario, pose, rng)
                 if jittered is not None:
                     jittered_view = render_view(scenario, jittered, camera)
-                    yield scenario, jittered, jittered_view, policy.decide(scenario, jittered, jittered_view)
+                    yield ExpertFrame(scenario, jittered, jittered_view,
+                                      policy.decide(scenario, jittered, jittered_view), history)
             executed = decision.action
             if action_noise and noise_rng.random() < action_noise:
                 executed = noise_actions[int(noise_rng.integers(len(noise_actions)))]
-            world.step(executed)
+            if memory_noise and executed.kind != "stop" and mistake_rng.random() < memory_noise:
+                executed = _mistake(last_turn, forward_clearance(scenario, pose)[0], mistake_rng, action_config)
+            result = world.step(executed)
+            if executed.kind == "turn":
+                last_turn = executed
+            if memory:
+                turns.append(Turn(executed.text, BLOCKED if result.collided else DONE))
         for _ in range(closeup_rng.poisson(closeups_per_scenario) if closeups_per_scenario > 0 else 0):
             pose = _closeup(scenario, closeup_rng)
             if pose is not None:
                 view = render_view(scenario, pose, camera)
-                yield scenario, pose, view, policy.decide(scenario, pose, view)
+                yield ExpertFrame(scenario, pose, view, policy.decide(scenario, pose, view))
 
 
 def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
                    camera: CameraConfig = DEFAULT_CAMERA,
                    action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
                    expert_config: ExpertConfig = ExpertConfig(),
-                   outcomes: list | None = None) -> Iterator[tuple[Scenario, Pose, CameraView, ExpertDecision]]:
+                   outcomes: list | None = None) -> Iterator[ExpertFrame]:
     """DAgger's data (Ross, Gordon and Bagnell 2011): roll the learned ``policy`` (VLMPolicy-like,
     greedy ``decide(image, instruction)``) out in the scenarios ``split_seeds(split, n_scenarios,
     start)`` and yield every state it visits with the expert's decision there, as
@@ -265,7 +317,7 @@ def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
         while not world.done:
             pose = world.pose
             view = world.camera_view()
-            yield scenario, pose, view, expert.decide(scenario, pose, view)
+            yield ExpertFrame(scenario, pose, view, expert.decide(scenario, pose, view))
             out = policy.decide(view.rgb, scenario.instruction)
             if out.action is None:
                 world.skip_decision(out.error)
@@ -321,6 +373,16 @@ def jittered_starts(scenario: Scenario, n: int, seed: int = 0, position_m: float
     if len(out) < n:
         raise ValueError(f"jittered_starts: no room for {n} collision-free starts near {scenario.name!r}'s")
     return out
+
+
+def _mistake(last_turn: Action | None, clearance_m: float, rng: np.random.Generator,
+             config: ActionConfig) -> Action:
+    """A memoryless policy's typical mistake (``memory_noise``): with something closer ahead than a
+    large move, a large move into it (a push); otherwise the opposite of its last turn (a limit
+    cycle's step) or a large move, half the time each."""
+    if clearance_m >= config.move_distance_m("large") and last_turn is not None and rng.random() < 0.5:
+        return Action.turn("right" if last_turn.direction == "left" else "left", last_turn.size or "medium", config)
+    return Action.move_forward("large", config)
 
 
 def _perturb(scenario: Scenario, pose: Pose, rng: np.random.Generator) -> Pose | None:

@@ -5,7 +5,8 @@ instruction, its text is parsed by the action grammar and executed; an unparseab
 no-op decision (the robot never moves on it) that still costs a step. With ``resample_temperature``
 the decision after an unparseable one, or after a move that ran into something, samples at that
 temperature, as the drafter node does (greedy decoding would repeat the text on the unchanged
-view, or drive on into the obstacle); 0 is pure greedy decoding.
+view, or drive on into the obstacle); 0 is pure greedy decoding. A policy with memory
+(``policy.memory`` > 0) is shown its earlier decisions and their outcomes (``decoding.memory``).
 ``action_agreement``: on held-out expert frames, how often the model's action equals the expert's.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from ..control.actions import parse_action
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
 from .scenario import Scenario
 from .world import SimWorld
 
@@ -37,15 +39,17 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
     world = SimWorld(scenario)
     unparseable, actions = 0, []
     resample = False
+    memory = PolicyMemory(getattr(policy, "memory", 0))
     if recording is not None:
         recording.command(scenario.instruction, world.pose)
     while not world.done:
         image = world.camera_image()
         temperature = resample_temperature if resample and resample_temperature > 0 else 0.0
+        history = {"history": memory.shown()} if memory.k else {}
         if temperature:
-            out = policy.decide(image, scenario.instruction, temperature, world.steps)
+            out = policy.decide(image, scenario.instruction, temperature, world.steps, **history)
         else:
-            out = policy.decide(image, scenario.instruction)
+            out = policy.decide(image, scenario.instruction, **history)
         if recording is not None:
             recording.decision(image, scenario.instruction, out, temperature)
         resample = out.action is None
@@ -53,9 +57,11 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
             unparseable += 1
             actions.append(f"<unparseable: {out.error}>")
             world.skip_decision(out.error)
+            memory.add(None, NO_ACTION)
             continue
         actions.append(out.action.text)
         resample = world.step(out.action).collided
+        memory.add(out.action.text, BLOCKED if resample else DONE)
         if recording is not None:
             recording.moved(world.pose)
     return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
@@ -132,7 +138,8 @@ def action_agreement(policy, examples, desc: str = "frames") -> dict:
     agree = coarse = parse_fail = 0
     for ex in tqdm(examples, desc=desc, unit="frame"):
         expert = parse_action(ex.text)
-        out = policy.decide(ex.image, ex.instruction)
+        history = getattr(ex, "history", ()) if getattr(policy, "memory", 0) else ()
+        out = policy.decide(ex.image, ex.instruction, **({"history": history} if history else {}))
         if out.action is None:
             parse_fail += 1
             continue

@@ -20,20 +20,26 @@ class PolicyOutput:
 
 
 class VLMPolicy:
+    """``memory``: how many earlier decisions the model reads (``LoadedModel.memory``); callers that
+    roll it out pass them as ``history`` (``decoding.memory``)."""
+
     def __init__(self, lm: LoadedModel, max_new_tokens: int = 96):
         self.lm = lm
+        self.memory = lm.memory
         self.cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
 
-    def generate_text(self, image, instruction: str, temperature: float = 0.0, seed: int = 0) -> tuple[str, int]:
-        inputs = build_inputs(self.lm.tokenizer, instruction, jpeg_roundtrip(image), self.lm.image_processor)
+    def generate_text(self, image, instruction: str, temperature: float = 0.0, seed: int = 0,
+                      history=()) -> tuple[str, int]:
+        inputs = build_inputs(self.lm.tokenizer, instruction, jpeg_roundtrip(image), self.lm.image_processor,
+                              history=history)
         cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed)
         tokens = target_generate(self.lm, inputs, cfg)
         text = self.lm.tokenizer.decode([t for t in tokens if t not in self.lm.eos_token_ids],
                                         skip_special_tokens=True)
         return text, len(tokens)
 
-    def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0) -> PolicyOutput:
-        text, n = self.generate_text(image, instruction, temperature, seed)
+    def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0, history=()) -> PolicyOutput:
+        text, n = self.generate_text(image, instruction, temperature, seed, history)
         try:
             return PolicyOutput(text, parse_action(text), None, n)
         except ActionParseError as exc:

@@ -78,12 +78,12 @@ def perceived_scenario(scenario: Scenario, pose: Pose, noise: PerceptionNoise,
 def noisy_agreement(frames: Sequence, noise: PerceptionNoise, config: ExpertConfig = ExpertConfig(),
                     repeats: int = 3, seed: int = 0) -> dict:
     """How often the expert under ``noise`` repeats its exact answer on ``frames`` (tuples
-    ``(scenario, pose, view, decision)`` from :func:`~edgespec_ros.sim.dataset.expert_frames`),
+    ``ExpertFrame``s from :func:`~edgespec_ros.sim.dataset.expert_frames`),
     ``repeats`` noise draws per frame; overall and per situation of the exact decision."""
     rng = np.random.default_rng(seed)
     policy = ExpertPolicy(config=config)
     total, agree = Counter(), Counter()
-    for scenario, pose, view, decision in frames:
+    for scenario, pose, view, decision, _history in frames:
         for _ in range(repeats):
             seen_scenario, seen_pose = perceived_scenario(scenario, pose, noise, rng)
             same = policy.decide(seen_scenario, seen_pose, view).action.text == decision.action.text

@@ -39,10 +39,13 @@ def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, tem
             "acceptance_per_position": row["acceptance_per_position"]}
 
 
-def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40):
-    """The card's held-out scenarios and frames (deterministic: every worker builds the same)."""
+def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: int = 0):
+    """The card's held-out scenarios and frames (deterministic: every worker builds the same); for
+    a policy with ``memory``, each frame carries the expert rollout's earlier decisions (the same
+    frames and answers either way)."""
     scenarios = list(iter_scenarios("heldout", n_scenarios, max_steps=max_steps))
-    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5), n_frames))
+    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5, memory=memory),
+                         n_frames))
     return scenarios, frames
 
 
@@ -54,9 +57,9 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     and (target) the demo's scenario from ``n_demo`` jittered starts."""
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
-    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps)
-    scenarios = scenarios[slice(*episodes)]
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
+    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps, policy.memory)
+    scenarios = scenarios[slice(*episodes)]
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     part = {"episodes": loop["per_scenario"], "resampled": resampled_outcomes(policy, scenarios, loop)}
     if frames:
@@ -166,7 +169,7 @@ def _target_job(target_dir: str, kind: str, lo: int, hi: int, n_scenarios: int, 
     policy = VLMPolicy(load_model(target_dir))
     if kind == "demo":
         return {"demo": demo_starts(policy, max_steps=max_steps)}
-    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps)
+    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps, policy.memory)
     if kind == "episodes":
         return {"episodes": evaluate_closed_loop(policy, scenarios[lo:hi], desc="closed loop")["per_scenario"]}
     agreement = action_agreement(policy, frames[lo:hi], desc="agreement")

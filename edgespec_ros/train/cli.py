@@ -52,6 +52,13 @@ class PipelineConfig:
     action_noise: float = 0.0
     # frames taken close to objects, look-alikes of the goal first (sim.dataset: _closeup), per scenario
     closeups_per_scenario: float = 0.0
+    # a policy with memory (decoding.memory; issue 37): the prompt shows the last 2-3 (memory=2)
+    # decisions and how each ended; memory_noise: the share of data-rollout decisions that execute
+    # a typical mistake (a reversed turn, a large move into what is ahead) so the memory shows them.
+    # Both models read the same prompt (config.json policy_memory); 0: memoryless (the committed models)
+    memory: int = 0
+    memory_noise: float = 0.0
+    memory_dropout: float = 0.0  # the share of examples shown without their memory (copycat remedy: docs/models.md)
     tokenizer_vocab: int = 1024
     # the target trains until its wall-clock budget (0 = none) ends, the learning-rate schedule shrunk
     # to fit (trainer.TrainConfig.time_budget_s); target_steps is only a ceiling. 2,850 s keeps
@@ -124,25 +131,58 @@ HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers")
 ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exits", "wisv", "card")
 
 
-def stage_data(work: str, cfg: PipelineConfig) -> str:
-    from tqdm import tqdm
+def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
+    """The data stage's examples of training scenarios ``lo:hi``, as arrays (one worker's share)."""
+    import torch
     from ..sim.dataset import generate_examples
+    torch.set_num_threads(1)
+    rows = {k: [] for k in ("images", "instructions", "texts", "present", "log_depth", "goal_class", "history")}
+    for ex in generate_examples("train", hi - lo, lo, with_labels=True, action_noise=cfg.action_noise,
+                                closeups_per_scenario=cfg.closeups_per_scenario,
+                                memory=cfg.memory, memory_noise=cfg.memory_noise,
+                                memory_dropout=cfg.memory_dropout):
+        for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
+                           ("present", ex.labels.present), ("log_depth", ex.labels.log_depth),
+                           ("goal_class", ex.labels.goal_class),
+                           ("history", json.dumps([list(t) for t in ex.history]))):
+            rows[key].append(value)
+    return rows
+
+
+def stage_data(work: str, cfg: PipelineConfig, workers: int | None = None) -> str:
+    """Expert rollouts in ``cfg.train_scenarios`` training scenarios -> ``<work>/dataset.npz``, over
+    ``workers`` processes (default: every core). Every scenario's frames depend on its seed alone,
+    so the dataset is the same for any number of workers (chunks are joined in scenario order)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from tqdm import tqdm
     os.makedirs(work, exist_ok=True)
-    images, instructions, texts, present, depth, goal = [], [], [], [], [], []
-    for ex in tqdm(generate_examples("train", cfg.train_scenarios, with_labels=True,
-                                     action_noise=cfg.action_noise,
-                                     closeups_per_scenario=cfg.closeups_per_scenario),
-                   desc="data (expert rollouts)", unit="ex"):
-        images.append(ex.image)
-        instructions.append(ex.instruction)
-        texts.append(ex.text)
-        present.append(ex.labels.present)
-        depth.append(ex.labels.log_depth)
-        goal.append(ex.labels.goal_class)
+    workers = max(1, workers or os.cpu_count() or 1)
+    n = cfg.train_scenarios
+    step = max(1, min(25, -(-n // workers)))
+    chunks = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    bar = tqdm(total=n, desc="data (expert rollouts)", unit="scenario")
+    if workers == 1:
+        parts = []
+        for lo, hi in chunks:
+            parts.append(_data_chunk(cfg, lo, hi))
+            bar.update(hi - lo)
+    else:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_data_chunk, cfg, lo, hi) for lo, hi in chunks]
+            parts = []
+            for (lo, hi), future in zip(chunks, futures):
+                parts.append(future.result())
+                bar.update(hi - lo)
+    bar.close()
+    rows = {k: [v for part in parts for v in part[k]] for k in parts[0]}
     path = os.path.join(work, "dataset.npz")
-    np.savez_compressed(path, images=np.stack(images), instructions=np.array(instructions), texts=np.array(texts),
-                        present=np.stack(present), log_depth=np.stack(depth), goal_class=np.array(goal, np.int16))
-    print(f"data: {len(texts)} examples from {cfg.train_scenarios} training scenarios -> {path}")
+    np.savez_compressed(path, images=np.stack(rows["images"]), instructions=np.array(rows["instructions"]),
+                        texts=np.array(rows["texts"]), present=np.stack(rows["present"]),
+                        log_depth=np.stack(rows["log_depth"]), goal_class=np.array(rows["goal_class"], np.int16),
+                        history=np.array(rows["history"]), memory=np.array(cfg.memory))
+    print(f"data: {len(rows['texts'])} examples from {n} training scenarios ({workers} processes) -> {path}")
     return path
 
 
@@ -155,6 +195,7 @@ def dataset_path(work: str) -> str:
 
 
 def load_dataset(work: str):
+    from ..decoding.memory import Turn
     from ..sim.dataset import DenseLabels, Example
     d = np.load(dataset_path(work))
     if "present" in d:
@@ -162,8 +203,16 @@ def load_dataset(work: str):
         labels = [DenseLabels(p, z, int(g)) for p, z, g in zip(d["present"], d["log_depth"], goal)]
     else:  # a dataset written before dense labels existed
         labels = [None] * len(d["texts"])
-    return [Example(img, str(i), str(t), lab)
-            for img, i, t, lab in zip(d["images"], d["instructions"], d["texts"], labels)]
+    histories = ([tuple(Turn(*t) for t in json.loads(str(h))) for h in d["history"]] if "history" in d
+                 else [()] * len(d["texts"]))  # written before the memory design: memoryless
+    return [Example(img, str(i), str(t), lab, h)
+            for img, i, t, lab, h in zip(d["images"], d["instructions"], d["texts"], labels, histories)]
+
+
+def dataset_memory(work: str) -> int:
+    """The ``memory`` the data stage in ``work`` was generated with (0 for older datasets)."""
+    d = np.load(dataset_path(work))
+    return int(d["memory"]) if "memory" in d else 0
 
 
 def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
@@ -200,7 +249,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
            os.path.getmtime(os.path.join(tok_dir, "tokenizer.json")))
     if key not in _ENCODED:
         _ENCODED.clear()
-        _ENCODED[key] = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
+        _ENCODED[key] = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels, e.history)
                          for e in tqdm(load_dataset(work), desc=f"{role}: encode", unit="ex")]
     encoded = _ENCODED[key]
     if aux_weight > 0 and any(e.scene is None for e in encoded):
@@ -209,6 +258,9 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
                          f"--{role}-aux-weight 0)")
     spec = model_spec(role, cfg)
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
+    memory = dataset_memory(work)
+    if memory:  # the prompt layout the model learns: every caller reads it back (LoadedModel.memory)
+        model.config.policy_memory = memory
     vision_init = target_vision_dir(work, cfg) if role == "target" else None
     if vision_init:
         from .vision import load_pretrained_tower
@@ -330,7 +382,7 @@ def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str,
         start = cfg.train_scenarios + k * cfg.dagger_scenarios
         added = [encode_example(tokenizer, image_processor, view.rgb, scenario.instruction, decision.text,
                                 dense_labels(view, scenario))
-                 for scenario, _pose, view, decision in tqdm(
+                 for scenario, _pose, view, decision, _history in tqdm(
                      learner_frames(policy, "train", cfg.dagger_scenarios, start, outcomes=outcomes),
                      desc=f"{role}: DAgger {k + 1} ({cfg.dagger_scenarios} episodes)", unit="frame", leave=False)]
         n = max(1, len(outcomes))
@@ -474,7 +526,7 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 # finished stage by these options only, so changing, say, --wisv-epochs reruns wisv and what follows,
 # not the data and the target.
 STAGE_OPTIONS = {
-    "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "seed"),
+    "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout", "seed"),
     "tokenizer": ("tokenizer_vocab",),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),

@@ -20,7 +20,8 @@ IGNORE = -100
 
 def corpus_texts(examples) -> list[str]:
     """Chat-formatted texts (prompt + answer) for tokenizer training."""
-    return [chat_prompt(e.instruction, True) + e.text + "<|im_end|>" for e in examples]
+    return [chat_prompt(e.instruction, True, history=getattr(e, "history", ())) + e.text + "<|im_end|>"
+            for e in examples]
 
 
 @dataclass
@@ -32,9 +33,11 @@ class EncodedExample:
 
 
 def encode_example(tokenizer, image_processor, image: np.ndarray, instruction: str, text: str,
-                   scene=None) -> EncodedExample:
+                   scene=None, history=()) -> EncodedExample:
+    """One training example: the prompt (after the earlier decisions ``history``, for a policy with
+    memory) and the answer, with the loss on the answer only."""
     image = jpeg_roundtrip(image)
-    prompt = build_inputs(tokenizer, instruction, image, image_processor)
+    prompt = build_inputs(tokenizer, instruction, image, image_processor, history=history)
     answer = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
     ids = prompt.input_ids[0].tolist() + answer
     labels = [IGNORE] * prompt.num_tokens + answer

@@ -177,11 +177,15 @@ class LengthGroupedSampler:
 
 
 class _Batches(torch.utils.data.Dataset):
-    """Batch ``k`` of a schedule segment, collated (and its dense-label targets), for a DataLoader."""
+    """Batch ``k`` of a schedule segment, collated (and its dense-label targets), for a DataLoader.
+    ``rope_index``: the model's M-RoPE index (``get_rope_index``), computed here, beside the model,
+    instead of in its forward (a per-example host loop that stalls a GPU)."""
 
-    def __init__(self, examples, batches, tokenizer, image_processor, num_classes: int, aux: bool):
+    def __init__(self, examples, batches, tokenizer, image_processor, num_classes: int, aux: bool,
+                 rope_index=None):
         self.examples, self.batches = examples, batches
         self.tokenizer, self.image_processor, self.num_classes, self.aux = tokenizer, image_processor, num_classes, aux
+        self.rope_index = rope_index
 
     def __len__(self):
         return len(self.batches)
@@ -189,7 +193,52 @@ class _Batches(torch.utils.data.Dataset):
     def __getitem__(self, k):
         chosen = [self.examples[i] for i in self.batches[k]]
         targets = aux_targets(chosen, self.image_processor, self.num_classes) if self.aux else None
-        return collate(chosen, self.tokenizer, self.image_processor), targets
+        batch = collate(chosen, self.tokenizer, self.image_processor)
+        if self.rope_index is not None:
+            with torch.no_grad():
+                batch["position_ids"] = self.rope_index(
+                    batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                    image_grid_thw=batch["image_grid_thw"], attention_mask=batch["attention_mask"])[0]
+        return batch, targets
+
+
+def _equal_images_attention(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                            position_embeddings=None, max_seqlen=None, **kwargs) -> torch.Tensor:
+    """Qwen2-VL's vision attention (``VisionAttention.forward``) for a batch of images that all have
+    the same number of patches: one attention call over [images, heads, patches, dim] instead of
+    one per image (the same result: each image still attends only to itself)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+    n = hidden_states.shape[0]
+    images = cu_seqlens.shape[0] - 1
+    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    q, k, v = (t.reshape(images, n // images, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scaling)
+    return self.proj(out.transpose(1, 2).reshape(n, -1))
+
+
+class EqualImagesAttention:
+    """While training on frames of one size, every vision attention layer of ``model`` attends over
+    all images in one call (:func:`_equal_images_attention`); restored on exit. transformers loops
+    over the images one attention call each unless flash attention is installed: 128 calls per
+    layer and step at a GPU's batch size, which left a GPU waiting on the host."""
+
+    def __init__(self, model):
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+        visual = getattr(getattr(model, "model", None), "visual", None)
+        self.layers = [m for m in visual.modules() if isinstance(m, VisionAttention)] if visual is not None else []
+
+    def __enter__(self):
+        import types
+        for layer in self.layers:
+            layer.forward = types.MethodType(_equal_images_attention, layer)
+        return self
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            del layer.forward  # back to the class's own forward
+        return False
 
 
 def segment_batches(lengths, cfg: TrainConfig, segment: int, n: int) -> list[np.ndarray]:
@@ -317,12 +366,16 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
                 "dagger_added": added_rounds, "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None})
 
+    one_size = len({e.image.shape for e in examples}) == 1  # every batch's images have one patch count
+    rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+
     def loader_from(first: int):
         """Batches ``first``.. of the current segment, collated ahead by ``cfg.loader_workers``."""
         segment = len(added_rounds)
         seg_start = segment_start[0]
         batches = segment_batches([len(e.input_ids) for e in examples], cfg, segment, cfg.steps - seg_start)
-        data = _Batches(examples, batches[first - seg_start:], tokenizer, image_processor, num_classes, aux is not None)
+        data = _Batches(examples, batches[first - seg_start:], tokenizer, image_processor, num_classes, aux is not None,
+                        rope_index)
         workers = cfg.loader_workers
         return iter(torch.utils.data.DataLoader(  # its own generator: the global RNG is not drawn from
             data, batch_size=None, shuffle=False, num_workers=workers, pin_memory=device.type == "cuda",
@@ -336,7 +389,9 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     last_checkpoint = time.monotonic()
     batches = loader_from(step)
     bar = tqdm(range(step, cfg.steps), desc=desc, unit="step", dynamic_ncols=True, initial=step, total=cfg.steps)
-    try:  # the probe's hook never outlives training, even when it fails
+    fast_vision = EqualImagesAttention(model if one_size else None)
+    fast_vision.__enter__()
+    try:  # the probe's hook and the attention patch never outlive training, even when it fails
         for step in bar:
             total = budgeted_total(step, cfg, total, started)
             if total is None:
@@ -379,6 +434,7 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
             checkpoint(len(losses))
     finally:
         bar.close()
+        fast_vision.__exit__(None, None, None)
         del batches  # shuts the loader's workers down
         if aux is not None:
             aux.remove()

@@ -1,0 +1,98 @@
+"""The policy's memory: the robot's last decisions and how each ended, as earlier chat turns.
+
+A memoryless policy sees the instruction and the current frame only, so it cannot know that it
+just turned the other way (left/right limit cycles) or that its last move was blocked (pushing
+into an obstacle again and again). A model trained with memory (``policy_memory`` > 0 in its
+``config.json``) reads a multi-turn chat instead: after the instruction, each earlier decision is
+an assistant turn holding its action and a user turn saying how it ended, and the current frame
+comes with the last outcome:
+
+    system | user: <instruction> | assistant: turn left medium | user: done |
+    assistant: move forward large | user: blocked <image> | assistant: ...
+
+The shown window grows append-only from ``k`` to ``2k - 1`` earlier decisions, then drops back to
+the last ``k`` (:func:`shown_turns`): for ``k - 1`` of every ``k`` decisions the new prompt extends
+the previous one up to its image, so the verifier reuses the cached prefix (``Sequence``'s prefix
+reuse) instead of prefilling the whole history again.
+
+One home for the outcome words: the simulator (a step's result) and the drafter node (the
+navigator's ``motion.OUTCOMES``) both map through :func:`outcome_word`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+DONE, BLOCKED, NO_ACTION, INTERRUPTED = "done", "blocked", "no action", "interrupted"
+OUTCOME_WORDS = (DONE, BLOCKED, NO_ACTION, INTERRUPTED)
+
+# the navigator's outcomes (control.motion.OUTCOMES) as the prompt says them
+_MOTION_WORDS = {"completed": DONE, "stopped": DONE, "blocked_contact": BLOCKED, "rejected": NO_ACTION,
+                 "blocked_no_odometry": INTERRUPTED, "stale": INTERRUPTED, "fault": INTERRUPTED,
+                 "estop": INTERRUPTED, "watchdog": INTERRUPTED}
+
+
+class Turn(NamedTuple):
+    """One earlier decision: the action it executed (the grammar's text, e.g. "turn left medium";
+    "" when the text did not parse) and how it ended (one of :data:`OUTCOME_WORDS`)."""
+
+    action: str
+    outcome: str
+
+
+def outcome_word(outcome: str) -> str:
+    """The prompt's word for a navigator outcome (``control.motion.OUTCOMES``) or an outcome word
+    itself; ValueError for anything else (a silently wrong memory is worse than none)."""
+    if outcome in OUTCOME_WORDS:
+        return outcome
+    try:
+        return _MOTION_WORDS[outcome]
+    except KeyError:
+        raise ValueError(f"no memory word for outcome {outcome!r}: expected one of "
+                         f"{sorted(_MOTION_WORDS) + list(OUTCOME_WORDS)}") from None
+
+
+def shown_turns(turns, k: int) -> tuple[Turn, ...]:
+    """The earlier decisions a prompt shows, oldest first: all of them while fewer than ``k``;
+    then the last ``k + (n - k) % k`` (``k`` .. ``2k - 1``), so consecutive prompts extend each
+    other except when the window drops back to ``k``. ``k`` <= 0: none (a memoryless policy)."""
+    turns = tuple(turns)
+    if k <= 0:
+        return ()
+    n = len(turns)
+    if n < k:
+        return turns
+    return turns[n - (k + (n - k) % k):]
+
+
+class PolicyMemory:
+    """The decisions of one command so far (bounded: only what :func:`shown_turns` can show)."""
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError(f"policy memory must be >= 0 decisions, got {k}")
+        self.k = k
+        self._turns: deque[Turn] = deque(maxlen=max(1, 2 * k))
+        self._count = 0  # decisions recorded since reset (the window's phase depends on it)
+
+    def reset(self) -> None:
+        """A new command: nothing remembered."""
+        self._turns.clear()
+        self._count = 0
+
+    def add(self, action: str | None, outcome: str) -> None:
+        """Record a finished decision (``action`` None or "" when its text did not parse)."""
+        if self.k:
+            self._turns.append(Turn(action or "", outcome_word(outcome)))
+            self._count += 1
+
+    def shown(self) -> tuple[Turn, ...]:
+        """What the next prompt shows (:func:`shown_turns` over every decision since reset)."""
+        if not self.k or not self._count:
+            return ()
+        n = self._count
+        m = n if n < self.k else self.k + (n - self.k) % self.k
+        return tuple(self._turns)[-m:]
+
+    def __len__(self) -> int:
+        return self._count

@@ -1,0 +1,192 @@
+"""A policy with memory (decoding.memory, issue 37): the window, the prompt, the data, the rollout."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import pytest
+
+from edgespec_ros.control.actions import ActionParseError, parse_action
+from edgespec_ros.decoding.engines import load_model
+from edgespec_ros.decoding.inputs import IMAGE_PAD, build_inputs, chat_prompt
+from edgespec_ros.decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, Turn, outcome_word, shown_turns
+from edgespec_ros.models import default_model_path
+from edgespec_ros.sim.dataset import expert_frames, generate_examples, scenario_for_seed, split_seeds
+from edgespec_ros.sim.evaluate import run_episode
+from edgespec_ros.sim.policy import PolicyOutput
+
+TURNS = [Turn(f"turn {'left' if i % 2 else 'right'} small", DONE) for i in range(9)]
+
+
+def test_the_window_grows_append_only_then_drops_back_to_k():
+    assert [len(shown_turns(TURNS[:n], 2)) for n in range(8)] == [0, 1, 2, 3, 2, 3, 2, 3]
+    assert [len(shown_turns(TURNS[:n], 3)) for n in range(10)] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 3]
+    assert shown_turns(TURNS[:5], 2) == tuple(TURNS[2:5])  # always the most recent ones
+    assert shown_turns(TURNS, 0) == ()
+    memory = PolicyMemory(2)
+    for n, turn in enumerate(TURNS, 1):
+        memory.add(turn.action, turn.outcome)
+        assert memory.shown() == shown_turns(TURNS[:n], 2)
+    memory.reset()
+    assert memory.shown() == () and len(memory) == 0
+    memoryless = PolicyMemory(0)
+    memoryless.add("stop", DONE)
+    assert memoryless.shown() == ()
+
+
+def test_outcome_words_come_from_the_navigators_outcomes_and_nothing_else():
+    from edgespec_ros.control.motion import OUTCOMES
+    assert outcome_word("completed") == DONE and outcome_word("blocked_contact") == BLOCKED
+    assert outcome_word("rejected") == NO_ACTION
+    for outcome in OUTCOMES[1:]:  # every outcome a decision can end with has a word
+        outcome_word(outcome)
+    with pytest.raises(ValueError, match="no memory word"):
+        outcome_word("teleported")
+    memory = PolicyMemory(2)
+    memory.add(None, "rejected")
+    assert memory.shown() == (Turn("", NO_ACTION),)
+
+
+def test_the_memory_prompt_is_a_multi_turn_chat_and_extends_the_previous_one_up_to_its_image():
+    assert chat_prompt("find the red ball", True, history=()) == chat_prompt("find the red ball", True)
+    text = chat_prompt("find the red ball", True, history=(Turn("turn left small", DONE), Turn("", NO_ACTION)))
+    assert text.count("<|im_start|>user") == 3 and text.count("<|im_start|>assistant") == 3
+    assert "assistant\nturn left small<|im_end|>\n<|im_start|>user\ndone<|im_end|>" in text
+    assert text.index("assistant\nnone<|im_end|>\n<|im_start|>user\nno action<|vision_start|>") > 0
+    assert text.count(IMAGE_PAD) == 1 and text.endswith("<|im_start|>assistant\n")
+    # consecutive prompts share everything before the image, except when the window drops back
+    for n in range(1, 8):
+        before = chat_prompt("go", True, history=shown_turns(TURNS[:n - 1], 2))
+        after = chat_prompt("go", True, history=shown_turns(TURNS[:n], 2))
+        extends = after.startswith(before[:before.index("<|vision_start|>")])
+        assert extends == (len(shown_turns(TURNS[:n], 2)) > len(shown_turns(TURNS[:n - 1], 2)) or n == 1), n
+
+
+def test_a_memory_prompt_tokenizes_with_one_image_and_its_history(tmp_path):
+    lm = load_model(default_model_path("target"))
+    image = np.zeros((112, 112, 3), np.uint8)
+    plain = build_inputs(lm.tokenizer, "go to the red ball", image, lm.image_processor)
+    with_memory = build_inputs(lm.tokenizer, "go to the red ball", image, lm.image_processor,
+                               history=(Turn("move forward large", BLOCKED),))
+    assert int(with_memory.mm_token_type_ids.sum()) == int(plain.mm_token_type_ids.sum())
+    assert with_memory.num_tokens > plain.num_tokens
+    assert "blocked" in lm.tokenizer.decode(with_memory.input_ids[0])
+    assert lm.memory == 0  # the committed models are memoryless
+    lm.model.config.policy_memory = 2
+    assert lm.memory == 2
+
+
+def test_expert_rollouts_carry_the_executed_decisions_and_mistakes_show_blocked_moves():
+    plain = list(generate_examples("train", 3))
+    remembered = list(generate_examples("train", 3, memory=2))
+    assert [e.text for e in plain] == [e.text for e in remembered]  # memory alone changes no frame
+    assert all(e.history == () for e in plain)
+    frames = list(expert_frames("train", 1, perturbations_per_step=0, memory=3))
+    for i, frame in enumerate(frames):  # the rollout's own decisions, most recent last
+        executed = [Turn(f.decision.action.text, DONE) for f in frames[:i]]
+        assert [t.action for t in frame.history] == [t.action for t in shown_turns(executed, 3)]
+    noisy = list(generate_examples("train", 20, perturbations_per_step=0, memory=2, memory_noise=0.3))
+    outcomes = {t.outcome for e in noisy for t in e.history}
+    assert BLOCKED in outcomes and DONE in outcomes
+    with pytest.raises(ValueError, match="memory_noise"):
+        next(generate_examples("train", 1, memory=2, memory_noise=1.0))
+
+
+class Remembering:
+    """A scripted policy with memory: drives forward forever and records what it was shown."""
+
+    memory = 2
+
+    def __init__(self):
+        self.shown = []
+
+    def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+        self.shown.append(history)
+        text = "Action: move forward large." if len(self.shown) % 3 else "no idea"
+        try:
+            return PolicyOutput(text, parse_action(text), None, 1)
+        except ActionParseError as exc:
+            return PolicyOutput(text, None, str(exc), 1)
+
+
+def test_a_rollout_shows_a_policy_with_memory_its_decisions_and_how_they_ended():
+    scenario = scenario_for_seed(split_seeds("train", 1, 7)[0])
+    policy = Remembering()
+    result = run_episode(policy, scenario)
+    assert policy.shown[0] == ()
+    truth = []
+    for i, action in enumerate(result.actions[:-1]):
+        truth.append(Turn("", NO_ACTION) if action.startswith("<unparseable") else Turn(action, None))
+        shown = policy.shown[i + 1]
+        assert [t.action for t in shown] == [t.action for t in shown_turns(truth, 2)]
+    outcomes = [t.outcome for h in policy.shown for t in h]
+    assert NO_ACTION in outcomes
+    assert (BLOCKED in outcomes) == (result.collisions > 0)
+
+
+def test_the_data_stage_is_the_same_on_one_process_or_two(tmp_path):
+    from edgespec_ros.train.cli import PipelineConfig, load_dataset, stage_data
+    cfg = PipelineConfig(train_scenarios=4, memory=2, memory_noise=0.2, memory_dropout=0.5)
+    one = load_dataset(stage_data(str(tmp_path / "one"), cfg, workers=1).rsplit("/", 1)[0])
+    two = load_dataset(stage_data(str(tmp_path / "two"), cfg, workers=2).rsplit("/", 1)[0])
+    assert len(one) == len(two) > 0
+    for a, b in zip(one, two):
+        assert a.text == b.text and a.history == b.history and np.array_equal(a.image, b.image)
+    assert any(e.history for e in one)
+
+
+def test_the_reusable_prefix_stops_at_the_first_difference_the_image_and_the_last_token():
+    from edgespec_ros.decoding.engines import reusable_prefix
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], None) == 4
+    assert reusable_prefix([1, 2, 9, 4], [1, 2, 3, 4, 5, 6], None) == 2
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], image_start=3) == 3  # never into an image
+    assert reusable_prefix([1, 2, 3], [1, 2, 3], None) == 2  # the last token is always computed
+    assert reusable_prefix([], [1, 2], None) == 0
+
+
+def _greedy(seq, n):
+    out = []
+    logits = seq.last_logits
+    for _ in range(n):
+        token = int(logits.argmax())
+        out.append(token)
+        logits = seq.feed([token])[-1]
+    return out
+
+
+def test_a_prompt_that_extends_the_last_one_reuses_its_cache_and_decodes_the_same_tokens():
+    lm = load_model(default_model_path("target"))
+    frames = [f.view.rgb for f in expert_frames("heldout", 1, perturbations_per_step=0)][:3]
+    history = [Turn("turn left small", DONE), Turn("move forward large", BLOCKED)]
+    prompts = [build_inputs(lm.tokenizer, "go to the red ball", frames[i], lm.image_processor,
+                            history=shown_turns(history[:i], 2)) for i in range(3)]
+    kept = lm.new_sequence()
+    for i, inputs in enumerate(prompts):
+        kept.prefill(inputs)
+        if i:  # everything before this decision's first difference from the last one is reused
+            before = prompts[i - 1].input_ids[0].tolist()
+            now = inputs.input_ids[0].tolist()
+            common = next(k for k, (a, b) in enumerate(zip(before, now)) if a != b)
+            assert kept.reused == common > 0
+        fresh = lm.new_sequence()
+        fresh.prefill(inputs)
+        assert fresh.reused == 0
+        assert torch.allclose(kept.last_logits, fresh.last_logits, atol=1e-4)
+        assert _greedy(kept, 12) == _greedy(fresh, 12)  # token-identical, then the cache holds drafts too
+    kept.prefill(prompts[0])  # a shorter, different prompt: only the shared head is kept
+    fresh = lm.new_sequence()
+    fresh.prefill(prompts[0])
+    assert kept.reused > 0 and _greedy(kept, 8) == _greedy(fresh, 8)
+    no_reuse = lm.new_sequence()
+    no_reuse.prefill(prompts[1])
+    from edgespec_ros.preempt import run_steps
+    run_steps(no_reuse.prefill_steps(prompts[2], reuse=False))
+    assert no_reuse.reused == 0
+
+
+def test_memory_dropout_hides_the_memory_of_that_share_of_frames_and_nothing_else():
+    full = list(generate_examples("train", 6, memory=2, memory_noise=0.1))
+    dropped = list(generate_examples("train", 6, memory=2, memory_noise=0.1, memory_dropout=0.5))
+    assert [e.text for e in full] == [e.text for e in dropped]  # the same rollouts and answers
+    shown = [bool(d.history) for f, d in zip(full, dropped) if f.history]
+    assert 0.3 < 1 - sum(shown) / len(shown) < 0.7
+    assert all(d.history in ((), f.history) for f, d in zip(full, dropped))
