@@ -109,3 +109,22 @@ def test_json_rows_go_to_a_folder_that_does_not_exist_yet(tmp_path):
     path = tmp_path / "out" / "deeper" / "rows.json"
     write_json(str(path), [{"mode": "sd", "ms_per_token": 1.5}])
     assert json.loads(path.read_text()) == [{"mode": "sd", "ms_per_token": 1.5}]
+
+
+def test_the_threshold_choice_is_the_most_permissive_within_one_standard_error_of_greedy_sd():
+    from edgespec_ros.bench.wisv import table_threshold_choice, threshold_choice
+    sd = dict(threshold=None, upload=None, success=0.80, success_se=0.04)
+    rows = []
+    for link, successes in (("wifi-poor", {0.01: 0.79, 0.05: 0.77, 0.2: 0.70}), ("cellular", {0.01: 0.70, 0.05: 0.60})):
+        rows.append(dict(sd, link=link))
+        for t, s in successes.items():
+            for upload in ("full", "selective"):
+                rows.append(dict(link=link, threshold=t, upload=upload, success=s if upload == "full" else 0.0,
+                                 success_se=0.04, accepted_vs_sd=1 + t, latency_vs_sd=1 - t))
+    rows.append(dict(sd, link="lan", success=None))  # no closed loop measured: left out
+    choice = {c["link"]: c for c in threshold_choice(rows)}
+    assert set(choice) == {"wifi-poor", "cellular"}
+    assert choice["wifi-poor"]["threshold"] == 0.05 and choice["wifi-poor"]["success"] == 0.77
+    assert choice["cellular"]["threshold"] is None  # nothing within one SE: stay greedy
+    table = table_threshold_choice(rows)
+    assert "none: stay greedy" in table and "LOSSY" in table

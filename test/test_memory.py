@@ -136,11 +136,12 @@ def test_the_data_stage_is_the_same_on_one_process_or_two(tmp_path):
 
 def test_the_reusable_prefix_stops_at_the_first_difference_the_image_and_the_last_token():
     from edgespec_ros.decoding.engines import reusable_prefix
-    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], None) == 4
-    assert reusable_prefix([1, 2, 9, 4], [1, 2, 3, 4, 5, 6], None) == 2
-    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], image_start=3) == 3  # never into an image
-    assert reusable_prefix([1, 2, 3], [1, 2, 3], None) == 2  # the last token is always computed
-    assert reusable_prefix([], [1, 2], None) == 0
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], None, minimum=1) == 4
+    assert reusable_prefix([1, 2, 9, 4], [1, 2, 3, 4, 5, 6], None, minimum=1) == 2
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], image_start=3, minimum=1) == 3  # never into an image
+    assert reusable_prefix([1, 2, 3], [1, 2, 3], None, minimum=1) == 2  # the last token is always computed
+    assert reusable_prefix([], [1, 2], None, minimum=1) == 0
+    assert reusable_prefix([1, 2, 9, 4], [1, 2, 3, 4, 5, 6], None, minimum=3) == 0  # too short to be worth it
 
 
 def _greedy(seq, n):
@@ -159,28 +160,61 @@ def test_a_prompt_that_extends_the_last_one_reuses_its_cache_and_decodes_the_sam
     history = [Turn("turn left small", DONE), Turn("move forward large", BLOCKED)]
     prompts = [build_inputs(lm.tokenizer, "go to the red ball", frames[i], lm.image_processor,
                             history=shown_turns(history[:i], 2)) for i in range(3)]
-    kept = lm.new_sequence()
+    from edgespec_ros.decoding.engines import MIN_PREFIX_REUSE
+    from edgespec_ros.preempt import run_steps
+    kept, reused = lm.new_sequence(), []
     for i, inputs in enumerate(prompts):
-        kept.prefill(inputs)
+        run_steps(kept.prefill_steps(inputs, reuse=True))
         if i:  # everything before this decision's first difference from the last one is reused
             before = prompts[i - 1].input_ids[0].tolist()
             now = inputs.input_ids[0].tolist()
             common = next(k for k, (a, b) in enumerate(zip(before, now)) if a != b)
-            assert kept.reused == common > 0
+            assert kept.reused == (common if common >= MIN_PREFIX_REUSE else 0)
+            reused.append(kept.reused)
         fresh = lm.new_sequence()
         fresh.prefill(inputs)
         assert fresh.reused == 0
         assert torch.allclose(kept.last_logits, fresh.last_logits, atol=1e-4)
         assert _greedy(kept, 12) == _greedy(fresh, 12)  # token-identical, then the cache holds drafts too
-    kept.prefill(prompts[0])  # a shorter, different prompt: only the shared head is kept
+    assert reused[-1] > 0  # the third prompt extends the second past the system turn and instruction
+    run_steps(kept.prefill_steps(prompts[0], reuse=True))  # a memoryless prompt: the shared head is too short
     fresh = lm.new_sequence()
     fresh.prefill(prompts[0])
-    assert kept.reused > 0 and _greedy(kept, 8) == _greedy(fresh, 8)
+    assert kept.reused == 0 and torch.equal(kept.last_logits, fresh.last_logits)
     no_reuse = lm.new_sequence()
     no_reuse.prefill(prompts[1])
-    from edgespec_ros.preempt import run_steps
-    run_steps(no_reuse.prefill_steps(prompts[2], reuse=False))
+    no_reuse.prefill(prompts[2])  # plain prefill() never reuses (profiles time it)
     assert no_reuse.reused == 0
+
+
+def test_a_prefill_that_fails_half_way_leaves_no_cache_to_reuse():
+    lm = load_model(default_model_path("target"))
+    frame = np.zeros((112, 112, 3), np.uint8)
+    history = (Turn("turn left small", DONE), Turn("move forward large", BLOCKED), Turn("turn right small", DONE))
+    seq = lm.new_sequence()
+    from edgespec_ros.preempt import run_steps
+    run_steps(seq.prefill_steps(build_inputs(lm.tokenizer, "go", frame, lm.image_processor, history=history[:2]),
+                                reuse=True))
+    layer = lm.model.model.language_model.layers[3]
+    calls = []
+
+    def fail(*_):
+        calls.append(1)
+        raise RuntimeError("out of memory")
+
+    handle = layer.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run_steps(seq.prefill_steps(build_inputs(lm.tokenizer, "go", frame, lm.image_processor,
+                                                     history=history), reuse=True))
+    finally:
+        handle.remove()
+    assert calls and seq.cache is None and seq.fed == 0
+    inputs = build_inputs(lm.tokenizer, "go", frame, lm.image_processor, history=history)
+    run_steps(seq.prefill_steps(inputs, reuse=True))
+    fresh = lm.new_sequence()
+    fresh.prefill(inputs)
+    assert seq.reused == 0 and torch.equal(seq.last_logits, fresh.last_logits)
 
 
 def test_memory_dropout_hides_the_memory_of_that_share_of_frames_and_nothing_else():
@@ -190,3 +224,20 @@ def test_memory_dropout_hides_the_memory_of_that_share_of_frames_and_nothing_els
     shown = [bool(d.history) for f, d in zip(full, dropped) if f.history]
     assert 0.3 < 1 - sum(shown) / len(shown) < 0.7
     assert all(d.history in ((), f.history) for f, d in zip(full, dropped))
+
+
+def test_dagger_rollouts_show_a_policy_with_memory_its_own_decisions():
+    from edgespec_ros.sim.dataset import learner_frames
+    policy = Remembering()
+    frames = list(learner_frames(policy, "train", 1, start=7))
+    assert [f.history for f in frames] == policy.shown  # each frame carries what the learner was shown
+    assert any(f.history for f in frames)
+
+
+def test_stages_that_build_memoryless_prompts_refuse_a_policy_with_memory(tmp_path):
+    import json
+    from edgespec_ros.train.cli import refuse_memory
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "policy_memory": 2}))
+    with pytest.raises(SystemExit, match="policy with memory"):
+        refuse_memory("wisv", str(tmp_path))
+    refuse_memory("wisv", default_model_path("target"))  # the committed models are memoryless

@@ -200,6 +200,46 @@ def _f(value, spec, none="-"):
     return none if value is None else format(value, spec)
 
 
+def threshold_choice(rows: list[dict]) -> list[dict]:
+    """Per link, the most permissive threshold whose closed-loop success is within one standard
+    error of lossless greedy SD's (issue 35: success, not agreement, chooses), with what it buys:
+    ``{"link", "threshold" (None: no threshold qualifies, stay greedy), "success", "success_se",
+    "sd_success", "accepted_vs_sd", "latency_vs_sd"}``. Full-upload rows decide (both uploads decide
+    alike); links without closed-loop figures are left out."""
+    out = []
+    for link in dict.fromkeys(r["link"] for r in rows):
+        mine = [r for r in rows if r["link"] == link and r.get("upload") in (None, "full")]
+        sd = next((r for r in mine if r["threshold"] is None and r.get("success") is not None), None)
+        candidates = [r for r in mine if r["threshold"] is not None and r.get("success") is not None]
+        if sd is None or not candidates:
+            continue
+        ok = [r for r in candidates if r["success"] >= sd["success"] - (sd.get("success_se") or 0.0)]
+        best = max(ok, key=lambda r: r["threshold"]) if ok else None
+        out.append({"link": link, "threshold": best and best["threshold"],
+                    "success": best and best["success"], "success_se": best and best["success_se"],
+                    "sd_success": sd["success"], "sd_success_se": sd.get("success_se"),
+                    "accepted_vs_sd": best and best.get("accepted_vs_sd"),
+                    "latency_vs_sd": best and best.get("latency_vs_sd")})
+    return out
+
+
+def table_threshold_choice(rows: list[dict]) -> str:
+    """The per-link threshold table (:func:`threshold_choice`), or "" without closed-loop figures."""
+    from .report import fixed_width
+    choice = threshold_choice(rows)
+    if not choice:
+        return ""
+    pct = lambda p, se: "-" if p is None else f"{100 * p:.1f} +- {100 * (se or 0):.1f}%"  # noqa: E731
+    lines = [[c["link"], "none: stay greedy" if c["threshold"] is None else f"{c['threshold']:g}",
+              pct(c["success"], c["success_se"]), pct(c["sd_success"], c["sd_success_se"]),
+              _f(c["accepted_vs_sd"] and c["accepted_vs_sd"] - 1, "+.0%"),
+              _f(c["latency_vs_sd"] and c["latency_vs_sd"], ".2f") + ("x" if c["latency_vs_sd"] else "")]
+             for c in choice]
+    return ("Per link, the most permissive threshold whose closed-loop success is within one standard error of "
+            "greedy SD's (LOSSY):\n" + fixed_width(["link", "threshold", "success", "greedy SD success",
+                                                   "accepted vs SD", "ms/token vs SD"], lines))
+
+
 def table_wisv(rows: list[dict]) -> str:
     from .report import fixed_width
     lines = []
@@ -219,7 +259,7 @@ def table_wisv(rows: list[dict]) -> str:
     return (fixed_width(head, lines) + "\nLOSSY for every threshold row: agreement is with target-only greedy "
             "decoding on the card's held-out frames (with their accepted length and rounds), success on its "
             "held-out episodes (both in process, under the link profile's CSI); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
-            + " compute.")
+            + " compute." + ("\n\n" + table_threshold_choice(rows) if threshold_choice(rows) else ""))
 
 
 def plot_wisv(rows: list[dict], path: str) -> None:

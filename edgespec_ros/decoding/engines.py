@@ -309,16 +309,25 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: in
     return [p for p in pieces if p[1] > p[0]]
 
 
-def reusable_prefix(cached: list[int], prompt: list[int], image_start: int | None) -> int:
+# Fewer shared positions than this are computed again: a memoryless robot's prompts share only the
+# system turn and the instruction (~20 tokens), not worth a different prefill (its pieces round a
+# little differently from one forward, as chunked prefill does); a policy with memory shares its
+# earlier turns (decoding.memory), 30-80 tokens here and more with longer memories.
+MIN_PREFIX_REUSE = 24
+
+
+def reusable_prefix(cached: list[int], prompt: list[int], image_start: int | None,
+                    minimum: int = MIN_PREFIX_REUSE) -> int:
     """How many leading positions of a cache holding ``cached`` (token ids, in order) a prefill of
     ``prompt`` may keep: the common prefix, ending before the prompt's first image token (an image
     pad id says nothing about which image it stands for, and positions after an image depend on
-    its grid) and before the prompt's last token (whose logits the prefill must return)."""
+    its grid) and before the prompt's last token (whose logits the prefill must return); 0 when
+    that is shorter than ``minimum``."""
     limit = min(len(cached), len(prompt) - 1, len(prompt) if image_start is None else image_start)
     keep = 0
     while keep < limit and cached[keep] == prompt[keep]:
         keep += 1
-    return keep
+    return keep if keep >= minimum else 0
 
 
 @dataclass
@@ -358,7 +367,7 @@ class Sequence:
         """Reset and feed the prompt; returns next-token logits [V]."""
         return run_steps(self.prefill_steps(inputs))
 
-    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK, reuse: bool = True):
+    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK, reuse: bool = False):
         """prefill() in pieces of at most ``chunk`` prompt tokens, yielding between them
         (edgespec_ros.preempt: the verifier interleaves other sessions' rounds with a long prompt,
         as chunked prefill does in vLLM). All of an image's tokens go in one piece, with its
@@ -370,7 +379,9 @@ class Sequence:
         last prompt and every token fed after it) are kept, up to the prompt's image
         (:func:`reusable_prefix`), and only the rest is computed, as vLLM's prefix caching does: a
         policy with memory sends prompts that extend the previous decision's (``decoding.memory``).
-        Only this sequence's own cache is reused, so nothing crosses between sessions."""
+        Only this sequence's own cache is reused, so nothing crosses between sessions; the logits
+        agree with a full prefill's to float rounding, as chunked prefill's do. A piece that fails
+        drops the cache (its layers may hold different lengths), so nothing half-written is reused."""
         from transformers import DynamicCache
         model = self.lm.model
         device = self.lm.device
@@ -412,8 +423,12 @@ class Sequence:
                 if image is not None and a <= image[0] < b:
                     piece.update(pixel_values=kwargs["pixel_values"], image_grid_thw=kwargs["image_grid_thw"],
                                  mm_token_type_ids=kwargs["mm_token_type_ids"][:, a:b])
-                out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
-                            use_cache=True)
+                try:
+                    out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
+                                use_cache=True)
+                except BaseException:
+                    self.cache, self.fed, self.prompt_ids = None, 0, []
+                    raise
                 self.fed = b
             if hidden:
                 self.last_hidden = hidden[-1][0, -1]

@@ -52,17 +52,20 @@ def outcome_word(outcome: str) -> str:
                          f"{sorted(_MOTION_WORDS) + list(OUTCOME_WORDS)}") from None
 
 
+def _window(n: int, k: int) -> int:
+    """How many of ``n`` earlier decisions a memory of ``k`` shows (:func:`shown_turns`)."""
+    if k <= 0:
+        return 0
+    return n if n < k else k + (n - k) % k
+
+
 def shown_turns(turns, k: int) -> tuple[Turn, ...]:
     """The earlier decisions a prompt shows, oldest first: all of them while fewer than ``k``;
     then the last ``k + (n - k) % k`` (``k`` .. ``2k - 1``), so consecutive prompts extend each
     other except when the window drops back to ``k``. ``k`` <= 0: none (a memoryless policy)."""
     turns = tuple(turns)
-    if k <= 0:
-        return ()
-    n = len(turns)
-    if n < k:
-        return turns
-    return turns[n - (k + (n - k) % k):]
+    m = _window(len(turns), k)
+    return turns[len(turns) - m:] if m else ()
 
 
 class PolicyMemory:
@@ -88,11 +91,8 @@ class PolicyMemory:
 
     def shown(self) -> tuple[Turn, ...]:
         """What the next prompt shows (:func:`shown_turns` over every decision since reset)."""
-        if not self.k or not self._count:
-            return ()
-        n = self._count
-        m = n if n < self.k else self.k + (n - self.k) % self.k
-        return tuple(self._turns)[-m:]
+        m = _window(self._count, self.k)
+        return tuple(self._turns)[-m:] if m else ()
 
     def __len__(self) -> int:
         return self._count

@@ -349,8 +349,11 @@ class DrafterCore:
             if state != "moving":
                 self.awaiting_motion_stamp = None
                 self.motion_idle_since_ns = state_stamp_ns
-                # a navigator that reports no outcome ended the motion the ordinary way
-                self.memory.add(self.awaiting_action, COMPLETED if outcome == NO_OUTCOME else outcome)
+                # a navigator that reports no outcome ended the motion the ordinary way, unless it
+                # reports the e-stop or its watchdog
+                if outcome == NO_OUTCOME:
+                    outcome = COMPLETED if state == "idle" else INTERRUPTED
+                self.memory.add(self.awaiting_action, outcome)
                 # pushing into something (not stale odometry: then the view may well have changed)
                 self.resample_next = outcome == BLOCKED_CONTACT
 
@@ -489,6 +492,8 @@ class DrafterCore:
             elif outcome.action == "stop":
                 self.memory.add("stop", DONE)
             if outcome.parsed and outcome.action != "stop":
+                if self.awaiting_motion_stamp is not None:  # not waiting for motion: the last one was cut short
+                    self.memory.add(self.awaiting_action, INTERRUPTED)
                 self.awaiting_motion_stamp = outcome.stamp_ns
                 self.awaiting_action = outcome.action
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":

@@ -14,7 +14,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
-from ..decoding.memory import BLOCKED, DONE, Turn, shown_turns
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, Turn, shown_turns
 from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
@@ -308,21 +308,25 @@ def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
     action (an unparseable answer spends the decision without moving), so the frames are the
     off-course, too-close and facing-the-wrong-way states a learned policy drifts into, which the
     expert's rollouts never show. The expert is memoryless, so its label for a state does not
-    depend on how the robot got there. ``outcomes``: a list to append each episode's
-    ``(success, collisions, decisions)`` to."""
+    depend on how the robot got there, but a policy with memory (``policy.memory`` > 0) is shown
+    its own earlier decisions, and each frame carries them (its ``history``). ``outcomes``: a list
+    to append each episode's ``(success, collisions, decisions)`` to."""
     for seed in split_seeds(split, n_scenarios, start):
         scenario = scenario_for_seed(seed)
         expert = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
+        memory = PolicyMemory(getattr(policy, "memory", 0))
         while not world.done:
             pose = world.pose
             view = world.camera_view()
-            yield ExpertFrame(scenario, pose, view, expert.decide(scenario, pose, view))
-            out = policy.decide(view.rgb, scenario.instruction)
+            history = memory.shown()
+            yield ExpertFrame(scenario, pose, view, expert.decide(scenario, pose, view), history)
+            out = policy.decide(view.rgb, scenario.instruction, **({"history": history} if memory.k else {}))
             if out.action is None:
                 world.skip_decision(out.error)
+                memory.add(None, NO_ACTION)
             else:
-                world.step(out.action)
+                memory.add(out.action.text, BLOCKED if world.step(out.action).collided else DONE)
         if outcomes is not None:
             outcomes.append((world.success, world.collisions, world.steps))
 

@@ -54,12 +54,13 @@ class DecoderPolicy:
 
     def __init__(self, decoder, cfg: DecodeConfig):
         self.decoder, self.cfg = decoder, cfg
+        self.memory = getattr(getattr(decoder, "draft", None), "memory", 0) or 0  # the prompt the draft reads
         self.last = None  # the last decision (edge.Decision: tokens, text, metrics)
 
-    def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0) -> PolicyOutput:
+    def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0, history=()) -> PolicyOutput:
         cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed,
                                                        verify_mode="rejection")
-        out = self.last = self.decoder.decide(instruction, image, cfg)
+        out = self.last = self.decoder.decide(instruction, image, cfg, history=history)
         try:
             return PolicyOutput(out.text, parse_action(out.text), None, len(out.tokens))
         except ActionParseError as exc:

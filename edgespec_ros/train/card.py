@@ -32,7 +32,7 @@ def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, tem
     for i, ex in enumerate(tqdm(examples, desc=f"SD gamma={gamma} T={temperature:g}", unit="dec")):
         cfg = DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=96, seed=seed + i,
                            params=SamplingParams(temperature=temperature))
-        summary.add(decoder.decide(ex.instruction, ex.image, cfg).metrics)
+        summary.add(decoder.decide(ex.instruction, ex.image, cfg, history=getattr(ex, "history", ())).metrics)
     row = summary.row()
     return {"gamma": gamma, "temperature": temperature, "decisions": row["decisions"],
             "acceptance_rate": row["acceptance_rate"], "tau": row["tau"],

@@ -133,9 +133,7 @@ ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exit
 
 def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
     """The data stage's examples of training scenarios ``lo:hi``, as arrays (one worker's share)."""
-    import torch
     from ..sim.dataset import generate_examples
-    torch.set_num_threads(1)
     rows = {k: [] for k in ("images", "instructions", "texts", "present", "log_depth", "goal_class", "history")}
     for ex in generate_examples("train", hi - lo, lo, with_labels=True, action_noise=cfg.action_noise,
                                 closeups_per_scenario=cfg.closeups_per_scenario,
@@ -158,7 +156,7 @@ def stage_data(work: str, cfg: PipelineConfig, workers: int | None = None) -> st
 
     from tqdm import tqdm
     os.makedirs(work, exist_ok=True)
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = max(1, workers or os.cpu_count() or 1)  # the rollouts are numpy: one thread each
     n = cfg.train_scenarios
     step = max(1, min(25, -(-n // workers)))
     chunks = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
@@ -381,8 +379,8 @@ def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str,
         outcomes: list = []
         start = cfg.train_scenarios + k * cfg.dagger_scenarios
         added = [encode_example(tokenizer, image_processor, view.rgb, scenario.instruction, decision.text,
-                                dense_labels(view, scenario))
-                 for scenario, _pose, view, decision, _history in tqdm(
+                                dense_labels(view, scenario), history)
+                 for scenario, _pose, view, decision, history in tqdm(
                      learner_frames(policy, "train", cfg.dagger_scenarios, start, outcomes=outcomes),
                      desc=f"{role}: DAgger {k + 1} ({cfg.dagger_scenarios} episodes)", unit="frame", leave=False)]
         n = max(1, len(outcomes))
@@ -402,9 +400,30 @@ def distill_config(cfg: PipelineConfig):
                          batch_size=cfg.distill_batch, lr=cfg.distill_lr, on_policy=cfg.distill_on_policy, seed=cfg.seed)
 
 
+# the stages that build their prompts without a memory: a model with one would learn or be
+# measured on prompts the robot never sends (issue 37's follow-up: thread the history through them)
+MEMORYLESS_STAGES = ("distill", "exits", "wisv")
+
+
+def refuse_memory(stage: str, *model_dirs: str) -> None:
+    """SystemExit when one of ``model_dirs`` reads a memory (``policy_memory``) that ``stage``
+    cannot prompt with yet (:data:`MEMORYLESS_STAGES`)."""
+    for d in model_dirs:
+        try:
+            with open(os.path.join(d, "config.json")) as f:
+                memory = json.load(f).get("policy_memory", 0)
+        except (OSError, ValueError):
+            continue
+        if memory:
+            raise SystemExit(f"edgespec-train {stage}: {d} is a policy with memory (policy_memory {memory}); the "
+                             f"{stage} stage builds memoryless prompts only, so it would train on prompts the robot "
+                             "never sends. Train and compare such models with the target, draft, card and compare stages")
+
+
 def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineConfig, device: str = "cpu") -> dict:
     """The draft distilled towards the target on ``cfg.distill_prompts`` of the data stage's
     frames, measured before and after on held-out frames (train.distill); saved to ``out``."""
+    refuse_memory("distill", draft, target)
     from ..decoding.inputs import jpeg_roundtrip
     from ..sim.dataset import generate_examples
     from .distill import format_report, run_distill_stage
@@ -456,6 +475,7 @@ def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
 
 
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
+    refuse_memory("exits", target)
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
     from tqdm import tqdm
@@ -468,6 +488,7 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
 
 
 def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
+    refuse_memory("wisv", draft, target)
     from ..sim.dataset import generate_examples
     from .wisv import HeadTrainConfig, run_wisv_stage
     train = list(generate_examples("train", cfg.wisv_scenarios))
@@ -645,6 +666,11 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     stages = ([s for s in ALL_STAGES if s != "vision" or cfg.target_vision == "auto"] if args.stage == "all"
               else [args.stage])
+    if cfg.memory and args.stage == "all":
+        stages = [s for s in stages if s not in MEMORYLESS_STAGES]
+        print(f"edgespec-train all --memory {cfg.memory}: the {', '.join(MEMORYLESS_STAGES)} stages build memoryless "
+              "prompts only and are left out (the draft is not distilled; no early exits or WISV head)")
+
     timings = {}
     done = StagesDone(args.work, cfg, args.out)
     for stage in stages:

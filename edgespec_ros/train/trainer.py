@@ -404,6 +404,9 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
                 if aux is not None and any(e.scene is None for e in added):
                     raise ValueError("train_model: DAgger examples need dense labels with aux_weight > 0")
                 examples += added
+                if len({e.image.shape for e in examples}) != 1:  # frames of another size: per-image attention
+                    fast_vision.__exit__(None, None, None)
+                    fast_vision = EqualImagesAttention(None)
                 added_rounds.append(added)
                 segment_start[0] = step
                 batches = loader_from(step)

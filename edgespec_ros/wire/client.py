@@ -264,6 +264,7 @@ class RemoteVerifier:
             self.connect()
         self.decision += 1
         self.round = 0
+        self.last_prefill_s = None  # this decision's, from its PREFILL_OK
         self._inflight.clear()
         self._hidden_sent.clear()
         self.epoch = self._max_epoch = 0
