@@ -117,7 +117,7 @@ class PipelineConfig:
 # `make models-long` (`edgespec-train all --long --resume`): the scaling table's next points
 # (docs/models.md: "Where the bars stand"): the target's steps fixed instead of its wall-clock
 # budget, so that the run is the same on any machine and can be stopped and resumed in pieces
-LONG = dict(target_steps=38000, target_budget_s=0.0)
+LONG = dict(target_steps=38000, target_budget_s=0.0, wisv_scenarios=200, wisv_labels="sequential")
 
 # `edgespec-train all --quick`: every stage on a sliver of the data, for smoke runs (~5 min); the
 # models are useless and go to build/train-quick/models unless --out is given.
@@ -495,7 +495,8 @@ def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
     heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed, labels=cfg.wisv_labels)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
-                          command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs}",
+                          command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs} "
+                                  f"--wisv-labels {cfg.wisv_labels}",
                           workers=max(1, min(cfg.wisv_workers, os.cpu_count() or 1)))
 
 
@@ -631,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "same options, and resume the target and draft from <work>/checkpoints (written every "
                          "--checkpoint-every-s); without it those checkpoints are discarded")
     ap.add_argument("--long", action="store_true",
-                    help=f"the long recipe (make models-long): {', '.join(f'--{k.replace(chr(95), chr(45))} {v:g}' for k, v in LONG.items())} "
+                    help=f"the long recipe (make models-long): {', '.join(f'--{k.replace(chr(95), chr(45))} {v:g}' if isinstance(v, (int, float)) else f'--{k.replace(chr(95), chr(45))} {v}' for k, v in LONG.items())} "
                          "(options given explicitly still win); run it with --resume to carry it on in pieces")
     ap.add_argument("--target", default=None,
                     help="exits, wisv, distill: the target model dir (default: <out>/target)")
