@@ -189,7 +189,8 @@ def test_examples_have_images_instructions_and_parseable_text():
     examples = list(generate_examples("train", 2, perturbations_per_step=1.0))
     first_scenario = scenario_for_seed(split_seeds("train", 1)[0])
     assert len(examples) > run_expert_episode(first_scenario).steps
-    for image, instruction, text, labels in examples:
+    for image, instruction, text, labels, history in examples:
+        assert history == ()  # a memory only when asked for (memory=K)
         assert labels is None  # dense labels only when asked for (with_labels=True)
         assert image.shape == (112, 112, 3) and image.dtype == np.uint8
         assert isinstance(instruction, str) and instruction

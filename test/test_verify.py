@@ -327,7 +327,7 @@ PROMPT_IDS = [1, 2, 3]
 class _FixedPromptDecoder(EdgeDecoder):
     """EdgeDecoder over a small-vocabulary LM: the prompt ids are given, not tokenized."""
 
-    def make_prompt(self, instruction, image=None):
+    def make_prompt(self, instruction, image=None, history=()):
         ids = torch.tensor([PROMPT_IDS])
         return Prompt(instruction, None, list(PROMPT_IDS)), PromptInputs(ids, torch.ones_like(ids))
 

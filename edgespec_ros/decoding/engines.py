@@ -310,9 +310,9 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: in
 
 
 # Fewer shared positions than this are computed again: a memoryless robot's prompts share only the
-# system turn and the instruction (~20 tokens), not worth a different prefill (its pieces round a
-# little differently from one forward, as chunked prefill does); a policy with memory shares its
-# earlier turns (decoding.memory), 30-80 tokens here and more with longer memories.
+# system turn and the instruction (18-25 tokens with the embedded tokenizer), hardly worth a
+# different prefill (its pieces round a little differently from one forward, as chunked prefill
+# does); a policy with memory shares its earlier turns too (decoding.memory), 30-80 tokens here.
 MIN_PREFIX_REUSE = 24
 
 
