@@ -4,9 +4,11 @@
 # wall-clock budget), then the card's target figures for each on every core (edgespec-train compare).
 #   scripts/gpu_train.sh train OUT_DIR    # data + the targets; each target as OUT_DIR/<name>.tar
 #   scripts/gpu_train.sh eval OUT_DIR     # the figures: OUT_DIR/compare.json, compare.txt
-# Variables: BUDGET (s of training per target, default 360), BATCH (128), VARIANTS ("name:seed:spec[:data] ...",
+# Variables: BUDGET (s of training per target, default 360), BATCH (128), VARIANTS ("name:seed:spec[:data[:opts]] ...",
 # spec as --target-spec, "-" for the committed shape; data: the data stage's options, e.g.
-# "memory=2,memory-noise=0.15" for a policy with memory, "-" or absent for the committed data), DEVICE (cuda),
+# "memory=2,memory-noise=0.15" for a policy with memory, "-" or absent for the committed data; opts: more
+# target-stage options, e.g. "target-init=edgespec_ros/models/target,target-lr=0.001" to continue the
+# committed target's training), DEVICE (cuda),
 # EVAL_ARGS (e.g. --compare-episodes 8 for a smoke run), SCENARIOS (1500), WORK (build/gpu-train: kept
 # between the two commands on a warm machine). The tower the targets start from: build/train/vision
 # (`edgespec-train vision`), carried. Wheels in .whl/ are installed to /tmp/site first.
@@ -35,7 +37,7 @@ train() {
     t0=$(date +%s)
     mkdir -p "$work/logs"
     # one data stage per distinct data option set, every core each (sim.dataset is per-scenario deterministic)
-    for data in $(for v in $variants; do IFS=: read -r _ _ _ d <<<"$v"; echo "${d:--}"; done | sort -u); do
+    for data in $(for v in $variants; do IFS=: read -r _ _ _ d _ <<<"$v"; echo "${d:--}"; done | sort -u); do
         dir=$(data_dir "$data")
         mkdir -p "$dir/tokenizer"
         # the committed tokenizer: the new targets stay comparable with (and loadable beside) the committed models
@@ -48,11 +50,11 @@ train() {
     echo "data: $(( $(date +%s) - t0 )) s"
     pids=()
     for v in $variants; do
-        IFS=: read -r name seed spec data <<<"$v"
+        IFS=: read -r name seed spec data opts <<<"$v"
         [ "$spec" = "-" ] && spec=""
         # shellcheck disable=SC2046
         OMP_NUM_THREADS=1 python3 -m edgespec_ros.train.cli target --work "$(data_dir "${data:--}")" --out "$work/$name" \
-            --device "${DEVICE:-cuda}" $(data_args "${data:--}") \
+            --device "${DEVICE:-cuda}" $(data_args "${data:--}") $(data_args "${opts:--}") \
             --seed "$seed" --target-spec "$spec" --batch-size "${BATCH:-128}" --target-budget-s "${BUDGET:-360}" \
             --target-steps 200000 --loader-workers 3 --checkpoint-every-s 120 >"$work/logs/$name.log" 2>&1 &
         pids+=($!)

@@ -84,6 +84,7 @@ def test_wisv_sweep_through_the_command_line(tmp_path, capsys):
         assert r["link"] == "cellular" and r["ms_per_token"] > 0 and r["rounds"] > 0 and r["frames"] == 4
         assert 0 <= r["agreement"] <= 1 and r["episodes"] == 2 and r["lossy"] == (r["threshold"] is not None)
         assert r["quality_profile"] == pytest.approx(0.37, abs=0.01) and r["quality_measured"] > 0
+        assert r["collisions"] >= 0 and len(r["success_samples"]) == 1 and r["success_samples"][0] == r["success"]
     sd, full, selective = rows
     assert sd["agreement"] == 1.0 and sd["relaxed_per_decision"] == 0
     assert full["hidden_exchanges_per_decision"] == 0 and full["hidden_rows_per_decision"] > 0
@@ -111,20 +112,39 @@ def test_json_rows_go_to_a_folder_that_does_not_exist_yet(tmp_path):
     assert json.loads(path.read_text()) == [{"mode": "sd", "ms_per_token": 1.5}]
 
 
+def test_the_wisv_sweep_runs_a_second_sample_of_episodes_after_the_cards_and_keeps_the_cards_frames():
+    """240 episodes: the card's 120 held-out scenarios and the next 120, one job each (so each
+    sample's success is its own), while the frames stay the card's first ones."""
+    from types import SimpleNamespace
+    from edgespec_ros.bench.wisv import quality_jobs
+    from edgespec_ros.train.card import heldout_set
+    pair = SimpleNamespace(draft_path="d", target_path="t")
+    jobs = quality_jobs(pair, ["cellular"], [0.01, 0.2], [0.01], 600, 240)
+    assert [(j[2], j[3], j[4], j[7]) for j in jobs] == [
+        (None, None, 240, (0, 120)), (None, None, 240, (120, 240)),
+        ("cellular", 0.01, 240, (0, 120)), ("cellular", 0.01, 240, (120, 240)),
+        ("cellular", 0.2, 240, (0, 0)), ("cellular", 0.2, 240, (0, 0))]  # not in closed loop
+    assert all(j[6] in ((0, 300), (300, 600)) for j in jobs)
+    few, more = heldout_set(3, 12), heldout_set(6, 12)
+    assert [s.name for s in more[0][:3]] == [s.name for s in few[0]]
+    assert all((a.image == b.image).all() and a.text == b.text for a, b in zip(few[1], more[1]))
+
+
 def test_the_threshold_choice_is_the_most_permissive_within_one_standard_error_of_greedy_sd():
     from edgespec_ros.bench.wisv import table_threshold_choice, threshold_choice
-    sd = dict(threshold=None, upload=None, success=0.80, success_se=0.04)
+    sd = dict(threshold=None, upload=None, success=0.80, success_se=0.04, collisions=3, episodes=240)
     rows = []
     for link, successes in (("wifi-poor", {0.01: 0.79, 0.05: 0.77, 0.2: 0.70}), ("cellular", {0.01: 0.70, 0.05: 0.60})):
         rows.append(dict(sd, link=link))
         for t, s in successes.items():
             for upload in ("full", "selective"):
                 rows.append(dict(link=link, threshold=t, upload=upload, success=s if upload == "full" else 0.0,
-                                 success_se=0.04, accepted_vs_sd=1 + t, latency_vs_sd=1 - t))
+                                 success_se=0.04, accepted_vs_sd=1 + t, latency_vs_sd=1 - t, collisions=int(100 * t)))
     rows.append(dict(sd, link="lan", success=None))  # no closed loop measured: left out
     choice = {c["link"]: c for c in threshold_choice(rows)}
     assert set(choice) == {"wifi-poor", "cellular"}
     assert choice["wifi-poor"]["threshold"] == 0.05 and choice["wifi-poor"]["success"] == 0.77
+    assert choice["wifi-poor"]["collisions"] == 5
     assert choice["cellular"]["threshold"] is None  # nothing within one SE: stay greedy
     table = table_threshold_choice(rows)
     assert "none: stay greedy" in table and "LOSSY" in table

@@ -603,3 +603,30 @@ def test_failed_episodes_are_classified_as_the_hidden_scenarios_showed():
     assert classify_failure(ep(["stop"], success=True)) is None
     assert failure_counts([cycle, push, early, searching, ep([], success=True)]) == \
         {"cycle": 1, "push": 1, "early stop": 1, "ran out": 1}
+
+
+def test_continued_training_starts_from_the_given_targets_weights_and_refuses_another_shape(pipeline, tmp_path):
+    """``--target-init DIR``: the target stage starts from every weight of a trained target (its
+    first loss is that model's, far below a fresh model's) with its own learning rate; a target of
+    another shape is refused with the option to fix."""
+    from safetensors.torch import load_file
+    work, out = pipeline
+    common = ["--work", str(work), "--batch-size", "4", "--target-vision", "none", "--target-steps", "2"]
+    first = tmp_path / "first"
+    assert train_cli.main(["target", "--out", str(first), "--target-steps", "40"] + common[:-2]) == 0
+    cont = tmp_path / "cont"
+    assert train_cli.main(["target", "--out", str(cont), "--target-init", str(first / "target"),
+                           "--target-lr", "1e-9"] + common) == 0
+    info = json.loads((cont / "target" / "training.json").read_text())
+    assert info["init"] == str(first / "target") and info["lr"] == 1e-9
+    before, after = load_file(str(first / "target" / "model.safetensors")), load_file(str(cont / "target" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k], after[k], atol=1e-5) for k in before)  # lr 1e-9: it stayed where it started
+    assert train_cli.main(["target", "--out", str(tmp_path / "fresh"), "--target-lr", "1e-9"] + common) == 0
+    fresh = json.loads((tmp_path / "fresh" / "target" / "training.json").read_text())
+    assert info["final_loss"] < fresh["final_loss"] - 0.5  # it starts where the first run ended, not from scratch
+    with pytest.raises(SystemExit, match="not this run's shape.*--target-spec"):
+        train_cli.main(["target", "--out", str(tmp_path / "wide"), "--target-init", str(first / "target"),
+                        "--target-spec", "hidden=64"] + common)
+    with pytest.raises(SystemExit, match="no model.safetensors"):
+        train_cli.main(["target", "--out", str(tmp_path / "x"), "--target-init", str(tmp_path)] + common)

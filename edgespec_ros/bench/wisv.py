@@ -32,6 +32,10 @@ UPLOADS = ("full", "selective")
 GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW_TOKENS = 96  # the drafter's budget per decision (DrafterSettings), as the card decodes
 CARD_SCENARIOS = 120  # the card's held-out scenarios: its frames come from them, its episodes are them
+# closed loop on up to two samples of held-out episodes: the card's 120 and the next 120 (scenario
+# seeds 1e9+120..239, never trained on). Greedy decoding is deterministic, so a second *sample* of
+# episodes is what a second seed can mean here (issue 35: "120 episodes, two seeds")
+SAMPLES = 2
 
 
 def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = 4) -> DecodeConfig:
@@ -122,24 +126,33 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
         actions.append(None if out.action is None else out.action.text)
         accepted += policy.last.metrics.accepted
         rounds += policy.last.metrics.rounds
-    successes = [run_episode(policy, s).success for s in scenarios[slice(*episodes)]]
-    return {"link": link, "threshold": threshold, "frames": frames, "actions": actions, "successes": successes,
+    results = [run_episode(policy, s) for s in scenarios[slice(*episodes)]]
+    return {"link": link, "threshold": threshold, "frames": frames, "episodes": episodes, "actions": actions,
+            "successes": [r.success for r in results], "collisions": sum(r.collisions for r in results),
             "accepted": accepted, "rounds": rounds}
 
 
-def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int, bar, max_steps: int = 40) -> dict:
-    """{(link, threshold): {"agreement", "frames", "unparseable", "success", "success_se", "episodes"}};
-    (None, None) is greedy SD (the reference). Spread over ``opts.workers`` processes."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
+def quality_jobs(pair, links, thresholds, closed_loop, n_frames: int, n_episodes: int, max_steps: int = 40) -> list:
+    """``_quality_job``'s arguments: two jobs per setting (greedy SD first, then each link and
+    threshold; episodes only for the closed-loop thresholds), each half of the frames and episodes."""
     halves = lambda n: [(0, n // 2), (n // 2, n)]  # noqa: E731 - two jobs per setting: workers finish together
-    settings = [(None, None)] + [(link, t) for link in links for t in thresholds]
+    n_scenarios = max(CARD_SCENARIOS, n_episodes)  # the first 600 frames are the card's either way (tested)
     jobs = []
-    for link, t in settings:
+    for link, t in [(None, None)] + [(link, t) for link in links for t in thresholds]:
         episodes = n_episodes if t is None or t in closed_loop else 0
         for f, e in zip(halves(n_frames), halves(episodes)):
-            jobs.append((opts.pair.draft_path, opts.pair.target_path, link, t, CARD_SCENARIOS, n_frames, f, e,
-                         max_steps))
+            jobs.append((pair.draft_path, pair.target_path, link, t, n_scenarios, n_frames, f, e, max_steps))
+    return jobs
+
+
+def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int, bar, max_steps: int = 40) -> dict:
+    """{(link, threshold): {"agreement", "frames", "unparseable", "success", "success_se", "episodes",
+    "success_samples", "collisions"}}; (None, None) is greedy SD (the reference). ``n_episodes`` up to
+    ``SAMPLES * CARD_SCENARIOS``: beyond the card's 120, the next held-out scenarios, and
+    ``success_samples`` is the success on each sample of 120 (the card's first). Two processes."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+    jobs = quality_jobs(opts.pair, links, thresholds, closed_loop, n_frames, n_episodes, max_steps)
     parts: dict = {}
     import os
     workers = min(2, os.cpu_count() or 1)
@@ -154,7 +167,8 @@ def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int
             parts.setdefault((part["link"], part["threshold"]), []).append(part)
             bar.update(1)
     merged = {key: {"actions": [a for p in sorted(ps, key=lambda p: p["frames"]) for a in p["actions"]],
-                    "successes": [s for p in ps for s in p["successes"]],
+                    "successes": [s for p in sorted(ps, key=lambda p: p["episodes"]) for s in p["successes"]],
+                    "collisions": sum(p["collisions"] for p in ps),
                     "accepted": sum(p["accepted"] for p in ps), "rounds": sum(p["rounds"] for p in ps)}
               for key, ps in parts.items()}
     reference = merged[(None, None)]["actions"]
@@ -168,7 +182,10 @@ def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int
                     "frames": len(reference), "unparseable": sum(a is None for a in m["actions"]),
                     "accepted_length_frames": m["accepted"] / max(1, m["rounds"]),
                     "rounds_frames": m["rounds"] / len(reference),
-                    "success": p, "success_se": math.sqrt(p * (1 - p) / n) if n else None, "episodes": n}
+                    "success": p, "success_se": math.sqrt(p * (1 - p) / n) if n else None, "episodes": n,
+                    "success_samples": [sum(chunk) / len(chunk) for chunk in
+                                        (m["successes"][i:i + CARD_SCENARIOS] for i in range(0, n, CARD_SCENARIOS))],
+                    "collisions": m["collisions"] if n else None}
     return out
 
 
@@ -180,7 +197,7 @@ def run_wisv(opts, progress) -> list[dict]:
     closed_loop = thresholds if opts.closed_loop_thresholds is None else opts.closed_loop_thresholds
     prompts = opts.prompts(opts.decisions or 8)
     n_frames = 600 if opts.frames is None else opts.frames
-    n_episodes = CARD_SCENARIOS if opts.episodes is None else min(opts.episodes, CARD_SCENARIOS)
+    n_episodes = CARD_SCENARIOS if opts.episodes is None else min(opts.episodes, SAMPLES * CARD_SCENARIOS)
     timed_bar = progress(len(links) * len(prompts) * (1 + len(UPLOADS) * len(thresholds)))
     rows = timed_rows(opts, links, thresholds, prompts, timed_bar)
     timed_bar.close()
@@ -192,7 +209,8 @@ def run_wisv(opts, progress) -> list[dict]:
         for r in rows:
             q = measured.get((None, None) if r["threshold"] is None else (r["link"], r["threshold"]), {})
             r.update({k: q.get(k) for k in ("agreement", "frames", "unparseable", "success", "success_se",
-                                            "episodes", "accepted_length_frames", "rounds_frames")})
+                                            "episodes", "success_samples", "collisions",
+                                            "accepted_length_frames", "rounds_frames")})
     return rows
 
 
@@ -218,6 +236,8 @@ def threshold_choice(rows: list[dict]) -> list[dict]:
         out.append({"link": link, "threshold": best and best["threshold"],
                     "success": best and best["success"], "success_se": best and best["success_se"],
                     "sd_success": sd["success"], "sd_success_se": sd.get("success_se"),
+                    "collisions": best and best.get("collisions"), "sd_collisions": sd.get("collisions"),
+                    "episodes": sd.get("episodes"),
                     "accepted_vs_sd": best and best.get("accepted_vs_sd"),
                     "latency_vs_sd": best and best.get("latency_vs_sd")})
     return out
@@ -233,11 +253,13 @@ def table_threshold_choice(rows: list[dict]) -> str:
     lines = [[c["link"], "none: stay greedy" if c["threshold"] is None else f"{c['threshold']:g}",
               pct(c["success"], c["success_se"]), pct(c["sd_success"], c["sd_success_se"]),
               _f(c["accepted_vs_sd"] and c["accepted_vs_sd"] - 1, "+.0%"),
-              _f(c["latency_vs_sd"] and c["latency_vs_sd"], ".2f") + ("x" if c["latency_vs_sd"] else "")]
+              _f(c["latency_vs_sd"] and c["latency_vs_sd"], ".2f") + ("x" if c["latency_vs_sd"] else ""),
+              f"{_f(c.get('collisions'), 'd')} / {_f(c.get('sd_collisions'), 'd')}"]
              for c in choice]
     return ("Per link, the most permissive threshold whose closed-loop success is within one standard error of "
-            "greedy SD's (LOSSY):\n" + fixed_width(["link", "threshold", "success", "greedy SD success",
-                                                   "accepted vs SD", "ms/token vs SD"], lines))
+            f"greedy SD's on {choice[0].get('episodes')} held-out episodes (LOSSY):\n"
+            + fixed_width(["link", "threshold", "success", "greedy SD success", "accepted vs SD", "ms/token vs SD",
+                           "collisions: WISV / SD"], lines))
 
 
 def table_wisv(rows: list[dict]) -> str:
@@ -245,20 +267,22 @@ def table_wisv(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         success = "-" if r.get("success") is None else f"{100 * r['success']:.1f} +- {100 * r['success_se']:.1f}%"
+        if len(r.get("success_samples") or ()) > 1:  # each sample of 120 episodes (the card's first)
+            success += " (" + " / ".join(f"{100 * x:.1f}" for x in r["success_samples"]) + ")"
         lines.append([r["link"], "SD (greedy)" if r["threshold"] is None else f"{r['threshold']:g}",
                       r["upload"] or "-", _f(r["accepted_length"], ".2f"), _f(r.get("accepted_vs_sd") and r["accepted_vs_sd"] - 1,
                                                                           "+.0%") if r["threshold"] is not None else "", _f(r["rounds"], ".2f"), _f(r["ms_per_token"], ".1f"),
                       _f(r.get("latency_vs_sd") and r["latency_vs_sd"] - 1, "+.0%") if r["threshold"] is not None
                       else "", _f(r["uplink_bytes_per_decision"] / 1e3, ".1f"), _f(r["relaxed_per_decision"], ".2f"),
                       _f(r.get("accepted_length_frames"), ".2f"), _f(r.get("rounds_frames"), ".2f"),
-                      _f(r.get("agreement"), ".3f"), success,
+                      _f(r.get("agreement"), ".3f"), success, _f(r.get("collisions"), "d"),
                       f"{_f(r['quality_measured'], '.2f')} / {r['quality_profile']:.2f}"])
     head = ["link", "threshold", "upload", "accepted/round", "vs SD", "rounds/dec", "ms/token", "vs SD",
             "up kB/dec", "kept/dec", "frames: accepted/round", "rounds/dec", "agreement", "closed-loop success",
-            "CSI quality measured / profile"]
+            "collisions", "CSI quality measured / profile"]
     return (fixed_width(head, lines) + "\nLOSSY for every threshold row: agreement is with target-only greedy "
             "decoding on the card's held-out frames (with their accepted length and rounds), success on its "
-            "held-out episodes (both in process, under the link profile's CSI); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
+            "held-out episodes (both in process, under the link profile's CSI; with more than 120 episodes, each sample of 120 in brackets, the card's first); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
             + " compute." + ("\n\n" + table_threshold_choice(rows) if threshold_choice(rows) else ""))
 
 

@@ -96,6 +96,11 @@ class PipelineConfig:
     # (the committed recipe): <work>/vision, and `all` runs the vision stage first; "none": a random tower
     target_vision: str = "auto"
     target_vision_mode: str = "finetune"  # with target_vision: finetune | merger (train only the merger) | freeze
+    # continued training: a trained target's dir (e.g. edgespec_ros/models/target) whose weights the
+    # target starts from, the whole model (its tokenizer and shape must be this run's), with a fresh
+    # learning-rate schedule peaking at target_lr; empty: the committed recipe (tower only, above)
+    target_init: str = ""
+    target_lr: float = 3e-3
     # DAgger for the target: at these fractions of its schedule (comma-separated, e.g. "0.5,0.75"),
     # roll it out in dagger_scenarios fresh training scenarios and add the states it visits,
     # labelled by the expert, to its training data; empty: off
@@ -267,6 +272,8 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
         except ValueError as e:
             hint = (" (or pass --target-vision none for a random tower)" if cfg.target_vision == "auto" else "")
             raise SystemExit(f"edgespec-train: {e}{hint}") from None
+    if role == "target" and cfg.target_init:
+        load_whole_target(model, cfg.target_init, tok)
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
     dagger_at = parse_fractions(cfg.dagger_at) if role == "target" else ()
@@ -277,6 +284,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
         import shutil
         shutil.rmtree(checkpoints)  # a fresh run: an old run's checkpoint must not be mistaken for this one's
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
+                       **({"lr": cfg.target_lr} if role == "target" else {}),
                        aux_weight=aux_weight, dagger_at=dagger_at, device=resolve_device(device),
                        loader_workers=cfg.loader_workers, checkpoint_dir=checkpoints,
                        checkpoint_every_s=cfg.checkpoint_every_s, run_id=run_id)
@@ -294,6 +302,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
             "device": tcfg.device, "examples_per_s": round(len(losses) * cfg.batch_size / max(1e-9, time.monotonic() - t0), 1),
             "goal_probe_layer": tcfg.goal_probe_layer if aux_weight > 0 else None,
             "vision_init": vision_init, "vision_mode": cfg.target_vision_mode if vision_init else None,
+            "init": (cfg.target_init or None) if role == "target" else None, "lr": tcfg.lr,
             "dagger": dagger_log,
             "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
@@ -301,6 +310,29 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
         json.dump(info, f, indent=2)
     print(f"{role}: {info['params'] / 1e6:.2f} M params, {info['steps']} steps, loss {info['final_loss']:.3f} -> {path}")
     return path
+
+
+def load_whole_target(model, directory: str, tok) -> None:
+    """Continued training (``--target-init``): start ``model`` from the trained target in
+    ``directory``, every weight; SystemExit with the reason when it is not this run's shape or
+    tokenizer (its answers would be read with another vocabulary)."""
+    from transformers import Qwen2VLForConditionalGeneration
+    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
+        raise SystemExit(f"edgespec-train: --target-init {directory}: no model.safetensors there")
+    try:
+        with open(os.path.join(directory, "tokenizer.json")) as f, \
+                open(os.path.join(tok.name_or_path, "tokenizer.json")) as g:
+            same_tokenizer = json.load(f).get("model") == json.load(g).get("model")
+    except (OSError, ValueError):
+        same_tokenizer = False
+    if not same_tokenizer:
+        raise SystemExit(f"edgespec-train: --target-init {directory}: its tokenizer is not this run's "
+                         f"({tok.name_or_path}); copy it into the work dir's tokenizer/ first")
+    try:
+        model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(directory).state_dict(), strict=True)
+    except RuntimeError as e:
+        raise SystemExit(f"edgespec-train: --target-init {directory}: not this run's shape "
+                         f"({str(e).splitlines()[0]}); give the same --target-spec") from None
 
 
 def model_spec(role: str, cfg: PipelineConfig) -> dict:
@@ -337,7 +369,8 @@ def run_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, visio
     recipe = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
     ident = {"role": role, "spec": spec, "recipe": recipe, "data": stamp(dataset_path(work)),
              "tokenizer": stamp(os.path.join(work, "tokenizer", "tokenizer.json")),
-             "vision": stamp(os.path.join(vision_init, "model.safetensors")) if vision_init else None}
+             "vision": stamp(os.path.join(vision_init, "model.safetensors")) if vision_init else None,
+             "init": stamp(os.path.join(cfg.target_init, "model.safetensors")) if cfg.target_init and role == "target" else None}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
