@@ -234,10 +234,34 @@ def test_dagger_rollouts_show_a_policy_with_memory_its_own_decisions():
     assert any(f.history for f in frames)
 
 
-def test_stages_that_build_memoryless_prompts_refuse_a_policy_with_memory(tmp_path):
+@pytest.mark.slow
+def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypatch):
+    """A pair trained with --memory 2 is distilled, gets early exits and a WISV head, each stage on
+    the prompts the robot sends (its earlier decisions shown), and a pair that prompts differently
+    is refused."""
     import json
-    from edgespec_ros.train.cli import refuse_memory
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "policy_memory": 2}))
-    with pytest.raises(SystemExit, match="policy with memory"):
-        refuse_memory("wisv", str(tmp_path))
-    refuse_memory("wisv", default_model_path("target"))  # the committed models are memoryless
+    import edgespec_ros.decoding.inputs as inputs
+    from edgespec_ros.train import cli as train_cli
+    shown = []
+    turns = inputs._turns
+    monkeypatch.setattr(inputs, "_turns", lambda instruction, history: shown.append(len(history)) or turns(instruction, history))
+    work, out = tmp_path / "work", tmp_path / "models"
+    common = ["--work", str(work), "--out", str(out), "--train-scenarios", "4", "--batch-size", "4",
+              "--tokenizer-vocab", "400", "--memory", "2", "--heldout-scenarios", "2"]
+    for stage in (["data"], ["tokenizer"], ["target", "--target-steps", "2", "--target-vision", "none"],
+                  ["draft", "--draft-steps", "2"]):
+        assert train_cli.main(stage + common) == 0
+    assert json.loads((out / "draft" / "config.json").read_text())["policy_memory"] == 2
+    for stage in (["distill", "--distill-steps", "2", "--distill-prompts", "8", "--distill-heldout", "4",
+                   "--distill-sd-decisions", "0"],
+                  ["exits", "--exit-steps", "2", "--exit-scenarios", "2"],
+                  ["wisv", "--wisv-scenarios", "1", "--wisv-epochs", "1", "--wisv-workers", "1"]):
+        shown.clear()
+        assert train_cli.main(stage + common) == 0, stage
+        assert shown and max(shown) >= 2, (stage[0], shown)  # its prompts showed earlier decisions
+    config = json.loads((out / "target" / "config.json").read_text())
+    (out / "target" / "config.json").write_text(json.dumps(dict(config, policy_memory=0)))
+    with pytest.raises(SystemExit, match="prompt differently"):
+        train_cli.main(["distill", "--distill-steps", "1"] + common)
+    with pytest.raises(SystemExit, match="memory"):
+        train_cli.main(["distill", "--traces", str(tmp_path)] + common)

@@ -114,15 +114,15 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     from ..sim.evaluate import run_episode
     from ..sim.policy import DecoderPolicy
     from ..train.card import heldout_set
-    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps)
     draft, target = load_model(draft_path), load_model(target_path)
+    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory)
     attach_wisv(target)
     csi = None if link is None else _profile_csi(link)
     decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))
     policy = DecoderPolicy(decoder, decode_config(threshold))
     actions, accepted, rounds = [], 0, 0
     for ex in examples[slice(*frames)]:
-        out = policy.decide(ex.image, ex.instruction)
+        out = policy.decide(ex.image, ex.instruction, history=ex.history)
         actions.append(None if out.action is None else out.action.text)
         accepted += policy.last.metrics.accepted
         rounds += policy.last.metrics.rounds

@@ -198,7 +198,6 @@ def dataset_path(work: str) -> str:
 
 
 def load_dataset(work: str):
-    from ..decoding.memory import Turn
     from ..sim.dataset import DenseLabels, Example
     d = np.load(dataset_path(work))
     if "present" in d:
@@ -206,10 +205,17 @@ def load_dataset(work: str):
         labels = [DenseLabels(p, z, int(g)) for p, z, g in zip(d["present"], d["log_depth"], goal)]
     else:  # a dataset written before dense labels existed
         labels = [None] * len(d["texts"])
-    histories = ([tuple(Turn(*t) for t in json.loads(str(h))) for h in d["history"]] if "history" in d
-                 else [()] * len(d["texts"]))  # written before the memory design: memoryless
+    histories = dataset_histories(d)
     return [Example(img, str(i), str(t), lab, h)
             for img, i, t, lab, h in zip(d["images"], d["instructions"], d["texts"], labels, histories)]
+
+
+def dataset_histories(d) -> list[tuple]:
+    """Each example's earlier decisions (``decoding.memory.Turn``) in an open dataset file."""
+    from ..decoding.memory import Turn
+    if "history" not in d:  # written before the memory design: memoryless
+        return [()] * len(d["texts"])
+    return [tuple(Turn(*t) for t in json.loads(str(h))) for h in d["history"]]
 
 
 def dataset_memory(work: str) -> int:
@@ -433,30 +439,28 @@ def distill_config(cfg: PipelineConfig):
                          batch_size=cfg.distill_batch, lr=cfg.distill_lr, on_policy=cfg.distill_on_policy, seed=cfg.seed)
 
 
-# the stages that build their prompts without a memory: a model with one would learn or be
-# measured on prompts the robot never sends (issue 37's follow-up: thread the history through them)
-MEMORYLESS_STAGES = ("distill", "exits", "wisv")
-
-
-def refuse_memory(stage: str, *model_dirs: str) -> None:
-    """SystemExit when one of ``model_dirs`` reads a memory (``policy_memory``) that ``stage``
-    cannot prompt with yet (:data:`MEMORYLESS_STAGES`)."""
+def pair_memory(stage: str, *model_dirs: str) -> int:
+    """The memory (``policy_memory``, ``decoding.memory``) the models in ``model_dirs`` prompt with,
+    which ``stage`` must prompt with too; SystemExit when they differ (a draft that drafts for
+    other prompts than its target reads would pair with nothing the robot sends)."""
+    memories = {}
     for d in model_dirs:
         try:
             with open(os.path.join(d, "config.json")) as f:
-                memory = json.load(f).get("policy_memory", 0)
+                memories[d] = int(json.load(f).get("policy_memory", 0) or 0)
         except (OSError, ValueError):
             continue
-        if memory:
-            raise SystemExit(f"edgespec-train {stage}: {d} is a policy with memory (policy_memory {memory}); the "
-                             f"{stage} stage builds memoryless prompts only, so it would train on prompts the robot "
-                             "never sends. Train and compare such models with the target, draft, card and compare stages")
+    if len(set(memories.values())) > 1:
+        raise SystemExit(f"edgespec-train {stage}: the models prompt differently (policy_memory "
+                         + ", ".join(f"{v} in {d}" for d, v in memories.items())
+                         + "): train both from one data stage (--memory)")
+    return next(iter(memories.values()), 0)
 
 
 def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineConfig, device: str = "cpu") -> dict:
     """The draft distilled towards the target on ``cfg.distill_prompts`` of the data stage's
     frames, measured before and after on held-out frames (train.distill); saved to ``out``."""
-    refuse_memory("distill", draft, target)
+    memory = pair_memory("distill", draft, target)
     from ..decoding.inputs import jpeg_roundtrip
     from ..sim.dataset import generate_examples
     from .distill import format_report, run_distill_stage
@@ -464,14 +468,20 @@ def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineCon
         if not os.path.isfile(os.path.join(d, "config.json")):
             raise SystemExit(f"edgespec-train distill: no model in {d}: train it first (edgespec-train "
                              f"{'draft' if d == draft else 'target'}) or pass --draft/--target")
+    if dataset_memory(work) != memory:
+        raise SystemExit(f"edgespec-train distill: the data in {work} was generated with --memory "
+                         f"{dataset_memory(work)}, the models prompt with policy_memory {memory}")
     with np.load(dataset_path(work)) as data:  # each key read once: an npz decompresses on every access
         images, instructions = data["images"], data["instructions"]
+        histories = dataset_histories(data)
     picked = np.random.default_rng(cfg.seed).choice(len(images), min(len(images), cfg.distill_prompts), replace=False)
-    prompts = [(str(instructions[i]), jpeg_roundtrip(images[i])) for i in picked]
-    heldout = [(e.instruction, jpeg_roundtrip(e.image)) for e in
-               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5), cfg.distill_heldout)]
-    sd_frames = list(islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5),
-                            cfg.distill_sd_decisions))
+    # (instruction, image, history): a policy with memory is distilled on the prompts it is sent
+    prompts = [(str(instructions[i]), jpeg_roundtrip(images[i]), histories[i]) for i in picked]
+    heldout = [(e.instruction, jpeg_roundtrip(e.image), e.history) for e in
+               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5, memory=memory),
+                      cfg.distill_heldout)]
+    sd_frames = list(islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5,
+                                              memory=memory), cfg.distill_sd_decisions))
     command = (f"edgespec-train distill --distill-divergence {cfg.distill_divergence} --distill-steps {cfg.distill_steps} "
                f"--distill-on-policy {cfg.distill_on_policy}")
     report = run_distill_stage(draft, target, out, prompts, heldout, sd_frames, distill_config(cfg), device, command)
@@ -497,8 +507,11 @@ def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
         raise SystemExit(f"edgespec-train: --adapt-decisions {args.adapt_decisions!r}: give positive counts, "
                          "comma-separated (e.g. 25,50,100,200)")
     work = os.path.join(args.work, "adapt")
-    report = adaptation_curve(args.draft or os.path.join(args.out, "draft"),
-                              args.target or os.path.join(args.out, "target"), work, args.family, counts,
+    draft, target = args.draft or os.path.join(args.out, "draft"), args.target or os.path.join(args.out, "target")
+    if pair_memory("adapt-curve", draft, target):
+        raise SystemExit("edgespec-train adapt-curve: it adapts the draft to recorded rounds, which keep the "
+                         "instruction and the frame, not a policy's memory: give a memoryless pair")
+    report = adaptation_curve(draft, target, work, args.family, counts,
                               args.adapt_heldout, replace(distill_config(cfg), steps=args.adapt_steps), args.device)
     plot = args.plot or os.path.join(work, "adapt.png")
     plot_curve(report, plot)
@@ -508,12 +521,12 @@ def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
 
 
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
-    refuse_memory("exits", target)
+    memory = pair_memory("exits", target)  # the adapters learn on the prompts the verifier is sent
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
     from tqdm import tqdm
-    train = list(tqdm(generate_examples("train", cfg.exit_scenarios), desc="exits: data", unit="ex"))
-    heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
+    train = list(tqdm(generate_examples("train", cfg.exit_scenarios, memory=memory), desc="exits: data", unit="ex"))
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory))
     ecfg = ExitTrainConfig(steps=cfg.exit_steps, rank=cfg.exit_rank, layers=cfg.exit_layers, seed=cfg.seed)
     return run_exits_stage(target, out, train, heldout, ecfg,
                            command=f"edgespec-train exits --target {os.path.relpath(target)} --exit-steps {cfg.exit_steps} "
@@ -521,11 +534,11 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
 
 
 def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
-    refuse_memory("wisv", draft, target)
+    memory = pair_memory("wisv", draft, target)  # traces of the decisions the robot would make
     from ..sim.dataset import generate_examples
     from .wisv import HeadTrainConfig, run_wisv_stage
-    train = list(generate_examples("train", cfg.wisv_scenarios))
-    heldout = list(generate_examples("heldout", cfg.heldout_scenarios))
+    train = list(generate_examples("train", cfg.wisv_scenarios, memory=memory))
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed, labels=cfg.wisv_labels)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs} "
@@ -700,10 +713,6 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     stages = ([s for s in ALL_STAGES if s != "vision" or cfg.target_vision == "auto"] if args.stage == "all"
               else [args.stage])
-    if cfg.memory and args.stage == "all":
-        stages = [s for s in stages if s not in MEMORYLESS_STAGES]
-        print(f"edgespec-train all --memory {cfg.memory}: the {', '.join(MEMORYLESS_STAGES)} stages build memoryless "
-              "prompts only and are left out (the draft is not distilled; no early exits or WISV head)")
 
     timings = {}
     done = StagesDone(args.work, cfg, args.out)
@@ -725,6 +734,9 @@ def main(argv=None) -> int:
         elif stage == "distill":
             draft = args.draft or os.path.join(args.out, "draft")
             if args.traces:
+                if pair_memory("distill", draft):
+                    raise SystemExit("edgespec-train distill --traces: recorded rounds keep the instruction and the "
+                                     "frame, not a policy's memory, so a draft with memory cannot be adapted to them")
                 from .distill import adapt_from_traces
                 path, report = adapt_from_traces(draft, args.traces, args.distill_out or os.path.dirname(
                     os.path.abspath(draft)), distill_config(cfg), args.device)

@@ -53,7 +53,8 @@ class DistillConfig:
 
 @dataclass
 class DistillExample:
-    """One training sequence: the prompt (``instruction`` + ``image``), then ``tokens`` (text token
+    """One training sequence: the prompt (``instruction`` + ``image``, after the earlier decisions
+    ``history`` for a policy with memory), then ``tokens`` (text token
     ids after the prompt). The loss covers ``n_rows`` next-token distributions from the one that
     predicts ``tokens[loss_from]`` on (``loss_from + n_rows <= len(tokens) + 1``: the last row may
     predict the token after ``tokens``). ``target_topk`` (ids, log-probs; each n_rows x k) is the
@@ -66,6 +67,7 @@ class DistillExample:
     loss_from: int = 0
     n_rows: int = 0
     target_topk: tuple[np.ndarray, np.ndarray] | None = None
+    history: tuple = ()
 
     def __post_init__(self):
         if not self.n_rows:
@@ -113,7 +115,14 @@ def vision_token_ids(tokenizer) -> set[int]:
 
 
 def _prompt(lm, example: DistillExample):
-    return build_inputs(lm.tokenizer, example.instruction, example.image, lm.image_processor, processor=lm.processor)
+    return build_inputs(lm.tokenizer, example.instruction, example.image, lm.image_processor, processor=lm.processor,
+                        history=example.history)
+
+
+def prompt_history(prompt) -> tuple:
+    """A prompt's earlier decisions: prompts are (instruction, image) or, for a policy with memory
+    (``decoding.memory``), (instruction, image, history)."""
+    return tuple(prompt[2]) if len(prompt) > 2 else ()
 
 
 def batch_logits(lm, examples: list[DistillExample]) -> torch.Tensor:
@@ -146,10 +155,11 @@ def batch_logits(lm, examples: list[DistillExample]) -> torch.Tensor:
 @torch.no_grad()
 def generate(lm, prompts: list[tuple[str, np.ndarray]], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0) -> list[list[int]]:
-    """Continuations of (instruction, image) prompts, batched (left-padded), greedy at temperature 0
+    """Continuations of (instruction, image[, history]) prompts, batched (left-padded), greedy at temperature 0
     else sampled from the untruncated softmax at ``temperature``; each ends with the model's
     end-of-turn token when it produced one within ``max_new_tokens``."""
-    built = [build_inputs(lm.tokenizer, ins, img, lm.image_processor, processor=lm.processor) for ins, img in prompts]
+    built = [build_inputs(lm.tokenizer, p[0], p[1], lm.image_processor, processor=lm.processor,
+                          history=prompt_history(p)) for p in prompts]
     length = max(p.num_tokens for p in built)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     ids = torch.full((len(built), length), pad, dtype=torch.long)
@@ -288,7 +298,7 @@ def _draw_batch(draft, teacher: GreedyCache, prompts, cfg: DistillConfig, rng, s
         for j, c in zip(theirs, teacher.get([chosen[j] for j in theirs], [picked[j] for j in theirs])):
             conts[j] = c
             log.teacher_tokens += len(c)
-    return [DistillExample(ins, img, c) for (ins, img), c in zip(chosen, conts) if c]
+    return [DistillExample(p[0], p[1], c, history=prompt_history(p)) for p, c in zip(chosen, conts) if c]
 
 
 @torch.no_grad()
@@ -303,7 +313,7 @@ def agreement(draft, target, prompts: list[tuple[str, np.ndarray]], teacher: Gre
     sums = {"greedy_match": 0.0, "accept_t1": 0.0, "fkl": 0.0, "rkl": 0.0, "tvd": 0.0}
     rows = 0
     for start in range(0, len(prompts), batch_size):
-        batch = [DistillExample(ins, img, c) for (ins, img), c in
+        batch = [DistillExample(p[0], p[1], c, history=prompt_history(p)) for p, c in
                  zip(prompts[start:start + batch_size], conts[start:start + batch_size]) if c]
         if not batch:
             continue

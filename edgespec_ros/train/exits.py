@@ -154,8 +154,8 @@ def run_exits_stage(target_dir: str, out_dir: str | None, examples_train, exampl
     from ..decoding.engines import load_model
     lm = load_model(target_dir)
     out_dir = out_dir or os.path.join(target_dir, "exits")
-    encode = lambda exs: [encode_example(lm.tokenizer, lm.image_processor, e.image, e.instruction, e.text)  # noqa: E731
-                          for e in exs]
+    encode = lambda exs: [encode_example(lm.tokenizer, lm.image_processor, e.image, e.instruction, e.text,  # noqa: E731
+                                         history=getattr(e, "history", ())) for e in exs]
     train_enc, eval_enc = encode(examples_train), encode(examples_eval)
     t0 = time.monotonic()
     exits, losses = train_exits(lm, train_enc, cfg)

@@ -55,9 +55,10 @@ def final_rows(lm, inputs, tokens) -> torch.Tensor:
     return torch.cat([o[0] for o in outputs], dim=0)
 
 
-def prompt_pair(draft, target, instruction: str, image):
-    """(draft inputs, target inputs) of one decision, as the robot and the verifier build them."""
-    prompt, d_inputs = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
+def prompt_pair(draft, target, instruction: str, image, history=()):
+    """(draft inputs, target inputs) of one decision (after the earlier decisions ``history``, for
+    a policy with memory), as the robot and the verifier build them."""
+    prompt, d_inputs = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image, history=history)
     return d_inputs, TargetSession(target).build_prompt_inputs(prompt)
 
 

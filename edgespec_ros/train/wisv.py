@@ -77,7 +77,8 @@ LABELS = ("alone", "sequential")
 
 
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
-                   max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None, labels: str = "alone") -> list[MismatchTrace]:
+                   max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None, labels: str = "alone",
+                   history=()) -> list[MismatchTrace]:
     """Speculative rounds of one decision, recording every unprotected mismatch of every round (in
     the round's own context: positions after an earlier mismatch see the draft tokens before them,
     as WISV would) with its task label: critical when keeping the draft token there and decoding
@@ -89,7 +90,8 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     left it; "sequential" (issue 35) follows the oracle instead: each mismatch judged harmless is
     kept and stays kept while the next is judged, and a round stops at the first critical one,
     so every label is taken in the context a head that keeps what is harmless would meet (the
-    decision keeps several mismatches, not one). The oracle's decision ends in the target's action."""
+    decision keeps several mismatches, not one). The oracle's decision ends in the target's action.
+    ``history``: the earlier decisions a policy with memory is shown (``decoding.memory``)."""
     if labels not in LABELS:
         raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
     if labels == "sequential" and policy is not None:
@@ -100,7 +102,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     from .replay import action_of_tokens, greedy_choice, greedy_continue_batch, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features
     eos = target.eos_token_ids
-    d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
+    d_inputs, t_inputs = prompt_pair(draft, target, instruction, image, history)
 
     def action(tokens):
         return action_of_tokens(target, tokens)
@@ -202,7 +204,7 @@ def collect_traces(draft, target, examples, gamma: int = 4, progress=None, polic
     for i, example in enumerate(examples):
         policy = None if policies is None else _policy(policies[i], target)
         episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma, policy=policy,
-                                       labels=labels))
+                                       labels=labels, history=getattr(example, "history", ())))
         if progress is not None:
             progress(1)
     return episodes
@@ -223,7 +225,8 @@ def _trace_job(example, gamma: int, spec, labels: str = "alone"):
     processes would each hold a file descriptor in the parent for as long as the traces live)."""
     target = _WORKER["target"]
     traces = episode_traces(_WORKER["draft"], target, example.instruction, example.image, gamma,
-                            policy=_policy(spec, target, _WORKER["heads"]), labels=labels)
+                            policy=_policy(spec, target, _WORKER["heads"]), labels=labels,
+                            history=getattr(example, "history", ()))
     return [_tensors_as(t, lambda x: x.numpy()) for t in traces]
 
 
@@ -373,8 +376,8 @@ def format_acceptance_table(rows: list[dict]) -> str:
     """Markdown: per link and threshold, the fractions of harmless and critical mismatches kept."""
     out = ["| link | quality | threshold | harmless kept | critical kept |", "|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['link']} | {r['quality']:.2f} | {r['threshold']:g} | {r['harmless_kept']:.2f} | "
-                   f"{r['critical_kept']:.2f} |")
+        kept = ["-" if r[k] is None else f"{r[k]:.2f}" for k in ("harmless_kept", "critical_kept")]  # none of that kind held out
+        out.append(f"| {r['link']} | {r['quality']:.2f} | {r['threshold']:g} | {kept[0]} | {kept[1]} |")
     return "\n".join(out)
 
 
