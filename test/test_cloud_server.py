@@ -385,13 +385,15 @@ def test_client_sees_a_bad_token_and_a_missing_token_as_unauthorized(pair, refs,
     assert_serves(token_verifier, pair, refs, token=TOKEN)
 
 
-@pytest.mark.parametrize("fingerprint,vocab_delta,fragments", [
-    ("0" * 32, 0, ["model mismatch", "00000000", "tokenizer"]),
-    (None, 1, ["model mismatch", "vocab 301", "vocab 300"]),
-], ids=["fingerprint", "vocab"])
-def test_client_sees_a_model_mismatch(pair, refs, verifier, fingerprint, vocab_delta, fragments):
+@pytest.mark.parametrize("fingerprint,vocab_delta,memory,fragments", [
+    ("0" * 32, 0, 0, ["model mismatch", "00000000", "tokenizer"]),
+    (None, 1, 0, ["model mismatch", "vocab 301", "vocab 300"]),
+    # a draft trained with memory (its prompts show 2 earlier decisions) against a memoryless target
+    (None, 0, 2, ["model mismatch", "show 2 earlier decisions", "showing 0", "policy_memory"]),
+], ids=["fingerprint", "vocab", "memory"])
+def test_client_sees_a_model_mismatch(pair, refs, verifier, fingerprint, vocab_delta, memory, fragments):
     rv = client(verifier.url, pair, fingerprint=fingerprint or pair.draft.fingerprint(),
-                vocab_size=pair.vocab + vocab_delta)
+                vocab_size=pair.vocab + vocab_delta, policy_memory=memory)
     with pytest.raises(VerifierRefused) as err:
         rv.connect()
     assert err.value.code == P.ErrorCode.MODEL_MISMATCH

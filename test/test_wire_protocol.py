@@ -116,11 +116,23 @@ def test_hello_names_the_draft_and_a_v5_hello_is_refused():
     hello = P.Hello("tok", "ab" * 16, 300, "dense32", "edge", "0123456789abcdef")
     assert P.decode(P.encode(hello)).draft == "0123456789abcdef"
     assert P.Hello("tok", "ab" * 16, 300).draft == ""
-    v5_payload = P.encode(P.Hello("tok", "ab" * 16, 300, "dense32", "edge"))[P.HEADER.size:-2]  # no draft field
+    v5_payload = P.encode(P.Hello("tok", "ab" * 16, 300, "dense32", "edge"))[P.HEADER.size:-4]  # no draft, memory
     with pytest.raises(P.ProtocolError, match="protocol version 5 is not supported"):
         P.decode(P.HEADER.pack(P.MAGIC, 5, int(P.FrameType.HELLO), 0, len(v5_payload)) + v5_payload)
     with pytest.raises(P.ProtocolError, match="truncated reading draft"):
         P.decode(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, int(P.FrameType.HELLO), 0, len(v5_payload)) + v5_payload)
+
+
+def test_hello_says_how_much_memory_the_prompts_show_and_a_v7_hello_is_refused():
+    """v8 HELLO ends with the robot's policy memory (decoding.memory); a v7 HELLO is refused by
+    its version, and its layout read as v8 is truncated, never a memoryless robot by accident."""
+    hello = P.Hello("tok", "ab" * 16, 300, "dense32", "edge", "0123456789abcdef", 2)
+    assert P.decode(P.encode(hello)).memory == 2 and P.Hello("tok", "ab" * 16, 300).memory == 0
+    v7_payload = P.encode(hello)[P.HEADER.size:-2]
+    with pytest.raises(P.ProtocolError, match="protocol version 7 is not supported"):
+        P.decode(P.HEADER.pack(P.MAGIC, 7, int(P.FrameType.HELLO), 0, len(v7_payload)) + v7_payload)
+    with pytest.raises(P.ProtocolError, match="truncated reading memory"):
+        P.decode(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, int(P.FrameType.HELLO), 0, len(v7_payload)) + v7_payload)
 
 
 def test_string_length_is_counted_in_utf8_bytes():

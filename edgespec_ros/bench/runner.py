@@ -58,7 +58,8 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
     for mode in modes:
         summary = RunSummary(mode=mode, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
-                                  token=token, codec=codec, link_profile=profile, timeout_s=60.0)
+                                  token=token, codec=codec, link_profile=profile, timeout_s=60.0,
+                                  policy_memory=draft_lm.memory)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, (instruction, image, *history) in enumerate(prompts):

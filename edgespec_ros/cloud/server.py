@@ -276,6 +276,11 @@ class VerifierServer:
                                f"model mismatch: edge tokenizer {hello.fingerprint[:12]}.. vocab {hello.vocab_size}, "
                                f"verifier {self.fingerprint[:12]}.. vocab {self.vocab}: draft and target must share "
                                "one tokenizer")
+        if hello.memory != (memory := getattr(self.lm, "memory", 0)):
+            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
+                               f"model mismatch: the robot's prompts show {hello.memory} earlier decisions, the "
+                               f"target {self.model_name} was trained on prompts showing {memory} "
+                               "(policy_memory): pair a draft and a target from one training run")
         try:
             codec = get_codec(hello.codec)
         except ValueError as exc:

@@ -222,7 +222,8 @@ class DrafterNode(LifecycleNode):
         return RemoteVerifier(self.p["server_url"], fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                               token=self.token, codec=self.settings.codec, timeout_s=timeout,
                               connect_timeout_s=timeout, client_name="edgespec-drafter",
-                              ca_file=self.p["tls_ca_file"] or None, draft=draft_lm.content_hash)
+                              ca_file=self.p["tls_ca_file"] or None, draft=draft_lm.content_hash,
+                              policy_memory=draft_lm.memory)
 
     # ------------------------------------------------------------------ inputs
 

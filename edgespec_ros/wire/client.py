@@ -59,7 +59,7 @@ class RemoteVerifier:
     def __init__(self, url: str, *, fingerprint: str, vocab_size: int, token: str = "", codec: str = "dense32",
                  timeout_s: float = 10.0, connect_timeout_s: float = 5.0, max_frame: int = P.DEFAULT_MAX_FRAME,
                  link_profile: LinkProfile | None = None, client_name: str = "edgespec-edge",
-                 ca_file: str | None = None, draft: str = ""):
+                 ca_file: str | None = None, draft: str = "", policy_memory: int = 0):
         self.url = url
         self.ssl_context = tls_client_context(url, ca_file)
         host = urlsplit(url).hostname or ""
@@ -77,6 +77,7 @@ class RemoteVerifier:
         self.link_model = LinkModel(link_profile) if link_profile else None
         self.client_name = client_name
         self.draft = draft  # the draft's content hash, named in HELLO (the verifier logs and records it)
+        self.policy_memory = policy_memory  # the draft's memory (LoadedModel.memory): the target must read the same
         self.ws = None
         self.welcome: P.Welcome | None = None
         self.decision = 0
@@ -121,7 +122,7 @@ class RemoteVerifier:
         except (OSError, AttributeError):  # not a plain TCP socket: sends are still bounded by abort()
             pass
         self._send(P.Hello(self.token, self.fingerprint, self.vocab_size, self.codec.spec, self.client_name,
-                           self.draft))
+                           self.draft, self.policy_memory))
         welcome, _ = self._recv(P.Welcome, self.connect_timeout_s)
         self.welcome = welcome
         return welcome

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 7  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
+PROTOCOL_VERSION = 8  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
 #                      (epochs, chaining); 4: conditional blocks (VERIFY condition); 5: WISV (PREFILL threshold,
 #                      VERIFY CSI + hidden rows, HIDDEN_REQUEST/HIDDEN frames, WELCOME head width, VERDICT relaxed);
 #                      6: HELLO names the draft model (its content hash, recorded with traces); 7: greedy and
-#                      WISV blocks carry no draft distribution (VERIFY q empty: the rule never reads it)
+#                      WISV blocks carry no draft distribution (VERIFY q empty: the rule never reads it); 8: HELLO
+#                      says how many earlier decisions the robot's prompts show (a draft/target memory mismatch
+#                      is refused like a tokenizer mismatch)
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -171,6 +173,7 @@ class Hello:
     codec: str = "dense32"
     client: str = "edgespec-edge"
     draft: str = ""  # the draft model's content hash (decoding.engines.model_content_hash; "" unknown)
+    memory: int = 0  # the robot's prompts show this many earlier decisions (decoding.memory; 0: memoryless)
 
 
 @dataclass
@@ -301,7 +304,7 @@ class Close:
 
 _ENCODERS = {
     Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)
-            .str(m.draft)),
+            .str(m.draft).u16(m.memory)),
     Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame)
               .str(m.server).u16(m.num_layers).ids(m.exit_layers).u16(m.wisv_dim)),
     Error: (FrameType.ERROR, lambda m, w: w.u16(m.code).str(m.message)),
@@ -324,7 +327,7 @@ _ENCODERS = {
 
 _DECODERS = {
     FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client"),
-                                     r.str("draft")),
+                                     r.str("draft"), r.u16("memory")),
     FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"),
                                          r.str("server"), r.u16("num_layers"), r.ids("exit_layers"), r.u16("wisv_dim")),
     FrameType.ERROR: lambda r: Error(r.u16("code"), r.str("message")),
