@@ -63,6 +63,39 @@ def test_the_action_clause_and_end_tokens_are_always_verified_strictly():
     assert (result.accepted, chr(result.next_token), relaxed) == (4, "m", [])
 
 
+def test_the_size_tolerance_keeps_a_near_size_word_in_the_action_clause_and_never_a_kind_or_direction():
+    """Spec-VLA's relaxation (LOSSY, an option): with the committed tokenizer, a draft "medium" for
+    the target's "large" is kept at one class even where the action clause is protected; "small"
+    for "large" needs two; a direction or a kind is never relaxed, whatever the tolerance."""
+    from transformers import AutoTokenizer
+    from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.decoding.wisv import SizeTolerance
+    from edgespec_ros.models import default_model_path
+    tok = AutoTokenizer.from_pretrained(default_model_path("target"))
+    one, two = SizeTolerance(tok, 1), SizeTolerance(tok, 2)
+    word = {w: tok.encode(" " + w, add_special_tokens=False)[0] for w in ("small", "medium", "large", "left", "right", "stop")}
+    assert sorted(one.size_of.values()) == [0, 1, 2]  # each size word is one token here
+    bonus = word["stop"]
+    for draft, target, tolerance, kept in [("medium", "large", one, True), ("small", "large", one, False),
+                                           ("small", "large", two, True), ("left", "right", two, False),
+                                           ("stop", "small", two, False)]:
+        result, relaxed = decide([word[draft]], [word[target], bonus], {}, threshold=0.5, protected={0},
+                                 tolerated=tolerance)
+        assert (result.accepted, relaxed) == ((1, [0]) if kept else (0, [])), (draft, target)
+    with pytest.raises(ValueError, match="part of verify mode wisv"):
+        VerifySettings(verify_mode="greedy", action_tolerance=1)
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        VerifySettings(verify_mode="wisv", wisv_threshold=0.1, action_tolerance=3)
+
+
+def test_the_wire_refuses_a_size_tolerance_it_does_not_carry():
+    from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.wire.client import RemoteVerifier
+    rv = RemoteVerifier("ws://127.0.0.1:9", fingerprint="x", vocab_size=10)
+    with pytest.raises(ValueError, match="in process only"):
+        rv.start(None, VerifySettings(verify_mode="wisv", wisv_threshold=0.1, action_tolerance=1))
+
+
 class CountingTokenizer(CharTokenizer):
     def __init__(self):
         self.decoded = 0

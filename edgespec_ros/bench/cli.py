@@ -149,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="wisv sweep: held-out frames for action agreement (default 600, the card's; 0 skips the "
                             "in-process quality measurement)")
     sweep.add_argument("--episodes", type=int, default=None,
-                       help="wisv sweep: held-out closed-loop episodes (default 120, the card's)")
+                       help="wisv sweep: held-out closed-loop episodes (default 120, the card's; up to 240: the "
+                            "next 120 held-out scenarios as a second sample)")
+    sweep.add_argument("--action-tolerance", type=int, default=0, choices=[0, 1, 2],
+                       help="wisv sweep: also measure each closed-loop threshold with Spec-VLA's relaxation (LOSSY, "
+                            "in process only): a draft size word up to this many classes from the target's is kept")
     sweep.add_argument("--closed-loop-thresholds", nargs="+", type=float, default=None,
                        help="wisv sweep: the thresholds also run in closed loop (default: all of --thresholds)")
     sweep.add_argument("--temperatures", nargs="+", type=float, default=None,
@@ -182,7 +186,8 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         hostile_verifier_args=shlex.split(args.hostile_verifier_args), robots=args.robots,
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
-                        episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay)
+                        episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
+                        action_tolerance=args.action_tolerance)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

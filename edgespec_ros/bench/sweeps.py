@@ -56,6 +56,7 @@ class SweepOptions:
     frames: int | None = None  # wisv sweep: held-out frames for the action agreement (card's 600)
     episodes: int | None = None  # wisv sweep: held-out closed-loop episodes (card's 120)
     closed_loop_thresholds: list[float] | None = None  # wisv sweep: thresholds run in closed loop (default all)
+    action_tolerance: int = 0  # wisv sweep: also each closed-loop threshold with this size tolerance (in process)
     replay: object | None = None  # bags.BagReplay: decide on a recording's frames instead of simulated ones
 
     def prompts(self, n: int):

@@ -38,12 +38,14 @@ CARD_SCENARIOS = 120  # the card's held-out scenarios: its frames come from them
 SAMPLES = 2
 
 
-def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = 4) -> DecodeConfig:
-    """Greedy SD (threshold None) or WISV at the threshold."""
+def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = 4,
+                  tolerance: int = 0) -> DecodeConfig:
+    """Greedy SD (threshold None) or WISV at the threshold (``tolerance``: size classes a kept draft
+    size word may differ by, Spec-VLA's relaxation; in process only)."""
     if threshold is None:
         return DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=MAX_NEW_TOKENS, params=GREEDY, verify_mode="greedy")
     return DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=MAX_NEW_TOKENS, params=GREEDY, verify_mode="wisv",
-                        wisv_threshold=threshold, hidden_upload=upload)
+                        wisv_threshold=threshold, hidden_upload=upload, action_tolerance=tolerance)
 
 
 # --- timed, over the emulated links ------------------------------------------------------------
@@ -103,7 +105,8 @@ def _profile_csi(link: str):
 # --- quality, in process on the card's held-out data --------------------------------------------
 
 def _quality_job(draft_path: str, target_path: str, link: str | None, threshold: float | None, n_scenarios: int,
-                 n_frames: int, frames: tuple[int, int], episodes: tuple[int, int], max_steps: int) -> dict:
+                 n_frames: int, frames: tuple[int, int], episodes: tuple[int, int], max_steps: int,
+                 tolerance: int = 0) -> dict:
     """One worker's share: the parsed action on frames [a, b) and the success of episodes [c, d)
     with greedy SD (threshold None: the target's own output) or WISV under the link's CSI."""
     import torch
@@ -119,7 +122,7 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     attach_wisv(target)
     csi = None if link is None else _profile_csi(link)
     decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))
-    policy = DecoderPolicy(decoder, decode_config(threshold))
+    policy = DecoderPolicy(decoder, decode_config(threshold, tolerance=tolerance))
     actions, accepted, rounds = [], 0, 0
     for ex in examples[slice(*frames)]:
         out = policy.decide(ex.image, ex.instruction, history=ex.history)
@@ -127,44 +130,55 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
         accepted += policy.last.metrics.accepted
         rounds += policy.last.metrics.rounds
     results = [run_episode(policy, s) for s in scenarios[slice(*episodes)]]
-    return {"link": link, "threshold": threshold, "frames": frames, "episodes": episodes, "actions": actions,
+    return {"link": link, "threshold": threshold, "tolerance": tolerance, "frames": frames, "episodes": episodes,
+            "actions": actions,
             "successes": [r.success for r in results], "collisions": sum(r.collisions for r in results),
             "accepted": accepted, "rounds": rounds}
 
 
-def quality_jobs(pair, links, thresholds, closed_loop, n_frames: int, n_episodes: int, max_steps: int = 40) -> list:
+def quality_jobs(pair, links, thresholds, closed_loop, n_frames: int, n_episodes: int, max_steps: int = 40,
+                 tolerance: int = 0) -> list:
     """``_quality_job``'s arguments: two jobs per setting (greedy SD first, then each link and
-    threshold; episodes only for the closed-loop thresholds), each half of the frames and episodes."""
+    threshold; episodes only for the closed-loop thresholds; with ``tolerance``, each closed-loop
+    threshold again with that relaxation), each half of the frames and episodes."""
     halves = lambda n: [(0, n // 2), (n // 2, n)]  # noqa: E731 - two jobs per setting: workers finish together
     n_scenarios = max(CARD_SCENARIOS, n_episodes)  # the first 600 frames are the card's either way (tested)
     jobs = []
-    for link, t in [(None, None)] + [(link, t) for link in links for t in thresholds]:
+    settings = [(None, None, 0)] + [(link, t, 0) for link in links for t in thresholds]
+    settings += [(link, t, tolerance) for link in links for t in thresholds if tolerance and t in closed_loop]
+    for link, t, tol in settings:
         episodes = n_episodes if t is None or t in closed_loop else 0
         for f, e in zip(halves(n_frames), halves(episodes)):
-            jobs.append((pair.draft_path, pair.target_path, link, t, n_scenarios, n_frames, f, e, max_steps))
+            jobs.append((pair.draft_path, pair.target_path, link, t, n_scenarios, n_frames, f, e, max_steps, tol))
     return jobs
 
 
-def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int, bar, max_steps: int = 40) -> dict:
+def _key(part: dict) -> tuple:
+    return (part["link"], part["threshold"]) + ((part["tolerance"],) if part.get("tolerance") else ())
+
+
+def quality(opts, links, thresholds, closed_loop, n_frames: int, n_episodes: int, bar, max_steps: int = 40,
+            tolerance: int = 0) -> dict:
     """{(link, threshold): {"agreement", "frames", "unparseable", "success", "success_se", "episodes",
-    "success_samples", "collisions"}}; (None, None) is greedy SD (the reference). ``n_episodes`` up to
+    "success_samples", "collisions"}}; (None, None) is greedy SD (the reference); a tolerance setting's key
+    is (link, threshold, tolerance). ``n_episodes`` up to
     ``SAMPLES * CARD_SCENARIOS``: beyond the card's 120, the next held-out scenarios, and
     ``success_samples`` is the success on each sample of 120 (the card's first). Two processes."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
-    jobs = quality_jobs(opts.pair, links, thresholds, closed_loop, n_frames, n_episodes, max_steps)
+    jobs = quality_jobs(opts.pair, links, thresholds, closed_loop, n_frames, n_episodes, max_steps, tolerance)
     parts: dict = {}
     import os
     workers = min(2, os.cpu_count() or 1)
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             for part in pool.map(_quality_job, *zip(*jobs)):
-                parts.setdefault((part["link"], part["threshold"]), []).append(part)
+                parts.setdefault(_key(part), []).append(part)
                 bar.update(1)
     else:
         for job in jobs:
             part = _quality_job(*job)
-            parts.setdefault((part["link"], part["threshold"]), []).append(part)
+            parts.setdefault(_key(part), []).append(part)
             bar.update(1)
     merged = {key: {"actions": [a for p in sorted(ps, key=lambda p: p["frames"]) for a in p["actions"]],
                     "successes": [s for p in sorted(ps, key=lambda p: p["episodes"]) for s in p["successes"]],
@@ -201,17 +215,32 @@ def run_wisv(opts, progress) -> list[dict]:
     timed_bar = progress(len(links) * len(prompts) * (1 + len(UPLOADS) * len(thresholds)))
     rows = timed_rows(opts, links, thresholds, prompts, timed_bar)
     timed_bar.close()
+    tolerance = getattr(opts, "action_tolerance", 0) or 0
     if n_frames:
-        settings = 1 + len(links) * len(thresholds)
+        settings = 1 + len(links) * len(thresholds) + (len(links) * len(closed_loop) if tolerance else 0)
         quality_bar = progress(2 * settings)
-        measured = quality(opts, links, thresholds, closed_loop, n_frames, n_episodes, quality_bar)
+        measured = quality(opts, links, thresholds, closed_loop, n_frames, n_episodes, quality_bar, tolerance=tolerance)
         quality_bar.close()
+        # Spec-VLA's relaxation, in process only: quality rows with no timing over the link
+        rows += [{"link": link, "threshold": t, "upload": None, "tolerance": tolerance, "lossy": True,
+                  "compute": None, **{k: None for k in TIMED_FIELDS}}
+                 for link in links for t in thresholds if tolerance and t in closed_loop]
         for r in rows:
-            q = measured.get((None, None) if r["threshold"] is None else (r["link"], r["threshold"]), {})
+            key = (None, None) if r["threshold"] is None else (r["link"], r["threshold"])
+            q = measured.get(key + ((r["tolerance"],) if r.get("tolerance") else ()), {})
             r.update({k: q.get(k) for k in ("agreement", "frames", "unparseable", "success", "success_se",
                                             "episodes", "success_samples", "collisions",
                                             "accepted_length_frames", "rounds_frames")})
+        sd_frames = measured[(None, None)]["accepted_length_frames"]
+        for r in rows:  # the held-out frames' accepted length against greedy SD's (in process, any row)
+            if r["threshold"] is not None and sd_frames and r.get("accepted_length_frames") is not None:
+                r["accepted_frames_vs_sd"] = r["accepted_length_frames"] / sd_frames
     return rows
+
+
+TIMED_FIELDS = ("decisions", "accepted_length", "tau", "rounds", "ms_per_token", "ms_per_decision",
+                "uplink_bytes_per_decision", "relaxed_per_decision", "hidden_rows_per_decision",
+                "hidden_exchanges_per_decision", "csi_measured", "quality_measured", "quality_profile")
 
 
 def _f(value, spec, none="-"):
@@ -226,7 +255,7 @@ def threshold_choice(rows: list[dict]) -> list[dict]:
     alike); links without closed-loop figures are left out."""
     out = []
     for link in dict.fromkeys(r["link"] for r in rows):
-        mine = [r for r in rows if r["link"] == link and r.get("upload") in (None, "full")]
+        mine = [r for r in rows if r["link"] == link and r.get("upload") in (None, "full") and not r.get("tolerance")]
         sd = next((r for r in mine if r["threshold"] is None and r.get("success") is not None), None)
         candidates = [r for r in mine if r["threshold"] is not None and r.get("success") is not None]
         if sd is None or not candidates:
@@ -269,21 +298,27 @@ def table_wisv(rows: list[dict]) -> str:
         success = "-" if r.get("success") is None else f"{100 * r['success']:.1f} +- {100 * r['success_se']:.1f}%"
         if len(r.get("success_samples") or ()) > 1:  # each sample of 120 episodes (the card's first)
             success += " (" + " / ".join(f"{100 * x:.1f}" for x in r["success_samples"]) + ")"
-        lines.append([r["link"], "SD (greedy)" if r["threshold"] is None else f"{r['threshold']:g}",
-                      r["upload"] or "-", _f(r["accepted_length"], ".2f"), _f(r.get("accepted_vs_sd") and r["accepted_vs_sd"] - 1,
+        threshold = "SD (greedy)" if r["threshold"] is None else f"{r['threshold']:g}"
+        if r.get("tolerance"):
+            threshold += f", sizes +-{r['tolerance']}"
+        lines.append([r["link"], threshold, r["upload"] or ("in process" if r.get("tolerance") else "-"), _f(r["accepted_length"], ".2f"), _f(r.get("accepted_vs_sd") and r["accepted_vs_sd"] - 1,
                                                                           "+.0%") if r["threshold"] is not None else "", _f(r["rounds"], ".2f"), _f(r["ms_per_token"], ".1f"),
                       _f(r.get("latency_vs_sd") and r["latency_vs_sd"] - 1, "+.0%") if r["threshold"] is not None
-                      else "", _f(r["uplink_bytes_per_decision"] / 1e3, ".1f"), _f(r["relaxed_per_decision"], ".2f"),
+                      else "", _f(r["uplink_bytes_per_decision"] and r["uplink_bytes_per_decision"] / 1e3, ".1f"),
+                      _f(r["relaxed_per_decision"], ".2f"),
                       _f(r.get("accepted_length_frames"), ".2f"), _f(r.get("rounds_frames"), ".2f"),
                       _f(r.get("agreement"), ".3f"), success, _f(r.get("collisions"), "d"),
-                      f"{_f(r['quality_measured'], '.2f')} / {r['quality_profile']:.2f}"])
+                      f"{_f(r['quality_measured'], '.2f')} / {_f(r['quality_profile'], '.2f')}"])
     head = ["link", "threshold", "upload", "accepted/round", "vs SD", "rounds/dec", "ms/token", "vs SD",
             "up kB/dec", "kept/dec", "frames: accepted/round", "rounds/dec", "agreement", "closed-loop success",
             "collisions", "CSI quality measured / profile"]
     return (fixed_width(head, lines) + "\nLOSSY for every threshold row: agreement is with target-only greedy "
             "decoding on the card's held-out frames (with their accepted length and rounds), success on its "
             "held-out episodes (both in process, under the link profile's CSI; with more than 120 episodes, each sample of 120 in brackets, the card's first); timing over the emulated link with " + (rows[0]["compute"] if rows else "-")
-            + " compute." + ("\n\n" + table_threshold_choice(rows) if threshold_choice(rows) else ""))
+            + " compute." + ("\nsizes +-N: Spec-VLA's relaxation on top (a draft size word up to N classes from the "
+                             "target's is kept, in the action clause too), measured in process only"
+                             if any(r.get("tolerance") for r in rows) else "")
+            + ("\n\n" + table_threshold_choice(rows) if threshold_choice(rows) else ""))
 
 
 def plot_wisv(rows: list[dict], path: str) -> None:

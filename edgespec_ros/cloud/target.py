@@ -46,6 +46,7 @@ class TargetSession:
     """The cloud side of one decision: prefill, verify rounds (chained or not), or AR generation."""
 
     def __init__(self, lm: LoadedModel):
+        self._tolerance = None  # the decisions' SizeTolerance (wisv action_tolerance), built on first use
         self.lm = lm
         self.seq = lm.new_sequence()
         self.settings: VerifySettings | None = None
@@ -304,13 +305,25 @@ class TargetSession:
                 self._marker_scan = ActionMarkerScan(self.lm.tokenizer)
             protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos, self._marker_scan)
                          | protect_target_eos(argmax, len(draft_ids), eos))
+            tolerated = self._size_tolerance(settings)
             for i in mismatches(draft_ids, argmax):
+                if tolerated is not None and tolerated(draft_ids[i], argmax[i]):
+                    continue  # kept without the head (decide)
                 if i in protected:
                     break  # rejected whatever the head says: rows after it cannot matter
                 asked.append(i)
         self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained,
                                     self.trace.topk(logits) if self.trace is not None else None)
         return list(asked)
+
+    def _size_tolerance(self, settings):
+        """The decision's ``SizeTolerance`` (None when its settings have none)."""
+        from ..decoding.wisv import SizeTolerance
+        if not settings.action_tolerance:
+            return None
+        if self._tolerance is None or self._tolerance.classes != settings.action_tolerance:
+            self._tolerance = SizeTolerance(self.lm.tokenizer, settings.action_tolerance)
+        return self._tolerance
 
     def wisv_abort(self) -> None:
         """Abandon the WISV round waiting for hidden states (its caller failed between the two
@@ -343,7 +356,8 @@ class TargetSession:
             probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens).tolist()))
         self.wisv_round = None
         start = self.position
-        result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected)
+        result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected,
+                                           self._size_tolerance(self.settings))
         self._score_exits(result)
         self._commit(r.draft_ids, result, r.chained, result.next_token)
         self._record(start, r.draft_ids, r.topk, result)

@@ -50,12 +50,20 @@ class VerifySettings:
     seed: int = 0
     verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: greedy with the decision head at mismatches)
     wisv_threshold: float = 0.0  # wisv: keep a mismatch whose rejection probability is at most this (0 = greedy SD)
+    # wisv, LOSSY, measured in process only (not on the wire): keep a draft size word (small, medium,
+    # large) up to this many classes from the target's, in the action clause too (Spec-VLA's relaxed
+    # acceptance); 0: off
+    action_tolerance: int = 0
 
     def __post_init__(self):
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode {self.verify_mode!r} not in {VERIFY_MODES}")
         if not (isinstance(self.wisv_threshold, (int, float)) and 0 <= self.wisv_threshold <= 1):
             raise ValueError(f"wisv_threshold must be in [0, 1], got {self.wisv_threshold!r}")
+        if self.action_tolerance not in (0, 1, 2):
+            raise ValueError(f"action_tolerance must be 0, 1 or 2 size classes, got {self.action_tolerance!r}")
+        if self.action_tolerance and self.verify_mode != WISV:
+            raise ValueError("action_tolerance is part of verify mode wisv (LOSSY)")
         if self.verify_mode == WISV and self.params.temperature != 0:
             raise ValueError("verify mode wisv is for greedy decoding (temperature 0); "
                              f"got temperature {self.params.temperature}")

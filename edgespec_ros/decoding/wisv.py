@@ -331,19 +331,22 @@ def mismatches(draft_ids, target_argmax) -> list[int]:
 
 
 def decide(draft_ids, target_argmax, reject_prob: dict[int, float], threshold: float,
-           protected=frozenset()) -> tuple[VerifyResult, list[int]]:
+           protected=frozenset(), tolerated=None) -> tuple[VerifyResult, list[int]]:
     """Greedy verification with semantic acceptance: walk the draft; a match is accepted; a
     mismatch is accepted (kept) when threshold > 0, the position is not protected and its
     rejection probability is at most the threshold; the first other mismatch is rejected and the
     target's argmax follows. ``target_argmax`` has gamma + 1 entries (the last is the bonus).
     Returns (the result, the mismatch positions accepted). ``reject_prob`` must hold every
-    unprotected mismatch position the walk reaches when threshold > 0."""
+    unprotected mismatch position the walk reaches when threshold > 0. ``tolerated(draft token,
+    target token)`` (:class:`SizeTolerance`; None: off): a mismatch it allows is kept wherever it is,
+    the action clause included, without the head."""
     relaxed = []
     mask = []
     for i, x in enumerate(draft_ids):
         x, best = int(x), int(target_argmax[i])
         if x != best:
-            if threshold <= 0 or i in protected or reject_prob[i] > threshold:
+            if not (tolerated is not None and tolerated(x, best)) and (
+                    threshold <= 0 or i in protected or reject_prob[i] > threshold):
                 mask += [False] * (len(draft_ids) - i)
                 return VerifyResult(i, best, mask), relaxed
             relaxed.append(i)
@@ -352,6 +355,27 @@ def decide(draft_ids, target_argmax, reject_prob: dict[int, float], threshold: f
 
 
 ACTION_MARKER = "action:"
+
+
+class SizeTolerance:
+    """Spec-VLA-style relaxed acceptance (LOSSY): a draft token that is a size word of the action
+    grammar (``control.actions.SIZES``) is kept in place of the target's size word when they are at
+    most ``classes`` apart ("medium" for "large" at 1, not "small"). Kind and direction are never
+    relaxed: only tokens that are size words on both sides qualify."""
+
+    def __init__(self, tokenizer, classes: int):
+        from ..control.actions import SIZES
+        self.classes = classes
+        self.size_of: dict[int, int] = {}
+        for k, word in enumerate(SIZES):
+            for text in (word, " " + word):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) == 1 and tokenizer.decode(ids).strip() == word:
+                    self.size_of[int(ids[0])] = k
+
+    def __call__(self, draft_token: int, target_token: int) -> bool:
+        a, b = self.size_of.get(int(draft_token)), self.size_of.get(int(target_token))
+        return a is not None and b is not None and abs(a - b) <= self.classes
 
 
 class ActionMarkerScan:

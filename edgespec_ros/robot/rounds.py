@@ -34,6 +34,7 @@ class DecodeConfig:
     verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: semantic acceptance, decoding.wisv)
     wisv_threshold: float = 0.01  # wisv: the decision head keeps a mismatch at or below this rejection probability
     hidden_upload: str = "auto"  # wisv: "full" (FH), "selective" (SH) or "auto" (by the measured link)
+    action_tolerance: int = 0  # wisv, LOSSY, in process only: size classes a kept draft size word may differ by
     codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
     workers: int = 4  # fsd, pipe+fsd: pre-draft worker threads
     client_queue: str = "priority"  # fsd: order in which early exits are pre-drafted (priority|fifo|random)
@@ -74,8 +75,9 @@ class DecodeConfig:
         self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
 
     def verify_settings(self) -> VerifySettings:
-        return VerifySettings(self.params, self.seed, self.verify_mode,
-                              self.wisv_threshold if self.verify_mode == WISV else 0.0)
+        wisv = self.verify_mode == WISV
+        return VerifySettings(self.params, self.seed, self.verify_mode, self.wisv_threshold if wisv else 0.0,
+                              self.action_tolerance if wisv else 0)
 
 
 def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:

@@ -261,6 +261,9 @@ class RemoteVerifier:
         """Open a decision (PREFILL). wait=False overlaps the prefill with the robot's own work
         (PicoSpec's overlapped communication): the verifier reads frames in order, so blocks may
         follow at once; its PREFILL_OK (or ERROR) is read with the first reply."""
+        if settings.action_tolerance:
+            raise ValueError("action_tolerance (relaxed size words, LOSSY) is measured in process only "
+                             "(edgespec-bench --sweep wisv --action-tolerance): PREFILL does not carry it")
         if self.ws is None:
             self.connect()
         self.decision += 1
