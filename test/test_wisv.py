@@ -74,7 +74,7 @@ def test_the_size_tolerance_keeps_a_near_size_word_in_the_action_clause_and_neve
     tok = AutoTokenizer.from_pretrained(default_model_path("target"))
     one, two = SizeTolerance(tok, 1), SizeTolerance(tok, 2)
     word = {w: tok.encode(" " + w, add_special_tokens=False)[0] for w in ("small", "medium", "large", "left", "right", "stop")}
-    assert sorted(one.size_of.values()) == [0, 1, 2]  # each size word is one token here
+    assert sorted(one.size_of.values()) == [(0, " "), (1, " "), (2, " ")]  # each size word is one token here, after a space
     bonus = word["stop"]
     for draft, target, tolerance, kept in [("medium", "large", one, True), ("small", "large", one, False),
                                            ("small", "large", two, True), ("left", "right", two, False),
@@ -86,6 +86,47 @@ def test_the_size_tolerance_keeps_a_near_size_word_in_the_action_clause_and_neve
         VerifySettings(verify_mode="greedy", action_tolerance=1)
     with pytest.raises(ValueError, match="0, 1 or 2"):
         VerifySettings(verify_mode="wisv", wisv_threshold=0.1, action_tolerance=3)
+
+
+@pytest.mark.parametrize("tolerance", [0, 1])
+def test_an_in_process_verifier_keeps_a_near_size_word_in_the_action_clause_only_with_the_tolerance(tolerance):
+    """Through LocalVerifier and the target's session: a block that is the target's own answer but
+    for its size word, swapped for the next size class, is kept whole at tolerance 1 (the mismatch
+    among the relaxed ones, without the head: it is in the protected action clause) and rejected at
+    the size word at tolerance 0."""
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.cloud.target import TargetSession, target_generate
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.decoding.verifier import Block
+    from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.decoding.wisv import SizeTolerance, attach_wisv
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.sim.dataset import heldout_prompts
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    attach_wisv(target)
+    sizes = SizeTolerance(target.tokenizer, 1).size_of
+    for instruction, image in heldout_prompts(12, seed=1000):  # a frame whose answer has a size word
+        prompt, _ = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
+        own = target_generate(target, TargetSession(target).build_prompt_inputs(prompt),
+                              VerifySettings(verify_mode="greedy"), max_new_tokens=96)
+        at = [i for i, t in enumerate(own) if t in sizes]
+        if at:
+            break
+    i = at[-1]
+    cls, space = sizes[own[i]]
+    swapped = next(t for t, (c, sp) in sizes.items() if sp == space and abs(c - cls) == 1)
+    block = own[:i] + [swapped]
+    settings = VerifySettings(verify_mode="wisv", wisv_threshold=0.5, action_tolerance=tolerance)
+    v = LocalVerifier(target, csi=Csi(1e6, 1e6, 0.05))
+    v.start(prompt, settings)
+    dim = target.wisv.config.draft_dim
+    v.submit(Block(1, 0, block, None, hidden=torch.zeros(len(block), dim), upload="full", csi=Csi(1e6, 1e6, 0.05)))
+    reply = v.receive()
+    if tolerance:
+        assert reply.accepted == len(block) and i in v.session.last_relaxed
+    else:
+        assert (reply.accepted, reply.next_token) == (i, own[i])
 
 
 def test_the_wire_refuses_a_size_tolerance_it_does_not_carry():

@@ -72,10 +72,13 @@ def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> lis
 
 
 def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], draft_s: float,
-           out: dict) -> None:
-    """One robot: every recorded decision over the wire; decision latencies, tokens, desyncs."""
+           out: dict, memory: int = 0) -> None:
+    """One robot: every recorded decision over the wire; decision latencies, tokens, desyncs.
+    ``memory``: the draft's policy memory, named in HELLO (the recorded prompts are first decisions
+    of a command, whose prompt is the same with or without memory)."""
     from ..wire.client import RemoteVerifier, VerifierError
-    rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=60.0, client_name="fleet-robot")
+    rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=60.0, client_name="fleet-robot",
+                        policy_memory=memory)
     try:
         rv.connect()
     except VerifierError as exc:  # refused or unreachable: counted, shown under the table
@@ -99,10 +102,12 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
         rv.close()
 
 
-def _drive(url: str, n: int, mine: list, fingerprint: str, vocab: int, draft_s: float) -> tuple[list, float]:
+def _drive(url: str, n: int, mine: list, fingerprint: str, vocab: int, draft_s: float,
+           memory: int = 0) -> tuple[list, float]:
     """n robots at once, each replaying its decisions against url; their results and the wall time."""
     outs = [{"tokens": 0, "desync": 0, "latencies": [], "errors": []} for _ in range(n)]
-    threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r]), daemon=True)
+    threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r], memory),
+                                daemon=True)
                for r in range(n)]
     t0 = time.perf_counter()
     for t in threads:
@@ -190,14 +195,14 @@ def run_fleet(opts, progress) -> list[dict]:
             server = VerifierServer(load_model(opts.pair.target_path), max_batch=1 if verifier == "sequential" else 8,
                                     status_interval_s=0, compute=compute, limits=_limits(robots_list))
             with ServerThread(server) as st:
-                outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s)
+                outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s, draft_lm.memory)
                 fair = server.fair
                 stats = {"batches": fair.batches, "batched_jobs": fair.batched_jobs, "compute_busy_s": fair.busy_s}
                 rows.append(_row(verifier, n, outs, wall, stats, draft_s, compute.name))
             bar.update(n * per_robot)
     if "ray" in verifiers:
         rows += _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, opts.compute or "native", bar,
-                         per_robot)
+                         per_robot, draft_lm.memory)
     bar.close()
     base = {r["robots"]: r for r in rows if r["verifier"] == "sequential"}
     lone = next((r for r in rows if r["verifier"] == "batched" and r["robots"] == 1), None)
@@ -217,8 +222,8 @@ def ray_available() -> bool:
     return True
 
 
-def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str, bar, per_robot: int
-             ) -> list[dict]:
+def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str, bar, per_robot: int,
+             memory: int = 0) -> list[dict]:
     """The same robots through RAY_REPLICAS batched replicas on a local Ray instance (one CPU
     each; with an emulated profile, each replica emulates its own accelerator, as each would
     have its own GPU). ``compute``: the profile as --compute takes it (a name or a file)."""
@@ -245,7 +250,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
     try:
         for n in robots_list:
             before = _fleet_status(url, RAY_REPLICAS)
-            outs, wall = _drive(url, n, mine(n), fingerprint, vocab, draft_s)
+            outs, wall = _drive(url, n, mine(n), fingerprint, vocab, draft_s, memory)
             stats = _delta(_fleet_status(url, RAY_REPLICAS), before)
             stats["replicas"] = RAY_REPLICAS
             rows.append(_row("ray", n, outs, wall, stats, draft_s, label))

@@ -156,7 +156,8 @@ class Load:
 
     async def _hello(self, ws, token: str, codec: str = "dense32"):
         P = self.P
-        await ws.send(P.encode(P.Hello(token, self.info["fingerprint"], self.info["vocab"], codec, "hostile")))
+        await ws.send(P.encode(P.Hello(token, self.info["fingerprint"], self.info["vocab"], codec, "hostile",
+                                       memory=self.info["memory"])))
         return await self._expect(ws, P.Welcome)
 
     @contextlib.asynccontextmanager
@@ -402,7 +403,8 @@ def _model_info(draft_lm, max_new_tokens: int) -> dict:
     avoid = {tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")} | set(draft_lm.eos_token_ids)
     avoid = {int(i) for i in avoid if i is not None and i >= 0}
     context = draft_lm.max_context or 2048
-    return {"fingerprint": draft_lm.fingerprint(), "vocab": draft_lm.vocab_size, "avoid_ids": sorted(avoid),
+    return {"fingerprint": draft_lm.fingerprint(), "vocab": draft_lm.vocab_size, "memory": draft_lm.memory,
+            "avoid_ids": sorted(avoid),
             "max_prompt": min(8192, context) - 64 * 4,  # room for a few 64-draft rounds
             "max_new_tokens": min(1024, context - 64)}
 

@@ -118,6 +118,8 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     from ..sim.policy import DecoderPolicy
     from ..train.card import heldout_set
     draft, target = load_model(draft_path), load_model(target_path)
+    if draft.memory != target.memory:
+        raise ValueError(f"the draft prompts with policy_memory {draft.memory}, the target reads {target.memory}")
     scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory)
     attach_wisv(target)
     csi = None if link is None else _profile_csi(link)
@@ -217,7 +219,8 @@ def run_wisv(opts, progress) -> list[dict]:
     timed_bar.close()
     tolerance = getattr(opts, "action_tolerance", 0) or 0
     if n_frames:
-        settings = 1 + len(links) * len(thresholds) + (len(links) * len(closed_loop) if tolerance else 0)
+        settings = 1 + len(links) * len(thresholds) + (len(links) * len(set(closed_loop) & set(thresholds))
+                                                       if tolerance else 0)
         quality_bar = progress(2 * settings)
         measured = quality(opts, links, thresholds, closed_loop, n_frames, n_episodes, quality_bar, tolerance=tolerance)
         quality_bar.close()
@@ -324,10 +327,21 @@ def table_wisv(rows: list[dict]) -> str:
 def plot_wisv(rows: list[dict], path: str) -> None:
     from .report import _pyplot, _save
     plt = _pyplot()
-    fig, (ax_a, ax_l, ax_t) = plt.subplots(1, 3, figsize=(14, 4.2))
+    closed_loop = [r for r in rows if r.get("success") is not None]
+    fig, axes = plt.subplots(1, 4 if closed_loop else 3, figsize=(18.5 if closed_loop else 14, 4.2))
+    ax_a, ax_l, ax_t = axes[:3]
     for link in dict.fromkeys(r["link"] for r in rows):
-        mine = sorted((r for r in rows if r["link"] == link and r["upload"] in (None, "full")),
+        mine = sorted((r for r in rows if r["link"] == link and r["upload"] in (None, "full") and not r.get("tolerance")),
                       key=lambda r: r["threshold"] or 0.0)
+        if closed_loop:  # success with one standard error, greedy SD at threshold 0 (issue 35: success decides)
+            points = [r for r in mine if r.get("success") is not None]
+            axes[3].errorbar([r["threshold"] or 0.0 for r in points], [100 * r["success"] for r in points],
+                             yerr=[100 * (r["success_se"] or 0) for r in points], marker="o", capsize=3, label=link)
+            tolerant = [r for r in rows if r["link"] == link and r.get("tolerance") and r.get("success") is not None]
+            if tolerant:
+                axes[3].errorbar([r["threshold"] for r in tolerant], [100 * r["success"] for r in tolerant],
+                                 yerr=[100 * (r["success_se"] or 0) for r in tolerant], marker="s", linestyle="none",
+                                 capsize=3, label=f"{link}, sizes +-{tolerant[0]['tolerance']}")
         x = [r["threshold"] or 0.0 for r in mine]
         if all(r.get("agreement") is not None for r in mine):
             ax_a.plot(x, [r["agreement"] for r in mine], marker="o", label=link)
@@ -338,6 +352,10 @@ def plot_wisv(rows: list[dict], path: str) -> None:
         else:
             ax_l.plot(x, [r["accepted_length"] for r in mine], marker="o", label=link)
         ax_t.plot(x, [r["ms_per_token"] for r in mine], marker="o", label=link)
+    if closed_loop:
+        axes[3].set(xlabel="threshold (0 = greedy SD)", ylabel="closed-loop success, % (+- 1 SE)",
+                    title=f"closed loop, {closed_loop[0].get('episodes')} held-out episodes")
+        axes[3].legend(fontsize=7)
     ax_a.set(xlabel="threshold (0 = greedy SD)", ylabel="action agreement with target-only",
              title="WISV (LOSSY): agreement vs threshold (paper Fig. 3)")
     ax_l.set(xlabel="threshold (0 = greedy SD)", ylabel="accepted drafts per round", title="accepted length")

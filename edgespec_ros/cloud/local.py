@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Iterator
 
 from ..codecs import get_codec
@@ -62,8 +63,11 @@ class LocalVerifier:
         self.decision += 1
         self._send_q = carries_q(settings, self.codec)
         vs = self.verifier_session
+        tolerance = settings.action_tolerance  # in process only: PREFILL does not carry it (the wire refuses it)
         with _refused():
             prompt, settings = vs.on_prefill(prefill_frame(self.decision, prompt, settings))
+            if tolerance:
+                settings = replace(settings, action_tolerance=tolerance)
             with vs.refusing("bad prefill"):
                 return {"prefill_s": vs.target.start(prompt, settings)}
 

@@ -356,8 +356,9 @@ class TargetSession:
             probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens).tolist()))
         self.wisv_round = None
         start = self.position
+        tolerated = self._size_tolerance(self.settings) if self.settings.wisv_threshold > 0 else None
         result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected,
-                                           self._size_tolerance(self.settings))
+                                           tolerated)
         self._score_exits(result)
         self._commit(r.draft_ids, result, r.chained, result.next_token)
         self._record(start, r.draft_ids, r.topk, result)

@@ -366,16 +366,17 @@ class SizeTolerance:
     def __init__(self, tokenizer, classes: int):
         from ..control.actions import SIZES
         self.classes = classes
-        self.size_of: dict[int, int] = {}
+        self.size_of: dict[int, tuple[int, str]] = {}  # token id -> (size class, the space before it)
         for k, word in enumerate(SIZES):
-            for text in (word, " " + word):
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                if len(ids) == 1 and tokenizer.decode(ids).strip() == word:
-                    self.size_of[int(ids[0])] = k
+            for space in ("", " "):
+                ids = tokenizer.encode(space + word, add_special_tokens=False)
+                if len(ids) == 1 and tokenizer.decode(ids) == space + word:
+                    self.size_of[int(ids[0])] = (k, space)
 
     def __call__(self, draft_token: int, target_token: int) -> bool:
         a, b = self.size_of.get(int(draft_token)), self.size_of.get(int(target_token))
-        return a is not None and b is not None and abs(a - b) <= self.classes
+        # the same spacing: "forward small" for "forward large", never "forwardsmall"
+        return a is not None and b is not None and a[1] == b[1] and abs(a[0] - b[0]) <= self.classes
 
 
 class ActionMarkerScan:

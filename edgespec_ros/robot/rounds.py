@@ -70,6 +70,8 @@ class DecodeConfig:
         from ..decoding.wisv import UPLOADS
         if self.hidden_upload not in UPLOADS:
             raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
+        if self.action_tolerance and self.verify_mode != WISV:
+            raise ValueError("action_tolerance is part of verify mode wisv (LOSSY)")
         if self.verify_mode == WISV and get_codec(self.codec).separate:
             raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
         self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0

@@ -133,6 +133,15 @@ QUICK = dict(train_scenarios=60, target_budget_s=45.0, draft_steps=30, distill_s
 QUICK_CARD = dict(n_scenarios=6, n_frames=30, draft_scenarios=3, draft_frames=15, n_sd=4, n_demo=2, max_steps=20)
 # options that change how a run is computed, not what it computes (checkpoints and stages.json ignore them)
 HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers")
+# options added after runs were started: at their defaults they leave a recipe's fingerprint as it
+# was, so `--resume` of an earlier run still finds its checkpoints and done stages
+LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3}
+
+
+def recipe_of(cfg) -> dict:
+    """The options that say what a run computes (its checkpoints' and stages' identity)."""
+    return {k: v for k, v in asdict(cfg).items()
+            if k not in HOW_NOT_WHAT and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
 ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exits", "wisv", "card")
 
 
@@ -270,7 +279,8 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     memory = dataset_memory(work)
     if memory:  # the prompt layout the model learns: every caller reads it back (LoadedModel.memory)
         model.config.policy_memory = memory
-    vision_init = target_vision_dir(work, cfg) if role == "target" else None
+    # continued training starts from a whole target: no tower to load first
+    vision_init = target_vision_dir(work, cfg) if role == "target" and not cfg.target_init else None
     if vision_init:
         from .vision import load_pretrained_tower
         try:
@@ -279,7 +289,10 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
             hint = (" (or pass --target-vision none for a random tower)" if cfg.target_vision == "auto" else "")
             raise SystemExit(f"edgespec-train: {e}{hint}") from None
     if role == "target" and cfg.target_init:
-        load_whole_target(model, cfg.target_init, tok)
+        if os.path.abspath(cfg.target_init) == os.path.abspath(os.path.join(out, role)):
+            raise SystemExit(f"edgespec-train: --target-init {cfg.target_init} is where this run saves its target: "
+                             "give another --out")
+        load_whole_target(model, cfg.target_init, tok, memory)
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
     dagger_at = parse_fractions(cfg.dagger_at) if role == "target" else ()
@@ -318,7 +331,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     return path
 
 
-def load_whole_target(model, directory: str, tok) -> None:
+def load_whole_target(model, directory: str, tok, memory: int = 0) -> None:
     """Continued training (``--target-init``): start ``model`` from the trained target in
     ``directory``, every weight; SystemExit with the reason when it is not this run's shape or
     tokenizer (its answers would be read with another vocabulary)."""
@@ -334,6 +347,11 @@ def load_whole_target(model, directory: str, tok) -> None:
     if not same_tokenizer:
         raise SystemExit(f"edgespec-train: --target-init {directory}: its tokenizer is not this run's "
                          f"({tok.name_or_path}); copy it into the work dir's tokenizer/ first")
+    with open(os.path.join(directory, "config.json")) as f:
+        init_memory = int(json.load(f).get("policy_memory", 0) or 0)
+    if init_memory != memory:
+        raise SystemExit(f"edgespec-train: --target-init {directory} prompts with policy_memory {init_memory}, this "
+                         f"run's data with --memory {memory}: continue it on data of its own layout")
     try:
         model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(directory).state_dict(), strict=True)
     except RuntimeError as e:
@@ -372,7 +390,7 @@ def run_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, visio
     A checkpoint resumes only into the same run."""
     import hashlib
     stamp = lambda p: [os.path.getsize(p), os.path.getmtime(p)] if os.path.exists(p) else None  # noqa: E731
-    recipe = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
+    recipe = recipe_of(cfg)
     ident = {"role": role, "spec": spec, "recipe": recipe, "data": stamp(dataset_path(work)),
              "tokenizer": stamp(os.path.join(work, "tokenizer", "tokenizer.json")),
              "vision": stamp(os.path.join(vision_init, "model.safetensors")) if vision_init else None,
@@ -614,7 +632,7 @@ class StagesDone:
     def __init__(self, work: str, cfg: PipelineConfig, out: str = ""):
         import hashlib
         self.path = os.path.join(work, "stages.json")
-        recipe = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
+        recipe = recipe_of(cfg)
         self.keys = {}
         for stage, names in STAGE_OPTIONS.items():
             mine = {k: v for k, v in recipe.items() if any(k == n or (n.endswith("_") and k.startswith(n))
@@ -711,7 +729,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     cfg = PipelineConfig(**values)
     t0 = time.monotonic()
-    stages = ([s for s in ALL_STAGES if s != "vision" or cfg.target_vision == "auto"] if args.stage == "all"
+    stages = ([s for s in ALL_STAGES if s != "vision" or (cfg.target_vision == "auto" and not cfg.target_init)]
+              if args.stage == "all"
               else [args.stage])
 
     timings = {}
