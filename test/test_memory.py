@@ -255,10 +255,14 @@ def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypa
     for stage in (["distill", "--distill-steps", "2", "--distill-prompts", "8", "--distill-heldout", "4",
                    "--distill-sd-decisions", "0"],
                   ["exits", "--exit-steps", "2", "--exit-scenarios", "2"],
-                  ["wisv", "--wisv-scenarios", "1", "--wisv-epochs", "1", "--wisv-workers", "1"]):
+                  ["wisv", "--wisv-scenarios", "1", "--wisv-epochs", "1", "--wisv-workers", "1",
+                   "--wisv-labels", "executed"]):  # executed-outcome labels: frames with their world state
         shown.clear()
         assert train_cli.main(stage + common) == 0, stage
         assert shown and max(shown) >= 2, (stage[0], shown)  # its prompts showed earlier decisions
+    assert json.loads((out / "target" / "wisv" / "wisv_head.json").read_text())["training"]["labels"] == "executed"
+    with pytest.raises(SystemExit, match="--wisv-labels must be one of alone, sequential, executed"):
+        train_cli.main(["wisv", "--wisv-labels", "oracle"] + common)
     config = json.loads((out / "target" / "config.json").read_text())
     (out / "target" / "config.json").write_text(json.dumps(dict(config, policy_memory=0)))
     with pytest.raises(SystemExit, match="prompt differently"):

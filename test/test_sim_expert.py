@@ -340,3 +340,32 @@ def test_approach_moves_restricts_the_move_sizes_and_still_reaches_the_goal():
 def test_bad_approach_knobs_are_rejected_by_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ExpertConfig(**bad)
+
+
+def test_a_steps_executed_outcome_counts_collisions_and_the_experts_decisions_to_the_goal():
+    """Issue 35's executed-outcome label: an action is as good as another from a state when its
+    step touches nothing the other's did not and the expert, carrying on, reaches the goal in no
+    more decisions."""
+    from edgespec_ros.sim.dataset import expert_frames
+    from edgespec_ros.sim.expert import ExecutedOutcome, step_outcome
+    from edgespec_ros.sim.world import forward_clearance
+    large = Action.move_forward("large")
+    frames = list(expert_frames("train", 6))
+    at_goal = next(f for f in frames if f.decision.action.kind == "stop")
+    judge = ExecutedOutcome(at_goal.scenario, at_goal.pose)
+    assert judge.outcome("stop") == step_outcome(at_goal.scenario, at_goal.pose, "stop")
+    assert judge.outcome("stop").decisions_to_goal == 1 and not judge.outcome("stop").collided
+    assert judge.outcome("turn left large").decisions_to_goal > 1  # the expert must turn back first
+    assert judge.as_good("stop", "turn left large") and not judge.as_good("turn left large", "stop")
+    assert judge.as_good("stop", "stop") and judge.as_good(None, None)
+    assert not judge.as_good(None, "stop") and not judge.as_good("stop", None)
+    blocked = next(f for f in frames if f.decision.action.kind != "stop"
+                   and forward_clearance(f.scenario, f.pose)[0] < large.distance_m)
+    judge = ExecutedOutcome(blocked.scenario, blocked.pose)
+    assert judge.outcome(large.text).collided
+    assert not judge.outcome(blocked.decision.action.text).collided  # the expert's own move touches nothing
+    assert not judge.as_good(large.text, blocked.decision.action.text)  # a new contact is never as good
+    far = next(f for f in frames if f.decision.action.kind != "stop")
+    assert step_outcome(far.scenario, far.pose, "stop").decisions_to_goal == math.inf  # stopped short: fails
+    short = step_outcome(far.scenario, far.pose, far.decision.action, horizon=1)
+    assert short.decisions_to_goal == math.inf  # no successful stop within one decision

@@ -342,6 +342,48 @@ def test_sequential_labels_follow_the_oracle_and_keep_the_targets_action():
         episode_traces(draft, target, "x", None, labels="oracle")
 
 
+class _Judge:
+    """An executed-outcome judge with a fixed answer (what the label logic does with it)."""
+
+    def __init__(self, answer: bool):
+        self.answer, self.asked = answer, []
+
+    def as_good(self, candidate, reference):
+        self.asked.append((candidate, reference))
+        return self.answer
+
+
+def test_executed_labels_relabel_only_changed_actions_the_judge_calls_as_good():
+    """Issue 35: executed-outcome labels are sequential labels in which a changed action is critical
+    only when its execution is worse. A judge that finds nothing as good gives the sequential
+    labels exactly; one that finds everything as good leaves no critical mismatch; the real one,
+    from the frame's simulated state, keeps every critical mismatch a changed action."""
+    from edgespec_ros.decoding.engines import load_model
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.sim.expert import ExecutedOutcome
+    from edgespec_ros.train.wisv import episode_traces, sim_frames
+    draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
+    frames = sim_frames("train", 3)[:8]
+    changed = 0
+    for f in frames:
+        seq = episode_traces(draft, target, f.instruction, f.image, labels="sequential")
+        never = _Judge(False)
+        strict = episode_traces(draft, target, f.instruction, f.image, labels="executed", judge=never)
+        assert [(t.position, t.draft_token, t.critical) for t in strict] == \
+            [(t.position, t.draft_token, t.critical) for t in seq]
+        assert all(t.action_changed == t.critical for t in strict)
+        assert len(never.asked) >= sum(t.critical for t in seq)  # asked about every changed action
+        changed += sum(t.action_changed for t in strict)
+        lenient = episode_traces(draft, target, f.instruction, f.image, labels="executed", judge=_Judge(True))
+        assert not any(t.critical for t in lenient) and len(lenient) >= len([t for t in seq if not t.critical])
+        real = episode_traces(draft, target, f.instruction, f.image, labels="executed",
+                              judge=ExecutedOutcome(f.scenario, f.pose))
+        assert all(t.action_changed for t in real if t.critical)
+    assert changed > 0  # the frames hold mismatches that change the action
+    with pytest.raises(ValueError, match="world state"):
+        episode_traces(draft, target, "x", None, labels="executed")
+
+
 def test_traces_collected_on_two_processes_equal_those_collected_in_one(tmp_path):
     """Issue 35: both cores collect traces (greedy and DAgger passes alike); the result does not
     depend on how many processes collected it."""

@@ -370,6 +370,61 @@ def run_expert_episode(scenario: Scenario, policy: ExpertPolicy | None = None,
                          list(world.trajectory), decisions)
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What executing one decision from a state leads to: whether that step touched something, and
+    how many decisions reach the goal when the expert carries on after it (the step included; inf
+    when the episode then fails, e.g. a stop outside the goal radius)."""
+
+    collided: bool
+    decisions_to_goal: float
+
+
+def step_outcome(scenario: Scenario, pose: Pose, action: Action | str, policy: ExpertPolicy | None = None,
+                 horizon: int | None = None) -> StepOutcome:
+    """Execute ``action`` from ``pose`` in a fresh world, then roll the expert out for at most
+    ``horizon`` decisions in all (default: the scenario's ``max_steps``): the closed-loop result of
+    that one step, the way a counterfactual label judges it (issue 35)."""
+    policy = ExpertPolicy() if policy is None else policy
+    limit = scenario.max_steps if horizon is None else horizon
+    world = SimWorld(scenario, policy.camera, policy.action_config)
+    world.set_pose(pose)
+    first = world.step(action)
+    while not world.done and world.steps < limit:
+        world.step(policy.decide(scenario, world.pose, world.camera_view()).action)
+    return StepOutcome(first.collided, float(world.steps) if world.success else math.inf)
+
+
+class ExecutedOutcome:
+    """Is an action as good as another *executed* from one state? The executed-outcome label of a
+    WISV mismatch (issue 35): a draft token that changes the parsed action is still harmless when
+    the step it leads to touches nothing the reference step did not, and the expert reaches the
+    goal from there in no more decisions than from the reference step. Where either text does not
+    parse, only identical text is as good. Each action's outcome is simulated once."""
+
+    def __init__(self, scenario: Scenario, pose: Pose, policy: ExpertPolicy | None = None,
+                 horizon: int | None = None):
+        self.scenario, self.pose, self.horizon = scenario, pose, horizon
+        self.policy = ExpertPolicy() if policy is None else policy
+        self._outcomes: dict[str, StepOutcome] = {}
+
+    def outcome(self, action_text: str) -> StepOutcome:
+        if action_text not in self._outcomes:
+            self._outcomes[action_text] = step_outcome(self.scenario, self.pose, action_text, self.policy,
+                                                       self.horizon)
+        return self._outcomes[action_text]
+
+    def as_good(self, candidate: str | None, reference: str | None) -> bool:
+        """True when executing ``candidate`` (canonical action text, None: unparseable) does no
+        worse than executing ``reference``."""
+        if candidate == reference:
+            return True
+        if candidate is None or reference is None:
+            return False  # one of them does not parse: the label stays the parsed action's
+        c, r = self.outcome(candidate), self.outcome(reference)
+        return (r.collided or not c.collided) and c.decisions_to_goal <= r.decisions_to_goal
+
+
 # ---------------------------------------------------------------------- wording
 
 class _Words:

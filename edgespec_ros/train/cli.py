@@ -88,7 +88,7 @@ class PipelineConfig:
     wisv_scenarios: int = 40  # simulator scenarios whose frames give the WISV head's mismatch traces
     wisv_epochs: int = 30
     wisv_workers: int = 2  # processes collecting the WISV traces (one torch thread each)
-    wisv_labels: str = "alone"  # alone | sequential (train.wisv.episode_traces): how the greedy pass labels mismatches
+    wisv_labels: str = "alone"  # alone | sequential | executed (train.wisv.episode_traces): how mismatches are labelled
     vision_scenarios: int = 1500  # training scenarios whose random views pretrain the vision tower
     vision_per_scenario: int = 8
     vision_budget_s: float = 240.0
@@ -554,8 +554,11 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
 def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
     memory = pair_memory("wisv", draft, target)  # traces of the decisions the robot would make
     from ..sim.dataset import generate_examples
-    from .wisv import HeadTrainConfig, run_wisv_stage
-    train = list(generate_examples("train", cfg.wisv_scenarios, memory=memory))
+    from .wisv import LABELS, HeadTrainConfig, run_wisv_stage, sim_frames
+    if cfg.wisv_labels not in LABELS:
+        raise SystemExit(f"edgespec-train wisv: --wisv-labels must be one of {', '.join(LABELS)}, got {cfg.wisv_labels!r}")
+    train = (sim_frames("train", cfg.wisv_scenarios, memory=memory) if cfg.wisv_labels == "executed"  # with world state
+             else list(generate_examples("train", cfg.wisv_scenarios, memory=memory)))
     heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed, labels=cfg.wisv_labels)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,

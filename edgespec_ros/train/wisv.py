@@ -9,14 +9,18 @@ quality q in (0, 1], each critical mismatch keeps its "repair" label with probab
 sigma((s_i - lambda(q)) / kappa), where the Lagrange multiplier lambda(q) = lambda_max * (1 - q)
 grows as the channel worsens (a smaller repair budget); harmless mismatches are never promoted
 (one-way relabeling). So the labels are the task's own on a perfect link and relax, critical
-ones first by importance, as rounds get expensive.
+ones first by importance, as rounds get expensive. The task label itself comes in three kinds
+(``LABELS``): each mismatch alone, sequential (the kept mismatches stay kept), and executed (a
+changed action is critical only when executing it does worse in the simulator; issue 35).
 """
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .replay import GREEDY_NEW_TOKENS
@@ -71,14 +75,16 @@ class MismatchTrace:
     tokens: torch.Tensor | None = None  # [2 d]: the target's embeddings of the draft token and of its own
     context: tuple = ()       # the tokens before the mismatch (committed, then the round's drafts before it)
     draft_token: int = -1     # the draft token judged there
+    action_changed: bool | None = None  # the parsed action changed (None: not recorded); with executed-
+    #                                     outcome labels a changed action may still be harmless
 
 
-LABELS = ("alone", "sequential")
+LABELS = ("alone", "sequential", "executed")
 
 
 def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
                    max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None, labels: str = "alone",
-                   history=()) -> list[MismatchTrace]:
+                   history=(), judge=None) -> list[MismatchTrace]:
     """Speculative rounds of one decision, recording every unprotected mismatch of every round (in
     the round's own context: positions after an earlier mismatch see the draft tokens before them,
     as WISV would) with its task label: critical when keeping the draft token there and decoding
@@ -91,11 +97,20 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     kept and stays kept while the next is judged, and a round stops at the first critical one,
     so every label is taken in the context a head that keeps what is harmless would meet (the
     decision keeps several mismatches, not one). The oracle's decision ends in the target's action.
+    "executed" is "sequential" where a changed action is critical only when its *execution* is
+    worse: ``judge`` (``sim.expert.ExecutedOutcome`` of the frame's world state) says whether the
+    changed action, executed and carried on by the expert, touches nothing more and reaches the
+    goal in no more decisions than the target's (then the oracle's decision may end in that action).
+    A ``judge`` given with the other labels relabels the same way.
     ``history``: the earlier decisions a policy with memory is shown (``decoding.memory``)."""
     if labels not in LABELS:
         raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
-    if labels == "sequential" and policy is not None:
-        raise ValueError("sequential labels follow the oracle: give no policy")
+    if labels == "executed" and judge is None:
+        raise ValueError("executed-outcome labels need the frame's world state: give a judge "
+                         "(sim.expert.ExecutedOutcome)")
+    sequential = labels in ("sequential", "executed")
+    if sequential and policy is not None:
+        raise ValueError(f"{labels} labels follow the oracle: give no policy")
     from ..cloud.target import target_generate
     from ..robot.decoder import DecodeConfig
     from ..decoding.sampling import SamplingParams
@@ -106,6 +121,11 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
 
     def action(tokens):
         return action_of_tokens(target, tokens)
+
+    def critical(candidate, reference) -> tuple[bool, bool]:
+        """(the parsed action changed, the mismatch is critical)"""
+        changed = candidate != reference
+        return changed, changed and not (judge is not None and judge.as_good(candidate, reference))
 
     def continue_greedily(tokens, budget):
         if budget <= 0 or (tokens and tokens[-1] in eos):
@@ -137,7 +157,8 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
                                       [max_new_tokens - len(t.context) - 1 for t, _ in open_], eos)
         rest_of = {id(t): rest for (t, _), rest in zip(open_, rests)}
         for t, _ in found:
-            t.critical = action(list(t.context) + [t.draft_token] + rest_of.get(id(t), [])) != reference_action
+            t.action_changed, t.critical = critical(action(list(t.context) + [t.draft_token] + rest_of.get(id(t), [])),
+                                                    reference_action)
             traces.append(t)
         return traces
 
@@ -146,7 +167,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
 
     def record(r):
         judged = [i for i in r.mismatches if i not in r.protected]
-        if labels == "sequential":  # the oracle stops at the first protected mismatch
+        if sequential:  # the oracle stops at the first protected mismatch
             first = next((i for i in r.mismatches if i in r.protected), len(r.draft_ids))
             judged = [i for i in judged if i < first]
         # every judged mismatch's counterfactual continuation, in one batch (copies of the target's cache)
@@ -156,35 +177,38 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
                                                       [max_new_tokens - len(prefixes[i]) for i in open_], eos)))
         for i in r.mismatches:
             if i in r.protected:
-                if labels == "sequential":
+                if sequential:
                     return i  # the oracle rejects a protected mismatch, as WISV does
                 continue
             prefix = prefixes[i]
-            changed = action(prefix + rests.get(i, [])) != reference_action
-            traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), changed, len(r.committed) + i,
+            changed, bad = critical(action(prefix + rests.get(i, [])), reference_action)
+            traces.append(MismatchTrace(r.d_rows[i].clone(), r.t_rows[i].clone(), bad, len(r.committed) + i,
                                         token_pair_features(target, [r.draft_ids[i]], [r.argmax[i]])[0],
-                                        tuple(prefix[:-1]), int(r.draft_ids[i])))
-            if labels == "sequential" and changed:
+                                        tuple(prefix[:-1]), int(r.draft_ids[i]), changed))
+            if sequential and bad:
                 return i  # the first critical mismatch is rejected: the round ends there
-        if labels == "sequential":
+        if sequential:
             return len(r.draft_ids)  # every mismatch harmless: all kept
         return greedy_choice(r) if policy is None else policy(r)
 
     tokens, _ = replay_rounds(draft, target, d_inputs, t_inputs, record, gamma, max_new_tokens)
-    if labels == "sequential" and action(tokens) != reference_action:
+    if sequential and critical(action(tokens), reference_action)[1]:
         # each kept mismatch was harmless in its context, so this needs a numerical near-tie (a
         # batched continuation's argmax against the replay's): the episode's labels are dropped
         import warnings
-        warnings.warn("wisv traces: the oracle's decision lost the target's action (a numerical near-tie); "
+        warnings.warn("wisv traces: the oracle's decision ended worse than the target's action (a numerical near-tie); "
                       "this episode's labels are dropped", RuntimeWarning, stacklevel=2)
         return []
     return traces
 
 
 def collect_traces(draft, target, examples, gamma: int = 4, progress=None, policies=None, workers: int = 1,
-                   model_dirs: tuple[str, str] | None = None, labels: str = "alone") -> list[list[MismatchTrace]]:
+                   model_dirs: tuple[str, str] | None = None, labels: str = "alone",
+                   executed: bool = False) -> list[list[MismatchTrace]]:
     """One episode of traces per example (``sim.dataset`` Example: image, instruction); policies
-    (one per example, or None: greedy SD) decide the rounds. With ``workers`` > 1 and
+    (one per example, or None: greedy SD) decide the rounds. ``executed`` (implied by labels
+    "executed") judges changed actions by their executed outcome, so each example must be a
+    :class:`SimFrame` (its scenario and pose). With ``workers`` > 1 and
     ``model_dirs`` (draft, target) the episodes run in that many processes, one torch thread
     each (small decode steps: one thread per episode beats two on one), and ``policies`` must be
     ``dagger_policy_specs`` (plain data a process can receive). Results do not depend on it."""
@@ -195,7 +219,8 @@ def collect_traces(draft, target, examples, gamma: int = 4, progress=None, polic
         episodes = []
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_trace_worker_init,
                                  initargs=model_dirs) as pool:
-            for episode in pool.map(_trace_job, examples, [gamma] * len(examples), specs, [labels] * len(examples)):
+            for episode in pool.map(_trace_job, examples, [gamma] * len(examples), specs, [labels] * len(examples),
+                                    [executed] * len(examples)):
                 episodes.append([_tensors_as(t, torch.from_numpy) for t in episode])
                 if progress is not None:
                     progress(1)
@@ -204,7 +229,8 @@ def collect_traces(draft, target, examples, gamma: int = 4, progress=None, polic
     for i, example in enumerate(examples):
         policy = None if policies is None else _policy(policies[i], target)
         episodes.append(episode_traces(draft, target, example.instruction, example.image, gamma, policy=policy,
-                                       labels=labels, history=getattr(example, "history", ())))
+                                       labels=labels, history=getattr(example, "history", ()),
+                                       judge=_judge(example, labels, executed)))
         if progress is not None:
             progress(1)
     return episodes
@@ -220,14 +246,40 @@ def _trace_worker_init(draft_dir: str, target_dir: str) -> None:
     _WORKER.update(draft=load_model(draft_dir), target=load_model(target_dir), heads={})
 
 
-def _trace_job(example, gamma: int, spec, labels: str = "alone"):
+def _trace_job(example, gamma: int, spec, labels: str = "alone", executed: bool = False):
     """One episode in a trace process; its tensors go back as numpy arrays (tensors sent between
     processes would each hold a file descriptor in the parent for as long as the traces live)."""
     target = _WORKER["target"]
     traces = episode_traces(_WORKER["draft"], target, example.instruction, example.image, gamma,
                             policy=_policy(spec, target, _WORKER["heads"]), labels=labels,
-                            history=getattr(example, "history", ()))
+                            history=getattr(example, "history", ()), judge=_judge(example, labels, executed))
     return [_tensors_as(t, lambda x: x.numpy()) for t in traces]
+
+
+class SimFrame(NamedTuple):
+    """A traced decision with the world state it was seen in (what executed-outcome labels need)."""
+
+    image: np.ndarray
+    instruction: str
+    history: tuple
+    scenario: object  # sim.scenario.Scenario
+    pose: object      # sim.scenario.Pose
+
+
+def sim_frames(split: str, n_scenarios: int, memory: int = 0) -> list[SimFrame]:
+    """The frames ``generate_examples(split, n_scenarios, memory=memory)`` gives, with their state."""
+    from ..sim.dataset import expert_frames
+    return [SimFrame(f.view.rgb, f.scenario.instruction, f.history, f.scenario, f.pose)
+            for f in expert_frames(split, n_scenarios, memory=memory)]
+
+
+def _judge(example, labels: str, executed: bool):
+    if not (executed or labels == "executed"):
+        return None
+    if not hasattr(example, "scenario"):
+        raise ValueError("executed-outcome labels need each frame's world state: give SimFrames (sim_frames)")
+    from ..sim.expert import ExecutedOutcome
+    return ExecutedOutcome(example.scenario, example.pose)
 
 
 def _tensors_as(trace: MismatchTrace, convert) -> MismatchTrace:
@@ -282,7 +334,9 @@ class HeadTrainConfig:
     dagger_passes: int = 1    # passes of traces on the trained head's own WISV trajectories, added to the greedy ones
     token_features: bool = True  # the head also reads the target's embeddings of the two tokens at a mismatch
     # how the greedy pass labels mismatches (episode_traces): "alone" (each judged with the ones
-    # before it rejected) or "sequential" (the oracle keeps the harmless ones while judging the next)
+    # before it rejected), "sequential" (the oracle keeps the harmless ones while judging the next)
+    # or "executed" (sequential; a changed action is critical only when it executes worse, and the
+    # DAgger passes judge the same way)
     labels: str = "alone"
     relabel: RelabelConfig = RelabelConfig()
 
@@ -403,6 +457,13 @@ def plot_acceptance(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+_CRITICAL = {
+    "alone": "keeping the draft token, each alone, changes the parsed action",
+    "sequential": "keeping the draft token, with the harmless ones before it kept, changes the parsed action",
+    "executed": "keeping the draft token, with the harmless ones before it kept, changes the action to one that "
+                "executes worse in the simulator (a new contact, or more decisions to the goal)"}
+
+
 def write_head_report(out_dir: str, meta: dict, cfg: HeadTrainConfig, n_frames: int) -> None:
     """The head's README.md and acceptance.png from its metadata (the held-out table in it)."""
     import os
@@ -411,7 +472,7 @@ def write_head_report(out_dir: str, meta: dict, cfg: HeadTrainConfig, n_frames: 
         f.write("# WISV decision head (lossy)\n\n"
                 f"Two-layer MLP ({cfg.hidden} hidden) over the drafter's and the target's final hidden states and "
                 f"the link's CSI features, trained on {meta['traces']['train_mismatches']} mismatches "
-                f"({meta['traces']['train_critical']} critical: keeping the draft token changes the parsed action) "
+                f"({meta['traces']['train_critical']} critical: {_CRITICAL[cfg.labels]}) "
                 f"of {meta['traces']['train_episodes']} decisions on {n_frames} simulator frames: greedy SD rounds, then "
                 f"{cfg.dagger_passes} pass(es) of the trained head's own WISV rounds (DAgger: the prefixes hold the "
                 "mismatches it kept), each relabeled under "
@@ -450,16 +511,19 @@ def run_wisv_stage(draft_dir: str, target_dir: str, out_dir: str | None, train_e
             head.save(head_dir)  # the processes load the first head from here
             policies = dagger_policy_specs(head_dir, len(train_examples), random.Random(cfg.seed + 1 + p))
             with tqdm(total=len(train_examples), desc=f"wisv: dagger {p + 1}", unit="ep") as bar:
-                train += collect_traces(draft, target, train_examples, progress=bar.update, policies=policies, **many)
+                train += collect_traces(draft, target, train_examples, progress=bar.update, policies=policies,
+                                        executed=cfg.labels == "executed", **many)
         with tqdm(total=cfg.epochs, desc="wisv: head", unit="epoch") as bar:
             head, info = train_head(train, cfg, progress=bar.update)
     trace_s = time.monotonic() - t0
     rows = acceptance_by_channel(head, heldout, EVAL_PROFILES, EVAL_THRESHOLDS)
     count = lambda eps: (sum(len(e) for e in eps), sum(t.critical for e in eps for t in e))  # noqa: E731
+    changed = sum(bool(t.action_changed) for e in train for t in e)
     meta = {"lossy": True, "draft_fingerprint": draft.fingerprint(), "target_fingerprint": target.fingerprint(),
             "training": {k: v for k, v in asdict(cfg).items() if k != "relabel"} | {"relabel": asdict(cfg.relabel)},
             "traces": {"train_episodes": len(train), "greedy_episodes": greedy_train, "train_mismatches": count(train)[0],
-                       "train_critical": count(train)[1], "heldout_episodes": len(heldout),
+                       "train_critical": count(train)[1], "train_action_changed": changed,
+                       "heldout_episodes": len(heldout),
                        "heldout_mismatches": count(heldout)[0], "heldout_critical": count(heldout)[1],
                        "seconds": round(trace_s, 1), "workers": workers},
             "fit": info, "heldout_acceptance": rows, "command": command}
