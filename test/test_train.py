@@ -630,3 +630,26 @@ def test_continued_training_starts_from_the_given_targets_weights_and_refuses_an
                         "--target-spec", "hidden=64"] + common)
     with pytest.raises(SystemExit, match="no model.safetensors"):
         train_cli.main(["target", "--out", str(tmp_path / "x"), "--target-init", str(tmp_path)] + common)
+
+
+def test_a_memoryless_target_continues_on_memory_data_with_its_own_tokenizer(pipeline, tmp_path):
+    """Issue 37: ``all --memory 2 --target-init DIR`` teaches memory to a trained memoryless target:
+    the tokenizer stage takes that target's tokenizer (not a BPE retrained on the memory corpus,
+    whose vocabulary the weights would not read), and the continued target is saved prompting
+    with the run's memory."""
+    work, out = pipeline
+    init = out / "target"
+    mem = tmp_path / "work-mem"
+    common = ["--work", str(mem), "--out", str(tmp_path / "m"), "--train-scenarios", "6", "--batch-size", "4",
+              "--memory", "2", "--memory-noise", "0.15", "--target-init", str(init)]
+    assert train_cli.main(["data"] + common) == 0
+    assert train_cli.main(["tokenizer"] + common) == 0
+    model_of = lambda d: json.loads((d / "tokenizer.json").read_text())["model"]  # noqa: E731
+    assert model_of(mem / "tokenizer") == model_of(init)
+    assert train_cli.main(["target", "--target-steps", "2"] + common) == 0
+    config = json.loads((tmp_path / "m" / "target" / "config.json").read_text())
+    assert config["policy_memory"] == 2
+    assert json.loads((tmp_path / "m" / "target" / "training.json").read_text())["init"] == str(init)
+    assert not train_cli.StagesDone(str(mem), train_cli.PipelineConfig()).has("tokenizer")  # another tokenizer
+    with pytest.raises(SystemExit, match="no tokenizer.json"):
+        train_cli.main(["tokenizer", "--work", str(mem), "--target-init", str(tmp_path)])

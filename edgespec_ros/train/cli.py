@@ -234,11 +234,22 @@ def dataset_memory(work: str) -> int:
 
 
 def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
+    """A BPE trained on the data stage's corpus -> ``<work>/tokenizer``; with ``--target-init`` the
+    init target's own tokenizer instead (a continued model reads the vocabulary it was trained
+    with, and the draft trained beside it must share it)."""
+    path = os.path.join(work, "tokenizer")
+    if cfg.target_init:
+        from transformers import AutoTokenizer
+        if not os.path.isfile(os.path.join(cfg.target_init, "tokenizer.json")):
+            raise SystemExit(f"edgespec-train: --target-init {cfg.target_init}: no tokenizer.json there")
+        tok = AutoTokenizer.from_pretrained(cfg.target_init)
+        tok.save_pretrained(path)
+        print(f"tokenizer: {len(tok)} tokens, the --target-init target's ({cfg.target_init}) -> {path}")
+        return path
     from .data import corpus_texts
     from ..models.tokenizer import train_tokenizer
     examples = load_dataset(work)
     tok = train_tokenizer(corpus_texts(examples), vocab_size=cfg.tokenizer_vocab)
-    path = os.path.join(work, "tokenizer")
     tok.save_pretrained(path)
     print(f"tokenizer: {len(tok)} tokens -> {path}")
     return path
@@ -349,9 +360,9 @@ def load_whole_target(model, directory: str, tok, memory: int = 0) -> None:
                          f"({tok.name_or_path}); copy it into the work dir's tokenizer/ first")
     with open(os.path.join(directory, "config.json")) as f:
         init_memory = int(json.load(f).get("policy_memory", 0) or 0)
-    if init_memory != memory:
-        raise SystemExit(f"edgespec-train: --target-init {directory} prompts with policy_memory {init_memory}, this "
-                         f"run's data with --memory {memory}: continue it on data of its own layout")
+    if init_memory != memory:  # the same weights learn the new layout: the run's data says it
+        print(f"target: --target-init {directory} prompted with policy_memory {init_memory}; it continues on this "
+              f"run's data (--memory {memory}) and is saved with policy_memory {memory}")
     try:
         model.load_state_dict(Qwen2VLForConditionalGeneration.from_pretrained(directory).state_dict(), strict=True)
     except RuntimeError as e:
@@ -616,7 +627,7 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 # not the data and the target.
 STAGE_OPTIONS = {
     "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout", "seed"),
-    "tokenizer": ("tokenizer_vocab",),
+    "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),
     "draft": ("draft_", "batch_size", "seed"),
