@@ -382,15 +382,40 @@ def reproduce_lines(models_dir: str) -> list[str]:
                  "object, look-alikes of the goal first)") if closeups else ""
         lines.append(f"Training data: the expert's rollouts in {cfg['train_scenarios']:,} random scenarios "
                      f"and jittered poses near them{extra}, all labelled by the expert.")
-    return lines + [f"Reproduce everything: `make models` (= `edgespec-train all`); the committed run took "
+    if cfg.get("memory"):
+        k = cfg["memory"]
+        lines.append(f"Both models prompt with a policy memory (`decoding.memory`): the last {k} to {2 * k - 1} "
+                     "decisions and how each ended, as earlier chat turns; the data rollouts executed a typical "
+                     f"mistake in {cfg.get('memory_noise', 0):.0%} of decisions (a reversed turn, a large move into "
+                     f"what is ahead) and {cfg.get('memory_dropout', 0):.0%} of frames were shown without their memory.")
+    command = run_command(cfg)
+    how = ("`make models` (= `edgespec-train all`)" if command == "edgespec-train all"
+           else f"`{command}`")
+    return lines + [f"Reproduce everything: {how}; the committed run took "
                     f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
                     f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
                     "few more)."] + ([run["note"]] if run.get("note") else [])
 
 
+def run_command(cfg: dict) -> str:
+    """The ``edgespec-train all`` command line of a recorded run's options (pipeline.json's
+    ``config``): the options that differ from the defaults and say what a run computes."""
+    from dataclasses import asdict
+    from .cli import HOW_NOT_WHAT, PipelineConfig
+    defaults = asdict(PipelineConfig())
+    options = "".join(f" --{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f" --{k.replace('_', '-')} {v}"
+                      for k, v in cfg.items()
+                      if k in defaults and k not in HOW_NOT_WHAT and v != defaults[k])
+    return "edgespec-train all" + options
+
+
 def recipe_lines(target: dict) -> list[str]:
-    """The target's optional stages (training.json): a pretrained vision tower, DAgger rounds."""
+    """The target's optional stages (training.json): continued training, a pretrained vision
+    tower, DAgger rounds."""
     lines = []
+    if target.get("init"):
+        lines.append(f"The target continued from the trained target in `{target['init']}` (every weight; "
+                     f"{target.get('steps')} more steps, a fresh schedule peaking at learning rate {target.get('lr', 0):g}).")
     if target.get("vision_init"):
         lines.append(f"The target started from a vision tower pretrained alone (`edgespec-train vision`), "
                      f"{target.get('vision_mode')} in the language stage.")
