@@ -23,7 +23,7 @@ from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.train import cli
 from edgespec_ros.train.distill import (DIVERGENCES, DistillConfig, DistillExample, adapt_from_traces, agreement,
                                         batch_logits, dense_logprobs, distill, divergence, generate,
-                                        trace_examples)
+                                        trace_examples, vision_token_ids)
 
 from conftest import EOS_TEST_INSTRUCTION, EOS_TEST_MAX_NEW
 from wire_helpers import INSTRUCTIONS as WIRE_INSTRUCTIONS, make_pair
@@ -172,6 +172,33 @@ def test_traces_adapt_a_draft_into_a_directory_named_by_its_hash(pair, tmp_path)
     after = agreement(adapted, pair.target, [(INSTRUCTIONS[0], frames(1, 10)[0])])
     assert after["tvd"] < before["tvd"]  # learnt from the target's recorded distributions alone
     assert [n for n in os.listdir(tmp_path / "models") if n.startswith(".")] == []  # no staging left behind
+
+
+def test_traces_of_a_policy_with_memory_keep_its_earlier_decisions(pair, tmp_path):
+    """A memory draft is adapted on the prompts the target saw: the recorded prompt ids hold the
+    earlier decisions, read back (``inputs.parse_prompt``) into each example's history, so the
+    rebuilt prompt is the recorded one token for token; a round whose prompt is not the project's
+    chat layout of its instruction is skipped, not trained on with a wrong prompt."""
+    from dataclasses import replace
+    from edgespec_ros.decoding.memory import Turn
+    from edgespec_ros.train.distill import _prompt
+    history = (Turn("turn left medium", "done"), Turn("", "blocked"), Turn("move forward large", "blocked"))
+    recorder = TraceRecorder(str(tmp_path / "traces"), topk=8, record_images=True)
+    decoder = EdgeDecoder(pair.draft, LocalVerifier(pair.target, recorder=recorder, draft_hash="d" * 16))
+    cfg = DecodeConfig(mode="sd", gamma=3, max_new_tokens=12, params=SamplingParams(temperature=1.0), seed=0)
+    decoder.decide(INSTRUCTIONS[0], frames(1, 10)[0], cfg, history=history)
+    decoder.decide(INSTRUCTIONS[1], frames(1, 11)[0], cfg)
+    recorder.close()
+    records = read_traces(str(tmp_path / "traces"))
+    vision = vision_token_ids(pair.draft.tokenizer)  # a random pair may sample an image token: skipped
+    records = [r for r in records if not vision & set(r.context_ids + r.draft_ids)]
+    examples, skipped = trace_examples(records, pair.draft.tokenizer)
+    assert skipped == 0 and len(examples) == len(records)
+    assert {e.history for e in examples} == {history, ()}
+    for r, e in zip(records, examples):
+        assert _prompt(pair.draft, e).input_ids[0].tolist() == list(r.prompt_ids)
+    other = [replace(r, instruction="go somewhere else") for r in records]  # not what the prompt says
+    assert trace_examples(other, pair.draft.tokenizer) == ([], len(records))
 
 
 def test_traces_without_frames_are_refused_with_the_flag_to_record_them(pair, tmp_path):

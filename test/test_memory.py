@@ -267,5 +267,3 @@ def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypa
     (out / "target" / "config.json").write_text(json.dumps(dict(config, policy_memory=0)))
     with pytest.raises(SystemExit, match="prompt differently"):
         train_cli.main(["distill", "--distill-steps", "1"] + common)
-    with pytest.raises(SystemExit, match="memory"):
-        train_cli.main(["distill", "--traces", str(tmp_path)] + common)

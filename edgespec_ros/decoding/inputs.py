@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -203,6 +204,35 @@ def _turns(instruction: str, history) -> list[tuple[str, str, bool]]:
         turns.append(("assistant", turn.action or "none", False))
         turns.append(("user", turn.outcome, i == len(history) - 1))
     return turns
+
+
+_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>\n", re.DOTALL)
+_IMAGE = re.compile(re.escape(VISION_START) + f"(?:{re.escape(IMAGE_PAD)})+" + re.escape(VISION_END))
+
+
+def parse_prompt(text: str):
+    """The inverse of :func:`chat_prompt` on a decoded prompt (its image pads expanded or not):
+    (instruction, history as ``decoding.memory.Turn``s), or None when ``text`` is not a prompt
+    :func:`chat_prompt` writes (checked by writing it again). A recorded prompt's ids keep its
+    memory; this reads it back (``train.distill.trace_examples``)."""
+    from .memory import Turn
+    text = _IMAGE.sub(VISION_START + IMAGE_PAD + VISION_END, text)
+    turns = _TURN.findall(text)
+    system = turns.pop(0)[1] if turns and turns[0][0] == "system" else None
+    if not turns or turns[0][0] != "user" or len(turns) % 2 == 0:
+        return None
+    vision = VISION_START + IMAGE_PAD + VISION_END
+    instruction = turns[0][1].removesuffix(vision)
+    history = []
+    for (role_a, action), (role_u, outcome) in zip(turns[1::2], turns[2::2]):
+        if (role_a, role_u) != ("assistant", "user"):
+            return None
+        history.append(Turn("" if action == "none" else action, outcome.removesuffix(vision)))
+    history = tuple(history)
+    for has_image in (True, False):
+        if chat_prompt(instruction, has_image, system, history) == text:
+            return instruction, history
+    return None
 
 
 def ecosystem_processor(path: str):

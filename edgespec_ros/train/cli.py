@@ -538,8 +538,9 @@ def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
     work = os.path.join(args.work, "adapt")
     draft, target = args.draft or os.path.join(args.out, "draft"), args.target or os.path.join(args.out, "target")
     if pair_memory("adapt-curve", draft, target):
-        raise SystemExit("edgespec-train adapt-curve: it adapts the draft to recorded rounds, which keep the "
-                         "instruction and the frame, not a policy's memory: give a memoryless pair")
+        raise SystemExit("edgespec-train adapt-curve: its recorded and held-out decisions are a memoryless "
+                         "policy's (the instruction and the frame): give a memoryless pair (`distill --traces` "
+                         "adapts a memory draft to recorded traffic)")
     report = adaptation_curve(draft, target, work, args.family, counts,
                               args.adapt_heldout, replace(distill_config(cfg), steps=args.adapt_steps), args.device)
     plot = args.plot or os.path.join(work, "adapt.png")
@@ -766,10 +767,7 @@ def main(argv=None) -> int:
             stage_tokenizer(args.work, cfg)
         elif stage == "distill":
             draft = args.draft or os.path.join(args.out, "draft")
-            if args.traces:
-                if pair_memory("distill", draft):
-                    raise SystemExit("edgespec-train distill --traces: recorded rounds keep the instruction and the "
-                                     "frame, not a policy's memory, so a draft with memory cannot be adapted to them")
+            if args.traces:  # a memory draft too: its earlier decisions are read back from the recorded prompt
                 from .distill import adapt_from_traces
                 path, report = adapt_from_traces(draft, args.traces, args.distill_out or os.path.dirname(
                     os.path.abspath(draft)), distill_config(cfg), args.device)

@@ -414,24 +414,31 @@ def format_report(report: dict) -> str:
 
 def trace_examples(records, tokenizer) -> tuple[list[DistillExample], int]:
     """Training examples from recorded verify rounds (``cloud.traces.TraceRecord``) that carry
-    their camera frame: the round's context and drafts, the loss on the drafted positions and the
-    bonus position, against the target's recorded top-k. Returns (examples, rounds skipped: no
-    frame, or a vision token among the drafts)."""
-    from ..decoding.inputs import to_pil
+    their camera frame: the round's prompt as the target saw it (the instruction and, for a policy
+    with memory, the earlier decisions read back from the recorded prompt ids), its context and
+    drafts, the loss on the drafted positions and the bonus position, against the target's
+    recorded top-k. Returns (examples, rounds skipped: no frame, a vision token among the drafts,
+    or a prompt that is not the project's chat layout of the recorded instruction)."""
+    from ..decoding.inputs import parse_prompt, to_pil
     vision = vision_token_ids(tokenizer)
     frames: dict[tuple[str, str], np.ndarray] = {}  # each decision's JPEG decoded once
+    prompts: dict[tuple[str, str], tuple | None] = {}  # and its prompt read once
     examples, skipped = [], 0
     for r in records:
-        if r.jpeg is None or vision & set(r.context_ids + r.draft_ids):
+        key = (r.tenant, r.decision)
+        if key not in prompts:
+            prompts[key] = parse_prompt(tokenizer.decode(r.prompt_ids, skip_special_tokens=False))
+        parsed = prompts[key]
+        if r.jpeg is None or vision & set(r.context_ids + r.draft_ids) or parsed is None or parsed[0] != r.instruction:
             skipped += 1
             continue
-        key = (r.tenant, r.decision)
         if key not in frames:
             frames[key] = np.asarray(to_pil(r.jpeg))
         n = len(r.draft_ids) + 1
         examples.append(DistillExample(r.instruction, frames[key], list(r.context_ids) + list(r.draft_ids),
                                        loss_from=len(r.context_ids), n_rows=n,
-                                       target_topk=(r.target_topk_ids[:n], r.target_topk_logprobs[:n])))
+                                       target_topk=(r.target_topk_ids[:n], r.target_topk_logprobs[:n]),
+                                       history=parsed[1]))
     return examples, skipped
 
 
@@ -468,6 +475,10 @@ def adapt_from_traces(draft_dir: str, trace_dir: str, out_parent: str, cfg: Dist
     records = first_decisions(read_traces(trace_dir), decisions)
     draft = load_model(draft_dir, device=device)
     examples, skipped = trace_examples(records, draft.tokenizer)
+    if not examples and any(r.jpeg is not None for r in records):
+        raise SystemExit(f"edgespec-train distill: {trace_dir} holds {len(records)} recorded rounds and none whose "
+                         "prompt is this project's chat layout (decoding.inputs.chat_prompt) of its instruction: "
+                         "they were not sent by an edgespec drafter")
     if not examples:
         raise SystemExit(f"edgespec-train distill: {trace_dir} holds {len(records)} recorded rounds and none with a "
                          "camera frame: a vision draft needs the frames it drafted from (record with "
