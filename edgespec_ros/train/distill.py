@@ -476,9 +476,9 @@ def adapt_from_traces(draft_dir: str, trace_dir: str, out_parent: str, cfg: Dist
     draft = load_model(draft_dir, device=device)
     examples, skipped = trace_examples(records, draft.tokenizer)
     if not examples and any(r.jpeg is not None for r in records):
-        raise SystemExit(f"edgespec-train distill: {trace_dir} holds {len(records)} recorded rounds and none whose "
-                         "prompt is this project's chat layout (decoding.inputs.chat_prompt) of its instruction: "
-                         "they were not sent by an edgespec drafter")
+        raise SystemExit(f"edgespec-train distill: {trace_dir} holds {len(records)} recorded rounds and none usable: "
+                         "those with a camera frame have a prompt that is not this project's chat layout "
+                         "(decoding.inputs.chat_prompt) of their instruction, or an image token among their drafts")
     if not examples:
         raise SystemExit(f"edgespec-train distill: {trace_dir} holds {len(records)} recorded rounds and none with a "
                          "camera frame: a vision draft needs the frames it drafted from (record with "
