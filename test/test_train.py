@@ -497,19 +497,24 @@ def test_card_repeats_the_pipeline_records_note(tmp_path):
 def test_card_says_the_command_and_the_memory_of_the_run_it_describes(tmp_path):
     """The card's "Reproduce" line is the recorded run's own command (``make models`` only when
     every option is the default), and a memory pair says how it prompts and how it was taught."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
     from edgespec_ros.train.card import recipe_lines, reproduce_lines
-    cfg = asdict(train_cli.PipelineConfig())
-    record = {"stage_seconds": {"target": 60.0}, "total_seconds_before_card": 60.0, "threads": 2, "config": cfg}
+    cfg = train_cli.PipelineConfig()
+    assert train_cli.run_command(cfg) == "edgespec-train all"
+    assert train_cli.run_command(replace(cfg, **train_cli.LONG), long=True) == "edgespec-train all --long"
+    record = {"stage_seconds": {"target": 60.0}, "total_seconds_before_card": 60.0, "threads": 2,
+              "config": asdict(cfg), "command": train_cli.run_command(cfg)}
     (tmp_path / "pipeline.json").write_text(json.dumps(record))
     assert "`make models` (= `edgespec-train all`)" in reproduce_lines(str(tmp_path))[-1]
-    cfg.update(memory=2, memory_noise=0.15, memory_dropout=0.5, target_init="edgespec_ros/models/target",
-               target_lr=1e-3, target_steps=3600, target_budget_s=0.0, loader_workers=3)
-    (tmp_path / "pipeline.json").write_text(json.dumps(dict(record, config=cfg)))
+    cfg = replace(cfg, memory=2, memory_noise=0.15, memory_dropout=0.5, target_init="edgespec_ros/models/target",
+                  target_lr=1e-3, target_steps=3600, target_budget_s=0.0, loader_workers=3)
+    command = train_cli.run_command(cfg)
+    assert command == ("edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --target-steps 3600 "
+                       "--target-budget-s 0 --target-init edgespec_ros/models/target --target-lr 0.001")
+    assert "loader-workers" not in command  # how a run ran is not what it computed
+    (tmp_path / "pipeline.json").write_text(json.dumps(dict(record, config=asdict(cfg), command=command)))
     text = "\n".join(reproduce_lines(str(tmp_path)))
-    assert ("`edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --target-steps 3600 "
-            "--target-budget-s 0 --target-init edgespec_ros/models/target --target-lr 0.001`") in text
-    assert "loader-workers" not in text  # how a run ran is not what it computed
+    assert f"`{command}`" in text
     assert "the last 2 to 3 decisions" in text and "15% of decisions" in text and "50% of frames" in text
     assert "continued from the trained target in `edgespec_ros/models/target`" in \
         recipe_lines({"init": "edgespec_ros/models/target", "steps": 3600, "lr": 1e-3})[0]

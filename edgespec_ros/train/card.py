@@ -388,25 +388,13 @@ def reproduce_lines(models_dir: str) -> list[str]:
                      "decisions and how each ended, as earlier chat turns; the data rollouts executed a typical "
                      f"mistake in {cfg.get('memory_noise', 0):.0%} of decisions (a reversed turn, a large move into "
                      f"what is ahead) and {cfg.get('memory_dropout', 0):.0%} of frames were shown without their memory.")
-    command = run_command(cfg)
+    command = run.get("command", "edgespec-train all")
     how = ("`make models` (= `edgespec-train all`)" if command == "edgespec-train all"
            else f"`{command}`")
     return lines + [f"Reproduce everything: {how}; the committed run took "
                     f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
                     f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
                     "few more)."] + ([run["note"]] if run.get("note") else [])
-
-
-def run_command(cfg: dict) -> str:
-    """The ``edgespec-train all`` command line of a recorded run's options (pipeline.json's
-    ``config``): the options that differ from the defaults and say what a run computes."""
-    from dataclasses import asdict
-    from .cli import HOW_NOT_WHAT, PipelineConfig
-    defaults = asdict(PipelineConfig())
-    options = "".join(f" --{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f" --{k.replace('_', '-')} {v}"
-                      for k, v in cfg.items()
-                      if k in defaults and k not in HOW_NOT_WHAT and v != defaults[k])
-    return "edgespec-train all" + options
 
 
 def recipe_lines(target: dict) -> list[str]:

@@ -142,6 +142,18 @@ def recipe_of(cfg) -> dict:
     """The options that say what a run computes (its checkpoints' and stages' identity)."""
     return {k: v for k, v in asdict(cfg).items()
             if k not in HOW_NOT_WHAT and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
+def run_command(cfg: PipelineConfig, long: bool = False, quick: bool = False) -> str:
+    """The ``edgespec-train all`` command line of a run (pipeline.json's ``command``, the card's
+    "Reproduce" line): ``--long``/``--quick`` and the options that differ from what they imply
+    and say what the run computes (``HOW_NOT_WHAT`` left out)."""
+    implied = asdict(PipelineConfig())
+    implied.update(LONG if long else {})
+    implied.update(QUICK if quick else {})
+    options = [f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+               for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT and v != implied[k]]
+    return " ".join(["edgespec-train all"] + (["--long"] if long else []) + (["--quick"] if quick else []) + options)
+
+
 ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exits", "wisv", "card")
 
 
@@ -756,7 +768,7 @@ def main(argv=None) -> int:
             continue
         if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
             with open(os.path.join(args.out, "pipeline.json"), "w") as f:
-                json.dump({"command": "edgespec-train all" + (" --long" if args.long else "") + (" --quick" if args.quick else ""),
+                json.dump({"command": run_command(cfg, args.long, args.quick),
                            "config": asdict(cfg), "stage_seconds": timings,
                            "total_seconds_before_card": round(time.monotonic() - t0, 1),
                            "threads": torch.get_num_threads()}, f, indent=2)
