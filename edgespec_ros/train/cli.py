@@ -142,6 +142,8 @@ def recipe_of(cfg) -> dict:
     """The options that say what a run computes (its checkpoints' and stages' identity)."""
     return {k: v for k, v in asdict(cfg).items()
             if k not in HOW_NOT_WHAT and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
+
+
 def run_command(cfg: PipelineConfig, long: bool = False, quick: bool = False) -> str:
     """The ``edgespec-train all`` command line of a run (pipeline.json's ``command``, the card's
     "Reproduce" line): ``--long``/``--quick`` and the options that differ from what they imply
