@@ -120,7 +120,8 @@ def test_all_runs_the_vision_stage_first_and_quick_keeps_the_committed_models(tm
     assert by["distill"][1] == (os.path.join(quick_models, "draft"), os.path.join(quick_models, "target"),
                                 os.path.join(quick_models, "draft"))
     assert by["distill"][2].distill_steps == cli.QUICK["distill_steps"]
-    assert json.load(open(tmp_path / "build/train-quick/models/pipeline.json"))["command"] == "edgespec-train all --quick"
+    assert json.load(open(tmp_path / "build/train-quick/models/pipeline.json"))["command"] == \
+        "edgespec-train all --quick --train-scenarios 9"  # the explicit option beside what --quick implies
     calls.clear()
     assert cli.main(["all", "--out", str(tmp_path / "m")]) == 0  # the committed recipe: the vision stage first
     assert [c[0] for c in calls] == list(cli.ALL_STAGES)
