@@ -520,6 +520,35 @@ def test_card_says_the_command_and_the_memory_of_the_run_it_describes(tmp_path):
         recipe_lines({"init": "edgespec_ros/models/target", "steps": 3600, "lr": 1e-3})[0]
 
 
+def test_card_compares_its_target_with_the_committed_one_it_replaces(tmp_path):
+    """The card's "before and after" reads the committed card before it is overwritten; the
+    committed pair measured again keeps the "before" it recorded; other episodes: no comparison."""
+    from edgespec_ros.train.card import before_after_lines, before_figures
+    committed, new = tmp_path / "committed", tmp_path / "new"
+    for d in (committed / "target", new / "target"):
+        d.mkdir(parents=True)
+    assert before_figures(str(new), str(committed)) is None  # nothing committed yet
+    old_training = {"steps": 9507, "batch_size": 32, "final_loss": 0.0854}
+    old = {"episodes": 120, "success_rate": 0.7833, "collisions": 217, "action_agreement": 0.8367,
+           "kind_direction_agreement": 0.8833, "demo": {"success_rate": 0.9}, "mean_steps": 12.4}
+    (committed / "metrics.json").write_text(json.dumps({"metrics": {"target": old}, "training": {"target": old_training}}))
+    (new / "target" / "training.json").write_text(json.dumps(dict(old_training, final_loss=0.095)))
+    before = before_figures(str(new), str(committed))
+    assert before["label"] == "the target committed before this one (9,507 steps x 32, final loss 0.085)"
+    assert "mean_steps" not in before["target"] and before["target"]["collisions"] == 217
+    after = dict(old, success_rate=0.7917, collisions=95, demo={"success_rate": 0.95},
+                 failures={"cycle": 3, "push": 3, "early stop": 9, "ran out": 10})
+    text = "\n".join(before_after_lines({"target": after, "before": before}))
+    assert "on the same 120 held-out episodes: success 78.3% -> 79.2%" in text
+    assert "collisions 217 -> 95" in text and "demo 90.0% -> 95.0%" in text
+    assert "cycles not recorded/3" in text and "early stops not recorded/9" in text
+    # the committed pair measured again (its own training.json): the "before" it recorded stays
+    (committed / "metrics.json").write_text(json.dumps(
+        {"metrics": {"target": after, "before": before}, "training": {"target": dict(old_training, final_loss=0.095)}}))
+    assert before_figures(str(new), str(committed)) == before
+    assert before_after_lines({"target": dict(after, episodes=12), "before": before}) == []  # a quick card
+
+
 def _resume_setup(pipeline):
     from transformers import AutoTokenizer
     from edgespec_ros.models import tiny

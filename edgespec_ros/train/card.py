@@ -224,6 +224,64 @@ def expert_ceiling(n_scenarios: int, n_frames: int) -> dict:
             "levels": [{k: v for k, v in row.items() if k != "per_situation"} for row in rows]}
 
 
+# what the card's "before and after" keeps of the pair it replaces (metrics["before"])
+BEFORE_FIGURES = ("episodes", "success_rate", "collisions", "action_agreement", "kind_direction_agreement",
+                  "demo", "failures")
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def before_figures(models_dir: str, committed_dir: str) -> dict | None:
+    """The figures a card compares its target with ("before"): the committed pair's card
+    (``committed_dir``/metrics.json) as it stands when this card is measured, read before the card
+    overwrites it (``make models`` writes into the committed directory). When that card describes
+    this very target (its training.json: the committed pair measured again), the "before" it
+    recorded itself; None when there is neither."""
+    card = _read_json(os.path.join(committed_dir, "metrics.json"))
+    if not card or "target" not in card.get("metrics", {}):
+        return None
+    previous = card.get("training", {}).get("target", {})
+    if previous == _read_json(os.path.join(models_dir, "target", "training.json")):
+        return card["metrics"].get("before")
+    target = card["metrics"]["target"]
+    label = (f"the target committed before this one ({previous['steps']:,} steps x {previous.get('batch_size')}, "
+             f"final loss {previous['final_loss']:.3f})" if "steps" in previous and "final_loss" in previous
+             else "the target committed before this one")
+    return {"label": label, "target": {k: target[k] for k in BEFORE_FIGURES if k in target}}
+
+
+def before_after_lines(metrics: dict) -> list[str]:
+    """The card's "before and after": the target against the one it replaces (``metrics["before"]``,
+    :func:`before_figures`), on the same held-out episodes and frames; nothing when there is no
+    "before" or it was measured on other episodes."""
+    before, after = (metrics.get("before") or {}).get("target"), metrics["target"]
+    if not before or before.get("episodes") != after["episodes"]:
+        return []
+
+    def pair(key, fmt):
+        a, b = before.get(key), after.get(key)
+        return f"{fmt(a) if a is not None else 'not recorded'} -> {fmt(b) if b is not None else 'not recorded'}"
+
+    def pct(x):
+        return f"{100 * x:.1f}%"
+
+    figures = [f"success {pair('success_rate', pct)}", f"exact agreement {pair('action_agreement', pct)}",
+               f"kind + direction {pair('kind_direction_agreement', pct)}", f"collisions {pair('collisions', str)}",
+               "demo " + pair("demo", lambda d: pct(d["success_rate"]))]
+    kinds = []
+    for kind, said in (("cycle", "cycles"), ("push", "pushes"), ("early stop", "early stops"), ("ran out", "ran out")):
+        counts = [(x.get("failures") or {}).get(kind) for x in (before, after)]
+        kinds.append(f"{said} {'/'.join('not recorded' if c is None else str(c) for c in counts)}")
+    return ["", f"Before and after: {metrics['before']['label']} -> this one, on the same {after['episodes']} "
+                f"held-out episodes: {', '.join(figures)}. Failed episodes, before/after: {', '.join(kinds)}."]
+
+
 def write_card(models_dir: str, metrics: dict) -> str:
     training = {}
     for role in ("target", "draft"):
@@ -282,6 +340,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
         lines += ["", f"Why the target's failed episodes failed (`sim.evaluate.classify_failure`): "
                       f"{f['cycle']} left/right limit cycles, {f['push']} pushes into something (3+ collisions), "
                       f"{f['early stop']} early stops away from the goal, {f['ran out']} ran out of decisions."]
+    lines += before_after_lines(metrics)
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
         lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something, the "

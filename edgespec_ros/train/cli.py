@@ -804,9 +804,11 @@ def main(argv=None) -> int:
         elif stage == "wisv":
             stage_wisv(os.path.join(args.out, "draft"), args.target or os.path.join(args.out, "target"), cfg)
         elif stage == "card":
-            from .card import measure, write_card
+            from .card import before_figures, measure, write_card
             torch.set_num_threads(1)  # small decode steps: one thread is faster than two
-            path = write_card(args.out, measure(args.out, **(QUICK_CARD if args.quick else {})))
+            before = before_figures(args.out, MODELS_DIR)  # read before the card overwrites it
+            metrics = measure(args.out, **(QUICK_CARD if args.quick else {}))
+            path = write_card(args.out, {**metrics, "before": before} if before else metrics)
             print(f"card: {path}")
         else:
             stage_model(stage, args.work, args.out, cfg, args.device, args.resume)
