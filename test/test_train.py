@@ -635,6 +635,37 @@ def test_resume_skips_the_stages_done_with_the_same_options_and_reruns_the_rest(
     assert workers_only.has("data") and workers_only.has("target")  # how it runs is not what it computes
 
 
+def test_the_expert_of_a_run_labels_its_data_and_the_cards_frames(tmp_path):
+    """``--expert``: the data stage labels with that expert and records it; the model's
+    training.json carries it to the card, whose held-out frames that expert labels; the default
+    expert leaves the stages' keys as they were; a bad setting is refused before any rollout."""
+    from edgespec_ros.sim.expert import ExpertConfig
+    from edgespec_ros.train.card import heldout_set, trained_expert
+    cfg = train_cli.PipelineConfig(train_scenarios=2, expert="stop_gap_m=0.3")
+    train_cli.stage_data(str(tmp_path), cfg, workers=1)
+    assert train_cli.dataset_expert(str(tmp_path)) == {"stop_gap_m": 0.3}
+    assert train_cli.run_command(cfg).endswith("--train-scenarios 2 --expert stop_gap_m=0.3")
+    assert "--expert 'stop_gap_m=0.3;approach_turn=medium'" in train_cli.run_command(
+        train_cli.PipelineConfig(expert="stop_gap_m=0.3;approach_turn=medium"))
+    with pytest.raises(SystemExit, match="stop_gap"):
+        train_cli.stage_data(str(tmp_path / "bad"), train_cli.PipelineConfig(train_scenarios=2, expert="stop_gap=0.3"))
+    assert not (tmp_path / "bad" / "dataset.npz").exists()
+    default, gap = train_cli.PipelineConfig(), train_cli.PipelineConfig(expert="stop_gap_m=0.3")
+    assert train_cli.recipe_of(default) == train_cli.recipe_of(train_cli.PipelineConfig(expert=""))
+    assert "expert" not in train_cli.recipe_of(default)  # runs started before the option resume as they were
+    keys = lambda c: train_cli.StagesDone(str(tmp_path), c).keys  # noqa: E731
+    assert keys(default)["data"] != keys(gap)["data"] and keys(default)["draft"] == keys(gap)["draft"]
+    (tmp_path / "target").mkdir()
+    assert trained_expert(str(tmp_path / "target")) == ExpertConfig()  # no training.json: the default
+    (tmp_path / "target" / "training.json").write_text(json.dumps({"expert": {"stop_gap_m": 0.3}}))
+    assert trained_expert(str(tmp_path / "target")) == ExpertConfig(stop_gap_m=0.3)
+    plain, closer = heldout_set(4, 60)[1], heldout_set(4, 60, expert=ExpertConfig(stop_gap_m=0.3))[1]
+    stops = lambda frames: sum(f.text.endswith("Action: stop.") for f in frames)  # noqa: E731
+    assert stops(closer) < stops(plain)  # stopping closer: some of the default expert's stops are moves
+    from edgespec_ros.train.card import expert_lines
+    assert expert_lines({}) == [] and "is not the default one: stop_gap_m=0.3" in expert_lines({"expert": {"stop_gap_m": 0.3}})[0]
+
+
 def test_target_spec_overrides_the_shape_and_rejects_nonsense():
     cfg = train_cli.PipelineConfig(target_spec="layers=8,hidden=192")
     assert train_cli.model_spec("target", cfg)["layers"] == 8

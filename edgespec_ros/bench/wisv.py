@@ -116,11 +116,11 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     from ..decoding.wisv import attach_wisv
     from ..sim.evaluate import run_episode
     from ..sim.policy import DecoderPolicy
-    from ..train.card import heldout_set
+    from ..train.card import heldout_set, trained_expert
     draft, target = load_model(draft_path), load_model(target_path)
     if draft.memory != target.memory:
         raise ValueError(f"the draft prompts with policy_memory {draft.memory}, the target reads {target.memory}")
-    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory)
+    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory, trained_expert(target_path))
     attach_wisv(target)
     csi = None if link is None else _profile_csi(link)
     decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))

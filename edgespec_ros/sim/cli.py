@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .expert import expert_config_from_pairs
 from .render import CameraConfig, compose_side_by_side, render_camera, render_topdown
 from .scenario import Pose, ScenarioError, load_scenario, resolve_scenario
 
@@ -165,37 +166,6 @@ def _setup_eval(sub) -> None:
                              "command, camera frames, decisions, odometry in simulated time (1 s per decision); "
                              "replay them with edgespec-bench --replay")
     parser.set_defaults(func=cmd_eval)
-
-
-def expert_config_from_pairs(pairs: Sequence[str]) -> "ExpertConfig":
-    """An :class:`ExpertConfig` from ``KEY=VALUE`` strings (``stop_gap_m=0.3``,
-    ``approach_moves=small,large``, ``approach_turn=None``); unknown keys and bad values raise
-    ValueError naming them."""
-    from dataclasses import fields
-
-    from .expert import ExpertConfig
-
-    known = {f.name: f for f in fields(ExpertConfig)}
-    values: dict = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or key not in known:
-            raise ValueError(f"--expert {pair!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
-        kind = str(known[key].type)
-        try:
-            if text == "None" and "None" in kind:
-                values[key] = None
-            elif "tuple" in kind:
-                values[key] = tuple(part for part in text.split(",") if part)
-            elif "float" in kind:
-                values[key] = float(text)
-            elif "int" in kind:
-                values[key] = int(text)
-            else:
-                values[key] = text
-        except ValueError:
-            raise ValueError(f"--expert {pair!r}: {text!r} is not a valid {kind}") from None
-    return ExpertConfig(**values)
 
 
 def cmd_expert_noise(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
@@ -85,6 +85,48 @@ class ExpertConfig:
             raise ValueError(f"ExpertConfig.search_turn: {self.search_turn!r} is not one of {SIZES}")
         if self.identify_range_m <= 0 or self.min_pixels < 1 or self.aim_tolerance_deg <= 0:
             raise ValueError("ExpertConfig: identify_range_m, min_pixels and aim_tolerance_deg must be positive")
+
+
+def expert_config_from_pairs(pairs: Sequence[str]) -> ExpertConfig:
+    """An :class:`ExpertConfig` from ``KEY=VALUE`` strings (``stop_gap_m=0.3``,
+    ``approach_moves=small,large``, ``approach_turn=None``); unknown keys and bad values raise
+    ValueError naming them."""
+    known = {f.name: f for f in fields(ExpertConfig)}
+    values: dict = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in known:
+            raise ValueError(f"--expert {pair!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
+        kind = str(known[key].type)
+        try:
+            if text == "None" and "None" in kind:
+                values[key] = None
+            elif "tuple" in kind:
+                values[key] = tuple(part for part in text.split(",") if part)
+            elif "float" in kind:
+                values[key] = float(text)
+            elif "int" in kind:
+                values[key] = int(text)
+            else:
+                values[key] = text
+        except ValueError:
+            raise ValueError(f"--expert {pair!r}: {text!r} is not a valid {kind}") from None
+    return ExpertConfig(**values)
+
+def expert_overrides(config: ExpertConfig) -> dict:
+    """The fields of ``config`` that differ from the default expert, JSON-ready (tuples as lists):
+    what a model's training.json records of the expert whose answers it learnt."""
+    default = asdict(ExpertConfig())
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items() if v != default[k]}
+
+
+def expert_from_overrides(overrides: dict | None) -> ExpertConfig:
+    """The inverse of :func:`expert_overrides` (None or empty: the default expert)."""
+    known = {f.name for f in fields(ExpertConfig)}
+    unknown = set(overrides or {}) - known
+    if unknown:
+        raise ValueError(f"expert settings {sorted(unknown)} are not ExpertConfig fields")
+    return ExpertConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in (overrides or {}).items()})
 
 
 @dataclass(frozen=True)

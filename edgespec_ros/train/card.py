@@ -39,14 +39,32 @@ def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = 4, tem
             "acceptance_per_position": row["acceptance_per_position"]}
 
 
-def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: int = 0):
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: int = 0, expert=None):
     """The card's held-out scenarios and frames (deterministic: every worker builds the same); for
     a policy with ``memory``, each frame carries the expert rollout's earlier decisions (the same
-    frames and answers either way)."""
+    frames and answers either way). ``expert``: the ``ExpertConfig`` whose answers label the frames
+    (the one the model learnt from: :func:`trained_expert`; None: the default)."""
+    from ..sim.expert import ExpertConfig
     scenarios = list(iter_scenarios("heldout", n_scenarios, max_steps=max_steps))
-    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5, memory=memory),
-                         n_frames))
+    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5, memory=memory,
+                                           expert_config=expert or ExpertConfig()), n_frames))
     return scenarios, frames
+
+
+def trained_expert(model_dir: str):
+    """The ``ExpertConfig`` whose answers the model in ``model_dir`` learnt (its training.json's
+    "expert", written by ``edgespec-train --expert``; the default expert when it says none)."""
+    from ..sim.expert import expert_from_overrides
+    training = _read_json(os.path.join(model_dir, "training.json")) or {}
+    return expert_from_overrides(training.get("expert"))
 
 
 def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, episodes: tuple[int, int],
@@ -58,7 +76,8 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
-    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps, policy.memory)
+    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps, policy.memory,
+                                    trained_expert(os.path.join(models_dir, role)))
     scenarios = scenarios[slice(*episodes)]
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     part = {"episodes": loop["per_scenario"], "resampled": resampled_outcomes(policy, scenarios, loop)}
@@ -157,7 +176,7 @@ def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_
     else:
         parts = [_measure_part(*job) for job in jobs]
     return {"target": _summarise(parts[:2]), "draft": _summarise(parts[2:]), "sd": parts[2]["sd"],
-            "expert_noise": expert_ceiling(n_scenarios, n_frames)}
+            "expert_noise": expert_ceiling(n_scenarios, n_frames, trained_expert(os.path.join(models_dir, "target")))}
 
 
 def _target_job(target_dir: str, kind: str, lo: int, hi: int, n_scenarios: int, n_frames: int,
@@ -169,7 +188,8 @@ def _target_job(target_dir: str, kind: str, lo: int, hi: int, n_scenarios: int, 
     policy = VLMPolicy(load_model(target_dir))
     if kind == "demo":
         return {"demo": demo_starts(policy, max_steps=max_steps)}
-    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps, policy.memory)
+    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps, policy.memory,
+                                    trained_expert(target_dir))
     if kind == "episodes":
         return {"episodes": evaluate_closed_loop(policy, scenarios[lo:hi], desc="closed loop")["per_scenario"]}
     agreement = action_agreement(policy, frames[lo:hi], desc="agreement")
@@ -186,6 +206,8 @@ def measure_targets(target_dirs: list[str], workers: int = 2, n_scenarios: int =
     with many cores. Greedy decisions only (the card's resampled figure is not repeated)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
+
+    from ..sim.expert import expert_overrides
     cut = lambda n, k: [(n * i // k, n * (i + 1) // k) for i in range(k)]  # noqa: E731
     jobs = []
     for d in target_dirs:
@@ -208,33 +230,28 @@ def measure_targets(target_dirs: list[str], workers: int = 2, n_scenarios: int =
                   "action_agreement": sum(p.get("agree", 0) for p in mine) / frames,
                   "kind_direction_agreement": sum(p.get("coarse", 0) for p in mine) / frames,
                   "demo": next(p["demo"] for p in mine if "demo" in p),
-                  "failures": failure_counts(episodes), "per_scenario": episodes}
+                  "failures": failure_counts(episodes), "per_scenario": episodes,
+                  "expert": expert_overrides(trained_expert(d))}
     return out
 
 
-def expert_ceiling(n_scenarios: int, n_frames: int) -> dict:
+def expert_ceiling(n_scenarios: int, n_frames: int, expert=None) -> dict:
     """The expert under perception noise on the card's held-out data (sim.robustness): what a
-    learner that misjudges bearings and ranges by that much could reach on both bars."""
+    learner that misjudges bearings and ranges by that much could reach on both bars (``expert``:
+    the ``ExpertConfig`` the target learnt from; None: the default)."""
     from dataclasses import asdict
 
     from ..sim.expert import ExpertConfig
     from ..sim.robustness import DEFAULT_LEVELS, noise_report
-    rows = noise_report(DEFAULT_LEVELS[1:], ExpertConfig(), n_scenarios, n_frames)
-    return {"expert": asdict(ExpertConfig()),
+    expert = expert or ExpertConfig()
+    rows = noise_report(DEFAULT_LEVELS[1:], expert, n_scenarios, n_frames)
+    return {"expert": asdict(expert),
             "levels": [{k: v for k, v in row.items() if k != "per_situation"} for row in rows]}
 
 
 # what the card's "before and after" keeps of the pair it replaces (metrics["before"])
 BEFORE_FIGURES = ("episodes", "success_rate", "collisions", "action_agreement", "kind_direction_agreement",
                   "demo", "failures")
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def before_figures(models_dir: str, committed_dir: str) -> dict | None:
@@ -303,6 +320,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
         "-> 16 merged image tokens). The target plays Qwen2-VL-7B, the draft Qwen2-VL-2B: narrower,",
         "shallower and trained for less, so it agrees with the target only partly.",
         probe_line(training),
+        *expert_lines(training.get("target", {})),
         *recipe_lines(training.get("target", {})),
         "",
         *reproduce_lines(models_dir),
@@ -471,6 +489,16 @@ def recipe_lines(target: dict) -> list[str]:
                      f"{r['scenarios'][0]}-{r['scenarios'][1] - 1} (success {100 * r['success_rate']:.0f}%); "
                      f"the {r['frames']} states it visited joined its data with the expert's answers.")
     return lines
+
+
+def expert_lines(target: dict) -> list[str]:
+    """What the card says of the expert the target learnt from (training.json's "expert"), when
+    it is not the default one: its labels are what the agreement figures are scored against."""
+    if not target.get("expert"):
+        return []
+    said = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in sorted(target["expert"].items()))
+    return [f"The expert whose answers the models learnt, and whose answers the agreement figures below are scored "
+            f"against, is not the default one: {said} (`sim.expert.ExpertConfig`; `edgespec-train --expert`)."]
 
 
 def probe_line(training: dict) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import sys
 import time
@@ -59,6 +60,11 @@ class PipelineConfig:
     memory: int = 0
     memory_noise: float = 0.0
     memory_dropout: float = 0.0  # the share of examples shown without their memory (copycat remedy: docs/models.md)
+    # the expert whose answers the models learn and are scored against: ExpertConfig fields as
+    # "KEY=VALUE;KEY=VALUE" (e.g. "stop_gap_m=0.3": stop 0.3 m from touching the goal, inside the
+    # goal radius the camera cannot show); empty: the default expert. Recorded in each model's
+    # training.json ("expert"), which the card and `compare` label their held-out frames with
+    expert: str = ""
     tokenizer_vocab: int = 1024
     # the target trains until its wall-clock budget (0 = none) ends, the learning-rate schedule shrunk
     # to fit (trainer.TrainConfig.time_budget_s); target_steps is only a ceiling. 2,850 s keeps
@@ -135,7 +141,7 @@ QUICK_CARD = dict(n_scenarios=6, n_frames=30, draft_scenarios=3, draft_frames=15
 HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers")
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
-LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3}
+LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": ""}
 
 
 def recipe_of(cfg) -> dict:
@@ -151,7 +157,7 @@ def run_command(cfg: PipelineConfig, long: bool = False, quick: bool = False) ->
     implied = asdict(PipelineConfig())
     implied.update(LONG if long else {})
     implied.update(QUICK if quick else {})
-    options = [f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+    options = [f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
                for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT and v != implied[k]]
     return " ".join(["edgespec-train all"] + (["--long"] if long else []) + (["--quick"] if quick else []) + options)
 
@@ -159,11 +165,21 @@ def run_command(cfg: PipelineConfig, long: bool = False, quick: bool = False) ->
 ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exits", "wisv", "card")
 
 
+def pipeline_expert(cfg: PipelineConfig):
+    """The run's ``ExpertConfig`` (``--expert "KEY=VALUE;KEY=VALUE"``); a clear error for a bad one."""
+    from ..sim.expert import expert_config_from_pairs
+    try:
+        return expert_config_from_pairs([p.strip() for p in cfg.expert.split(";") if p.strip()])
+    except ValueError as e:
+        raise SystemExit(f"edgespec-train: {e}") from None
+
+
 def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
     """The data stage's examples of training scenarios ``lo:hi``, as arrays (one worker's share)."""
     from ..sim.dataset import generate_examples
     rows = {k: [] for k in ("images", "instructions", "texts", "present", "log_depth", "goal_class", "history")}
     for ex in generate_examples("train", hi - lo, lo, with_labels=True, action_noise=cfg.action_noise,
+                                expert_config=pipeline_expert(cfg),
                                 closeups_per_scenario=cfg.closeups_per_scenario,
                                 memory=cfg.memory, memory_noise=cfg.memory_noise,
                                 memory_dropout=cfg.memory_dropout):
@@ -183,6 +199,9 @@ def stage_data(work: str, cfg: PipelineConfig, workers: int | None = None) -> st
     from multiprocessing import get_context
 
     from tqdm import tqdm
+
+    from ..sim.expert import expert_overrides
+    expert = expert_overrides(pipeline_expert(cfg))  # a bad --expert fails here, before any rollout
     os.makedirs(work, exist_ok=True)
     workers = max(1, workers or os.cpu_count() or 1)  # the rollouts are numpy: one thread each
     n = cfg.train_scenarios
@@ -207,7 +226,8 @@ def stage_data(work: str, cfg: PipelineConfig, workers: int | None = None) -> st
     np.savez_compressed(path, images=np.stack(rows["images"]), instructions=np.array(rows["instructions"]),
                         texts=np.array(rows["texts"]), present=np.stack(rows["present"]),
                         log_depth=np.stack(rows["log_depth"]), goal_class=np.array(rows["goal_class"], np.int16),
-                        history=np.array(rows["history"]), memory=np.array(cfg.memory))
+                        history=np.array(rows["history"]), memory=np.array(cfg.memory),
+                        expert=np.array(json.dumps(expert, sort_keys=True)))
     print(f"data: {len(rows['texts'])} examples from {n} training scenarios ({workers} processes) -> {path}")
     return path
 
@@ -245,6 +265,13 @@ def dataset_memory(work: str) -> int:
     """The ``memory`` the data stage in ``work`` was generated with (0 for older datasets)."""
     d = np.load(dataset_path(work))
     return int(d["memory"]) if "memory" in d else 0
+
+
+def dataset_expert(work: str) -> dict:
+    """The expert settings (``sim.expert.expert_overrides``) the data stage in ``work`` labelled
+    its frames with ({} for the default expert and older datasets)."""
+    d = np.load(dataset_path(work))
+    return json.loads(str(d["expert"])) if "expert" in d else {}
 
 
 def stage_tokenizer(work: str, cfg: PipelineConfig) -> str:
@@ -350,6 +377,9 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
             "dagger": dagger_log,
             "train_seconds": round(time.monotonic() - t0, 1),
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
+    expert = dataset_expert(work)
+    if expert:  # whose answers the model learnt: the card scores its agreement against that expert
+        info["expert"] = expert
     with open(os.path.join(path, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
     print(f"{role}: {info['params'] / 1e6:.2f} M params, {info['steps']} steps, loss {info['final_loss']:.3f} -> {path}")
@@ -463,7 +493,8 @@ def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str,
         added = [encode_example(tokenizer, image_processor, view.rgb, scenario.instruction, decision.text,
                                 dense_labels(view, scenario), history)
                  for scenario, _pose, view, decision, history in tqdm(
-                     learner_frames(policy, "train", cfg.dagger_scenarios, start, outcomes=outcomes),
+                     learner_frames(policy, "train", cfg.dagger_scenarios, start, outcomes=outcomes,
+                                    expert_config=pipeline_expert(cfg)),
                      desc=f"{role}: DAgger {k + 1} ({cfg.dagger_scenarios} episodes)", unit="frame", leave=False)]
         n = max(1, len(outcomes))
         log.append({"round": k + 1, "scenarios": [start, start + cfg.dagger_scenarios], "frames": len(added),
@@ -641,7 +672,8 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 # finished stage by these options only, so changing, say, --wisv-epochs reruns wisv and what follows,
 # not the data and the target.
 STAGE_OPTIONS = {
-    "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout", "seed"),
+    "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout",
+             "expert", "seed"),
     "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),
