@@ -9,7 +9,8 @@ written and read with no ROS installation. A bag is a rosbag2 directory (``metad
     EpisodeRecording  a simulated episode (edgespec-sim eval --bags) written to a BagWriter
     BagReplay   the (command, camera frame) pairs of a bag, streamed: a first pass picks the pairs
                 from timestamps alone, each pass over the pairs reads only the frames it needs, so
-                a 10 GB bag never sits in memory
+                a 10 GB bag never sits in memory; for a policy with memory (``with_memory``), each
+                recorded decision's earlier decisions and how the navigator said each ended
     BagError    every problem with a bag (missing, truncated, no such topic, unknown encoding),
                 worded for the person who gave its path
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .control.motion import OUTCOMES, outcome_name
 from .imaging import ImageFormatError, raw_from_rgb, rgb_from_compressed, rgb_from_raw
 from . import topics
 
@@ -38,6 +40,7 @@ OWN_MESSAGES = ("VerifiedAction", "DecodingStats", "MotionState")
 IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/msg/CompressedImage")
 STRING_TYPE = "std_msgs/msg/String"
 DECISION_TYPE = f"{PACKAGE}/msg/VerifiedAction"
+MOTION_TYPE = f"{PACKAGE}/msg/MotionState"
 # frames decoded and kept between passes over a replay (above this, each pass re-reads the bag)
 FRAME_CACHE_BYTES = 256 * 2**20
 
@@ -150,6 +153,16 @@ def decision_message(*, stamp: int, instruction: str, text: str, action=None, pa
         temperature=float(temperature), fault=fault)
 
 
+def motion_state_message(*, stamp: int, state: str, action: str, outcome: str, decision_stamp: int,
+                         reason: str = "", backend: str = "sim"):
+    """An edgespec_ros/MotionState from plain values (``outcome``: a ``control.motion.OUTCOMES``
+    name), as the navigator reports how the decision stamped ``decision_stamp`` ended."""
+    return typestore().types[MOTION_TYPE](
+        header=_header(stamp, "base_link"), state=state, action=action, reason=reason or outcome,
+        outcome=OUTCOMES.index(outcome), decision_stamp=_stamp(decision_stamp), progress=1.0, backend=backend,
+        closed_loop=False)
+
+
 # --------------------------------------------------------------------------------------------------
 # Writing
 
@@ -220,13 +233,16 @@ class BagWriter:
 class EpisodeRecording:
     """A simulated episode (``sim.evaluate.run_episode``) in a bag, in simulated time, one decision
     per ``period_s``: the command (t = 0), each decision's camera frame, the decision (a VerifiedAction whose stamp is
-    its frame's), and the odometry after the primitive ran. The simulator executes primitives, not
+    its frame's), and, after the primitive ran, the odometry and the navigator's state saying how
+    it ended (what a policy with memory is told next). The simulator executes primitives, not
     velocities, so there is no cmd_vel here (the demo's bag has it: ``edgespec-demo --record``)."""
 
     def __init__(self, bag, period_s: float = 1.0):
         self.bag, self.period_ns, self.t = bag, int(period_s * NS), 0
+        self.frame_t = 0
         for name, kind in ((topics.COMMAND, "std_msgs/String"), (topics.IMAGE, "sensor_msgs/Image"),
-                           (topics.DECISION, "edgespec_ros/VerifiedAction"), (topics.ODOM, "nav_msgs/Odometry")):
+                           (topics.DECISION, "edgespec_ros/VerifiedAction"), (topics.ODOM, "nav_msgs/Odometry"),
+                           (topics.MOTION_STATE, "edgespec_ros/MotionState")):
             bag.add_topic(name, kind)
 
     def command(self, instruction: str, pose) -> None:
@@ -235,15 +251,19 @@ class EpisodeRecording:
 
     def decision(self, image, instruction: str, out, temperature: float) -> None:
         self.t += self.period_ns
-        frame_t = self.t
+        frame_t = self.frame_t = self.t
         self.bag.write(topics.IMAGE, frame_t, image_message(image, frame_t))
         self.bag.write(topics.DECISION, frame_t + 1, decision_message(
             stamp=frame_t, instruction=instruction, text=out.text, action=out.action, parse_error=out.error or "",
             mode="sim", tokens=out.tokens, temperature=temperature))
 
-    def moved(self, pose) -> None:
+    def moved(self, pose, action: str = "", outcome: str = "completed") -> None:
+        """The primitive ``action`` of the last decision ran: where the robot is now, and how it
+        ended (a ``control.motion.OUTCOMES`` name: completed, stopped, blocked_contact)."""
         t = self.t + self.period_ns // 2
         self.bag.write(topics.ODOM, t, odometry_message(pose.x, pose.y, pose.yaw_rad, t))
+        self.bag.write(topics.MOTION_STATE, t + 1, motion_state_message(
+            stamp=t, state="idle", action=action, outcome=outcome, decision_stamp=self.frame_t))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,10 +364,13 @@ class BagReplay:
     every ``every_s`` seconds of bag time until the next command ('' cancels: no frames until the
     next one); "auto": decided when the bag has decisions whose frames it holds, else every.
     ``limit``: keep the first pairs only. Iterating yields ``(instruction, rgb)`` like
-    ``bench.runner.bench_prompts``."""
+    ``bench.runner.bench_prompts``, or, for a policy with memory (:meth:`with_memory`),
+    ``(instruction, rgb, history)``: the command's earlier decisions and how the navigator (its
+    MotionState on ``motion_topic``) said each ended, as the drafter node prompted then."""
 
     def __init__(self, path: str | os.PathLike, *, camera_topic: str = topics.IMAGE,
                  command_topic: str = topics.COMMAND, decision_topic: str = topics.DECISION,
+                 motion_topic: str = topics.MOTION_STATE,
                  pick: str = "auto", every_s: float = 1.0, limit: int | None = None, progress=None):
         if pick not in PICKS:
             raise BagError(f"unknown pick {pick!r}; choose from {', '.join(PICKS)}")
@@ -355,7 +378,12 @@ class BagReplay:
             raise BagError(f"every_s must be > 0, got {every_s}")
         self.path = Path(path)
         self.camera_topic, self.command_topic, self.decision_topic = camera_topic, command_topic, decision_topic
+        self.motion_topic = motion_topic
         self._cache: dict[int, np.ndarray] | None = None
+        self.histories: list[tuple] | None = None  # per pair, with_memory's
+        # (command | decision | motion, ...) in bag order: what a memory is rebuilt from (_memory_events)
+        self._events: list[tuple] = []
+        self.has_motion = False
         with _open_reader(self.path) as reader:
             self._check(reader)
             self.camera_name = find_topic(reader, camera_topic, IMAGE_TYPES, "camera")[0].topic
@@ -378,18 +406,26 @@ class BagReplay:
         camera = find_topic(reader, self.camera_topic, IMAGE_TYPES, "camera")
         command = find_topic(reader, self.command_topic, (STRING_TYPE,), "command")
         decision = find_topic(reader, self.decision_topic, (DECISION_TYPE,), "decision", required=False)
+        motion = find_topic(reader, self.motion_topic, (MOTION_TYPE,), "motion", required=False)
+        self.has_motion = bool(motion)
         camera_ids = {id(c) for c in camera}
         command_ids = {id(c) for c in command}
+        motion_ids = {id(c) for c in motion}
+        events = self._events
         frames: list[tuple[int, int, str]] = []  # (log ns, capture stamp ns, instruction in force)
         decisions: dict[int, RecordedDecision] = {}
         decision_instr: dict[int, str] = {}
         instruction, checked = "", False
         last_taken = None
-        for conn, t, raw in reader.messages(connections=[*camera, *command, *decision]):
+        for conn, t, raw in reader.messages(connections=[*camera, *command, *decision, *motion]):
             if progress is not None:
                 progress(1)
             if id(conn) in command_ids:
                 instruction, last_taken = reader.deserialize(raw, conn.msgtype).data.strip(), None
+                events.append(("command",))
+            elif id(conn) in motion_ids:
+                msg = reader.deserialize(raw, conn.msgtype)
+                events.append(("motion", stamp_ns(msg.decision_stamp), msg.state, outcome_name(msg.outcome)))
             elif id(conn) in camera_ids:
                 msg = reader.deserialize(raw, conn.msgtype)
                 if not checked:  # an encoding the replay cannot read fails now, not mid-benchmark
@@ -410,6 +446,8 @@ class BagReplay:
                 decisions[key] = RecordedDecision(msg.text, msg.action, msg.mode,
                                                   getattr(msg, "temperature", None), msg.fault)
                 decision_instr[key] = msg.instruction
+                if not msg.fault:  # a safety stop leaves the memory as it was (robot.drafter)
+                    events.append(("decision", key, msg.action if msg.parsed else None))
         decided = []
         seen = set()
         for t, stamp, instr in frames:
@@ -441,12 +479,51 @@ class BagReplay:
         view = object.__new__(BagReplay)
         view.__dict__.update(self.__dict__)
         view.pairs, view._cache = self.pairs[:max(0, n)], None
+        if self.histories is not None:
+            view.histories = self.histories[:max(0, n)]
+        return view
+
+    def with_memory(self, k: int) -> "BagReplay":
+        """The same replay for a policy with memory ``k`` (``decoding.memory``; 0: itself): each
+        recorded decision is replayed with the prompt the drafter node built for it, the command's
+        earlier decisions and how each ended (``CommandMemory`` fed with the bag's decisions and
+        the navigator's MotionState reports, in bag order). BagError when the bag cannot say that:
+        pairs that are not recorded decisions, or no navigator state topic."""
+        if not k:
+            return self
+        if self.pick != "decided":
+            raise BagError(f"a policy with memory {k} is replayed on the recorded decisions, and {self.path} "
+                           f"has none whose frames it holds on {self.decision_topic} (--replay-pick decided)")
+        if not self.has_motion:
+            raise BagError(f"a policy with memory {k} is told how each earlier move ended, and {self.path} has no "
+                           f"navigator state ({self.motion_topic}): record that topic too (the demo's --record does), "
+                           "or replay a memoryless pair")
+        from .decoding.memory import CommandMemory
+        memory, shown = CommandMemory(k), {}
+        for event in self._events:
+            if event[0] == "command":
+                memory.reset()
+            elif event[0] == "decision":
+                memory.gave_up_waiting()  # the drafter decides again only once the motion ended or timed out
+                shown[event[1]] = memory.shown()
+                memory.decided(event[2], event[1])
+            else:
+                memory.motion_reported(event[1], event[2], event[3])
+        view = self.first(len(self.pairs))
+        view.histories = [shown.get(p.stamp_ns, ()) for p in self.pairs]
         return view
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __iter__(self):
+        if self.histories is not None:  # with_memory: (instruction, rgb, history)
+            for (instruction, rgb), history in zip(self._frames(), self.histories):
+                yield instruction, rgb, history
+            return
+        yield from self._frames()
+
+    def _frames(self):
         if self._cache is not None:
             for pair in self.pairs:
                 yield pair.instruction, self._cache[pair.log_ns]

@@ -6,7 +6,8 @@
 #   scripts/gpu_train.sh eval OUT_DIR     # the figures: OUT_DIR/compare.json, compare.txt
 # Variables: BUDGET (s of training per target, default 360), BATCH (128), VARIANTS ("name:seed:spec[:data[:opts]] ...",
 # spec as --target-spec, "-" for the committed shape; data: the data stage's options, e.g.
-# "memory=2,memory-noise=0.15" for a policy with memory, "-" or absent for the committed data; opts: more
+# "memory=2,memory-noise=0.15" for a policy with memory, "expert=stop_gap_m=0.3" for another expert (several
+# settings: "expert=stop_gap_m=0.3;approach_turn=medium"), "-" or absent for the committed data; opts: more
 # target-stage options, e.g. "target-init=edgespec_ros/models/target,target-lr=0.001" to continue the
 # committed target's training), DEVICE (cuda),
 # EVAL_ARGS (e.g. --compare-episodes 8 for a smoke run), SCENARIOS (1500), WORK (build/gpu-train: kept

@@ -55,7 +55,8 @@ def test_episode_bag_is_a_rosbag2_mcap_directory(episode_bag):
     assert (path / meta["relative_file_paths"][0]).is_file()
     topics = {t["topic_metadata"]["name"]: t["topic_metadata"]["type"] for t in meta["topics_with_message_count"]}
     assert topics == {"/command": "std_msgs/msg/String", "/camera/image_raw": "sensor_msgs/msg/Image",
-                      "/decision": "edgespec_ros/msg/VerifiedAction", "/odom": "nav_msgs/msg/Odometry"}
+                      "/decision": "edgespec_ros/msg/VerifiedAction", "/odom": "nav_msgs/msg/Odometry",
+                      "/navigator/state": "edgespec_ros/msg/MotionState"}
     assert counts["/camera/image_raw"] == counts["/decision"] == len(policy.frames) == result.steps
     assert counts["/command"] == 1
 
@@ -76,6 +77,58 @@ def test_replay_returns_the_decided_frames_with_their_command_and_decision(episo
     for (_, a), (_, b) in zip(got, replay):
         np.testing.assert_array_equal(a, b)
     assert len(list(replay.first(3))) == 3
+
+
+class MemoryPolicy(ScriptedPolicy):
+    """A policy with memory 2 that ends up pushing into something; remembers the history each
+    decision was shown."""
+    memory = 2
+
+    def __init__(self):
+        super().__init__()
+        self.histories = []
+
+    def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+        self.histories.append(tuple(history))
+        out = super().decide(image, instruction, temperature, seed)  # turn, move, unparseable, ...
+        return out if len(self.frames) < 12 else PolicyOutput("Action: move forward large",  # then into a wall
+                                                             parse_action("move forward large"), None, 5)
+
+
+def test_a_memory_policys_decisions_replay_with_the_memory_they_were_prompted_with(tmp_path):
+    """The bag holds how the navigator said each move ended (MotionState), so a replay rebuilds
+    each recorded decision's earlier decisions and outcomes exactly as the episode prompted them
+    (done, blocked, no action), windows and all; without that topic a memory replay is refused."""
+    scenario = next(iter(iter_scenarios("heldout", 1, 0)))
+    policy = MemoryPolicy()
+    with BagWriter(tmp_path / "ep") as bag:
+        result = run_episode(policy, scenario, recording=EpisodeRecording(bag))
+    assert result.steps >= 12 and result.collisions >= 1  # walked into something: "blocked" turns
+    words = {t.outcome for h in policy.histories for t in h}
+    assert {"done", "no action", "blocked"} <= words
+    replay = BagReplay(tmp_path / "ep")
+    assert replay.with_memory(0) is replay and len(next(iter(replay))) == 2
+    remembered = replay.with_memory(2)
+    got = list(remembered)
+    assert [h for _i, _rgb, h in got] == policy.histories
+    assert max(len(h) for h in policy.histories) == 3  # the window grew to 2k - 1 and dropped back
+    assert [h for *_rest, h in remembered.first(5)] == policy.histories[:5]
+    for (_i, rgb, _h), frame in zip(got, policy.frames):
+        np.testing.assert_array_equal(rgb, frame)
+    # a bag of the same decisions without the navigator's reports: refused, with what to record
+    with BagWriter(tmp_path / "bare") as bare:
+        for name, kind in (("/command", "std_msgs/String"), ("/camera/image_raw", "sensor_msgs/Image"),
+                           ("/decision", "edgespec_ros/VerifiedAction")):
+            bare.add_topic(name, kind)
+        from rosbags.highlevel import AnyReader
+        from edgespec_ros.bags import typestore
+        with AnyReader([tmp_path / "ep"], default_typestore=typestore()) as reader:
+            for conn, t, raw in reader.messages([c for c in reader.connections if c.topic in bare.counts]):
+                bare.write_raw(conn.topic, t, raw)
+    with pytest.raises(BagError, match="no navigator state.*record that topic"):
+        BagReplay(tmp_path / "bare").with_memory(2)
+    with pytest.raises(BagError, match="replayed on the recorded decisions"):
+        BagReplay(tmp_path / "ep", pick="every").with_memory(2)
 
 
 def test_replay_every_takes_one_frame_per_interval_after_the_command(episode_bag):

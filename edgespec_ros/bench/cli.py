@@ -283,6 +283,12 @@ def main(argv=None) -> int:
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
                         metrics_out=args.metrics_out,
                         verifier_args=() if args.prefix_reuse else ("--no-prefix-reuse",)) as (draft_lm, url):
+        if replay is not None and draft_lm.memory:  # each recorded decision with the memory it was prompted with
+            try:
+                prompts = replay.with_memory(draft_lm.memory)
+            except BagError as exc:
+                print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
+                return 2
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
         texts: dict[str, list[str]] = {m: [] for m in modes}
 

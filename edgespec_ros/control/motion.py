@@ -43,6 +43,17 @@ OUTCOMES = ("none", "completed", "stopped", "blocked_contact", "blocked_no_odome
 (NO_OUTCOME, COMPLETED, STOPPED, BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, REJECTED, STALE, FAULT, ESTOPPED,
  WATCHDOG_STOP) = OUTCOMES
 
+
+def outcome_code(outcome: str) -> int:
+    """MotionState.outcome for a ``motion.OUTCOMES`` name."""
+    return OUTCOMES.index(outcome)
+
+
+def outcome_name(code: int) -> str:
+    """The ``motion.OUTCOMES`` name of a MotionState.outcome ("none" for an unknown code)."""
+    return OUTCOMES[code] if 0 <= code < len(OUTCOMES) else OUTCOMES[0]
+
+
 # unitree_ros2 sport API (unitree_api/msg/Request on /api/sport/request)
 SPORT_API_MOVE = 1008
 SPORT_API_STOP_MOVE = 1003

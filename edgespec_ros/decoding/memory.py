@@ -96,3 +96,56 @@ class PolicyMemory:
 
     def __len__(self) -> int:
         return self._count
+
+
+class CommandMemory(PolicyMemory):
+    """A command's :class:`PolicyMemory` kept from the events the robot sees, in one place for the
+    drafter node (live) and a bag's replay (``bags.BagReplay``: each recorded decision's prompt
+    rebuilt):
+
+    - a decision that did not parse is remembered as "no action", a stop as "done";
+    - a move or turn waits for the navigator: it is remembered with the outcome the navigator
+      reports for that decision's frame stamp (:meth:`motion_reported`), or as "interrupted" when
+      the next move or turn is decided first or the wait is given up (:meth:`gave_up_waiting`).
+
+    ``awaiting_stamp`` (the frame stamp of the decision whose motion is awaited, or None) is kept
+    for a memoryless policy too: the drafter waits for motion either way."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.awaiting_stamp: int | None = None
+        self.awaiting_action = ""
+
+    def reset(self) -> None:
+        super().reset()
+        self.awaiting_stamp = None
+
+    def decided(self, action: str | None, stamp_ns: int) -> None:
+        """A verified decision on the frame stamped ``stamp_ns`` (``action`` None: it did not parse)."""
+        if action is None:
+            self.add(None, NO_ACTION)
+        elif action == "stop":
+            self.add("stop", DONE)
+        else:
+            self.gave_up_waiting()  # still waiting for the last motion: it was cut short
+            self.awaiting_stamp, self.awaiting_action = stamp_ns, action
+
+    def motion_reported(self, stamp_ns: int, state: str, outcome: str) -> str | None:
+        """The navigator's report (MotionState: ``state`` idle|moving|estop|watchdog, ``outcome`` a
+        ``control.motion.OUTCOMES`` name) for the decision stamped ``stamp_ns``. Returns the outcome
+        the awaited motion ended with, or None (not the decision awaited, or still moving). A
+        navigator that reports no outcome ("none") ended it the ordinary way when idle, else (the
+        e-stop, its watchdog) interrupted it."""
+        if self.awaiting_stamp is None or stamp_ns != self.awaiting_stamp or state == "moving":
+            return None
+        if outcome == "none":
+            outcome = "completed" if state == "idle" else INTERRUPTED
+        self.awaiting_stamp = None
+        self.add(self.awaiting_action, outcome)
+        return outcome
+
+    def gave_up_waiting(self) -> None:
+        """No outcome will be waited for any more: the awaited motion counts as interrupted."""
+        if self.awaiting_stamp is not None:
+            self.awaiting_stamp = None
+            self.add(self.awaiting_action, INTERRUPTED)

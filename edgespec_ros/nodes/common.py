@@ -15,7 +15,6 @@ from sensor_msgs.msg import CompressedImage, Image
 
 from ..control.actions import ACTION_KIND_CODES, Action, ActionParseError, action_from_fields
 from ..imaging import raw_from_rgb, rgb_from_compressed, rgb_from_raw
-from ..control.motion import OUTCOMES
 from .params import ParamSpec
 
 # Camera images: BEST_EFFORT matches both best-effort publishers (go2_ros2_sdk's camera/image_raw)
@@ -166,13 +165,3 @@ def action_of(msg) -> Action:
     if msg.kind >= len(ACTION_KIND_CODES):
         raise ActionParseError(f"unknown action kind code {msg.kind}")
     return action_from_fields(ACTION_KIND_CODES[msg.kind], msg.direction, msg.size, msg.distance_m, msg.angle_rad)
-
-
-def outcome_code(outcome: str) -> int:
-    """MotionState.outcome for a ``motion.OUTCOMES`` name."""
-    return OUTCOMES.index(outcome)
-
-
-def outcome_name(code: int) -> str:
-    """The ``motion.OUTCOMES`` name of a MotionState.outcome ("none" for an unknown code)."""
-    return OUTCOMES[code] if 0 <= code < len(OUTCOMES) else OUTCOMES[0]

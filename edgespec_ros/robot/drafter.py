@@ -33,8 +33,8 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, COMPLETED, NO_OUTCOME
-from ..decoding.memory import DONE, INTERRUPTED, NO_ACTION, PolicyMemory
+from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME
+from ..decoding.memory import CommandMemory
 from .decoder import DECODING_MODES, DecodeConfig
 from ..decoding.metrics import DecisionMetrics, RunSummary
 from ..decoding.sampling import SamplingParams
@@ -289,7 +289,6 @@ class DrafterCore:
         self.in_flight: Ticket | None = None
         self.last_frame_ns = -1       # stamp of the frame the last decision used
         self.last_outcome_ns: int | None = None   # when the last outcome was produced
-        self.awaiting_motion_stamp: int | None = None  # decision whose motion we wait for
         self.motion_idle_since_ns: int | None = None
         self.retry_after_ns = 0
         self.resample_next = False  # the last decision did not parse or its move was blocked
@@ -297,8 +296,8 @@ class DrafterCore:
         self.stats = DecodingStatsAggregator(settings.mode, verification=settings.verification())
         # a policy with memory (decoding.memory): the command's decisions and how each ended, as the
         # draft model was trained to read them (0 for a memoryless model: prompts as before)
-        self.memory = PolicyMemory(getattr(getattr(decoder, "draft", None), "memory", 0) or 0)
-        self.awaiting_action = ""  # the action of the decision whose motion we wait for
+        # (and, memory or not, the decision whose motion we wait for: memory.awaiting_stamp)
+        self.memory = CommandMemory(getattr(getattr(decoder, "draft", None), "memory", 0) or 0)
 
     # ------------------------------------------------------------------ inputs
 
@@ -321,10 +320,9 @@ class DrafterCore:
             self.active = bool(text)
             self.finished_reason = "" if text else "cancelled"
             self.decisions = 0
-            self.awaiting_motion_stamp = None
             self.retry_after_ns = 0
             self.resample_next = False
-            self.memory.reset()
+            self.memory.reset()  # and no motion awaited
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -344,18 +342,11 @@ class DrafterCore:
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
         (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample)."""
         with self._lock:
-            if self.awaiting_motion_stamp is None or decision_stamp_ns != self.awaiting_motion_stamp:
-                return
-            if state != "moving":
-                self.awaiting_motion_stamp = None
+            ended = self.memory.motion_reported(decision_stamp_ns, state, outcome)
+            if ended is not None:
                 self.motion_idle_since_ns = state_stamp_ns
-                # a navigator that reports no outcome ended the motion the ordinary way, unless it
-                # reports the e-stop or its watchdog
-                if outcome == NO_OUTCOME:
-                    outcome = COMPLETED if state == "idle" else INTERRUPTED
-                self.memory.add(self.awaiting_action, outcome)
                 # pushing into something (not stale odometry: then the view may well have changed)
-                self.resample_next = outcome == BLOCKED_CONTACT
+                self.resample_next = ended == BLOCKED_CONTACT
 
     # ------------------------------------------------------------------ deciding
 
@@ -375,7 +366,7 @@ class DrafterCore:
             return "no frame newer than the last decision's"
         if now_ns - frame.stamp_ns > s.max_frame_age_s * NS:
             return f"latest frame is {(now_ns - frame.stamp_ns) / NS:.1f} s old (max_frame_age_s {s.max_frame_age_s:g})"
-        if s.wait_for_motion and self.awaiting_motion_stamp is not None:
+        if s.wait_for_motion and self.memory.awaiting_stamp is not None:
             if self.last_outcome_ns is not None and now_ns - self.last_outcome_ns > s.motion_wait_timeout_s * NS:
                 return ""  # navigator silent: decide anyway (on a fresh frame)
             return "waiting for the navigator to finish the last motion"
@@ -389,9 +380,8 @@ class DrafterCore:
         with self._lock:
             if self.why_not_ready(now):
                 return None
-            if self.settings.wait_for_motion and self.awaiting_motion_stamp is not None:
-                self.awaiting_motion_stamp = None  # motion wait timed out
-                self.memory.add(self.awaiting_action, INTERRUPTED)
+            if self.settings.wait_for_motion:
+                self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
                             now + int(self.settings.deadline_s * NS), resample=self.resample_next,
                             history=self.memory.shown())
@@ -487,15 +477,8 @@ class DrafterCore:
             self.decisions += 1
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
-            if not outcome.parsed:
-                self.memory.add(None, NO_ACTION)
-            elif outcome.action == "stop":
-                self.memory.add("stop", DONE)
-            if outcome.parsed and outcome.action != "stop":
-                if self.awaiting_motion_stamp is not None:  # not waiting for motion: the last one was cut short
-                    self.memory.add(self.awaiting_action, INTERRUPTED)
-                self.awaiting_motion_stamp = outcome.stamp_ns
-                self.awaiting_action = outcome.action
+            # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
+            self.memory.decided(outcome.action if outcome.parsed else None, outcome.stamp_ns)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
             elif self.command_max_decisions and self.decisions >= self.command_max_decisions:

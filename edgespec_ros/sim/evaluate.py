@@ -62,8 +62,9 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
         actions.append(out.action.text)
         resample = world.step(out.action).collided
         memory.add(out.action.text, BLOCKED if resample else DONE)
-        if recording is not None:
-            recording.moved(world.pose)
+        if recording is not None:  # how the navigator would report it: what a memory is told next
+            recording.moved(world.pose, out.action.text, "blocked_contact" if resample
+                            else "stopped" if out.action.kind == "stop" else "completed")
     return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
                          round(world.goal_distance(), 3), actions)
 
