@@ -51,7 +51,7 @@ def _server(pair, **kw) -> ServerThread:
 
 
 def _hello(pair, token="", codec="dense32", client="test"):
-    return P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, codec, client))
+    return P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, codec, client, memory=pair.target.memory))
 
 
 def _connect_from(url: str, source: str):

@@ -65,7 +65,8 @@ def fleet():
 def _robot(models, url) -> EdgeDecoder:
     draft, _ = models
     return EdgeDecoder(draft, RemoteVerifier(url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
-                                             timeout_s=60.0, connect_timeout_s=30.0, client_name="ray-test"))
+                                             timeout_s=60.0, connect_timeout_s=30.0, client_name="ray-test",
+                                             policy_memory=draft.memory))
 
 
 def _reference(models, prompts) -> list[list[int]]:

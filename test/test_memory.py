@@ -70,7 +70,8 @@ def test_a_memory_prompt_tokenizes_with_one_image_and_its_history(tmp_path):
     assert int(with_memory.mm_token_type_ids.sum()) == int(plain.mm_token_type_ids.sum())
     assert with_memory.num_tokens > plain.num_tokens
     assert "blocked" in lm.tokenizer.decode(with_memory.input_ids[0])
-    assert lm.memory == 0  # the committed models are memoryless
+    lm.model.config.policy_memory = 0  # how a memoryless model's config reads
+    assert lm.memory == 0
     lm.model.config.policy_memory = 2
     assert lm.memory == 2
 

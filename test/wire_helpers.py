@@ -102,7 +102,7 @@ def raw_session(url: str, pair: ModelPair, *, prefill: bool = True, token: str =
     cfg = cfg or DecodeConfig()
     prompt = pair.prompt(instruction)  # before connecting: servers with short idle timeouts
     ws = raw_connect(url)
-    ws.send(P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, cfg.codec)))
+    ws.send(P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, cfg.codec, memory=pair.target.memory)))
     assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.Welcome)
     if prefill:
         ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg, prompt.prompt_ids, cfg.seed,
