@@ -679,7 +679,8 @@ def test_sigterm_closes_sessions_with_a_reason_and_exits_cleanly(pair):
                 assert proc.poll() is None, proc.stdout.read()
                 assert time.monotonic() < deadline, "verifier did not start"
                 time.sleep(0.2)
-        ws.send(P.encode(P.Hello("", target.fingerprint(), target.vocab_size, "dense32", "test")))
+        ws.send(P.encode(P.Hello("", target.fingerprint(), target.vocab_size, "dense32", "test",
+                                 memory=target.memory)))
         _welcomed(ws)
         proc.send_signal(signal.SIGTERM)
         from websockets.exceptions import ConnectionClosed
@@ -715,7 +716,7 @@ def test_the_edge_client_over_tls_checks_the_certificate(pair):
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
         def client(ca):
             return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S)
+                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S, policy_memory=pair.draft.memory)
         rv = client(os.path.join(TLS_DIR, "server.crt"))
         decision = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                       DecodeConfig(max_new_tokens=8))
