@@ -542,6 +542,9 @@ def test_card_compares_its_target_with_the_committed_one_it_replaces(tmp_path):
     assert "on the same 120 held-out episodes: success 78.3% -> 79.2%" in text
     assert "collisions 217 -> 95" in text and "demo 90.0% -> 95.0%" in text
     assert "cycles not recorded/3" in text and "early stops not recorded/9" in text
+    assert "scored against the expert it learnt from" not in text
+    assert "scored against the expert it learnt from (they differ)" in "\n".join(
+        before_after_lines({"target": after, "before": before}, {"stop_gap_m": 0.3}))
     # the committed pair measured again (its own training.json): the "before" it recorded stays
     (committed / "metrics.json").write_text(json.dumps(
         {"metrics": {"target": after, "before": before}, "training": {"target": dict(old_training, final_loss=0.095)}}))

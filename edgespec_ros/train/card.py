@@ -270,13 +270,16 @@ def before_figures(models_dir: str, committed_dir: str) -> dict | None:
     label = (f"the target committed before this one ({previous['steps']:,} steps x {previous.get('batch_size')}, "
              f"final loss {previous['final_loss']:.3f})" if "steps" in previous and "final_loss" in previous
              else "the target committed before this one")
-    return {"label": label, "target": {k: target[k] for k in BEFORE_FIGURES if k in target}}
+    return {"label": label, "target": {k: target[k] for k in BEFORE_FIGURES if k in target},
+            "expert": previous.get("expert", {})}
 
 
-def before_after_lines(metrics: dict) -> list[str]:
+def before_after_lines(metrics: dict, expert: dict | None = None) -> list[str]:
     """The card's "before and after": the target against the one it replaces (``metrics["before"]``,
     :func:`before_figures`), on the same held-out episodes and frames; nothing when there is no
-    "before" or it was measured on other episodes."""
+    "before" or it was measured on other episodes. ``expert``: the settings of the expert this
+    target learnt from (training.json's "expert"): when the two targets learnt from different
+    experts, each one's agreement is scored against its own, and the card says so."""
     before, after = (metrics.get("before") or {}).get("target"), metrics["target"]
     if not before or before.get("episodes") != after["episodes"]:
         return []
@@ -295,8 +298,10 @@ def before_after_lines(metrics: dict) -> list[str]:
     for kind, said in (("cycle", "cycles"), ("push", "pushes"), ("early stop", "early stops"), ("ran out", "ran out")):
         counts = [(x.get("failures") or {}).get(kind) for x in (before, after)]
         kinds.append(f"{said} {'/'.join('not recorded' if c is None else str(c) for c in counts)}")
+    own = (" Each target's agreement is scored against the expert it learnt from (they differ)."
+           if (metrics["before"].get("expert") or {}) != (expert or {}) else "")
     return ["", f"Before and after: {metrics['before']['label']} -> this one, on the same {after['episodes']} "
-                f"held-out episodes: {', '.join(figures)}. Failed episodes, before/after: {', '.join(kinds)}."]
+                f"held-out episodes: {', '.join(figures)}. Failed episodes, before/after: {', '.join(kinds)}.{own}"]
 
 
 def write_card(models_dir: str, metrics: dict) -> str:
@@ -358,7 +363,7 @@ def write_card(models_dir: str, metrics: dict) -> str:
         lines += ["", f"Why the target's failed episodes failed (`sim.evaluate.classify_failure`): "
                       f"{f['cycle']} left/right limit cycles, {f['push']} pushes into something (3+ collisions), "
                       f"{f['early stop']} early stops away from the goal, {f['ran out']} ran out of decisions."]
-    lines += before_after_lines(metrics)
+    lines += before_after_lines(metrics, training.get("target", {}).get("expert"))
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
         lines += ["", f"As the drafter node decides (after an unparseable decision or a move into something, the "
