@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
