@@ -775,10 +775,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 # OpenMP threads that wait at a barrier spin this many times before they sleep (libgomp's default,
 # 300,000, keeps them spinning through whole phases): torch's two threads then starve whatever shares
-# the two cores (the batch loader, evaluation, a test run) and are starved by it. Measured on this
-# 2-core CPU (docs/models.md, "Both cores"): a training step alone 0.75 s against 0.81 with the
-# default, beside one busy core 1.7 s against 3.2, and the pipeline's target stage 1.84 steps/s
-# against 1.55. Read once, when torch loads its OpenMP runtime: set before torch is imported.
+# the two cores (evaluation, a test run) and are starved by it. Measured on this 2-core CPU
+# (docs/models.md, "Both cores"): the target stage beside a test run 1.0-1.1 s/step against 6.5-8
+# with the default; alone the same (1.318 steps/s against 1.304). Read once, when torch loads its
+# OpenMP runtime: set before torch is imported.
 GOMP_SPINCOUNT = "1000"
 
 
