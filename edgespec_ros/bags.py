@@ -381,7 +381,7 @@ class BagReplay:
         self.motion_topic = motion_topic
         self._cache: dict[int, np.ndarray] | None = None
         self.histories: list[tuple] | None = None  # per pair, with_memory's
-        # (command | decision | motion, ...) in bag order: what a memory is rebuilt from (_memory_events)
+        # (command | decision | motion, ...) in bag order: what with_memory rebuilds a memory from
         self._events: list[tuple] = []
         self.has_motion = False
         with _open_reader(self.path) as reader:
