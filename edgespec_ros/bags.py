@@ -516,6 +516,19 @@ class BagReplay:
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def __getitem__(self, index):
+        """A prompt like a list's (``replay[0]``: the first decision's tuple, read from the bag), or
+        for a slice the same replay over those pairs (``replay[2:]``), as the sweeps index their
+        prompts."""
+        if isinstance(index, slice):
+            view = self.first(len(self.pairs))
+            view.pairs = self.pairs[index]
+            if self.histories is not None:
+                view.histories = self.histories[index]
+            return view
+        i = range(len(self.pairs))[index]  # IndexError as a list's
+        return next(iter(self[i:i + 1]))
+
     def __iter__(self):
         if self.histories is not None:  # with_memory: (instruction, rgb, history)
             for (instruction, rgb), history in zip(self._frames(), self.histories):

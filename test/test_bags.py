@@ -95,18 +95,36 @@ class MemoryPolicy(ScriptedPolicy):
                                                              parse_action("move forward large"), None, 5)
 
 
-def test_a_memory_policys_decisions_replay_with_the_memory_they_were_prompted_with(tmp_path):
+@pytest.fixture(scope="module")
+def memory_bag(tmp_path_factory):
+    """An episode of MemoryPolicy recorded with the navigator's reports ("ep"), and the same
+    decisions without them ("bare")."""
+    root = tmp_path_factory.mktemp("memory-bags")
+    scenario = next(iter(iter_scenarios("heldout", 1, 0)))
+    policy = MemoryPolicy()
+    with BagWriter(root / "ep") as bag:
+        result = run_episode(policy, scenario, recording=EpisodeRecording(bag))
+    with BagWriter(root / "bare") as bare:
+        for name, kind in (("/command", "std_msgs/String"), ("/camera/image_raw", "sensor_msgs/Image"),
+                           ("/decision", "edgespec_ros/VerifiedAction")):
+            bare.add_topic(name, kind)
+        from rosbags.highlevel import AnyReader
+        from edgespec_ros.bags import typestore
+        with AnyReader([root / "ep"], default_typestore=typestore()) as reader:
+            for conn, t, raw in reader.messages([c for c in reader.connections if c.topic in bare.counts]):
+                bare.write_raw(conn.topic, t, raw)
+    return root / "ep", root / "bare", policy, result
+
+
+def test_a_memory_policys_decisions_replay_with_the_memory_they_were_prompted_with(memory_bag):
     """The bag holds how the navigator said each move ended (MotionState), so a replay rebuilds
     each recorded decision's earlier decisions and outcomes exactly as the episode prompted them
     (done, blocked, no action), windows and all; without that topic a memory replay is refused."""
-    scenario = next(iter(iter_scenarios("heldout", 1, 0)))
-    policy = MemoryPolicy()
-    with BagWriter(tmp_path / "ep") as bag:
-        result = run_episode(policy, scenario, recording=EpisodeRecording(bag))
+    path, bare, policy, result = memory_bag
     assert result.steps >= 12 and result.collisions >= 1  # walked into something: "blocked" turns
     words = {t.outcome for h in policy.histories for t in h}
     assert {"done", "no action", "blocked"} <= words
-    replay = BagReplay(tmp_path / "ep")
+    replay = BagReplay(path)
     assert replay.with_memory(0) is replay and len(next(iter(replay))) == 2
     remembered = replay.with_memory(2)
     got = list(remembered)
@@ -115,20 +133,54 @@ def test_a_memory_policys_decisions_replay_with_the_memory_they_were_prompted_wi
     assert [h for *_rest, h in remembered.first(5)] == policy.histories[:5]
     for (_i, rgb, _h), frame in zip(got, policy.frames):
         np.testing.assert_array_equal(rgb, frame)
+    # indexed as the sweeps index their prompts: an item, or the same replay over a slice
+    assert remembered[4][2] == policy.histories[4] and remembered[-1][2] == policy.histories[-1]
+    np.testing.assert_array_equal(remembered[4][1], policy.frames[4])
+    assert [h for *_rest, h in remembered[3:7]] == policy.histories[3:7]
+    assert len(replay[2:]) == len(replay) - 2 and len(replay[0]) == 2
+    with pytest.raises(IndexError):
+        remembered[len(remembered)]
     # a bag of the same decisions without the navigator's reports: refused, with what to record
-    with BagWriter(tmp_path / "bare") as bare:
-        for name, kind in (("/command", "std_msgs/String"), ("/camera/image_raw", "sensor_msgs/Image"),
-                           ("/decision", "edgespec_ros/VerifiedAction")):
-            bare.add_topic(name, kind)
-        from rosbags.highlevel import AnyReader
-        from edgespec_ros.bags import typestore
-        with AnyReader([tmp_path / "ep"], default_typestore=typestore()) as reader:
-            for conn, t, raw in reader.messages([c for c in reader.connections if c.topic in bare.counts]):
-                bare.write_raw(conn.topic, t, raw)
     with pytest.raises(BagError, match="no navigator state.*record that topic"):
-        BagReplay(tmp_path / "bare").with_memory(2)
+        BagReplay(bare).with_memory(2)
     with pytest.raises(BagError, match="replayed on the recorded decisions"):
-        BagReplay(tmp_path / "ep", pick="every").with_memory(2)
+        BagReplay(path, pick="every").with_memory(2)
+
+
+def test_a_sweep_replays_a_memory_pairs_decisions_with_the_memory_they_were_prompted_with(
+        memory_bag, tmp_path, monkeypatch, capsys):
+    """``--sweep`` over a bag prompts as the pair does: a memory pair's decisions with the earlier
+    turns the robot had (not memoryless prompts), a memoryless pair's without; a memory pair on a
+    bag without the navigator's reports is refused before anything runs."""
+    import json
+    from edgespec_ros.bench.cli import main
+    from edgespec_ros.models import default_model_path
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    path, bare, policy, _result = memory_bag
+    pair = {}
+    for role in ("draft", "target"):  # the committed models, told to prompt with memory 2
+        pair[role] = tmp_path / role
+        shutil.copytree(default_model_path(role), pair[role])
+        config = json.loads((pair[role] / "config.json").read_text())
+        (pair[role] / "config.json").write_text(json.dumps(dict(config, policy_memory=2)))
+    shown = []
+    make_prompt = EdgeDecoder.make_prompt
+
+    def recording(self, instruction, image=None, history=()):
+        shown.append(tuple(history))
+        return make_prompt(self, instruction, image, history)
+    monkeypatch.setattr(EdgeDecoder, "make_prompt", recording)
+    sweep = ["--sweep", "split-tv", "--replay", str(path), "--decisions", "5", "--max-new-tokens", "2",
+             "--plot", str(tmp_path / "tv.png")]
+    assert main(sweep + ["--draft", str(pair["draft"]), "--target", str(pair["target"])]) == 0
+    assert shown == policy.histories[:5] and any(shown)
+    shown.clear()
+    assert main(sweep) == 0  # the committed, memoryless pair
+    assert shown == [()] * 5
+    capsys.readouterr()
+    assert main(["--sweep", "split-tv", "--replay", str(bare), "--draft", str(pair["draft"]),
+                 "--target", str(pair["target"])]) == 2
+    assert "no navigator state" in capsys.readouterr().err
 
 
 def test_replay_every_takes_one_frame_per_interval_after_the_command(episode_bag):

@@ -235,6 +235,29 @@ def test_dagger_rollouts_show_a_policy_with_memory_its_own_decisions():
     assert any(f.history for f in frames)
 
 
+def test_the_benchmarks_prompt_as_a_policy_with_memory_when_told_and_read_a_pairs_memory_from_its_config(tmp_path):
+    """``edgespec-bench --memory K`` (the mode comparison and the sweeps): consecutive decisions of
+    held-out expert rollouts, each with the earlier turns a policy with memory K is shown, so that
+    most prompts extend the last one; a saved pair's memory is read from config.json unloaded."""
+    import json
+    from edgespec_ros.bench.runner import bench_prompts, prompt_parts
+    from edgespec_ros.bench.sweeps import SweepOptions
+    from edgespec_ros.decoding.memory import saved_memory
+    from edgespec_ros.models import resolve_models
+    prompts = bench_prompts(6, seed=1, memory=2)
+    histories = [prompt_parts(p)[2] for p in prompts]
+    assert histories[0] == () and all(histories[1:]) and len({prompt_parts(p)[0] for p in prompts}) == 1
+    assert all(len(h) <= 3 for h in histories)  # the window: k to 2k - 1
+    swept = SweepOptions(resolve_models(None, None), memory=2, seed=1).prompts(6)
+    assert [prompt_parts(p)[2] for p in swept] == histories
+    assert all(prompt_parts(p)[2] == () for p in SweepOptions(resolve_models(None, None)).prompts(2))
+    (tmp_path / "config.json").write_text(json.dumps({"policy_memory": 2}))
+    assert saved_memory(str(tmp_path)) == 2
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    assert saved_memory(str(tmp_path)) == 0  # written before the memory design: memoryless
+    assert saved_memory(default_model_path("target")) == load_model(default_model_path("target")).memory
+
+
 @pytest.mark.slow
 def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypatch):
     """A pair trained with --memory 2 is distilled, gets early exits and a WISV head, each stage on

@@ -21,6 +21,7 @@ from ..models import resolve_models
 from ..processes import env_threads
 from .runner import add_speedups, bench_prompts, emulated_setup, format_table, run_modes
 from ..bags import PICKS, BagError, BagReplay
+from ..decoding.memory import saved_memory
 from .. import topics
 
 
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory", type=int, default=0, metavar="K",
                     help="prompt as a policy with memory K does (decoding.memory): the decisions are consecutive "
                          "frames of held-out expert rollouts, each prompt after the episode's earlier decisions "
-                         "(default 0: first frames of separate scenarios, memoryless prompts)")
+                         "(default 0: first frames of separate scenarios, memoryless prompts); the sweeps' too. "
+                         "A --replay brings the pair's own memory (config.json policy_memory)")
     ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                     help="start the verifier with --no-prefix-reuse (every prompt prefilled in full), to measure "
                          "what prefix reuse saves (table: cloud prefill ms)")
@@ -178,6 +180,11 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
     sweep = SWEEPS[args.sweep]
     env_threads()
     pair = resolve_models(args.draft, args.target)
+    try:
+        replay = replay_as_prompted(replay, pair)
+    except BagError as exc:
+        print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
+        return 2
     opts = SweepOptions(pair, decisions=args.decisions, max_new_tokens=args.max_new_tokens, seed=args.seed,
                         links=args.links, compute=args.compute, temperatures=args.temperatures, codecs=codecs,
                         gammas=args.gammas, workers=args.workers, workers_list=args.workers_list, exits=args.exits,
@@ -187,7 +194,7 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
-                        action_tolerance=args.action_tolerance)
+                        action_tolerance=args.action_tolerance, memory=args.memory)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -216,6 +223,13 @@ def replay_prompts(args) -> BagReplay:
                            limit=args.decisions, progress=bar.update)
     print(f"replay: {replay.describe()}")
     return replay
+
+
+def replay_as_prompted(replay: BagReplay | None, pair) -> BagReplay | None:
+    """The replay with the memory the pair prompts with (``BagReplay.with_memory``), so each
+    recorded decision is decoded on the prompt the robot built for it; BagError when the bag cannot
+    give that memory."""
+    return None if replay is None else replay.with_memory(saved_memory(pair.draft_path))
 
 
 def replay_agreement(replay: BagReplay, texts: list[str], temperature: float) -> dict:
@@ -276,6 +290,11 @@ def main(argv=None) -> int:
     env_threads()
     compute = get_compute(args.compute)
     pair = resolve_models(args.draft, args.target)
+    try:
+        replay = replay_as_prompted(replay, pair)
+    except BagError as exc:
+        print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
+        return 2
     prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, args.memory)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
@@ -283,12 +302,6 @@ def main(argv=None) -> int:
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
                         metrics_out=args.metrics_out,
                         verifier_args=() if args.prefix_reuse else ("--no-prefix-reuse",)) as (draft_lm, url):
-        if replay is not None and draft_lm.memory:  # each recorded decision with the memory it was prompted with
-            try:
-                prompts = replay.with_memory(draft_lm.memory)
-            except BagError as exc:
-                print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
-                return 2
         bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
         texts: dict[str, list[str]] = {m: [] for m in modes}
 

@@ -24,6 +24,7 @@ from ..decoding.verifier import Block
 from ..decoding.verify import NO_TOKEN
 
 from ..cloud.local import LocalVerifier
+from .runner import prompt_parts
 
 ROBOTS_DEFAULT = (1, 2, 4, 8)
 VERIFIERS_DEFAULT = ("sequential", "batched", "ray")  # ray: RAY_REPLICAS batched replicas on Ray Serve
@@ -66,16 +67,18 @@ def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> lis
     from ..robot.decoder import DecodeConfig, EdgeDecoder
     rec = RecordingVerifier(target_lm)
     decoder = EdgeDecoder(draft_lm, rec)
-    for i, (instruction, image) in enumerate(prompts):
-        decoder.decide(instruction, image, DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=max_new_tokens, seed=i))
+    for i, prompt in enumerate(prompts):
+        instruction, image, history = prompt_parts(prompt)
+        decoder.decide(instruction, image, DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=max_new_tokens, seed=i),
+                       history=history)
     return rec.decisions
 
 
 def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], draft_s: float,
            out: dict, memory: int = 0) -> None:
     """One robot: every recorded decision over the wire; decision latencies, tokens, desyncs.
-    ``memory``: the draft's policy memory, named in HELLO (the recorded prompts are first decisions
-    of a command, whose prompt is the same with or without memory)."""
+    ``memory``: the draft's policy memory, named in HELLO (the recorded prompts are built with it
+    already: ``record`` decides each prompt with its history, if it has one)."""
     from ..wire.client import RemoteVerifier, VerifierError
     rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=60.0, client_name="fleet-robot",
                         policy_memory=memory)

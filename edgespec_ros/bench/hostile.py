@@ -447,10 +447,11 @@ class GoodRobot:
 
     def decide(self, i: int) -> float:
         from ..robot.decoder import DecodeConfig
-        instruction, image = self.prompts[i % len(self.prompts)]
+        from .runner import prompt_parts
+        instruction, image, history = prompt_parts(self.prompts[i % len(self.prompts)])
         cfg = DecodeConfig(mode=GOOD_MODE, max_new_tokens=self.max_new_tokens, seed=i)
         t0 = time.perf_counter()
-        m = self.decoder.decide(instruction, image, cfg).metrics
+        m = self.decoder.decide(instruction, image, cfg, history=history).metrics
         wall = 1e3 * (time.perf_counter() - t0)
         # the verifier's own figures for the robot's rounds: the queue (behind other sessions'
         # work) and the rounds' compute; the rest is the robot's drafting, the wire and both ends'

@@ -41,6 +41,14 @@ def bench_prompts(n: int, seed: int = 0, memory: int = 0) -> list[tuple]:
     return heldout_prompts(n, seed)
 
 
+def prompt_parts(prompt) -> tuple:
+    """(instruction, image, history) of one benchmark prompt: an (instruction, image) pair, or the
+    (instruction, image, history) triple of a policy with memory (``bench_prompts(memory=)``,
+    ``bags.BagReplay.with_memory``); history () for a pair."""
+    instruction, image, *rest = prompt
+    return instruction, image, (rest[0] if rest else ())
+
+
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
               gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
               codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0, workers: int = 4,
@@ -62,12 +70,13 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
                                   policy_memory=draft_lm.memory)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
-            for i, (instruction, image, *history) in enumerate(prompts):
+            for i, prompt in enumerate(prompts):
+                instruction, image, history = prompt_parts(prompt)
                 cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
                                    pipe_depth=pipe_depth, pipe_truncate=pipe_truncate,
                                    pipe_fill_rows=pipe_fill_rows)
-                decision = decoder.decide(instruction, image, cfg, history=history[0] if history else ())
+                decision = decoder.decide(instruction, image, cfg, history=history)
                 if i >= warmup:
                     summary.add(decision.metrics)
                 if on_decision:

@@ -16,6 +16,7 @@ from ..cloud.local import LocalVerifier
 from ..cloud.target import target_generate
 from ..decoding.engines import load_model
 from ..decoding.sampling import SamplingParams
+from .runner import prompt_parts
 
 KS = [0, 1, 3, 8, 32, 128]
 
@@ -29,8 +30,8 @@ def run(opts, progress) -> list[dict]:
     prompts = opts.prompts(opts.decisions or 10)
     tv = {k: [] for k in ks}
     bar = progress(len(prompts))
-    for i, (instruction, image) in enumerate(prompts):
-        _, inputs = decoder.make_prompt(instruction, image)
+    for i, prompt in enumerate(prompts):
+        _, inputs = decoder.make_prompt(*prompt_parts(prompt))
         cfg = DecodeConfig(params=SamplingParams(temperature), seed=opts.seed + i, max_new_tokens=opts.max_new_tokens)
         gen = target_generate(target, inputs, cfg)
         ids = torch.cat([inputs.input_ids, torch.tensor([gen])], 1)

@@ -58,12 +58,15 @@ class SweepOptions:
     closed_loop_thresholds: list[float] | None = None  # wisv sweep: thresholds run in closed loop (default all)
     action_tolerance: int = 0  # wisv sweep: also each closed-loop threshold with this size tolerance (in process)
     replay: object | None = None  # bags.BagReplay: decide on a recording's frames instead of simulated ones
+    memory: int = 0  # simulated prompts as a policy with this memory prompts (--memory; a replay brings its own)
 
     def prompts(self, n: int):
-        """The first ``n`` (instruction, frame) pairs: held-out simulated scenes, or the replayed bag's."""
+        """The first ``n`` prompts (``runner.prompt_parts``): held-out simulated scenes (with
+        ``memory``: consecutive decisions of held-out rollouts and their histories), or the
+        replayed bag's (with the memory the pair prompts with: ``BagReplay.with_memory``)."""
         if self.replay is not None:
             return self.replay.first(n)
-        return bench_prompts(n, self.seed)
+        return bench_prompts(n, self.seed, self.memory)
 
 
 @dataclass(frozen=True)

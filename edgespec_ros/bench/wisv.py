@@ -24,7 +24,7 @@ from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..wire.link import get_profile
-from .runner import emulated_setup
+from .runner import emulated_setup, prompt_parts
 
 THRESHOLDS = [0.01, 0.05, 0.2]
 LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
@@ -66,9 +66,11 @@ def timed_rows(opts, links, thresholds, prompts, bar) -> list[dict]:
                     decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
                     cfg = decode_config(threshold, "full" if upload == "-" else upload, gamma=opts.gammas[0]
                                         if opts.gammas else 4)
-                    decoder.decide(*prompts[0], cfg)  # warm-up (and the first link measurements)
-                    for instruction, image in prompts:
-                        summary.add(decoder.decide(instruction, image, cfg).metrics)
+                    instruction, image, history = prompt_parts(prompts[0])
+                    decoder.decide(instruction, image, cfg, history=history)  # warm-up (and the first link measurements)
+                    for prompt in prompts:
+                        instruction, image, history = prompt_parts(prompt)
+                        summary.add(decoder.decide(instruction, image, cfg, history=history).metrics)
                         bar.update(1)
                     decoder.close()
                     measured = verifier.csi()

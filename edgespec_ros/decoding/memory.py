@@ -20,6 +20,8 @@ navigator's ``motion.OUTCOMES``) both map through :func:`outcome_word`.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections import deque
 from typing import NamedTuple
 
@@ -38,6 +40,14 @@ class Turn(NamedTuple):
 
     action: str
     outcome: str
+
+
+def saved_memory(model_dir: str) -> int:
+    """The memory a saved model prompts with, without loading it: ``policy_memory`` in its
+    ``config.json`` (0, a memoryless policy, when absent). OSError / ValueError when the folder
+    holds no readable config."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f).get("policy_memory", 0) or 0)
 
 
 def outcome_word(outcome: str) -> str:

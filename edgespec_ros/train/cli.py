@@ -36,6 +36,7 @@ from itertools import islice
 
 import numpy as np
 
+from ..decoding.memory import saved_memory
 from ..models import MODELS_DIR
 
 # Sizes: the target is the "7B", the draft the "2B": narrower, shallower, trained for less.
@@ -402,8 +403,7 @@ def load_whole_target(model, directory: str, tok, memory: int = 0) -> None:
     if not same_tokenizer:
         raise SystemExit(f"edgespec-train: --target-init {directory}: its tokenizer is not this run's "
                          f"({tok.name_or_path}); copy it into the work dir's tokenizer/ first")
-    with open(os.path.join(directory, "config.json")) as f:
-        init_memory = int(json.load(f).get("policy_memory", 0) or 0)
+    init_memory = saved_memory(directory)
     if init_memory != memory:  # the same weights learn the new layout: the run's data says it
         print(f"target: --target-init {directory} prompted with policy_memory {init_memory}; it continues on this "
               f"run's data (--memory {memory}) and is saved with policy_memory {memory}")
@@ -520,8 +520,7 @@ def pair_memory(stage: str, *model_dirs: str) -> int:
     memories = {}
     for d in model_dirs:
         try:
-            with open(os.path.join(d, "config.json")) as f:
-                memories[d] = int(json.load(f).get("policy_memory", 0) or 0)
+            memories[d] = saved_memory(d)
         except (OSError, ValueError):
             continue
     if len(set(memories.values())) > 1:
