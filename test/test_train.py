@@ -492,6 +492,13 @@ def test_card_repeats_the_pipeline_records_note(tmp_path):
     assert len(reproduce_lines(str(tmp_path))) == 1
     (tmp_path / "pipeline.json").write_text(json.dumps(dict(record, note="Draft re-run apart.")))
     assert reproduce_lines(str(tmp_path))[-1] == "Draft re-run apart."
+    assert "the committed run took 1.0 min" in reproduce_lines(str(tmp_path))[0]
+    # carried on with --resume: the times are its last piece's, and the card says so
+    (tmp_path / "pipeline.json").write_text(json.dumps(dict(record, stages_done_earlier=["data", "tokenizer"],
+                                                            resumed_models=["target"])))
+    line = reproduce_lines(str(tmp_path))[0]
+    assert "carried on in pieces (`--resume`); its last piece took 1.0 min" in line
+    assert "data, tokenizer ran in earlier pieces; the target's train s in the table counts every piece" in line
 
 
 def test_card_says_the_command_and_the_memory_of_the_run_it_describes(tmp_path):
@@ -563,7 +570,7 @@ def _resume_setup(pipeline):
     examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
                 for e in list(generate_examples("train", 2, with_labels=True))[:12]]
 
-    def run(cfg, stop_after=None):
+    def run(cfg, stop_after=None, report=None):
         """Train a fresh draft-shaped model; ``stop_after``: the run dies in that forward pass."""
         model = tiny.tiny_qwen2vl(tok, seed=0, **train_cli.MODEL_SPECS["draft"])
         calls = [0]
@@ -574,7 +581,7 @@ def _resume_setup(pipeline):
                 raise KeyboardInterrupt("stopped mid-run")
         handle = model.register_forward_pre_hook(die)
         try:
-            losses = train_model(model, examples, tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES)
+            losses = train_model(model, examples, tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES, report=report)
         finally:
             handle.remove()
         return losses, model
@@ -589,15 +596,20 @@ def test_a_stopped_run_resumes_bit_identically_to_an_uninterrupted_one(pipeline,
     from edgespec_ros.train.trainer import CHECKPOINT_FILE, TrainConfig
     run = _resume_setup(pipeline)
     base = dict(steps=9, batch_size=4, warmup=2, lr=3e-3, aux_weight=1.0, goal_probe_layer=-1)
-    whole, whole_model = run(TrainConfig(**base))
+    whole_report, resumed_report = {}, {}
+    whole, whole_model = run(TrainConfig(**base), report=whole_report)
+    assert whole_report["resumed_at_step"] == 0
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(KeyboardInterrupt):
         run(TrainConfig(**base, checkpoint_dir=ckpt, checkpoint_every_s=0.0), stop_after=5)
     state = torch.load(os.path.join(ckpt, CHECKPOINT_FILE), weights_only=False)
     assert state["step"] == 5 and len(state["losses"]) == 5  # the last checkpoint: after step 5
     # resumed in another process's shoes: a fresh model, collated by a worker process this time
-    resumed, resumed_model = run(TrainConfig(**base, checkpoint_dir=ckpt, checkpoint_every_s=1e9, loader_workers=1))
+    resumed, resumed_model = run(TrainConfig(**base, checkpoint_dir=ckpt, checkpoint_every_s=1e9, loader_workers=1),
+                                 report=resumed_report)
     assert resumed == whole
+    # its training time counts the piece before the stop too (training.json, the card's examples/s)
+    assert resumed_report["resumed_at_step"] == 5 and resumed_report["train_seconds"] >= round(state["elapsed_s"], 1)
     for (name, a), (_, b) in zip(whole_model.state_dict().items(), resumed_model.state_dict().items()):
         assert torch.equal(a, b), name
     # resuming a finished run does nothing more

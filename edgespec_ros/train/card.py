@@ -473,10 +473,19 @@ def reproduce_lines(models_dir: str) -> list[str]:
     command = run.get("command", "edgespec-train all")
     how = ("`make models` (= `edgespec-train all`)" if command == "edgespec-train all"
            else f"`{command}`")
-    return lines + [f"Reproduce everything: {how}; the committed run took "
-                    f"{run['total_seconds_before_card'] / 60:.1f} min before this card on a 2-core CPU with "
+    earlier, resumed = run.get("stages_done_earlier") or [], run.get("resumed_models") or []
+    if earlier or resumed:  # carried on with --resume: the times are the last piece's
+        took = (f"the committed run was carried on in pieces (`--resume`); its last piece took "
+                f"{run['total_seconds_before_card'] / 60:.1f} min")
+        pieces = ([f"{', '.join(earlier)} ran in earlier pieces"] if earlier else []) + (
+            [f"the {' and '.join(resumed)}'s train s in the table count{'s' if len(resumed) == 1 else ''} "
+             "every piece"] if resumed else [])
+        after = f"; {'; '.join(pieces)}"
+    else:
+        took, after = f"the committed run took {run['total_seconds_before_card'] / 60:.1f} min", ""
+    return lines + [f"Reproduce everything: {how}; {took} before this card on a 2-core CPU with "
                     f"{run['threads']} torch threads (minutes per stage: {stages}; the card itself takes a "
-                    "few more)."] + ([run["note"]] if run.get("note") else [])
+                    f"few more{after})."] + ([run["note"]] if run.get("note") else [])
 
 
 def recipe_lines(target: dict) -> list[str]:

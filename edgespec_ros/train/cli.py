@@ -361,9 +361,9 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
                        loader_workers=cfg.loader_workers, checkpoint_dir=checkpoints,
                        checkpoint_every_s=cfg.checkpoint_every_s, run_id=run_id)
     dagger_log: list[dict] = []
-    t0 = time.monotonic()
+    timing: dict = {}
     losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES,
-                         collect=dagger_collector(tok, ip, cfg, role, dagger_log) if dagger_at else None)
+                         collect=dagger_collector(tok, ip, cfg, role, dagger_log) if dagger_at else None, report=timing)
     path = os.path.join(out, role)
     model.to("cpu")
     model.save_pretrained(path)
@@ -371,12 +371,14 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     ip.save_pretrained(path)
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
             "steps": len(losses), "batch_size": cfg.batch_size, "aux_weight": aux_weight,
-            "device": tcfg.device, "examples_per_s": round(len(losses) * cfg.batch_size / max(1e-9, time.monotonic() - t0), 1),
+            "device": tcfg.device,
+            "examples_per_s": round(len(losses) * cfg.batch_size / max(1e-9, timing["train_seconds"]), 1),
             "goal_probe_layer": tcfg.goal_probe_layer if aux_weight > 0 else None,
             "vision_init": vision_init, "vision_mode": cfg.target_vision_mode if vision_init else None,
             "init": (cfg.target_init or None) if role == "target" else None, "lr": tcfg.lr,
             "dagger": dagger_log,
-            "train_seconds": round(time.monotonic() - t0, 1),
+            "train_seconds": timing["train_seconds"],  # every piece of a run carried on with --resume
+            "resumed_at_step": timing["resumed_at_step"] or None,
             "final_loss": float(np.mean(losses[-20:])), "examples": len(encoded)}
     expert = dataset_expert(work)
     if expert:  # whose answers the model learnt: the card scores its agreement against that expert
@@ -385,6 +387,16 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
         json.dump(info, f, indent=2)
     print(f"{role}: {info['params'] / 1e6:.2f} M params, {info['steps']} steps, loss {info['final_loss']:.3f} -> {path}")
     return path
+
+
+def resumed_at(out: str, role: str) -> int | None:
+    """The step at which the last piece of ``role``'s training in ``out`` resumed (training.json;
+    None when it ran in one piece, or there is no such model)."""
+    try:
+        with open(os.path.join(out, role, "training.json")) as f:
+            return json.load(f).get("resumed_at_step")
+    except (OSError, ValueError):
+        return None
 
 
 def load_whole_target(model, directory: str, tok, memory: int = 0) -> None:
@@ -803,18 +815,22 @@ def main(argv=None) -> int:
               if args.stage == "all"
               else [args.stage])
 
-    timings = {}
+    timings, skipped = {}, []
     done = StagesDone(args.work, cfg, args.out)
     for stage in stages:
         if args.resume and stage != "card" and done.has(stage):
             print(f"{stage}: done earlier with these options ({done.path}): skipped (--resume)")
+            skipped.append(stage)
             continue
         if args.stage == "all" and stage == "card":  # the card reports how long the pipeline took
             with open(os.path.join(args.out, "pipeline.json"), "w") as f:
                 json.dump({"command": run_command(cfg, args.long, args.quick),
                            "config": asdict(cfg), "stage_seconds": timings,
                            "total_seconds_before_card": round(time.monotonic() - t0, 1),
-                           "threads": torch.get_num_threads()}, f, indent=2)
+                           "threads": torch.get_num_threads(),
+                           # a run carried on with --resume: these times are its last piece's
+                           "stages_done_earlier": skipped,
+                           "resumed_models": [r for r in ("target", "draft") if resumed_at(args.out, r)]}, f, indent=2)
         started = time.monotonic()
         if stage == "data":
             stage_data(args.work, cfg)

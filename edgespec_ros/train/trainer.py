@@ -302,7 +302,7 @@ def save_checkpoint(cfg: TrainConfig, state: dict) -> str:
 
 
 def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, desc: str = "train",
-                params=None, num_classes: int = 0, collect=None) -> list[float]:
+                params=None, num_classes: int = 0, collect=None, report: dict | None = None) -> list[float]:
     """Train `model` (or only `params`) on encoded examples with AdamW; returns per-step losses
     (the language-model loss; with ``cfg.aux_weight`` > 0 the auxiliary perception loss over
     ``num_classes`` object classes is added to what is optimised and shown as ``aux``).
@@ -313,7 +313,9 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     against ``cfg.time_budget_s`` like any step (equal-compute comparisons stay honest).
 
     With ``cfg.checkpoint_dir`` the run checkpoints every ``cfg.checkpoint_every_s`` and, when a
-    checkpoint of the same configuration is there, resumes from it (module docstring)."""
+    checkpoint of the same configuration is there, resumes from it (module docstring). ``report``
+    (a dict) gets ``train_seconds``, the training time of every piece of the run, and
+    ``resumed_at_step``, the step this piece started at (0: the whole run was this call)."""
     if cfg.dagger_at and (collect is None or not all(0 < f < 1 for f in cfg.dagger_at)):
         raise ValueError("train_model: dagger_at needs fractions in (0, 1) and a collect function")
     device = torch.device(cfg.device)
@@ -356,6 +358,7 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         if device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         tqdm.write(f"{desc}: resumed at step {step} of {total} from {cfg.checkpoint_dir}")
+    resumed_at = step
 
     def checkpoint(next_step: int) -> None:  # next_step: steps done (one loss each)
         save_checkpoint(cfg, {
@@ -442,4 +445,6 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         if aux is not None:
             aux.remove()
     model.eval()
+    if report is not None:
+        report.update(train_seconds=round(time.monotonic() - started, 1), resumed_at_step=resumed_at)
     return losses
