@@ -10,7 +10,7 @@ SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) 
 # scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
 MSGS   := $(wildcard msg/*.msg action/*.action) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
-.PHONY: demo test test-fast install msgs models models-long models-quick clean help
+.PHONY: demo test test-fast install msgs models models-memory models-long models-quick clean help
 
 help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
@@ -19,6 +19,8 @@ help:
 	@echo "make test               run the test suite (what CI runs; about 15 minutes here)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
+	@echo "make models-memory      the committed pair's recipe: memory 2, the stop gap, 9,507 target steps (~3 h):"
+	@echo "                        resumable, run it again to carry on"
 	@echo "make models-long        the long recipe (~4x the target's steps, hours): resumable, run it again to carry on"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
 
@@ -52,6 +54,11 @@ test-fast: install
 
 models: install
 	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)
+
+# The committed pair's recipe (docs/models.md: "The stop gap, committed"): twice make models' CPU
+models-memory: install
+	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \
+		--target-steps 9507 --target-budget-s 0 --work build/train-memory --resume --out edgespec_ros/models $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)
