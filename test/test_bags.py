@@ -157,12 +157,16 @@ def test_a_sweep_replays_a_memory_pairs_decisions_with_the_memory_they_were_prom
     from edgespec_ros.models import default_model_path
     from edgespec_ros.robot.decoder import EdgeDecoder
     path, bare, policy, _result = memory_bag
-    pair = {}
-    for role in ("draft", "target"):  # the committed models, told to prompt with memory 2
-        pair[role] = tmp_path / role
-        shutil.copytree(default_model_path(role), pair[role])
-        config = json.loads((pair[role] / "config.json").read_text())
-        (pair[role] / "config.json").write_text(json.dumps(dict(config, policy_memory=2)))
+
+    def pair_with(memory):  # the committed models, told to prompt with that memory
+        args = []
+        for role in ("draft", "target"):
+            folder = tmp_path / f"{role}-{memory}"
+            shutil.copytree(default_model_path(role), folder)
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(dict(config, policy_memory=memory)))
+            args += [f"--{role}", str(folder)]
+        return args
     shown = []
     make_prompt = EdgeDecoder.make_prompt
 
@@ -172,14 +176,14 @@ def test_a_sweep_replays_a_memory_pairs_decisions_with_the_memory_they_were_prom
     monkeypatch.setattr(EdgeDecoder, "make_prompt", recording)
     sweep = ["--sweep", "split-tv", "--replay", str(path), "--decisions", "5", "--max-new-tokens", "2",
              "--plot", str(tmp_path / "tv.png")]
-    assert main(sweep + ["--draft", str(pair["draft"]), "--target", str(pair["target"])]) == 0
+    memory_pair = pair_with(2)
+    assert main(sweep + memory_pair) == 0
     assert shown == policy.histories[:5] and any(shown)
     shown.clear()
-    assert main(sweep) == 0  # the committed, memoryless pair
+    assert main(sweep + pair_with(0)) == 0  # a memoryless pair
     assert shown == [()] * 5
     capsys.readouterr()
-    assert main(["--sweep", "split-tv", "--replay", str(bare), "--draft", str(pair["draft"]),
-                 "--target", str(pair["target"])]) == 2
+    assert main(["--sweep", "split-tv", "--replay", str(bare)] + memory_pair) == 2
     assert "no navigator state" in capsys.readouterr().err
 
 

@@ -363,18 +363,22 @@ def test_executed_labels_relabel_only_changed_actions_the_judge_calls_as_good():
     from edgespec_ros.sim.expert import ExecutedOutcome
     from edgespec_ros.train.wisv import episode_traces, sim_frames
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
-    frames = sim_frames("train", 3)[:8]
-    changed = 0
-    for f in frames:
-        seq = episode_traces(draft, target, f.instruction, f.image, labels="sequential")
+    changed = checked = 0
+    for f in sim_frames("train", 6, memory=target.memory):  # 8 frames or more: on until a mismatch changes the action
+        if checked >= 8 and changed:
+            break
+        checked += 1
+        history = f.history  # prompted as the pair prompts
+        seq = episode_traces(draft, target, f.instruction, f.image, labels="sequential", history=history)
         never = _Judge(False)
-        strict = episode_traces(draft, target, f.instruction, f.image, labels="executed", judge=never)
+        strict = episode_traces(draft, target, f.instruction, f.image, labels="executed", judge=never, history=history)
         assert [(t.position, t.draft_token, t.critical) for t in strict] == \
             [(t.position, t.draft_token, t.critical) for t in seq]
         assert all(t.action_changed == t.critical for t in strict)
         assert len(never.asked) >= sum(t.critical for t in seq)  # asked about every changed action
         changed += sum(t.action_changed for t in strict)
-        lenient = episode_traces(draft, target, f.instruction, f.image, labels="executed", judge=_Judge(True))
+        lenient = episode_traces(draft, target, f.instruction, f.image, labels="executed", judge=_Judge(True),
+                                 history=history)
         assert not any(t.critical for t in lenient)
         # the same rounds until the sequential oracle's first critical mismatch, which the lenient
         # one keeps and then decodes on from (so what follows it may be longer or shorter)
@@ -384,7 +388,7 @@ def test_executed_labels_relabel_only_changed_actions_the_judge_calls_as_good():
         if first is None:  # no changed action: the judge is never asked and nothing differs
             assert len(lenient) == len(seq)
         real = episode_traces(draft, target, f.instruction, f.image, labels="executed",
-                              judge=ExecutedOutcome(f.scenario, f.pose))
+                              judge=ExecutedOutcome(f.scenario, f.pose), history=history)
         assert all(t.action_changed for t in real if t.critical)
     assert changed > 0  # the frames hold mismatches that change the action
     with pytest.raises(ValueError, match="world state"):
