@@ -706,10 +706,12 @@ def test_failed_episodes_are_classified_as_the_hidden_scenarios_showed():
         {"cycle": 1, "push": 1, "early stop": 1, "ran out": 1}
 
 
-def test_continued_training_starts_from_the_given_targets_weights_and_refuses_another_shape(pipeline, tmp_path):
+def test_continued_training_starts_from_the_given_targets_weights_and_refuses_another_shape(pipeline, tmp_path,
+                                                                                           capsys):
     """``--target-init DIR``: the target stage starts from every weight of a trained target (its
-    first loss is that model's, far below a fresh model's) with its own learning rate; a target of
-    another shape is refused with the option to fix."""
+    first loss is that model's, far below a fresh model's) and from its perception probes, with its
+    own learning rate; a target saved without probes says so; a target of another shape is refused
+    with the option to fix."""
     from safetensors.torch import load_file
     work, out = pipeline
     common = ["--work", str(work), "--batch-size", "4", "--target-vision", "none", "--target-steps", "2"]
@@ -723,9 +725,17 @@ def test_continued_training_starts_from_the_given_targets_weights_and_refuses_an
     before, after = load_file(str(first / "target" / "model.safetensors")), load_file(str(cont / "target" / "model.safetensors"))
     assert before.keys() == after.keys()
     assert all(torch.allclose(before[k], after[k], atol=1e-5) for k in before)  # lr 1e-9: it stayed where it started
+    # the perception probes continue too (a random probe's first gradients would disturb the target)
+    probes = [load_file(str(d / "target" / train_cli.AUX_PROBE_FILE)) for d in (first, cont)]
+    assert probes[0] and probes[0].keys() == probes[1].keys()
+    assert all(torch.allclose(probes[0][k], probes[1][k], atol=1e-5) for k in probes[0])
     assert train_cli.main(["target", "--out", str(tmp_path / "fresh"), "--target-lr", "1e-9"] + common) == 0
     fresh = json.loads((tmp_path / "fresh" / "target" / "training.json").read_text())
     assert info["final_loss"] < fresh["final_loss"] - 0.5  # it starts where the first run ended, not from scratch
+    (first / "target" / train_cli.AUX_PROBE_FILE).unlink()  # a target saved before the probes were
+    assert train_cli.main(["target", "--out", str(tmp_path / "noprobe"), "--target-init", str(first / "target")]
+                          + common) == 0
+    assert "the perception probes start from random" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not this run's shape.*--target-spec"):
         train_cli.main(["target", "--out", str(tmp_path / "wide"), "--target-init", str(first / "target"),
                         "--target-spec", "hidden=64"] + common)

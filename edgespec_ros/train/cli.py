@@ -362,11 +362,16 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
                        checkpoint_every_s=cfg.checkpoint_every_s, run_id=run_id)
     dagger_log: list[dict] = []
     timing: dict = {}
+    aux_init = load_aux_probe(cfg.target_init) if role == "target" and cfg.target_init and aux_weight > 0 else None
     losses = train_model(model, encoded, tok, ip, tcfg, desc=f"{role}: train", num_classes=NUM_OBJECT_CLASSES,
-                         collect=dagger_collector(tok, ip, cfg, role, dagger_log) if dagger_at else None, report=timing)
+                         collect=dagger_collector(tok, ip, cfg, role, dagger_log) if dagger_at else None, report=timing,
+                         aux_state=aux_init)
     path = os.path.join(out, role)
     model.to("cpu")
     model.save_pretrained(path)
+    if timing.get("aux_state"):  # a continued run (--target-init) starts its probes from these
+        from safetensors.torch import save_file
+        save_file(timing["aux_state"], os.path.join(path, AUX_PROBE_FILE))
     tok.save_pretrained(path)
     ip.save_pretrained(path)
     info = {"role": role, "spec": spec, "params": sum(p.numel() for p in model.parameters()),
@@ -424,6 +429,24 @@ def load_whole_target(model, directory: str, tok, memory: int = 0) -> None:
     except RuntimeError as e:
         raise SystemExit(f"edgespec-train: --target-init {directory}: not this run's shape "
                          f"({str(e).splitlines()[0]}); give the same --target-spec") from None
+
+
+AUX_PROBE_FILE = "aux_probe.safetensors"  # a target's perception probes (training only; trainer.AuxPerception)
+
+
+def load_aux_probe(directory: str) -> dict | None:
+    """The perception probes saved beside the target in ``directory`` (``AUX_PROBE_FILE``), for a
+    continued run; None, with a note, for a target saved without them: its probes then start from
+    random, and their first gradients (an auxiliary loss of ~50 against a language loss of ~0.1)
+    disturb what the target learnt (docs/models.md)."""
+    path = os.path.join(directory, AUX_PROBE_FILE)
+    if not os.path.isfile(path):
+        print(f"target: --target-init {directory} has no {AUX_PROBE_FILE}: the perception probes start from "
+              "random and their first gradients disturb the target; --target-aux-weight 0 continues on the "
+              "language loss alone")
+        return None
+    from safetensors.torch import load_file
+    return load_file(path)
 
 
 def model_spec(role: str, cfg: PipelineConfig) -> dict:

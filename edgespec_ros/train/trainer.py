@@ -302,7 +302,8 @@ def save_checkpoint(cfg: TrainConfig, state: dict) -> str:
 
 
 def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, desc: str = "train",
-                params=None, num_classes: int = 0, collect=None, report: dict | None = None) -> list[float]:
+                params=None, num_classes: int = 0, collect=None, report: dict | None = None,
+                aux_state: dict | None = None) -> list[float]:
     """Train `model` (or only `params`) on encoded examples with AdamW; returns per-step losses
     (the language-model loss; with ``cfg.aux_weight`` > 0 the auxiliary perception loss over
     ``num_classes`` object classes is added to what is optimised and shown as ``aux``).
@@ -314,8 +315,10 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
 
     With ``cfg.checkpoint_dir`` the run checkpoints every ``cfg.checkpoint_every_s`` and, when a
     checkpoint of the same configuration is there, resumes from it (module docstring). ``report``
-    (a dict) gets ``train_seconds``, the training time of every piece of the run, and
-    ``resumed_at_step``, the step this piece started at (0: the whole run was this call)."""
+    (a dict) gets ``train_seconds``, the training time of every piece of the run,
+    ``resumed_at_step``, the step this piece started at (0: the whole run was this call), and with
+    ``cfg.aux_weight`` > 0 ``aux_state``, the perception probes' weights (on the CPU), which a
+    continued run passes back as ``aux_state`` so that its probes do not start from random."""
     if cfg.dagger_at and (collect is None or not all(0 < f < 1 for f in cfg.dagger_at)):
         raise ValueError("train_model: dagger_at needs fractions in (0, 1) and a collect function")
     device = torch.device(cfg.device)
@@ -334,7 +337,13 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         goal_layer = None
         if cfg.goal_probe_layer is not None:
             goal_layer = cfg.goal_probe_layer % model.config.text_config.num_hidden_layers
-        aux = AuxPerception(model, num_classes, cells, goal_layer).to(device)
+        aux = AuxPerception(model, num_classes, cells, goal_layer)
+        if aux_state is not None:
+            try:
+                aux.load_state_dict(aux_state, strict=True)
+            except RuntimeError as e:
+                raise ValueError(f"train_model: aux_state is not this model's probes: {str(e).splitlines()[0]}") from None
+        aux = aux.to(device)
         image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         trainable += list(aux.parameters())
     decay = [p for p in trainable if p.dim() >= 2]
@@ -447,4 +456,6 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     model.eval()
     if report is not None:
         report.update(train_seconds=round(time.monotonic() - started, 1), resumed_at_step=resumed_at)
+        if aux is not None:
+            report["aux_state"] = {k: v.detach().cpu().clone() for k, v in aux.state_dict().items()}
     return losses
