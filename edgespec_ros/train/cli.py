@@ -369,7 +369,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     path = os.path.join(out, role)
     model.to("cpu")
     model.save_pretrained(path)
-    if timing.get("aux_state"):  # a continued run (--target-init) starts its probes from these
+    if role == "target" and timing.get("aux_state"):  # a continued run (--target-init) starts its probes from these
         from safetensors.torch import save_file
         save_file(timing["aux_state"], os.path.join(path, AUX_PROBE_FILE))
     tok.save_pretrained(path)
