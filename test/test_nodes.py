@@ -794,6 +794,19 @@ def test_walking_into_an_object_is_one_collision_and_the_navigator_gives_up():
         with sim._lock:
             sim.world.set_pose(Pose(box.x - 0.9, box.y, 0.0))
         wait_until(lambda: probe.messages("odom"), what="odometry flowing")
+        # the move must start from the new pose: an odometry message sent before the teleport and
+        # read by the navigator after it made the jump look like the whole move done ("completed")
+        # (odometry starts at zero in the scenario's start pose: compare distances from it)
+        navigator, start = g.nodes["navigator"], sim.scenario.robot
+        moved = math.hypot(box.x - 0.9 - start.x, box.y - start.y)
+        assert moved > 0.5, "the teleport must be told apart from the start pose"
+
+        def navigator_sees_new_pose():
+            with navigator._lock:
+                odom = navigator.executor_.odometry
+            return odom is not None and abs(math.hypot(odom.x, odom.y) - moved) < 0.02
+
+        wait_until(navigator_sees_new_pose, what="the navigator's odometry at the new pose")
         msg = decision_msg(probe, "Action: move forward large")
         probe.publish_when_matched("decision", msg)
         state = wait_until(lambda: state_for(probe, msg.header.stamp, state="idle"), what="the move ending")

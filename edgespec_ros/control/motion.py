@@ -267,6 +267,11 @@ class MotionExecutor:
         self._last_yaw = pose.yaw_rad
         self._odom, self._odom_s = pose, stamp_s
 
+    @property
+    def odometry(self) -> Pose2D | None:
+        """The last odometry pose received (None before the first)."""
+        return self._odom
+
     def odometry_fresh(self, now_s: float) -> bool:
         return self._odom_s is not None and now_s - self._odom_s <= self.odom_timeout_s
 
