@@ -58,7 +58,7 @@ models: install
 # The committed pair's recipe (docs/models.md: "The stop gap, committed"): twice make models' CPU
 models-memory: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \
-		--target-steps 9507 --target-budget-s 0 --work build/train-memory --resume --out edgespec_ros/models $(ARGS)
+		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-memory --resume --out edgespec_ros/models $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)
