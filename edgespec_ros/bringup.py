@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scenario", default="silver-bottle-distractor",
                     help="shipped scenario name or JSON path (default silver-bottle-distractor)")
     ap.add_argument("--mode", default=None, choices=list(DECODING_MODES),
-                    help="decoding mode (default: fsd when available, else sd)")
+                    help="decoding mode (default: the drafter's, pipe)")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
     ap.add_argument("--compute", default="native", type=compute_arg,
                     help=f"pad verifier compute to a hardware profile: {', '.join(COMPUTE_PROFILES)} or a file "
@@ -144,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_mode() -> str:
-    """pipe+fsd: tied with pipe on the demo's link and on two of the three emulated Go2 links,
-    3.5% behind it on go2-paper (docs/pipeline.md); on the demo's tiny models cloud-only ar is
-    faster still, since their target costs no more than their draft."""
-    return "pipe+fsd"
+    """The drafter's own default (its ``mode`` parameter): ``pipe``, the fastest mode on every
+    emulated Go2 link with the committed pair (docs/pipeline.md); on the demo's tiny models
+    cloud-only ar is faster still, since their target costs no more than their draft."""
+    from .robot.drafter import DrafterSettings
+    return DrafterSettings.mode
 
 
 def run_closed_loop(args) -> int:

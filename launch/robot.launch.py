@@ -48,7 +48,7 @@ ARGUMENTS = [
     ("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier"),
     ("token_file", "", "file with the verifier auth token ('' = none)"),
     ("tls_ca_file", "", "wss:// server_url: CA file that signs the verifier's certificate ('' = the system CAs)"),
-    ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
+    ("mode", "pipe", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
               "a verifier without early exits)"),
     ("verify_mode", "rejection", "rejection (lossless) | wisv (LOSSY: the verifier's decision head keeps harmless "
                                  "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head)"),

@@ -34,7 +34,7 @@ ROLE_ARGS = {
 
 ARGUMENTS = [
     ("scenario", "silver-bottle-distractor", "shipped scenario name or scenario JSON path"),
-    ("mode", "pipe+fsd", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
+    ("mode", "pipe", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
               "a verifier without early exits)"),
     ("draft_model", "", "draft model directory ('' = the embedded default)"),
     ("target_model", "", "target model directory for the local verifier ('' = the embedded default)"),

@@ -131,6 +131,16 @@ def yaml_parameters(role: str) -> dict:
     return data["/**"]["ros__parameters"]
 
 
+def test_a_checkout_runs_on_its_own_config():
+    """Run from a checkout, the nodes read its config/ (not an older copy installed in the venv's
+    share/, which would hide an edit to config/ from every test and from `make demo`)."""
+    from edgespec_ros.nodes.graph import share_dir
+    if not (ROOT / "edgespec_ros" / "nodes" / "graph.py").samefile(
+            __import__("edgespec_ros.nodes.graph", fromlist=["x"]).__file__):
+        pytest.skip("edgespec_ros is imported from an install, not from this checkout")
+    assert share_dir() == ROOT
+
+
 def test_one_config_file_per_node_role():
     assert sorted(p.stem for p in (ROOT / "config").glob("*.yaml")) == sorted([*params.NODES, "twist_mux",
                                                                               "collision_monitor"])

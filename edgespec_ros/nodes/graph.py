@@ -18,7 +18,7 @@ PACKAGE = "edgespec_ros"
 def share_dir() -> Path:
     """Where launch/ and config/ are: this checkout when run from one, else the colcon/ament share
     directory, else the venv's ``share/edgespec_ros`` (installed there by scripts/build_msgs.sh)."""
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]  # <checkout>/edgespec_ros/nodes/graph.py
     if (checkout / "package.xml").is_file() and (checkout / "config").is_dir():
         return checkout
     try:

@@ -66,7 +66,7 @@ DRAFTER = (
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
     P("tls_ca_file", "", "wss:// server_url: PEM file of the CA (or the self-signed certificate) that signs the "
                          "verifier's certificate; '' = the system CAs. The certificate and hostname are always checked"),
-    P("mode", "pipe+fsd", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
+    P("mode", "pipe", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
                     "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
                     "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
                     "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the robot "

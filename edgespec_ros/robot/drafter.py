@@ -109,7 +109,7 @@ class DrafterSettings:
     """Decoding and scheduling settings of the drafter: the drafter node's parameters of the same
     names (nodes/params.py declares them, with these defaults: a test keeps the two equal)."""
 
-    mode: str = "pipe+fsd"
+    mode: str = "pipe"
     gamma: int = 4
     auto_gamma: bool = False  # sd, pipe: gamma "auto" (robot.draft_length.AutoGamma); pipe: pipe_depth too
     pipe_depth: int = 3  # pipe modes: blocks in flight
