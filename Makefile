@@ -16,7 +16,7 @@ help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
 	@echo "           ARGS='--scenario red-chair --mode ar --link go2-paper'  (edgespec-demo --help)"
 	@echo "           ARGS='--compare'  the one-frame AR vs SD comparison"
-	@echo "make test               run the test suite (what CI runs; about 15 minutes here)"
+	@echo "make test               run the test suite on every core (what CI runs; TEST_WORKERS=1 runs it serially)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
 	@echo "make models-memory      the committed pair's recipe: memory 2, the stop gap, 9,507 target steps (~3 h):"
@@ -46,11 +46,15 @@ install: $(VENV)/.pkg-stamp
 demo: install
 	$(VENV)/bin/edgespec-demo $(ARGS)
 
+# One worker per core; a file's tests stay on one worker (its module fixtures are built once).
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 test: install
-	$(VENV)/bin/pytest $(ARGS)
+	$(VENV)/bin/pytest $(XDIST) $(ARGS)
 
 test-fast: install
-	$(VENV)/bin/pytest -m "not slow" $(ARGS)
+	$(VENV)/bin/pytest $(XDIST) -m "not slow" $(ARGS)
 
 models: install
 	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)

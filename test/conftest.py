@@ -5,7 +5,9 @@ Random models are re-initialised with normal(0, std) weights: at the default ini
 position's argmax is the same token, which would make "SD equals target" trivially true.
 """
 import copy
+import random
 
+import margins
 import numpy as np
 import pytest
 import torch
@@ -28,11 +30,23 @@ WEIGHT_STD = 0.2
 def single_torch_thread():
     """Run torch single-threaded: the tests use tiny tensors, where a second intra-op thread only
     adds wake-up latency, and on a loaded 2-core machine that latency made the statistical tests
-    ~10x slower (each tiny softmax waited for a descheduled OpenMP worker)."""
+    ~10x slower (each tiny softmax waited for a descheduled OpenMP worker). EDGESPEC_TEST_THREADS
+    sets another count: scripts/test_margins.py runs the numeric tests on both float paths (the
+    reduction order changes with the thread count)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(margins.TEST_THREADS)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def seeded_global_rngs():
+    """Every test starts from the same global RNG state (torch, numpy, random), whatever ran before
+    it in this process: a test's result may not depend on the order or the worker that pytest-xdist
+    gives it. EDGESPEC_TEST_SEED moves the seed (scripts/test_margins.py measures the spread)."""
+    random.seed(margins.TEST_SEED)
+    np.random.seed(margins.TEST_SEED)
+    torch.manual_seed(margins.TEST_SEED)
 
 
 def randomize_weights(model: torch.nn.Module, seed: int, std: float = WEIGHT_STD) -> torch.nn.Module:

@@ -941,6 +941,7 @@ def test_metrics_and_health_over_plain_http(pair):
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(base + "/healthz", timeout=5)
         assert info.value.code == 503
+        info.value.close()  # an open response holds its socket: the server's shutdown would wait for it
         st.server.stopping = False
 
 

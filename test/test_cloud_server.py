@@ -30,7 +30,7 @@ from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
 
 from wire_helpers import (block_for, DEADLINE_S, INSTRUCTIONS, FakeVerifier, expect_error_then_close, make_pair,
-                          raw_connect, raw_session, server_copy, wait_until)
+                          raw_connect, raw_session, server_copy, SUITE_LIMITS, wait_until)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "s3cret-robot-token"
@@ -66,19 +66,19 @@ def _server_target(pair):
 
 @pytest.fixture(scope="module")
 def verifier(pair):
-    with ServerThread(VerifierServer(_server_target(pair))) as st:
+    with ServerThread(VerifierServer(_server_target(pair), limits=SUITE_LIMITS)) as st:
         yield st
 
 
 @pytest.fixture(scope="module")
 def token_verifier(pair):
-    with ServerThread(VerifierServer(_server_target(pair), token=TOKEN)) as st:
+    with ServerThread(VerifierServer(_server_target(pair), token=TOKEN, limits=SUITE_LIMITS)) as st:
         yield st
 
 
 @pytest.fixture(scope="module")
 def small_frame_verifier(pair):
-    with ServerThread(VerifierServer(_server_target(pair), max_frame=SMALL_FRAME)) as st:
+    with ServerThread(VerifierServer(_server_target(pair), max_frame=SMALL_FRAME, limits=SUITE_LIMITS)) as st:
         yield st
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from margins import TEST_SEED as SEED, measured
 from edgespec_ros.cloud.target import target_generate
 from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model, model_content_hash, wrap_model
@@ -109,16 +110,17 @@ def test_batched_greedy_generation_equals_the_engines(vlm_target_with_eos, image
 
 # --- training -------------------------------------------------------------------------------------
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("kind", DIVERGENCES)
 def test_distillation_lowers_the_divergence_it_optimises(pair, kind):
     draft = wrap_model(copy.deepcopy(pair.draft.model), pair.draft.tokenizer, pair.draft.image_processor)
     prompts = list(zip(INSTRUCTIONS, frames(len(INSTRUCTIONS), 1)))
     before = agreement(draft, pair.target, prompts, batch_size=4)
-    log = distill(draft, pair.target, prompts, DistillConfig(divergence=kind, steps=25, batch_size=4, lr=1e-2,
+    log = distill(draft, pair.target, prompts, DistillConfig(divergence=kind, steps=40, batch_size=4, lr=1e-2, seed=SEED,
                                                              warmup=2, max_new_tokens=10, on_policy=0.5))
     after = agreement(draft, pair.target, prompts, batch_size=4)
-    assert log.steps == 25 and log.on_policy_tokens > 0 and log.teacher_tokens > 0
-    assert after[kind] < 0.9 * before[kind], (before, after)
+    assert log.steps == 40 and log.on_policy_tokens > 0 and log.teacher_tokens > 0
+    assert measured(f"distill.{kind}_after/before", after[kind] / before[kind]) < 0.9, (before, after)
     assert after["positions"] == before["positions"] > 0
     assert not any(p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0
                    for p in pair.draft.model.parameters())  # the fixture's draft was not touched

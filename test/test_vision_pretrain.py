@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import os
 
+import margins
 import numpy as np
+import pytest
 import torch
+from margins import measured
 
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, vision_frames
 from edgespec_ros.train import cli as train_cli
 from edgespec_ros.models.tiny import image_processor, tiny_vision_tower
-from edgespec_ros.train.vision import VisionConfig, evaluate_vision, frames_of, pretrain_vision
+from edgespec_ros.train.vision import (VisionConfig, constant_depth_mae, evaluate_vision, frames_of,
+                                       pretrain_vision)
+
 
 
 def _target_tower_kw():
@@ -45,20 +50,26 @@ def test_the_pretrained_tower_has_the_targets_architecture_and_loads_into_it(tmp
     assert torch.equal(target.model.visual.merger.mlp[-1].weight, tower.merger.mlp[-1].weight)
 
 
+@pytest.mark.numeric
 def test_pretraining_lowers_the_dense_loss_and_is_measured_on_held_out_frames():
     ip = image_processor()
     train, heldout = frames_of("train", 4, 8), frames_of("heldout", 2, 6)
-    tower = tiny_vision_tower(**_target_tower_kw())
+    tower = tiny_vision_tower(seed=margins.TEST_SEED, **_target_tower_kw())
     before = {k: v.clone() for k, v in tower.state_dict().items()}
+    # max_steps binds (the budget is out of reach): the LR schedule counts steps, not this CPU's seconds
     probe, info = pretrain_vision(tower, train, ip, NUM_OBJECT_CLASSES,
-                                  VisionConfig(budget_s=120, max_steps=30, batch_size=8))
-    assert info["steps"] == 30 and info["loss_last"] < 0.5 * info["loss_first"]
+                                  VisionConfig(budget_s=1e6, max_steps=100, batch_size=8, seed=margins.TEST_SEED))
+    assert info["steps"] == 100
+    assert measured("vision.loss_last/first", info["loss_last"] / info["loss_first"]) < 0.5
     assert any(not torch.equal(before[k], v) for k, v in tower.state_dict().items())  # the tower itself trained
     m = evaluate_vision(tower, probe, heldout, ip, NUM_OBJECT_CLASSES)
     assert m["frames"] == 12 and m["object_cells"] > 0
     for key in ("presence_precision", "presence_recall", "presence_f1", "colour_accuracy", "type_accuracy"):
         assert 0.0 <= m[key] <= 1.0
-    assert 0.0 < m["log_depth_mae"] < 1.0  # log metres: the probe learned depth (a random one is off by ~1.5)
+    # the probe learned depth from the image: it beats the best constant guess (the training
+    # median) on held-out frames; an absolute MAE bound sat inside the spread between CPUs
+    constant = constant_depth_mae(train, heldout)
+    assert measured("vision.depth_mae/constant", m["log_depth_mae"] / constant) < 0.9
 
 
 def test_the_vision_stage_saves_the_tower_and_its_measurements(tmp_path):

@@ -21,6 +21,7 @@ from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.cloud.target import target_generate
 from edgespec_ros.decoding.engines import LoadedModel, wrap_model
 from edgespec_ros.wire import protocol as P
+from edgespec_ros.cloud.limits import ServerLimits
 
 CORPUS = ["I see a red chair on the left. Action: turn left small.",
           "The silver bottle is ahead. Action: move forward medium."] * 50
@@ -32,6 +33,10 @@ def block_for(rv, draft_ids, q, **kw):
     from edgespec_ros.decoding.verifier import Block
     return Block(rv.round + 1, rv.epoch, list(draft_ids), q, **kw)
 DEADLINE_S = 15.0
+# A module's shared server takes many quick connections from 127.0.0.1 (one per parametrized
+# case): the production --connect-rate (20 per second per address) would refuse some of them on a
+# fast machine. The rate limit itself is tested in test_cloud_hardening with its own limits.
+SUITE_LIMITS = ServerLimits(connect_rate=10_000.0)
 
 
 @dataclass

@@ -89,7 +89,9 @@ class FairCompute:
         self.batches = 0  # runs of batchable jobs ...
         self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
-        self._next_job: _Job | None = None  # a prelude's pass: runs before any other job
+        # passes whose preludes (and their companions' preludes) ran: each runs before any other
+        # device job, oldest first; one may instead ride in another pass, companions and all
+        self._forced: deque[_Job] = deque()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -157,18 +159,17 @@ class FairCompute:
                 else:
                     del self._queues[flow]
             self._queued -= len(jobs)
-            forced = self._next_job
-            if forced is not None:
-                mine = [c for c in forced.companions if c.key == key]
+            for i, forced in enumerate(list(self._forced)):
+                jobs += [c for c in forced.companions if c.key == key]
                 forced.companions = [c for c in forced.companions if c.key != key]
-                jobs += mine
                 if forced.key == key:  # its pass is gone: the first companion's pass leads the rest
-                    self._next_job = None
+                    lead = None
                     if forced.companions:
                         lead, lead.companions = forced.companions[0], forced.companions[1:]
                         forced.companions = []
                         self._to_front(lead)
-                        self._next_job = lead
+                    self._forced[i] = lead
+            self._forced = deque(f for f in self._forced if f is not None)
         for job in jobs:
             if job.steps is not None:
                 job.steps.close()  # a preempted job between two quanta
@@ -215,7 +216,7 @@ class FairCompute:
                 if self._stopping and not self._queued:
                     return None
                 busy_for = self._device_free - time.perf_counter()
-                forced = self._next_job
+                forced = self._forced[0] if self._forced else None
                 if forced is not None and busy_for <= 0:  # a prelude's pass goes next
                     break
                 # (while the accelerator is busy, host-only work runs, the forced pass included not)
@@ -225,7 +226,7 @@ class FairCompute:
                     break
                 self._cond.wait(busy_for)  # every head job needs the accelerator: wait for it (or new work)
             if forced is not None:
-                self._next_job = None
+                self._forced.popleft()
                 flow = forced.flow
                 self._clock = self._vtime.get(flow, self._clock)
                 self._queues[flow].remove(forced)
@@ -253,8 +254,7 @@ class FairCompute:
         """The batch that rides with ``first``: for each other session, its head job if it is a
         batchable job of the same fn (a session's jobs never overtake each other), flows in fair
         order, up to max_batch. Called with the lock held."""
-        batch = [first] + [c for c in first.companions
-                           if not c.future.cancelled() and c.key not in self._closed_keys]
+        batch = [first] + self._riders(first)
         seen = {job.key for job in batch}
         tokens = sum(job.rows for job in batch)
         for flow in sorted(self._queues, key=lambda f: self._vtime[f]):
@@ -265,16 +265,29 @@ class FairCompute:
                 if job.key in seen:
                     continue
                 seen.add(job.key)  # only a session's head job may join
-                fits = self.max_batch_tokens is None or tokens + job.rows <= self.max_batch_tokens
+                # another forced pass rides with its companions (their preludes ran; they are off
+                # their queues and would otherwise never be delivered)
+                group = [job] + self._riders(job)
+                seen.update(c.key for c in group)
+                rows = sum(c.rows for c in group)
+                fits = (len(batch) + len(group) <= self.max_batch
+                        and (self.max_batch_tokens is None or tokens + rows <= self.max_batch_tokens))
                 if job.batch and job.fn == first.fn and not job.future.cancelled() and self._similar(first, job) and fits:
-                    tokens += job.rows
+                    tokens += rows
                     queue.remove(job)
                     self._queued -= 1
-                    batch.append(job)
+                    if job in self._forced:  # its own turn is gone: it ran here
+                        self._forced.remove(job)
+                        job.companions = []
+                    batch += group
                     self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
             if not queue:
                 del self._queues[flow]
         return batch
+
+    def _riders(self, job: _Job) -> list[_Job]:
+        """The live companions of a forced pass (whose preludes ran in its turn)."""
+        return [c for c in job.companions if not c.future.cancelled() and c.key not in self._closed_keys]
 
     def _similar(self, first: _Job, job: _Job) -> bool:
         if first.cost is None or job.cost is None:
@@ -317,7 +330,8 @@ class FairCompute:
             job = self._next()
             if job is None:
                 return
-            if job.batch and not job.future.cancelled():
+            # a cancelled pass still runs for the rounds riding in it (their preludes ran in its turn)
+            if job.batch and (not job.future.cancelled() or job.companions):
                 self._run_batch(job)
                 continue
             if job.future.cancelled():
@@ -461,7 +475,7 @@ class FairCompute:
             _deliver(job, result, error, 0.0)
         with self._cond:
             self._to_front(first)
-            self._next_job = first
+            self._forced.append(first)  # after any pass already waiting: none is replaced
             self._cond.notify()
 
 

@@ -74,7 +74,9 @@ def pretrain_vision(visual, frames: list[_Frame], image_processor, num_classes: 
     if not frames:
         raise ValueError("pretrain_vision: no frames")
     cells = aux_targets(frames[:1], image_processor, num_classes)[0].shape[1]
-    probe = _probe(visual, num_classes, cells)
+    with torch.random.fork_rng(devices=[]):  # the probe's init from cfg.seed, not the caller's RNG state
+        torch.manual_seed(cfg.seed)
+        probe = _probe(visual, num_classes, cells)
     params = list(visual.parameters()) + list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(cfg.seed)
@@ -83,8 +85,10 @@ def pretrain_vision(visual, frames: list[_Frame], image_processor, num_classes: 
     while step < cfg.max_steps and time.monotonic() - t0 < cfg.budget_s:
         batch = [frames[i] for i in rng.choice(len(frames), size=min(cfg.batch_size, len(frames)), replace=False)]
         present, log_depth, where, _ = aux_targets(batch, image_processor, num_classes)
-        # cosine decay over the budget's elapsed fraction (the step count is not known in advance)
-        frac = min(1.0, (time.monotonic() - t0) / cfg.budget_s)
+        # cosine decay over the elapsed fraction of whichever limit binds first: the budget's time
+        # (the step count is not known in advance) or max_steps (then the schedule, and so the
+        # result, does not depend on how fast this machine is)
+        frac = min(1.0, max((time.monotonic() - t0) / cfg.budget_s, step / cfg.max_steps))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * 0.5 * (1 + np.cos(np.pi * frac))
         loss = dense_perception_loss(probe(merged_tokens(visual, batch, image_processor)), present, log_depth,
@@ -148,6 +152,13 @@ def evaluate_vision(visual, probe, frames: list[_Frame], image_processor, num_cl
             "object_cells": single, "colour_accuracy": colour_ok / max(1, single),
             "type_accuracy": type_ok / max(1, single), "class_accuracy": both_ok / max(1, single),
             "log_depth_mae": depth_err / max(1, depth_n)}
+
+
+def constant_depth_mae(train: list[_Frame], heldout: list[_Frame]) -> float:
+    """The log-depth MAE on ``heldout`` of the best constant guess known from ``train`` (the median
+    of its cells' log depth): what a probe scores that learned no depth from the image."""
+    guess = float(np.median(np.concatenate([f.scene.log_depth.ravel() for f in train])))
+    return float(np.mean(np.concatenate([np.abs(f.scene.log_depth.ravel() - guess) for f in heldout])))
 
 
 def load_pretrained_tower(model, directory: str, mode: str = "finetune") -> None:
@@ -219,7 +230,8 @@ def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: 
     visual.save_pretrained(out_dir)
     report = {"config": asdict(cfg), "tower": tower_kw, "train_frames": len(train), "heldout_frames": len(heldout),
               "render_seconds": round(render_s, 1), "training": info, "heldout": measured,
-              "random_tower_probe": random_probe, "target_tower_probe": compared}
+              "random_tower_probe": random_probe, "target_tower_probe": compared,
+              "constant_depth_mae": constant_depth_mae(train, heldout)}
     with open(os.path.join(out_dir, "vision.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -237,4 +249,6 @@ def format_vision_report(report: dict) -> str:
         out.append(f"| {name} | {m['presence_precision']:.2f} / {m['presence_recall']:.2f} / {m['presence_f1']:.2f} | "
                    f"{m['colour_accuracy']:.2f} | {m['type_accuracy']:.2f} | {m['class_accuracy']:.2f} | "
                    f"{m['log_depth_mae']:.3f} |")
+    if "constant_depth_mae" in report:
+        out.append(f"| a constant depth guess (the training median) | - | - | - | - | {report['constant_depth_mae']:.3f} |")
     return "\n".join(out)

@@ -1,0 +1,181 @@
+"""The fair compute scheduler's liveness under random schedules: every submitted round completes
+exactly once (its own verdict, or SessionGone when its session closed), whatever mix of rounds
+with and without a host prelude (some preemptible), plain host jobs, an emulated accelerator that
+stays busy after each pass, and sessions closing mid-round. And rounds queued together share passes.
+
+EDGESPEC_FAIR_SCHEDULES sets how many random schedules the liveness test runs (the suite's default
+keeps it short; `EDGESPEC_FAIR_SCHEDULES=10000 pytest test/test_fair_schedules.py` is the soak).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+
+import pytest
+
+from edgespec_ros.cloud.fair import FairCompute, Occupy, SessionGone
+
+SCHEDULES = int(os.environ.get("EDGESPEC_FAIR_SCHEDULES", "300"))
+DEADLINE_S = 5.0  # a schedule takes milliseconds: a round pending this long is lost
+
+
+class _Device:
+    """The batched pass: records which round each item came from, and keeps an emulated
+    accelerator busy for a random while after the call (Occupy)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.lock = threading.Lock()
+        self.seen: list[str] = []
+        self.passes: list[int] = []
+
+    def verify(self, items):
+        with self.lock:
+            self.seen += items
+            self.passes.append(len(items))
+            busy = self.rng.choice((0.0, 0.0005, 0.001, 0.002))
+        return Occupy([f"verdict {i}" for i in items], busy)
+
+
+def _prelude(rng: random.Random, round_id: str):
+    """A round's host work: the decoded draft distribution, sometimes preemptible (a generator)."""
+    quanta = rng.choice((0, 0, 1, 2))
+    if quanta == 0:
+        return (lambda: round_id), ()
+
+    def steps():
+        for _ in range(quanta):
+            yield
+        return round_id
+    return steps, ()
+
+
+async def _schedule(seed: int) -> tuple[_Device, dict, set, FairCompute]:
+    rng = random.Random(seed)
+    fair = FairCompute("t", max_batch=rng.choice((2, 3, 4, 8)),
+                       max_batch_tokens=rng.choice((None, None, 8, 12)))
+    device = _Device(random.Random(seed + 1))
+    sessions = [f"s{i}" for i in range(rng.randint(2, 6))]
+    flows = {s: rng.choice((None, "tenant-a", "tenant-b")) for s in sessions}
+    closing = {s for s in sessions if rng.random() < 0.25}
+    rounds: dict[str, asyncio.Future] = {}
+
+    async def robot(session: str):
+        for n in range(rng.randint(1, 4)):
+            round_id = f"{session}.{n}"
+            rows = rng.randint(1, 6)
+            if rng.random() < 0.7:
+                fut = fair.run_batched(session, device.verify, lambda q: q, flow=flows[session], rows=rows,
+                                       prelude=_prelude(rng, round_id))
+            else:
+                fut = fair.run_batched(session, device.verify, round_id, flow=flows[session], rows=rows)
+            rounds[round_id] = asyncio.ensure_future(fut)
+            if rng.random() < 0.3:  # a plain host job between rounds (a codec frame, a prefill piece)
+                await asyncio.ensure_future(fair.run(session, lambda: None, flow=flows[session]))
+            await asyncio.sleep(rng.choice((0, 0, 0.0005, 0.001)))
+
+    async def closer(session: str):
+        await asyncio.sleep(rng.choice((0, 0.0005, 0.001, 0.003)))
+        fair.close(session)
+
+    try:
+        tasks = [asyncio.ensure_future(t) for t in [robot(s) for s in sessions] + [closer(s) for s in closing]]
+        await asyncio.wait(tasks, timeout=DEADLINE_S)
+        # a round still pending after the deadline is lost (the test names it)
+        await asyncio.wait(list(rounds.values()), timeout=DEADLINE_S)
+    finally:
+        fair.shutdown()
+    return device, rounds, closing, fair
+
+
+def test_every_round_of_random_schedules_completes_exactly_once():
+    lost, passes, rows = [], 0, 0
+    for seed in range(SCHEDULES):
+        device, rounds, closing, fair = asyncio.run(_schedule(seed))
+        seen = device.seen
+        assert len(seen) == len(set(seen)), f"schedule {seed}: a round ran in two passes: {sorted(seen)}"
+        for round_id, fut in rounds.items():
+            session = round_id.split(".")[0]
+            if not fut.done():
+                lost.append((seed, round_id))
+                continue
+            error = fut.exception()
+            if error is None:
+                assert fut.result() == f"verdict {round_id}", (seed, round_id, fut.result())
+                assert round_id in seen
+            else:
+                # only a closed session's rounds may be refused
+                assert isinstance(error, SessionGone) and session in closing, (seed, round_id, error)
+        passes += len(device.passes)
+        rows += sum(device.passes)
+    assert not lost, f"{len(lost)} round(s) never completed, e.g. {lost[:5]}"
+    assert rows > passes, "rounds in flight together never shared a pass"
+
+
+def test_a_pass_waiting_for_the_accelerator_is_not_replaced_by_a_later_one():
+    """Two rounds' preludes run while the emulated accelerator is busy: the first becomes a forced
+    pass with a companion (a round queued beside it), the second must not replace it. Both passes'
+    rounds, the companion's included, get their verdicts."""
+    fair = FairCompute("t", max_batch=8)
+    occupied, release = threading.Event(), threading.Event()
+    calls = []
+
+    def occupy(items):  # the accelerator stays busy after this pass until `release`
+        calls.append(list(items))
+        occupied.set()
+        return Occupy([f"verdict {i}" for i in items], 0.2)
+
+    def verify(items):
+        calls.append(list(items))
+        return [f"verdict {i}" for i in items]
+
+    async def main():
+        first = asyncio.ensure_future(fair.run_batched("z", occupy, "z.0"))
+        await asyncio.get_running_loop().run_in_executor(None, occupied.wait)
+        # a's and x's decodes queue together: a's runs and takes x's as its companion
+        a = asyncio.ensure_future(fair.run_batched("a", verify, lambda q: q, prelude=(lambda: "a.0", ())))
+        x = asyncio.ensure_future(fair.run_batched("x", verify, lambda q: q, prelude=(lambda: "x.0", ())))
+        while not fair._forced:  # a's pass (with x) waits for the accelerator
+            await asyncio.sleep(0.001)
+        b = asyncio.ensure_future(fair.run_batched("b", verify, lambda q: q, prelude=(lambda: "b.0", ())))
+        return await asyncio.wait_for(asyncio.gather(first, a, x, b), DEADLINE_S)
+
+    try:
+        assert asyncio.run(main()) == ["verdict z.0", "verdict a.0", "verdict x.0", "verdict b.0"]
+        assert sorted(sum(calls[1:], [])) == ["a.0", "b.0", "x.0"]
+    finally:
+        fair.shutdown()
+
+
+@pytest.mark.parametrize("max_batch, passes", [(8, [4]), (2, [2, 2])])
+def test_rounds_queued_together_share_passes(max_batch, passes):
+    fair = FairCompute("t", max_batch=max_batch)
+    hold, running = threading.Event(), threading.Event()
+    sizes = []
+
+    def blocker():
+        running.set()
+        hold.wait()
+
+    def verify(items):
+        sizes.append(len(items))
+        return [f"verdict {i}" for i in items]
+
+    async def main():
+        blocked = asyncio.ensure_future(fair.run("blocker", blocker))
+        await asyncio.get_running_loop().run_in_executor(None, running.wait)
+        futs = [asyncio.ensure_future(fair.run_batched(f"s{i}", verify, lambda q: q, flow=f"tenant{i}",
+                                                       prelude=(lambda i=i: i, ()))) for i in range(4)]
+        await asyncio.sleep(0)  # each run_batched queues its job before its first await
+        assert fair.queue_depth() == 4
+        hold.set()
+        await blocked
+        return await asyncio.gather(*futs)
+
+    try:
+        assert asyncio.run(main()) == [f"verdict {i}" for i in range(4)]
+        assert sizes == passes
+    finally:
+        fair.shutdown()
