@@ -114,15 +114,15 @@ def test_every_round_of_random_schedules_completes_exactly_once():
     assert rows > passes, "rounds in flight together never shared a pass"
 
 
-def test_a_pass_waiting_for_the_accelerator_is_not_replaced_by_a_later_one():
-    """Two rounds' preludes run while the emulated accelerator is busy: the first becomes a forced
-    pass with a companion (a round queued beside it), the second must not replace it. Both passes'
-    rounds, the companion's included, get their verdicts."""
+def test_passes_formed_while_the_accelerator_is_busy_all_complete_with_their_riders():
+    """Rounds' decodes run while the emulated accelerator is busy: the first becomes a pass with a
+    companion (a round queued beside it), a later one a second pass. Every round, the companion's
+    included, gets its verdict (a later pass once replaced the first and lost its companion)."""
     fair = FairCompute("t", max_batch=8)
-    occupied, release = threading.Event(), threading.Event()
+    occupied, x_decoded = threading.Event(), threading.Event()
     calls = []
 
-    def occupy(items):  # the accelerator stays busy after this pass until `release`
+    def occupy(items):  # the accelerator stays busy for 0.2 s after this pass
         calls.append(list(items))
         occupied.set()
         return Occupy([f"verdict {i}" for i in items], 0.2)
@@ -131,20 +131,61 @@ def test_a_pass_waiting_for_the_accelerator_is_not_replaced_by_a_later_one():
         calls.append(list(items))
         return [f"verdict {i}" for i in items]
 
+    def x_prelude():
+        x_decoded.set()
+        return "x.0"
+
     async def main():
+        loop = asyncio.get_running_loop()
         first = asyncio.ensure_future(fair.run_batched("z", occupy, "z.0"))
-        await asyncio.get_running_loop().run_in_executor(None, occupied.wait)
+        await loop.run_in_executor(None, occupied.wait)
         # a's and x's decodes queue together: a's runs and takes x's as its companion
         a = asyncio.ensure_future(fair.run_batched("a", verify, lambda q: q, prelude=(lambda: "a.0", ())))
-        x = asyncio.ensure_future(fair.run_batched("x", verify, lambda q: q, prelude=(lambda: "x.0", ())))
-        while not fair._forced:  # a's pass (with x) waits for the accelerator
-            await asyncio.sleep(0.001)
+        x = asyncio.ensure_future(fair.run_batched("x", verify, lambda q: q, prelude=(x_prelude, ())))
+        await loop.run_in_executor(None, x_decoded.wait)
+        # b's decode runs after a's pass (with x) is queued, the accelerator still busy
         b = asyncio.ensure_future(fair.run_batched("b", verify, lambda q: q, prelude=(lambda: "b.0", ())))
         return await asyncio.wait_for(asyncio.gather(first, a, x, b), DEADLINE_S)
 
     try:
         assert asyncio.run(main()) == ["verdict z.0", "verdict a.0", "verdict x.0", "verdict b.0"]
-        assert sorted(sum(calls[1:], [])) == ["a.0", "b.0", "x.0"]
+        assert [sorted(c) for c in calls[1:]] == [["a.0", "b.0", "x.0"]]  # one pass carried all three
+    finally:
+        fair.shutdown()
+
+
+def test_a_rounds_pass_does_not_starve_another_flows_prefill():
+    """Two robots whose rounds keep the emulated accelerator busy in turn (each round's decode runs
+    while the other's pass holds it): a third session's prefill, queued meanwhile, runs within a
+    few passes, in fair order, not after the two robots have finished."""
+    fair = FairCompute("t", max_batch=8)
+    order = []
+
+    def verify(items):
+        order.extend(items)
+        return Occupy([f"verdict {i}" for i in items], 0.02)
+
+    def prefill():
+        order.append("prefill")
+        return Occupy("prefilled", 0.02)
+
+    async def robot(name, start_s):
+        await asyncio.sleep(start_s)
+        for n in range(20):
+            await fair.run_batched(name, verify, lambda q: q, flow=name, prelude=(lambda n=n: f"{name}.{n}", ()))
+            await asyncio.sleep(0.012)  # drafting: shorter than the other robot's pass
+
+    async def main():
+        robots = [asyncio.ensure_future(robot("r1", 0.0)), asyncio.ensure_future(robot("r2", 0.01))]
+        while len(order) < 4:
+            await asyncio.sleep(0.001)
+        prefilled = await asyncio.wait_for(fair.run("c", prefill, flow="c", device=True), DEADLINE_S)
+        await asyncio.gather(*robots)
+        return prefilled
+
+    try:
+        assert asyncio.run(main()) == "prefilled"
+        assert order.index("prefill") < 12, order  # a few passes after it was queued, not 40
     finally:
         fair.shutdown()
 

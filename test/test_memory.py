@@ -291,3 +291,49 @@ def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypa
     (out / "target" / "config.json").write_text(json.dumps(dict(config, policy_memory=0)))
     with pytest.raises(SystemExit, match="prompt differently"):
         train_cli.main(["distill", "--distill-steps", "1"] + common)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no-reuse"])
+def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and_are_charged_for_the_rest(reuse):
+    """Three decisions of a policy with memory over one websocket session of an emulated verifier:
+    each is token-identical to the target alone; with prefix reuse the later prompts keep the cache
+    they share with the last one, and the emulated prefill charges only the positions computed."""
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.cloud.thread import ServerThread
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.decoding.compute import ComputeProfile
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.wire.client import RemoteVerifier
+    from wire_helpers import server_copy
+    target, draft = load_model(default_model_path("target")), load_model(default_model_path("draft"))
+    frames = [f.view.rgb for f in expert_frames("heldout", 1, perturbations_per_step=0)][:3]
+    history = [Turn("turn left small", DONE), Turn("move forward large", BLOCKED)]
+    cfg = DecodeConfig(mode="sd", gamma=4, max_new_tokens=12, params=SamplingParams(temperature=0.0))
+    server = VerifierServer(server_copy(target), compute=ComputeProfile("prefill-only", prefill_s=0.2))
+    server.prefix_reuse = reuse
+    charged, kept = [], []
+    local = LocalVerifier(target)  # the same decisions in process: what the server's session keeps
+    local_decoder = EdgeDecoder(draft, local)
+    with ServerThread(server) as st:
+        with RemoteVerifier(st.url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
+                            policy_memory=draft.memory) as rv:
+            decoder = EdgeDecoder(draft, rv)
+            for i in range(3):
+                shown = shown_turns(history[:i], 2)
+                got = decoder.decide("go to the red ball", frames[i], cfg, history=shown)
+                prompt = local_decoder.make_prompt("go to the red ball", frames[i], history=shown)[1]
+                assert got.tokens == target_generate(target, prompt, cfg), i
+                charged.append(got.metrics.cloud_prefill_s)
+                assert local_decoder.decide("go to the red ball", frames[i], cfg, history=shown).tokens == got.tokens
+                seq = local.session.seq
+                kept.append(seq.reused / len(seq.prompt_ids) if reuse else 0.0)
+    assert kept[0] == 0
+    if reuse:
+        assert kept[2] > 0  # the third prompt extends the second past the system turn and instruction
+    else:
+        assert kept == [0, 0, 0]
+    for share, seconds in zip(kept, charged):  # the emulated prefill: 0.2 s for the positions computed
+        assert seconds == pytest.approx(0.2 * (1 - share), abs=0.02)

@@ -54,7 +54,7 @@ class _Job:
         self.batch = False  # fn(items) -> results takes several sessions' items in one call
         self.device = False  # uses the model (the accelerator), not only the host CPU
         self.cost = None  # a batchable job's size (its context length): only similar sizes share a pass
-        self.then = None  # (fn, make_item): a host prelude's batched pass, run next on the same turn
+        self.then = None  # (fn, make_item): a host prelude's batched pass, queued at its flow's head once it ran
         self.rows = 1  # a batchable job's tokens fed in the pass (max_batch_tokens counts them)
         self.companions: list = []  # other sessions' passes whose preludes ran in this job's turn
 
@@ -89,9 +89,6 @@ class FairCompute:
         self.batches = 0  # runs of batchable jobs ...
         self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
-        # passes whose preludes (and their companions' preludes) ran: each runs before any other
-        # device job, oldest first; one may instead ride in another pass, companions and all
-        self._forced: deque[_Job] = deque()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -130,9 +127,10 @@ class FairCompute:
 
         ``prelude`` = (host_fn, args): host work that must come first (decoding the round's draft
         distribution; a generator runs as preemptible quanta) and ``item`` a function of its
-        result that builds the item. The pass then follows the prelude on the compute thread at
-        once, in the same turn: a round waits for one other flow's quantum, not one before its
-        decode and another before its pass (the event loop's hop between the two was that gap)."""
+        result that builds the item. The decodes of the other sessions' rounds queued beside it run
+        in the same turn, and the pass then waits at the head of its flow, carrying those rounds
+        (``_decode_companions``); it competes for the accelerator in fair order like any device
+        job, and a pass formed while another waits rides in whichever runs first."""
         if prelude is None:
             result = await self.run(key, fn, item, flow=flow, device=True, _batch=True, _cost=cost, _rows=rows)
         else:
@@ -146,30 +144,28 @@ class FairCompute:
         """The session ended: cancel its queued jobs (returns how many) and refuse new ones."""
         with self._cond:
             self._closed_keys.add(key)
-            jobs = []
+            jobs, orphans, removed = [], [], 0
             for flow in list(self._queues):
                 queue = self._queues[flow]
+                for job in queue:  # its rounds riding in other sessions' passes
+                    jobs += [c for c in job.companions if c.key == key]
+                    job.companions = [c for c in job.companions if c.key != key]
                 mine = [job for job in queue if job.key == key]
                 if not mine:
                     continue
                 jobs += mine
+                removed += len(mine)
+                orphans += [c for job in mine for c in job.companions]
                 rest = deque(job for job in queue if job.key != key)
                 if rest:
                     self._queues[flow] = rest
                 else:
                     del self._queues[flow]
-            self._queued -= len(jobs)
-            for i, forced in enumerate(list(self._forced)):
-                jobs += [c for c in forced.companions if c.key == key]
-                forced.companions = [c for c in forced.companions if c.key != key]
-                if forced.key == key:  # its pass is gone: the first companion's pass leads the rest
-                    lead = None
-                    if forced.companions:
-                        lead, lead.companions = forced.companions[0], forced.companions[1:]
-                        forced.companions = []
-                        self._to_front(lead)
-                    self._forced[i] = lead
-            self._forced = deque(f for f in self._forced if f is not None)
+            self._queued -= removed
+            if orphans:  # its pass is gone: the first rider's pass leads the rest
+                lead, lead.companions = orphans[0], orphans[1:]
+                self._to_front(lead)
+                self._cond.notify()
         for job in jobs:
             if job.steps is not None:
                 job.steps.close()  # a preempted job between two quanta
@@ -216,28 +212,14 @@ class FairCompute:
                 if self._stopping and not self._queued:
                     return None
                 busy_for = self._device_free - time.perf_counter()
-                forced = self._forced[0] if self._forced else None
-                if forced is not None and busy_for <= 0:  # a prelude's pass goes next
-                    break
-                # (while the accelerator is busy, host-only work runs, the forced pass included not)
+                # While the accelerator is busy, host-only work runs (a round's decode among it);
+                # once it is free, a round's pass competes in fair order like any device job: a
+                # pass that always went first starved every other flow's prefill while two robots
+                # kept the accelerator busy in turn.
                 ready = [f for f in self._queues if busy_for <= 0 or not self._queues[f][0].device]
                 if ready:
-                    forced = None
                     break
                 self._cond.wait(busy_for)  # every head job needs the accelerator: wait for it (or new work)
-            if forced is not None:
-                self._forced.popleft()
-                flow = forced.flow
-                self._clock = self._vtime.get(flow, self._clock)
-                self._queues[flow].remove(forced)
-                self._queued -= 1
-                if not self._queues[flow]:
-                    del self._queues[flow]
-                now = time.perf_counter()
-                for job in [forced] + forced.companions:  # waiting for the accelerator is queueing too
-                    self._waits[job.key] = self._waits.get(job.key, 0.0) + now - job.queued_at
-                self.running_key, self.running_flow = forced.key, flow
-                return forced
             flow = min(ready, key=lambda f: (self._vtime[f], self._queues[f][0].order))
             queue = self._queues[flow]
             job = queue.popleft()
@@ -254,7 +236,10 @@ class FairCompute:
         """The batch that rides with ``first``: for each other session, its head job if it is a
         batchable job of the same fn (a session's jobs never overtake each other), flows in fair
         order, up to max_batch. Called with the lock held."""
+        now = time.perf_counter()
         batch = [first] + self._riders(first)
+        for job in batch[1:]:  # waiting for the accelerator is queueing too
+            self._waits[job.key] = self._waits.get(job.key, 0.0) + now - job.queued_at
         seen = {job.key for job in batch}
         tokens = sum(job.rows for job in batch)
         for flow in sorted(self._queues, key=lambda f: self._vtime[f]):
@@ -265,8 +250,8 @@ class FairCompute:
                 if job.key in seen:
                     continue
                 seen.add(job.key)  # only a session's head job may join
-                # another forced pass rides with its companions (their preludes ran; they are off
-                # their queues and would otherwise never be delivered)
+                # another round's pass rides with its companions (their preludes ran in its turn;
+                # they are off their queues and would otherwise never be delivered)
                 group = [job] + self._riders(job)
                 seen.update(c.key for c in group)
                 rows = sum(c.rows for c in group)
@@ -276,17 +261,16 @@ class FairCompute:
                     tokens += rows
                     queue.remove(job)
                     self._queued -= 1
-                    if job in self._forced:  # its own turn is gone: it ran here
-                        self._forced.remove(job)
-                        job.companions = []
+                    job.companions = []
                     batch += group
-                    self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
+                    for rider in group:
+                        self._waits[rider.key] = self._waits.get(rider.key, 0.0) + now - rider.queued_at
             if not queue:
                 del self._queues[flow]
         return batch
 
     def _riders(self, job: _Job) -> list[_Job]:
-        """The live companions of a forced pass (whose preludes ran in its turn)."""
+        """The live companions of a round's pass (the rounds whose preludes ran in its turn)."""
         return [c for c in job.companions if not c.future.cancelled() and c.key not in self._closed_keys]
 
     def _similar(self, first: _Job, job: _Job) -> bool:
@@ -448,7 +432,7 @@ class FairCompute:
     def _decode_companions(self, first: _Job, companions: list[_Job]) -> None:
         """Run each companion's prelude for one quantum: finished ones ride in ``first``'s pass,
         a longer one (a large codec frame) goes back to its flow's head, preempted, as usual.
-        Then ``first``'s pass is the next device job."""
+        Then ``first``'s pass waits at the head of its flow."""
         for job in companions:
             t0 = time.perf_counter()
             done, result, error = self._quantum(job)
@@ -474,8 +458,7 @@ class FairCompute:
                 self.jobs += 1
             _deliver(job, result, error, 0.0)
         with self._cond:
-            self._to_front(first)
-            self._forced.append(first)  # after any pass already waiting: none is replaced
+            self._to_front(first)  # its pass, at the head of its flow
             self._cond.notify()
 
 

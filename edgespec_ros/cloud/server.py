@@ -526,11 +526,13 @@ class VerifierServer:
 
     def _prefill_on_device(self, session: TargetSession, prompt: Prompt, settings: VerifySettings):
         """The session's prefill as preemptible steps (``TargetSession.start_steps``); with an
-        emulated profile the accelerator then stays busy until the profile's ``prefill_s`` has
-        passed in all (its quanta included). Returns the prefill's compute seconds (emulated:
-        the profile's)."""
+        emulated profile the accelerator then stays busy until the profile's ``prefill_s`` for the
+        positions actually computed has passed in all (its quanta included): a prompt that
+        keeps a share of its cache from the session's last one (prefix reuse) is charged only the
+        rest. Returns the prefill's compute seconds (emulated: the profile's)."""
         spent = yield from session.start_steps(prompt, settings, self.limits.prefill_chunk, self.prefix_reuse)
-        target = self.compute.prefill_s
+        seq = session.seq
+        target = self.compute.prefill_for(len(seq.prompt_ids) - seq.reused, len(seq.prompt_ids))
         return Occupy(max(spent, target), target - spent) if target else spent
 
     def check_exposure(self, host: str) -> None:

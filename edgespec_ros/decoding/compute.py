@@ -68,6 +68,14 @@ class ComputeProfile:
             return 0.0
         return self.ar_step_s if ar else self.verify_s
 
+    def prefill_for(self, computed: int, total: int) -> float:
+        """The cloud's prefill of a ``total``-position prompt of which only ``computed`` positions
+        were computed (the rest kept from the session's cache: prefix reuse): ``prefill_s`` in
+        proportion (a whole prompt costs ``prefill_s``)."""
+        if not self.prefill_s or total <= 0:
+            return 0.0
+        return self.prefill_s * min(1.0, max(0, computed) / total)
+
     def verify_total_s(self, exits_computed: int, block: int = 5) -> float:
         """Emulated verification time with ``exits_computed`` early exits evaluated on the way."""
         base = self.pass_s(1, block)
