@@ -262,6 +262,59 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     assert time.perf_counter() - t0 + out.seconds == pytest.approx(0.5, abs=0.02)
 
 
+def test_exits_are_timed_within_the_batched_pass_the_round_rides(pair):
+    """A round riding a batched pass of a measured profile: its sender is told that pass's time
+    (the table's, for the batch's rows and longest block) and how many rows compute exits, and
+    streams exit l of L no earlier than l/L of that pass plus the exits computed before it, not
+    l/L of a lone round's pass."""
+    import asyncio
+    from types import SimpleNamespace
+    from edgespec_ros.cloud.batch import Round
+    from edgespec_ros.cloud.exit_stream import ExitSender
+    from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
+    from edgespec_ros.cloud.target import TargetSession
+    from edgespec_ros.decoding.compute import ComputeProfile
+    from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.wire import protocol as P
+    table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.02, 0.03), (0.06, 0.09))), exit_s=0.005)
+    server = VerifierServer(server_copy(pair.target), compute=table)
+    greedy = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
+    a, b = TargetSession(pair.target), TargetSession(pair.target)
+    for s, instruction in ((a, "find the silver bottle"), (b, "stop")):
+        s.start(EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, pair.image)[0], greedy)
+    told = []
+    items = [_DeviceWork(Round(a, [5], None), 2), _DeviceWork(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]
+    for w in items:
+        w.on_start = lambda t, pass_s, exit_rows: told.append((pass_s, exit_rows))
+        w.extra = lambda: 0.0
+    server._verify_batch_on_device(items)
+    assert told == [(pytest.approx(0.09), 2)] * 2  # both rows: the 2-row, 8-token pass
+
+    class Socket:
+        def __init__(self):
+            self.frames = []
+
+        async def send(self, data):
+            self.frames.append(P.decode(data))
+
+    async def stream(batched: bool):
+        ws = Socket()
+        sender = ExitSender(ws, 1, 1, time.perf_counter(), table, num_layers=2, block=2)
+        t0 = time.perf_counter()
+        sender.begin(t0, *((0.09, 2) if batched else (None,)))
+        sender.push(SimpleNamespace(layer=1, accepted=0, next_token=3, confidence=0.9))
+        while not ws.frames:
+            await asyncio.sleep(0.001)
+        await sender.finish()
+        return ws.frames[0].at_ms, (time.perf_counter() - t0) * 1e3
+    lone_at, _ = asyncio.run(stream(False))
+    batched_at, waited_ms = asyncio.run(stream(True))
+    assert lone_at == pytest.approx(1e3 * (table.pass_s(1, 2) / 2 + 0.005), abs=0.5)  # half a lone 2-token pass, one exit
+    assert batched_at == pytest.approx(1e3 * (0.09 / 2 + 2 * 0.005), abs=0.5)  # half the batched pass, two rows' exits
+    assert waited_ms >= batched_at - 1  # not sent before then
+
+
 def test_one_sessions_bad_round_inside_a_batched_pass_fails_only_that_session():
     """Issue 34.1: a round whose early exits cannot verify its draft (a NaN q that got past the
     session's checks) fails inside the shared pass; its error is its own, and the honest rounds

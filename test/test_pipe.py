@@ -71,6 +71,20 @@ def _reference(pair, instruction, **cfg):
     return target_generate(pair.target, inputs, c)
 
 
+@pytest.mark.parametrize("codec", ["dense32", "split"])
+@pytest.mark.parametrize("mode", ["pipe", "pipe+fsd"])
+def test_pipe_against_verdicts_held_back_in_process_waits_for_them(pair, mode, codec):
+    """An eager in-process verifier that holds each verdict back for a few polls (as a downlink
+    would): the pipeline's last wait is a bounded one, and a bounded wait must receive the held
+    verdict (the Verifier contract: up to timeout), not read as one more poll."""
+    for instruction in INSTRUCTIONS:
+        ref = _reference(pair, instruction, max_new_tokens=16)
+        verifier = LocalVerifier(pair.target, codec=codec, eager=True, verdict_delay=3)
+        got = _decide(pair, verifier, instruction, mode=mode, gamma=3, pipe_depth=2, max_new_tokens=16,
+                      params=GREEDY, codec=codec, workers=2 if mode == "pipe+fsd" else 1)
+        assert got.tokens == ref, instruction
+
+
 @pytest.mark.parametrize("mode", ["pipe", "pipe+fsd"])
 @pytest.mark.parametrize("depth,hold", [(1, 1), (3, 1), (3, 2), (3, 3), (4, 4)],
                          ids=["depth1", "fast-cloud", "middle", "late-verdicts", "depth4-late"])

@@ -15,7 +15,8 @@ class ExitSender:
 
     The compute thread pushes each early exit as its layer finishes (through the event loop);
     this task sends them to the robot while the forward pass goes on: among the exits available
-    now (with emulated compute, exit l of L becomes available at l/L of the verification time)
+    now (with emulated compute, exit l of L becomes available at l/L of the time of the pass the
+    round rides, batched or not, after the exits computed before it)
     the most confident first (``priority``) or the oldest (``fifo``). The queue is bounded: when
     full, the exit that would be sent last is dropped. ``finish`` drops what is left before the
     VERDICT goes out, so no exit of a round ever follows its verdict from this server.
@@ -25,7 +26,8 @@ class ExitSender:
                  policy: str = "priority", max_queue: int = 64, block: int = 5):
         self.ws, self.decision, self.round, self.started = ws, decision, round_, started
         self.compute, self.num_layers, self.policy, self.max_queue = compute, num_layers, policy, max_queue
-        self.pass_s = compute.pass_s(1, block)  # the round's pass (block: tokens fed), exits timed within it
+        self.pass_s = compute.pass_s(1, block)  # the pass the round rides (a lone one until begin() says)
+        self.exit_rows = 1  # that pass's rows that compute exits (their exit costs come before each layer's)
         self.items: list[tuple[float, int, object]] = []  # (available_at, order, ExitResult)
         self.sent = self.dropped = 0
         self._order = 0
@@ -37,15 +39,20 @@ class ExitSender:
         at, order, res = item
         return (-res.confidence, order) if self.policy == "priority" else (order,)
 
-    def begin(self, started: float) -> None:
-        """The round's pass started (after any wait in the compute queue): exits are timed from here."""
+    def begin(self, started: float, pass_s: float | None = None, exit_rows: int = 1) -> None:
+        """The round's pass started (after any wait in the compute queue): exits are timed from
+        here, within ``pass_s`` (the emulated time of the batched pass it rides, its rows and
+        longest block) and after the exits of every one of its ``exit_rows`` rows computed so far."""
         self.started = started
+        if pass_s is not None:
+            self.pass_s, self.exit_rows = pass_s, max(1, exit_rows)
 
     def push(self, res) -> None:
         """Called on the event loop for each exit computed by the target."""
         if self._closing:
             return
-        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers, self._order, self.pass_s),
+        item = (self.started + self.compute.exit_available_s(res.layer, self.num_layers, self._order, self.pass_s,
+                                                             self.exit_rows),
                 self._order + 1, res)
         self._order += 1
         self.items.append(item)

@@ -30,7 +30,8 @@ class LocalVerifier:
     pipeline is full before anything is verified (verdicts arrive late); eager, a verdict is
     there at the first poll after its block was sent (verdicts interrupt drafting mid-block).
     ``verdict_delay`` (with eager): a verdict computed at a poll (its exits already streamed) is
-    held back for that many further polls, as a verdict still on the downlink is.
+    held back for that many further polls, as a verdict still on the downlink is; a wait (any
+    timeout above 0) receives it.
     ``recorder`` (a ``cloud.traces.TraceRecorder``): record every verified round as the
     websocket verifier does, under ``tenant``, tagged with the drafter's ``draft_hash``.
     What the server would refuse raises ``VerifierRefused`` with the server's code and message."""
@@ -81,7 +82,8 @@ class LocalVerifier:
         poll = timeout is not None and timeout <= 0
         if poll and not self.eager:
             return None
-        poll = poll or (self.eager and timeout is not None)  # eager: a bounded wait is a poll
+        # any wait (a timeout above 0, or none) keeps the Verifier contract, "up to timeout": a
+        # verdict still held back (on the "downlink") arrives within it, as it would over a link
         if self._held:
             if poll and self._held[1] > 0:
                 self._held[1] -= 1

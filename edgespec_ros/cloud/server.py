@@ -425,7 +425,8 @@ class VerifierServer:
             work = _DeviceWork(session.dense_round(step, on_exit), step.rows)
             if sender is not None:
                 work.extra = lambda: len(session.target.last_exits) * self.compute.exit_s
-                work.on_start = lambda t: loop.call_soon_threadsafe(sender.begin, t)
+                work.on_start = lambda t, pass_s, exit_rows: loop.call_soon_threadsafe(sender.begin, t, pass_s,
+                                                                                        exit_rows)
             return work
         with session.refusing("bad draft distribution", DENSE_ERRORS):
             result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, device_work, flow=conn.flow,
@@ -514,14 +515,15 @@ class VerifierServer:
         plus every early exit computed on the way (each session's exits cost their own LM-head
         evaluations)."""
         t0 = time.perf_counter()
-        for w in items:
+        ar = all(isinstance(w.item, ArStep) for w in items)
+        pass_s = self.compute.pass_s(len(items), max(w.block for w in items), ar=ar)
+        exit_rows = sum(w.extra is not None for w in items)
+        for w in items:  # exits are timed within this pass, not a lone round's
             if w.on_start is not None:
-                w.on_start(t0)
+                w.on_start(t0, pass_s, exit_rows)
         results = verify_batch([w.item for w in items])
         self.metrics.on_batch(len(items))
-        ar = all(isinstance(w.item, ArStep) for w in items)
-        budget = (self.compute.pass_s(len(items), max(w.block for w in items), ar=ar)
-                  + sum(w.extra() for w in items if w.extra is not None))
+        budget = pass_s + sum(w.extra() for w in items if w.extra is not None)
         return Occupy(results, budget - (time.perf_counter() - t0))
 
     def _prefill_on_device(self, session: TargetSession, prompt: Prompt, settings: VerifySettings):

@@ -82,12 +82,13 @@ class ComputeProfile:
         return base + exits_computed * self.exit_s if base else 0.0
 
     def exit_available_s(self, exit_layer: int, num_layers: int, exits_before: int = 0,
-                         pass_s: float | None = None) -> float:
+                         pass_s: float | None = None, exit_rows: int = 1) -> float:
         """When early exit `exit_layer` of `num_layers` is available within a verification
         (``exits_before``: exits computed at shallower layers, each costing exit_s first;
-        ``pass_s``: this pass's time, default the lone round's)."""
+        ``pass_s``: the time of the pass the round rides, default a lone round's; ``exit_rows``:
+        the rows of that pass that compute exits, each layer's exits of all of them cost exit_s each)."""
         base = self.pass_s() if pass_s is None else pass_s
-        return base * exit_layer / num_layers + (exits_before + 1) * self.exit_s if base else 0.0
+        return base * exit_layer / num_layers + max(1, exit_rows) * (exits_before + 1) * self.exit_s if base else 0.0
 
     @classmethod
     def from_dict(cls, d: dict, origin: str = "profile") -> "ComputeProfile":
