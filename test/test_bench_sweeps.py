@@ -25,10 +25,15 @@ def test_codecs_sweep_measures_bytes_acceptance_and_time(tmp_path):
     env_threads()
     sweep = SWEEPS["codecs"]
     opts = SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=12, links=["lan"],
-                        temperatures=[1.0], codecs=["dense16", "ksqs:k=8,l=100"])
+                        temperatures=[1.0], codecs=["dense16", "ksqs:k=8,l=100", "split:k=8"])
     rows = sweep.run(opts, quiet_progress)
     assert [(r["link"], r["temperature"], r["label"]) for r in rows] == [
-        ("lan", 1.0, "dense16"), ("lan", 1.0, "ksqs:k=8,l=100")]
+        ("lan", 1.0, "dense16"), ("lan", 1.0, "ksqs:k=8,l=100"), ("lan", 1.0, "split:k=8 (LOSSY)")]
+    assert [r["lossy"] for r in rows] == [False, False, True]
+    from edgespec_ros.bench.runner import _codec_label
+    assert _codec_label(rows[2]) == "split:k=8 (LOSSY)" and _codec_label(dict(rows[2], temperature=0.0)) == "split:k=8"
+    assert "LOSSY" in sweep.table(rows)
+    rows = rows[:2]
     for r in rows:
         assert r["tokens"] > 0 and r["ms_per_token"] > 0 and 0 <= r["acceptance_rate"] <= 1
         assert r["resampling_rate"] is not None and r["uplink_bytes_per_draft_token"] > 0

@@ -144,11 +144,18 @@ def test_exact_split_is_token_identical_to_local_dense_sd(pair, verifier, params
     assert not [e for e in verifier.server.errors if e.startswith("internal")]
 
 
-def test_top_k_split_runs_and_is_marked_lossy(pair, verifier):
+def test_top_k_split_runs_and_is_marked_lossy(pair, verifier, caplog):
     assert not get_codec("split:k=8").exact and get_codec("split").exact
+    assert get_codec("split:k=8").label(0.7) == "split:k=8 (LOSSY)" and get_codec("split:k=8").label(0) == "split:k=8"
+    assert "LOSSY" not in get_codec("split").label(0.7) + get_codec("dense32").label(0.7)
     resampled = 0
+    caplog.set_level("INFO", logger="edgespec.verifier")
     for seed in range(8):  # the draft is the target plus a little noise: rejections are rare
         remote, _ = _decide(pair, verifier.url, "split:k=8", seed)
+        # the verifier's log says so once per session: at open, and at the first sampled decision
+        said = [r.getMessage() for r in caplog.records if "LOSSY" in r.getMessage()]
+        assert len(said) == 2 and "open" in said[0] and "decision 1 on: LOSSY, sampling through codec split:k=8" in said[1]
+        caplog.clear()
         assert remote.tokens
         resampled += remote.metrics.resampled
         # top-8 ids + values per rejection, not 300 x 8 bytes

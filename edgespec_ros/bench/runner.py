@@ -122,6 +122,14 @@ def _times(value) -> str:
     return "-" if value is None or value != value else f"{value:.2f}x"
 
 
+def _codec_label(row: dict) -> str:
+    """The row's codec, marked LOSSY where its decisions can differ from the target's."""
+    if not row.get("codec"):
+        return "-"
+    from ..codecs import get_codec
+    return get_codec(row["codec"]).label(row.get("temperature"))
+
+
 def format_table(rows: list[dict], emulated: bool) -> str:
     """A fixed-width table of bench rows (emulated compute is labelled)."""
     head = ["mode", "link", "compute", "codec", "gamma", "decisions", "tokens", "rounds", "tau", "accept",
@@ -132,7 +140,7 @@ def format_table(rows: list[dict], emulated: bool) -> str:
         acc = r["acceptance_rate"]
         lines.append([
             r["mode"], r["link"], r["compute"] + (" (emulated)" if emulated else ""),
-            r.get("codec", "-") if r["mode"] != "ar" else "-", str(r["gamma"] or "-"),
+            _codec_label(r) if r["mode"] != "ar" else "-", str(r["gamma"] or "-"),
             str(r["decisions"]), str(r["tokens"]), str(r["rounds"]), f"{r['tau']:.2f}",
             "-" if acc is None else f"{acc:.3f}",
             "-" if r.get("resampling_rate") is None else f"{r['resampling_rate']:.2f}",

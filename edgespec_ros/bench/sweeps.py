@@ -149,6 +149,9 @@ def codec_row(summary: RunSummary, spec: str, temperature: float, vocab: int) ->
     row = summary.row() | {"codec": spec, "temperature": temperature, "vocab": vocab}
     family, k = codec_family(spec)
     row["family"], row["k"], row["label"] = family, k, short_spec(spec)
+    row["lossy"] = get_codec(spec).lossy and temperature != 0
+    if row["lossy"]:
+        row["label"] += " (LOSSY)"
     support = None
     if summary.drafted:
         framing = verify_framing_bytes(summary.rounds, summary.drafted)

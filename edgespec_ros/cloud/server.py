@@ -75,6 +75,7 @@ class _Conn:
     exit_rounds: int = 0  # rounds that streamed early exits, and those an exit guessed right
     exit_hits: int = 0
     frame_cap: int = PREAUTH_MAX_FRAME  # the largest frame it may send (set at HELLO)
+    lossy_said: set = field(default_factory=set)  # the LOSSY kinds its log lines have named
 
     @property
     def flow(self):
@@ -303,7 +304,7 @@ class VerifierServer:
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, conn.frame_cap,
                                          self.server_name, self.num_layers, self.exit_layers,
                                          0 if head is None else head.config.draft_dim)))
-        log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.spec,
+        log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.label(),
                  clean(hello.draft, 64) or "unnamed", "" if tenant is None else f", token #{tenant}")
         live: list[ExitSender] = []  # this session's exit sender while a round streams
         inbox = Inbox(16, max(conn.frame_cap, 1 << 20), self._tenant_bytes, conn.flow or ("session", conn.key),
@@ -339,6 +340,7 @@ class VerifierServer:
                 return
             if isinstance(msg, P.Prefill):
                 prompt, settings = session.on_prefill(msg)
+                self._log_lossy(conn, session, settings, msg.decision)
                 with session.refusing("bad prefill"):
                     dt = await self._run(conn, self._prefill_on_device, session.target, prompt, settings)
                 self.metrics.on_decision_end(conn.decision_tokens)
@@ -384,6 +386,19 @@ class VerifierServer:
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
             last_done = time.perf_counter()
             idle_since = time.monotonic()
+
+    @staticmethod
+    def _log_lossy(conn: _Conn, session: VerifierSession, settings: VerifySettings, decision: int) -> None:
+        """Say once per session and kind when its decisions stop being the target's own (LOSSY)."""
+        kinds = []
+        if settings.verify_mode == WISV:
+            kinds.append("verify mode wisv (semantic acceptance)")
+        if session.codec.lossy and settings.params.temperature != 0:
+            kinds.append(f"sampling through codec {session.codec.label(settings.params.temperature)}")
+        for kind in kinds:
+            if kind not in conn.lossy_said:
+                conn.lossy_said.add(kind)
+                log.info("session %s: decision %d on: LOSSY, %s", conn.peer, decision, kind)
 
     def _count_round(self, conn: _Conn, step: Step, verdict: P.Verdict) -> None:
         """A verified round in the metrics: its drafts, acceptances, waits and early-exit guess."""

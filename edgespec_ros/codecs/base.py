@@ -35,6 +35,13 @@ class Codec:
         target's own (every codec but ``split:k=K`` verifies against exactly what the drafter sampled from)."""
         return False
 
+    def label(self, temperature: float | None = None) -> str:
+        """The spec as tables and logs show it: marked LOSSY where decisions through it can differ
+        from the target's (greedy decisions are exact through every codec: the argmax is sent)."""
+        if not self.lossy or temperature == 0:
+            return self.spec
+        return f"{self.spec} (LOSSY{'' if temperature else ' when sampling'})"
+
     def __init__(self, **params):
         for key, (kind, default, check) in self.PARAMS.items():
             value = kind(params.get(key, default))
