@@ -343,15 +343,38 @@ def test_worst_allowed_codec_frame_decodes(pair):
 
 # --- fair compute ----------------------------------------------------------------------------
 
+def _block(fair: FairCompute, hold: threading.Event, key="blocker"):
+    """Start a job that holds the compute thread until ``hold`` is set; awaited, it returns the
+    job's task once the job runs (so whatever is queued next waits behind it)."""
+    running = threading.Event()
+
+    def blocker():
+        running.set()
+        hold.wait()
+
+    async def start():
+        task = asyncio.ensure_future(fair.run(key, blocker))
+        assert await asyncio.get_running_loop().run_in_executor(None, running.wait, DEADLINE_S), "blocker never ran"
+        return task
+    return start()
+
+
+async def _queued(fair: FairCompute, n: int) -> None:
+    """Return once ``n`` jobs wait in the compute queue (the tasks just created queued theirs)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while fair.queue_depth() < n:
+        assert time.monotonic() < deadline, f"only {fair.queue_depth()} of {n} jobs queued"
+        await asyncio.sleep(0.001)
+
+
 def _drive(fair: FairCompute, jobs, hold: threading.Event):
     """Queue jobs ((key, flow, label)) behind a blocker, release it; the order they ran in."""
     order = []
 
     async def main():
-        blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-        await asyncio.sleep(0.05)  # the blocker is running: everything else queues
+        blocker = await _block(fair, hold)  # the blocker is running: everything else queues
         futs = [asyncio.ensure_future(fair.run(key, order.append, label, flow=flow)) for key, flow, label in jobs]
-        await asyncio.sleep(0.05)
+        await _queued(fair, len(jobs))
         hold.set()
         await blocker
         return await asyncio.gather(*futs, return_exceptions=True)
@@ -396,13 +419,12 @@ def test_a_rounds_pass_follows_its_decode_in_the_same_turn():
             return [f"verdict {i}" for i in items]
 
         async def main():
-            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-            await asyncio.sleep(0.05)
+            blocker = await _block(fair, hold)
             robot = asyncio.ensure_future(fair.run_batched("r1", passes, lambda q: q + "-row", flow="robot",
                                                            prelude=(decode, ())))
-            await asyncio.sleep(0.02)
+            await _queued(fair, 1)
             other = asyncio.ensure_future(fair.run("o1", order.append, "other", flow="other"))
-            await asyncio.sleep(0.02)
+            await _queued(fair, 2)
             hold.set()
             await blocker
             return await robot, await other
@@ -427,12 +449,11 @@ def test_rounds_of_several_sessions_still_share_one_pass():
             return [f"verdict {i}" for i in items]
 
         async def main():
-            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-            await asyncio.sleep(0.05)
+            blocker = await _block(fair, hold)
             futs = [asyncio.ensure_future(fair.run_batched(f"s{i}", verify, lambda q: q, flow=f"tenant{i}",
                                                            prelude=(lambda i=i: i, ()), rows=4))
                     for i in range(4)]
-            await asyncio.sleep(0.05)
+            await _queued(fair, 4)
             hold.set()
             await blocker
             return await asyncio.gather(*futs)
@@ -498,10 +519,9 @@ def test_max_batch_tokens_bounds_what_one_pass_carries(max_tokens, passes):
             return items
 
         async def main():
-            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-            await asyncio.sleep(0.05)
+            blocker = await _block(fair, hold)
             futs = [asyncio.ensure_future(fair.run_batched(f"s{i}", verify, i, rows=40)) for i in range(3)]
-            await asyncio.sleep(0.05)
+            await _queued(fair, 3)
             hold.set()
             await blocker
             return await asyncio.gather(*futs)
@@ -518,11 +538,10 @@ def test_fair_compute_cancels_the_queued_work_of_a_closed_session():
     ran = []
     try:
         async def main():
-            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-            await asyncio.sleep(0.05)
+            blocker = await _block(fair, hold)
             gone = [asyncio.ensure_future(fair.run("gone", ran.append, i)) for i in range(3)]
             stays = asyncio.ensure_future(fair.run("stays", ran.append, "ok"))
-            await asyncio.sleep(0.05)
+            await _queued(fair, 4)
             assert fair.close("gone") == 3
             hold.set()
             await blocker
@@ -735,17 +754,24 @@ def test_preemptible_jobs_interleave_with_other_flows():
     fair = FairCompute("t")
     order = []
 
+    started, go_on = threading.Event(), threading.Event()
+
     def heavy():
         for i in range(4):
             order.append(f"heavy-{i}")
-            time.sleep(0.02)
+            if i == 0:
+                started.set()
+                go_on.wait(DEADLINE_S)  # the light job is queued during heavy's first quantum
             yield
         return "heavy done"
     try:
         async def main():
             h = asyncio.ensure_future(fair.run("h", heavy))
-            await asyncio.sleep(0.03)  # heavy is in its first quanta
-            light = await fair.run("l", order.append, "light")
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, DEADLINE_S)
+            light = asyncio.ensure_future(fair.run("l", order.append, "light"))
+            await _queued(fair, 1)
+            go_on.set()
+            light = await light
             return await h, light
         result, _ = asyncio.run(main())
         assert result == "heavy done"
@@ -760,20 +786,25 @@ def test_a_closed_session_stops_its_preempted_job():
     steps = []
     hold = threading.Event()
 
+    some_ran = threading.Event()
+
     def long_job():
         for i in range(100):
             steps.append(i)
+            if i == 2:
+                some_ran.set()
             time.sleep(0.005)
             yield
     try:
         async def main():
-            blocker = asyncio.ensure_future(fair.run("b", hold.wait))
+            blocker = await _block(fair, hold, key="b")
             job = asyncio.ensure_future(fair.run("x", long_job))
             other = asyncio.ensure_future(fair.run("b", time.sleep, 0.05))
-            await asyncio.sleep(0.05)
+            await _queued(fair, 2)
             hold.set()
             await blocker
-            await asyncio.sleep(0.1)
+            # a few of its quanta ran (preempted between them): now its session ends
+            assert await asyncio.get_running_loop().run_in_executor(None, some_ran.wait, DEADLINE_S)
             fair.close("x")
             with pytest.raises(SessionGone):
                 await job
@@ -883,11 +914,10 @@ def test_batched_jobs_share_one_call_and_keep_each_session_in_order():
         return [ValueError("bad") if item == "bad" else item.upper() for item in items]
     try:
         async def main():
-            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-            await asyncio.sleep(0.05)
+            blocker = await _block(fair, hold)
             jobs = [asyncio.ensure_future(fair.run_batched(k, combine, item))
                     for k, item in [("a", "a1"), ("b", "b1"), ("a", "a2"), ("c", "bad"), ("d", "d1")]]
-            await asyncio.sleep(0.05)
+            await _queued(fair, 5)
             hold.set()
             await blocker
             return await asyncio.gather(*jobs, return_exceptions=True)
@@ -975,11 +1005,10 @@ def test_a_long_context_does_not_share_passes_with_short_ones():
         return list(items)
     try:
         async def main():
-            blocker = asyncio.ensure_future(fair.run("blocker", hold.wait))
-            await asyncio.sleep(0.05)
+            blocker = await _block(fair, hold)
             jobs = [asyncio.ensure_future(fair.run_batched(k, combine, k, cost=cost))
                     for k, cost in [("robot1", 900), ("hostile", 8000), ("robot2", 1100), ("robot3", 1700)]]
-            await asyncio.sleep(0.05)
+            await _queued(fair, 4)
             hold.set()
             await blocker
             return await asyncio.gather(*jobs)
@@ -1086,14 +1115,21 @@ def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):
     cuts it past what the session's codec, vocabulary and image limit can need (here ~8 MiB: the
     largest allowed image), and a frame just past that cap gets a clear ERROR."""
     from websockets.exceptions import ConnectionClosed
-    from edgespec_ros.cloud.session import VerifierSession
+    from edgespec_ros.cloud.session import MAX_BLOCK, VerifierSession
     from edgespec_ros.codecs import get_codec
     limits = ServerLimits()
     cap = VerifierSession(pair.target, get_codec("dense32"), limits).frame_cap(P.DEFAULT_MAX_FRAME)
     assert limits.max_image_bytes < cap < limits.max_image_bytes + 1024 * 1024  # the image, not 64 MiB
+    # the largest image and prompt a PREFILL may carry fit under the cap
+    prompt = pair.prompt()
+    largest_prefill = P.encode(P.Prefill(1, "x" * 1000, bytes(limits.max_image_bytes), [1] * limits.max_prompt_tokens))
+    assert len(largest_prefill) <= cap
+    # a Qwen2-VL-sized vocabulary: the largest VERIFY (MAX_BLOCK drafts, dense32 q) fits, with
+    # little room past it (the cap follows what the settings can need, not --max-frame)
     qwen_like = VerifierSession(pair.target, get_codec("dense32"), limits)
     qwen_like.vocab = 151_936
-    assert qwen_like.frame_cap(P.DEFAULT_MAX_FRAME) == 64 * (4 * 151_936 + 64 + 4) + 4096  # 64 dense rows
+    largest_verify = len(P.encode(P.Verify(1, 1, [0] * MAX_BLOCK, bytes(4 * 151_936 * MAX_BLOCK))))
+    assert largest_verify <= qwen_like.frame_cap(P.DEFAULT_MAX_FRAME) < 1.01 * largest_verify + 8192
     with _server(pair) as st:
         ws = raw_session(st.url, pair, prefill=False)
         with pytest.raises(ConnectionClosed) as info:
@@ -1101,7 +1137,6 @@ def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):
             ws.recv(timeout=DEADLINE_S)
         assert info.value.rcvd is not None and info.value.rcvd.code == 1009
         ws = raw_session(st.url, pair, prefill=False)
-        prompt = pair.prompt()
         ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg + bytes(cap), prompt.prompt_ids)))
         expect_error_then_close(ws, P.ErrorCode.TOO_LARGE)
 
@@ -1118,7 +1153,8 @@ def test_inboxes_of_one_tenant_share_one_byte_budget():
         await asyncio.wait_for(a.put(b"x" * 600, 0.0), 1.0)
         await asyncio.wait_for(b.put(b"y" * 600, 0.0), 1.0)  # b holds nothing yet: one frame always fits
         blocked = asyncio.ensure_future(b.put(b"y" * 600, 0.0))  # 1800 + 600 > 1500: waits
-        await asyncio.sleep(0.05)
+        for _ in range(10):  # it gets to run, and stays blocked on the budget
+            await asyncio.sleep(0)
         assert not blocked.done() and budget.used["tenant"] == 1800
         await a.get()
         await a.get()  # a's frames consumed: the budget has room again

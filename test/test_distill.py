@@ -212,10 +212,27 @@ def test_traces_without_frames_are_refused_with_the_flag_to_record_them(pair, tm
 
 # --- the pipeline ---------------------------------------------------------------------------------
 
-def test_make_models_distills_after_the_draft_and_before_the_exits_and_wisv_head():
-    stages = cli.ALL_STAGES
-    assert stages.index("target") < stages.index("draft") < stages.index("distill") < stages.index("exits") \
-        < stages.index("wisv")
+def test_make_models_distills_after_the_draft_and_before_the_exits_and_wisv_head(tmp_path, monkeypatch):
+    """`edgespec-train all` (make models) runs its stages in this order, the distillation on the
+    draft the draft stage wrote, against the target (every stage recorded, none run)."""
+    from edgespec_ros.train import card
+    ran = []
+    monkeypatch.setattr(cli, "stage_data", lambda work, cfg, *a, **k: ran.append("data"))
+    monkeypatch.setattr(cli, "stage_tokenizer", lambda work, cfg: ran.append("tokenizer"))
+    monkeypatch.setattr(cli, "stage_vision", lambda work, cfg, baselines=True: ran.append("vision"))
+    monkeypatch.setattr(cli, "stage_model", lambda role, work, out, cfg, *a: ran.append(role))
+    monkeypatch.setattr(cli, "stage_distill", lambda work, draft, target, out, cfg, device: ran.append(
+        ("distill", os.path.relpath(draft, out), os.path.relpath(target, os.path.dirname(draft)))))
+    monkeypatch.setattr(cli, "stage_exits", lambda target, out, cfg: ran.append("exits"))
+    monkeypatch.setattr(cli, "stage_wisv", lambda draft, target, cfg: ran.append("wisv"))
+    monkeypatch.setattr(card, "before_figures", lambda *a: None)
+    monkeypatch.setattr(card, "measure", lambda *a, **k: ran.append("card") or {})
+    monkeypatch.setattr(card, "write_card", lambda *a: "card.md")
+    out = tmp_path / "models"
+    assert cli.main(["all", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    # distill: the draft written over in place ("."), against the target beside it
+    assert ran == ["data", "tokenizer", "vision", "target", "draft", ("distill", ".", "target"), "exits", "wisv",
+                   "card"]
     cfg = cli.distill_config(cli.PipelineConfig())
     assert cfg.divergence in DIVERGENCES and cfg.steps > 0
 

@@ -388,7 +388,8 @@ def test_client_vanishing_while_exits_stream_leaks_nothing(pair, exit_verifier, 
     ws = raw_session(exit_verifier.url, pair)
     ws.send(P.encode(P.Verify(1, 1, [5, 6], get_codec("dense32").encode([5, 6], _q(pair.vocab, 2)),
                               P.VERIFY_STREAM_EXITS)))
-    time.sleep(0.05)
+    # the round's exit sender is live (the emulated 0.3 s pass streams its exits): now vanish
+    wait_until(lambda: exit_verifier.server.live_exit_senders > 0, what="the round's exits to stream")
     if abrupt:
         ws.socket.shutdown(socket.SHUT_RDWR)
         ws.socket.close()
@@ -420,7 +421,8 @@ def test_a_full_server_send_queue_drops_the_last_ranked_exits_without_blocking()
         sender = ExitSender(ws, 1, 1, time.perf_counter(), ComputeProfile("native"), 30, "priority", max_queue=3)
         for layer in range(1, 9):
             sender.push(ExitResult(layer, 0, layer, confidence=layer / 10))
-        await asyncio.sleep(0.05)
+        while not ws.sent:  # the first (most confident) exit went out
+            await asyncio.sleep(0.001)
         sent = await asyncio.wait_for(sender.finish(), 2)
         return ws.sent, sent, sender.dropped
 

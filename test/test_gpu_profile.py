@@ -172,6 +172,25 @@ def test_the_robots_draft_prefill_holds_its_one_accelerator():
     assert get_compute("go2-paper").edge_prefill_s == 0.3 and get_compute("go2-paper").prefill_s == 0.62
 
 
+@pytest.mark.parametrize("mode", ["sd", "pipe"])
+def test_every_edge_drafted_decision_charges_the_robots_draft_prefill(mode):
+    """A decision's draft prefill runs on the robot's emulated accelerator: with edge_prefill_s
+    0.3 s (and nothing else emulated) the decision's drafting time and the device's busy time
+    include it, once per decision."""
+    import time
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from wire_helpers import make_pair
+    pair = make_pair()
+    dec = EdgeDecoder(pair.draft, LocalVerifier(pair.target), draft_compute=ComputeProfile("t", edge_prefill_s=0.3))
+    t0 = time.perf_counter()
+    for _ in range(2):
+        got = dec.decide("find the silver bottle", pair.image, DecodeConfig(mode=mode, gamma=3, max_new_tokens=6))
+        assert got.metrics.t_draft >= 0.3
+    assert time.perf_counter() - t0 >= 0.6 and dec.device.busy_s >= 0.6
+    dec.close()
+
+
 def test_exits_are_timed_within_the_rounds_own_pass():
     """A measured profile's pass depends on the block: the verifier's exit sender makes exit l of
     L available at l/L of the round's own pass (plus the exits' cost), not of a fixed one."""

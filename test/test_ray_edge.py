@@ -51,7 +51,7 @@ def test_a_robot_through_the_edge_gets_the_same_tokens(pair, backend):
     with _edge(backend) as edge, _client(pair, edge.url) as rv:
         relayed = EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, cfg).tokens
         assert edge.server.relayed == 1
-    assert relayed == direct
+    assert relayed == direct == pair.reference(INSTRUCTIONS[0], cfg)  # both are the target's own greedy tokens
 
 
 def test_the_pre_auth_frame_cap_holds_at_the_edge(pair, backend):

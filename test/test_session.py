@@ -168,9 +168,12 @@ def test_a_greedy_local_decision_sends_no_q_and_matches_the_target(pair):
     from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
     from wire_helpers import INSTRUCTIONS
     verifier = LocalVerifier(pair.target)
+    frames = []  # the VERIFY frames the session receives, as the wire would carry them
+    on_verify = verifier.verifier_session.on_verify
+    verifier.verifier_session.on_verify = lambda msg: frames.append(P.decode(P.encode(msg))) or on_verify(msg)
     cfg = DecodeConfig(mode="sd", max_new_tokens=24, verify_mode="greedy")
     out = EdgeDecoder(pair.draft, verifier).decide(INSTRUCTIONS[0], pair.image, cfg)
-    assert verifier._send_q is False
+    assert frames and all(f.draft_ids and f.q_payload == b"" for f in frames)
     assert out.tokens == pair.reference(INSTRUCTIONS[0], cfg)
 
 
