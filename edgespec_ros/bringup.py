@@ -183,7 +183,9 @@ def run_closed_loop(args) -> int:
                              "link_name": args.link}
         if args.gamma is not None:
             drafter_overrides["gamma"] = args.gamma
-        overrides = {"sim_robot": {"scenario": args.scenario}, "drafter": drafter_overrides}
+        # the simulated world has no e-stop supervisor (sim.launch.py's SIM_PARAMETERS)
+        overrides = {"sim_robot": {"scenario": args.scenario}, "drafter": drafter_overrides,
+                     "navigator": {"estop_required": False}}
         graph = Graph(config_dir=args.config_dir, params_file=args.params_file, overrides=overrides,
                       log_level=None if args.verbose else "warn")
         bag = None

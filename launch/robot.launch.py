@@ -5,6 +5,7 @@ the camera node, talking to a cloud verifier at ``server_url``.
     ros2 launch edgespec_ros robot.launch.py server_url:=wss://cloud:8765 token_file:=/etc/edgespec/token
     ros2 launch edgespec_ros robot.launch.py use_camera_node:=true backend:=unitree_sport
     ros2 topic pub --once /command std_msgs/msg/String "{data: 'find the silver bottle'}"
+    ros2 topic pub --once /estop std_msgs/msg/Bool "{data: false}"   # no motion before the e-stop says false
     ros2 topic pub --once /estop std_msgs/msg/Bool "{data: true}"
 
 Parameters come from config/<node>.yaml (``config_dir``), then ``params_file`` (optional, any node,

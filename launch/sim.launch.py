@@ -32,6 +32,10 @@ ROLE_ARGS = {
     "monitor": {},
 }
 
+# The simulated world has no e-stop supervisor: its navigator moves until someone publishes
+# estop true (the robot launch keeps estop_required: no motion until the e-stop topic says false).
+SIM_PARAMETERS = {"navigator": {"estop_required": False}}
+
 ARGUMENTS = [
     ("scenario", "silver-bottle-distractor", "shipped scenario name or scenario JSON path"),
     ("mode", "pipe", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
@@ -50,13 +54,15 @@ ARGUMENTS = [
 
 
 def _parameters(context, role):
-    """config_dir/<role>.yaml, then params_file, then the launch arguments of ROLE_ARGS[role]."""
+    """config_dir/<role>.yaml, then params_file, then SIM_PARAMETERS[role], then the launch arguments
+    of ROLE_ARGS[role]."""
     config_dir = LaunchConfiguration("config_dir").perform(context) or \
         PathJoinSubstitution([FindPackageShare(PACKAGE), "config"]).perform(context)
     params = [os.path.join(config_dir, f"{role}.yaml")]
     params_file = LaunchConfiguration("params_file").perform(context)
     if params_file:
         params.append(params_file)
+    params.append(SIM_PARAMETERS.get(role, {}))
     params.append({param: LaunchConfiguration(arg).perform(context) for param, arg in ROLE_ARGS.get(role, {}).items()})
     return params
 

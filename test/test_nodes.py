@@ -22,7 +22,7 @@ from edgespec_ros.nodes.graph import Graph
 from edgespec_ros.robot.drafter import fault_outcome, outcome_from_text
 from edgespec_ros.nodes.drafter import decision_message
 from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction
-from edgespec_ros.nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, rgb_to_image, \
+from edgespec_ros.nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, ns_to_time, rgb_to_image, \
     time_to_ns
 from ros_helpers import Probe, ScriptedVerifier, domain_id, unique_namespace, wait_until
 
@@ -39,6 +39,10 @@ def untrained_pair(tmp_path_factory):
 
 
 def graph(roles, overrides=None, node_kwargs=None) -> Graph:
+    """A graph of ``roles``; its navigator, as in the simulated world, has no e-stop publisher to wait
+    for (estop_required false) unless ``overrides`` say otherwise (the e-stop tests)."""
+    overrides = dict(overrides or {})
+    overrides["navigator"] = {"estop_required": False} | overrides.get("navigator", {})
     return Graph(roles, overrides=overrides, node_kwargs=node_kwargs, domain_id=domain_id(),
                  namespace=unique_namespace())
 
@@ -190,6 +194,95 @@ def test_estop_wins_over_decisions():
         probe.publish_when_matched("decision", again)
         wait_until(lambda: [m for t, m in moving(twists(probe)) if t > engaged_at and m.angular.z > 0],
                    what="motion after the release")
+
+
+def test_an_estop_latched_while_the_navigator_is_inactive_holds_after_it_is_activated():
+    """A safety supervisor latches e-stop true (TRANSIENT_LOCAL) while the navigator is inactive
+    (restarting): once active again, a decision is refused and nothing moves."""
+    with graph(("navigator",), overrides={"navigator": {"use_odometry": False}}) as g:
+        nav = g.nodes["navigator"]
+        probe = navigator_probe(g)
+        supervisor = probe.node.create_publisher(Bool, "estop", LATCHED_QOS)
+        assert nav.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+        wait_until(lambda: supervisor.get_subscription_count() > 0, what="the navigator's e-stop subscription")
+        supervisor.publish(Bool(data=True))
+        wait_until(lambda: nav.executor_.estop, what="the e-stop heard while inactive")
+        assert nav.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        first = decision_msg(probe, "Action: move forward 2 m")
+        probe.publish_when_matched("decision", first)
+        state = wait_until(lambda: state_for(probe, first.header.stamp, state="estop"), what="the decision refused")
+        assert "e-stop engaged" in state.reason
+        time.sleep(0.3)  # control ticks pass: still nothing moves
+        assert not moving(twists(probe)), "motion under a latched e-stop"
+
+
+def test_with_estop_required_nothing_moves_until_the_estop_topic_says_false():
+    """The shipped robot setting: until the e-stop topic has said anything, motion waits (a volatile
+    publisher, as `ros2 topic pub` is, is heard too)."""
+    with graph(("navigator",), overrides={"navigator": {"use_odometry": False, "estop_required": True}}) as g:
+        probe = navigator_probe(g)
+        first = decision_msg(probe, "Action: move forward 2 m")
+        probe.publish_when_matched("decision", first)
+        state = wait_until(lambda: state_for(probe, first.header.stamp, state="estop"), what="the decision refused")
+        assert "waiting for the e-stop topic" in state.reason
+        probe.publish_when_matched("estop", Bool(data=False))
+        wait_until(lambda: any(m.reason == "e-stop released" for m in probe.messages("navigator/state")),
+                   what="the release")
+        assert not moving(twists(probe))
+        again = decision_msg(probe, "Action: move forward 2 m")
+        probe.publish_when_matched("decision", again)
+        wait_until(lambda: moving(twists(probe)), what="motion once the e-stop topic said false")
+
+
+def test_a_decision_callback_after_deactivate_moves_nothing():
+    """A decision whose callback runs after deactivate returned (a reentrant group can hold it):
+    ignored, no Move; the robot stays stopped."""
+    with graph(("navigator",), overrides={"navigator": {"use_odometry": False}}) as g:
+        nav = g.nodes["navigator"]
+        probe = navigator_probe(g)
+        wait_until(lambda: probe.publishers["decision"].get_subscription_count() > 0, what="the navigator")
+        late = decision_msg(probe, "Action: move forward 2 m")
+        assert nav.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+        stopped_at = time.monotonic()
+        nav.on_decision(late)  # as the executor would run a held callback
+        time.sleep(0.3)
+        assert not [t for t, _ in moving(twists(probe)) if t >= stopped_at], "a Move after deactivate"
+
+
+def test_a_backward_step_of_ros_time_does_not_defer_the_stall_stop():
+    """The robot pushes against an obstacle (odometry shows no progress) and ROS time (here /clock,
+    use_sim_time) steps back 600 s: the stall stop still comes about stall_timeout_s later by the
+    steady clock (on ROS time it never came)."""
+    from nav_msgs.msg import Odometry
+    from rosgraph_msgs.msg import Clock
+    with graph(("navigator",), overrides={"navigator": {"use_sim_time": True, "stall_timeout_s": 1.0}}) as g:
+        nav = g.nodes["navigator"]
+        probe = navigator_probe(g)
+        clock = probe.node.create_publisher(Clock, "/clock", LATCHED_QOS)
+        odom = probe.node.create_publisher(Odometry, "odom", SENSOR_STREAM_QOS)
+        sim_s = [1000.0]
+
+        def tick():  # /clock and a motionless odometry pose at the current simulated time
+            stamp = ns_to_time(int(sim_s[0] * 1e9))
+            clock.publish(Clock(clock=stamp))
+            msg = Odometry()
+            msg.header.stamp = stamp
+            msg.pose.pose.orientation.w = 1.0
+            odom.publish(msg)
+        timer = probe.node.create_timer(0.02, lambda: (sim_s.__setitem__(0, sim_s[0] + 0.02), tick()))
+        wait_until(lambda: abs(nav.get_clock().now().nanoseconds * 1e-9 - sim_s[0]) < 1.0, what="sim time")
+        wait_until(lambda: nav.executor_.odometry is not None, what="odometry")
+        first = decision_msg(probe, "Action: move forward 2 m")
+        first.header.stamp = ns_to_time(int(sim_s[0] * 1e9))
+        probe.publish_when_matched("decision", first)
+        wait_until(lambda: moving(twists(probe)), what="motion")
+        sim_s[0] -= 600.0  # the clock steps back
+        stepped_at = time.monotonic()
+        state = wait_until(lambda: state_for(probe, first.header.stamp, state="idle"), timeout_s=10.0,
+                           what="the stall stop after the clock step")
+        assert "blocked" in state.reason or "no progress" in state.reason, state.reason
+        assert time.monotonic() - stepped_at < 3.0
+        probe.node.destroy_timer(timer)
 
 
 class WebRtcReq:

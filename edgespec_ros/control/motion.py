@@ -244,6 +244,7 @@ class MotionExecutor:
         self.action_text = ""
         self.decision_id: Any = None
         self.estop = False
+        self._estop_reason = "e-stop engaged"
         self._velocity = ZERO            # last command sent (what the robot is assumed to do)
         self._zeros_due = 0
         self._last_decision_s: float | None = None
@@ -284,7 +285,7 @@ class MotionExecutor:
         self._last_decision_s = now_s
         self.decision_id = decision_id
         if self.estop:
-            self._halt(ESTOP, f"e-stop engaged; decision refused ({action.text if action else reason})",
+            self._halt(ESTOP, f"{self._estop_reason}; decision refused ({action.text if action else reason})",
                        action.text if action else "", ESTOPPED)
             return
         if action is None:
@@ -301,11 +302,14 @@ class MotionExecutor:
         self._start_pose = self._odom if self._closed_loop else None
         self._zeros_due = 0
 
-    def on_estop(self, now_s: float, engaged: bool) -> None:
-        """Engage (True) or release (False) the e-stop. Engaging stops at once."""
+    def on_estop(self, now_s: float, engaged: bool, reason: str = "e-stop engaged") -> None:
+        """Engage (True) or release (False) the e-stop. Engaging stops at once (``reason`` is the
+        state's reason while engaged)."""
+        if engaged:
+            self._estop_reason = reason
         if engaged and not self.estop:
             self.estop = True
-            self._halt(ESTOP, "e-stop engaged", self.action_text, ESTOPPED)
+            self._halt(ESTOP, reason, self.action_text, ESTOPPED)
         elif not engaged and self.estop:
             self.estop = False
             self.state, self.reason, self.outcome = IDLE, "e-stop released", NO_OUTCOME

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 from geometry_msgs.msg import Twist
 from nav_msgs.msg import Odometry
@@ -107,7 +108,15 @@ class NavigatorNode(LifecycleNode):
     reads the limits and opens the backend, activate enables motion (subscriptions, the control
     timer), deactivate and shutdown stop the robot first. Launch files drive the transitions (the
     in-process graph does as they do); ``autostart`` (for ``ros2 run``) configures and activates at
-    start-up. ``backend_factory(node, name)`` (tests): the backend to use instead of BACKENDS[name]."""
+    start-up. ``backend_factory(node, name)`` (tests): the backend to use instead of BACKENDS[name].
+
+    The stop path is a safety system (docs/robot.md, "The stop rules"): the e-stop subscription
+    lives as long as the node, TRANSIENT_LOCAL, so a latched e-stop published before this node
+    existed or while it was inactive is received; with ``estop_required`` nothing moves until the
+    e-stop topic has said false. Every safety timer (watchdog, stall stop, odometry freshness) reads
+    the steady clock, so a step of ROS time (NTP on a Jetson without an RTC, a looping bag's /clock)
+    can neither fire nor defer them; only message stamps are read in ROS time. Nothing is sent but
+    a stop unless the node is active, whatever callback arrives late."""
 
     def __init__(self, backend_factory=None, **kwargs):
         super().__init__("navigator", **kwargs)
@@ -121,6 +130,16 @@ class NavigatorNode(LifecycleNode):
         self._published_state = None
         self._state_since_ns = now_ns(self)
         self.last_error = ""
+        self._active = False  # motion allowed (set at the end of activate, cleared first in _halt)
+        self._estop: bool | None = None  # the e-stop topic's last word (None: nothing heard yet)
+        self._estop_seq: dict = {}  # publisher -> the last publication sequence number applied
+        # Two subscriptions, for as long as the node lives: TRANSIENT_LOCAL receives what a latched
+        # publisher (a safety supervisor) said before this node existed or while it was inactive;
+        # VOLATILE matches a volatile publisher too (`ros2 topic pub`), which a TRANSIENT_LOCAL
+        # subscription would not. A latched publisher reaches both: on_estop drops the copy.
+        safety = ReentrantCallbackGroup()
+        self._estop_subs = [self.create_subscription(Bool, topics.ESTOP, self.on_estop, qos, callback_group=safety)
+                            for qos in (LATCHED_QOS, RELIABLE_QOS)]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,6 +164,7 @@ class NavigatorNode(LifecycleNode):
         with self._lock:
             self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                             p["stall_timeout_s"])
+            self._apply_estop(self._now_s())  # what the e-stop topic said (or has not yet) before configure
             self.backend = backend
             self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
             self._published_state = None
@@ -165,13 +185,18 @@ class NavigatorNode(LifecycleNode):
         self._entities = [
             self.create_subscription(VerifiedAction, topics.DECISION, self.on_decision, RELIABLE_QOS,
                                      callback_group=control),
-            self.create_subscription(Bool, topics.ESTOP, self.on_estop, RELIABLE_QOS, callback_group=safety),
-            self.create_timer(1.0 / self.p["control_rate_hz"], self.on_control, callback_group=control),
+            self.create_timer(1.0 / self.p["control_rate_hz"], self.on_control, callback_group=safety),
         ]
         if self.p["use_odometry"]:
             self._entities.append(self.create_subscription(Odometry, topics.ODOM, self.on_odometry,
                                                            SENSOR_STREAM_QOS, callback_group=control))
-        self.get_logger().info("active: motion enabled")
+        with self._lock:
+            self._active = True
+            engaged, reason = self._estop_state()
+        if engaged:
+            self.get_logger().warning(f"active, but no motion: {reason}")
+        else:
+            self.get_logger().info("active: motion enabled")
         return super().on_activate(state)
 
     def on_deactivate(self, state) -> TransitionCallbackReturn:
@@ -194,6 +219,8 @@ class NavigatorNode(LifecycleNode):
     def _halt(self, reason: str) -> None:
         """Stop the robot first (the backend's stop, whatever the executor was doing), then
         forget the running decision and disable motion (no subscriptions, no control timer)."""
+        with self._lock:
+            self._active = False  # from here a late callback can send nothing but a stop
         for entity in self._entities:
             if hasattr(entity, "cancel"):
                 entity.cancel()
@@ -212,8 +239,29 @@ class NavigatorNode(LifecycleNode):
                 self.destroy_subscription(entity)
         self._entities = []
 
-    def _now_s(self) -> float:
+    @staticmethod
+    def _now_s() -> float:
+        """The safety timers' clock: steady, whatever ROS time does (message stamps are compared in
+        ROS time, apart)."""
+        return time.monotonic()
+
+    def _ros_now_s(self) -> float:
         return now_ns(self) * NS
+
+    def _estop_state(self) -> tuple[bool, str]:
+        """(engaged, why) from the e-stop topic's last word, or from estop_required before any."""
+        if self._estop is None:
+            if self.p["estop_required"]:
+                return True, (f"waiting for the e-stop topic ({topics.ESTOP}): no motion until it says false "
+                              "(estop_required; set it false where no e-stop publisher exists)")
+            return False, ""
+        return self._estop, "e-stop engaged"
+
+    def _apply_estop(self, now: float) -> None:
+        """Hand the e-stop state to the executor (lock held)."""
+        if self.executor_ is not None:
+            engaged, reason = self._estop_state()
+            self.executor_.on_estop(now, engaged, reason)
 
     def close(self) -> None:
         """Shutting down (run_node and the in-process graph call this before destroying the node):
@@ -230,7 +278,7 @@ class NavigatorNode(LifecycleNode):
     def on_decision(self, msg) -> None:
         now = self._now_s()
         stamp_ns = time_to_ns(msg.header.stamp)
-        age = now - stamp_ns * NS
+        age = self._ros_now_s() - stamp_ns * NS  # the frame's age: stamps are ROS time
         action, reason, refusal = None, "", REJECTED
         if msg.fault:
             reason, refusal = f"fault stop: {msg.fault}", FAULT
@@ -252,37 +300,67 @@ class NavigatorNode(LifecycleNode):
         else:
             self.get_logger().info(f"decision: {action.text}")
         with self._lock:
+            if not self._active:  # a callback that ran after deactivate (a reentrant group held it)
+                self.get_logger().warning(f"decision ignored: the navigator is not active ({msg.text!r})")
+                return
             self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal)
             self._tick(now)
 
-    def on_estop(self, msg: Bool) -> None:
+    def on_estop(self, msg: Bool, info=None) -> None:
+        """The e-stop topic, heard in every lifecycle state: engaging stops at once (a stop is sent
+        even while inactive), releasing allows motion only once the node is active. A message
+        already applied (the other subscription's copy) or older than one applied from its
+        publisher is dropped, so the two subscriptions cannot reorder a publisher's words."""
         now = self._now_s()
         with self._lock:
-            engaged_before = self.executor_.estop
-            self.executor_.on_estop(now, bool(msg.data))
+            if not self._first_word_of_publisher(info):
+                return
+            engaged_before = self._estop_state()[0]
+            self._estop = bool(msg.data)
             if msg.data and not engaged_before:
                 self.get_logger().error("E-STOP engaged: stopping")
             elif not msg.data and engaged_before:
                 self.get_logger().warning("e-stop released")
-            self._tick(now)
+            if self.executor_ is not None:
+                self._apply_estop(now)
+                self._tick(now)
+
+    def _first_word_of_publisher(self, info) -> bool:
+        """Whether this e-stop message is new from its publisher (lock held). Without the
+        publisher's identity and sequence number (an RMW that gives none), every message is."""
+        gid = (info or {}).get("publisher_gid")
+        seq = (info or {}).get("publication_sequence_number")
+        if not gid or seq is None:
+            return True
+        key = bytes(gid.get("data", b"")) if isinstance(gid, dict) else bytes(gid)
+        if seq <= self._estop_seq.get(key, -1):
+            return False
+        if key not in self._estop_seq and len(self._estop_seq) >= 64:  # bounded: forget the oldest publisher
+            self._estop_seq.pop(next(iter(self._estop_seq)))
+        self._estop_seq[key] = seq
+        return True
 
     def on_odometry(self, msg: Odometry) -> None:
         q = msg.pose.pose.orientation
         pose = Pose2D(msg.pose.pose.position.x, msg.pose.pose.position.y, yaw_from_quaternion(q.x, q.y, q.z, q.w))
         now = self._now_s()
-        measured = time_to_ns(msg.header.stamp) * NS
-        stamp = measured if 0.0 < measured <= now else now  # unstamped or from a skewed clock: arrival
+        # its age in ROS time (stamp against now), carried to the steady clock; unstamped, from the
+        # future or from a skewed clock: its arrival
+        age = self._ros_now_s() - time_to_ns(msg.header.stamp) * NS
+        stamp = now - age if 0.0 <= age <= self.p["odom_timeout_s"] * 10 else now
         with self._lock:
-            self.executor_.on_odometry(stamp, pose)
+            if self.executor_ is not None:
+                self.executor_.on_odometry(stamp, pose)
 
     def on_control(self) -> None:
         with self._lock:
             self._tick(self._now_s())
 
     def _tick(self, now: float) -> None:
-        """One control step: send what the executor wants, publish state changes (lock held)."""
+        """One control step: send what the executor wants, publish state changes (lock held).
+        Inactive, only a stop goes out."""
         command = self.executor_.update(now)
-        if command is not None:
+        if command is not None and (self._active or command == ZERO):
             self.backend.send(command)
         self._publish_state()
 

@@ -147,6 +147,9 @@ NAVIGATOR = (
     P("max_decision_age_s", 5.0, "decisions whose camera frame is older than this are refused (stale)",
       min_value=0.05),
     P("zero_repeats", 3, "zero commands sent for each stop before going silent", min_value=1),
+    P("estop_required", True, "no motion until the e-stop topic (std_msgs/Bool, latched by a safety supervisor) "
+                              "has said false; false: no e-stop publisher exists and motion is allowed until one "
+                              "says true (the simulated world)"),
     P("stall_timeout_s", 1.0, "a closed-loop primitive without odometry progress for this long is given up "
                               "(blocked)", min_value=0.05),
 )
