@@ -248,6 +248,26 @@ def test_a_result_just_in_time_is_published():
     assert outcome is not None and not outcome.fault and core.late_results == 0
 
 
+@pytest.mark.parametrize("step_s", [-600.0, 600.0], ids=["ros-time-back", "ros-time-forward"])
+def test_the_decision_deadline_runs_on_the_steady_clock_whatever_ros_time_does(step_s):
+    """ROS time (frame stamps) steps by 10 minutes mid-decision (NTP on a Jetson without an RTC, a
+    looping bag's /clock): the deadline still fires deadline_s after the decision began on the
+    steady clock, neither at once (a forward step) nor never (a backward one)."""
+    import numpy as np
+    from drafting_helpers import Clock, FakeDecoder
+    ros, steady = Clock(1000 * 10**9), Clock()
+    core = DrafterCore(FakeDecoder(), DrafterSettings(deadline_s=1.5, wait_for_motion=False), ros, steady_ns=steady)
+    core.set_command("go")
+    core.set_frame(Frame(np.zeros((8, 8, 3), np.uint8), ros(), "cam"))
+    assert core.begin() is not None
+    ros.advance(step_s)
+    steady.advance(1.0)
+    assert core.check_deadline() is None  # 1.0 s of 1.5 on the steady clock, whatever ROS time says
+    steady.advance(0.6)
+    stop = core.check_deadline()
+    assert stop is not None and "deadline missed" in stop.fault
+
+
 def test_pipe_fsd_gives_up_at_the_clients_timeout_not_twice_it(pair):
     """Issue 34.6: in pipe+fsd the wait for a verdict (conditional-block slices, then the rest) is
     bounded by the client's verifier_timeout_s in all: a dead link raises VerifierTimeout then,

@@ -22,6 +22,7 @@ import gc
 from dataclasses import fields
 import queue
 import threading
+import time
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
@@ -100,7 +101,9 @@ class DrafterNode(LifecycleNode):
                 self._load_model()
             from ..robot.decoder import EdgeDecoder
             decoder = EdgeDecoder(self.draft_lm, self.verifier_factory(self.draft_lm))
-            self.core = DrafterCore(decoder, self.settings, lambda: now_ns(self))
+            # frame stamps in ROS time; the decision deadline on the steady clock (a step of ROS time
+            # must neither fire nor defer it)
+            self.core = DrafterCore(decoder, self.settings, lambda: now_ns(self), steady_ns=time.monotonic_ns)
         except Exception as exc:  # noqa: BLE001
             return self._fail("activate", exc)
         self._stopping = False

@@ -243,7 +243,7 @@ class Ticket:
     frame: Frame
     index: int
     started_ns: int
-    deadline_ns: int
+    deadline_ns: int  # on DrafterCore.steady_ns
     abandoned: bool = False
     resample: bool = False  # the last decision was unparseable or blocked: sample this one
     history: tuple = ()  # a policy with memory: the earlier decisions its prompt shows (decoding.memory)
@@ -267,14 +267,18 @@ class DrafterCore:
     """Thread-safe bookkeeping around an ``EdgeDecoder``-like ``decoder`` (``decide(instruction,
     image, cfg, on_tokens=...)`` and a ``verifier`` with ``close()``).
 
-    ``clock_ns`` is the clock the frame stamps use (the node's clock).
+    ``clock_ns`` is the clock the frame stamps use (the node's clock: ROS time); ``steady_ns`` the
+    one the decision deadline runs on (the node gives the steady clock, so a step of ROS time can
+    neither fire nor defer a deadline; default: ``clock_ns``).
     """
 
     def __init__(self, decoder, settings: DrafterSettings, clock_ns: Callable[[], int],
-                 action_config: ActionConfig = DEFAULT_ACTION_CONFIG, tokenizer=None):
+                 action_config: ActionConfig = DEFAULT_ACTION_CONFIG, tokenizer=None,
+                 steady_ns: Callable[[], int] | None = None):
         self.decoder = decoder
         self.settings = settings
         self.clock_ns = clock_ns
+        self.steady_ns = steady_ns or clock_ns
         self.action_config = action_config
         self.tokenizer = tokenizer if tokenizer is not None else getattr(decoder, "tokenizer", None)
         self._lock = threading.Lock()
@@ -383,7 +387,7 @@ class DrafterCore:
             if self.settings.wait_for_motion:
                 self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
-                            now + int(self.settings.deadline_s * NS), resample=self.resample_next,
+                            self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
                             history=self.memory.shown())
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
@@ -434,7 +438,7 @@ class DrafterCore:
         now = self.clock_ns()
         with self._lock:
             ticket = self.in_flight
-            if ticket is None or ticket.abandoned or now < ticket.deadline_ns:
+            if ticket is None or ticket.abandoned or self.steady_ns() < ticket.deadline_ns:
                 return None
             outcome = self._deadline_stop(ticket, now)
         # The decoding thread may be blocked in a send or a receive on a dead link: abort the
@@ -464,7 +468,7 @@ class DrafterCore:
                 self.in_flight = None
             if ticket.abandoned or outcome is None or ticket.generation != self.generation:
                 return None
-            if now >= ticket.deadline_ns:
+            if self.steady_ns() >= ticket.deadline_ns:
                 # Past its deadline before the supervisor looked: the result is dropped, never
                 # published (the robot may not move on late text); the deadline stop goes out instead.
                 self.late_results += 1
