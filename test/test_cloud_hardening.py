@@ -30,8 +30,8 @@ from edgespec_ros.cloud.limits import InsecureConfig, clean
 from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
 
-from wire_helpers import (DEADLINE_S, expect_error_then_close, make_pair, raw_connect, raw_session, server_copy,
-                          wait_until)
+from wire_helpers import (closed_by_peer, DEADLINE_S, expect_error_then_close, half_open_upgrade, make_pair,
+                          raw_connect, raw_session, server_copy, wait_until)
 
 pytestmark = pytest.mark.slow  # end-to-end: `make test` runs it, `make test-fast` does not
 
@@ -1163,3 +1163,73 @@ def test_inboxes_of_one_tenant_share_one_byte_budget():
         b.release()
         assert budget.used.get("tenant", 0) == 0
     asyncio.run(scenario())
+
+
+# --- the front door: TCP-level admission before the upgrade request is read -----------------------
+
+def test_slowloris_upgrades_are_capped_per_address_and_closed_at_the_header_timeout_while_a_robot_decides(pair):
+    """Half-open upgrade requests from one address: past max_handshakes_per_address they are
+    closed as accepted, the rest at the header timeout (far below the handshake timeout), all
+    counted in status and /metrics; a robot from another address connects and decides meanwhile."""
+    import urllib.request
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.wire.client import RemoteVerifier
+    limits = ServerLimits(max_handshakes_per_address=4, header_timeout_s=0.5)
+    with _server(pair, limits=limits, handshake_timeout_s=10.0) as st:
+        attackers = [half_open_upgrade(st.port, "127.0.0.2") for _ in range(10)]
+        wait_until(lambda: st.server.status()["refused_at_accept"] >= 6, what="the excess closed at accept")
+        status = st.server.status()
+        assert status["half_open"] <= 4 and status["connections"] <= 4
+        with RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
+                            policy_memory=pair.draft.memory) as rv:
+            got = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
+                                                     DecodeConfig(mode="sd", gamma=3, max_new_tokens=6))
+        assert got.tokens
+        assert all(closed_by_peer(s, 5.0) for s in attackers)  # every one closed: at accept or at 0.5 s
+        wait_until(lambda: st.server.status()["half_open"] == 0, what="no half-open connection left")
+        status = st.server.status()
+        assert status["slow_headers_closed"] >= 4 and status["refused_at_accept"] >= 6
+        text = urllib.request.urlopen(f"http://127.0.0.1:{st.port}/metrics", timeout=5).read().decode()
+        assert "edgespec_verifier_slow_headers_closed_total" in text and "edgespec_verifier_half_open_connections" in text
+        for s in attackers:
+            s.close()
+
+
+def test_the_connection_cap_sits_below_the_file_limit_and_holds():
+    """The global cap is the configured one or the process's file limit less a reserve, whichever
+    is lower, and a connection past it is refused as it is accepted (counted)."""
+    from edgespec_ros.cloud.front_door import FD_RESERVE, FrontDoor, file_limit
+    door = FrontDoor(max_connections=10_000, max_half_open_per_address=100, header_timeout_s=1.0,
+                     fd_limit=FD_RESERVE + 5)
+    assert door.max_connections == 5 and "file limit 69" in door.describe()
+    assert [door.admit(f"10.0.0.{i}") for i in range(6)] == [True] * 5 + [False]
+    assert door.refused_at_accept == 1 and door.open == 5 and door.half_open == 5
+    door.request_read("10.0.0.0")
+    door.closed()
+    assert door.admit("10.0.0.9") and door.half_open == 5
+    limit = file_limit()
+    real = FrontDoor(max_connections=10**9, max_half_open_per_address=8, header_timeout_s=1.0)
+    assert limit is None or real.max_connections == limit - FD_RESERVE
+
+
+def test_a_server_past_its_connection_cap_closes_new_connections_at_accept(pair):
+    with _server(pair, limits=ServerLimits(max_connections=3, max_handshakes_per_address=8)) as st:
+        held = [half_open_upgrade(st.port, f"127.0.0.{i}") for i in (2, 3, 4)]
+        wait_until(lambda: st.server.status()["connections"] == 3, what="three connections open")
+        extra = half_open_upgrade(st.port, "127.0.0.5")
+        assert closed_by_peer(extra, 2.0)
+        assert st.server.status()["refused_at_accept"] == 1
+        for s in held + [extra]:
+            s.close()
+
+
+def test_accept_errors_are_logged_once_a_second_with_their_count(caplog):
+    from edgespec_ros.cloud.front_door import FrontDoor
+    door = FrontDoor(max_connections=10, max_half_open_per_address=2, header_timeout_s=1.0, fd_limit=1024)
+    caplog.set_level("ERROR", logger="edgespec.verifier")
+    for i in range(100):  # a burst of 100 failed accepts within half a second
+        door.on_accept_error(OSError(24, "Too many open files"), now=1000.0 + i * 0.005)
+    door.on_accept_error(OSError(24, "Too many open files"), now=1001.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and door.accept_errors == 101
+    assert "accept failed 1 time(s)" in lines[0] and "accept failed 100 time(s)" in lines[1]

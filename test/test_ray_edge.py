@@ -115,3 +115,19 @@ def test_the_edge_cuts_a_sessions_frames_at_the_cap_its_welcome_names(pair, back
             ws.send(bytes(24 * 1024 * 1024))  # under 2 x --max-frame, over this session's ~8 MiB cap
             ws.recv(timeout=DEADLINE_S)
         assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+
+
+def test_the_edge_closes_slow_upgrade_requests_at_its_front_door(pair, backend):
+    """The Ray edge has the single process's front door: a half-open upgrade request is closed at
+    the header timeout, excess ones from one address as they are accepted."""
+    from wire_helpers import closed_by_peer, half_open_upgrade
+    from ros_helpers import wait_until
+    with _edge(backend, limits=ServerLimits(max_handshakes_per_address=2, header_timeout_s=0.3)) as edge:
+        slow = [half_open_upgrade(edge.port, "127.0.0.2") for _ in range(4)]
+        assert all(closed_by_peer(s, 5.0) for s in slow)
+        wait_until(lambda: edge.server.door.stats()["half_open"] == 0, what="no half-open connection left")
+        stats = edge.server.door.stats()
+        assert stats["slow_headers_closed"] == 2 and stats["refused_at_accept"] == 2
+        assert edge.server.relayed == 0
+        for s in slow:
+            s.close()

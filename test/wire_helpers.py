@@ -177,3 +177,26 @@ class FakeVerifier:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.thread.join(DEADLINE_S)
+
+
+def half_open_upgrade(port: int, source: str):
+    """A TCP connection from ``source`` that starts an HTTP upgrade request and never finishes it."""
+    import socket
+    s = socket.socket()
+    s.bind((source, 0))
+    s.settimeout(5)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"GET / HTTP/1.1\r\nHost: verifier\r\nUpgrade: websocket\r\n")  # no blank line: never done
+    return s
+
+
+def closed_by_peer(s, within_s: float) -> bool:
+    """Whether the server closed the socket ``s`` within ``within_s`` seconds."""
+    import socket
+    s.settimeout(within_s)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False

@@ -153,6 +153,11 @@ LIMIT_OPTIONS = [
     ("max_handshakes_per_address", "--max-handshakes-per-address", int,
      "of those, from one IP address (sessions are not counted per address: a fleet behind one NAT)"),
     ("connect_rate", "--connect-rate", float, "new connections per second from one IP address (bursts of twice that)"),
+    ("max_connections", "--max-connections", int, "TCP connections open at once, all addresses (at most the "
+                                                  "process's file limit less 64, read at start-up and logged): "
+                                                  "past it a connection is closed as it is accepted"),
+    ("header_timeout_s", "--header-timeout", float, "seconds a connection has to send its whole HTTP upgrade "
+                                                    "request (a slow one is closed; far below --handshake-timeout)"),
     ("auth_failures", "--auth-failures", int, "failed HELLOs with one token guess from one address that refuse "
                                                "that guess there for the rest of --auth-window (the right token "
                                                "from the same address is never refused)"),

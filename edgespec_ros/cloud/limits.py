@@ -37,6 +37,11 @@ class ServerLimits:
     max_handshakes: int = 32  # connections that have not yet sent an accepted HELLO
     max_handshakes_per_address: int = 8  # of those, from one IP address
     connect_rate: float = 20.0  # new connections per second from one address (bursts of twice that)
+    # TCP connections open at once, all addresses (capped further below the process's file limit,
+    # cloud.front_door), and the seconds a connection has to send its whole HTTP upgrade request
+    # (far below the handshake timeout: a slow request holds a descriptor until then)
+    max_connections: int = 1000
+    header_timeout_s: float = 2.0
     auth_failures: int = 5  # failed HELLOs with one token guess from one address within auth_window_s ...
     auth_window_s: float = 60.0  # ... refuse that guess from that address for the rest of the window
     max_prompt_tokens: int = 8192  # prompt length (capped further by the model's own context)

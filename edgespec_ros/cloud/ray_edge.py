@@ -20,6 +20,7 @@ import time
 import urllib.request
 
 from ..wire import protocol as P
+from .front_door import FrontDoor
 from .admission import Doorman, refuse
 from .limits import PREAUTH_MAX_FRAME, ServerLimits, clean, is_loopback
 from .server import FRAME_MARGIN
@@ -38,6 +39,8 @@ class EdgeRelay:
         self.backend = backend
         self.limits = limits or ServerLimits()
         self.doorman = Doorman(self.limits, [t.encode() for t in tokens or []])
+        self.door = FrontDoor(self.limits.max_connections, self.limits.max_handshakes_per_address,
+                              self.limits.header_timeout_s)
         self.ssl_context = ssl_context
         self.max_frame = max_frame
         self.handshake_timeout_s = handshake_timeout_s
@@ -52,9 +55,12 @@ class EdgeRelay:
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
         from websockets.asyncio.server import serve
+        self.door.install(asyncio.get_running_loop())
+        log.info("edge front door: %s", self.door.describe())
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          process_request=self._http_request, ping_interval=20, ping_timeout=20,
-                         open_timeout=self.handshake_timeout_s, ssl=self.ssl_context) as server:
+                         open_timeout=self.handshake_timeout_s, ssl=self.ssl_context,
+                         create_connection=self.door.connection_class()) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
             log.info("edge on %s://%s:%d in front of %s", "wss" if self.ssl_context else "ws", host, self.port,
                      self.backend)

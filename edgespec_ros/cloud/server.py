@@ -29,6 +29,7 @@ from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import VerifierMetrics
 from .admission import Doorman, refuse
+from .front_door import FrontDoor
 from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, InsecureConfig, ServerLimits, clean, is_loopback
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
@@ -132,6 +133,8 @@ class VerifierServer:
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
         self.doorman = Doorman(self.limits, self.tokens)  # admission: handshakes, auth, session quotas
         self.gate = self.doorman.gate
+        self.door = FrontDoor(self.limits.max_connections, self.limits.max_handshakes_per_address,
+                              self.limits.header_timeout_s)
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
         self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens)
@@ -578,10 +581,12 @@ class VerifierServer:
         # above max_frame get a clear ERROR frame from decode()). At most 2 frames queue per
         # connection in the websocket layer, and the session's read-ahead holds at most max_frame
         # bytes: an authenticated session buffers about 4 x max_frame at worst.
+        self.door.install(asyncio.get_running_loop())
+        log.info("front door: %s", self.door.describe())
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          process_request=self._http_request,
                          ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
-                         ssl=self.ssl_context) as server:
+                         ssl=self.ssl_context, create_connection=self.door.connection_class()) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
             scheme = "wss" if self.ssl_context is not None else "ws"
             log.info("edgespec-verifier listening on %s://%s:%d (model %s, vocab %d, compute %s, auth %s)",
@@ -618,7 +623,7 @@ class VerifierServer:
         """What an operator watches: sessions, caps, refusals, the compute thread's load."""
         fair = self.fair
         return {"sessions": sum(1 for c in self.connections.values() if c.accepted),
-                "tenants": len(self._tenant_sessions), "handshaking": self.gate.handshaking,
+                "tenants": len(self._tenant_sessions), "handshaking": self.gate.handshaking, **self.door.stats(),
                 "refused": self.refused, "reclaimed_handshakes": self.reclaimed_handshakes,
                 "sessions_served": self.sessions_served, "queued_jobs": fair.queue_depth(), "jobs": fair.jobs,
                 "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
@@ -635,9 +640,11 @@ class VerifierServer:
             st, now = self.status(), time.perf_counter()
             busy = (st["compute_busy_s"] - last_busy) / max(1e-9, now - last_t)
             last_busy, last_t = st["compute_busy_s"], now
-            log.info("status: %d session(s) of %d tenant(s), %d handshaking, %d refused, %d slow handshakes "
-                     "closed, %d served; compute %.0f%% busy, %d job(s) queued, longest quantum %.0f ms, mean batch %.2f",
-                     st["sessions"], st["tenants"], st["handshaking"], st["refused"], st["reclaimed_handshakes"],
+            log.info("status: %d session(s) of %d tenant(s), %d handshaking, %d half-open of %d connection(s), "
+                     "%d refused (%d at accept), %d slow handshakes and %d slow headers closed, %d served; compute "
+                     "%.0f%% busy, %d job(s) queued, longest quantum %.0f ms, mean batch %.2f",
+                     st["sessions"], st["tenants"], st["handshaking"], st["half_open"], st["connections"],
+                     st["refused"], st["refused_at_accept"], st["reclaimed_handshakes"], st["slow_headers_closed"],
                      st["sessions_served"], 100 * busy, st["queued_jobs"], st["longest_quantum_ms"], st["mean_batch"])
 
     async def shutdown(self, server, timeout_s: float = 10.0) -> None:

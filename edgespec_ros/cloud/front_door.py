@@ -1,0 +1,162 @@
+"""The verifier's front door: TCP-level admission before the websocket layer reads a byte.
+
+The Doorman (``cloud.admission``) judges a connection once the websockets library has read its
+whole HTTP upgrade request. A client that sends that request slowly (slowloris) held its file
+descriptor for the whole handshake timeout before the Doorman ever saw it, and enough of them
+exhausted the process's file limit: accept() then failed in a loop (one traceback per try) and
+robots could not connect. Here, at accept time:
+
+- a global cap on open TCP connections, below the process's file limit (read at start-up and
+  logged): past it a connection is closed at once, so the process never runs out of descriptors;
+- a cap on half-open connections (the upgrade request not yet read) from one address;
+- a header-read timeout far below the handshake timeout: the request must be in by then;
+- accept errors (the descriptors are gone anyway, e.g. other files) logged once a second with a
+  count, not once per try;
+- the counts (open, half-open, refused at accept, slow headers closed, accept errors) for the
+  status line and /metrics.
+
+Used by the single-process verifier and the Ray edge alike (``connection_class`` goes to
+``websockets.asyncio.server.serve(create_connection=...)``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("edgespec.verifier")
+
+FD_RESERVE = 64  # descriptors kept for the process's own files (models, traces, logs, the event loop)
+ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (selector_events)
+
+
+def file_limit() -> int | None:
+    """The process's soft limit on open files (None where it cannot be read or is unlimited)."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+class FrontDoor:
+    """Counts and caps TCP connections as they are accepted (event-loop thread only)."""
+
+    def __init__(self, max_connections: int, max_half_open_per_address: int, header_timeout_s: float,
+                 fd_limit: int | None = None):
+        limit = file_limit() if fd_limit is None else fd_limit
+        self.fd_limit = limit
+        self.max_connections = max_connections if limit is None else max(1, min(max_connections, limit - FD_RESERVE))
+        self.max_half_open_per_address = max_half_open_per_address
+        self.header_timeout_s = header_timeout_s
+        self.open = 0
+        self.half_open = 0
+        self._half_open_by_address: dict[str, int] = {}
+        self.refused_at_accept = 0
+        self.slow_headers_closed = 0
+        self.accept_errors = 0
+        self._accept_errors_logged = 0
+        self._accept_log_at = 0.0
+
+    def describe(self) -> str:
+        fds = "unknown" if self.fd_limit is None else str(self.fd_limit)
+        return (f"at most {self.max_connections} connections (file limit {fds}, {FD_RESERVE} kept), "
+                f"{self.max_half_open_per_address} half-open per address, upgrade request within "
+                f"{self.header_timeout_s:g} s")
+
+    def stats(self) -> dict:
+        return {"connections": self.open, "half_open": self.half_open, "refused_at_accept": self.refused_at_accept,
+                "slow_headers_closed": self.slow_headers_closed, "accept_errors": self.accept_errors}
+
+    # --- called by the guarded connection ------------------------------------------------------
+
+    def admit(self, address: str) -> bool:
+        """A TCP connection was accepted from ``address``: whether it may stay (counted if so)."""
+        if self.open >= self.max_connections or \
+                self._half_open_by_address.get(address, 0) >= self.max_half_open_per_address:
+            self.refused_at_accept += 1
+            return False
+        self.open += 1
+        self.half_open += 1
+        self._half_open_by_address[address] = self._half_open_by_address.get(address, 0) + 1
+        return True
+
+    def request_read(self, address: str) -> None:
+        """Its upgrade request is in: no longer half-open."""
+        self.half_open -= 1
+        left = self._half_open_by_address.get(address, 1) - 1
+        if left > 0:
+            self._half_open_by_address[address] = left
+        else:
+            self._half_open_by_address.pop(address, None)
+
+    def closed(self) -> None:
+        self.open -= 1
+
+    # --- the event loop's accept errors --------------------------------------------------------
+
+    def install(self, loop) -> None:
+        """Route the loop's accept errors through ``_on_loop_error`` (others to the previous handler)."""
+        previous = loop.get_exception_handler()
+
+        def handler(loop_, context):
+            if str(context.get("message", "")).startswith(ACCEPT_ERROR):
+                self.on_accept_error(context.get("exception"))
+                return
+            if previous is not None:
+                previous(loop_, context)
+            else:
+                loop_.default_exception_handler(context)
+        loop.set_exception_handler(handler)
+
+    def on_accept_error(self, exc, now: float | None = None) -> None:
+        """Count an accept error; log at most one line a second, with the count since the last."""
+        self.accept_errors += 1
+        now = time.monotonic() if now is None else now
+        if now - self._accept_log_at >= 1.0:
+            count = self.accept_errors - self._accept_errors_logged
+            self._accept_errors_logged, self._accept_log_at = self.accept_errors, now
+            log.error("accept failed %d time(s) in the last second (%s); %d connection(s) open of %d allowed",
+                      count, exc or "out of system resources", self.open, self.max_connections)
+
+    def connection_class(self):
+        """A websockets ``ServerConnection`` subclass that passes through this door."""
+        from websockets.asyncio.server import ServerConnection
+        door = self
+
+        class GuardedConnection(ServerConnection):
+            _admitted = False
+            _address = ""
+
+            def connection_made(self, transport):
+                peer = transport.get_extra_info("peername")
+                self._address = str(peer[0]) if peer else "?"
+                if not door.admit(self._address):
+                    transport.abort()  # before the websocket layer buffers anything
+                    super().connection_made(transport)
+                    return
+                self._admitted = True
+                super().connection_made(transport)
+                timer = self.loop.call_later(door.header_timeout_s, self._header_deadline)
+                self.request_rcvd.add_done_callback(lambda _f: (timer.cancel(), self._request_in()))
+
+            def _request_in(self):
+                if self._admitted and not getattr(self, "_request_counted", False):
+                    self._request_counted = True
+                    door.request_read(self._address)
+
+            def _header_deadline(self):
+                if not self.request_rcvd.done():
+                    door.slow_headers_closed += 1
+                    self.transport.abort()
+
+            def connection_lost(self, exc):
+                if self._admitted:
+                    self._admitted = False
+                    if not getattr(self, "_request_counted", False):
+                        self._request_counted = True
+                        door.request_read(self._address)
+                    door.closed()
+                super().connection_lost(exc)
+
+        return GuardedConnection
