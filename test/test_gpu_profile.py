@@ -207,3 +207,106 @@ def test_exits_are_timed_within_the_rounds_own_pass():
         return at
     assert asyncio.run(available_at(16)) == pytest.approx(0.040 * 14 / 28 + 0.001)
     assert asyncio.run(available_at(1)) == pytest.approx(0.010 * 14 / 28 + 0.001)
+
+
+# Crafted profile files (--compute FILE is input): wrong types, a table that extrapolates to minutes,
+# parser-crashing nesting and oversize files are refused with a reason naming the file.
+_STEEP_2X2 = {"rows": [1, 2], "blocks": [1, 2], "s": [[0.01, 20.0], [20.0, 40.0]]}
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"verify_s": True}, "verify_s must be seconds"),  # bool is an int in Python: not 1 s
+    ({"draft_token_s": "0.5"}, "draft_token_s must be seconds"),  # a string number is not a number
+    ({"exit_s": float("nan")}, "exit_s must be seconds"),
+    ({"prefill_s": 10 ** 400}, "prefill_s must be seconds"),  # no overflow on the way to a float
+    ({"edge_units": True}, "edge_units must be an integer"),
+    ({"edge_units": 2.0}, "edge_units must be an integer"),
+    ({"edge_units": 65}, "edge_units must be an integer in \\[1, 64\\]"),
+    ({"verify_table": {"rows": [1, 2.5], "blocks": [1], "s": [[0.1], [0.2]]}}, "integers in"),  # was read as 2
+    ({"verify_table": {"rows": [True, 2], "blocks": [1], "s": [[0.1], [0.2]]}}, "integers in"),
+    ({"verify_table": {"rows": [1], "blocks": [0], "s": [[0.1]]}}, "integers in"),
+    ({"verify_table": {"rows": [1], "blocks": [1, 2], "s": [[0.1, True]]}}, "one time"),
+    ({"verify_table": {"rows": [1], "blocks": [1, 2], "s": [[0.1, "0.2"]]}}, "one time"),
+    ({"verify_table": {"rows": [1], "blocks": [1, 2], "s": [[0.1, None]]}}, "one time"),
+    ({"verify_table": {"rows": [1], "blocks": [1], "s": {"1": [0.1]}}}, "needs rows, blocks and s"),
+    ({"verify_table": [[0.1]]}, "needs rows, blocks and s"),
+    ({"verify_table": _STEEP_2X2}, "extrapolates to .* s a pass at 4 rows x 4 blocks"),
+    ({"source": {"nested": [1]}}, "source must be a string"),
+])
+def test_crafted_profile_files_are_refused_with_a_reason(tmp_path, extra, match):
+    path = tmp_path / "crafted.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "name": "crafted", **extra}))
+    with pytest.raises(ValueError, match=match) as info:
+        get_compute(str(path))
+    assert "crafted.json" in str(info.value)
+    # and the CLI's --compute check says the same
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match=match):
+        compute_arg(str(path))
+
+
+def test_a_steep_table_would_have_charged_minutes_and_is_refused():
+    """The finding: a valid-looking 2 x 2 table extended along its last slopes to 64 rows x 65
+    blocks (what the verifier can ask) charged minutes a pass; the extension now stops at
+    MAX_EXTRAPOLATION x the table's last rows and blocks, and the loader checks the worst case."""
+    from edgespec_ros.decoding import compute as c
+    rows, blocks, s = (1, 2), (1, 2), tuple(tuple(r) for r in _STEEP_2X2["s"])
+    uncapped = c._lin(rows, [c._lin(blocks, r, 65) for r in s], 64)
+    assert uncapped > 120  # what the old extrapolation charged
+    assert c._interp2(rows, blocks, s, 64, 65) == pytest.approx(c._interp2(rows, blocks, s, 4, 4))
+    assert c._table_worst_s(rows, blocks, s) == (pytest.approx(120.04), 4.0, 4.0)  # over 60 s: refused (above)
+    # a milder 2 x 2 table loads, and its pass time is held at the cap
+    mild = ComputeProfile.from_dict({"format": PROFILE_FORMAT, "name": "mild", "verify_table": {
+        "rows": [1, 2], "blocks": [1, 2], "s": [[0.01, 1.0], [1.0, 2.0]]}})
+    assert mild.pass_s(64, 65) == pytest.approx(mild.pass_s(4, 4)) == pytest.approx(6.04)
+    assert mild.pass_s(3, 3) == pytest.approx(3.0 + (3.0 - 1.99))  # within the cap: as before
+    assert max(mild.pass_s(r, b) for r in range(1, 130) for b in range(1, 70)) <= c.MAX_SECONDS
+
+
+def test_deeply_nested_huge_or_non_object_profile_files_are_clear_errors(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="deep.json.*nested too deep"):
+        get_compute(str(deep))
+    deep_obj = tmp_path / "deep2.json"
+    deep_obj.write_text('{"format": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "}")
+    with pytest.raises(ValueError, match="deep2.json.*nested too deep"):
+        get_compute(str(deep_obj))
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"format": PROFILE_FORMAT, "name": "h", "source": "x" * (1 << 20)}))
+    with pytest.raises(ValueError, match="huge.json.* is larger than 1048576 bytes"):
+        get_compute(str(huge))
+    top = tmp_path / "list.json"
+    top.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="list.json.*top level must be a JSON object"):
+        get_compute(str(top))
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"format": "\xff"}')
+    with pytest.raises(ValueError, match="latin.json.* is not UTF-8"):
+        get_compute(str(latin))
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"verify_s": ' + "9" * 5000 + "}")  # past int's digit limit: ValueError in json
+    with pytest.raises(ValueError, match="digits.json.* not valid JSON"):
+        get_compute(str(digits))
+
+
+def test_committed_profiles_load_and_keep_their_pass_times():
+    """docs/profiles' compute profiles still load, and their table gives the same pass times as
+    before the extrapolation cap, inside the table and up to MAX_EXTRAPOLATION x its last rows and
+    blocks (figures computed with the uncapped code); beyond, the time is held at the cap."""
+    import glob
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "profiles")
+    loaded = []
+    for path in sorted(glob.glob(os.path.join(root, "*.json"))):
+        with open(path) as f:
+            if json.load(f).get("format") == PROFILE_FORMAT:
+                loaded.append(get_compute(path))
+    assert loaded and all(p.verify_table for p in loaded)
+    p = get_compute(os.path.join(root, "h200-qwen2-vl-7b-bf16.json"))
+    before = {(1, 5): 0.024319348500000615, (1, 1): 0.02221159600000533, (3, 7): 0.03370965400000614,
+              (8, 5): 0.050068025999998156, (10, 10): 0.09402511750000109, (16, 16): 0.1721374189999949,
+              (5, 13): 0.05580863937500036, (16, 1): 0.06996774649999793, (24, 5): 0.14419888450001395,
+              (16, 24): 0.220536084999992, (32, 32): 0.5564530729999717}
+    for (rows, block), s in before.items():
+        assert p.pass_s(rows, block) == pytest.approx(s, rel=1e-12), (rows, block)
+    assert p.pass_s(64, 65) == pytest.approx(before[(32, 32)])  # was 2.20 s, extrapolated 4x past the table

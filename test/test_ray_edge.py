@@ -15,10 +15,11 @@ from edgespec_ros.cloud.limits import ServerLimits
 from edgespec_ros.cloud.ray_edge import EdgeRelay
 from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
+from edgespec_ros.wire import protocol as P
 from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.wire.client import RemoteVerifier, VerifierRefused
 
-from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_connect, server_copy
+from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_connect, server_copy, wait_until
 
 TOKEN = "edge-test-token-5b1f"
 
@@ -95,13 +96,15 @@ def test_metrics_and_status_only_for_loopback_clients(pair, backend):
         assert int(status) == 403 and "loopback" in body
 
 
-def test_replicas_believe_the_forwarded_address_only_from_loopback():
+def test_replicas_believe_the_forwarded_address_only_from_the_edge_on_loopback():
     from edgespec_ros.cloud.ray_serve import ServeSocket
-    fake = lambda host, fwd: types.SimpleNamespace(client=types.SimpleNamespace(host=host, port=5),
-                                                   headers={"x-forwarded-for": fwd} if fwd else {})
-    assert ServeSocket(fake("127.0.0.1", "203.0.113.7")).remote_address == ("203.0.113.7", 0)
-    assert ServeSocket(fake("198.51.100.2", "203.0.113.7")).remote_address == ("198.51.100.2", 5)
-    assert ServeSocket(fake("127.0.0.1", None)).remote_address == ("127.0.0.1", 5)
+    fake = lambda host, fwd, secret="edge-secret": types.SimpleNamespace(  # noqa: E731
+        client=types.SimpleNamespace(host=host, port=5),
+        headers=({"x-forwarded-for": fwd, "x-edgespec-edge": secret} if fwd else {}))
+    assert ServeSocket(fake("127.0.0.1", "203.0.113.7"), "edge-secret").remote_address == ("203.0.113.7", 0)
+    assert ServeSocket(fake("127.0.0.1", "203.0.113.7", "a-guess"), "edge-secret").remote_address == ("127.0.0.1", 5)
+    assert ServeSocket(fake("198.51.100.2", "203.0.113.7"), "edge-secret").remote_address == ("198.51.100.2", 5)
+    assert ServeSocket(fake("127.0.0.1", None), "edge-secret").remote_address == ("127.0.0.1", 5)
 
 
 def test_the_edge_cuts_a_sessions_frames_at_the_cap_its_welcome_names(pair, backend):
@@ -131,3 +134,42 @@ def test_the_edge_closes_slow_upgrade_requests_at_its_front_door(pair, backend):
         assert edge.server.relayed == 0
         for s in slow:
             s.close()
+
+
+def test_a_replica_believes_forwarded_for_only_beside_the_deployments_edge_secret():
+    """X-Forwarded-For names the robot only on a loopback connection that carries this deployment's
+    edge secret: another local process reaching Serve's internal port directly is judged by its
+    own address, whatever address it claims."""
+    from edgespec_ros.cloud.ray_edge import EDGE_SECRET, FORWARDED_FOR, forwarded_peer
+    secret = "s" * 43
+    edge = {FORWARDED_FOR.lower(): "203.0.113.7", EDGE_SECRET.lower(): secret}
+    assert forwarded_peer("127.0.0.1", edge, secret) == "203.0.113.7"
+    assert forwarded_peer("127.0.0.1", {FORWARDED_FOR.lower(): "203.0.113.7"}, secret) == "127.0.0.1"
+    assert forwarded_peer("127.0.0.1", dict(edge, **{EDGE_SECRET.lower(): "guess"}), secret) == "127.0.0.1"
+    assert forwarded_peer("198.51.100.2", edge, secret) == "198.51.100.2"  # not from this host
+    assert forwarded_peer("127.0.0.1", edge, "") == "127.0.0.1"  # no secret set: believe nobody
+
+
+def test_the_edge_sends_its_secret_beside_the_robots_address(pair):
+    """What the edge's backend connection carries: the robot's address and the deployment's secret
+    (a stand-in backend records the upgrade request's headers)."""
+    import threading
+    from websockets.sync.server import serve
+    from edgespec_ros.cloud.ray_edge import EDGE_SECRET, FORWARDED_FOR
+    seen = []
+
+    def handler(ws):
+        seen.append({k.lower(): v for k, v in ws.request.headers.raw_items()})
+        ws.close()
+    with serve(handler, "127.0.0.1", 0) as fake_backend:
+        threading.Thread(target=fake_backend.serve_forever, daemon=True).start()
+        port = fake_backend.socket.getsockname()[1]
+        relay = EdgeRelay(f"ws://127.0.0.1:{port}", tokens=[TOKEN], edge_secret="deployment-secret")
+        with ServerThread(relay) as edge:
+            ws = raw_connect(edge.url)
+            ws.send(P.encode(P.Hello(TOKEN, pair.draft.fingerprint(), pair.vocab, "dense32", "test",
+                                     memory=pair.draft.memory)))
+            wait_until(lambda: seen, what="the backend connection")
+            ws.close()
+        fake_backend.shutdown()
+    assert seen[0][EDGE_SECRET.lower()] == "deployment-secret" and seen[0][FORWARDED_FOR.lower()] == "127.0.0.1"

@@ -295,6 +295,176 @@ def test_rotation_keeps_each_tenant_within_its_bounds(tmp_path):
     assert shard_sizes(tmp_path / "tiny") == [] and tiny.stats()["trace_dropped"] == 2
 
 
+class WatchedRecorder(TraceRecorder):
+    """A recorder that notes, after each round its writer places, every tenant's buffered bytes and
+    live draft hashes (read on the writer thread; the test reads them after a flush)."""
+
+    def __init__(self, *args, **kwargs):
+        self.tenant_bytes: dict[str, list[int]] = {}
+        self.live_drafts: dict[str, list[int]] = {}
+        self.total_bytes: list[int] = []
+        super().__init__(*args, **kwargs)
+
+    def _place(self, item):
+        super()._place(item)
+        for tenant in {k[0] for k in self._buffers} | {item.tenant}:
+            keys = [k for k in self._buffers if k[0] == tenant]
+            # The accounting adds up.
+            assert self._tenant_bytes.get(tenant, 0) == sum(self._buffered_bytes[k] for k in keys)
+            self.tenant_bytes.setdefault(tenant, []).append(self._tenant_bytes.get(tenant, 0))
+            self.live_drafts.setdefault(tenant, []).append(len(keys))
+        assert self.buffered_bytes == sum(self._buffered_bytes.values())
+        self.total_bytes.append(self.buffered_bytes)
+
+
+JPEG = b"\xff\xd8" + bytes(20_000)  # a camera frame, the bulk of a decision's buffered bytes
+
+
+def cycle_draft_hashes(recorder, tenant: str, n_hashes: int) -> int:
+    """One session per new draft hash, each a decision of 2 rounds with a frame; returns the rounds."""
+    for h in range(n_hashes):
+        synthetic_rounds(recorder.session(tenant, f"hash-{h:02d}"), n_decisions=1, rounds=2, jpeg=JPEG)
+    return 2 * n_hashes
+
+
+def test_a_tenant_naming_a_new_draft_hash_per_session_stays_within_its_bounds(tmp_path):
+    """Buffers are per (tenant, hash) and the hash is the client's: 20 hashes may not pin 20 buffers."""
+    # The live-hash bound: the bytes are far under the budget, the hashes are not.
+    by_hashes = WatchedRecorder(str(tmp_path / "hashes"), topk=4, record_images=True, max_drafts_per_tenant=4)
+    n = cycle_draft_hashes(by_hashes, "a", 20)
+    by_hashes.flush()
+    assert max(by_hashes.live_drafts["a"]) == 4
+    stats = by_hashes.stats()
+    assert stats["trace_evicted"] == 16 and stats["trace_dropped"] == 0 and stats["trace_buffered_bytes"] == 0
+    by_hashes.close()
+    records = read_traces(str(tmp_path / "hashes"))  # written early, not lost
+    assert len(records) == n and {r.draft_hash for r in records} == {f"hash-{h:02d}" for h in range(20)}
+    assert all(r.jpeg == JPEG for r in records)
+
+    # The byte budget: each hash's buffer is ~20 kB, the tenant's budget 50 kB across all of them.
+    budget = 50_000
+    by_bytes = WatchedRecorder(str(tmp_path / "bytes"), topk=4, record_images=True, tenant_buffer_bytes=budget)
+    n = cycle_draft_hashes(by_bytes, "a", 20)
+    by_bytes.flush()
+    assert len(by_bytes.tenant_bytes["a"]) == n and max(by_bytes.tenant_bytes["a"]) <= budget
+    assert max(by_bytes.live_drafts["a"]) <= 4
+    stats = by_bytes.stats()
+    assert budget // 2 < stats["trace_buffered_peak_bytes"] <= budget  # bounded, not starved
+    assert stats["trace_evicted"] >= 20 - budget // len(JPEG) - 1 and stats["trace_dropped"] == 0
+    by_bytes.close()
+    assert len(read_traces(str(tmp_path / "bytes"))) == n and by_bytes.stats()["trace_records"] == n
+
+
+def test_the_global_buffer_cap_holds_across_tenants(tmp_path):
+    cap = 60_000  # three tenants' frames; each tenant alone is within its own budget
+    recorder = WatchedRecorder(str(tmp_path), topk=4, record_images=True, tenant_buffer_bytes=50_000,
+                               max_buffer_bytes=cap)
+    n = sum(cycle_draft_hashes(recorder, f"tenant-{t}", 2) for t in range(6))
+    recorder.flush()
+    assert max(recorder.total_bytes) <= cap and recorder.stats()["trace_buffered_peak_bytes"] <= cap
+    assert all(max(b) <= 50_000 for b in recorder.tenant_bytes.values())
+    assert recorder.stats()["trace_evicted"] > 0 and recorder.stats()["trace_dropped"] == 0
+    recorder.close()
+    records = read_traces(str(tmp_path))
+    assert len(records) == n and len({r.tenant for r in records}) == 6
+
+
+def test_the_buffer_bounds_must_be_positive(tmp_path):
+    for bad in ({"tenant_buffer_bytes": 0}, {"max_buffer_bytes": 0}, {"max_drafts_per_tenant": 0}):
+        with pytest.raises(ValueError, match="trace buffer bounds must be positive"):
+            TraceRecorder(str(tmp_path), **bad)
+
+
+def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("fails", ["write", "rename"])
+def test_a_failed_shard_write_leaves_no_temporary_and_the_next_one_works(tmp_path, monkeypatch, fails):
+    """A full disk fails part way through the write (or at the rename): the temporary goes with it."""
+    from edgespec_ros.cloud import traces
+    created = []
+    if fails == "write":
+        def half_written(path, blob):
+            with open(path, "wb") as f:
+                f.write(blob[:len(blob) // 2])
+            created.append(os.path.exists(path))
+            no_space()
+        monkeypatch.setattr(traces, "_write_file", half_written)
+    else:
+        replace = os.replace
+
+        def full_rename(src, dst):
+            if not str(src).startswith(str(tmp_path)):
+                return replace(src, dst)
+            created.append(os.path.getsize(src) > 0)
+            no_space()
+        monkeypatch.setattr(os, "replace", full_rename)
+    recorder = TraceRecorder(str(tmp_path), topk=4)
+    trace = recorder.session("a")
+    synthetic_rounds(trace, n_decisions=1, rounds=2)
+    recorder.flush()
+    assert created == [True]  # the temporary was there when the disk filled
+    assert os.listdir(tmp_path / "a") == [] and recorder.stats()["trace_dropped"] == 2
+    monkeypatch.undo()  # space again: the writer goes on
+    synthetic_rounds(trace, n_decisions=1, rounds=3)
+    recorder.close()
+    assert len(read_traces(str(tmp_path))) == 3 and recorder.stats()["trace_records"] == 3
+    assert not [n for n in os.listdir(tmp_path / "a") if n.startswith(".")]
+
+
+def temporary(folder, name: str, size: int, age_s: float = 0.0) -> str:
+    """A shard temporary as a writer (or a crashed one, ``age_s`` ago) leaves it."""
+    path = os.path.join(folder, f".{name}.safetensors.tmp")
+    with open(path, "wb") as f:
+        f.write(bytes(size))
+    if age_s:
+        then = os.path.getmtime(path) - age_s
+        os.utime(path, (then, then))
+    return path
+
+
+def test_stale_temporaries_are_removed_and_live_ones_count_in_the_bound(tmp_path):
+    probe = TraceRecorder(str(tmp_path / "probe"), topk=4)
+    synthetic_rounds(probe.session("a"), n_decisions=1, rounds=2)
+    probe.close()
+    shard = shard_sizes(tmp_path / "probe")[0]
+
+    folder = tmp_path / "rec" / "a"
+    folder.mkdir(parents=True)
+    crashed = temporary(folder, "0001-dead-000001", 10 * shard, age_s=3600)  # a crash an hour ago
+    unrelated = folder / ".notes.tmp"
+    unrelated.write_bytes(b"not ours")
+    in_flight = temporary(folder, "0002-peer-000001", shard)  # another replica writing here now
+    max_bytes = int(2.5 * shard)
+    recorder = TraceRecorder(str(tmp_path / "rec"), topk=4, max_bytes=max_bytes, max_files=100)
+    assert not os.path.exists(crashed) and os.path.exists(unrelated) and os.path.exists(in_flight)
+
+    def on_disk() -> int:
+        return sum(os.path.getsize(folder / n) for n in os.listdir(folder) if n != unrelated.name)
+
+    trace = recorder.session("a")
+    for written in (1, 2, 3):  # the peer's temporary leaves room for one shard, not two
+        synthetic_rounds(trace, n_decisions=1, rounds=2)
+        recorder.flush()
+        assert len(shard_sizes(folder)) == 1 and on_disk() <= max_bytes
+    assert recorder.stats()["trace_rotated"] == 2 and recorder.stats()["trace_records"] == 6
+    # A temporary that leaves no room at all: the new shard is dropped, the kept one is not rotated for nothing.
+    big = temporary(folder, "0003-peer-000002", 2 * shard)
+    synthetic_rounds(trace, n_decisions=1, rounds=2)
+    recorder.flush()
+    assert len(shard_sizes(folder)) == 1 and recorder.stats()["trace_dropped"] == 2
+    assert recorder.stats()["trace_rotated"] == 2
+    # Once stale (its writer crashed), the next write removes it and goes through.
+    for path in (in_flight, big):
+        then = os.path.getmtime(path) - 3600
+        os.utime(path, (then, then))
+    synthetic_rounds(trace, n_decisions=1, rounds=2)
+    recorder.close()
+    assert not os.path.exists(in_flight) and not os.path.exists(big)
+    assert len(shard_sizes(folder)) == 2 and recorder.stats()["trace_records"] == 8
+
+
 class StalledRecorder(TraceRecorder):
     """A recorder whose writer blocks in its first shard write until released."""
 

@@ -58,6 +58,9 @@ STATUS_METRICS = {
                       "verify rounds not recorded: the trace queue was full, or a shard could not be written"),
     "trace_shards": ("trace_shards", "counter", "trace shards written"),
     "trace_rotated": ("trace_shards_rotated", "counter", "oldest trace shards deleted to keep the bounds"),
+    "trace_evicted": ("trace_buffers_evicted", "counter",
+                      "trace buffers written early to keep a tenant's (or the whole) buffer memory bound"),
+    "trace_buffered_bytes": ("trace_buffered_bytes", "gauge", "bytes of trace rounds buffered in memory"),
 }
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -29,14 +29,33 @@ from .session import SessionError
 log = logging.getLogger("edgespec.verifier.edge")
 
 FORWARDED_FOR = "X-Forwarded-For"
+# The edge's proof that it is the edge: a secret made per deployment (``ray_serve.start``) and handed
+# to the edge and the replicas only. A replica believes X-Forwarded-For only beside it: another
+# process on this host that reaches Serve's internal port cannot name itself a robot's address.
+EDGE_SECRET = "X-Edgespec-Edge"
+
+
+def forwarded_peer(peer: str, headers, secret: str) -> str:
+    """The address a replica should judge a connection by: the robot's, from X-Forwarded-For,
+    when the connection comes from this host and carries the deployment's edge secret; else the
+    peer itself."""
+    import hmac
+    forwarded = headers.get(FORWARDED_FOR.lower()) or headers.get(FORWARDED_FOR)
+    presented = headers.get(EDGE_SECRET.lower()) or headers.get(EDGE_SECRET) or ""
+    if (forwarded and secret and is_loopback(peer)
+            and hmac.compare_digest(presented.encode(), secret.encode())):
+        return forwarded.split(",")[0].strip()
+    return peer
 
 
 class EdgeRelay:
     """Admission at the edge, then a byte-for-byte websocket relay to ``backend`` (ws://127.0.0.1:N)."""
 
     def __init__(self, backend: str, *, limits: ServerLimits | None = None, tokens: list[str] | None = None,
-                 ssl_context=None, max_frame: int = P.DEFAULT_MAX_FRAME, handshake_timeout_s: float = 10.0):
+                 ssl_context=None, max_frame: int = P.DEFAULT_MAX_FRAME, handshake_timeout_s: float = 10.0,
+                 edge_secret: str = ""):
         self.backend = backend
+        self.edge_secret = edge_secret  # sent beside X-Forwarded-For (EDGE_SECRET)
         self.limits = limits or ServerLimits()
         self.doorman = Doorman(self.limits, [t.encode() for t in tokens or []])
         self.door = FrontDoor(self.limits.max_connections, self.limits.max_handshakes_per_address,
@@ -140,7 +159,8 @@ class EdgeRelay:
         from websockets.asyncio.client import connect
         try:
             back = await connect(self.backend, max_size=2 * self.max_frame + 1024, max_queue=2, compression=None,
-                                 additional_headers={FORWARDED_FOR: address}, open_timeout=self.handshake_timeout_s)
+                                 additional_headers={FORWARDED_FOR: address, EDGE_SECRET: self.edge_secret},
+                                 open_timeout=self.handshake_timeout_s)
         except Exception as exc:
             raise SessionError(P.ErrorCode.BUSY, f"no verifier replica available ({type(exc).__name__})") from None
         self.relayed += 1

@@ -35,7 +35,7 @@ from websockets.frames import Close
 
 from .config import build_server, check_auth_options, limits_from_args, read_token_file, tls_context
 from .limits import is_loopback
-from .ray_edge import FORWARDED_FOR, EdgeRelay
+from .ray_edge import FORWARDED_FOR, EdgeRelay, forwarded_peer
 
 log = logging.getLogger("edgespec.verifier.ray")
 
@@ -51,13 +51,13 @@ class ServeSocket:
     ingress replica is handed. A closed connection raises the ``websockets`` exceptions, so the
     server's session code is the same on both."""
 
-    def __init__(self, ws: WebSocket):
+    def __init__(self, ws: WebSocket, edge_secret: str = ""):
         self._ws = ws
         client = ws.client
         self.remote_address = (client.host, client.port) if client else ("?", 0)
-        forwarded = ws.headers.get(FORWARDED_FOR.lower())
-        if forwarded and is_loopback(self.remote_address[0]):  # the edge on this host names the robot
-            self.remote_address = (forwarded.split(",")[0].strip(), 0)
+        robot = forwarded_peer(self.remote_address[0], ws.headers, edge_secret)  # the edge names the robot
+        if robot != self.remote_address[0]:
+            self.remote_address = (robot, 0)
         self._closed: Exception | None = None
 
     def _gone(self, code: int | None, reason: str = "") -> Exception:
@@ -121,8 +121,9 @@ app = FastAPI(title="edgespec-verifier", docs_url=None, redoc_url=None, openapi_
 class VerifierReplica:
     """One replica: its own model, batching engine and limits, serving websocket sessions."""
 
-    def __init__(self, options: dict, tokens: list[str]):
+    def __init__(self, options: dict, tokens: list[str], edge_secret: str = ""):
         self.replica = serve.get_replica_context().replica_tag
+        self.edge_secret = edge_secret
         args = argparse.Namespace(**options)
         self.server = build_server(args, tokens, server_name=f"edgespec-verifier replica {self.replica}",
                                    metrics_labels={"replica": self.replica})
@@ -158,7 +159,7 @@ class VerifierReplica:
     async def session(self, ws: WebSocket) -> None:
         self._start_status()
         await ws.accept()
-        sock = ServeSocket(ws)
+        sock = ServeSocket(ws, self.edge_secret)
         try:
             await self.server.handler(sock)
         finally:
@@ -212,7 +213,7 @@ def parse_autoscale(text: str | None) -> tuple[int, int] | None:
     return low, high
 
 
-def verifier_app(args, tokens: list[str]):
+def verifier_app(args, tokens: list[str], edge_secret: str = ""):
     """The bound Serve application: ``--replicas`` replicas (or an autoscaling range), each
     reserving ``--cpus-per-replica`` CPUs and ``--gpus-per-replica`` GPUs."""
     replicas = args.replicas or 1
@@ -234,7 +235,7 @@ def verifier_app(args, tokens: list[str]):
             "min_replicas": low, "max_replicas": high, "initial_replicas": min(max(replicas, low), high),
             "target_ongoing_requests": args.sessions_per_replica or args.max_batch,
             "upscale_delay_s": 10.0, "downscale_delay_s": 120.0}
-    return VerifierReplica.options(**options).bind(replica_options(args), tokens)
+    return VerifierReplica.options(**options).bind(replica_options(args), tokens, edge_secret)
 
 
 _EDGE = []  # the running edge (a ServerThread), stopped by stop_edge()
@@ -245,6 +246,7 @@ def start(args, tokens: list[str], *, local_cpus: int | None = None) -> str:
     deployed and healthy, and the edge (``cloud.ray_edge``) on --host/--port in front of it;
     returns the edge's websocket URL."""
     import os
+    import secrets
     import socket
     import ray
     from .thread import ServerThread
@@ -265,11 +267,13 @@ def start(args, tokens: list[str], *, local_cpus: int | None = None) -> str:
         sock.bind(("127.0.0.1", 0))
         internal = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": internal})
-    serve.run(verifier_app(args, tokens), name=APP_NAME, route_prefix="/")
+    edge_secret = secrets.token_urlsafe(32)  # this deployment's: only the edge and the replicas hold it
+    serve.run(verifier_app(args, tokens, edge_secret), name=APP_NAME, route_prefix="/")
     limits = limits_from_args(args)
     # the edge holds the fleet-wide quotas; each replica's own gate sees only its share
     edge = EdgeRelay(f"ws://127.0.0.1:{internal}", limits=limits, tokens=tokens,
-                     ssl_context=tls_context(args.tls_cert, args.tls_key), max_frame=args.max_frame)
+                     ssl_context=tls_context(args.tls_cert, args.tls_key), max_frame=args.max_frame,
+                     edge_secret=edge_secret)
     thread = ServerThread(edge, args.host, args.port).start()
     _EDGE.append(thread)
     return thread.url if args.host != "0.0.0.0" else f"{'wss' if args.tls_cert else 'ws'}://127.0.0.1:{thread.port}"

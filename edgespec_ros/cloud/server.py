@@ -660,4 +660,5 @@ class VerifierServer:
         self.fair.shutdown(timeout_s)
 
 
-TRACE_STATUS = ("trace_records", "trace_dropped", "trace_shards", "trace_rotated")  # TraceRecorder.stats()
+TRACE_STATUS = ("trace_records", "trace_dropped", "trace_shards", "trace_rotated", "trace_evicted",
+                "trace_buffered_bytes")  # TraceRecorder.stats()

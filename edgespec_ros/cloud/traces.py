@@ -9,7 +9,8 @@ queue and the round goes on: a full queue drops the record and counts it (``drop
 recording never blocks a round. A writer thread drains the queue into safetensors shards, one
 subdirectory per tenant, each tenant's shards bounded in bytes and in count (the oldest shard is
 deleted first). Shards are written to a temporary file and renamed, so a reader never sees a
-partial one. ``read_traces`` reads them back; docs/traces.md is the format (version 1).
+partial one; a failed write removes its temporary. The writer's buffers are bounded per tenant and
+in all (``TraceRecorder``). ``read_traces`` reads them back; docs/traces.md is the format (version 1).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ FORMAT = "edgespec-traces"
 VERSION = 1
 ANONYMOUS = "anonymous"  # the tenant of a verifier without auth
 SHARD_SUFFIX = ".safetensors"
+TMP_SUFFIX = SHARD_SUFFIX + ".tmp"  # a shard being written: ".<name>.safetensors.tmp"
 
 log = logging.getLogger("edgespec.traces")
 
@@ -161,22 +163,41 @@ class SessionTrace:
 class TraceRecorder:
     """Writes recorded rounds to ``directory/<tenant>/*.safetensors`` from its own thread.
 
-    Bounds per tenant: at most ``max_bytes`` of shards and ``max_files`` shards; before a shard is
-    written the tenant's oldest shards are deleted until it fits (a shard alone over max_bytes is
-    dropped). Rounds are buffered per (tenant, draft) and written when ``shard_records`` or about
-    max_bytes / 8 have gathered, after ``flush_interval_s``, at ``flush()`` and at ``close()``
-    (the owner closes it; a process killed without close loses what was buffered).
+    Disk, per tenant: at most ``max_bytes`` in its folder (shards and the temporaries of shards being
+    written) and ``max_files`` shards; before a shard is written the tenant's oldest shards are
+    deleted until it fits (a shard that cannot fit is dropped and counted). A failed write (a full
+    disk) removes its temporary; temporaries older than ``stale_tmp_s`` (left by a crash) are removed
+    when the recorder starts and whenever that tenant's folder is rotated.
+
+    Memory: rounds are buffered per (tenant, draft hash) and written when ``shard_records`` or about
+    max_bytes / 8 have gathered, after ``flush_interval_s``, at ``flush()`` and at ``close()`` (the
+    owner closes it; a process killed without close loses what was buffered). The draft hash is
+    the client's choice, so the buffers are bounded per tenant, not per hash: a tenant has at most
+    ``max_drafts_per_tenant`` buffers (a new hash past that writes the tenant's oldest buffer
+    first) holding at most ``tenant_buffer_bytes`` together (default max_bytes / 8: past it the
+    tenant's largest buffer is written), and all tenants together hold at most
+    ``max_buffer_bytes`` (past it the largest buffer of any tenant is written). Buffered memory is
+    therefore at most min(tenants x tenant_buffer_bytes, max_buffer_bytes), plus the one round
+    being placed; the queue (``queue_size`` rounds) is bounded separately. A buffer written early
+    for these bounds counts in ``trace_evicted``; its rounds are kept (or, if the write fails,
+    counted in ``trace_dropped`` like any unwritten shard).
     """
 
     def __init__(self, directory: str, *, max_bytes: int = 256 << 20, max_files: int = 64, topk: int = 16,
                  record_images: bool = False, target: str = "", target_fingerprint: str = "",
-                 queue_size: int = 4096, shard_records: int = 1024, flush_interval_s: float = 300.0):
+                 queue_size: int = 4096, shard_records: int = 1024, flush_interval_s: float = 300.0,
+                 tenant_buffer_bytes: int | None = None, max_buffer_bytes: int = 128 << 20,
+                 max_drafts_per_tenant: int = 4, stale_tmp_s: float = 60.0):
         if max_bytes <= 0 or max_files < 1:
             raise ValueError(f"trace bounds must be positive (max bytes {max_bytes}, max files {max_files})")
         if not 1 <= topk <= 1024:
             raise ValueError(f"trace top-k must be in 1..1024, got {topk}")
         if queue_size < 1 or shard_records < 1:
             raise ValueError("trace queue size and records per shard must be >= 1")
+        if (tenant_buffer_bytes is not None and tenant_buffer_bytes < 1) or max_buffer_bytes < 1 \
+                or max_drafts_per_tenant < 1:
+            raise ValueError(f"trace buffer bounds must be positive (per tenant {tenant_buffer_bytes} bytes, "
+                             f"in all {max_buffer_bytes} bytes, {max_drafts_per_tenant} drafts per tenant)")
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
@@ -187,16 +208,26 @@ class TraceRecorder:
         self.target, self.target_fingerprint = target, target_fingerprint
         self.shard_records, self.flush_interval_s = shard_records, flush_interval_s
         self.shard_bytes = max(1, self.max_bytes // 8)  # rotation then frees about an eighth at a time
+        # The default tenant budget is one full shard: a tenant recording one draft is written exactly
+        # as before the budget existed; only a tenant spreading rounds over several hashes is cut short.
+        self.tenant_buffer_bytes = self.shard_bytes if tenant_buffer_bytes is None else int(tenant_buffer_bytes)
+        self.max_buffer_bytes, self.max_drafts_per_tenant = int(max_buffer_bytes), int(max_drafts_per_tenant)
+        self.stale_tmp_s = float(stale_tmp_s)
         self.run = secrets.token_hex(4)  # decision ids are unique per run: "<run>-<n>"
         self._decision_ids = itertools.count(1)
         self._shard_seq = itertools.count(1)
         self._queue: queue.Queue = queue.Queue(queue_size)
         self._lock = threading.Lock()
-        self.records = self.dropped = self.shards = self.rotated = 0
+        self.records = self.dropped = self.shards = self.rotated = self.evicted = 0
+        self.buffered_bytes = self.buffered_peak_bytes = 0  # all tenants; the peak is taken after each round is placed
+        # The buffers and their byte counts belong to the writer thread (the totals above are updated
+        # under the lock, for stats()).
         self._buffers: dict[tuple[str, str], list[_Round]] = {}
         self._buffered_bytes: dict[tuple[str, str], int] = {}
+        self._tenant_bytes: dict[str, int] = {}
         self._since: dict[tuple[str, str], float] = {}
         self._closed = False
+        self._remove_stale_temporaries()
         self._thread = threading.Thread(target=self._drain, name="trace-writer", daemon=True)
         self._thread.start()
 
@@ -218,10 +249,12 @@ class TraceRecorder:
             self.dropped += n
 
     def stats(self) -> dict:
-        """Counters for the server's status: rounds written, dropped, shards written and rotated away."""
+        """Counters for the server's status: rounds written, dropped, shards written and rotated away,
+        buffers written early to keep the memory bounds (evicted), and the bytes buffered now and at most."""
         with self._lock:
             return {"trace_records": self.records, "trace_dropped": self.dropped, "trace_shards": self.shards,
-                    "trace_rotated": self.rotated}
+                    "trace_rotated": self.rotated, "trace_evicted": self.evicted,
+                    "trace_buffered_bytes": self.buffered_bytes, "trace_buffered_peak_bytes": self.buffered_peak_bytes}
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Write every buffered round now (waits for the writer; never call it from the compute thread)."""
@@ -260,27 +293,57 @@ class TraceRecorder:
                 item.set()
                 continue
             if item is not False:
-                key = (item.tenant, item.draft_hash)
-                buffer = self._buffers.setdefault(key, [])
-                self._since.setdefault(key, time.monotonic())
-                extra = item.nbytes()
-                if not any(r.decision is item.decision for r in buffer[-1:]):  # a new decision: its prompt and image
-                    extra += 4 * len(item.decision.prompt_ids) + len(item.decision.jpeg or b"")
-                buffer.append(item)
-                self._buffered_bytes[key] = self._buffered_bytes.get(key, 0) + extra
-                if len(buffer) >= self.shard_records or self._buffered_bytes[key] >= self.shard_bytes:
-                    self._write(key)
+                self._place(item)
             now = time.monotonic()
             for key in [k for k, t in self._since.items() if now - t >= self.flush_interval_s]:
                 self._write(key)
 
-    def _write(self, key: tuple[str, str]) -> None:
+    def _place(self, item: _Round) -> None:
+        """Buffer one round, then write whatever the shard triggers and the memory bounds call for."""
+        key, tenant = (item.tenant, item.draft_hash), item.tenant
+        if key not in self._buffers:
+            # A new draft hash costs nothing to name: past the tenant's bound, its oldest buffer goes to disk.
+            live = [k for k in self._buffers if k[0] == tenant]
+            for old in sorted(live, key=self._since.__getitem__)[:max(0, len(live) + 1 - self.max_drafts_per_tenant)]:
+                self._write(old, evicted=True)
+        buffer = self._buffers.setdefault(key, [])
+        self._since.setdefault(key, time.monotonic())
+        extra = item.nbytes()
+        if not any(r.decision is item.decision for r in buffer[-1:]):  # a new decision: its prompt and image
+            extra += 4 * len(item.decision.prompt_ids) + len(item.decision.jpeg or b"")
+        buffer.append(item)
+        self._buffered_bytes[key] = self._buffered_bytes.get(key, 0) + extra
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + extra
+        self._add_buffered(extra)
+        if len(buffer) >= self.shard_records or self._buffered_bytes[key] >= self.shard_bytes:
+            self._write(key)
+        # The largest buffer first: it frees the most memory for one shard, and makes the largest shard.
+        while self._tenant_bytes.get(tenant, 0) > self.tenant_buffer_bytes:
+            self._write(max((k for k in self._buffers if k[0] == tenant), key=self._buffered_bytes.__getitem__),
+                        evicted=True)
+        while self.buffered_bytes > self.max_buffer_bytes:
+            self._write(max(self._buffers, key=self._buffered_bytes.__getitem__), evicted=True)
+        with self._lock:
+            self.buffered_peak_bytes = max(self.buffered_peak_bytes, self.buffered_bytes)
+
+    def _add_buffered(self, n: int) -> None:
+        with self._lock:
+            self.buffered_bytes += n
+
+    def _write(self, key: tuple[str, str], evicted: bool = False) -> None:
         rounds = self._buffers.pop(key, [])
-        self._buffered_bytes.pop(key, None)
+        nbytes = self._buffered_bytes.pop(key, 0)
         self._since.pop(key, None)
+        tenant, draft_hash = key
+        left = self._tenant_bytes.pop(tenant, 0) - nbytes
+        if left > 0:
+            self._tenant_bytes[tenant] = left
+        self._add_buffered(-nbytes)
         if not rounds:
             return
-        tenant, draft_hash = key
+        if evicted:
+            with self._lock:
+                self.evicted += 1
         try:
             self._write_shard(tenant, encode_shard(rounds, self._metadata(tenant, draft_hash, rounds)), len(rounds))
         except Exception as exc:  # noqa: BLE001 - a full disk must not stop the writer (or the verifier)
@@ -295,15 +358,50 @@ class TraceRecorder:
                 "created_unix": f"{now.timestamp():.3f}", "run": self.run, "records": str(len(rounds)),
                 "images": "true" if self.record_images else "false"}
 
+    def _remove_stale_temporaries(self) -> None:
+        """Remove the shard temporaries a crashed recorder left under the recording root."""
+        try:
+            tenants = [e.path for e in os.scandir(self.directory) if e.is_dir() and not e.name.startswith(".")]
+        except OSError as exc:
+            log.warning("trace directory %s not scanned for stale temporaries: %s", self.directory, exc)
+            return
+        for folder in tenants:
+            try:
+                self._scan(folder)
+            except OSError as exc:  # recording goes on; the folder's next shard write scans it again
+                log.warning("trace folder %s not scanned for stale temporaries: %s", folder, exc)
+
+    def _scan(self, folder: str) -> tuple[list[tuple[str, int]], int]:
+        """The folder's shards, oldest first, with their sizes, and the bytes of its temporaries.
+        Temporaries older than ``stale_tmp_s`` are removed: a write takes far less, so nobody is
+        writing them (a younger one may be another replica's shard in flight: counted, kept)."""
+        shards, temporaries, now = [], 0, time.time()
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+                if name.startswith(".") and name.endswith(TMP_SUFFIX):
+                    if now - st.st_mtime < self.stale_tmp_s or not _remove(path):
+                        temporaries += st.st_size
+                    else:
+                        log.info("removed the stale trace temporary %s (%d bytes)", path, st.st_size)
+                elif name.endswith(SHARD_SUFFIX) and not name.startswith("."):
+                    shards.append((name, st.st_size))
+            except FileNotFoundError:  # another replica recording here renamed or rotated it first
+                continue
+        return shards, temporaries
+
     def _write_shard(self, tenant: str, blob: bytes, n_rounds: int) -> None:
-        """Rotate the tenant's oldest shards out until ``blob`` fits its bounds, then write it atomically."""
+        """Rotate the tenant's oldest shards out until ``blob`` fits its bounds (the bytes of other
+        writers' temporaries included), then write it atomically; on any failure its temporary is removed."""
         folder = os.path.join(self.directory, tenant)
         os.makedirs(folder, exist_ok=True)
         if len(blob) > self.max_bytes:
             raise ValueError(f"one shard of {len(blob)} bytes exceeds --record-traces-max-mb")
-        shards = [(n, os.path.getsize(os.path.join(folder, n))) for n in sorted(os.listdir(folder))
-                  if n.endswith(SHARD_SUFFIX) and not n.startswith(".")]
-        total = sum(size for _, size in shards)
+        shards, temporaries = self._scan(folder)
+        if temporaries + len(blob) > self.max_bytes:  # checked first: rotating every shard away would not help
+            raise OSError(f"no room for a shard of {len(blob)} bytes: {temporaries} bytes of temporaries in {folder}")
+        total = temporaries + sum(size for _, size in shards)
         while shards and (len(shards) + 1 > self.max_files or total + len(blob) > self.max_bytes):
             name, size = shards.pop(0)  # names start with the creation time: the oldest first
             try:
@@ -315,14 +413,37 @@ class TraceRecorder:
                 self.rotated += 1
         name = f"{time.time_ns():019d}-{self.run}-{next(self._shard_seq):06d}{SHARD_SUFFIX}"
         tmp = os.path.join(folder, f".{name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, name))  # atomic: readers see the whole shard or none
+        try:
+            _write_file(tmp, blob)
+            os.replace(tmp, os.path.join(folder, name))  # atomic: readers see the whole shard or none
+        except BaseException:
+            # A full disk fails part way: the partial temporary would otherwise stay, outside every
+            # bound, until someone deletes it by hand.
+            _remove(tmp)
+            raise
         with self._lock:
             self.records += n_rounds
             self.shards += 1
+
+
+def _remove(path: str) -> bool:
+    """Remove a file if it can be: False (and logged) when it stays; gone already counts as removed."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("trace temporary %s not removed: %s", path, exc)
+        return False
+    return True
+
+
+def _write_file(path: str, blob: bytes) -> None:
+    """Create ``path`` holding ``blob``, on the disk (fsynced) when this returns."""
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --- the shard format (docs/traces.md) ---------------------------------------------------

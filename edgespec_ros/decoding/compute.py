@@ -35,6 +35,22 @@ from dataclasses import dataclass
 
 
 PROFILE_FORMAT = "edgespec-compute/1"
+# Limits on a profile file (``--compute FILE``): it is input, so a crafted one must not make the
+# emulation charge minutes a pass, crash the loader, or pass a bool or a string off as a number.
+MAX_SECONDS = 60.0  # any time a profile states, and any pass time its table can give (extrapolated too)
+MAX_EDGE_UNITS = 64  # the largest labelled what-if (go2-paper-multigpu); one per pre-draft worker is plenty
+MAX_TABLE_AXIS = 4096  # largest rows or blocks a table may name (the verifier asks <= --max-batch, MAX_BLOCK + 1)
+MAX_PROFILE_BYTES = 1 << 20  # a measured profile is a few kB; checked before reading
+# A measured table is extended past its last rows (blocks) along its last segment's slope, but only
+# up to MAX_EXTRAPOLATION times its last rows (blocks); further out a pass costs the value there.
+# Why a cap: a slope measured over a few points says nothing about ten times the range, and a
+# small steep table (2 x 2, seconds apart) extended to 64 rows x 65 blocks charges minutes a pass.
+# Why 2: it keeps what a table measured to 16 rows says about a 32-row fleet, and within it the
+# extension is the same as without a cap. The price: a pass beyond it is charged the value at the
+# cap (an under-estimate where time keeps growing), so measure a profile over the rows and blocks
+# it is used at. from_dict checks that the table's largest pass time over the whole capped range
+# stays within MAX_SECONDS, so a loaded profile can never charge more than that a pass.
+MAX_EXTRAPOLATION = 2.0
 
 
 @dataclass(frozen=True)
@@ -59,8 +75,9 @@ class ComputeProfile:
     def pass_s(self, rows: int = 1, block: int = 5, ar: bool = False) -> float:
         """The accelerator's time for one pass that feeds ``block`` tokens (pending + drafts) to
         each of ``rows`` sessions. A measured table is interpolated linearly (past its last rows or
-        blocks, the last segment's slope where it grows: ``_lin``); a flat profile charges verify_s per pass
-        whatever its rows (ar_step_s for a pass of AR steps only)."""
+        blocks, the last segment's slope where it grows, up to MAX_EXTRAPOLATION times them and held
+        beyond: ``_interp2``); a flat profile charges verify_s per pass whatever its rows (ar_step_s
+        for a pass of AR steps only)."""
         if self.verify_table:
             rows_at, blocks_at, table = self.verify_table
             return max(0.0, _interp2(rows_at, blocks_at, table, rows, block))
@@ -92,49 +109,133 @@ class ComputeProfile:
 
     @classmethod
     def from_dict(cls, d: dict, origin: str = "profile") -> "ComputeProfile":
-        """A profile from its JSON form (``edgespec-profile`` writes it); ValueError saying what
-        is wrong otherwise."""
+        """A profile from its JSON form (``edgespec-profile`` writes it); ValueError naming
+        ``origin`` and saying what is wrong otherwise. Contract of what it accepts: every time a
+        JSON number (not a bool, not a string) of seconds in [0, MAX_SECONDS]; edge_units an
+        integer in [1, MAX_EDGE_UNITS]; a table's rows and blocks increasing integers in
+        [1, MAX_TABLE_AXIS], one time per (row, block), and the table's pass time, extrapolated
+        as ``pass_s`` does over any rows and blocks, never above MAX_SECONDS."""
         if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{origin}: not a compute profile (needs \"format\": \"{PROFILE_FORMAT}\")")
         fields = {}
         for key in ("draft_token_s", "verify_s", "ar_step_s", "exit_s", "prefill_s", "edge_prefill_s"):
             v = d.get(key, 0.0)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 60:
-                raise ValueError(f"{origin}: {key} must be seconds in [0, 60], got {v!r}")
+            if not _is_seconds(v):
+                raise ValueError(f"{origin}: {key} must be seconds in [0, {MAX_SECONDS:g}], got {_show(v)}")
             fields[key] = float(v)
         units = d.get("edge_units", 1)
-        if not isinstance(units, int) or units < 1:
-            raise ValueError(f"{origin}: edge_units must be an integer >= 1, got {units!r}")
+        if not _is_int(units) or not 1 <= units <= MAX_EDGE_UNITS:
+            raise ValueError(f"{origin}: edge_units must be an integer in [1, {MAX_EDGE_UNITS}], got {_show(units)}")
         table = ()
         if d.get("verify_table") is not None:
-            t = d["verify_table"]
-            try:
-                rows, blocks, s = [int(r) for r in t["rows"]], [int(b) for b in t["blocks"]], t["s"]
-                grid = tuple(tuple(float(x) for x in row) for row in s)
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{origin}: verify_table needs rows, blocks and s (seconds[rows][blocks])") from None
-            if (not rows or not blocks or rows != sorted(set(rows)) or blocks != sorted(set(blocks)) or rows[0] < 1
-                    or blocks[0] < 1 or len(grid) != len(rows) or any(len(r) != len(blocks) for r in grid)
-                    or not all(math.isfinite(x) and 0 <= x <= 60 for r in grid for x in r)):
-                raise ValueError(f"{origin}: verify_table must have increasing rows and blocks >= 1 and one "
-                                 "time in [0, 60] s per (row, block)")
-            table = (tuple(rows), tuple(blocks), grid)
+            table = _table_from(d["verify_table"], origin)
         name = d.get("name")
         if not isinstance(name, str) or not name or name == "native":
             raise ValueError(f"{origin}: needs a name (not 'native')")
-        return cls(name, edge_units=units, verify_table=table, source=str(d.get("source", "")),
-                   edge_source=str(d.get("edge_source", "")), **fields)
+        texts = {}
+        for key in ("source", "edge_source"):  # strings only: str() of a deep structure is its own hazard
+            v = d.get(key, "")
+            if not isinstance(v, str):
+                raise ValueError(f"{origin}: {key} must be a string, got {type(v).__name__}")
+            texts[key] = v
+        return cls(name, edge_units=units, verify_table=table, **texts, **fields)
 
     @classmethod
     def load(cls, path: str) -> "ComputeProfile":
+        """The profile in file ``path`` (UTF-8 JSON, at most MAX_PROFILE_BYTES, an object at the
+        top); ValueError naming the file for anything else: unreadable, too big, not UTF-8, not
+        JSON, nested too deep for the parser, or refused by ``from_dict``."""
+        origin = f"compute profile {path!r}"
         try:
-            with open(path) as f:
-                d = json.load(f)
+            with open(path, "rb") as f:
+                # The size is checked before reading (a regular file's), and the read is bounded
+                # anyway (a device or pipe states no size).
+                if os.fstat(f.fileno()).st_size > MAX_PROFILE_BYTES:
+                    raise ValueError(f"{origin} is larger than {MAX_PROFILE_BYTES} bytes")
+                raw = f.read(MAX_PROFILE_BYTES + 1)
         except OSError as exc:
             raise ValueError(f"cannot read compute profile {path!r}: {exc.strerror or exc}") from None
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise ValueError(f"{origin} is larger than {MAX_PROFILE_BYTES} bytes")
+        try:
+            d = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{origin} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
         except json.JSONDecodeError as exc:
-            raise ValueError(f"compute profile {path!r} is not valid JSON: {exc}") from None
-        return cls.from_dict(d, f"compute profile {path!r}")
+            raise ValueError(f"{origin} is not valid JSON: {exc}") from None
+        except RecursionError:
+            # json's parser recurses per nesting level: a deeply nested file exhausts the stack.
+            raise ValueError(f"{origin} is not valid JSON: nested too deep") from None
+        except ValueError as exc:  # e.g. an integer past the interpreter's digit limit
+            raise ValueError(f"{origin} is not valid JSON: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{origin}: not a compute profile (the top level must be a JSON object, "
+                             f"got {type(d).__name__})")
+        return cls.from_dict(d, origin)
+
+
+def _is_int(v) -> bool:
+    """A JSON integer: an int that is not a bool (bool is a subclass of int in Python)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_seconds(v) -> bool:
+    """A JSON number (not a bool, not a string) of seconds, finite and in [0, MAX_SECONDS]. Ints
+    are compared as they are: a huge one must not overflow on its way to a float."""
+    if _is_int(v):
+        return 0 <= v <= MAX_SECONDS
+    return isinstance(v, float) and math.isfinite(v) and 0.0 <= v <= MAX_SECONDS
+
+
+def _show(v) -> str:
+    """A refused value for a message, short whatever the file held."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _table_from(t, origin: str) -> tuple:
+    """A profile's ``verify_table`` (``{"rows": [...], "blocks": [...], "s": seconds[rows][blocks]}``)
+    as ``(rows, blocks, grid)``; ValueError otherwise, also when its pass time extrapolated over
+    the whole capped range (``_table_worst_s``) exceeds MAX_SECONDS."""
+    shape = f"{origin}: verify_table needs rows, blocks and s (seconds[rows][blocks])"
+    if not isinstance(t, dict) or not all(isinstance(t.get(k), list) for k in ("rows", "blocks", "s")):
+        raise ValueError(shape)
+    rows, blocks, s = t["rows"], t["blocks"], t["s"]
+    for axis, xs in (("rows", rows), ("blocks", blocks)):
+        if not xs or not all(_is_int(x) and 1 <= x <= MAX_TABLE_AXIS for x in xs) or any(
+                a >= b for a, b in zip(xs, xs[1:])):
+            raise ValueError(f"{origin}: verify_table must have increasing rows and blocks, integers in "
+                             f"[1, {MAX_TABLE_AXIS}]: {axis} is {_show(xs)}")
+    if len(s) != len(rows) or not all(isinstance(r, list) and len(r) == len(blocks) for r in s):
+        raise ValueError(f"{origin}: verify_table must have increasing rows and blocks and one time in "
+                         f"[0, {MAX_SECONDS:g}] s per (row, block): s is not {len(rows)} x {len(blocks)}")
+    bad = [x for r in s for x in r if not _is_seconds(x)]
+    if bad:
+        raise ValueError(f"{origin}: verify_table must have increasing rows and blocks and one time in "
+                         f"[0, {MAX_SECONDS:g}] s per (row, block), got {_show(bad[0])}")
+    table = (tuple(rows), tuple(blocks), tuple(tuple(float(x) for x in r) for r in s))
+    worst, at_rows, at_blocks = _table_worst_s(*table)
+    if worst > MAX_SECONDS:
+        raise ValueError(f"{origin}: verify_table extrapolates to {worst:.4g} s a pass at {at_rows:g} rows x "
+                         f"{at_blocks:g} blocks (extended at most {MAX_EXTRAPOLATION:g}x past its last rows and "
+                         f"blocks); a pass may take at most {MAX_SECONDS:g} s")
+    return table
+
+
+def _table_worst_s(rows, blocks, grid) -> tuple:
+    """The largest pass time ``_interp2`` gives over all rows and blocks, with where: (seconds,
+    rows, blocks). It is at one of the table's rows or the rows cap, crossed with one of its
+    blocks or the blocks cap: for a fixed block the time is piecewise linear in rows with breaks
+    only there (held past the cap), and for each such row piecewise linear in blocks with breaks
+    at the table's blocks and the cap, except where the last two rows' times cross past the last
+    row, where it equals the last row's time (no more than at a break)."""
+    rows_cap, blocks_cap = rows[-1] * MAX_EXTRAPOLATION, blocks[-1] * MAX_EXTRAPOLATION
+    worst = (0.0, rows[0], blocks[0])
+    for b in (*blocks, blocks_cap):
+        col = [_lin(blocks, row, b) for row in grid]
+        for r in (*rows, rows_cap):
+            worst = max(worst, (_lin(rows, col, r), r, b))
+    return worst
 
 
 def _lin(xs, ys, x) -> float:
@@ -152,6 +253,11 @@ def _lin(xs, ys, x) -> float:
 
 
 def _interp2(rows, blocks, table, r, b) -> float:
+    """The table's time at ``r`` rows and ``b`` blocks: ``_lin`` along blocks then rows, each
+    extended past the table at most to MAX_EXTRAPOLATION times its last point and held beyond
+    (inside that, the same as uncapped)."""
+    r = min(r, rows[-1] * MAX_EXTRAPOLATION)
+    b = min(b, blocks[-1] * MAX_EXTRAPOLATION)
     return _lin(rows, [_lin(blocks, row, b) for row in table], r)
 
 
