@@ -1233,3 +1233,34 @@ def test_accept_errors_are_logged_once_a_second_with_their_count(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and door.accept_errors == 101
     assert "accept failed 1 time(s)" in lines[0] and "accept failed 100 time(s)" in lines[1]
+
+
+def test_log_lines_about_unauthenticated_connections_are_budgeted_in_all_not_per_address(pair, caplog):
+    """Clients from 8 addresses presenting wrong tokens as fast as the connect rate lets them:
+    the verifier writes at most its line budget a second about them, in all, and says how many it
+    did not write; the refusals themselves all happen."""
+    from edgespec_ros.cloud.front_door import LogBudget
+    clock = [0.0]
+    budget = LogBudget(per_second=3, clock=lambda: clock[0])
+    assert [budget.allow() for _ in range(5)] == [True, True, True, False, False] and budget.suppressed == 2
+    caplog.set_level("WARNING", logger="edgespec.verifier")
+    clock[0] = 1.5
+    assert budget.allow() and "2 log line(s) about unauthenticated connections not written" in caplog.text
+    caplog.clear()
+    caplog.set_level("INFO", logger="edgespec.verifier")
+    with _server(pair, token=[TOKEN_A], limits=ServerLimits(auth_failures=10_000, connect_rate=1000)) as st:
+        st.server.line_budget.per_second = 5
+        started = time.monotonic()
+        for i in range(80):
+            ws = _connect_from(st.url, f"127.0.0.{2 + i % 8}")
+            ws.send(_hello(pair, token="wrong-token"))
+            with pytest.raises(Exception):
+                ws.recv(timeout=DEADLINE_S)
+                ws.recv(timeout=DEADLINE_S)
+            ws.close()
+        seconds = time.monotonic() - started
+        lines = [r for r in caplog.records if r.name == "edgespec.verifier" and "wrong-token" not in r.getMessage()
+                 and ("session" in r.getMessage() or "refused" in r.getMessage())]
+    assert sum("auth token" in e or "token" in e for e in st.server.errors) >= 80  # every one refused
+    assert len(lines) <= 5 * (seconds + 2), (len(lines), seconds)
+    assert st.server.line_budget.suppressed > 0

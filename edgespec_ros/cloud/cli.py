@@ -12,6 +12,9 @@ from .config import build_parser, build_server
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # websockets' own INFO lines ("connection open", "connection closed", "HTTP response sent") come
+    # once per connection, whoever opens it: the verifier's session lines (within their budget) say it
+    logging.getLogger("websockets.server").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         if args.replicas:  # scale-out: N replicas of this server on Ray Serve, one endpoint
             from .ray_serve import serve_on_ray  # Ray and FastAPI are optional (pip install .[fleet])

@@ -39,6 +39,32 @@ def file_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+class LogBudget:
+    """At most ``per_second`` log lines a second in all, whoever causes them: lines about
+    connections that never authenticated cost a client nothing to cause (8 addresses at the
+    connect rate wrote ~50,000 lines a minute). The rest are counted, and the next line allowed
+    says how many were not written."""
+
+    def __init__(self, per_second: int = 10, clock=time.monotonic):
+        self.per_second, self.clock = per_second, clock
+        self._window_at, self._in_window, self.suppressed, self._unsaid = -1e9, 0, 0, 0
+
+    def allow(self) -> bool:
+        now = self.clock()
+        if now - self._window_at >= 1.0:
+            self._window_at, self._in_window = now, 0
+            if self._unsaid:
+                log.warning("%d log line(s) about unauthenticated connections not written in the last "
+                            "second(s) (at most %d a second)", self._unsaid, self.per_second)
+                self._unsaid = 0
+        if self._in_window < self.per_second:
+            self._in_window += 1
+            return True
+        self.suppressed += 1
+        self._unsaid += 1
+        return False
+
+
 class FrontDoor:
     """Counts and caps TCP connections as they are accepted (event-loop thread only)."""
 

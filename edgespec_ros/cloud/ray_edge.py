@@ -16,11 +16,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 import urllib.request
 
 from ..wire import protocol as P
-from .front_door import FrontDoor
+from .front_door import FrontDoor, LogBudget
 from .admission import Doorman, refuse
 from .limits import PREAUTH_MAX_FRAME, ServerLimits, clean, is_loopback
 from .server import FRAME_MARGIN
@@ -68,7 +67,7 @@ class EdgeRelay:
         self.connections: dict[int, object] = {}
         self.refused = 0
         self.relayed = 0  # sessions handed to the backend
-        self._refusal_log_t = -1e9
+        self.line_budget = LogBudget(per_second=1)  # lines about unauthenticated connections, in all
 
     # --- serving ----------------------------------------------------------------------------
 
@@ -120,9 +119,7 @@ class EdgeRelay:
                                           "verifier is busy", 1013))
         if refusal:
             self.refused += 1
-            now = time.monotonic()
-            if now - self._refusal_log_t >= 1.0:
-                self._refusal_log_t = now
+            if self.line_budget.allow():
                 log.warning("connection %s refused at the edge: %s", address, refusal)
             await refuse(ws, P.ErrorCode.BUSY, refusal, 1013)
             return
@@ -146,11 +143,13 @@ class EdgeRelay:
             self.doorman.enter(key, address, tenant)
             _set_max_size(ws, 2 * self.max_frame + 1024)
             await self._relay(ws, raw, address)
-        except SessionError as exc:
-            log.info("connection %s refused at the edge: %s", address, clean(exc, 200))
+        except SessionError as exc:  # before the relay: never authenticated here
+            if self.line_budget.allow():
+                log.info("connection %s refused at the edge: %s", address, clean(exc, 200))
             await refuse(ws, exc.code, str(exc), 1008 if exc.code < 500 else 1011)
         except Exception as exc:  # the client or the backend went away
-            log.info("connection %s ended at the edge: %s", address, clean(exc, 200))
+            if self.line_budget.allow():
+                log.info("connection %s ended at the edge: %s", address, clean(exc, 200))
         finally:
             self.connections.pop(key, None)
             self.doorman.leave(key)

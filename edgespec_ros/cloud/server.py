@@ -29,7 +29,7 @@ from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import VerifierMetrics
 from .admission import Doorman, refuse
-from .front_door import FrontDoor
+from .front_door import FrontDoor, LogBudget
 from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, InsecureConfig, ServerLimits, clean, is_loopback
 from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
 
@@ -150,7 +150,9 @@ class VerifierServer:
         self.dropped_blocks = 0  # pipelined blocks of an ended epoch, dropped unverified
         self.verified_tokens = 0  # tokens the target decided (accepted drafts, corrections, AR tokens)
         self.errors: deque[str] = deque(maxlen=1000)  # last error messages, for tests and diagnostics
-        self._refusal_log_t, self._refusals_unlogged = -1e9, 0  # refusal log lines: at most one a second
+        # lines about connections that never authenticated (refusals, failed HELLOs, hang-ups): a
+        # budget in all, not per address, so no set of clients can fill the disk
+        self.line_budget = LogBudget(per_second=1)
         # Prometheus (GET /metrics); the Ray front end labels its replica
         self.metrics = VerifierMetrics(self.model_name, self.status, metrics_labels)
 
@@ -176,15 +178,18 @@ class VerifierServer:
         try:
             await self._session(conn)
         except SessionError as exc:
-            log.warning("session %s: %s (code %d)", conn.peer, clean(exc, 300), exc.code)
+            if conn.accepted or self.line_budget.allow():
+                log.warning("session %s: %s (code %d)", conn.peer, clean(exc, 300), exc.code)
             self.errors.append(str(exc))
             await self._refuse(ws, exc.code, str(exc), 1008 if exc.code < 500 else 1011)
         except SessionGone:
-            log.info("session %s: client closed the connection; its queued work was cancelled", conn.peer)
+            if conn.accepted or self.line_budget.allow():
+                log.info("session %s: client closed the connection; its queued work was cancelled", conn.peer)
         except Exception as exc:  # the client vanished, or a bug: log it, keep serving others
             from websockets.exceptions import ConnectionClosed
             if isinstance(exc, ConnectionClosed):
-                log.info("session %s: client closed the connection (%s)", conn.peer, clean(exc))
+                if conn.accepted or self.line_budget.allow():
+                    log.info("session %s: client closed the connection (%s)", conn.peer, clean(exc))
             else:
                 incident = secrets.token_hex(4)
                 log.exception("session %s: internal error (incident %s)", conn.peer, incident)
@@ -210,21 +215,15 @@ class VerifierServer:
         if conn is None:
             return
         conn.reclaimed = True
-        log.info("session %s: no HELLO yet while the handshake slots are full: closed", conn.peer)
+        if self.line_budget.allow():
+            log.info("session %s: no HELLO yet while the handshake slots are full: closed", conn.peer)
         asyncio.ensure_future(self._refuse(conn.ws, P.ErrorCode.BUSY, "handshake too slow: HELLO must follow "
                                            "the connection at once while the verifier is busy", 1013))
 
     def _log_refusal(self, peer: str, refusal: str) -> None:
-        """A refused connection's log line, rate-limited: a flood must not fill the disk."""
-        now = time.monotonic()
-        if now - self._refusal_log_t >= 1.0:
-            if self._refusals_unlogged:
-                log.warning("%d more connection(s) refused in the last second (not logged one by one)",
-                            self._refusals_unlogged)
-            self._refusal_log_t, self._refusals_unlogged = now, 0
+        """A refused connection's log line, within the line budget: a flood must not fill the disk."""
+        if self.line_budget.allow():
             log.warning("connection %s refused: %s", peer, refusal)
-        else:
-            self._refusals_unlogged += 1
 
     _refuse = staticmethod(refuse)
 
