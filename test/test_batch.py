@@ -226,6 +226,18 @@ def test_batched_rounds_stream_each_sessions_own_early_exits():
         assert len(got_exits[0]) == len(p.target.exits.layers) and got_exits[2] == []
 
 
+def _two_greedy_sessions(pair):
+    """Two target sessions prefilled with different prompts (greedy rule), ready for rounds."""
+    from edgespec_ros.cloud.target import TargetSession
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.decoding.verify import VerifySettings
+    greedy = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
+    sessions = TargetSession(pair.target), TargetSession(pair.target)
+    for s, instruction in zip(sessions, ("find the silver bottle", "stop")):
+        s.start(EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, pair.image)[0], greedy)
+    return sessions
+
+
 def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_prefill(pair):
     """--compute FILE (edgespec-profile): a batched pass costs the table's time for its rows and
     longest block (not one flat pass), an AR-only pass the block-1 column, and a prefill the
@@ -239,11 +251,7 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     server = VerifierServer(server_copy(pair.target), compute=table)
     from edgespec_ros.cloud.target import TargetSession
     from edgespec_ros.decoding.verify import VerifySettings
-    from edgespec_ros.decoding.sampling import SamplingParams
-    greedy = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
-    a, b = TargetSession(pair.target), TargetSession(pair.target)
-    for s, instruction in ((a, "find the silver bottle"), (b, "stop")):
-        s.start(EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, pair.image)[0], greedy)
+    a, b = _two_greedy_sessions(pair)
 
     def charged(items):
         t0 = time.perf_counter()
@@ -272,17 +280,11 @@ def test_exits_are_timed_within_the_batched_pass_the_round_rides(pair):
     from edgespec_ros.cloud.batch import Round
     from edgespec_ros.cloud.exit_stream import ExitSender
     from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
-    from edgespec_ros.cloud.target import TargetSession
     from edgespec_ros.decoding.compute import ComputeProfile
-    from edgespec_ros.decoding.verify import VerifySettings
-    from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.wire import protocol as P
     table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.02, 0.03), (0.06, 0.09))), exit_s=0.005)
     server = VerifierServer(server_copy(pair.target), compute=table)
-    greedy = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
-    a, b = TargetSession(pair.target), TargetSession(pair.target)
-    for s, instruction in ((a, "find the silver bottle"), (b, "stop")):
-        s.start(EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt(instruction, pair.image)[0], greedy)
+    a, b = _two_greedy_sessions(pair)
     told = []
     items = [_DeviceWork(Round(a, [5], None), 2), _DeviceWork(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]
     for w in items:
