@@ -3,8 +3,11 @@ reads back exactly its frames, commands and decisions, and broken bags fail with
 says what to do, without loading the bag into memory."""
 from __future__ import annotations
 
+import re
 import shutil
+import struct
 import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
@@ -304,3 +307,257 @@ def test_the_bench_refuses_a_broken_bag_before_starting_anything(tmp_path, capsy
     assert "--replay: no bag at" in capsys.readouterr().err
     assert main(["--replay", str(tmp_path / "nowhere"), "--sweep", "modes"]) == 2
     assert "--replay: no bag at" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Crafted bags: each ends in BagError naming the bag and what is wrong (edgespec-bench --replay: exit
+# 2), never a traceback or gigabytes decoded
+
+
+def compressed_message(data: bytes, ns: int, fmt: str = "png"):
+    from edgespec_ros.bags import typestore
+    t = typestore().types
+    return t["sensor_msgs/msg/CompressedImage"](
+        header=t["std_msgs/msg/Header"](stamp=t["builtin_interfaces/msg/Time"](sec=ns // 10**9, nanosec=ns % 10**9),
+                                        frame_id="camera"),
+        format=fmt, data=np.frombuffer(data, np.uint8))
+
+
+def png_bytes(width: int, height: int, idat: bytes | None = None) -> bytes:
+    """A PNG whose IHDR says ``width`` x ``height`` (8-bit RGB); its IDAT holds ``idat`` (default: at
+    most 64 x 64 black pixels, zlib-compressed, so the file stays small whatever size the header claims)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    if idat is None:
+        idat = zlib.compress(b"\0" * (1 + 3 * min(width, 64)) * min(height, 64))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def camera_bag(path, frames, msgtype="sensor_msgs/Image"):
+    """A bag with a command at t = 0 and ``frames`` on the camera topic 1 s apart: each an RGB array
+    (a raw Image), bytes (a CompressedImage payload, or with msgtype Image raw CDR), or a message."""
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", msgtype)
+        bag.write("command", 0, string_message("explore"))
+        for k, frame in enumerate(frames, 1):
+            ns = k * 10**9
+            if isinstance(frame, bytes) and msgtype.endswith("CompressedImage"):
+                bag.write("camera/image_raw", ns, compressed_message(frame, ns))
+            elif isinstance(frame, bytes):
+                bag.write_raw("camera/image_raw", ns, frame)
+            elif isinstance(frame, np.ndarray):
+                bag.write("camera/image_raw", ns, image_message(frame, ns))
+            else:
+                bag.write("camera/image_raw", ns, frame)
+    return path
+
+
+def patch_chunk_index(path, patch):
+    """Rewrite every ChunkIndex record (op 0x08) of the bag's MCAP summary in place: ``patch(data,
+    start, end)`` with the record's body at data[start:end]."""
+    mcap = next(path.glob("*.mcap"))
+    data = bytearray(mcap.read_bytes())
+    pos = struct.unpack_from("<Q", data, len(data) - 37 + 9)[0]  # the footer's summary start
+    patched = 0
+    while data[pos] not in (0x02, 0x0E):  # footer, or the summary offsets after the index records
+        length = struct.unpack_from("<Q", data, pos + 1)[0]
+        if data[pos] == 0x08:
+            patch(data, pos + 9, pos + 9 + length)
+            patched += 1
+        pos += 9 + length
+    assert patched
+    mcap.write_bytes(bytes(data))
+
+
+FRAME = np.zeros((4, 4, 3), np.uint8)
+
+
+@pytest.mark.parametrize("offset", [2**40, 2**62])
+def test_a_chunk_index_pointing_past_the_file_is_refused_before_reading(tmp_path, offset):
+    """rosbags trusts the MCAP chunk index: an offset of 2**40 ended in a short read, one of 2**62 in
+    OSError (seek: Invalid argument), both deep in the scan."""
+    path = camera_bag(tmp_path / "bag", [FRAME])
+    patch_chunk_index(path, lambda data, start, end: struct.pack_into("<Q", data, start + 16, offset))
+    with pytest.raises(BagError, match=rf"bag\.mcap: the MCAP chunk index \(entry 0\) puts a chunk at bytes "
+                                       rf"{offset}\.\..* outside the file's data section"):
+        BagReplay(path)
+
+
+def test_a_chunk_index_declaring_an_absurd_size_is_refused_before_reading(tmp_path):
+    path = camera_bag(tmp_path / "bag", [FRAME])
+    patch_chunk_index(path, lambda data, start, end: struct.pack_into("<Q", data, end - 8, 2**62))  # uncompressed
+    with pytest.raises(BagError, match=rf"declares a chunk of \d+ stored / {2**62} decompressed bytes"):
+        BagReplay(path)
+
+
+def test_a_compressed_chunk_that_inflates_past_its_declared_size_is_not_inflated(tmp_path):
+    """A zstd bomb: 2 KB of chunk that inflate to 64 MiB past the size the chunk declares; the reader
+    stops one byte past it instead of inflating it all first."""
+    from rosbags.rosbag2.storage_mcap import zstd
+
+    def bomb(data):
+        compressor = zstd.ZstdCompressor()
+        return compressor.compress(data) + b"".join(compressor.compress(bytes(2**20)) for _ in range(64)) \
+            + compressor.flush()
+    path = tmp_path / "bomb"
+    with BagWriter(path) as bag:
+        bag._writer.storage.compressor = bomb  # rosbags' McapWriter: how it compresses a chunk
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.write("command", 0, string_message("explore"))
+        bag.write("camera/image_raw", 10**9, image_message(FRAME, 10**9))
+    assert next(path.glob("*.mcap")).stat().st_size < 10_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(BagError, match=r"cannot read the bag .*bomb before its first message: Chunk size mismatch: "
+                                           r"expected (\d+) bytes, got (\d+)") as caught:
+            BagReplay(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    expected, got = map(int, re.search(r"expected (\d+) bytes, got (\d+)", str(caught.value)).groups())
+    assert got == expected + 1  # stopped one byte past the declared size, not 64 MiB past it
+    assert peak < 8e6, f"peak {peak / 1e6:.1f} MB"
+
+
+def test_a_bag_whose_schema_redefines_the_image_is_refused(tmp_path):
+    """The bag carries its own definitions, which rosbags deserializes with: an Image defined as
+    something else was read into an object without .header (AttributeError mid-scan)."""
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    def bag_with_image_defined_as(path, fields):
+        fake = get_typestore(Stores.EMPTY)
+        fake.register(get_types_from_msg("int32 sec\nuint32 nanosec", "builtin_interfaces/msg/Time"))
+        fake.register(get_types_from_msg("builtin_interfaces/Time stamp\nstring frame_id", "std_msgs/msg/Header"))
+        fake.register(get_types_from_msg(fields, "sensor_msgs/msg/Image"))
+        with BagWriter(path) as bag:
+            bag.add_topic("command", "std_msgs/String")
+            bag.write("command", 0, string_message("explore"))
+            conn = bag._writer.add_connection("/camera/image_raw", "sensor_msgs/msg/Image", typestore=fake)
+            bag._writer.write(conn, 10**9, b"\0\1\0\0" + bytes(64))  # refused on its definition, never read
+        return path
+    path = bag_with_image_defined_as(tmp_path / "string", "string data")
+    with pytest.raises(BagError, match=r"string: the camera topic /camera/image_raw cannot be read: the bag's message "
+                                       r"definition does not match ROS 2's: its sensor_msgs/msg/Image has no field "
+                                       r"'header' \(it has data\)"):
+        BagReplay(path)
+    path = bag_with_image_defined_as(tmp_path / "height", "std_msgs/Header header\nstring height\nuint32 width\n"
+                                                          "string encoding\nuint32 step\nstring data")
+    with pytest.raises(BagError, match=r"its sensor_msgs/msg/Image field 'height' is a string, which does not read "
+                                       r"as ROS 2's uint32"):
+        BagReplay(path)
+    # a nested type is compared too, field by field: a Header whose stamp is a string is refused, a ROS 1
+    # Header (an extra seq) reads as ROS 2's
+    import edgespec_ros.bags as bags
+
+    class Bag:  # what definition_problem reads of an AnyReader
+        def __init__(self, header):
+            self.typestore = get_typestore(Stores.EMPTY)
+            for text, name in (("int32 sec\nuint32 nanosec", "builtin_interfaces/msg/Time"),
+                               (header, "std_msgs/msg/Header"),
+                               ("std_msgs/Header header\nuint32 height\nuint32 width\nstring encoding\n"
+                                "uint8 is_bigendian\nuint32 step\nuint8[] data", "sensor_msgs/msg/Image")):
+                self.typestore.register(get_types_from_msg(text, name))
+    assert bags.definition_problem(Bag("string stamp\nstring frame_id"), "sensor_msgs/msg/Image") == (
+        "its sensor_msgs/msg/Image field 'header' is a std_msgs/msg/Header, which does not read as ROS 2's "
+        "std_msgs/msg/Header")
+    assert bags.definition_problem(Bag("uint32 seq\nbuiltin_interfaces/Time stamp\nstring frame_id"),
+                                   "sensor_msgs/msg/Image") is None
+
+
+@pytest.mark.parametrize("raw", [bytes(np.random.default_rng(0).integers(0, 256, 200, dtype=np.uint8)),
+                                 b"\0\1\0\0" + bytes(np.random.default_rng(1).integers(0, 256, 200, dtype=np.uint8))],
+                         ids=["no-cdr-header", "cdr-header"])
+def test_random_bytes_as_a_message_are_refused(tmp_path, raw):
+    path = camera_bag(tmp_path / "bag", [FRAME, raw])
+    with pytest.raises(BagError, match=r"bag: the message on /camera/image_raw at 2000000000 ns \(\d+ bytes\) is not "
+                                       r"a valid sensor_msgs/msg/Image"):
+        BagReplay(path)
+    with BagWriter(tmp_path / "command") as bag:  # on the command topic too
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.write_raw("command", 0, raw)
+        bag.write("camera/image_raw", 10**9, image_message(FRAME, 10**9))
+    with pytest.raises(BagError, match=r"the message on /command at 0 ns .* is not a valid std_msgs/msg/String"):
+        BagReplay(tmp_path / "command")
+
+
+def short_raw(ns):
+    msg = image_message(FRAME, ns)
+    msg.height = 400  # 48 bytes of data for 400 rows
+    return msg
+
+
+def wrong_encoding(ns):
+    msg = image_message(FRAME, ns)
+    msg.encoding = "16UC1"
+    return msg
+
+
+@pytest.mark.parametrize("msgtype, bad, match", [
+    ("sensor_msgs/Image", short_raw(3 * 10**9), r"48 data bytes for a 4x400 image, expected step\*height = 4800"),
+    ("sensor_msgs/Image", wrong_encoding(3 * 10**9), r"unsupported image encoding '16UC1'"),
+    ("sensor_msgs/CompressedImage", png_bytes(4, 4)[:40], r"not a readable PNG or JPEG image: no header PIL can read"),
+    ("sensor_msgs/CompressedImage", b"GIF89a" + bytes(64), r"not a readable PNG or JPEG image"),
+], ids=["short-raw", "encoding", "truncated-png", "gif"])
+def test_a_bad_later_frame_fails_the_scan_before_anything_runs(tmp_path, msgtype, bad, match):
+    """The first frames decode, the third does not: the scan checks every frame (a raw one whole, a
+    compressed one's header), so the bag is refused before the benchmark starts."""
+    good = FRAME if msgtype.endswith("/Image") else png_bytes(4, 4)
+    path = camera_bag(tmp_path / "bag", [good, good, bad], msgtype)
+    with pytest.raises(BagError, match=r"bag: the camera topic /camera/image_raw \(sensor_msgs/msg/\w+\), frame at "
+                                       rf"3000000000 ns: .*{match}"):
+        BagReplay(path)
+
+
+def test_a_later_frame_whose_body_does_not_decode_fails_with_bag_error_and_exit_2(tmp_path, monkeypatch, capsys):
+    """A compressed frame with a good header and a broken body passes the scan (which reads headers
+    only); reading it is a BagError naming the frame, and edgespec-bench exits 2 with it."""
+    import edgespec_ros.bench.cli as cli
+
+    broken = png_bytes(4, 4, idat=b"\x78\x9c" + b"\xff" * 20)  # a zlib header, then no deflate stream
+    path = camera_bag(tmp_path / "bag", [png_bytes(4, 4), png_bytes(4, 4), broken], "sensor_msgs/CompressedImage")
+    replay = BagReplay(path)
+    assert len(replay) == 3
+    with pytest.raises(BagError, match=r"bag: the camera topic /camera/image_raw \(sensor_msgs/msg/CompressedImage\), "
+                                       r"frame at 3000000000 ns"):
+        list(replay)
+    monkeypatch.setattr(cli, "run_sweep", lambda args, replay: sum(1 for _ in replay))  # the sweep's pass, no models
+    assert cli.main(["--replay", str(path), "--sweep", "modes"]) == 2
+    assert "--replay: " in (err := capsys.readouterr().err) and "frame at 3000000000 ns" in err
+
+
+def test_compressed_frames_replay_as_rgb(tmp_path):
+    from edgespec_ros.imaging import jpeg_bytes
+    frames = [np.full((24, 32, 3), (40 * k, 200 - 50 * k, 90), np.uint8) for k in range(3)]  # flat: JPEG keeps it
+    path = camera_bag(tmp_path / "jpeg", [jpeg_bytes(f) for f in frames], "sensor_msgs/CompressedImage")
+    got = [rgb for _instruction, rgb in BagReplay(path)]
+    assert [g.shape for g in got] == [(24, 32, 3)] * 3
+    assert all(np.abs(g.astype(int) - f).max() <= 4 for g, f in zip(got, frames))
+
+
+def test_a_huge_png_is_refused_before_it_is_decoded(tmp_path):
+    """A 1 KB PNG whose header claims 13000 x 13000 pixels (2 GB once decoded and converted): refused
+    on its header, with nothing allocated for its pixels."""
+    huge = png_bytes(13000, 13000)
+    assert len(huge) < 1000
+    path = camera_bag(tmp_path / "bag", [huge], "sensor_msgs/CompressedImage")
+    tracemalloc.start()
+    try:
+        with pytest.raises(BagError, match=r"frame at 1000000000 ns: a 13000x13000 frame \(169 MP\) is over the "
+                                           r"16\.8 MP a replay decodes \(MAX_FRAME_PIXELS\); refused before decoding"):
+            BagReplay(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6, f"peak {peak / 1e6:.1f} MB"
+
+
+def test_a_raw_frame_over_the_pixel_cap_is_refused_before_it_is_reshaped(tmp_path):
+    msg = image_message(FRAME, 10**9)
+    msg.height = msg.width = 13000
+    path = camera_bag(tmp_path / "bag", [msg])
+    with pytest.raises(BagError, match=r"a 13000x13000 frame \(169 MP\) is over the 16\.8 MP"):
+        BagReplay(path)
