@@ -314,8 +314,13 @@ class FairCompute:
             job = self._next()
             if job is None:
                 return
-            # a cancelled pass still runs for the rounds riding in it (their preludes ran in its turn)
-            if job.batch and (not job.future.cancelled() or job.companions):
+            while job.batch and job.future.cancelled() and job.companions:
+                # its own round is gone, not the rounds riding in it (their preludes ran in its
+                # turn): the first rider's pass leads the rest
+                with self._cond:
+                    lead, lead.companions, job.companions = job.companions[0], job.companions[1:], []
+                job = lead
+            if job.batch and not job.future.cancelled():
                 self._run_batch(job)
                 continue
             if job.future.cancelled():
