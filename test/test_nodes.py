@@ -234,6 +234,23 @@ def test_with_estop_required_nothing_moves_until_the_estop_topic_says_false():
         wait_until(lambda: moving(twists(probe)), what="motion once the e-stop topic said false")
 
 
+@pytest.mark.parametrize("words", [(True, False, True, False), (False, True, False, True)])
+def test_a_latched_publishers_words_reach_both_estop_subscriptions_and_the_last_one_holds(words):
+    """A TRANSIENT_LOCAL publisher matches both e-stop subscriptions: each word arrives twice, in
+    any order across the two; a copy or an older word is dropped by its sequence number, so the
+    publisher's last word is the state, never an earlier one arriving late."""
+    with graph(("navigator",), overrides={"navigator": {"use_odometry": False}}) as g:
+        nav = g.nodes["navigator"]
+        probe = navigator_probe(g)
+        supervisor = probe.node.create_publisher(Bool, "estop", LATCHED_QOS)
+        wait_until(lambda: supervisor.get_subscription_count() >= 2, what="both e-stop subscriptions")
+        for word in words:
+            supervisor.publish(Bool(data=word))
+        wait_until(lambda: nav._estop is not None and nav._estop_seq, what="the words")
+        time.sleep(0.3)  # every copy delivered
+        assert nav._estop == words[-1] and max(nav._estop_seq.values()) == len(words)
+
+
 def test_a_decision_callback_after_deactivate_moves_nothing():
     """A decision whose callback runs after deactivate returned (a reentrant group can hold it):
     ignored, no Move; the robot stays stopped."""

@@ -306,7 +306,7 @@ class NavigatorNode(LifecycleNode):
             self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal)
             self._tick(now)
 
-    def on_estop(self, msg: Bool, info=None) -> None:
+    def on_estop(self, msg: Bool, info) -> None:  # two parameters: rclpy then hands over the MessageInfo
         """The e-stop topic, heard in every lifecycle state: engaging stops at once (a stop is sent
         even while inactive), releasing allows motion only once the node is active. A message
         already applied (the other subscription's copy) or older than one applied from its
