@@ -85,7 +85,12 @@ def test_bench_pipe_rows_have_the_pipeline_columns(tmp_path, capsys):
     for r in rows.values():  # the timeline: one pass per round; passes + idle is the wall time
         assert sum(r["cloud_passes"].values()) == r["rounds"] and r["cloud_passes"]["fill"] == r["decisions"]
         explained = r["passes_ms_per_token"] + sum(r["idle_ms_per_token"].values())
-        assert 0.8 * r["ms_per_token"] <= explained <= 1.02 * r["ms_per_token"]
+        # A native run of a few ms a token: the verifier's measured pass times and the robot's wall
+        # clock cover overlapping intervals, and on a loaded 2-core machine they disagree by a few
+        # percent either way (8.09 against 7.87 ms/token seen). The identity itself is exact with
+        # given times (test_pipe.py::test_cloud_timeline_charges_idle_to_what_each_pass_waited_for);
+        # here a category missing or charged twice would be off by far more than 20%.
+        assert 0.8 * r["ms_per_token"] <= explained <= 1.2 * r["ms_per_token"]
     # the verifier's /metrics after the run: vLLM's counters agree with what the robot counted
     scraped = {}
     for family in text_string_to_metric_families((tmp_path / "metrics.txt").read_text()):
