@@ -1092,6 +1092,10 @@ def test_the_quantum_sizes_follow_the_device_unless_given():
     assert (gpu.prefill_chunk, gpu.max_batch_tokens) == (256, 512)
     given = limits_from_args(build_parser().parse_args(["--prefill-chunk", "128", "--max-batch-tokens", "96"]))
     assert (given.prefill_chunk, given.max_batch_tokens) == (128, 96)
+    # tenants share passes where a pass of several rows costs about one (a GPU, or an emulated profile)
+    assert (cpu.tenants_per_pass, gpu.tenants_per_pass) == (1, 64)
+    assert limits_from_args(build_parser().parse_args(["--compute", "go2-paper"])).tenants_per_pass == 64
+    assert limits_from_args(build_parser().parse_args(["--tenants-per-pass", "3"])).tenants_per_pass == 3
     for bad in ("0", "-3", "big"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--max-batch-tokens", bad])

@@ -55,7 +55,8 @@ def _prelude(rng: random.Random, round_id: str):
 async def _schedule(seed: int) -> tuple[_Device, dict, set, FairCompute]:
     rng = random.Random(seed)
     fair = FairCompute("t", max_batch=rng.choice((2, 3, 4, 8)),
-                       max_batch_tokens=rng.choice((None, None, 8, 12)))
+                       max_batch_tokens=rng.choice((None, None, 8, 12)),
+                       pass_cost=rng.choice((None, lambda rows: 0.002)))  # passes may wait for expected rounds
     device = _Device(random.Random(seed + 1))
     sessions = [f"s{i}" for i in range(rng.randint(2, 6))]
     flows = {s: rng.choice((None, "tenant-a", "tenant-b")) for s in sessions}
@@ -220,3 +221,114 @@ def test_rounds_queued_together_share_passes(max_batch, passes):
         assert sizes == passes
     finally:
         fair.shutdown()
+
+
+def _cohorts(pass_cost, rounds: int = 8, pass_s: float = 0.3, draft_s: float = 0.1, lone: bool = False):
+    """Two robots whose drafting (draft_s) is shorter than a pass (pass_s), the second starting
+    during the first's pass: without a hold they alternate on the accelerator forever, one round a
+    pass. Returns the pass sizes and the FairCompute."""
+    fair = FairCompute("t", max_batch=8, pass_cost=pass_cost)
+    sizes = []
+
+    def verify(items):
+        sizes.append(len(items))
+        return Occupy([f"verdict {i}" for i in items], pass_s)
+
+    async def robot(name, start_s):
+        await asyncio.sleep(start_s)
+        for n in range(rounds):
+            await fair.run_batched(name, verify, lambda q: q, prelude=(lambda n=n: f"{name}.{n}", ()))
+            await asyncio.sleep(draft_s)
+
+    async def main():
+        starts = [("a", 0.0)] if lone else [("a", 0.0), ("b", pass_s / 2)]
+        await asyncio.wait_for(asyncio.gather(*(robot(*s) for s in starts)), 60)
+
+    try:
+        asyncio.run(main())
+    finally:
+        fair.shutdown()
+    return sizes, fair
+
+
+def test_a_pass_waits_for_the_other_cohort_when_that_saves_the_accelerator_time():
+    """The cohorts merge: the pass of the robot that is ready waits the other's short drafting
+    (0.1 s, less than the 0.3 s a pass saves), and from then on both ride one pass."""
+    alone, fair0 = _cohorts(None)
+    held, fair1 = _cohorts(lambda rows: 0.3)
+    assert alone == [1] * 16 and fair0.holds == 0  # the control: two cohorts, one round a pass
+    # merged after a round or two (b started later, so its last round is alone)
+    assert sum(held) == 16 and len(held) <= 10 and held.count(2) >= 6, held
+    assert 0 < fair1.holds <= 3 and fair1.hold_s < 3 * 0.3
+
+
+def test_a_pass_is_not_held_where_batching_saves_nothing_or_for_a_lone_robot():
+    # a pass of two costs two passes: waiting would only idle the accelerator
+    proportional, fair = _cohorts(lambda rows: 0.3 * rows)
+    assert fair.holds == 0 and proportional == [1] * 16
+    lone, fair = _cohorts(lambda rows: 0.3, rounds=6, lone=True)
+    assert fair.holds == 0 and lone == [1] * 6
+
+
+def test_a_hold_ends_at_the_expected_time_when_the_round_never_comes():
+    """b goes quiet after its rounds (its session stays open): a's pass is held for b at most
+    until b's predicted time, once, and never again."""
+    fair = FairCompute("t", max_batch=8, pass_cost=lambda rows: 0.2)
+    latencies = []
+
+    def verify(items):
+        return Occupy([f"verdict {i}" for i in items], 0.2)
+
+    async def robot(name, rounds):
+        for n in range(rounds):
+            t0 = asyncio.get_running_loop().time()
+            await fair.run_batched(name, verify, lambda q: q, prelude=(lambda n=n: f"{name}.{n}", ()))
+            latencies.append((name, n, asyncio.get_running_loop().time() - t0))
+            await asyncio.sleep(0.05)
+
+    async def main():
+        await asyncio.wait_for(asyncio.gather(robot("a", 10), robot("b", 3)), 60)
+
+    try:
+        asyncio.run(main())
+    finally:
+        fair.shutdown()
+    assert fair.holds <= 2, fair.holds
+    a_last = [lat for name, n, lat in latencies if name == "a" and n >= 5]
+    assert max(a_last) < 0.2 + 0.1, latencies  # a pass, no wait for b
+
+
+def test_where_tenants_are_kept_apart_a_pass_carries_one_tenants_rounds():
+    """max_flows_per_pass=1 (a CPU verifier's default): rounds of two tenants queued together run
+    as one pass per tenant, a tenant's own robots still together; without the cap, one pass."""
+    def run(max_flows):
+        fair = FairCompute("t", max_batch=8, max_flows_per_pass=max_flows)
+        hold, running = threading.Event(), threading.Event()
+        passes = []
+
+        def blocker():
+            running.set()
+            hold.wait()
+
+        def verify(items):
+            passes.append(sorted(items))
+            return [f"verdict {i}" for i in items]
+
+        async def main():
+            blocked = asyncio.ensure_future(fair.run("blocker", blocker))
+            await asyncio.get_running_loop().run_in_executor(None, running.wait)
+            futs = [asyncio.ensure_future(fair.run_batched(s, verify, lambda q: q, flow=t, prelude=(lambda s=s: s, ())))
+                    for s, t in (("a1", "A"), ("b1", "B"), ("a2", "A"), ("b2", "B"))]
+            await asyncio.sleep(0)
+            hold.set()
+            await blocked
+            return await asyncio.gather(*futs)
+
+        try:
+            assert asyncio.run(main()) == ["verdict a1", "verdict b1", "verdict a2", "verdict b2"]
+        finally:
+            fair.shutdown()
+        return passes
+
+    assert sorted(run(1)) == [["a1", "a2"], ["b1", "b2"]]
+    assert run(None) == [["a1", "a2", "b1", "b2"]]

@@ -134,7 +134,9 @@ def _row(verifier: str, n: int, outs: list, wall: float, stats: dict, draft_s: f
             "errors": [e for o in outs for e in o["errors"]],
             "compute_busy": (stats["compute_busy_s"] / wall / stats.get("replicas", 1)
                              if stats.get("compute_busy_s") is not None else None),
-            "compute": compute, "replicas": stats.get("replicas", 1)}
+            "compute": compute, "replicas": stats.get("replicas", 1),
+            "hold_ms_per_pass": (1e3 * stats["hold_s"] / stats["batches"] if stats.get("batches") and "hold_s" in stats
+                                 else None)}  # the accelerator held for rounds about to arrive
 
 
 def _fleet_status(url: str, replicas: int, tries: int = 40) -> dict | None:
@@ -200,7 +202,8 @@ def run_fleet(opts, progress) -> list[dict]:
             with ServerThread(server) as st:
                 outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s, draft_lm.memory)
                 fair = server.fair
-                stats = {"batches": fair.batches, "batched_jobs": fair.batched_jobs, "compute_busy_s": fair.busy_s}
+                stats = {"batches": fair.batches, "batched_jobs": fair.batched_jobs, "compute_busy_s": fair.busy_s,
+                         "holds": fair.holds, "hold_s": fair.hold_s}
                 rows.append(_row(verifier, n, outs, wall, stats, draft_s, compute.name))
             bar.update(n * per_robot)
     if "ray" in verifiers:
@@ -268,11 +271,11 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
 def table_fleet(rows: list[dict]) -> str:
     from .report import _fmt, fixed_width
     head = ["verifier", "robots", "decisions", "tokens/s", "x vs sequential", "ms/token per robot", "p50 ms",
-            "p99 ms", "p99 vs lone", "mean batch", "cloud busy", "desync"]
+            "p99 ms", "p99 vs lone", "mean batch", "held ms/pass", "cloud busy", "desync"]
     lines = [[r["verifier"] + (f" x{r['replicas']}" if r.get("replicas", 1) > 1 else ""), str(r["robots"]), str(r["decisions"]), _fmt(r["tokens_per_s"], ".1f"),
               _fmt(r["throughput_vs_sequential"], ".2f") + "x", _fmt(r["ms_per_token"], ".1f"),
               _fmt(r["p50_ms"], ".0f"), _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_vs_lone"], ".2f") + "x",
-              _fmt(r["mean_batch"], ".2f"),
+              _fmt(r["mean_batch"], ".2f"), _fmt(r.get("hold_ms_per_pass"), ".0f"),
               _fmt(None if r["compute_busy"] is None else 100 * r["compute_busy"], ".0f") + "%", str(r["desync"])]
              for r in rows]
     draft = rows[0]["draft_ms"] if rows else 0

@@ -176,6 +176,9 @@ LIMIT_OPTIONS = [
     ("max_batch_tokens", "--max-batch-tokens", int, "tokens one batched pass may feed, its rows summed, each pass "
                                                     "one quantum of the fair scheduler (smaller: a robot's round waits "
                                                     "less behind a batch of another tenant's long drafts)"),
+    ("tenants_per_pass", "--tenants-per-pass", int, "auth tokens whose rounds may share one batched pass (1: a "
+                                                    "tenant's robots batch only with each other, and a robot's pass "
+                                                    "never carries another tenant's rows)"),
 ]
 
 
@@ -186,12 +189,14 @@ def threads_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number of threads nor 'auto'")
 
 
-# The fair scheduler's quantum sizes, by where the target runs (issue 34, docs/verifier.md: the
-# soak): a robot's round waits for at most one quantum of another tenant's work. On a CPU a
+# The fair scheduler's quantum sizes and tenant sharing, by where the target runs (docs/verifier.md:
+# the soak): a robot's round waits for at most one quantum of another tenant's work. On a CPU a
 # prefill piece or a pass costs in proportion to its tokens, so small quanta keep that wait short
-# (64 and 64: p99 1.15x of unloaded under 100 hostile clients, against 1.73x with 256 and 512);
-# on a GPU a pass of 64 tokens costs about what one of 256 does, so larger ones keep throughput.
-QUANTUM_SIZES = {"prefill_chunk": (64, 256), "max_batch_tokens": (64, 512)}
+# (64 and 64: p99 1.15x of unloaded under 100 hostile clients, against 1.73x with 256 and 512),
+# and another tenant's rows in a robot's pass only lengthen it; on a GPU a pass of 64 tokens costs
+# about what one of 256 does and a pass of 8 rows about one, so larger quanta and shared passes
+# keep throughput. (CPU value, GPU value).
+QUANTUM_SIZES = {"prefill_chunk": (64, 256), "max_batch_tokens": (64, 512), "tenants_per_pass": (1, 64)}
 
 
 def auto_or_int(text: str):
@@ -208,14 +213,16 @@ def auto_or_int(text: str):
 
 
 def limits_from_args(args) -> ServerLimits:
-    """The verifier's limits from its options, the quantum sizes resolved for ``args.device``
-    (ValueError for a limit out of range)."""
+    """The verifier's limits from its options, the quantum sizes and tenant sharing resolved for
+    ``args.device`` (ValueError for a limit out of range)."""
     values = {name: getattr(args, name) for name, *_ in LIMIT_OPTIONS}
     on_gpu = str(getattr(args, "device", "cpu")).startswith("cuda") or (
         getattr(args, "device", "cpu") == "auto" and _cuda_available())
+    # an emulated profile charges a pass its profile's time (a GPU's): tenants share passes there
+    emulated = getattr(args, "compute", "native") not in ("native", None)
     for name, sizes in QUANTUM_SIZES.items():
         if values[name] == "auto":
-            values[name] = sizes[on_gpu]
+            values[name] = sizes[on_gpu or (emulated and name == "tenants_per_pass")]
     return ServerLimits(**values)
 
 

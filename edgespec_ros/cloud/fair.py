@@ -16,15 +16,29 @@ A job may be preemptible: when fn returns a generator, each step up to its next 
 quantum, and after every quantum the scheduler picks again, so one session's long work (a
 worst-case codec frame, a long prefill) is interleaved with the others' short jobs instead of
 holding the thread; the generator's return value is the job's result.
+
+A pass may wait for rounds about to arrive (``pass_cost``: what a pass of n rows costs the
+accelerator). Robots that draft for less than a pass lasts fall into cohorts: the rounds that
+arrive during one pass form the next, the device never idles, and every robot waits a pass for
+the other cohort's. When the next device job is a pass and other sessions' rounds are expected
+(each session's next round is predicted from the gaps between its verdicts and its next rounds)
+before a pass of the rows ready now would end, the accelerator is held for them if that saves
+device time: pass(n) + pass(k) - pass(n + k) > the wait. Host work (their decodes) runs meanwhile;
+a round that does not come by its predicted time is not waited for again. A lone session is never
+held, and without a cost model (a native verifier) nothing is.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import itertools
+import statistics
 import threading
 import time
 from collections import deque
+
+HOLD_MIN_S = 1e-3  # a hold for decodes already queued: they run first, then the hold is judged again
+HOLD_GAPS = 5  # a session's last gaps between a verdict and its next round (their median predicts the next)
 
 
 class SessionGone(Exception):
@@ -63,8 +77,20 @@ class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
     def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8, batch_spread: float = 2.0,
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: int | None = None, pass_cost=None, max_flows_per_pass: int | None = None):
         self.max_queued, self.max_batch = max_queued, max_batch
+        # flows (tenants) whose rounds may share one pass (None: any): where a pass costs in
+        # proportion to its rows (a CPU), sharing buys no throughput and lengthens each tenant's
+        # pass by the others' rows, so the verifier keeps tenants apart there
+        self.max_flows_per_pass = max_flows_per_pass
+        # pass_cost(rows) -> the accelerator's seconds for a pass of that many sessions' rounds
+        # (an emulated profile's); None: passes never wait for rounds about to arrive
+        self.pass_cost = pass_cost
+        self._delivered: dict = {}  # session key -> (perf_counter time its last pass's result was due, its flow)
+        self._gaps: dict[object, deque] = {}  # session key -> its last gaps from a verdict to its next round
+        self.holds = 0  # times the accelerator was held for expected rounds ...
+        self.hold_s = 0.0  # ... and the seconds it was held in all
+        self._held_from = None  # perf_counter time the hold in progress began
         # a pass's tokens (its rows summed) at most this many: one pass is one quantum that every
         # other flow's job waits for, so its size bounds their wait (None: max_batch rows only)
         self.max_batch_tokens = max_batch_tokens
@@ -112,6 +138,10 @@ class FairCompute:
                 self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
             job = _Job(key, flow, fn, args, future, loop, next(self._order))
             job.batch, job.device, job.cost, job.then, job.rows = _batch, device, _cost, _then, max(1, _rows)
+            if (_batch or _then is not None) and key in self._delivered:  # a round after a verdict
+                gap = job.queued_at - self._delivered.pop(key)[0]
+                if gap >= 0:
+                    self._gaps.setdefault(key, deque(maxlen=HOLD_GAPS)).append(gap)
             self._queues[flow].append(job)
             self._queued += 1
             self._cond.notify()
@@ -144,6 +174,7 @@ class FairCompute:
         """The session ended: cancel its queued jobs (returns how many) and refuse new ones."""
         with self._cond:
             self._closed_keys.add(key)
+            self._delivered.pop(key, None)  # never expected again
             jobs, orphans, removed = [], [], 0
             for flow in list(self._queues):
                 queue = self._queues[flow]
@@ -184,6 +215,8 @@ class FairCompute:
         with self._cond:
             self._closed_keys.discard(key)
             self._waits.pop(key, None)
+            self._delivered.pop(key, None)
+            self._gaps.pop(key, None)
             flow = key if flow is None else flow
             if flow not in self._queues:
                 self._vtime.pop(flow, None)
@@ -211,7 +244,15 @@ class FairCompute:
                     self._cond.wait()
                 if self._stopping and not self._queued:
                     return None
-                busy_for = self._device_free - time.perf_counter()
+                now = time.perf_counter()
+                busy_for = self._device_free - now
+                if busy_for <= 0:  # free: held a while for rounds about to arrive, where that saves time
+                    busy_for = self._hold(now)
+                    if busy_for > 0 and self._held_from is None:
+                        self._held_from, self.holds = now, self.holds + 1
+                    elif busy_for <= 0 and self._held_from is not None:
+                        self.hold_s += now - self._held_from
+                        self._held_from = None
                 # While the accelerator is busy, host-only work runs (a round's decode among it);
                 # once it is free, a round's pass competes in fair order like any device job: a
                 # pass that always went first starved every other flow's prefill while two robots
@@ -231,6 +272,49 @@ class FairCompute:
                 del self._queues[flow]  # idle: its vtime stays until it returns or is forgotten
             self.running_key, self.running_flow = job.key, flow
             return job
+
+    def _hold(self, now: float) -> float:
+        """Seconds to keep the free accelerator idle for rounds about to arrive (0: none), when
+        the next device job is a pass. Called with the lock held."""
+        if self.pass_cost is None or self.max_batch <= 1:
+            return 0.0
+        heads = [q[0] for q in self._queues.values() if q[0].device]
+        if not heads:
+            return 0.0
+        first = min(heads, key=lambda j: (self._vtime[j.flow], j.order))
+        if not first.batch:
+            return 0.0
+        # who may ride with it: any flow, or its own alone where tenants are kept apart
+        mine = (lambda flow: True) if self.max_flows_per_pass != 1 else (lambda flow: flow == first.flow)
+        waiting = {job.key for q in self._queues.values() for job in q}
+        n = sum(1 + len(self._riders(j)) for j in heads if j.batch and j.fn == first.fn and mine(j.flow))
+        for j in heads:
+            waiting.update(c.key for c in j.companions)
+        if self.running_key is not None:
+            waiting.add(self.running_key)
+        pass_n = self.pass_cost(n)
+        # rounds already here whose decode (host work, at the head of its flow) has not run: due
+        # now, as it runs while the accelerator is held (``_companions`` takes them when the
+        # decode comes first)
+        decoding = sum(1 for q in self._queues.values() if mine(q[0].flow) and q[0].then is not None
+                       and q[0].then[1] is not None and q[0].then[0] == first.fn)
+        expected = ((self._expected(key), flow) for key, (_, flow) in self._delivered.items() if key not in waiting)
+        due = [now] * decoding + sorted(t for t, flow in expected if t is not None and mine(flow)
+                                        and now < t < now + pass_n)
+        best, hold = 0.0, 0.0
+        for k, t in enumerate(due[:max(0, self.max_batch - n)], start=1):
+            gain = pass_n + self.pass_cost(k) - self.pass_cost(n + k) - (t - now)
+            if gain > best:
+                best, hold = gain, max(t - now, HOLD_MIN_S)
+        return hold
+
+    def _expected(self, key) -> float | None:
+        """When session ``key``'s next round is expected (its last verdict plus the median of its
+        last gaps); None without a gap yet. Called with the lock held."""
+        gaps = self._gaps.get(key)
+        if not gaps or key in self._closed_keys:
+            return None
+        return self._delivered[key][0] + statistics.median(gaps)
 
     def _gather(self, first: _Job) -> list[_Job]:
         """The batch that rides with ``first``: for each other session, its head job if it is a
@@ -256,7 +340,8 @@ class FairCompute:
                 seen.update(c.key for c in group)
                 rows = sum(c.rows for c in group)
                 fits = (len(batch) + len(group) <= self.max_batch
-                        and (self.max_batch_tokens is None or tokens + rows <= self.max_batch_tokens))
+                        and (self.max_batch_tokens is None or tokens + rows <= self.max_batch_tokens)
+                        and self._flows_fit(batch, group))
                 if job.batch and job.fn == first.fn and not job.future.cancelled() and self._similar(first, job) and fits:
                     tokens += rows
                     queue.remove(job)
@@ -268,6 +353,12 @@ class FairCompute:
             if not queue:
                 del self._queues[flow]
         return batch
+
+    def _flows_fit(self, batch: list[_Job], group: list[_Job]) -> bool:
+        """``group`` may join ``batch`` within max_flows_per_pass tenants."""
+        if self.max_flows_per_pass is None:
+            return True
+        return len({j.flow for j in batch} | {j.flow for j in group}) <= self.max_flows_per_pass
 
     def _riders(self, job: _Job) -> list[_Job]:
         """The live companions of a round's pass (the rounds whose preludes ran in its turn)."""
@@ -305,6 +396,8 @@ class FairCompute:
             for job in jobs:  # each flow pays its share of the pass
                 if job.flow in self._vtime:
                     self._vtime[job.flow] += spent / len(jobs)
+                if job.key not in self._closed_keys:
+                    self._delivered[job.key] = (self._device_free, job.flow)
             self.jobs += len(jobs)
         for job, result, error in zip(jobs, results, errors):
             _deliver(job, result, error, occupy)
@@ -423,7 +516,8 @@ class FairCompute:
                 if job.key in seen:
                     continue
                 seen.add(job.key)  # only a session's head job may join
-                fits = self.max_batch_tokens is None or tokens + job.rows <= self.max_batch_tokens
+                fits = ((self.max_batch_tokens is None or tokens + job.rows <= self.max_batch_tokens)
+                        and self._flows_fit([first] + taken, [job]))
                 if (job.then is not None and job.then[1] is not None and job.then[0] == fn and job.steps is None
                         and not job.future.cancelled() and fits and self._similar(first, job)):
                     tokens += job.rows

@@ -55,6 +55,10 @@ class ServerLimits:
     # tokens one batched pass may feed, its rows summed (vLLM's max_num_batched_tokens): a pass is
     # one quantum that every other tenant's round waits for (a round larger than this runs alone)
     max_batch_tokens: int = 512
+    # tenants (auth tokens) whose rounds may share one batched pass: where a pass costs in
+    # proportion to its rows (a CPU) sharing buys no throughput and lengthens every tenant's pass
+    # by the others' rows; on a GPU a pass of 8 rows costs about one, so tenants share
+    tenants_per_pass: int = 64
 
     def __post_init__(self):
         for name, value in vars(self).items():

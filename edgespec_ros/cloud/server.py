@@ -137,7 +137,11 @@ class VerifierServer:
                               self.limits.header_timeout_s)
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
-        self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens)
+        # With an emulated profile a pass's cost is known, so a pass may wait for rounds about to
+        # arrive where that saves the accelerator time (FairCompute's hold); natively it never does.
+        pass_cost = (lambda rows: self.compute.pass_s(rows)) if self.compute.emulated and self.compute.pass_s() else None
+        self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens,
+                                pass_cost=pass_cost, max_flows_per_pass=self.limits.tenants_per_pass)
         self._keys = itertools.count(1)
         self._tenant_sessions = self.doorman.tenant_sessions  # tenant -> open sessions
         self._tenant_bytes = InboxBudget()  # bytes read ahead, per tenant, across its sessions
@@ -627,7 +631,8 @@ class VerifierServer:
                 "sessions_served": self.sessions_served, "queued_jobs": fair.queue_depth(), "jobs": fair.jobs,
                 "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
                 "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 0.0,
-                "batches": fair.batches, "batched_jobs": fair.batched_jobs,
+                "batches": fair.batches, "batched_jobs": fair.batched_jobs, "holds": fair.holds,
+                "hold_s": fair.hold_s,
                 "dropped_blocks": self.dropped_blocks, "verified_tokens": self.verified_tokens,
                 **(self.recorder.stats() if self.recorder is not None else dict.fromkeys(TRACE_STATUS, 0))}
 
