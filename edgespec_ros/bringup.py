@@ -121,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scenario", default="silver-bottle-distractor",
                     help="shipped scenario name or JSON path (default silver-bottle-distractor)")
     ap.add_argument("--mode", default=None, choices=list(DECODING_MODES),
-                    help="decoding mode (default: the drafter's, pipe)")
+                    help=f"decoding mode (default: the drafter's, {default_mode()})")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
     ap.add_argument("--compute", default="native", type=compute_arg,
                     help=f"pad verifier compute to a hardware profile: {', '.join(COMPUTE_PROFILES)} or a file "
                          "from edgespec-profile (default native)")
-    ap.add_argument("--gamma", type=int, default=None, help="draft length (default: config/drafter.yaml)")
+    ap.add_argument("--gamma", type=int, default=None, help="draft length (default: the drafter's, docs/parameters.md)")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
     ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")
     ap.add_argument("--out", default=None, help="output folder (default out/demo-<scenario>-<mode>-<time>)")
@@ -144,11 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_mode() -> str:
-    """The drafter's own default (its ``mode`` parameter): ``pipe``, the fastest mode on every
-    emulated Go2 link with the committed pair (docs/pipeline.md); on the demo's tiny models
+    """The drafter's own default (its ``mode`` parameter, robot/settings.py): the fastest mode on
+    every emulated Go2 link with the committed pair (docs/pipeline.md); on the demo's tiny models
     cloud-only ar is faster still, since their target costs no more than their draft."""
-    from .robot.drafter import DrafterSettings
-    return DrafterSettings.mode
+    from .robot.settings import DEFAULTS
+    return DEFAULTS.mode
 
 
 def run_closed_loop(args) -> int:

@@ -18,6 +18,7 @@ from .bench.runner import add_speedups, bench_prompts, emulated_setup, run_modes
 from .decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
 from .decoding.sampling import SamplingParams
 from .wire.link import PROFILES
+from .robot.settings import DEFAULTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
     ap.add_argument("--compute", default="native", type=compute_arg,
                     help=f"compute profile: {', '.join(COMPUTE_PROFILES)} or a file from edgespec-profile")
-    ap.add_argument("--gamma", type=int, default=4, help="draft length (default 4)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=DEFAULTS.gamma, help=f"draft length (default {DEFAULTS.gamma})")
+    ap.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
+    ap.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     ap.add_argument("--seed", type=int, default=0, help="which held-out scene to decode")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--target", default=None)

@@ -46,21 +46,21 @@ ROLE_ARGS = {
 }
 
 ARGUMENTS = [
-    ("server_url", "ws://127.0.0.1:8765", "websocket URL of the cloud verifier"),
+    ("server_url", "", "websocket URL of the cloud verifier ('' = the node's default, docs/parameters.md)"),
     ("token_file", "", "file with the verifier auth token ('' = none)"),
     ("tls_ca_file", "", "wss:// server_url: CA file that signs the verifier's certificate ('' = the system CAs)"),
-    ("mode", "pipe", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
-              "a verifier without early exits)"),
-    ("verify_mode", "rejection", "rejection (lossless) | wisv (LOSSY: the verifier's decision head keeps harmless "
-                                 "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head)"),
+    ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
+              "a verifier without early exits) ('' = the node's default, docs/parameters.md)"),
+    ("verify_mode", "", "rejection (lossless) | wisv (LOSSY: the verifier's decision head keeps harmless "
+                        "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head) ('' = the node's default, docs/parameters.md)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),
-    ("device", "auto", "draft model device: auto | cpu | cuda | cuda:N"),
-    ("dtype", "auto", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16"),
+    ("device", "", "draft model device: auto | cpu | cuda | cuda:N ('' = the node's default, docs/parameters.md)"),
+    ("dtype", "", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16 ('' = the node's default, docs/parameters.md)"),
     ("image_topic", "camera/image_raw", "camera topic (go2_ros2_sdk publishes camera/image_raw): camera, drafter "
                                         "and monitor are remapped to it"),
     ("use_camera_node", "false", "start the camera node (OpenCV/GStreamer source) instead of using an existing topic"),
-    ("camera_source", "0", "camera node source: device index, video file or GStreamer pipeline"),
-    ("backend", "twist", "navigator backend: twist (cmd_vel) | go2_webrtc (go2_ros2_sdk) | unitree_sport"),
+    ("camera_source", "", "camera node source: device index, video file or GStreamer pipeline ('' = config/camera.yaml's: the Go2's H.264 multicast)"),
+    ("backend", "", "navigator backend: twist (cmd_vel) | go2_webrtc (go2_ros2_sdk) | unitree_sport ('' = the node's default, docs/parameters.md)"),
     ("use_monitor", "true", "start the monitor (markers, annotated image, diagnostics)"),
     ("twist_mux", "false", "start twist_mux with config/twist_mux.yaml (teleop on cmd_vel_joy above the navigator, "
                            "estop lock) in front of cmd_vel; the navigator then publishes cmd_vel_nav"),
@@ -83,15 +83,29 @@ def _true(context, name):
     return LaunchConfiguration(name).perform(context).strip().lower() in ("1", "true", "yes", "on")
 
 
+def _sets_parameters(path: str) -> bool:
+    """A config file is passed on only where it sets something: the shipped ones hold overrides
+    only (every default is the node's own, docs/parameters.md), and rcl refuses an empty
+    ros__parameters map."""
+    import yaml
+    if not os.path.exists(path):
+        return True  # passed on: the node says which file is missing
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return any((section or {}).get("ros__parameters") for section in data.values() if isinstance(section, dict))
+
+
 def _parameters(context, role):
     """config_dir/<role>.yaml, then params_file, then the launch arguments of ROLE_ARGS[role]."""
     config_dir = LaunchConfiguration("config_dir").perform(context) or \
         PathJoinSubstitution([FindPackageShare(PACKAGE), "config"]).perform(context)
-    params = [os.path.join(config_dir, f"{role}.yaml")]
+    config = os.path.join(config_dir, f"{role}.yaml")
+    params = [config] if _sets_parameters(config) else []
     params_file = LaunchConfiguration("params_file").perform(context)
     if params_file:
         params.append(params_file)
-    params.append({param: LaunchConfiguration(arg).perform(context) for param, arg in ROLE_ARGS.get(role, {}).items()})
+    given = {param: LaunchConfiguration(arg).perform(context) for param, arg in ROLE_ARGS.get(role, {}).items()}
+    params.append({param: value for param, value in given.items() if value != ""})  # "": not given, the default holds
     return params
 
 

@@ -37,13 +37,13 @@ ROLE_ARGS = {
 SIM_PARAMETERS = {"navigator": {"estop_required": False}}
 
 ARGUMENTS = [
-    ("scenario", "silver-bottle-distractor", "shipped scenario name or scenario JSON path"),
-    ("mode", "pipe", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
-              "a verifier without early exits)"),
+    ("scenario", "", "shipped scenario name or scenario JSON path ('' = the node's default, docs/parameters.md)"),
+    ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
+              "a verifier without early exits) ('' = the node's default, docs/parameters.md)"),
     ("draft_model", "", "draft model directory ('' = the embedded default)"),
     ("target_model", "", "target model directory for the local verifier ('' = the embedded default)"),
     ("verifier_port", "8765", "port of the local verifier"),
-    ("server_url", "ws://127.0.0.1:8765", "verifier URL the drafter uses (keep in step with verifier_port)"),
+    ("server_url", "", "verifier URL the drafter uses ('' = the local verifier: ws://127.0.0.1:<verifier_port>)"),
     ("command", "", "if set, published on /command once the graph has started"),
     ("command_delay_s", "15.0", "seconds to wait before publishing the command (model loading)"),
     ("rviz", "false", "start rviz2 with config/edgespec.rviz"),
@@ -53,17 +53,33 @@ ARGUMENTS = [
 ]
 
 
+def _sets_parameters(path: str) -> bool:
+    """A config file is passed on only where it sets something: the shipped ones hold overrides
+    only (every default is the node's own, docs/parameters.md), and rcl refuses an empty
+    ros__parameters map."""
+    import yaml
+    if not os.path.exists(path):
+        return True  # passed on: the node says which file is missing
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return any((section or {}).get("ros__parameters") for section in data.values() if isinstance(section, dict))
+
+
 def _parameters(context, role):
     """config_dir/<role>.yaml, then params_file, then SIM_PARAMETERS[role], then the launch arguments
     of ROLE_ARGS[role]."""
     config_dir = LaunchConfiguration("config_dir").perform(context) or \
         PathJoinSubstitution([FindPackageShare(PACKAGE), "config"]).perform(context)
-    params = [os.path.join(config_dir, f"{role}.yaml")]
+    config = os.path.join(config_dir, f"{role}.yaml")
+    params = [config] if _sets_parameters(config) else []
     params_file = LaunchConfiguration("params_file").perform(context)
     if params_file:
         params.append(params_file)
     params.append(SIM_PARAMETERS.get(role, {}))
-    params.append({param: LaunchConfiguration(arg).perform(context) for param, arg in ROLE_ARGS.get(role, {}).items()})
+    given = {param: LaunchConfiguration(arg).perform(context) for param, arg in ROLE_ARGS.get(role, {}).items()}
+    if role == "drafter" and not given["server_url"]:  # the verifier this file starts
+        given["server_url"] = f"ws://127.0.0.1:{LaunchConfiguration('verifier_port').perform(context)}"
+    params.append({param: value for param, value in given.items() if value != ""})  # "": not given, the default holds
     return params
 
 

@@ -1,4 +1,4 @@
-"""Batched forward passes over several sessions' own KV caches (issue 19, part 1): the same logits
+"""Batched forward passes over several sessions' own KV caches: the same logits
 as feeding each alone (to float rounding: see cloud/batch.py), each cache afterwards exactly its
 own, for prompts of different lengths, with and without images."""
 import copy

@@ -30,7 +30,7 @@ def test_hostile_sweep_runs_and_counts_refusals(tmp_path, null_progress):
     assert counts["bad-auth"].get("refused 401", 0) >= 1  # wrong token, then (after 5) locked out: 429
     assert counts["oversize"].get("closed 1009", 0) + counts["oversize"].get("dropped", 0) >= 1
     assert counts["expensive"].get("authenticated", 0) >= 1
-    # issue 34's kinds: a NaN q is refused on its own (the good robot lost nothing, above), the
+    # the payload kinds: a NaN q is refused on its own (the good robot lost nothing, above), the
     # chunk-bomb PNG from its header, a frame past the session's cap cut by the websocket layer
     assert counts["poison"].get("refused 422", 0) >= 1 and "verified (should not happen)" not in counts["poison"]
     assert counts["chunk-bomb"].get("refused 413", 0) >= 1

@@ -1,4 +1,4 @@
-"""The verifier under hostile clients (issue 18): the cheap path before auth, connection caps, auth
+"""The verifier under hostile clients: the cheap path before auth, connection caps, auth
 backoff, per-session limits, fair compute, sanitized logs and errors, TLS, exposure rules and a
 graceful SIGTERM. Each test would have caught the hole it names; none asserts on speed."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Distillation of the draft towards its target (issue 31, train.distill): the three divergences are
+"""Distillation of the draft towards its target (train.distill): the three divergences are
 what they say, batched logits and batched generation equal one-at-a-time decoding, training lowers
 the divergence it optimises, and a recording verifier's traces adapt a draft into a new model
 directory named by its content hash."""

@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve (issue 19, part 2): two replicas of the verifier behind one websocket
+"""Scale-out on Ray Serve: two replicas of the verifier behind one websocket
 endpoint, on a local Ray instance on this machine's CPUs. One Ray cluster for the whole module
 (its start-up is kept out of the other test modules).
 

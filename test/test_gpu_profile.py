@@ -1,4 +1,4 @@
-"""edgespec-profile (issue 36): the real-shape configs, the measurement code on tiny shapes on CPU,
+"""edgespec-profile: the real-shape configs, the measurement code on tiny shapes on CPU,
 and the compute profile file it writes, read back by every benchmark."""
 import json
 import os
@@ -310,3 +310,17 @@ def test_committed_profiles_load_and_keep_their_pass_times():
     for (rows, block), s in before.items():
         assert p.pass_s(rows, block) == pytest.approx(s, rel=1e-12), (rows, block)
     assert p.pass_s(64, 65) == pytest.approx(before[(32, 32)])  # was 2.20 s, extrapolated 4x past the table
+
+
+def test_bench_compute_label_names_the_profiles_own_source():
+    """edgespec-bench's ``compute:`` line says EMULATED and where the padded timings come from: a
+    measured profile file names its device and commit, go2-paper the paper; native is not emulated."""
+    from edgespec_ros.bench.cli import compute_label
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "profiles")
+    measured = get_compute(os.path.join(root, "h200-qwen2-vl-7b-bf16.json"))
+    assert compute_label(measured) == f"{measured.name} (EMULATED: padded to the profile's timings: {measured.source})"
+    assert "NVIDIA H200" in compute_label(measured) and "paper Go2 latencies" not in compute_label(measured)
+    assert compute_label(GO2_PAPER) == ("go2-paper (EMULATED: padded to the profile's timings: "
+                                        "FSD paper Table 8 (Go2 Jetson Orin + A100); prefills are this project's estimates)")
+    assert compute_label(get_compute("native")) == "native"
+    assert compute_label(ComputeProfile("bare", verify_s=0.1)).endswith("(EMULATED: padded to the profile's timings: no source given)")

@@ -128,7 +128,7 @@ def test_launch_arguments_set_declared_parameters(path):
 def yaml_parameters(role: str) -> dict:
     data = yaml.safe_load((ROOT / "config" / f"{role}.yaml").read_text())
     assert list(data) == ["/**"], f"config/{role}.yaml: expected the single key '/**'"
-    return data["/**"]["ros__parameters"]
+    return data["/**"]["ros__parameters"] or {}
 
 
 def test_a_checkout_runs_on_its_own_config():
@@ -233,26 +233,37 @@ def test_topics_are_renamed_by_remapping_not_parameters():
         assert names.IMAGE in {t.name for t in names.NODE_TOPICS[role]}, role
 
 
-def test_parameters_are_declared_once_and_every_file_agrees_with_the_table():
-    """The drafter's settings dataclass is built from the parameters of the same names, with the
-    same defaults; the shipped YAML files restate the table's defaults (one deliberate exception:
-    the camera source is the Go2's H.264 multicast pipeline there, a device index in the table)."""
+def test_parameters_are_declared_once_and_files_only_override():
+    """The drafter's decoding parameters are the settings type's fields, with its defaults; the
+    shipped YAML files set only what differs from a default (the camera's Go2 multicast source),
+    and a launch argument that sets a node parameter defaults to '' (not given: the node's default
+    holds), so no file restates a default."""
     from dataclasses import fields
-    from edgespec_ros.robot.drafter import DrafterSettings
+    from edgespec_ros.robot.settings import DrafterSettings
     table = {s.name: s.default for s in params.DRAFTER}
     for f in fields(DrafterSettings):
         assert f.name in table and table[f.name] == f.default, f.name
     for role in params.NODES:
         defaults = {s.name: s.default for s in params.NODES[role]}
-        differ = {k for k, v in yaml_parameters(role).items() if defaults[k] != v}
-        assert differ == ({"source"} if role == "camera" else set()), (role, differ)
-    for path in LAUNCH_FILES:  # a launch argument's default is the parameter's default
+        restated = {k for k, v in yaml_parameters(role).items() if defaults[k] == v}
+        assert not restated, (role, restated)
+    assert set(yaml_parameters("camera")) == {"source"}
+    for path in LAUNCH_FILES:
         tree = ast.parse(path.read_text())
         arguments = {name: default for name, default, _ in module_constant(tree, "ARGUMENTS")}
         for role, mapping in module_constant(tree, "ROLE_ARGS").items():
             defaults = {s.name: s.default for s in params.NODES[role]}
             for parameter, argument in mapping.items():
-                assert arguments[argument] == defaults[parameter], (path.name, role, parameter)
+                given = arguments[argument]
+                assert given == "" or given != defaults[parameter], (path.name, role, parameter, given)
+
+
+def test_a_config_file_without_parameters_is_not_passed_on(tmp_path):
+    from edgespec_ros.nodes.graph import sets_parameters
+    assert not sets_parameters(ROOT / "config" / "drafter.yaml")
+    assert sets_parameters(ROOT / "config" / "camera.yaml")
+    (tmp_path / "x.yaml").write_text("/**:\n  ros__parameters:\n    gamma: 6\n")
+    assert sets_parameters(tmp_path / "x.yaml")
 
 
 def test_parameter_reference_is_up_to_date():
@@ -307,7 +318,8 @@ def test_parameter_precedence_config_then_params_file_then_arguments(tmp_path):
     with Graph(("navigator",), params_file=str(extra), overrides={"navigator": {"max_angular_rps": 0.4}},
                domain_id=domain_id(), namespace=unique_namespace()) as g:
         node = g.nodes["navigator"]
-        assert node.get_parameter("control_rate_hz").value == yaml_parameters("navigator")["control_rate_hz"]
+        default = next(s.default for s in params.NAVIGATOR if s.name == "control_rate_hz")
+        assert node.get_parameter("control_rate_hz").value == default  # neither file nor override sets it
         assert node.get_parameter("max_linear_mps").value == 0.3
         assert node.get_parameter("max_angular_rps").value == 0.4
         assert node.executor_.limits.max_linear_mps == 0.3

@@ -1,4 +1,4 @@
-"""A policy with memory (decoding.memory, issue 37): the window, the prompt, the data, the rollout."""
+"""A policy with memory (decoding.memory): the window, the prompt, the data, the rollout."""
 from __future__ import annotations
 
 import numpy as np

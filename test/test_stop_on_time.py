@@ -1,4 +1,4 @@
-"""The robot stops on time whatever the link does (issue 18, group 4).
+"""The robot stops on time whatever the link does.
 
 A real verifier behind the project's link proxy; the proxy blackholes the link (nothing forwarded
 or read, sockets left open: a dead radio, no FIN, no RST) mid-send (a large PREFILL blocked in

@@ -1,4 +1,4 @@
-"""Recorded verify rounds (issue 31): off by default; on, every round of a websocket session (or an
+"""Recorded verify rounds: off by default; on, every round of a websocket session (or an
 in-process LocalVerifier) is recorded with the verdict it got and the target's own top-k for its
 context; each tenant stays within its bounds; a full queue drops and counts, never blocks; the
 format round-trips and refuses what it cannot read; the draft's content hash travels in HELLO."""

@@ -224,7 +224,7 @@ def test_csi_quality_orders_the_shipped_link_profiles():
         Csi(1e6, 1e6, 0.01, loss=1.0)
     with pytest.raises(ValueError, match="Csi.rtt_s"):
         Csi(1e6, 1e6, float("nan"))
-    # finite but beyond any link (issue 34.6): refused, not fed to the head
+    # finite but beyond any link: refused, not fed to the head
     with pytest.raises(ValueError, match="Csi.up_bps must be at most"):
         Csi(1e300, 1e6, 0.01)
     with pytest.raises(ValueError, match="Csi.rtt_s must be at most 60"):

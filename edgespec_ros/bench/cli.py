@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ..codecs import get_codec
 from ..decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
 from ..robot.decoder import DECODING_MODES, DecodeConfig
+from ..robot.settings import DEFAULTS
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from . import pipe
@@ -23,6 +24,15 @@ from .runner import add_speedups, bench_prompts, emulated_setup, format_table, r
 from ..bags import PICKS, BagError, BagReplay
 from ..decoding.memory import saved_memory
 from .. import topics
+
+
+def compute_label(compute) -> str:
+    """The ``compute:`` line's text: the profile's name and, for an emulated one, where the timings
+    it pads to come from, in the profile's own words (``ComputeProfile.source``: the paper's
+    figures, or the device and commit a measured profile names)."""
+    if not compute.emulated:
+        return compute.name
+    return f"{compute.name} (EMULATED: padded to the profile's timings: {compute.source or 'no source given'})"
 
 
 def gamma_arg(text: str) -> int | str:
@@ -56,26 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decisions", type=int, default=None,
                     help="decisions (prompts) per mode (default 8); with --sweep: measured decisions per setting "
                          "(default: the sweep's, small)")
-    ap.add_argument("--gamma", type=gamma_arg, default=4,
-                    help="draft length 1..64, or auto: ODLD per round and AS2 (sd or ar) per decision on "
+    ap.add_argument("--gamma", type=gamma_arg, default=DEFAULTS.gamma,
+                    help=f"draft length 1..64 (default {DEFAULTS.gamma}), or auto: ODLD per round and AS2 (sd or ar) per decision on "
                          "online estimates (robot.draft_length.AutoGamma)")
-    ap.add_argument("--pipe-depth", type=depth_arg, default=3,
+    ap.add_argument("--pipe-depth", type=depth_arg, default=DEFAULTS.pipe_depth,
                     help="pipe, pipe+fsd: blocks in flight 1..8, or auto (covers a block's round trip with "
-                         "drafting; with --gamma auto) (default 3)")
+                         f"drafting; with --gamma auto) (default {DEFAULTS.pipe_depth})")
     ap.add_argument("--no-truncate", dest="pipe_truncate", action="store_false",
                     help="pipe, pipe+fsd: never cut a block short when the verifier is idle (to measure what "
                          "latency-aware truncation, i.e. verifying the sub-block drafted so far, gains)")
     ap.add_argument("--no-fill-rows", dest="pipe_fill_rows", action="store_false",
                     help="pipe, pipe+fsd: draft gamma, not gamma + 1, in a block the verifier feeds with no "
                          "pending token (a chained continuation), to measure what filling its pass gains")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens,
+                    help=f"token budget of one decision (default {DEFAULTS.max_new_tokens}, the drafter's)")
+    ap.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--codec", default="dense32",
+    ap.add_argument("--codec", default=DEFAULTS.codec,
                     help="uplink codec spec for q: dense32, dense16, topk:k=8, ksqs:k=8,l=32, "
-                         "csqs:l=100,eta=0.001,alpha=0.0005, ids (default dense32)")
-    ap.add_argument("--seed", type=int, default=0)
+                         f"csqs:l=100,eta=0.001,alpha=0.0005, ids (default {DEFAULTS.codec})")
+    ap.add_argument("--seed", type=int, default=DEFAULTS.seed)
     ap.add_argument("--memory", type=int, default=0, metavar="K",
                     help="prompt as a policy with memory K does (decoding.memory): the decisions are consecutive "
                          "frames of held-out expert rollouts, each prompt after the episode's earlier decisions "
@@ -84,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                     help="start the verifier with --no-prefix-reuse (every prompt prefilled in full), to measure "
                          "what prefix reuse saves (table: cloud prefill ms)")
-    ap.add_argument("--workers", type=int, default=4, help="fsd: pre-draft worker threads (default 4)")
-    ap.add_argument("--client-queue", default="priority", choices=["priority", "fifo", "random"],
-                    help="fsd: order in which the robot pre-drafts received early exits (default priority)")
+    ap.add_argument("--workers", type=int, default=DEFAULTS.predraft_workers,
+                    help=f"fsd: pre-draft worker threads (default {DEFAULTS.predraft_workers})")
+    ap.add_argument("--client-queue", default=DEFAULTS.client_queue, choices=["priority", "fifo", "random"],
+                    help=f"fsd: order in which the robot pre-drafts received early exits (default {DEFAULTS.client_queue})")
     ap.add_argument("--server-queue", default="priority", choices=["priority", "fifo"],
                     help="fsd: order in which the verifier streams early exits (default priority)")
     ap.add_argument("--exits", default="auto",
@@ -125,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="codec specs, space-separated (codecs sweep; default: its list of 17)")
     sweep.add_argument("--gammas", nargs="+", type=int, default=None,
                        help="fixed draft lengths (gamma-auto sweep; default 1 2 3 4 6 8); the codecs sweep "
-                            "drafts with the first (default 4), the modes sweep too (default 6)")
+                            f"drafts with the first, the modes sweep too (default {DEFAULTS.gamma}, the drafter's)")
     sweep.add_argument("--workers-list", nargs="+", type=int, default=None,
                        help="pre-draft worker counts (fsd-workers: default 1 2 4 8 16; fsd-queues: 1 2 3)")
     sweep.add_argument("--hostile", nargs="+", type=int, default=None,
@@ -308,8 +320,7 @@ def bench(args) -> int:
         return 2
     prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, args.memory)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute.name}"
-          f"{' (EMULATED: padded to the paper Go2 latencies)' if compute.emulated else ''}")
+    print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute_label(compute)}")
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
                         metrics_out=args.metrics_out,
                         verifier_args=() if args.prefix_reuse else ("--no-prefix-reuse",)) as (draft_lm, url):

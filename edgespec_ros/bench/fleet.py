@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoding.verifier import Block
+from ..codecs import DEFAULT_CODEC
 from ..decoding.verify import NO_TOKEN
 
 from ..cloud.local import LocalVerifier
@@ -43,7 +44,7 @@ class Recorded:
 class RecordingVerifier(LocalVerifier):
     """A LocalVerifier that keeps what the drafter sent and what came back."""
 
-    def __init__(self, lm, codec: str = "dense32"):
+    def __init__(self, lm, codec: str = DEFAULT_CODEC):
         super().__init__(lm, codec)
         self.decisions: list[Recorded] = []
 

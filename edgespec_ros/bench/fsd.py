@@ -9,6 +9,7 @@ Every figure is measured end to end over a real websocket through the emulated l
 from __future__ import annotations
 
 from ..decoding.compute import get_compute
+from ..robot.settings import DEFAULTS
 from .runner import emulated_setup, run_modes
 
 # FSD paper Table 8 (Unitree Go2 / Jetson Orin + A100, Qwen2-VL-2B/7B, gamma 4)
@@ -126,7 +127,7 @@ def paper_comparison(rows: list[dict], num_layers: int | None = None) -> str:
 # --- ablation sweeps ---------------------------------------------------------------------------
 
 def _setting_rows(pair, link, compute_name, prompts, settings, *, exit_queue="priority", progress=None,
-                  max_new_tokens=64, seed=0, exits="auto") -> list[dict]:
+                  max_new_tokens=DEFAULTS.max_new_tokens, seed=0, exits="auto") -> list[dict]:
     """settings: list of (label dict, mode, run_modes kwargs); one verifier + link for all."""
     compute = get_compute(compute_name)
     rows = []

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..robot.settings import DEFAULTS
 from ..decoding.compute import GO2_PAPER, PROFILE_FORMAT
 from .gpu_measure import (BLOCKS_DEFAULT, INVARIANCE_BATCHES, ROWS_DEFAULT, batch_invariance,
                           build_lm, device_state, load_shape, logit_deltas, measure_drafting,
@@ -63,7 +64,7 @@ class Plan:
     draft_tokens: int = 24
     invariance_prompts: int = 16
     invariance_batches: tuple = INVARIANCE_BATCHES
-    invariance_gamma: int = 4
+    invariance_gamma: int = DEFAULTS.gamma
     invariance_tokens: int = 32
     invariance: bool = True
     passes: int = 1  # sweeps of the grid (round-robin over points: drift slows every point alike)

@@ -1,5 +1,5 @@
 """``edgespec-bench --sweep hostile``: a good robot's decisions against a verifier that N hostile
-clients hit at the same time (issue 18's soak).
+clients hit at the same time (the hostile-client soak).
 
 The verifier runs as its own process (as in the cloud; its RSS is read from /proc), the good
 robot decodes here over loopback with its own token, and the hostile clients run in a third
@@ -21,9 +21,9 @@ load generator is stopped; every loop is bounded by the run's time):
   and with a legit image of the largest allowed size (1120 x 896 = Qwen2-VL's max_pixels);
 - ``long-gen``: authenticated, GENERATE with the largest allowed ``max_new_tokens``, read in full;
 - ``poison``: authenticated, a sampled decision whose VERIFYs ask for early exits with a draft
-  distribution full of NaN (it used to fail every robot batched with it);
+  distribution full of NaN (it must fail only its own session, not the robots batched with it);
 - ``reconnect``: no token, from one of 4 addresses shared by all such clients, connecting and
-  hanging up as fast as it may (it used to keep every not-yet-trusted robot out);
+  hanging up as fast as it may (it must not keep the not-yet-trusted robots out);
 - ``big-frames``: authenticated, the largest frames it may send after HELLO (past its cap: cut);
 - ``chunk-bomb``: authenticated, PREFILLs with an 8 MiB PNG of 700,000 empty chunks.
 
@@ -51,6 +51,8 @@ import zlib
 from collections import Counter, defaultdict
 
 import numpy as np
+
+from ..codecs import DEFAULT_CODEC
 
 KINDS = ("idle", "slow", "oversize", "bad-auth", "expensive", "big-image", "long-gen", "poison", "reconnect",
          "big-frames", "chunk-bomb")
@@ -154,14 +156,14 @@ class Load:
         return await connect(self.url, open_timeout=10, close_timeout=1, compression=None, max_size=None,
                              ping_interval=None, local_addr=(src, 0))
 
-    async def _hello(self, ws, token: str, codec: str = "dense32"):
+    async def _hello(self, ws, token: str, codec: str = DEFAULT_CODEC):
         P = self.P
         await ws.send(P.encode(P.Hello(token, self.info["fingerprint"], self.info["vocab"], codec, "hostile",
                                        memory=self.info["memory"])))
         return await self._expect(ws, P.Welcome)
 
     @contextlib.asynccontextmanager
-    async def _authenticated(self, src: str, count: Counter, codec: str = "dense32"):
+    async def _authenticated(self, src: str, count: Counter, codec: str = DEFAULT_CODEC):
         """A connection with the stolen token's accepted HELLO (counted), closed on leaving."""
         ws = await self._connect(src)
         count["connected"] += 1

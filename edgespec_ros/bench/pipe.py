@@ -21,6 +21,7 @@ sit further from the bound; the bound + fill is what a flush-free pipeline would
 from __future__ import annotations
 
 from ..decoding.compute import get_compute
+from ..robot.settings import DEFAULTS
 from .fsd import measured_terms
 from .runner import add_speedups, emulated_setup, run_modes
 
@@ -131,7 +132,7 @@ def losses_table(rows: list[dict]) -> str:
 
 def sweep_modes(opts, progress) -> list[dict]:
     """ar, sd, fsd, pipe and pipe+fsd on each link (same compute, same prompts and seeds; every
-    speculative mode drafts the first of --gammas, default 6)."""
+    speculative mode drafts the first of --gammas, default the drafter's gamma)."""
     links = opts.links or ["go2-paper", "wifi-poor", "cellular"]
     compute_name = opts.compute or "go2-paper"
     compute = get_compute(compute_name)
@@ -141,7 +142,7 @@ def sweep_modes(opts, progress) -> list[dict]:
     for link in links:
         with emulated_setup(opts.pair, link, compute_name, exits=opts.exits) as (draft_lm, url):
             summaries = run_modes(draft_lm, url, list(SWEEP_MODES), prompts, link=link, compute=compute,
-                                  gamma=(opts.gammas or [6])[0], max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                                  gamma=(opts.gammas or [DEFAULTS.gamma])[0], max_new_tokens=opts.max_new_tokens, seed=opts.seed,
                                   workers=opts.workers or 4,
                                   pipe_depth=opts.pipe_depth, on_decision=lambda *a: bar.update(1))
         rows += annotate(add_speedups([summaries[m].row() for m in SWEEP_MODES]))

@@ -22,6 +22,7 @@ from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..decoding.compute import ComputeProfile
 from ..wire.link import LinkProxy, get_profile
+from ..robot.settings import DEFAULTS
 
 
 def bench_prompts(n: int, seed: int = 0, memory: int = 0) -> list[tuple]:
@@ -50,9 +51,11 @@ def prompt_parts(prompt) -> tuple:
 
 
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
-              gamma: int = 4, max_new_tokens: int = 64, params: SamplingParams = SamplingParams(), seed: int = 0,
-              codec: str = "dense32", token: str = "", on_decision=None, warmup: int = 0, workers: int = 4,
-              client_queue: str = "priority", pipe_depth: int | str = 3,
+              gamma: int | str = DEFAULTS.gamma, max_new_tokens: int = DEFAULTS.max_new_tokens,
+              params: SamplingParams = SamplingParams(DEFAULTS.temperature), seed: int = DEFAULTS.seed,
+              codec: str = DEFAULTS.codec, token: str = "", on_decision=None, warmup: int = 0,
+              workers: int = DEFAULTS.predraft_workers, client_queue: str = DEFAULTS.client_queue,
+              pipe_depth: int | str = DEFAULTS.pipe_depth,
               pipe_truncate: bool = True, pipe_fill_rows: bool = True) -> dict[str, RunSummary]:
     """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
 

@@ -7,8 +7,8 @@ formats them, ``plot(rows, path)`` draws them. Every link gets one verifier proc
 proxy (``runner.emulated_setup``), shared by all the settings measured on it; each setting is a
 ``runner.run_modes`` call with its own client connection (the codec is negotiated per connection).
 
-- ``codecs``: uplink codecs x temperatures x links (issue 6 section 4; SQS Fig. 2, TK-SLT Table II).
-- ``gamma-auto``: fixed gamma 1..8, cloud AR and ``--gamma auto`` per link (issue 6 section 3).
+- ``codecs``: uplink codecs x temperatures x links (SQS Fig. 2, TK-SLT Table II).
+- ``gamma-auto``: fixed gamma 1..8, cloud AR and ``--gamma auto`` per link (TK-SLT's ODLD and AS2).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ..decoding.sampling import SamplingParams
 from ..wire import protocol as P
 from ..wire.link import get_profile
 from ..models import ModelPair
+from ..robot.settings import DEFAULTS
 from .report import _fmt, _pyplot, _save, fixed_width
 from .runner import bench_prompts, emulated_setup, run_modes
 
@@ -34,8 +35,8 @@ class SweepOptions:
 
     pair: ModelPair
     decisions: int | None = None  # measured decisions per setting
-    max_new_tokens: int = 64
-    seed: int = 0
+    max_new_tokens: int = DEFAULTS.max_new_tokens
+    seed: int = DEFAULTS.seed
     links: list[str] | None = None
     compute: str | None = None  # one compute profile for every link
     temperatures: list[float] | None = None
@@ -44,7 +45,7 @@ class SweepOptions:
     workers: int | None = None  # fsd pre-draft workers where a sweep does not vary them
     workers_list: list[int] | None = None  # fsd-workers / fsd-queues: the worker counts swept
     exits: str = "auto"  # the verifier's early-exit adapters (edgespec-verifier --exits)
-    pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto"
+    pipe_depth: int | str = DEFAULTS.pipe_depth  # pipe modes: blocks in flight, or "auto"
     hostile: list[int] | None = None  # hostile sweep: numbers of hostile clients
     hostile_kinds: list[str] | None = None  # hostile sweep: which kinds (default all)
     hostile_paths: list[str] | None = None  # hostile sweep: serving paths (single, ray; default single)
@@ -181,7 +182,7 @@ def run_codecs(opts: SweepOptions, progress) -> list[dict]:
     specs = [get_codec(s).spec for s in (opts.codecs or CODECS_DEFAULT)]
     compute = get_compute(opts.compute or "native")
     decisions = opts.decisions or 2
-    gamma = (opts.gammas or [4])[0]
+    gamma = (opts.gammas or [DEFAULTS.gamma])[0]
     prompts = opts.prompts(decisions)
     bar = progress(len(links) * (len(temperatures) * len(specs) * decisions + 1))
     rows = []
@@ -419,7 +420,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 
 def _register_fsd_sweeps() -> None:
-    """The FSD ablations (issue 4; bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
+    """The FSD ablations (bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
     from . import fleet, fsd, hostile, pipe, split_tv, wisv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",

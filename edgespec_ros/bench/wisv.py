@@ -1,4 +1,4 @@
-"""The ``wisv`` sweep (issue 21): channel-aware semantic verification (LOSSY) against greedy SD,
+"""The ``wisv`` sweep: channel-aware semantic verification (LOSSY) against greedy SD,
 per link and threshold. Paper 002's Fig. 3 (action agreement vs threshold) and Table I (accepted
 length, rounds) as our own table and plot.
 
@@ -25,20 +25,21 @@ from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..wire.link import get_profile
 from .runner import emulated_setup, prompt_parts
+from ..robot.settings import DEFAULTS
 
 THRESHOLDS = [0.01, 0.05, 0.2]
 LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
 UPLOADS = ("full", "selective")
 GREEDY = SamplingParams(temperature=0.0)
-MAX_NEW_TOKENS = 96  # the drafter's budget per decision (DrafterSettings), as the card decodes
+MAX_NEW_TOKENS = DEFAULTS.max_new_tokens  # the drafter's budget per decision, as the card decodes
 CARD_SCENARIOS = 120  # the card's held-out scenarios: its frames come from them, its episodes are them
 # closed loop on up to two samples of held-out episodes: the card's 120 and the next 120 (scenario
 # seeds 1e9+120..239, never trained on). Greedy decoding is deterministic, so a second *sample* of
-# episodes is what a second seed can mean here (issue 35: "120 episodes, two seeds")
+# episodes is what a second seed can mean here
 SAMPLES = 2
 
 
-def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = 4,
+def decode_config(threshold: float | None, upload: str = "full", mode: str = "sd", gamma: int = DEFAULTS.gamma,
                   tolerance: int = 0) -> DecodeConfig:
     """Greedy SD (threshold None) or WISV at the threshold (``tolerance``: size classes a kept draft
     size word may differ by, Spec-VLA's relaxation; in process only)."""
@@ -254,7 +255,7 @@ def _f(value, spec, none="-"):
 
 def threshold_choice(rows: list[dict]) -> list[dict]:
     """Per link, the most permissive threshold whose closed-loop success is within one standard
-    error of lossless greedy SD's (issue 35: success, not agreement, chooses), with what it buys:
+    error of lossless greedy SD's (success, not agreement, chooses), with what it buys:
     ``{"link", "threshold" (None: no threshold qualifies, stay greedy), "success", "success_se",
     "sd_success", "accepted_vs_sd", "latency_vs_sd"}``. Full-upload rows decide (both uploads decide
     alike); links without closed-loop figures are left out."""
@@ -335,7 +336,7 @@ def plot_wisv(rows: list[dict], path: str) -> None:
     for link in dict.fromkeys(r["link"] for r in rows):
         mine = sorted((r for r in rows if r["link"] == link and r["upload"] in (None, "full") and not r.get("tolerance")),
                       key=lambda r: r["threshold"] or 0.0)
-        if closed_loop:  # success with one standard error, greedy SD at threshold 0 (issue 35: success decides)
+        if closed_loop:  # success with one standard error, greedy SD at threshold 0 (success decides)
             points = [r for r in mine if r.get("success") is not None]
             axes[3].errorbar([r["threshold"] or 0.0 for r in points], [100 * r["success"] for r in points],
                              yerr=[100 * (r["success_se"] or 0) for r in points], marker="o", capsize=3, label=link)

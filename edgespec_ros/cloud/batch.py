@@ -1,6 +1,6 @@
 """Batched forward passes over several sequences of one model, each with its own KV cache, and
-batched verification rounds and AR steps of several sessions (the fleet verifier's building blocks,
-issue 19).
+batched verification rounds and AR steps of several sessions (the fleet verifier's building
+blocks).
 
 ``feed_batch(seqs, token_lists)`` does for every sequence what ``Sequence.feed`` does for one (feed
 its tokens on top of its cache, at its own M-RoPE positions; returns the logits [n_i, V]) in one

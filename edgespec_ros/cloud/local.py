@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from ..codecs import get_codec
+from ..codecs import DEFAULT_CODEC
 from .batch import verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
@@ -36,7 +37,7 @@ class LocalVerifier:
     websocket verifier does, under ``tenant``, tagged with the drafter's ``draft_hash``.
     What the server would refuse raises ``VerifierRefused`` with the server's code and message."""
 
-    def __init__(self, lm: LoadedModel, codec: str = "dense32", eager: bool = False, verdict_delay: int = 0,
+    def __init__(self, lm: LoadedModel, codec: str = DEFAULT_CODEC, eager: bool = False, verdict_delay: int = 0,
                  csi=None, recorder=None, tenant: str = "local", draft_hash: str = "", limits=None):
         self.codec = get_codec(codec)
         trace = recorder.session(tenant, draft_hash) if recorder is not None else None

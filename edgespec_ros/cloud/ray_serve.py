@@ -1,4 +1,4 @@
-"""Scale-out: N verifier replicas on Ray Serve behind one websocket endpoint (issue 19).
+"""Scale-out: N verifier replicas on Ray Serve behind one websocket endpoint.
 
 ``edgespec-verifier --replicas N`` (needs ``pip install .[fleet]``) starts a local Ray instance
 (or joins a cluster with ``--ray-address``) and deploys N replicas of the same ``VerifierServer``

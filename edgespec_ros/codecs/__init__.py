@@ -25,6 +25,7 @@ from .split import Split
 from .topk import TopK
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (Dense32, Dense16, TopK, KSQS, CSQS, IdsOnly, Split)}
+DEFAULT_CODEC = Dense32.name  # the uplink codec when none is named: the drafter's default and the protocol's
 
 __all__ = ["CODECS", "Codec", "CodecError", "get_codec", "parse_spec"]
 

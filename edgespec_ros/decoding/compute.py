@@ -271,7 +271,7 @@ COMPUTE_PROFILES = {
     "native": ComputeProfile("native"),
     "go2-paper": GO2_PAPER,
     # What-if, labelled as such: as go2-paper but a robot with one accelerator per pre-draft worker
-    # (the emulation before issue 17 granted this implicitly).
+    # (go2-paper itself serialises all drafting on one EdgeDevice, as on a Jetson).
     "go2-paper-multigpu": ComputeProfile("go2-paper-multigpu", draft_token_s=0.072, verify_s=0.620, ar_step_s=0.354,
                                          exit_s=0.008, edge_units=64, prefill_s=0.620, edge_prefill_s=0.300,
                                          source=GO2_PAPER.source, edge_source=GO2_PAPER.edge_source),

@@ -83,7 +83,7 @@ class Graph:
         config = self.config_dir / f"{role}.yaml"
         if not config.is_file():
             raise FileNotFoundError(f"no parameter file {config} for node {role!r}")
-        cli = ["--ros-args", "--params-file", str(config)]
+        cli = ["--ros-args"] + (["--params-file", str(config)] if sets_parameters(config) else [])
         if self.params_file:
             cli += ["--params-file", str(self.params_file)]
         if self.namespace:
@@ -200,3 +200,12 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.02):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout_s:g} s")
         time.sleep(poll_s)
+
+
+def sets_parameters(path) -> bool:
+    """Whether a parameters file sets anything: the shipped config files hold overrides only (every
+    default is the node's own, nodes/params.py), and rcl refuses an empty ros__parameters map, so a
+    file without any is not passed on (the launch files do the same)."""
+    import yaml
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return any((section or {}).get("ros__parameters") for section in data.values() if isinstance(section, dict))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..robot.settings import DrafterSettings, described_fields
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -66,55 +68,11 @@ DRAFTER = (
     P("token_file", "", "file holding the verifier's auth token; '' = no auth"),
     P("tls_ca_file", "", "wss:// server_url: PEM file of the CA (or the self-signed certificate) that signs the "
                          "verifier's certificate; '' = the system CAs. The certificate and hostname are always checked"),
-    P("mode", "pipe", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
-                    "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
-                    "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
-                    "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the robot "
-                    "pre-drafted and sent before the verdict; docs/pipeline.md compares the modes)"),
-    P("gamma", 4, "draft tokens per verification round (sd, fsd, pipe, pipe+fsd)", min_value=1, max_value=64),
-    P("auto_gamma", False, "sd: choose gamma every round (ODLD) and sd or cloud ar every decision (AS2) from "
-                           "measured rounds; pipe: gamma by ODLD and pipe_depth from the measured link and "
-                           "compute; gamma (and pipe_depth) are then ignored"),
-    P("pipe_depth", 3, "pipe, pipe+fsd: blocks in flight (drafted and sent before the earlier ones' verdicts)",
-      min_value=1, max_value=8),
-    P("max_new_tokens", 96, "token budget of one decision", min_value=1, max_value=4096),
-    P("temperature", 0.0, "sampling temperature (0 = greedy)", min_value=0.0),
-    P("resample_temperature", 0.7, "after an unparseable decision (the robot did not move, so a greedy model "
-                                   "would repeat it on the same view) or a move the navigator gave up as "
-                                   "blocked by contact (no progress on fresh odometry), the next decision "
-                                   "samples at this temperature if above temperature; 0 = off", min_value=0.0),
-    P("seed", 0, "sampling seed of the first decision (later decisions add their index)"),
-    P("codec", "dense32", "uplink codec for the draft distribution (edgespec_ros.codecs); every codec is "
-                          "lossless but split:k=K (K > 0: a rejection is resampled from the top-K of the "
-                          "target's distribution, LOSSY)"),
-    P("verify_mode", "rejection", "rejection (lossless: the target's own output) or wisv (LOSSY: at temperature 0 the "
-                                  "verifier's decision head keeps draft tokens that differ from the target's where it "
-                                  "judges the difference harmless, more readily on a poor link; the action clause is "
-                                  "always verified strictly; needs a verifier with a WISV head)",
-      choices=("rejection", "wisv")),
-    P("wisv_threshold", 0.01, "wisv: keep a mismatched draft token when the head's rejection probability is at most "
-                             "this (0 = greedy SD exactly); 0.01 is the most permissive threshold whose closed-loop "
-                             "success stayed within one standard error of greedy SD on wifi-poor and cellular "
-                             "(docs/wisv.md)", min_value=0.0, max_value=1.0),
-    P("hidden_upload", "auto", "wisv: how the drafter's hidden states reach the head: full (with every block), "
-                               "selective (only those the verifier asks for, one more round trip) or auto (by the "
-                               "measured link)", choices=("full", "selective", "auto")),
-    P("predraft_workers", 4, "fsd: pre-draft worker threads (each drafts the next block for one early exit)",
-      min_value=1, max_value=64),
-    P("client_queue", "priority", "fsd: order in which received early exits are pre-drafted: priority "
-                                  "(most confident first), fifo or random"),
-    P("deadline_s", 8.0, "a decision not verified within this many seconds is replaced by a stop", min_value=0.05),
+    *(P(name, default, meta["description"], meta["choices"], meta["min_value"], meta["max_value"])
+      for name, default, meta in described_fields(DrafterSettings)),  # robot/settings.py: every default's one home
     P("verifier_timeout_s", 5.0, "timeout of each wait for the verifier (connect, every reply)", min_value=0.05),
-    P("retry_interval_s", 1.0, "pause after a fault before the next decision", min_value=0.01),
     P("decision_period_s", 0.1, "how often the decision timer checks whether a decision may start",
       min_value=0.005),
-    P("max_frame_age_s", 1.0, "never decide on a frame older than this", min_value=0.01),
-    P("wait_for_motion", True, "decide again only after the navigator finished the last motion and on a "
-                               "frame captured after it"),
-    P("motion_wait_timeout_s", 15.0, "decide anyway when the navigator has not reported for this long",
-      min_value=0.1),
-    P("finish_on_stop", True, "a verified 'stop' completes the command (no more decisions until the next)"),
-    P("max_decisions", 0, "decisions per command before it is dropped; 0 = unlimited", min_value=0),
     P("link_name", "real", "link label in DecodingStats (the bring-up sets the emulated profile's name)"),
     P("use_compressed", False, "subscribe to sensor_msgs/CompressedImage on camera/image_raw/compressed instead"),
     P("autostart", False, "configure and activate at startup (for `ros2 run`; launch files drive the "

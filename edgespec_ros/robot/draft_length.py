@@ -10,8 +10,8 @@ maximised over real gamma at gamma_0 = [W_-1(-alpha^(1/L - 1) / e) + 1] / ln(alp
 (Eq. 21, Lambert W on its -1 branch); the integer optimum is the better of floor and ceil
 (Algorithm 1), or 1 when gamma_0 < 1. AS2 speculates only when S(gamma*) is not below 1.
 
-Ties: Algorithm 2 as printed speculates only when S > 1, but TK-SLT's Table I (and issue 6:
-"fall back when S(gamma*) < 1") keeps SD at (alpha, L) = (0.4, 0.4), where S = 1 exactly, and
+Ties: Algorithm 2 as printed speculates only when S > 1, but TK-SLT's Table I (falling back
+to AR only when S(gamma*) < 1) keeps SD at (alpha, L) = (0.4, 0.4), where S = 1 exactly, and
 marks 1* (use AR) at (0.6, 0.6), where S is also 1 in exact arithmetic but 0.9999999999999998 in
 IEEE double. So the table is Eq. 11 in double precision with "AR iff S < 1", which is what this
 module computes (and test_draft_length.py checks entry by entry).

@@ -22,7 +22,6 @@ Safety rules enforced here:
 """
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 from collections import deque
@@ -35,9 +34,9 @@ from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_A
                                split_reasoning_action)
 from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME
 from ..decoding.memory import CommandMemory
-from .decoder import DECODING_MODES, DecodeConfig
+from .decoder import DecodeConfig
+from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
 from ..decoding.metrics import DecisionMetrics, RunSummary
-from ..decoding.sampling import SamplingParams
 
 NS = 1_000_000_000
 
@@ -102,82 +101,6 @@ def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = ""
     """A safety stop: action ``stop``, ``fault`` says why."""
     return DecisionOutcome(instruction, stamp_ns, frame_id, text=text, action="stop", parsed_action=Action.stop(),
                            parsed=True, reasoning=fault, mode=mode, fault=fault)
-
-
-@dataclass(frozen=True)
-class DrafterSettings:
-    """Decoding and scheduling settings of the drafter: the drafter node's parameters of the same
-    names (nodes/params.py declares them, with these defaults: a test keeps the two equal)."""
-
-    mode: str = "pipe"
-    gamma: int = 4
-    auto_gamma: bool = False  # sd, pipe: gamma "auto" (robot.draft_length.AutoGamma); pipe: pipe_depth too
-    pipe_depth: int = 3  # pipe modes: blocks in flight
-    max_new_tokens: int = 96
-    temperature: float = 0.0
-    seed: int = 0
-    # After an unparseable decision the robot has not moved, so the next frame is the same and a
-    # greedy model would write the same text again; after a move the navigator gave up as blocked
-    # (pushing into something) it would drive on into it. Sample that next decision at this
-    # temperature (when above ``temperature``; a new seed either way). 0 turns it off.
-    resample_temperature: float = 0.7
-    codec: str = "dense32"
-    verify_mode: str = "rejection"  # or "wisv" (LOSSY, greedy decisions only; decoding.wisv)
-    wisv_threshold: float = 0.01
-    hidden_upload: str = "auto"
-    predraft_workers: int = 4
-    client_queue: str = "priority"
-    deadline_s: float = 8.0
-    retry_interval_s: float = 1.0
-    max_frame_age_s: float = 1.0
-    wait_for_motion: bool = True
-    motion_wait_timeout_s: float = 15.0
-    finish_on_stop: bool = True
-    max_decisions: int = 0  # per command; 0 = unlimited
-
-    def __post_init__(self):
-        if self.mode not in DECODING_MODES:
-            raise ValueError(f"mode {self.mode!r} is not available; choose one of {', '.join(DECODING_MODES)}")
-        for name in ("deadline_s", "retry_interval_s", "max_frame_age_s", "motion_wait_timeout_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.max_decisions < 0:
-            raise ValueError(f"max_decisions must be >= 0 (0 = unlimited), got {self.max_decisions}")
-        for name in ("temperature", "resample_temperature"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
-        if self.verify_mode == "wisv" and self.temperature != 0:
-            raise ValueError("verify_mode wisv decides greedy decisions: set temperature 0 (resampled decisions are "
-                             "verified losslessly)")
-        self.decode_config(0)  # validates gamma, codec, max_new_tokens, the verify mode and threshold
-
-    def verification(self) -> str:
-        """How this drafter's decisions are verified, for logs and DecodingStats: "lossless", or
-        "LOSSY: ..." naming every setting that makes them differ from the target's own output."""
-        from ..codecs import get_codec
-        lossy = []
-        if self.verify_mode == "wisv":
-            lossy.append(f"verify_mode wisv, threshold {self.wisv_threshold:g} (greedy decisions)")
-        codec = get_codec(self.codec)
-        if codec.lossy:
-            lossy.append(f"codec {codec.spec} (a rejection resampled from the top-{codec.k} of p)")
-        return "LOSSY: " + "; ".join(lossy) if lossy else "lossless"
-
-    def decode_config(self, decision_index: int, resample: bool = False) -> DecodeConfig:
-        """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable or
-        blocked one."""
-        temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
-        # WISV decides greedy decisions; a sampled one (resampling) is verified losslessly
-        verify_mode = self.verify_mode if temperature == 0 else "rejection"
-        return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
-                            verify_mode=verify_mode, wisv_threshold=self.wisv_threshold,
-                            hidden_upload=self.hidden_upload,
-                            max_new_tokens=self.max_new_tokens,
-                            params=SamplingParams(temperature), seed=self.seed + decision_index,
-                            codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,
-                            pipe_depth="auto" if self.auto_gamma and self.mode.startswith("pipe") else self.pipe_depth)
 
 
 # How a command ended (CommandStatus.finish_kind)

@@ -13,6 +13,7 @@ import torch
 from ..decoding.verifier import Block, Condition, VerifierTimeout, VerifyReply
 from .draft_length import AutoGamma
 from .rounds import PIPE_DEPTH_MAX, DecisionState, DecodeConfig, Strategy
+from .settings import DEFAULTS
 
 COND_SLICE_S = 0.003  # pipe+fsd: how often a waiting robot checks for a pre-draft to send conditionally
 COND_MAX = 3  # pipe+fsd: conditional blocks per verdict at most (one per distinct guess of the deepest exit)
@@ -57,7 +58,7 @@ class PipeStrategy(Strategy):
         round trip with drafting, ceil((t_rtt + t_verify + gamma t_draft) / max(gamma t_draft,
         t_verify)), so the cloud never waits on the link (PicoSpec Eq. 9's overlap condition)."""
         if self.auto is None:
-            gamma = cfg.gamma if cfg.gamma != "auto" else 4
+            gamma = cfg.gamma if cfg.gamma != "auto" else DEFAULTS.gamma
             depth = cfg.pipe_depth if cfg.pipe_depth != "auto" else 3
             return int(gamma), int(depth)
         gamma = self.auto.next_gamma()

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-QUEUE_POLICIES = ("priority", "fifo", "random")
+from .settings import DEFAULTS, QUEUE_POLICIES
+
 
 
 @dataclass
@@ -67,7 +68,7 @@ class PreDraftStats:
 class PreDrafter:
     """N pre-draft worker threads with a client queue and a pre-draft cache (one round at a time)."""
 
-    def __init__(self, workers: int = 4, policy: str = "priority", device=None,
+    def __init__(self, workers: int = DEFAULTS.predraft_workers, policy: str = DEFAULTS.client_queue, device=None,
                  max_queue: int = 64, seed: int = 0):
         if policy not in QUEUE_POLICIES:
             raise ValueError(f"unknown client queue policy {policy!r}; expected one of {QUEUE_POLICIES}")

@@ -6,7 +6,6 @@ A strategy keeps its own state across decisions (AutoGamma's estimates, the pre-
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -14,72 +13,9 @@ from ..codecs import get_codec
 from ..decoding.inputs import PromptInputs
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
-from ..decoding.sampling import SamplingParams
-from ..decoding.verify import WISV, VerifySettings, resample_separate
+from ..decoding.verify import WISV, resample_separate
 from .draft_length import AutoGamma
-
-DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
-PIPE_DEPTH_MAX = 8
-
-
-@dataclass
-class DecodeConfig:
-    """The robot's decoding settings for one decision (the cloud sees only ``verify_settings``)."""
-
-    mode: str = "sd"
-    gamma: int | str = 4  # draft length, or "auto" (sd, pipe, pipe+fsd): picked from the measured link and compute
-    max_new_tokens: int = 64
-    params: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
-    verify_mode: str = "rejection"  # "greedy", or "wisv" (LOSSY: semantic acceptance, decoding.wisv)
-    wisv_threshold: float = 0.01  # wisv: the decision head keeps a mismatch at or below this rejection probability
-    hidden_upload: str = "auto"  # wisv: "full" (FH), "selective" (SH) or "auto" (by the measured link)
-    action_tolerance: int = 0  # wisv, LOSSY, in process only: size classes a kept draft size word may differ by
-    codec: str = "dense32"  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
-    workers: int = 4  # fsd, pipe+fsd: pre-draft worker threads
-    client_queue: str = "priority"  # fsd: order in which early exits are pre-drafted (priority|fifo|random)
-    pipe_depth: int | str = 3  # pipe modes: blocks in flight, or "auto" (from the measured link and compute)
-    # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
-    # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
-    pipe_truncate: bool = True
-    # pipe modes: a block that continues a chained block (the verifier feeds it with no pending token)
-    # carries gamma + 1 drafts, so its pass computes the same gamma + 1 rows as a block after a
-    # verdict (and as SD's); off only to measure it
-    pipe_fill_rows: bool = True
-
-    def __post_init__(self):
-        if self.mode not in DECODING_MODES:
-            raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
-        if self.gamma == "auto":
-            if self.mode == "fsd":
-                raise ValueError("gamma 'auto' is for the sd and pipe modes; give fsd an integer gamma")
-        elif isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
-            raise ValueError(f"gamma (draft length) must be in 1..64 or 'auto', got {self.gamma!r}")
-        if self.pipe_depth != "auto" and (isinstance(self.pipe_depth, bool) or not isinstance(self.pipe_depth, int)
-                                          or not 1 <= self.pipe_depth <= PIPE_DEPTH_MAX):
-            raise ValueError(f"pipe_depth (blocks in flight) must be in 1..{PIPE_DEPTH_MAX} or 'auto', "
-                             f"got {self.pipe_depth!r}")
-        get_codec(self.codec)  # raises on an unknown name or a bad parameter
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        from .predraft import QUEUE_POLICIES
-        if self.client_queue not in QUEUE_POLICIES:
-            raise ValueError(f"client_queue must be one of {QUEUE_POLICIES}, got {self.client_queue!r}")
-        if not 1 <= self.workers <= 64:
-            raise ValueError(f"workers (pre-draft threads) must be in 1..64, got {self.workers}")
-        from ..decoding.wisv import UPLOADS
-        if self.hidden_upload not in UPLOADS:
-            raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
-        if self.action_tolerance and self.verify_mode != WISV:
-            raise ValueError("action_tolerance is part of verify mode wisv (LOSSY)")
-        if self.verify_mode == WISV and get_codec(self.codec).separate:
-            raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
-        self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
-
-    def verify_settings(self) -> VerifySettings:
-        wisv = self.verify_mode == WISV
-        return VerifySettings(self.params, self.seed, self.verify_mode, self.wisv_threshold if wisv else 0.0,
-                              self.action_tolerance if wisv else 0)
+from .settings import DECODING_MODES, PIPE_DEPTH_MAX, DecodeConfig  # noqa: F401 - the decoder's names
 
 
 def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .expert import expert_config_from_pairs
+from ..robot.settings import DEFAULTS
 from .render import CameraConfig, compose_side_by_side, render_camera, render_topdown
 from .scenario import Pose, ScenarioError, load_scenario, resolve_scenario
 
@@ -156,7 +157,7 @@ def _setup_eval(sub) -> None:
     parser.add_argument("--model", required=True, help="model directory (e.g. edgespec_ros/models/target)")
     parser.add_argument("--scenarios", required=True, help="directory of scenario JSON files (or one file)")
     parser.add_argument("--json", help="write the report (top-level success_rate, per-scenario results) here")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--resample-temperature", type=float, default=0.0,
                         help="sample the decision after an unparseable one, or after a move into "
                              "something, at this temperature, as the drafter node does (its default: 0.7); "

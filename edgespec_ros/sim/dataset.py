@@ -238,7 +238,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
 
     ``memory_noise``: with that probability a decision executes a mistake of the two kinds a
-    memoryless policy repeats (issue 37): the opposite of the last turn (a left/right limit
+    memoryless policy repeats: the opposite of the last turn (a left/right limit
     cycle's step) or ``move forward large`` (which runs into whatever is close ahead). Its
     outcome ("done" or "blocked") is what the next frames' memory shows. Jittered frames share
     their decision's memory; close-ups have none."""

@@ -100,7 +100,7 @@ FAILURE_KINDS = ("cycle", "push", "early stop", "ran out")
 
 def classify_failure(episode: dict) -> str | None:
     """Why a closed-loop episode (``run_episode``'s result as a dict) failed, in the kinds the
-    hidden scenarios showed (issue 37), or None when it succeeded:
+    held-out scenarios show, or None when it succeeded:
 
     - ``cycle``: a left/right limit cycle, at least half of its consecutive decisions are turns
       the opposite way of the one before;

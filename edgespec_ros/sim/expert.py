@@ -426,7 +426,7 @@ def step_outcome(scenario: Scenario, pose: Pose, action: Action | str, policy: E
                  horizon: int | None = None) -> StepOutcome:
     """Execute ``action`` from ``pose`` in a fresh world, then roll the expert out for at most
     ``horizon`` decisions in all (default: the scenario's ``max_steps``): the closed-loop result of
-    that one step, the way a counterfactual label judges it (issue 35)."""
+    that one step, the way a counterfactual label judges it."""
     policy = ExpertPolicy() if policy is None else policy
     limit = scenario.max_steps if horizon is None else horizon
     world = SimWorld(scenario, policy.camera, policy.action_config)
@@ -439,7 +439,7 @@ def step_outcome(scenario: Scenario, pose: Pose, action: Action | str, policy: E
 
 class ExecutedOutcome:
     """Is an action as good as another *executed* from one state? The executed-outcome label of a
-    WISV mismatch (issue 35): a draft token that changes the parsed action is still harmless when
+    WISV mismatch: a draft token that changes the parsed action is still harmless when
     the step it leads to touches nothing the reference step did not, and the expert reaches the
     goal from there in no more decisions than from the reference step. Where either text does not
     parse, only identical text is as good. Each action's outcome is simulated once."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 from ..control.actions import ActionParseError, parse_action
 from ..robot.decoder import DecodeConfig
+from ..robot.settings import DEFAULTS
 from ..cloud.target import target_generate
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import build_inputs, jpeg_roundtrip
@@ -23,7 +24,7 @@ class VLMPolicy:
     """``memory``: how many earlier decisions the model reads (``LoadedModel.memory``); callers that
     roll it out pass them as ``history`` (``decoding.memory``)."""
 
-    def __init__(self, lm: LoadedModel, max_new_tokens: int = 96):
+    def __init__(self, lm: LoadedModel, max_new_tokens: int = DEFAULTS.max_new_tokens):
         self.lm = lm
         self.memory = lm.memory
         self.cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)

@@ -16,6 +16,7 @@ import shutil
 from itertools import islice
 
 from .distill import DistillConfig, adapt_from_traces
+from ..robot.settings import DEFAULTS
 
 # the seeds of the family's recorded decisions and of its held-out decisions never overlap
 RECORD_START, HELDOUT_START = 0, 100_000
@@ -29,7 +30,7 @@ def family_frames(family: str | None, n: int, start: int) -> list:
 
 
 def record_decisions(draft_dir: str, target_dir: str, frames, trace_dir: str, temperature: float = 0.0,
-                     gamma: int = 4) -> dict:
+                     gamma: int = DEFAULTS.gamma) -> dict:
     """Decide each frame with SD (draft against target, in process) through a verifier that records
     every round, camera frames included, into ``trace_dir``; returns the run's summary row."""
     from tqdm import tqdm
@@ -46,7 +47,7 @@ def record_decisions(draft_dir: str, target_dir: str, frames, trace_dir: str, te
     summary = RunSummary(mode="sd", link="in-process", compute="native")
     try:
         for i, ex in enumerate(tqdm(frames, desc="recording verifier", unit="dec")):
-            cfg = DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=96, seed=i,
+            cfg = DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=DEFAULTS.max_new_tokens, seed=i,
                                params=SamplingParams(temperature=temperature))
             summary.add(decoder.decide(ex.instruction, ex.image, cfg).metrics)
     finally:
@@ -73,7 +74,7 @@ def reusable_traces(trace_dir: str, draft_dir: str, n: int) -> dict | None:
             "acceptance_rate": sum(r.accepted for r in records) / max(1, drafted)}
 
 
-def acceptance(draft_dir: str, target_dir: str, frames, gamma: int = 4) -> dict:
+def acceptance(draft_dir: str, target_dir: str, frames, gamma: int = DEFAULTS.gamma) -> dict:
     """SD acceptance rate and tau at temperature 0 and 1 on ``frames``."""
     from .card import sd_acceptance
     rows = {f"t{t:g}": sd_acceptance(draft_dir, target_dir, frames, gamma, t) for t in (0.0, 1.0)}

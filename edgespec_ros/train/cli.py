@@ -54,10 +54,11 @@ class PipelineConfig:
     action_noise: float = 0.0
     # frames taken close to objects, look-alikes of the goal first (sim.dataset: _closeup), per scenario
     closeups_per_scenario: float = 0.0
-    # a policy with memory (decoding.memory; issue 37): the prompt shows the last 2-3 (memory=2)
+    # a policy with memory (decoding.memory): the prompt shows the last 2-3 (memory=2)
     # decisions and how each ended; memory_noise: the share of data-rollout decisions that execute
     # a typical mistake (a reversed turn, a large move into what is ahead) so the memory shows them.
-    # Both models read the same prompt (config.json policy_memory); 0: memoryless (the committed models)
+    # Both models read the same prompt (config.json policy_memory); 0: memoryless (`make models`; the
+    # committed pair, `make models-memory`, has 2)
     memory: int = 0
     memory_noise: float = 0.0
     memory_dropout: float = 0.0  # the share of examples shown without their memory (copycat remedy: docs/models.md)
@@ -69,8 +70,8 @@ class PipelineConfig:
     tokenizer_vocab: int = 1024
     # the target trains until its wall-clock budget (0 = none) ends, the learning-rate schedule shrunk
     # to fit (trainer.TrainConfig.time_budget_s); target_steps is only a ceiling. 2,850 s keeps
-    # `make models` (every stage, the card included) within its 90 minutes now that the draft trains
-    # longer and is distilled (+10 min); the committed target had 3,000 s (9,507 steps)
+    # `make models` (every stage, the card included, the draft's 1,800 steps and distillation too)
+    # within its 90 minutes; the memoryless `make models` target of docs/models.md had 3,000 s (9,507 steps)
     target_steps: int = 12000
     target_budget_s: float = 2850.0
     draft_steps: int = 1800  # 600 (54 s) left the draft far from converged: loss 0.41 vs 0.20, acceptance 0.60 vs 0.78

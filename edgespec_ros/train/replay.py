@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..robot.settings import DEFAULTS
 from ..control.actions import ActionParseError, parse_action
 from ..cloud.target import TargetSession
 from ..robot.decoder import EdgeDecoder
@@ -96,7 +97,7 @@ def greedy_continue_batch(seqs: list, budgets: list[int], eos) -> list[list[int]
     return outs
 
 
-def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = 4,
+def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = DEFAULTS.gamma,
                   max_new_tokens: int = GREEDY_NEW_TOKENS) -> tuple[list[int], list[int]]:
     """Speculative rounds of the draft (greedy) against the target; ``choose(SdRound) -> accepted``
     says how many draft tokens each round keeps (greedy SD: the first mismatch), the next token is

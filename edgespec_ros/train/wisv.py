@@ -11,7 +11,7 @@ grows as the channel worsens (a smaller repair budget); harmless mismatches are 
 (one-way relabeling). So the labels are the task's own on a perfect link and relax, critical
 ones first by importance, as rounds get expensive. The task label itself comes in three kinds
 (``LABELS``): each mismatch alone, sequential (the kept mismatches stay kept), and executed (a
-changed action is critical only when executing it does worse in the simulator; issue 35).
+changed action is critical only when executing it does worse in the simulator).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .replay import GREEDY_NEW_TOKENS
+from ..robot.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class MismatchTrace:
 LABELS = ("alone", "sequential", "executed")
 
 
-def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
+def episode_traces(draft, target, instruction: str, image, gamma: int = DEFAULTS.gamma,
                    max_new_tokens: int = GREEDY_NEW_TOKENS, policy=None, labels: str = "alone",
                    history=(), judge=None) -> list[MismatchTrace]:
     """Speculative rounds of one decision, recording every unprotected mismatch of every round (in
@@ -93,7 +94,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     prefix holds the mismatches kept before (the states the head meets when it decides: DAgger).
 
     ``labels``: "alone" judges each mismatch with everything before it as greedy SD (or the policy)
-    left it; "sequential" (issue 35) follows the oracle instead: each mismatch judged harmless is
+    left it; "sequential" follows the oracle instead: each mismatch judged harmless is
     kept and stays kept while the next is judged, and a round stops at the first critical one,
     so every label is taken in the context a head that keeps what is harmless would meet (the
     decision keeps several mismatches, not one). The oracle's decision ends in the target's action.
@@ -202,7 +203,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = 4,
     return traces
 
 
-def collect_traces(draft, target, examples, gamma: int = 4, progress=None, policies=None, workers: int = 1,
+def collect_traces(draft, target, examples, gamma: int = DEFAULTS.gamma, progress=None, policies=None, workers: int = 1,
                    model_dirs: tuple[str, str] | None = None, labels: str = "alone",
                    executed: bool = False) -> list[list[MismatchTrace]]:
     """One episode of traces per example (``sim.dataset`` Example: image, instruction); policies

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from ..decoding.verifier import (LinkLostError, VerifierError, VerifierRefused, VerifierTimeout)  # noqa: F401 - raised here
 from ..codecs import get_codec
+from ..codecs import DEFAULT_CODEC
 from ..decoding.inputs import Prompt
 from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifyReply, dropped_after
@@ -56,7 +57,7 @@ def _set_send_timeout(sock, seconds: float) -> None:
 class RemoteVerifier:
     """Verifier over a websocket connection; one decision at a time."""
 
-    def __init__(self, url: str, *, fingerprint: str, vocab_size: int, token: str = "", codec: str = "dense32",
+    def __init__(self, url: str, *, fingerprint: str, vocab_size: int, token: str = "", codec: str = DEFAULT_CODEC,
                  timeout_s: float = 10.0, connect_timeout_s: float = 5.0, max_frame: int = P.DEFAULT_MAX_FRAME,
                  link_profile: LinkProfile | None = None, client_name: str = "edgespec-edge",
                  ca_file: str | None = None, draft: str = "", policy_memory: int = 0):

@@ -23,7 +23,7 @@ def prefill_frame(decision: int, prompt: Prompt, settings: VerifySettings) -> P.
 def carries_q(settings: VerifySettings, codec) -> bool:
     """Whether a decision's VERIFY frames carry the draft distribution q: rejection sampling reads
     it and the split codec's separate rule does; greedy and WISV verification (argmax against the
-    drafts) never do, so their blocks go up without it (protocol 7: the verifier refuses one)."""
+    drafts) never do, so their blocks go up without it (the verifier refuses one that carries q)."""
     # settings: a VerifySettings or a robot config with its fields (verify_mode: rejection | greedy | wisv)
     return getattr(settings, "verify_mode", "rejection") == "rejection" or bool(codec.separate)
 

@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..codecs import DEFAULT_CODEC
+
 MAGIC = b"ESPD"
-PROTOCOL_VERSION = 8  # 2: early exits (EXIT frame, WELCOME exit layers, VERIFY flags); 3: pipelined blocks
-#                      (epochs, chaining); 4: conditional blocks (VERIFY condition); 5: WISV (PREFILL threshold,
-#                      VERIFY CSI + hidden rows, HIDDEN_REQUEST/HIDDEN frames, WELCOME head width, VERDICT relaxed);
-#                      6: HELLO names the draft model (its content hash, recorded with traces); 7: greedy and
-#                      WISV blocks carry no draft distribution (VERIFY q empty: the rule never reads it); 8: HELLO
-#                      says how many earlier decisions the robot's prompts show (a draft/target memory mismatch
-#                      is refused like a tokenizer mismatch)
+# Both ends must speak exactly this version: a frame of any other is refused (VERSION_MISMATCH). Version 8's
+# frames: EXIT and the WELCOME's exit layers (early exits), VERIFY with block epochs, chaining and an optional
+# condition (conditional blocks), WISV's PREFILL threshold, VERIFY CSI and hidden rows, HIDDEN_REQUEST/HIDDEN
+# and the relaxed VERDICT; a HELLO that names the draft (content hash) and how many earlier decisions the
+# robot's prompts show (a memory mismatch is refused like a tokenizer mismatch); greedy and WISV blocks carry
+# no draft distribution. What each version added: CHANGELOG.md.
+PROTOCOL_VERSION = 8
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -170,7 +172,7 @@ class Hello:
     token: str
     fingerprint: str
     vocab_size: int
-    codec: str = "dense32"
+    codec: str = DEFAULT_CODEC
     client: str = "edgespec-edge"
     draft: str = ""  # the draft model's content hash (decoding.engines.model_content_hash; "" unknown)
     memory: int = 0  # the robot's prompts show this many earlier decisions (decoding.memory; 0: memoryless)

@@ -1,0 +1,212 @@
+"""The robot's decoding settings: one type, and the one definition of every default.
+
+``DrafterSettings`` is what a user sets: the drafter node's parameters of the same names
+(``nodes/params.py`` builds their rows from these fields, descriptions and bounds included),
+``config/drafter.yaml`` and the launch files override some, and ``edgespec-bench``,
+``edgespec-demo`` and training take their defaults from ``DEFAULTS``. ``DecodeConfig`` is one
+decision's resolved form (``DrafterSettings.decode_config``: the decision's seed and temperature,
+"auto" where auto_gamma asks for it), with the same defaults, plus the switches that exist only to
+measure a technique (pipe_truncate, pipe_fill_rows, action_tolerance). A test counts default
+literals of these settings outside this module.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from types import SimpleNamespace
+
+from ..codecs import DEFAULT_CODEC, get_codec
+from ..decoding.sampling import SamplingParams
+from ..decoding.verify import WISV, VerifySettings
+
+DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
+PIPE_DEPTH_MAX = 8
+GAMMA_MAX = 64
+QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
+
+
+def setting(default, description: str, *, min_value=None, max_value=None, choices: tuple = ()):
+    """A settings field: its default, what it means, and its bounds (the node parameter's too)."""
+    return field(default=default, metadata={"description": description, "min_value": min_value,
+                                            "max_value": max_value, "choices": tuple(choices)})
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    """Decoding and scheduling settings of the drafter (the drafter node's parameters)."""
+
+    mode: str = setting(
+        "pipe", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
+                "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
+                "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
+                "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the "
+                "robot pre-drafted and sent before the verdict; docs/pipeline.md compares the modes)",
+        choices=DECODING_MODES)
+    gamma: int = setting(4, "draft tokens per verification round (sd, fsd, pipe, pipe+fsd)",
+                         min_value=1, max_value=GAMMA_MAX)
+    auto_gamma: bool = setting(
+        False, "sd: choose gamma every round (ODLD) and sd or cloud ar every decision (AS2) from measured "
+               "rounds; pipe: gamma by ODLD and pipe_depth from the measured link and compute; gamma (and "
+               "pipe_depth) are then ignored")
+    pipe_depth: int = setting(3, "pipe, pipe+fsd: blocks in flight (drafted and sent before the earlier ones' "
+                                 "verdicts)", min_value=1, max_value=PIPE_DEPTH_MAX)
+    max_new_tokens: int = setting(96, "token budget of one decision", min_value=1, max_value=4096)
+    temperature: float = setting(0.0, "sampling temperature (0 = greedy)", min_value=0.0)
+    # After an unparseable decision the robot has not moved, so the next frame is the same and a
+    # greedy model would write the same text again; after a move the navigator gave up as blocked
+    # (pushing into something) it would drive on into it.
+    resample_temperature: float = setting(
+        0.7, "after an unparseable decision (the robot did not move, so a greedy model would repeat it on the "
+             "same view) or a move the navigator gave up as blocked by contact (no progress on fresh "
+             "odometry), the next decision samples at this temperature if above temperature; 0 = off",
+        min_value=0.0)
+    seed: int = setting(0, "sampling seed of the first decision (later decisions add their index)")
+    codec: str = setting(
+        DEFAULT_CODEC, "uplink codec for the draft distribution (edgespec_ros.codecs); every codec is lossless "
+                   "but split:k=K (K > 0: a rejection is resampled from the top-K of the target's "
+                   "distribution, LOSSY)")
+    verify_mode: str = setting(
+        "rejection", "rejection (lossless: the target's own output) or wisv (LOSSY: at temperature 0 the "
+                     "verifier's decision head keeps draft tokens that differ from the target's where it judges "
+                     "the difference harmless, more readily on a poor link; the action clause is always "
+                     "verified strictly; needs a verifier with a WISV head)", choices=("rejection", "wisv"))
+    wisv_threshold: float = setting(
+        0.01, "wisv: keep a mismatched draft token when the head's rejection probability is at most this "
+              "(0 = greedy SD exactly); 0.01 is the most permissive threshold whose closed-loop success stayed "
+              "within one standard error of greedy SD on wifi-poor and cellular (docs/wisv.md)",
+        min_value=0.0, max_value=1.0)
+    hidden_upload: str = setting(
+        "auto", "wisv: how the drafter's hidden states reach the head: full (with every block), selective "
+                "(only those the verifier asks for, one more round trip) or auto (by the measured link)",
+        choices=("full", "selective", "auto"))
+    predraft_workers: int = setting(4, "fsd: pre-draft worker threads (each drafts the next block for one "
+                                       "early exit)", min_value=1, max_value=64)
+    client_queue: str = setting("priority", "fsd: order in which received early exits are pre-drafted: "
+                                            "priority (most confident first), fifo or random",
+                                choices=QUEUE_POLICIES)
+    deadline_s: float = setting(8.0, "a decision not verified within this many seconds is replaced by a stop",
+                                min_value=0.05)
+    retry_interval_s: float = setting(1.0, "pause after a fault before the next decision", min_value=0.01)
+    max_frame_age_s: float = setting(1.0, "never decide on a frame older than this", min_value=0.01)
+    wait_for_motion: bool = setting(True, "decide again only after the navigator finished the last motion and "
+                                          "on a frame captured after it")
+    motion_wait_timeout_s: float = setting(15.0, "decide anyway when the navigator has not reported for this "
+                                                 "long", min_value=0.1)
+    finish_on_stop: bool = setting(True, "a verified 'stop' completes the command (no more decisions until "
+                                         "the next)")
+    max_decisions: int = setting(0, "decisions per command before it is dropped; 0 = unlimited", min_value=0)
+
+    def __post_init__(self):
+        if self.mode not in DECODING_MODES:
+            raise ValueError(f"mode {self.mode!r} is not available; choose one of {', '.join(DECODING_MODES)}")
+        for name in ("deadline_s", "retry_interval_s", "max_frame_age_s", "motion_wait_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.max_decisions < 0:
+            raise ValueError(f"max_decisions must be >= 0 (0 = unlimited), got {self.max_decisions}")
+        for name in ("temperature", "resample_temperature"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if self.verify_mode == "wisv" and self.temperature != 0:
+            raise ValueError("verify_mode wisv decides greedy decisions: set temperature 0 (resampled decisions are "
+                             "verified losslessly)")
+        self.decode_config(0)  # validates gamma, codec, max_new_tokens, the verify mode and threshold
+
+    def verification(self) -> str:
+        """How this drafter's decisions are verified, for logs and DecodingStats: "lossless", or
+        "LOSSY: ..." naming every setting that makes them differ from the target's own output."""
+        lossy = []
+        if self.verify_mode == "wisv":
+            lossy.append(f"verify_mode wisv, threshold {self.wisv_threshold:g} (greedy decisions)")
+        codec = get_codec(self.codec)
+        if codec.lossy:
+            lossy.append(f"codec {codec.spec} (a rejection resampled from the top-{codec.k} of p)")
+        return "LOSSY: " + "; ".join(lossy) if lossy else "lossless"
+
+    def decode_config(self, decision_index: int, resample: bool = False) -> "DecodeConfig":
+        """The decoding of decision ``decision_index``; ``resample``: it follows an unparseable or
+        blocked one."""
+        temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
+        # WISV decides greedy decisions; a sampled one (resampling) is verified losslessly
+        verify_mode = self.verify_mode if temperature == 0 else "rejection"
+        return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
+                            verify_mode=verify_mode, wisv_threshold=self.wisv_threshold,
+                            hidden_upload=self.hidden_upload,
+                            max_new_tokens=self.max_new_tokens,
+                            params=SamplingParams(temperature), seed=self.seed + decision_index,
+                            codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,
+                            pipe_depth="auto" if self.auto_gamma and self.mode.startswith("pipe") else self.pipe_depth)
+
+
+def described_fields(cls=DrafterSettings):
+    """(name, default, metadata) of each settings field: what nodes/params.py builds its rows from."""
+    return [(f.name, f.default, f.metadata) for f in fields(cls) if f.default is not MISSING]
+
+
+# the defaults as plain values, for DecodeConfig's fields (DEFAULTS itself validates through DecodeConfig)
+_D = SimpleNamespace(**{f.name: f.default for f in fields(DrafterSettings)})
+
+
+@dataclass
+class DecodeConfig:
+    """The robot's decoding settings for one decision (the cloud sees only ``verify_settings``);
+    every default is ``DEFAULTS``'s."""
+
+    mode: str = _D.mode
+    gamma: int | str = _D.gamma  # draft length, or "auto" (sd, pipe, pipe+fsd): from the measured link and compute
+    max_new_tokens: int = _D.max_new_tokens
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(_D.temperature))
+    seed: int = _D.seed
+    verify_mode: str = _D.verify_mode  # or "wisv" (LOSSY: semantic acceptance, decoding.wisv)
+    wisv_threshold: float = _D.wisv_threshold  # wisv: keep a mismatch at or below this rejection probability
+    hidden_upload: str = _D.hidden_upload  # wisv: "full" (FH), "selective" (SH) or "auto" (by the link)
+    action_tolerance: int = 0  # wisv, LOSSY, in process only: size classes a kept draft size word may differ by
+    codec: str = _D.codec  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
+    workers: int = _D.predraft_workers  # fsd, pipe+fsd: pre-draft worker threads
+    client_queue: str = _D.client_queue  # fsd: order in which early exits are pre-drafted
+    pipe_depth: int | str = _D.pipe_depth  # pipe modes: blocks in flight, or "auto"
+    # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
+    # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
+    pipe_truncate: bool = True
+    # pipe modes: a block that continues a chained block (the verifier feeds it with no pending token)
+    # carries gamma + 1 drafts, so its pass computes the same gamma + 1 rows as a block after a
+    # verdict (and as SD's); off only to measure it
+    pipe_fill_rows: bool = True
+
+    def __post_init__(self):
+        if self.mode not in DECODING_MODES:
+            raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
+        if self.gamma == "auto":
+            if self.mode == "fsd":
+                raise ValueError("gamma 'auto' is for the sd and pipe modes; give fsd an integer gamma")
+        elif isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= GAMMA_MAX:
+            raise ValueError(f"gamma (draft length) must be in 1..{GAMMA_MAX} or 'auto', got {self.gamma!r}")
+        if self.pipe_depth != "auto" and (isinstance(self.pipe_depth, bool) or not isinstance(self.pipe_depth, int)
+                                          or not 1 <= self.pipe_depth <= PIPE_DEPTH_MAX):
+            raise ValueError(f"pipe_depth (blocks in flight) must be in 1..{PIPE_DEPTH_MAX} or 'auto', "
+                             f"got {self.pipe_depth!r}")
+        get_codec(self.codec)  # raises on an unknown name or a bad parameter
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.client_queue not in QUEUE_POLICIES:
+            raise ValueError(f"client_queue must be one of {QUEUE_POLICIES}, got {self.client_queue!r}")
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"workers (pre-draft threads) must be in 1..64, got {self.workers}")
+        from ..decoding.wisv import UPLOADS
+        if self.hidden_upload not in UPLOADS:
+            raise ValueError(f"hidden_upload must be one of {UPLOADS}, got {self.hidden_upload!r}")
+        if self.action_tolerance and self.verify_mode != WISV:
+            raise ValueError("action_tolerance is part of verify mode wisv (LOSSY)")
+        if self.verify_mode == WISV and get_codec(self.codec).separate:
+            raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
+        self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
+
+    def verify_settings(self) -> VerifySettings:
+        wisv = self.verify_mode == WISV
+        return VerifySettings(self.params, self.seed, self.verify_mode, self.wisv_threshold if wisv else 0.0,
+                              self.action_tolerance if wisv else 0)
+
+
+DEFAULTS = DrafterSettings()  # the shipped settings: bench, demo and training default to these
