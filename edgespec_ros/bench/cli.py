@@ -26,6 +26,12 @@ from ..decoding.memory import saved_memory
 from .. import topics
 
 
+def pair_memory(given: int | None, pair) -> int:
+    """--memory, or the pair's own (its draft's config.json ``policy_memory``): a memory pair is
+    benchmarked as it is prompted on the robot unless told otherwise."""
+    return given if given is not None else saved_memory(pair.draft_path)
+
+
 def compute_label(compute) -> str:
     """The ``compute:`` line's text: the profile's name and, for an emulated one, where the timings
     it pads to come from, in the profile's own words (``ComputeProfile.source``: the paper's
@@ -87,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uplink codec spec for q: dense32, dense16, topk:k=8, ksqs:k=8,l=32, "
                          f"csqs:l=100,eta=0.001,alpha=0.0005, ids (default {DEFAULTS.codec})")
     ap.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    ap.add_argument("--memory", type=int, default=0, metavar="K",
+    ap.add_argument("--memory", type=int, default=None, metavar="K",
                     help="prompt as a policy with memory K does (decoding.memory): the decisions are consecutive "
                          "frames of held-out expert rollouts, each prompt after the episode's earlier decisions "
-                         "(default 0: first frames of separate scenarios, memoryless prompts); the sweeps' too. "
-                         "A --replay brings the pair's own memory (config.json policy_memory)")
+                         "(0: first frames of separate scenarios, memoryless prompts; default: the pair's own, "
+                         "config.json policy_memory); the sweeps' too. A --replay brings the pair's own memory")
     ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                     help="start the verifier with --no-prefix-reuse (every prompt prefilled in full), to measure "
                          "what prefix reuse saves (table: cloud prefill ms)")
@@ -206,7 +212,7 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
-                        action_tolerance=args.action_tolerance, memory=args.memory)
+                        action_tolerance=args.action_tolerance, memory=pair_memory(args.memory, pair))
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -318,7 +324,7 @@ def bench(args) -> int:
     except BagError as exc:
         print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
         return 2
-    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, args.memory)
+    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, pair_memory(args.memory, pair))
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute_label(compute)}")
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..decoding.verifier import Block
 from ..codecs import DEFAULT_CODEC
+from ..robot.settings import DEFAULTS
 from ..decoding.verify import NO_TOKEN
 
 from ..cloud.local import LocalVerifier
@@ -188,7 +189,7 @@ def run_fleet(opts, progress) -> list[dict]:
         verifiers.remove("ray")
     draft_lm, target_lm = load_model(opts.pair.draft_path), load_model(opts.pair.target_path)
     prompts = opts.prompts(max(8, per_robot))
-    decisions = record(draft_lm, target_lm, prompts, (opts.gammas or [4])[0], opts.max_new_tokens)
+    decisions = record(draft_lm, target_lm, prompts, (opts.gammas or [DEFAULTS.gamma])[0], opts.max_new_tokens)
     compute = get_compute(opts.compute or "native")
     bar = progress(len(verifiers) * sum(robots_list) * per_robot)
     fingerprint, vocab = draft_lm.fingerprint(), draft_lm.vocab_size

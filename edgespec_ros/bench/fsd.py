@@ -164,7 +164,7 @@ def sweep_gamma(opts, progress) -> list[dict]:
     compute = opts.compute or "go2-paper"
     prompts = opts.prompts(opts.decisions or 2)
     bar = progress(len(prompts) * (1 + 2 * len(gammas)))
-    w = opts.workers or 4
+    w = opts.workers or DEFAULTS.predraft_workers
     settings = [({"setting": "ar"}, "ar", {})]
     for g in gammas:
         settings += [({"setting": f"sd g{g}"}, "sd", {"gamma": g}),
@@ -210,7 +210,7 @@ def sweep_links(opts, progress) -> list[dict]:
     rows = []
     for link in links:
         got = _setting_rows(opts.pair, link, compute, prompts,
-                            [({}, "ar", {}), ({}, "sd", {}), ({}, "fsd", {"workers": opts.workers or 4})],
+                            [({}, "ar", {}), ({}, "sd", {}), ({}, "fsd", {"workers": opts.workers or DEFAULTS.predraft_workers})],
                             progress=bar, max_new_tokens=opts.max_new_tokens, seed=opts.seed, exits=opts.exits)
         from .runner import add_speedups
         rows += add_speedups(got)

@@ -143,7 +143,7 @@ def sweep_modes(opts, progress) -> list[dict]:
         with emulated_setup(opts.pair, link, compute_name, exits=opts.exits) as (draft_lm, url):
             summaries = run_modes(draft_lm, url, list(SWEEP_MODES), prompts, link=link, compute=compute,
                                   gamma=(opts.gammas or [DEFAULTS.gamma])[0], max_new_tokens=opts.max_new_tokens, seed=opts.seed,
-                                  workers=opts.workers or 4,
+                                  workers=opts.workers or DEFAULTS.predraft_workers,
                                   pipe_depth=opts.pipe_depth, on_decision=lambda *a: bar.update(1))
         rows += annotate(add_speedups([summaries[m].row() for m in SWEEP_MODES]))
     bar.close()
