@@ -122,13 +122,6 @@ def string_message(text: str):
     return typestore().types[STRING_TYPE](data=text)
 
 
-def twist_message(linear_x: float, angular_z: float):
-    t = typestore().types
-    vec = t["geometry_msgs/msg/Vector3"]
-    return t["geometry_msgs/msg/Twist"](linear=vec(x=float(linear_x), y=0.0, z=0.0),
-                                        angular=vec(x=0.0, y=0.0, z=float(angular_z)))
-
-
 def odometry_message(x: float, y: float, yaw: float, stamp: int, frame_id: str = "odom",
                      child_frame_id: str = "base_link"):
     """A nav_msgs/Odometry at a planar pose (zero twist, zero covariance)."""

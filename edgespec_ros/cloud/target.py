@@ -364,14 +364,6 @@ class TargetSession:
         self._record(start, r.draft_ids, r.topk, result)
         return result
 
-    def verify_wisv(self, draft_ids: list[int], draft_hidden: torch.Tensor, csi, chained: bool = False
-                    ) -> tuple[VerifyResult, float]:
-        """A full-hidden WISV round in one call (draft_hidden [n, d]: every draft's row)."""
-        t0 = time.perf_counter()
-        asked = self.wisv_begin(draft_ids, chained)
-        rows = {i: draft_hidden[i] for i in asked}
-        return self.wisv_finish(rows, csi), time.perf_counter() - t0
-
     def ar_step(self) -> tuple[int, float]:
         """Decode one token with the target alone; returns (token, compute seconds)."""
         settings = self._require_started()

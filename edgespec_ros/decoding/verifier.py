@@ -28,7 +28,7 @@ from .verify import NO_TOKEN, VerifySettings
 
 
 # Why a verifier could not be used: raised by every Verifier (wire.client's over the network); the
-# drafter turns each into a fault stop (drafting.classify_error).
+# drafter turns each into a fault stop (robot.drafter.classify_error).
 class VerifierError(RuntimeError):
     """The cloud verifier cannot be used for this decision; the caller must stop the robot."""
 

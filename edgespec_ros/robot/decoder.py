@@ -32,7 +32,7 @@ from ..decoding.metrics import DecisionMetrics
 from ..decoding.verifier import Verifier
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
-from .rounds import (DECODING_MODES, ArStrategy, DecisionState, DecodeConfig, Drafter, PreDrafted, StopAndWait,
+from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDrafted, StopAndWait,
                      Strategy, truncate_at_stop)
 
 __all__ = ["DECODING_MODES", "Decision", "DecodeConfig", "EdgeDecoder"]
@@ -89,11 +89,11 @@ class EdgeDecoder:
                 from .predraft import PreDrafter
                 predrafter = PreDrafter(cfg.workers, cfg.client_queue, self.device, seed=cfg.seed)
             if cfg.mode == "sd":
-                strategy = StopAndWait(Drafter(self._auto(cfg)))
+                strategy = StopAndWait(Drafted(self._auto(cfg)))
             elif cfg.mode == "fsd":
                 strategy = StopAndWait(PreDrafted(predrafter))
-            elif cfg.mode == "ar":
-                strategy = ArStrategy()
+            elif cfg.mode == "ar":  # AS2's AR decisions (gamma "auto") report to its controller
+                strategy = ArStrategy(self._auto(cfg))
             else:
                 strategy = PipeStrategy(predrafter, self._auto(cfg))
             self._strategies[key] = strategy
@@ -126,13 +126,7 @@ class EdgeDecoder:
         # Overlapped: the draft prefill and the first block go ahead while PREFILL is on its way.
         info = self.verifier.start(prompt, cfg.verify_settings(), wait=False)
         m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
-        if cfg.mode == "ar":
-            out = ArStrategy(auto).run_ar(self.verifier, cfg, m, self.eos_ids, on_tokens)
-        else:
-            d = DecisionState(self, inputs, cfg, m, on_tokens, t_start)
-            self.strategy(cfg).run(d)
-            out = d.out
-            d.timeline.end(time.perf_counter())
+        out = self.strategy(cfg).decide(self, inputs, cfg, m, on_tokens, t_start)
         out, _ = truncate_at_stop(out, self.eos_ids, cfg.max_new_tokens)
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start

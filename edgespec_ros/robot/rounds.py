@@ -123,6 +123,15 @@ class Strategy:
 
     name = ""
 
+    def decide(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens,
+               started_at: float) -> list[int]:
+        """One decision's committed tokens (untruncated): the draft prefilled on the robot's
+        device, then this technique's rounds (``run``)."""
+        d = DecisionState(decoder, inputs, cfg, m, on_tokens, started_at)
+        self.run(d)
+        d.timeline.end(time.perf_counter())
+        return d.out
+
     def run(self, d: DecisionState) -> None:
         raise NotImplementedError
 
@@ -135,6 +144,11 @@ class ArStrategy(Strategy):
 
     def __init__(self, auto: AutoGamma | None = None):
         self.auto = auto  # gamma "auto": AR decisions measure the target step and the round trip
+
+    def decide(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens,
+               started_at: float) -> list[int]:
+        """The cloud target decodes alone: no draft, no prefill on the robot."""
+        return self.run_ar(decoder.verifier, cfg, m, decoder.eos_ids, on_tokens)
 
     def run_ar(self, verifier: Verifier, cfg: DecodeConfig, m: DecisionMetrics, eos_ids, on_tokens) -> list[int]:
         out: list[int] = []
@@ -224,8 +238,9 @@ class StopAndWait(Strategy):
             raise
 
 
-class Drafter(Proposer):
-    """SD: draft gamma tokens (gamma fixed, or ODLD's per round with ``auto``, fed every verdict)."""
+class Drafted(Proposer):
+    """SD: the block is drafted now, after the verdict (``PreDrafted``: from the pre-draft cache);
+    gamma tokens, fixed or ODLD's per round with ``auto``, fed every verdict."""
 
     name = "sd"
 

@@ -56,7 +56,7 @@ class DecoderPolicy:
     def __init__(self, decoder, cfg: DecodeConfig):
         self.decoder, self.cfg = decoder, cfg
         self.memory = getattr(getattr(decoder, "draft", None), "memory", 0) or 0  # the prompt the draft reads
-        self.last = None  # the last decision (edge.Decision: tokens, text, metrics)
+        self.last = None  # the last decision (robot.decoder.Decision: tokens, text, metrics)
 
     def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0, history=()) -> PolicyOutput:
         cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed,

@@ -61,9 +61,6 @@ class CameraConfig:
         """Half the horizontal field of view, in radians."""
         return math.radians(self.hfov_deg) / 2.0
 
-    def bearing_to_column(self, bearing_rad: float) -> float:
-        """Image column (float, 0 = left edge) where a direction at ``bearing_rad`` (CCW) projects."""
-        return self.width / 2.0 - self.focal_px * math.tan(bearing_rad)
 
 
 DEFAULT_CAMERA = CameraConfig()
