@@ -10,7 +10,7 @@ import sys
 from tqdm import tqdm
 
 from ..codecs import get_codec
-from ..decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
+from ..decoding.compute import COMPUTE_PROFILES, ROBOT_PROFILES, compute_arg, get_compute, robot_arg
 from ..robot.decoder import DECODING_MODES, DecodeConfig
 from ..robot.settings import DEFAULTS
 from ..decoding.sampling import SamplingParams
@@ -38,7 +38,10 @@ def compute_label(compute) -> str:
     figures, or the device and commit a measured profile names)."""
     if not compute.emulated:
         return compute.name
-    return f"{compute.name} (EMULATED: padded to the profile's timings: {compute.source or 'no source given'})"
+    label = f"{compute.name} (EMULATED: padded to the profile's timings: {compute.source or 'no source given'}"
+    if "+" in compute.name:  # a cloud profile with another robot's drafting (--robot)
+        label += f"; robot: {compute.edge_source}"
+    return label + ")"
 
 
 def gamma_arg(text: str) -> int | str:
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"native (default), or pad compute to a hardware profile ({', '.join(COMPUTE_PROFILES)}, "
                          "or a file measured by edgespec-profile; emulated); "
                          "with --sweep: every link's compute (default: the sweep's own)")
+    ap.add_argument("--robot", type=robot_arg, default=None,
+                    help=f"the robot's drafting from another profile ({', '.join(ROBOT_PROFILES)}; what-ifs say so), "
+                         "with --compute's cloud (default: --compute's own robot terms)")
     ap.add_argument("--decisions", type=int, default=None,
                     help="decisions (prompts) per mode (default 8); with --sweep: measured decisions per setting "
                          "(default: the sweep's, small)")
@@ -212,7 +218,8 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
-                        action_tolerance=args.action_tolerance, memory=pair_memory(args.memory, pair))
+                        action_tolerance=args.action_tolerance, memory=pair_memory(args.memory, pair),
+                        robot=args.robot)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))
@@ -317,7 +324,7 @@ def bench(args) -> int:
         print(f"edgespec-bench: bad decoding settings (--gamma, --workers, --pipe-depth): {exc}", file=sys.stderr)
         return 2
     env_threads()
-    compute = get_compute(args.compute)
+    compute = get_compute(args.compute).with_robot(args.robot)
     pair = resolve_models(args.draft, args.target)
     try:
         replay = replay_as_prompted(replay, pair)

@@ -135,7 +135,7 @@ def sweep_modes(opts, progress) -> list[dict]:
     speculative mode drafts the first of --gammas, default the drafter's gamma)."""
     links = opts.links or ["go2-paper", "wifi-poor", "cellular"]
     compute_name = opts.compute or "go2-paper"
-    compute = get_compute(compute_name)
+    compute = get_compute(compute_name).with_robot(opts.robot)
     prompts = opts.prompts(opts.decisions or 2)
     bar = progress(len(prompts) * len(SWEEP_MODES) * len(links))
     rows = []

@@ -39,6 +39,7 @@ class SweepOptions:
     seed: int = DEFAULTS.seed
     links: list[str] | None = None
     compute: str | None = None  # one compute profile for every link
+    robot: str | None = None  # the robot's drafting from this robot profile (decoding.compute.ROBOT_PROFILES)
     temperatures: list[float] | None = None
     codecs: list[str] | None = None
     gammas: list[int] | None = None

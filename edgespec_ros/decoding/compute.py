@@ -31,7 +31,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 PROFILE_FORMAT = "edgespec-compute/1"
@@ -106,6 +106,16 @@ class ComputeProfile:
         the rows of that pass that compute exits, each layer's exits of all of them cost exit_s each)."""
         base = self.pass_s() if pass_s is None else pass_s
         return base * exit_layer / num_layers + max(1, exit_rows) * (exits_before + 1) * self.exit_s if base else 0.0
+
+    def with_robot(self, robot: "RobotProfile | str | None") -> "ComputeProfile":
+        """This cloud with another robot's drafting (``ROBOT_PROFILES`` name or a RobotProfile;
+        None: unchanged): the draft token time, the draft prefill and their source are the robot's,
+        everything of the cloud stays, and the name says both (``cloud+robot``)."""
+        if robot is None:
+            return self
+        r = get_robot(robot) if isinstance(robot, str) else robot
+        return replace(self, name=f"{self.name}+{r.name}", draft_token_s=r.draft_token_s,
+                       edge_prefill_s=r.edge_prefill_s, edge_units=1, edge_source=r.source)
 
     @classmethod
     def from_dict(cls, d: dict, origin: str = "profile") -> "ComputeProfile":
@@ -276,6 +286,64 @@ COMPUTE_PROFILES = {
                                          exit_s=0.008, edge_units=64, prefill_s=0.620, edge_prefill_s=0.300,
                                          source=GO2_PAPER.source, edge_source=GO2_PAPER.edge_source),
 }
+
+
+# FSD paper Table 9 (A100, Vicuna-7B): one pass at batch 1 / 8 / 16 / 32 / 64, a shared cloud
+# GPU under load from other tenants' rows. The paper gives no block length: the one column is used
+# for every block (blocks 5).
+A100_TABLE9 = ComputeProfile(
+    "a100-fsd-table9", verify_s=0.0179, ar_step_s=0.0179, exit_s=0.001, prefill_s=0.0307,
+    draft_token_s=GO2_PAPER.draft_token_s, edge_prefill_s=GO2_PAPER.edge_prefill_s,
+    verify_table=((1, 8, 16, 32, 64), (5,), ((0.0179,), (0.0307,), (0.0458,), (0.0969,), (0.2588,))),
+    source="FSD paper Table 9 (A100, Vicuna-7B, ms per pass at batch 1/8/16/32/64: 17.9/30.7/45.8/96.9/258.8); "
+           "AR step = the batch-1 pass; prefill = the batch-8 pass and exits 1 ms: this project's estimates",
+    edge_source=GO2_PAPER.edge_source)
+COMPUTE_PROFILES["a100-fsd-table9"] = A100_TABLE9
+
+
+@dataclass(frozen=True)
+class RobotProfile:
+    """The robot's drafting alone (``--robot``): a what-if for another draft speed, combined with
+    any cloud profile (``ComputeProfile.with_robot``). Each names its source; a figure measured on
+    another model or board is a what-if for ours, and says so."""
+
+    name: str
+    draft_token_s: float
+    edge_prefill_s: float
+    source: str
+
+
+# The draft prefill of the faster robots is go2-paper's 300 ms scaled by their token time (this
+# project's estimate: none of the sources measures a prefill).
+ROBOT_PROFILES = {
+    "orin-paper": RobotProfile("orin-paper", GO2_PAPER.draft_token_s, GO2_PAPER.edge_prefill_s, GO2_PAPER.edge_source),
+    "orin-nano-mlc-int4": RobotProfile(
+        "orin-nano-mlc-int4", 1 / 35, GO2_PAPER.edge_prefill_s * (1 / 35) / GO2_PAPER.draft_token_s,
+        "WHAT-IF: NVIDIA's MLC INT4 figure for Gemma-2-2B on a Jetson Orin Nano Super, ~35 tokens/s (another "
+        "model); prefill scaled from go2-paper's by the token time (this project's estimate)"),
+    "orin-nano-trt-int4": RobotProfile(
+        "orin-nano-trt-int4", 0.0167, GO2_PAPER.edge_prefill_s * 0.0167 / GO2_PAPER.draft_token_s,
+        "WHAT-IF: a Qwen3-VL-based 2B VLM at INT4 under TensorRT Edge-LLM on a Jetson Orin Nano 8 GB, 16.7 ms a "
+        "token (repository hokwangchoi/jetson-orin-nano-benchmarks; another model and board); prefill scaled "
+        "from go2-paper's by the token time (this project's estimate)"),
+}
+
+
+def get_robot(name: str) -> RobotProfile:
+    """A named robot profile; ValueError naming the known ones otherwise."""
+    if name not in ROBOT_PROFILES:
+        raise ValueError(f"unknown robot profile {name!r}; known: {', '.join(ROBOT_PROFILES)}")
+    return ROBOT_PROFILES[name]
+
+
+def robot_arg(text: str) -> str:
+    """argparse type for --robot."""
+    import argparse
+    try:
+        get_robot(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def get_compute(name: str) -> ComputeProfile:
