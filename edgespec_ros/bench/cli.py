@@ -318,7 +318,7 @@ def bench(args) -> int:
         return 2
     try:
         for mode in modes:
-            DecodeConfig(mode=mode, gamma=args.gamma, codec=args.codec, workers=args.workers,
+            DecodeConfig(mode=mode, gamma="auto" if mode == "auto" else args.gamma, codec=args.codec, workers=args.workers,
                          pipe_depth=args.pipe_depth)
     except ValueError as exc:
         print(f"edgespec-bench: bad decoding settings (--gamma, --workers, --pipe-depth): {exc}", file=sys.stderr)

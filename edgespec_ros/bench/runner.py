@@ -75,9 +75,10 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, prompt in enumerate(prompts):
                 instruction, image, history = prompt_parts(prompt)
-                cfg = DecodeConfig(mode=mode, gamma=gamma, max_new_tokens=max_new_tokens, params=params,
+                auto = mode == "auto"  # mode auto chooses the draft length and the depth too
+                cfg = DecodeConfig(mode=mode, gamma="auto" if auto else gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
-                                   pipe_depth=pipe_depth, pipe_truncate=pipe_truncate,
+                                   pipe_depth="auto" if auto else pipe_depth, pipe_truncate=pipe_truncate,
                                    pipe_fill_rows=pipe_fill_rows)
                 decision = decoder.decide(instruction, image, cfg, history=history)
                 if i >= warmup:

@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field
 class DecisionMetrics:
     """What one decision cost. Times in seconds; acceptance is kept per draft position."""
 
-    mode: str = "sd"  # the mode actually used (with gamma "auto", sd or ar as AS2 chose)
+    mode: str = "sd"  # the mode actually used (with gamma "auto", sd or ar as AS2 chose; mode auto's choice)
     gamma: int | str = 0  # the configured draft length, or "auto"
+    # mode auto: the ms per token each path was predicted to cost when this one was chosen (empty otherwise)
+    predicted_ms_per_token: dict = field(default_factory=dict)
     gamma_per_round: list[int] = field(default_factory=list)  # gamma "auto": each round's chosen gamma
     tokens: int = 0
     rounds: int = 0

@@ -72,8 +72,8 @@ class EdgeDecoder:
     def _auto(self, cfg: DecodeConfig) -> AutoGamma | None:
         if cfg.gamma != "auto":
             return None
-        if self.auto_gamma is None:
-            self.auto_gamma = AutoGamma(ar_step_s=None)
+        if self.auto_gamma is None:  # an emulated robot knows its draft speed before it drafts
+            self.auto_gamma = AutoGamma(ar_step_s=None, draft_token_s=self.device.draft_token_s or None)
         return self.auto_gamma
 
     def strategy(self, cfg: DecodeConfig) -> Strategy:
@@ -116,10 +116,18 @@ class EdgeDecoder:
         codec = getattr(self.verifier, "codec", None)
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
-        auto = self._auto(cfg) if cfg.mode == "sd" else None
-        if auto is not None and auto.begin_decision() == "ar":  # AS2 chose cloud AR for this decision
-            cfg = replace(cfg, mode="ar")
+        predicted = None
+        if cfg.mode == "auto":  # the path the estimates predict fastest (AutoGamma.begin_auto_decision)
+            auto = self._auto(cfg)
+            cfg = replace(cfg, mode=auto.begin_auto_decision())
+            predicted = auto.last_prediction
+        else:
+            auto = self._auto(cfg) if cfg.mode == "sd" else None
+            if auto is not None and auto.begin_decision() == "ar":  # AS2 chose cloud AR for this decision
+                cfg = replace(cfg, mode="ar")
         m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma)
+        if predicted is not None:
+            m.predicted_ms_per_token = {k: 1e3 * v for k, v in predicted.items()}
         t_start = time.perf_counter()
         prompt, inputs = self.make_prompt(instruction, image, history)
         m.prompt_tokens = len(prompt.prompt_ids)

@@ -173,7 +173,8 @@ class AutoGamma:
     """
 
     def __init__(self, smoothing: float = 0.05, gamma_init: int = 4, gamma_max: int = 16, probe_every: int = 8,
-                 probe_max: int = 64, alpha_probe: float = 0.95, ar_step_s: float | None = None):
+                 probe_max: int = 64, alpha_probe: float = 0.95, ar_step_s: float | None = None,
+                 draft_token_s: float | None = None):
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"auto gamma: smoothing must be in (0, 1], got {smoothing}")
         if not 1 <= gamma_init <= gamma_max <= GAMMA_MAX:
@@ -196,6 +197,11 @@ class AutoGamma:
         self._ar_run = 0  # AR decisions since the last SD one
         self._probe_interval = probe_every
         self.probes = 0  # SD decisions taken only to re-measure alpha while AR was chosen
+        # the robot's own seconds per draft token where known before it drafts (an emulated profile's):
+        # lets mode auto skip measuring a speculative path that could not win at any acceptance
+        self.draft_prior_s = draft_token_s
+        self._auto_mode: str | None = None  # mode auto: the path of the last decision
+        self.last_prediction: dict[str, float] | None = None  # mode auto: predict() at the last choice
 
     @staticmethod
     def _acceptance_prior(rate: float) -> _Ew:
@@ -257,13 +263,19 @@ class AutoGamma:
         """The model's prediction on the current estimates (alpha overrides the estimate); None
         before any SD round was measured."""
         if self._accept.count == 0:
-            return None
-        if alpha is None:
-            accepted, attempted = self._accept.sums
-            alpha = accepted / attempted if attempted > 0 else 0.0
-        t_draft = self._draft.sums[0] / self._draft.sums[1]
-        t_verify = self._verify.sums[0] / self._verify.sums[1]
-        t_rtt, t_tx = self.link_line()
+            if alpha is None or self.draft_prior_s is None or self._ar.count == 0:
+                return None
+            # before any SD round, for an assumed alpha: the draft prior, a pass as long as an AR step
+            # (the paper's assumption) and the AR decision's round trip, no per-token link cost
+            t_draft, t_verify = self.draft_prior_s, self._ar.sums[0] / self._ar.sums[1]
+            t_rtt, t_tx = self.link_line()[0], 0.0
+        else:
+            if alpha is None:
+                accepted, attempted = self._accept.sums
+                alpha = accepted / attempted if attempted > 0 else 0.0
+            t_draft = self._draft.sums[0] / self._draft.sums[1]
+            t_verify = self._verify.sums[0] / self._verify.sums[1]
+            t_rtt, t_tx = self.link_line()
         round_s = max(t_verify + t_rtt, _MIN_S)
         # Until AR is measured, the paper's assumption: one target forward costs the same either way.
         t_ar = self._ar.sums[0] / self._ar.sums[1] if self._ar.count else t_verify
@@ -291,6 +303,59 @@ class AutoGamma:
         self._ar_run = self._ar_run + 1 if mode == "ar" else 0
         return mode
 
+    def predict(self, alpha: float | None = None) -> dict[str, float] | None:
+        """Predicted seconds per committed token of each path on the current estimates (None
+        before an SD round was measured), all at ODLD's gamma* and with F = t_verify + t_rtt:
+        - ``ar``: the measured target step (the decision's one round trip is paid by every mode);
+        - ``sd``: one round, F + gamma (t_draft + t_tx), per E[L] = (1 - alpha^(gamma+1)) / (1 - alpha)
+          committed tokens (Eq. 11's model);
+        - ``pipe``: PicoSpec's Eq. 9 for a block drafted ahead of its predecessor's verdict: with
+          P_hit = alpha^gamma (the block before was accepted whole, so the one drafted ahead stands)
+          a block costs max(gamma t_draft, F + gamma t_tx), else gamma t_draft + F + gamma t_tx."""
+        plan = self.plan(alpha)
+        if plan is None:
+            return None
+        a, g, F = min(max(plan.alpha, 0.0), 1.0), plan.gamma, plan.round_s
+        t_draft, t_tx = plan.c * F, plan.b * F
+        tokens = (1 - a ** (g + 1)) / (1 - a) if a < 1.0 else g + 1.0
+        hit = a ** g
+        pipe_block = hit * max(g * t_draft, F + g * t_tx) + (1 - hit) * (g * t_draft + F + g * t_tx)
+        return {"ar": plan.ar_step_s, "sd": (F + g * (t_draft + t_tx)) / tokens, "pipe": pipe_block / tokens}
+
+    def begin_auto_decision(self) -> str:
+        """``mode auto``: the path of the next decision, "ar", "sd" or "pipe" (call once at the
+        start of each). As ``begin_decision`` measures (AR first, then an SD decision, probes of
+        the speculative paths while AR wins), it then takes the path ``predict`` says is fastest,
+        but keeps the current one unless another is predicted ``AUTO_SWITCH_MARGIN`` faster (the
+        estimates are noisy; a path flapping every decision helps nobody). ``last_prediction``:
+        what the choice was made on."""
+        self._last_round = None
+        self.last_prediction = None
+        if self._ar.count == 0:
+            mode = "ar"
+        elif self._accept.count == 0:
+            # measure a speculative path, unless even an optimistic acceptance could not make one win
+            optimistic = self.predict(alpha=self.alpha_probe)
+            mode = "sd" if optimistic is None or min(optimistic["sd"], optimistic["pipe"]) < optimistic["ar"] else "ar"
+        else:
+            pred = self.last_prediction = self.predict()
+            best = min(pred, key=pred.get)
+            current = self._auto_mode
+            mode = current if current in pred and pred[current] <= pred[best] * (1 + AUTO_SWITCH_MARGIN) else best
+            if mode != "ar":
+                self._probe_interval = self.probe_every
+            elif self._ar_run >= self._probe_interval:
+                optimistic = self.predict(alpha=self.alpha_probe)
+                spec = min(("sd", "pipe"), key=optimistic.get)
+                if optimistic[spec] < optimistic["ar"]:
+                    mode = spec
+                    self.probes += 1
+                    self._accept = self._acceptance_prior(self._accept.rate)
+                    self._probe_interval = min(2 * self._probe_interval, self.probe_max)
+        self._ar_run = self._ar_run + 1 if mode == "ar" else 0
+        self._auto_mode = mode
+        return mode
+
     def estimates(self) -> dict[str, float]:
         """Seconds per drafted token, per verification and per round trip (nan until measured)."""
         nan = float("nan")
@@ -304,5 +369,6 @@ class AutoGamma:
         return self.gamma_init if plan is None else plan.gamma
 
 
+AUTO_SWITCH_MARGIN = 0.05  # mode auto leaves its current path only for one predicted this much faster
 _MIN_S = 1e-9  # keeps the model's ratios finite when a time measured 0 (in-process verifiers)
 _SLOPE_RIDGE = 1.0  # the link's per-token slope is shrunk towards 0 by one pair of rounds with dn = 1

@@ -59,7 +59,7 @@ class PipeStrategy(Strategy):
         t_verify)), so the cloud never waits on the link (PicoSpec Eq. 9's overlap condition)."""
         if self.auto is None:
             gamma = cfg.gamma if cfg.gamma != "auto" else DEFAULTS.gamma
-            depth = cfg.pipe_depth if cfg.pipe_depth != "auto" else 3
+            depth = cfg.pipe_depth if cfg.pipe_depth != "auto" else DEFAULTS.pipe_depth
             return int(gamma), int(depth)
         gamma = self.auto.next_gamma()
         if cfg.pipe_depth != "auto":

@@ -19,7 +19,7 @@ from ..codecs import DEFAULT_CODEC, get_codec
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
 
-DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd")
+DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
 PIPE_DEPTH_MAX = 8
 GAMMA_MAX = 64
 QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
@@ -40,7 +40,9 @@ class DrafterSettings:
                 "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
                 "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
                 "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the "
-                "robot pre-drafted and sent before the verdict; docs/pipeline.md compares the modes)",
+                "robot pre-drafted and sent before the verdict; docs/pipeline.md compares the modes), auto (ar, sd "
+                "or pipe, chosen before each decision by the path the measured link, compute and acceptance "
+                "predict fastest, with gamma and pipe_depth chosen as auto_gamma does)",
         choices=DECODING_MODES)
     gamma: int = setting(4, "draft tokens per verification round (sd, fsd, pipe, pipe+fsd)",
                          min_value=1, max_value=GAMMA_MAX)
@@ -131,13 +133,14 @@ class DrafterSettings:
         temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
         # WISV decides greedy decisions; a sampled one (resampling) is verified losslessly
         verify_mode = self.verify_mode if temperature == 0 else "rejection"
-        return DecodeConfig(mode=self.mode, gamma="auto" if self.auto_gamma else self.gamma,
+        auto = self.auto_gamma or self.mode == "auto"  # mode auto chooses the draft length too
+        return DecodeConfig(mode=self.mode, gamma="auto" if auto else self.gamma,
                             verify_mode=verify_mode, wisv_threshold=self.wisv_threshold,
                             hidden_upload=self.hidden_upload,
                             max_new_tokens=self.max_new_tokens,
                             params=SamplingParams(temperature), seed=self.seed + decision_index,
                             codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,
-                            pipe_depth="auto" if self.auto_gamma and self.mode.startswith("pipe") else self.pipe_depth)
+                            pipe_depth="auto" if auto and self.mode in ("pipe", "pipe+fsd", "auto") else self.pipe_depth)
 
 
 def described_fields(cls=DrafterSettings):
@@ -178,6 +181,8 @@ class DecodeConfig:
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
             raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
+        if self.mode == "auto" and self.gamma != "auto":
+            raise ValueError("mode auto chooses the draft length too: give gamma 'auto'")
         if self.gamma == "auto":
             if self.mode == "fsd":
                 raise ValueError("gamma 'auto' is for the sd and pipe modes; give fsd an integer gamma")

@@ -1,0 +1,147 @@
+"""``mode auto``: before each decision the robot takes ar, sd or pipe, whichever the measured
+link, compute and acceptance predict fastest (``AutoGamma.predict`` / ``begin_auto_decision``):
+tested on fake measurements (no clock), and end to end for exactness (greedy auto decisions are
+the target's own tokens, whatever path each took)."""
+from __future__ import annotations
+
+import pytest
+
+from edgespec_ros.robot.draft_length import AUTO_SWITCH_MARGIN, AutoGamma
+from edgespec_ros.robot.settings import DecodeConfig, DrafterSettings
+
+
+def _measured(verify_s: float, rtt_s: float, draft_s: float, ar_s: float, accepted: int = 3, drafted: int = 4,
+              rounds: int = 20) -> AutoGamma:
+    """A controller after one AR decision and ``rounds`` SD rounds of these times."""
+    auto = AutoGamma(smoothing=0.2)
+    auto.observe_ar(30, 30 * ar_s, rtt_s)
+    for _ in range(rounds):
+        auto.observe_round(drafted, accepted, drafted * draft_s, rtt_s, verify_s)
+    return auto
+
+
+def test_the_prediction_is_the_models_formulas():
+    auto = _measured(verify_s=0.6, rtt_s=0.2, draft_s=0.07, ar_s=0.35)
+    plan, pred = auto.plan(), auto.predict()
+    a, g, F = plan.alpha, plan.gamma, plan.round_s
+    t_draft = plan.c * F
+    tokens = (1 - a ** (g + 1)) / (1 - a)
+    assert pred["ar"] == pytest.approx(0.35)
+    assert pred["sd"] == pytest.approx((F + g * t_draft) / tokens)
+    hit = a ** g
+    assert pred["pipe"] == pytest.approx((hit * max(g * t_draft, F) + (1 - hit) * (g * t_draft + F)) / tokens)
+    assert pred["pipe"] < pred["sd"]  # a block drafted ahead never costs more than one drafted after
+    assert AutoGamma().predict() is None  # nothing measured yet
+
+
+def test_it_measures_first_then_takes_ar_against_a_fast_cloud():
+    """An idle H200-like cloud (22 ms a step, 24 ms a pass) behind 40 ms of round trip, the robot
+    drafting at 72 ms a token: AR wins by far, and auto takes it once it has measured both."""
+    auto = AutoGamma(smoothing=0.2)
+    assert auto.begin_auto_decision() == "ar"  # measure the AR arm first
+    auto.observe_ar(30, 30 * 0.022, 0.04)
+    assert auto.begin_auto_decision() == "sd"  # then the speculative one
+    for _ in range(10):
+        auto.observe_round(4, 3, 4 * 0.072, 0.04, 0.024)
+    assert auto.begin_auto_decision() == "ar"
+    assert auto.last_prediction["ar"] < auto.last_prediction["pipe"] < auto.last_prediction["sd"]
+
+
+def test_it_takes_the_pipeline_against_a_slow_cloud():
+    """go2-paper-like: 620 ms a pass, 354 ms an AR step, 240 ms of round trip, 72 ms a draft token."""
+    auto = _measured(verify_s=0.62, rtt_s=0.24, draft_s=0.072, ar_s=0.354)
+    auto._auto_mode = "sd"
+    assert auto.begin_auto_decision() == "pipe"
+    assert auto.last_prediction["pipe"] < auto.last_prediction["ar"]
+
+
+def test_it_switches_within_a_few_decisions_when_the_cloud_gets_faster():
+    """The verifier's pass time drops from 620 ms to 24 ms mid-run (another compute profile): the
+    estimates follow the new rounds, and auto leaves the pipeline for AR."""
+    auto = _measured(verify_s=0.62, rtt_s=0.04, draft_s=0.072, ar_s=0.354)
+    auto._auto_mode = "pipe"
+    assert auto.begin_auto_decision() == "pipe"
+    auto.observe_ar(30, 30 * 0.022, 0.04)  # the cloud's AR steps are fast now too
+    choices = []
+    for _ in range(6):
+        for _ in range(5):
+            auto.observe_round(4, 3, 4 * 0.072, 0.04, 0.024)
+        auto.observe_ar(30, 30 * 0.022, 0.04)
+        choices.append(auto.begin_auto_decision())
+    assert "ar" in choices[:4], choices
+
+
+def test_it_does_not_flap_between_paths_predicted_within_the_margin():
+    auto = _measured(verify_s=0.62, rtt_s=0.24, draft_s=0.072, ar_s=0.354)
+    pred = auto.predict()
+    # an AR step just inside the margin of the pipeline's prediction: stay on the pipeline ...
+    auto._ar.sums = [pred["pipe"] * (1 - AUTO_SWITCH_MARGIN / 2), 1.0]
+    auto._auto_mode = "pipe"
+    assert auto.begin_auto_decision() == "pipe"
+    # ... and leave it for an AR clearly faster
+    auto._ar.sums = [pred["pipe"] * (1 - 3 * AUTO_SWITCH_MARGIN), 1.0]
+    assert auto.begin_auto_decision() == "ar"
+
+
+def test_while_ar_wins_the_speculative_paths_are_probed_now_and_then():
+    """A fast robot (5 ms a token) whose drafts were all rejected: AR wins on the measured
+    acceptance, but an optimistic one would let speculation win, so it is probed now and then
+    (a robot drafting slower per token than the cloud's step never is: see the fast-cloud test)."""
+    auto = _measured(verify_s=0.024, rtt_s=0.04, draft_s=0.005, ar_s=0.022, accepted=0)
+    modes = []
+    for _ in range(24):
+        mode = auto.begin_auto_decision()
+        modes.append(mode)
+        if mode == "ar":
+            auto.observe_ar(30, 30 * 0.022, 0.04)
+        else:  # the probe's rounds: every draft rejected again
+            for _ in range(5):
+                auto.observe_round(4, 0, 4 * 0.005, 0.04, 0.024)
+    assert modes.count("ar") >= 20 and auto.probes >= 1 and set(modes) - {"ar"}, modes
+
+
+def test_mode_auto_chooses_gamma_too():
+    with pytest.raises(ValueError, match="gamma 'auto'"):
+        DecodeConfig(mode="auto", gamma=4)
+    cfg = DrafterSettings(mode="auto").decode_config(0)
+    assert (cfg.mode, cfg.gamma, cfg.pipe_depth) == ("auto", "auto", "auto")
+
+
+def test_greedy_auto_decisions_are_the_targets_own_tokens():
+    """Decisions of mode auto, through every path it takes (the first AR, the second SD, then
+    what the estimates choose), are token-identical to the target decoding alone."""
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.decoding.sampling import SamplingParams
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from wire_helpers import INSTRUCTIONS, make_pair
+    pair = make_pair()
+    decoder = EdgeDecoder(pair.draft, LocalVerifier(pair.target))
+    modes = []
+    try:
+        for i, instruction in enumerate(INSTRUCTIONS * 2):
+            cfg = DecodeConfig(mode="auto", gamma="auto", pipe_depth="auto", max_new_tokens=16,
+                               params=SamplingParams(0.0), seed=i)
+            got = decoder.decide(instruction, pair.image, cfg)
+            _, inputs = decoder.make_prompt(instruction, pair.image)
+            assert got.tokens == target_generate(pair.target, inputs, cfg), (i, got.metrics.mode)
+            modes.append(got.metrics.mode)
+    finally:
+        decoder.close()
+    assert modes[:2] == ["ar", "sd"] and set(modes) <= {"ar", "sd", "pipe"}, modes
+
+
+def test_a_robot_that_knows_its_draft_speed_never_measures_a_path_that_cannot_win():
+    """With the draft's token time known up front (an emulated robot), a fast cloud's AR is never
+    interrupted by an SD decision to measure: even at acceptance 0.95 drafting at 72 ms a token
+    loses to 22 ms steps. Against a slow cloud the speculative path is measured as before."""
+    fast = AutoGamma(draft_token_s=0.072)
+    modes = []
+    for _ in range(20):
+        modes.append(fast.begin_auto_decision())
+        fast.observe_ar(30, 30 * 0.022, 0.04)
+    assert modes == ["ar"] * 20
+    slow = AutoGamma(draft_token_s=0.072)
+    assert slow.begin_auto_decision() == "ar"
+    slow.observe_ar(30, 30 * 0.354, 0.24)
+    assert slow.begin_auto_decision() == "sd"
