@@ -347,9 +347,10 @@ class DrafterCore:
                                     mode=s.mode, frame_id=ticket.frame.frame_id)
             outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
             return self._finish(ticket, outcome)
-        outcome = outcome_from_text(decision.text, instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
-                                    frame_id=ticket.frame.frame_id, mode=s.mode, config=self.action_config)
         m = decision.metrics
+        mode = f"auto:{m.mode}" if s.mode == "auto" else s.mode  # the path auto took, e.g. "auto:pipe"
+        outcome = outcome_from_text(decision.text, instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
+                                    frame_id=ticket.frame.frame_id, mode=mode, config=self.action_config)
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
         outcome.temperature = cfg.params.temperature
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
