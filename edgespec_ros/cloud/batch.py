@@ -16,11 +16,18 @@ batched and alone only when a uniform draw or a greedy tie falls within that rou
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as _Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 
 from ..decoding.engines import _TRANSFORMERS_MAJOR, Sequence
+
+if TYPE_CHECKING:
+    from ..decoding.exits import ExitResult
+    from ..decoding.verify import VerifyResult
+    from .target import TargetSession
 
 
 def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,11 +108,11 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
 @dataclass
 class Round:
     """One session's dense verification round, for ``verify_batch``."""
-    session: object  # cloud.TargetSession
+    session: TargetSession
     draft_ids: list[int]
     draft_probs: torch.Tensor | None
     chained: bool = False
-    on_exit: object = None  # callable(ExitResult): stream this round's early exits (the model's adapters)
+    on_exit: Callable[[ExitResult], None] | None = None  # stream this round's early exits (the model's adapters)
 
 
 @dataclass
@@ -113,22 +120,52 @@ class ArStep:
     """One session's target-only decoding step (the AR baseline's GENERATE), for ``verify_batch``:
     its pending token is fed in the batch's forward pass and the next token sampled as
     ``TargetSession.ar_step`` does alone."""
-    session: object  # cloud.TargetSession
+    session: TargetSession
 
 
-def verify_batch(rounds: list) -> list:
+RowValue = Union["VerifyResult", "tuple[int, float]"]  # a Round's result; an ArStep's (token, compute seconds)
+
+
+@dataclass
+class BatchResult(_Seq):
+    """``verify_batch``'s answer, row by row in the items' order: ``values[i]`` the row's result
+    (None where it failed) and ``errors[i]`` its own error (None where it succeeded), kept apart.
+    ``value(i)`` gives the result or raises the error. Indexing and iterating give the older
+    list form (each row's result, or its error in its place), as ``outcomes()`` does."""
+    values: list[RowValue | None]
+    errors: list[Exception | None]
+
+    def value(self, i: int) -> RowValue:
+        if self.errors[i] is not None:
+            raise self.errors[i]
+        return self.values[i]
+
+    def outcomes(self) -> list:
+        """Each row's result or its error in its place (``FairCompute.run_batched`` raises an
+        Exception result to its own session only)."""
+        return [v if e is None else e for v, e in zip(self.values, self.errors)]
+
+    def __getitem__(self, i: int):
+        return self.values[i] if self.errors[i] is None else self.errors[i]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
     """Verify several sessions' rounds (``Round``) and decode their AR steps (``ArStep``) with one
     forward pass (one model; at most one item per session): each session's result and commit are
     those of ``TargetSession.verify``/``ar_step`` on its own, up to float rounding in the logits
     (see the module docstring). An item that fails its own checks (state, draft distribution:
-    before the pass, inside it in its early exits, or after it) gets its exception in its place in
-    the list, and the others go on. A round with ``on_exit``
+    before the pass, inside it in its early exits, or after it) gets its exception in ``errors``,
+    and the others go on. A round with ``on_exit``
     gets its early exits from inside the shared pass (the adapters run on its batch row only),
     shallowest first, as alone."""
     sessions = [r.session for r in rounds]
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("verify_batch: one item per session (a session's next step needs this one's result)")
-    out: list = [None] * len(rounds)
+    values: list[RowValue | None] = [None] * len(rounds)
+    errors: list[Exception | None] = [None] * len(rounds)
     live, starts, tokens, exits = [], {}, {}, {}
     for i, (s, r) in enumerate(zip(sessions, rounds)):
         try:
@@ -142,7 +179,7 @@ def verify_batch(rounds: list) -> list:
                 tokens[i] = s.seq.begin_target(r.draft_ids)
             live.append(i)
         except (ValueError, RuntimeError) as exc:
-            out[i] = exc
+            errors[i] = exc
     fed_rows = [i for i in live if tokens[i]]
     fed = {}
     failed: dict[int, Exception] = {}  # rows whose early exits raised inside the pass: their own error
@@ -153,17 +190,17 @@ def verify_batch(rounds: list) -> list:
     for i in live:
         s, r = sessions[i], rounds[i]
         if i in failed:
-            out[i] = failed[i]
+            errors[i] = failed[i]
             continue
         try:
             if isinstance(r, ArStep):
-                out[i] = s.ar_step()  # its pending token was fed above: samples from its last logits
+                values[i] = s.ar_step()  # its pending token was fed above: samples from its last logits
             else:
-                out[i] = s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained,
-                                        starts[i])
+                values[i] = s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained,
+                                           starts[i])
         except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
-            out[i] = exc
-    return out
+            errors[i] = exc
+    return BatchResult(values, errors)
 
 
 def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict, failed: dict):

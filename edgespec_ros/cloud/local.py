@@ -1,17 +1,20 @@
 """``LocalVerifier``: the cloud verifier in this process (no network), behind the robot's
 ``Verifier`` interface (``decoding.verifier``): for tests, references and offline replays. It
 drives the websocket server's own ``VerifierSession`` with the frames the websocket client would
-send (``wire.frames``): the same checks, codec round trip, epoch rule and verification rules, with
-no link in between."""
+send (``wire.frames``) and executes the work items it gives (``cloud.work``) inline: the same
+checks, codec round trip, epoch gate, verification paths and order of work, with no link in
+between."""
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from ..codecs import get_codec
 from ..codecs import DEFAULT_CODEC
+from ..preempt import run_steps
 from .batch import verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
@@ -19,7 +22,23 @@ from ..decoding.engines import LoadedModel
 from ..decoding.verifier import Block, VerifierRefused, VerifyReply
 from ..wire import protocol as P
 from ..wire.frames import carries_q, hidden_frame, prefill_frame, verdict_reply, verify_frame
-from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
+from .session import SessionError, Step, VerifierSession
+from .work import (ArStepPass, AskHidden, BeginRound, Done, EndRound, HostWork, LonePass, OnExit, PrefillWork,
+                   RoundPass, RoundTiming, SendFrame, Work)
+
+
+@dataclass
+class _Run:
+    """What the inline driver saw of one frame's work (the Verifier interface's replies need it)."""
+    block: Block | None = None  # the block a VERIFY carries (its hidden rows answer a HIDDEN_REQUEST)
+    on_exit: OnExit | None = None
+    tolerance: float = 0.0  # PREFILL: the settings' action tolerance (in process only)
+    step: Step | None = None  # the round, once begun (None: no round, or its block was dropped)
+    started: float = 0.0
+    prefill_s: float = 0.0
+    ar_step: tuple[int, float] | None = None  # the last AR step's (token, compute seconds)
+    asked: int = 0  # wisv: hidden rows the verifier asked for, and the exchanges that sent them
+    exchanges: int = 0
 
 
 class LocalVerifier:
@@ -64,20 +83,18 @@ class LocalVerifier:
         self._held = []
         self.decision += 1
         self._send_q = carries_q(settings, self.codec)
-        vs = self.verifier_session
-        tolerance = settings.action_tolerance  # in process only: PREFILL does not carry it (the wire refuses it)
+        # in process only: PREFILL does not carry the action tolerance (the wire refuses it)
+        run = _Run(tolerance=settings.action_tolerance)
         with _refused():
-            prompt, settings = vs.on_prefill(prefill_frame(self.decision, prompt, settings))
-            if tolerance:
-                settings = replace(settings, action_tolerance=tolerance)
-            with vs.refusing("bad prefill"):
-                return {"prefill_s": vs.target.start(prompt, settings)}
+            for _ in self._drive(prefill_frame(self.decision, prompt, settings), run):
+                pass  # PREFILL_OK
+        return {"prefill_s": run.prefill_s}
 
     def submit(self, block: Block) -> None:
         self._queue.append(block)
 
     def receive(self, timeout: float | None = None, on_exit=None) -> VerifyReply | None:
-        """The verdict of the oldest queued block that the epoch rule admits (None: nothing queued,
+        """The verdict of the oldest queued block that the epoch gate admits (None: nothing queued,
         a poll of a lazy verifier, or a verdict an eager one holds back). A lazy verifier verifies
         at once for any timeout but 0."""
         poll = timeout is not None and timeout <= 0
@@ -93,13 +110,13 @@ class LocalVerifier:
             return reply
         while self._queue:
             block = self._queue.popleft()
+            run = _Run(block, on_exit)
             with _refused():
-                step = self.verifier_session.on_verify(verify_frame(self.decision, block, self.codec,
-                                                                    bool(self.exit_layers),
-                                                                    self._send_q))
-                if step is None:
+                frame = verify_frame(self.decision, block, self.codec, bool(self.exit_layers), self._send_q)
+                verdicts = list(self._drive(frame, run))
+                if not verdicts:  # the epoch gate dropped it unverified
                     continue
-                reply = self._verify(block, step, on_exit)
+                reply = self._verify(block, verdicts[-1], run)
             if poll and self.verdict_delay > 0:
                 self._held = [reply, self.verdict_delay]
                 return None
@@ -110,43 +127,64 @@ class LocalVerifier:
         """wisv: the channel state blocks carry (decoding.wisv.Csi; None: a perfect link)."""
         return self.link_csi
 
-    def _verify(self, block: Block, step: Step, on_exit) -> VerifyReply:
-        """Run the step as the server does, inline: its verdict as the robot reads it."""
-        vs = self.verifier_session
-        t0 = time.perf_counter()
-        uploaded = exchanges = 0  # wisv: hidden rows sent, and extra exchanges to send them
-        if step.rule == WISV:
-            vs.wisv_rows_sent(step)
-            asked = vs.wisv_begin(step, on_exit)
-            try:
-                rows = vs.wisv_rows(step, asked)
-                if rows is None:  # selective upload: the robot answers the verifier's request
-                    answer = hidden_frame(vs.hidden_request(step, asked), block)
-                    rows = vs.on_hidden(step, asked, answer)
-                    exchanges = 1
-                result = vs.wisv_finish(step, rows)
-            except BaseException:
-                vs.target.wisv_abort()  # the session stays usable: the round is undone, not half kept
-                raise
-            uploaded = len(block.draft_ids) if step.hidden is not None else exchanges * len(asked)
-            verdict = vs.verdict(step, result, verify_s=time.perf_counter() - t0, queue_s=0.0,
-                                 exits_sent=len(vs.target.last_exits) if step.exits else 0)
-        elif step.rule == SPLIT:
-            vs.decode(step)
-            result = vs.split_verify(step)
-            verdict = vs.verdict(step, result, verify_s=time.perf_counter() - t0, queue_s=0.0,
-                                 p_payload=vs.encode_p(result))
-        else:
-            vs.decode(step)
-            with vs.refusing("bad draft distribution", DENSE_ERRORS):
-                result = verify_batch([vs.dense_round(step, on_exit)])[0]
-                if isinstance(result, Exception):
-                    raise result
-            verdict = vs.verdict(step, result, verify_s=time.perf_counter() - t0, queue_s=0.0,
-                                 exits_sent=len(vs.target.last_exits) if step.exits else 0)
+    def _verify(self, block: Block, verdict: P.Verdict, run: _Run) -> VerifyReply:
+        """A verified round's VERDICT as the robot reads it."""
         reply = verdict_reply(verdict, block, self.codec, self.vocab)
-        reply.exits_received, reply.hidden_rows, reply.hidden_exchanges = verdict.exits_sent, uploaded, exchanges
+        # wisv: the hidden rows sent (a full upload: all of them), and the extra exchanges that sent them
+        uploaded = len(block.draft_ids) if run.step.hidden is not None else run.exchanges * run.asked
+        reply.exits_received, reply.hidden_rows, reply.hidden_exchanges = verdict.exits_sent, uploaded, run.exchanges
         return reply
+
+    def _drive(self, frame, run: _Run) -> Iterator:
+        """The session's work for ``frame``, executed inline; yields each frame it sends. A wisv
+        round that fails is undone (``wisv_abort``): the session stays usable."""
+        vs = self.verifier_session
+        dispatch = vs.handle(frame)
+        try:
+            work = dispatch.next_work()
+            while not isinstance(work, Done):
+                if isinstance(work, SendFrame):
+                    yield work.frame
+                    work = dispatch.next_work()
+                    continue
+                try:
+                    result = self._execute(work, run)
+                except Exception as exc:  # noqa: BLE001 - the session names a user's mistake, or raises it again
+                    work = dispatch.fail(exc)
+                    continue
+                work = dispatch.next_work(result)
+        except BaseException:
+            if run.step is not None and run.step.path == WISV:
+                vs.target.wisv_abort()  # the round is undone, not half kept
+            raise
+
+    def _execute(self, work: Work, run: _Run):
+        """One work item, inline; its result for the session."""
+        vs = self.verifier_session
+        if isinstance(work, BeginRound):
+            run.step, run.started = work.step, time.perf_counter()
+            return run.on_exit if work.step.exits else None
+        if isinstance(work, EndRound):
+            exits = len(vs.target.last_exits) if work.step.exits else 0
+            return RoundTiming(time.perf_counter() - run.started, 0.0, exits)
+        if isinstance(work, HostWork):
+            return _host(work)
+        if isinstance(work, LonePass):
+            return work.fn(*work.args)
+        if isinstance(work, RoundPass):
+            _host(work.prelude)
+            return verify_batch([work.build()]).value(0)
+        if isinstance(work, ArStepPass):
+            run.ar_step = work.item.session.ar_step()  # alone: its own compute seconds, the feed included
+            return run.ar_step
+        if isinstance(work, AskHidden):  # selective upload: the robot answers the verifier's request
+            run.asked, run.exchanges = len(work.request.positions), 1
+            return hidden_frame(work.request, run.block)
+        if isinstance(work, PrefillWork):
+            settings = replace(work.settings, action_tolerance=run.tolerance) if run.tolerance else work.settings
+            run.prefill_s = vs.target.start(work.prompt, settings)
+            return run.prefill_s
+        raise TypeError(f"LocalVerifier: no way to run {type(work).__name__}")
 
     def verify(self, block: Block, on_exit=None) -> VerifyReply:
         """Stop-and-wait: one block, its verdict."""
@@ -154,17 +192,19 @@ class LocalVerifier:
         return self.receive(on_exit=on_exit)
 
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]:
-        vs = self.verifier_session
+        run = _Run()
         with _refused():
-            steps = vs.on_generate(P.Generate(self.decision, max_new_tokens))
-        for i in range(steps):
-            token, step_s = vs.target.ar_step()
-            yield token, step_s
-            if vs.token(i, steps, token, step_s).last:
-                return
+            for _ in self._drive(P.Generate(self.decision, max_new_tokens), run):  # a TOKEN frame per step
+                yield run.ar_step
 
     def close(self) -> None:
         pass
+
+
+def _host(work: HostWork):
+    """Host work inline: a generator of preemptible steps runs to its end."""
+    value = work.fn(*work.args)
+    return run_steps(value) if inspect.isgenerator(value) else value
 
 
 class _refused:

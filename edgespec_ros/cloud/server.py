@@ -31,7 +31,9 @@ from .metrics import VerifierMetrics
 from .admission import Doorman, refuse
 from .front_door import FrontDoor, LogBudget
 from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, InsecureConfig, ServerLimits, clean, is_loopback
-from .session import DENSE_ERRORS, SPLIT, SessionError, Step, VerifierSession
+from .session import SessionError, Step, VerifierSession
+from .work import (ArStepPass, AskHidden, BeginRound, Done, EndRound, HostWork, LonePass, PassRow, PrefillWork,
+                   RoundPass, RoundTiming, SendFrame, Work)
 
 log = logging.getLogger("edgespec.verifier")
 FRAME_MARGIN = 64 * 1024  # past a session's frame cap: frames within this get an ERROR, beyond it a 1009 close
@@ -47,16 +49,17 @@ def on_device(fn, args: tuple, budget) -> Occupy:
     return Occupy(result, budget() - (time.perf_counter() - t0))
 
 
+_DeviceWork = PassRow  # the earlier name of a session's row of a batched pass (cloud.work.PassRow)
+
+
 @dataclass
-class _DeviceWork:
-    """One session's share of a batched pass: its Round or ArStep, the tokens it feeds (the pass
-    costs the profile's time for its rows and longest block), the extra time of its early exits
-    (evaluated after the pass) and a callback with the pass's start time (its exits are timed
-    from it)."""
-    item: object
-    block: int
-    extra: object = None
-    on_start: object = None
+class _RoundClock:
+    """One verified round as the server times it: the seconds it waited (behind the session's
+    earlier work, then in the compute queue), its compute seconds (its work items, their waits
+    left out), and its early-exit stream (None: it streams none)."""
+    queue_s: float
+    compute_s: float = 0.0
+    sender: ExitSender | None = None
 
 
 @dataclass
@@ -344,54 +347,109 @@ class VerifierServer:
                 log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
                 await ws.close()
                 return
-            if isinstance(msg, P.Prefill):
-                prompt, settings = session.on_prefill(msg)
-                self._log_lossy(conn, session, settings, msg.decision)
-                with session.refusing("bad prefill"):
-                    dt = await self._run(conn, self._prefill_on_device, session.target, prompt, settings)
-                self.metrics.on_decision_end(conn.decision_tokens)
-                conn.decision, conn.decision_tokens = msg.decision, 0
-                self.metrics.on_prefill(conn.label, dt)
-                await ws.send(P.encode(P.PrefillOk(msg.decision, dt * 1e3)))
-            elif isinstance(msg, P.Verify):
-                step = session.on_verify(msg)
-                if step is None:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
-                    self.dropped_blocks += 1
-                    continue  # (not work: the idle clock runs on)
-                # Waited behind this session's earlier work; the wait in the compute queue (other
-                # sessions' work) is added once the round is computed.
-                queue_s = max(0.0, last_done - arrived)
-                self.fair.take_wait(conn.key)  # earlier jobs' waits (prefill, ...) are not this round's
-                if step.rule == SPLIT:
-                    verdict = await self._verify_split(conn, session, step, queue_s)
-                elif step.rule == WISV:
-                    verdict = await self._verify_wisv(conn, session, step, queue_s, inbox, stash, live)
-                else:
-                    verdict = await self._verify_dense(conn, session, step, queue_s, live)
-                await ws.send(P.encode(verdict))
-                decided = verdict.accepted + (verdict.next_token != P.NO_TOKEN)
-                self.verified_tokens += decided
-                conn.decision_tokens += decided
-                self._count_round(conn, step, verdict)
-            elif isinstance(msg, P.Generate):
-                steps = session.on_generate(msg)
-                for i in range(steps):
-                    started = time.perf_counter()
-                    # Batched with the other sessions' AR steps and verification rounds that are ready.
-                    token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
-                                                           _DeviceWork(session.ar_step(), 1),
-                                                           flow=conn.flow, cost=session.target.seq.fed + 1)
-                    elapsed = time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
-                    frame = session.token(i, steps, token, elapsed)
-                    await ws.send(P.encode(frame))
-                    self.verified_tokens += 1
-                    conn.decision_tokens += 1
-                    if frame.last:
-                        break
-            else:
-                raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+            clock: _RoundClock | None = None  # the round this frame's work verifies, once begun
+            dispatch = session.handle(msg)
+            work = dispatch.next_work()
+            while not isinstance(work, Done):
+                try:
+                    if isinstance(work, BeginRound):
+                        # Waited behind this session's earlier work; the wait in the compute queue
+                        # (other sessions' work) is added as the round's work is computed.
+                        self.fair.take_wait(conn.key)  # earlier jobs' waits (prefill, ...) are not this round's
+                        clock = _RoundClock(max(0.0, last_done - arrived))
+                        clock.sender, result = self._exit_sender(conn, work.step, live)
+                    elif isinstance(work, SendFrame):
+                        await ws.send(P.encode(work.frame))
+                        self._count_sent(conn, work)
+                        result = None
+                    elif isinstance(work, AskHidden):
+                        await ws.send(P.encode(work.request))
+                        result = await self._await_hidden(conn, work.request, inbox, stash)
+                    elif isinstance(work, EndRound):
+                        sent = await live.pop().finish() if live else 0  # the exit sender winds down
+                        result = RoundTiming(clock.compute_s, clock.queue_s, sent)
+                    elif isinstance(work, PrefillWork):
+                        self._log_lossy(conn, session, work.settings, msg.decision)
+                        dt = await self._run(conn, self._prefill_on_device, session.target, work.prompt, work.settings)
+                        self.metrics.on_decision_end(conn.decision_tokens)
+                        conn.decision, conn.decision_tokens = msg.decision, 0
+                        self.metrics.on_prefill(conn.label, dt)
+                        result = dt
+                    else:
+                        result = await self._compute(conn, session, work, clock)
+                except Exception as exc:  # noqa: BLE001 - the session names a user's mistake, or raises it again
+                    work = dispatch.fail(exc)
+                    continue
+                work = dispatch.next_work(result)
+            if work.dropped:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
+                self.dropped_blocks += 1
+                continue  # (not work: the idle clock runs on)
             last_done = time.perf_counter()
             idle_since = time.monotonic()
+
+    async def _compute(self, conn: _Conn, session: VerifierSession, work: Work, clock: _RoundClock | None):
+        """A work item on the fair compute thread: host work beside the accelerator, a lone pass
+        (the emulated accelerator then busy for the profile's time), a dense round's or an AR
+        step's share of a batched pass (with the other sessions' rounds and AR steps that are
+        ready). Its compute seconds (its waits behind other sessions' work left out) go to the
+        round's clock; an AR step's are its result's."""
+        started = time.perf_counter()
+        if isinstance(work, HostWork):
+            result = await self._run(conn, work.fn, *work.args, device=False)
+        elif isinstance(work, LonePass):
+            if clock.sender is not None:
+                clock.sender.begin(started)
+            rows = work.rows
+            budget = ((lambda: self.compute.verify_total_s(len(session.target.last_exits), rows)) if work.with_exits
+                      else (lambda: self.compute.pass_s(1, rows)))
+            result = await self._run(conn, on_device, work.fn, work.args, budget)
+        elif isinstance(work, RoundPass):
+            # On the compute thread: decoding a large sparse support takes milliseconds and must not
+            # stall the event loop that serves the other sessions. The profile's time is the
+            # accelerator's pass; decoding q is host work beside it.
+            result = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
+                                                 self._round_row(session, work, clock.sender), flow=conn.flow,
+                                                 cost=work.cost, prelude=(work.prelude.fn, work.prelude.args),
+                                                 rows=work.rows)
+        elif isinstance(work, ArStepPass):
+            # Batched with the other sessions' AR steps and verification rounds that are ready.
+            token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
+                                                   PassRow(work.item, work.rows), flow=conn.flow, cost=work.cost,
+                                                   rows=work.rows)
+            return token, time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
+        else:
+            raise TypeError(f"verifier: no way to run {type(work).__name__}")
+        waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
+        clock.compute_s += time.perf_counter() - started - waited
+        clock.queue_s += waited
+        return result
+
+    def _round_row(self, session: VerifierSession, work: RoundPass, sender: ExitSender | None):
+        """The dense round's row of a batched pass, built on the compute thread once q is decoded;
+        a round streaming exits is told the pass's start (its exits are timed within that pass)
+        and charges its exits' cost."""
+        loop = asyncio.get_running_loop()
+
+        def build(_q) -> PassRow:
+            row = PassRow(work.build(), work.rows)
+            if sender is not None:
+                row.exit_cost = lambda: len(session.target.last_exits) * self.compute.exit_s
+                row.on_start = lambda t, pass_s, exit_rows: loop.call_soon_threadsafe(sender.begin, t, pass_s,
+                                                                                       exit_rows)
+            return row
+        return build
+
+    def _count_sent(self, conn: _Conn, sent: SendFrame) -> None:
+        """A VERDICT or TOKEN sent: the tokens the target decided, and the round in the metrics."""
+        frame = sent.frame
+        if isinstance(frame, P.Verdict):
+            decided = frame.accepted + (frame.next_token != P.NO_TOKEN)
+            self.verified_tokens += decided
+            conn.decision_tokens += decided
+            self._count_round(conn, sent.round, frame)
+        elif isinstance(frame, P.Token):
+            self.verified_tokens += 1
+            conn.decision_tokens += 1
 
     @staticmethod
     def _log_lossy(conn: _Conn, session: VerifierSession, settings: VerifySettings, decision: int) -> None:
@@ -430,80 +488,11 @@ class VerifierServer:
         loop = asyncio.get_running_loop()
         return sender, (lambda res: loop.call_soon_threadsafe(sender.push, res))
 
-    async def _verify_dense(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float,
-                            live: list) -> P.Verdict:
-        """A dense round, batched with the other sessions' rounds and AR steps that are ready; its
-        early exits stream from hooks on its row of the shared pass."""
-        started = time.perf_counter()  # verify time includes decoding q
-        sender, on_exit = self._exit_sender(conn, step, live)
-        # On the compute thread: decoding a large sparse support takes milliseconds and must not
-        # stall the event loop that serves the other sessions. The profile's time is the
-        # accelerator's pass; decoding q is host work beside it.
-        # The decode and the pass are one turn: the pass follows the decode on the compute thread.
-        loop = asyncio.get_running_loop()
-
-        def device_work(_q) -> _DeviceWork:  # on the compute thread, once q is decoded
-            work = _DeviceWork(session.dense_round(step, on_exit), step.rows)
-            if sender is not None:
-                work.extra = lambda: len(session.target.last_exits) * self.compute.exit_s
-                work.on_start = lambda t, pass_s, exit_rows: loop.call_soon_threadsafe(sender.begin, t, pass_s,
-                                                                                        exit_rows)
-            return work
-        with session.refusing("bad draft distribution", DENSE_ERRORS):
-            result = await self.fair.run_batched(conn.key, self._verify_batch_on_device, device_work, flow=conn.flow,
-                                                 cost=session.target.seq.fed + len(step.msg.draft_ids),
-                                                 prelude=(session.decode_steps, (step,)), rows=step.rows)
-        waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
-        verify_s = time.perf_counter() - started - waited  # before the exit sender winds down
-        sent = await live.pop().finish() if live else 0
-        return session.verdict(step, result, verify_s=verify_s, queue_s=queue_s + waited, exits_sent=sent)
-
-    async def _verify_split(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float) -> P.Verdict:
-        """A split-codec round: q(x) of each draft only; on a rejection p goes down, not a token.
-        (No early exits: an exit could not name its next token without the robot's q.)"""
-        started = time.perf_counter()
-        await self._run(conn, session.decode_steps, step, device=False)
-        result = await self._run(conn, on_device, session.split_verify, (step,),
-                                 lambda: self.compute.pass_s(1, step.rows))
-        p_payload = b"" if result.target_p is None else await self._run(conn, session.encode_p, result, device=False)
-        waited = self.fair.take_wait(conn.key)
-        return session.verdict(step, result, verify_s=time.perf_counter() - started - waited,
-                               queue_s=queue_s + waited, p_payload=p_payload)
-
-    async def _verify_wisv(self, conn: _Conn, session: VerifierSession, step: Step, queue_s: float,
-                           inbox: Inbox, stash: deque, live: list) -> P.Verdict:
-        """A WISV round (LOSSY): the target's forward, the mismatches; with a selective upload the
-        rows the head needs are fetched (HIDDEN_REQUEST, one more exchange; blocks arriving
-        meanwhile wait in ``stash``); the head decides. Not batched with other sessions: the round
-        needs this session's own hidden rows from the pass."""
-        session.wisv_rows_sent(step)
-        sender, on_exit = self._exit_sender(conn, step, live)
-        started = time.perf_counter()
-        if sender is not None:
-            sender.begin(started)
-        asked = await self._run(conn, on_device, session.wisv_begin, (step, on_exit),
-                                lambda: self.compute.verify_total_s(len(session.target.last_exits), step.rows))
-        waited = self.fair.take_wait(conn.key)
-        compute_s = time.perf_counter() - started - waited
-        rows = session.wisv_rows(step, asked)
-        if rows is None:
-            await conn.ws.send(P.encode(session.hidden_request(step, asked)))
-            rows = await self._await_hidden(conn, session, step, asked, inbox, stash)
-        t1 = time.perf_counter()
-        result = await self._run(conn, session.wisv_finish, step, rows, device=False)
-        waited2 = self.fair.take_wait(conn.key)
-        compute_s += time.perf_counter() - t1 - waited2
-        sent = await live.pop().finish() if live else 0
-        return session.verdict(step, result, verify_s=compute_s, queue_s=queue_s + waited + waited2,
-                               exits_sent=sent)
-
-    async def _await_hidden(self, conn: _Conn, session: VerifierSession, step: Step, asked: list[int],
-                            inbox: Inbox, stash: deque) -> dict:
-        """The HIDDEN answer to a HIDDEN_REQUEST, within the handshake timeout (the robot answers at
-        once: the round holds the session's place meanwhile); later blocks of the pipeline that come
-        first are kept in ``stash`` (at most the inbox's count and bytes, the inbox's own frames
-        included)."""
-        msg = step.msg
+    async def _await_hidden(self, conn: _Conn, request: P.HiddenRequest, inbox: Inbox, stash: deque):
+        """The robot's answer to a HIDDEN_REQUEST (the session checks it is HIDDEN), within the
+        handshake timeout (the robot answers at once: the round holds the session's place
+        meanwhile); later blocks of the pipeline that come first are kept in ``stash`` (at most the
+        inbox's count and bytes, the inbox's own frames included)."""
         deadline = time.monotonic() + self.handshake_timeout_s
 
         def held(v: P.Verify) -> int:  # a stashed block's bytes, counted against the inbox's byte bound
@@ -512,7 +501,7 @@ class VerifierServer:
             left = max(0.0, deadline - time.monotonic())
             reply, arrived = await self._recv(conn.ws, left, inbox, conn.frame_cap,
                                               timeout_text=self.handshake_timeout_s)
-            if isinstance(reply, P.Verify) and reply.decision == msg.decision:
+            if isinstance(reply, P.Verify) and reply.decision == request.decision:
                 if (len(stash) >= inbox.max_items
                         or sum(held(v) for v, _ in stash) + held(reply) + inbox.bytes > inbox.max_bytes):
                     raise SessionError(P.ErrorCode.TOO_MANY, "too many blocks sent while the verifier waits for "
@@ -521,15 +510,12 @@ class VerifierServer:
                 continue
             if isinstance(reply, P.Close):  # a graceful close, as anywhere else: not a protocol error
                 raise ClientClosed(reply.reason)
-            if not isinstance(reply, P.Hidden):
-                raise SessionError(P.ErrorCode.BAD_REQUEST, f"expected HIDDEN for round {msg.round}, got "
-                                                            f"{type(reply).__name__}")
-            return session.on_hidden(step, asked, reply)
+            return reply
 
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
 
-    def _verify_batch_on_device(self, items: list) -> list:
+    def _verify_batch_on_device(self, items: list[PassRow]) -> Occupy:
         """On the compute thread: several sessions' rounds and AR steps in one pass (verify_batch),
         then the emulated accelerator stays busy for the profile's time of that pass (its rows and
         longest block: a measured profile's table, or a flat profile's one pass whatever the rows)
@@ -538,14 +524,15 @@ class VerifierServer:
         t0 = time.perf_counter()
         ar = all(isinstance(w.item, ArStep) for w in items)
         pass_s = self.compute.pass_s(len(items), max(w.block for w in items), ar=ar)
-        exit_rows = sum(w.extra is not None for w in items)
+        exit_rows = sum(w.exit_cost is not None for w in items)
         for w in items:  # exits are timed within this pass, not a lone round's
             if w.on_start is not None:
                 w.on_start(t0, pass_s, exit_rows)
-        results = verify_batch([w.item for w in items])
+        batch = verify_batch([w.item for w in items])
         self.metrics.on_batch(len(items))
-        budget = pass_s + sum(w.extra() for w in items if w.extra is not None)
-        return Occupy(results, budget - (time.perf_counter() - t0))
+        budget = pass_s + sum(w.exit_cost() for w in items if w.exit_cost is not None)
+        # each row's result, or its own error in its place: FairCompute raises it to that session only
+        return Occupy(batch.outcomes(), budget - (time.perf_counter() - t0))
 
     def _prefill_on_device(self, session: TargetSession, prompt: Prompt, settings: VerifySettings):
         """The session's prefill as preemptible steps (``TargetSession.start_steps``); with an

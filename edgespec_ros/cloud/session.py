@@ -2,19 +2,16 @@
 state machine, the socket code around it thin).
 
 ``VerifierSession`` takes a session's decoded frames (PREFILL, VERIFY, HIDDEN, GENERATE) and holds
-every rule about them: the input checks (decision, round cap, lengths, vocabulary, flags, context,
-the codec's rules, images), the epoch rule (``EpochGate``: live, ended and void epochs, conditional
-blocks), the three verification rules (dense, split, WISV) and what each verdict says. It never
-waits and never sends: it hands back ``Step``s whose model work the driver runs where it likes (the
-websocket server on its fair, batched compute thread; ``LocalVerifier`` inline), and the frames to
-send (``P.Verdict``, ``P.HiddenRequest``, ``P.Token``). Both drivers therefore verify by the same
-code, and the in-process tests exercise the server's checks.
-
-A step's order, for the driver:
-- dense: ``decode`` (host; ``decode_steps`` as preemptible steps), ``dense_round`` (the ``verify_batch`` item: the pass), ``verdict``;
-- split: ``decode``, ``split_verify`` (the pass), ``encode_p`` (host), ``verdict``;
-- wisv: ``wisv_rows_sent``, ``wisv_begin`` (the pass), then the rows the head needs, from the block
-  or asked for (``hidden_request``, then ``on_hidden``), ``wisv_finish`` (host), ``verdict``.
+every check and decision about them: the input checks (decision, round cap, lengths, vocabulary,
+flags, context, the codec's limits, images), the epoch gate (``EpochGate``: live, ended and void
+epochs, conditional blocks), the three verification paths (dense, split, WISV) and what each
+verdict says. It never waits and never sends: ``handle(frame)`` gives a ``cloud.work.Dispatch``
+whose work items (``cloud.work``: prefill, host work, lone and batched passes, a hidden-row
+request, the round's timing, the frames to send) the driver executes where it likes (the
+websocket server on its fair, batched compute thread; ``LocalVerifier`` inline), handing each
+item's result back. The dispatch on the path and the order of a round's steps are written once,
+in ``_verify_work``; both drivers therefore verify by the same code, and the in-process tests
+exercise the server's checks.
 
 A user's mistake raises ``SessionError`` (an ERROR frame's code and message); the driver ends the
 session with it.
@@ -30,6 +27,8 @@ import torch
 from ..codecs import CodecError
 from .batch import ArStep, Round
 from .target import TargetSession
+from .work import (ArStepPass, AskHidden, BeginRound, Dispatch, Done, EndRound, HostWork, LonePass, OnExit,  # noqa: F401
+                   PrefillWork, RoundPass, RoundTiming, SendFrame, Step)  # Step: the session's rounds (re-exported)
 from ..decoding.verify import VERIFY_MODES, WISV, VerifySettings
 from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
@@ -39,7 +38,7 @@ from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_prob
 from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
 
-DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification rules
+DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification paths (Step.path)
 DENSE_ERRORS = (CodecError, DraftDistributionError)  # a dense round's errors a client's q can cause
 MAX_BLOCK = 64  # drafts per VERIFY
 
@@ -52,23 +51,8 @@ class SessionError(Exception):
         self.code = int(code)
 
 
-@dataclass
-class Step:
-    """One admitted VERIFY: its rule, what its pass feeds, and what the driver has decoded so far."""
-
-    msg: P.Verify
-    rule: str  # DENSE, SPLIT or WISV
-    chained: bool  # the robot's next block continues this one
-    rows: int  # tokens the target feeds for it (the pass's charge on a measured profile)
-    exits: bool  # early exits stream from its pass
-    edge_token: int | None = None  # split: the token the robot resampled after the last rejection
-    q: torch.Tensor | None = None  # the draft distribution, once decoded
-    csi: object = None  # wisv: the link as the robot measured it (decoding.wisv.Csi)
-    hidden: torch.Tensor | None = None  # wisv, full upload: the drafter's hidden rows [n, d]
-
-
 class VerifierSession:
-    """One robot session's verification: decoded frames in, steps and frames out (module docstring)."""
+    """One robot session's verification: decoded frames in, work items out (module docstring)."""
 
     def __init__(self, lm: LoadedModel, codec, limits: ServerLimits | None = None, trace=None):
         self.lm, self.codec = lm, codec
@@ -110,12 +94,83 @@ class VerifierSession:
         except errors as exc:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"{what}: {exc}") from None
 
+    # --- the dispatch: a frame's work items, in order (cloud.work) ---------------------------
+
+    def handle(self, msg) -> Dispatch:
+        """A decoded frame from the robot (PREFILL, VERIFY, GENERATE): its work, item by item.
+        Any other frame raises BAD_FRAME at the first ``next_work``."""
+        return Dispatch(self._work(msg))
+
+    def _work(self, msg):
+        if isinstance(msg, P.Prefill):
+            return (yield from self._prefill_work(msg))
+        if isinstance(msg, P.Verify):
+            return (yield from self._verify_work(msg))
+        if isinstance(msg, P.Generate):
+            return (yield from self._generate_work(msg))
+        raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+
+    def _prefill_work(self, msg: P.Prefill):
+        prompt, settings = self.on_prefill(msg)
+        with self.refusing("bad prefill"):
+            prefill_s = yield PrefillWork(prompt, settings)
+        yield SendFrame(P.PrefillOk(msg.decision, prefill_s * 1e3))
+        return Done()
+
+    def _verify_work(self, msg: P.Verify):
+        """A block's round. dense: q decoded (host, preemptible) then the batched pass; split: q
+        decoded, the lone pass, p encoded on a rejection (host); wisv: the CSI and any uploaded
+        rows read, the lone pass, the rows the decision head needs (from the block, or asked for
+        with a HIDDEN_REQUEST), the head (host); a wisv pass is not batched with other sessions'
+        (the round needs this session's own hidden rows from it). Then the verdict."""
+        step = self.on_verify(msg)
+        if step is None:  # drafted past a rejection the robot had not yet heard of, or a wrong guess
+            return Done(dropped=True)
+        if step.path == WISV:
+            self.wisv_rows_sent(step)
+        on_exit: OnExit | None = yield BeginRound(step)
+        p_payload = b""
+        if step.path == SPLIT:
+            yield HostWork(self.decode_steps, (step,))
+            result = yield LonePass(self.split_verify, (step,), step.rows)
+            if result.target_p is not None:
+                p_payload = yield HostWork(self.encode_p, (result,))
+        elif step.path == WISV:
+            asked = yield LonePass(self.wisv_begin, (step, on_exit), step.rows, with_exits=True)
+            rows = self.wisv_rows(step, asked)
+            if rows is None:  # a selective upload: the robot sends the rows the head needs
+                reply = yield AskHidden(self.hidden_request(step, asked))
+                if not isinstance(reply, P.Hidden):
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, f"expected HIDDEN for round {msg.round}, got "
+                                                                f"{type(reply).__name__}")
+                rows = self.on_hidden(step, asked, reply)
+            result = yield HostWork(self.wisv_finish, (step, rows))
+        else:
+            # The decode and the pass are one turn: the pass follows the decode on the compute thread.
+            with self.refusing("bad draft distribution", DENSE_ERRORS):
+                result = yield RoundPass(lambda: self.dense_round(step, on_exit), step.rows,
+                                         self.target.seq.fed + len(msg.draft_ids), HostWork(self.decode_steps, (step,)))
+        timing: RoundTiming = yield EndRound(step)
+        verdict = self.verdict(step, result, verify_s=timing.verify_s, queue_s=timing.queue_s,
+                               exits_sent=timing.exits_sent, p_payload=p_payload)
+        yield SendFrame(verdict, step)
+        return Done()
+
+    def _generate_work(self, msg: P.Generate):
+        steps = self.on_generate(msg)
+        for i in range(steps):
+            token, step_s = yield ArStepPass(self.ar_step(), self.target.seq.fed + 1)
+            frame = self.token(i, steps, token, step_s)
+            yield SendFrame(frame)
+            if frame.last:
+                break
+        return Done()
+
     # --- PREFILL -----------------------------------------------------------------------------
 
     def on_prefill(self, msg: P.Prefill) -> tuple[Prompt, VerifySettings]:
-        """A new decision: the prompt and settings to prefill (the driver runs ``target.start``
-        or ``start_steps`` inside ``refusing("bad prefill")``). Every block of the last decision
-        still on its way is dropped from now on."""
+        """A new decision: the prompt and settings to prefill (``PrefillWork``). Every block of the
+        last decision still on its way is dropped from now on."""
         if len(msg.prompt_ids) > self.max_prompt_tokens:
             limit = ("--max-prompt-tokens" if self.max_prompt_tokens == self.limits.max_prompt_tokens
                      else "the model's context")
@@ -150,14 +205,14 @@ class VerifierSession:
     # --- VERIFY ------------------------------------------------------------------------------
 
     def on_verify(self, msg: P.Verify) -> Step | None:
-        """A block: the step to run, or None when the epoch rule drops it unverified (drafted past
+        """A block: the step to run, or None when the epoch gate drops it unverified (drafted past
         a rejection the robot had not heard of yet, or a conditional block on a wrong guess)."""
         self._check_decision(msg.decision)
         self.rounds += 1
         if self.rounds > self.limits.max_rounds:
             raise SessionError(P.ErrorCode.TOO_MANY, f"more than {self.limits.max_rounds} VERIFY frames in one "
                                                      f"decision (--max-rounds)")
-        # Every block is checked before the epoch rule may drop it: a dropped block is no cheaper
+        # Every block is checked before the epoch gate may drop it: a dropped block is no cheaper
         # to send than a verified one, and no less bounded.
         n = len(msg.draft_ids)
         if not 1 <= n <= MAX_BLOCK:
@@ -197,11 +252,13 @@ class VerifierSession:
     def decode_steps(self, step: Step):
         """Host work as preemptible steps (a generator whose value is q, kept on the step): the
         block's draft distribution from its payload. ``decode`` runs it to the end at once."""
-        if step.rule == SPLIT:
+        if step.path == SPLIT:
             what, errors = "bad split-codec round", (CodecError, DraftDistributionError, ValueError)
         else:
             what, errors = "bad draft distribution", DENSE_ERRORS
-        if step.rule != SPLIT and self.target.settings.rule != "rejection":
+        # the acceptance rule (VerifySettings.rule): "rejection" reads q, greedy and WISV do not
+        acceptance = None if step.path == SPLIT else self.target.settings.rule
+        if step.path != SPLIT and acceptance != "rejection":
             # greedy and WISV rounds compare drafts with the target's argmax: no q is read, none is sent
             if step.msg.q_payload:
                 raise SessionError(P.ErrorCode.BAD_REQUEST, f"a {self.target.settings.verify_mode} block carries a "
@@ -210,9 +267,9 @@ class VerifierSession:
             return None
         with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)
-            if step.rule != SPLIT and step.q is not None and self.target.settings.rule == "rejection":
+            if step.path != SPLIT and step.q is not None and acceptance == "rejection":
                 # checked here, before the round may join a batched pass with other robots' rounds:
-                # the rule (and the early exits inside the pass) would refuse it there
+                # rejection sampling (and the early exits inside the pass) would refuse it there
                 check_draft_probs_once(torch.as_tensor(step.msg.draft_ids, dtype=torch.long), step.q, self.vocab)
         return step.q
 
@@ -243,14 +300,14 @@ class VerifierSession:
 
     def verdict(self, step: Step, result, *, verify_s: float, queue_s: float, exits_sent: int = 0,
                 p_payload: bytes = b"") -> P.Verdict:
-        """The VERDICT of a verified step; the epoch rule learns whether it ends its epoch."""
+        """The VERDICT of a verified step; the epoch gate learns whether it ends its epoch."""
         msg = step.msg
         # A split-codec rejection sends p, not a token (the robot resamples it): it ends the epoch too.
         continued = result.next_token == NO_TOKEN and result.target_p is None
         self.gate.record(msg.round, not continued, result.accepted, result.next_token)
         next_token = P.NO_TOKEN if result.next_token == NO_TOKEN else result.next_token
-        exit_layer = 0 if step.rule == SPLIT else self.target.last_exit_layer
-        relaxed = len(self.target.last_relaxed) if step.rule == WISV else 0
+        exit_layer = 0 if step.path == SPLIT else self.target.last_exit_layer
+        relaxed = len(self.target.last_relaxed) if step.path == WISV else 0
         return P.Verdict(msg.decision, msg.round, result.accepted, next_token, max(0.0, verify_s) * 1e3,
                          len(msg.draft_ids), exit_layer, exits_sent, p_payload, msg.epoch, queue_s * 1e3, relaxed)
 
@@ -303,7 +360,7 @@ class VerifierSession:
     # --- GENERATE (cloud AR) ----------------------------------------------------------------------
 
     def on_generate(self, msg: P.Generate) -> int:
-        """A cloud-AR request: how many steps to run (``ar_step`` each, then ``token``)."""
+        """A cloud-AR request: how many steps to run (``ArStepPass`` each, then its TOKEN)."""
         self._check_decision(msg.decision)
         if not 1 <= msg.max_new_tokens <= self.limits.max_new_tokens:
             raise SessionError(P.ErrorCode.TOO_LARGE, f"max_new_tokens {msg.max_new_tokens} not in "
