@@ -26,6 +26,8 @@ from launch_ros.substitutions import FindPackageShare
 from launch.events import matches_action
 from lifecycle_msgs.msg import Transition
 
+from edgespec_ros.nodes.graph import sets_parameters
+
 PACKAGE = "edgespec_ros"
 
 # twist_mux:=true: the navigator feeds the mux, whose output is the robot's velocity input
@@ -83,24 +85,12 @@ def _true(context, name):
     return LaunchConfiguration(name).perform(context).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _sets_parameters(path: str) -> bool:
-    """A config file is passed on only where it sets something: the shipped ones hold overrides
-    only (every default is the node's own, docs/parameters.md), and rcl refuses an empty
-    ros__parameters map."""
-    import yaml
-    if not os.path.exists(path):
-        return True  # passed on: the node says which file is missing
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    return any((section or {}).get("ros__parameters") for section in data.values() if isinstance(section, dict))
-
-
 def _parameters(context, role):
     """config_dir/<role>.yaml, then params_file, then the launch arguments of ROLE_ARGS[role]."""
     config_dir = LaunchConfiguration("config_dir").perform(context) or \
         PathJoinSubstitution([FindPackageShare(PACKAGE), "config"]).perform(context)
     config = os.path.join(config_dir, f"{role}.yaml")
-    params = [config] if _sets_parameters(config) else []
+    params = [config] if sets_parameters(config) else []  # overrides only; rcl refuses an empty map
     params_file = LaunchConfiguration("params_file").perform(context)
     if params_file:
         params.append(params_file)

@@ -207,5 +207,7 @@ def sets_parameters(path) -> bool:
     default is the node's own, nodes/params.py), and rcl refuses an empty ros__parameters map, so a
     file without any is not passed on (the launch files do the same)."""
     import yaml
+    if not Path(path).is_file():
+        return True  # passed on: the node says which file is missing
     data = yaml.safe_load(Path(path).read_text()) or {}
     return any((section or {}).get("ros__parameters") for section in data.values() if isinstance(section, dict))
