@@ -193,7 +193,7 @@ def run_closed_loop(args) -> int:
             observer = Observer(graph.context, scenario)
             graph.add_node(observer.node)
             if args.record:
-                from .bags import BagWriter
+                from .rosio.bags import BagWriter
                 from .nodes.recorder import BagRecorder
                 bag = recording.enter_context(BagWriter(out / "bag"))
                 graph.add_node(BagRecorder(graph.context, bag).node)

@@ -101,7 +101,7 @@ def _parameters(context, role):
 
 # Roles whose camera topic follows the image_topic argument (remapped, as ROS 2 renames topics).
 IMAGE_ROLES = ("camera", "drafter", "monitor")
-DEFAULT_IMAGE_TOPIC = "camera/image_raw"  # edgespec_ros.topics.IMAGE
+DEFAULT_IMAGE_TOPIC = "camera/image_raw"  # edgespec_ros.rosio.topics.IMAGE
 
 
 def _remappings(context, role):

@@ -1,4 +1,4 @@
-"""Recordings (edgespec_ros.bags): the simulator writes an episode as a rosbag2 MCAP bag, the replay
+"""Recordings (edgespec_ros.rosio.bags): the simulator writes an episode as a rosbag2 MCAP bag, the replay
 reads back exactly its frames, commands and decisions, and broken bags fail with a message that
 says what to do, without loading the bag into memory."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from edgespec_ros.bags import BagError, BagReplay, BagWriter, EpisodeRecording, image_message, string_message
+from edgespec_ros.rosio.bags import BagError, BagReplay, BagWriter, EpisodeRecording, image_message, string_message
 from edgespec_ros.control.actions import ActionParseError, parse_action
 from edgespec_ros.sim.dataset import iter_scenarios
 from edgespec_ros.sim.evaluate import run_episode
@@ -112,7 +112,7 @@ def memory_bag(tmp_path_factory):
                            ("/decision", "edgespec_ros/VerifiedAction")):
             bare.add_topic(name, kind)
         from rosbags.highlevel import AnyReader
-        from edgespec_ros.bags import typestore
+        from edgespec_ros.rosio.bags import typestore
         with AnyReader([root / "ep"], default_typestore=typestore()) as reader:
             for conn, t, raw in reader.messages([c for c in reader.connections if c.topic in bare.counts]):
                 bare.write_raw(conn.topic, t, raw)
@@ -274,7 +274,7 @@ def test_a_bag_is_never_overwritten(episode_bag):
 
 def test_replay_streams_a_bag_larger_than_what_it_keeps(tmp_path, monkeypatch):
     """40 MB of frames: scanning and replaying keep a small fraction of it in memory."""
-    import edgespec_ros.bags as bags
+    import edgespec_ros.rosio.bags as bags
 
     path = tmp_path / "big"
     rng = np.random.default_rng(0)
@@ -315,7 +315,7 @@ def test_the_bench_refuses_a_broken_bag_before_starting_anything(tmp_path, capsy
 
 
 def compressed_message(data: bytes, ns: int, fmt: str = "png"):
-    from edgespec_ros.bags import typestore
+    from edgespec_ros.rosio.bags import typestore
     t = typestore().types
     return t["sensor_msgs/msg/CompressedImage"](
         header=t["std_msgs/msg/Header"](stamp=t["builtin_interfaces/msg/Time"](sec=ns // 10**9, nanosec=ns % 10**9),
@@ -450,7 +450,7 @@ def test_a_bag_whose_schema_redefines_the_image_is_refused(tmp_path):
         BagReplay(path)
     # a nested type is compared too, field by field: a Header whose stamp is a string is refused, a ROS 1
     # Header (an extra seq) reads as ROS 2's
-    import edgespec_ros.bags as bags
+    import edgespec_ros.rosio.bags as bags
 
     class Bag:  # what definition_problem reads of an AnyReader
         def __init__(self, header):
@@ -530,7 +530,7 @@ def test_a_later_frame_whose_body_does_not_decode_fails_with_bag_error_and_exit_
 
 
 def test_compressed_frames_replay_as_rgb(tmp_path):
-    from edgespec_ros.imaging import jpeg_bytes
+    from edgespec_ros.rosio.imaging import jpeg_bytes
     frames = [np.full((24, 32, 3), (40 * k, 200 - 50 * k, 90), np.uint8) for k in range(3)]  # flat: JPEG keeps it
     path = camera_bag(tmp_path / "jpeg", [jpeg_bytes(f) for f in frames], "sensor_msgs/CompressedImage")
     got = [rgb for _instruction, rgb in BagReplay(path)]

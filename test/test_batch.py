@@ -244,7 +244,7 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     profile's prefill_s."""
     from edgespec_ros.cloud.batch import ArStep, Round
     from edgespec_ros.decoding.compute import ComputeProfile
-    from edgespec_ros.preempt import run_steps
+    from edgespec_ros.decoding.preempt import run_steps
     from edgespec_ros.cloud.fair import Occupy
     from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
     table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.2, 0.3), (0.6, 0.9))), prefill_s=0.5)

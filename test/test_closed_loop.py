@@ -39,7 +39,7 @@ def test_closed_loop_episode_reaches_the_goal(tmp_path, capsys):
     decisions = int(metrics["decisions"].split()[0])
 
     # the recording replays: the frames the robot decided on give the same decisions (SD, greedy)
-    from edgespec_ros.bags import BagReplay
+    from edgespec_ros.rosio.bags import BagReplay
     from edgespec_ros.bench.cli import main as bench
     replay = BagReplay(out / "bag")
     assert replay.pick == "decided" and len(replay) == decisions

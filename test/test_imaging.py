@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from edgespec_ros.imaging import (ImageFormatError, annotate, jpeg_bytes, parse_camera_source, raw_from_rgb,
+from edgespec_ros.rosio.imaging import (ImageFormatError, annotate, jpeg_bytes, parse_camera_source, raw_from_rgb,
                                   rgb_from_compressed, rgb_from_raw)
 
 RGB = (np.arange(4 * 5 * 3) % 256).astype(np.uint8).reshape(4, 5, 3)

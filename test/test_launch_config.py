@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from edgespec_ros.nodes import params
-from edgespec_ros import topics as names
+from edgespec_ros.rosio import topics as names
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = sorted((ROOT / "launch").glob("*.launch.py"))
@@ -221,7 +221,7 @@ def test_the_shipped_collision_monitor_stops_the_robot_before_it_reaches_an_obst
 
 def test_topics_are_renamed_by_remapping_not_parameters():
     """No parameter only renames a topic (ROS 2 remaps names): the nodes take every name from
-    edgespec_ros/topics.py, and the launch file's image_topic argument remaps the camera topic the nodes
+    edgespec_ros/rosio/topics.py, and the launch file's image_topic argument remaps the camera topic the nodes
     actually use."""
     for role, specs in params.NODES.items():
         assert not [s.name for s in specs if s.name.endswith("_topic")], role

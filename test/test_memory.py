@@ -162,7 +162,7 @@ def test_a_prompt_that_extends_the_last_one_reuses_its_cache_and_decodes_the_sam
     prompts = [build_inputs(lm.tokenizer, "go to the red ball", frames[i], lm.image_processor,
                             history=shown_turns(history[:i], 2)) for i in range(3)]
     from edgespec_ros.decoding.engines import MIN_PREFIX_REUSE
-    from edgespec_ros.preempt import run_steps
+    from edgespec_ros.decoding.preempt import run_steps
     kept, reused = lm.new_sequence(), []
     for i, inputs in enumerate(prompts):
         run_steps(kept.prefill_steps(inputs, reuse=True))
@@ -193,7 +193,7 @@ def test_a_prefill_that_fails_half_way_leaves_no_cache_to_reuse():
     frame = np.zeros((112, 112, 3), np.uint8)
     history = (Turn("turn left small", DONE), Turn("move forward large", BLOCKED), Turn("turn right small", DONE))
     seq = lm.new_sequence()
-    from edgespec_ros.preempt import run_steps
+    from edgespec_ros.decoding.preempt import run_steps
     run_steps(seq.prefill_steps(build_inputs(lm.tokenizer, "go", frame, lm.image_processor, history=history[:2]),
                                 reuse=True))
     layer = lm.model.model.language_model.layers[3]

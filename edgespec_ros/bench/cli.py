@@ -21,9 +21,9 @@ from .hostile import KINDS as HOSTILE_KINDS
 from ..models import resolve_models
 from ..processes import env_threads
 from .runner import add_speedups, bench_prompts, emulated_setup, format_table, run_modes
-from ..bags import PICKS, BagError, BagReplay
+from ..rosio.bags import PICKS, BagError, BagReplay
 from ..decoding.memory import saved_memory
-from .. import topics
+from ..rosio import topics
 
 
 def pair_memory(given: int | None, pair) -> int:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from ..codecs import get_codec
 from ..codecs import DEFAULT_CODEC
-from ..preempt import run_steps
+from ..decoding.preempt import run_steps
 from .batch import verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt

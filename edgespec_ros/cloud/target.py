@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..preempt import run_steps
+from ..decoding.preempt import run_steps
 from ..decoding.engines import PREFILL_CHUNK, LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.sampling import STREAM_RESAMPLE, keyed_uniform, probs_from_logits, sample_from
@@ -89,7 +89,7 @@ class TargetSession:
 
     def start_steps(self, prompt: Prompt, settings: VerifySettings, chunk: int = PREFILL_CHUNK,
                     reuse: bool = True):
-        """start() as preemptible steps (edgespec_ros.preempt): the image is processed in the first
+        """start() as preemptible steps (edgespec_ros.decoding.preempt): the image is processed in the first
         quantum, then the prompt is prefilled ``chunk`` tokens at a time; returns compute seconds
         (quanta only). ``reuse``: keep the cached positions the prompt shares with this session's
         last one (``Sequence.prefill_steps``)."""

@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from ..preempt import run_steps
+from ..decoding.preempt import run_steps
 from .base import Codec, as_rows, check_payload_length, not_prepared, padded_support, sparse_row
 from .bits import (BitReader, BitWriter, CodecError, bits_for, compositions, lattice_rank, lattice_unrank,
                    subset_rank, subset_unrank)

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from .verify import NO_TOKEN
-from ..preempt import run_steps
+from .preempt import run_steps
 from .inputs import PromptInputs
 from .sampling import STREAM_DRAFT, SamplingParams, keyed_uniform, probs_from_logits, sample_from
 
@@ -290,7 +290,7 @@ def crop_cache(cache, keep: int) -> None:
     cache.crop(keep - current if _TRANSFORMERS_MAJOR >= 5 else keep)
 
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill forward (edgespec_ros.preempt: one quantum each)
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (edgespec_ros.decoding.preempt: one quantum each)
 
 
 def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: int = 0) -> list[tuple[int, int]]:
@@ -369,7 +369,7 @@ class Sequence:
 
     def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK, reuse: bool = False):
         """prefill() in pieces of at most ``chunk`` prompt tokens, yielding between them
-        (edgespec_ros.preempt: the verifier interleaves other sessions' rounds with a long prompt,
+        (edgespec_ros.decoding.preempt: the verifier interleaves other sessions' rounds with a long prompt,
         as chunked prefill does in vLLM). All of an image's tokens go in one piece, with its
         pixels (the vision tower runs once); positions are the whole prompt's M-RoPE positions,
         sliced. A prompt of at most ``chunk`` tokens is one forward, as before. Returns next-token

@@ -15,8 +15,8 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage, Image
 
-from ..imaging import jpeg_bytes, parse_camera_source
-from .. import topics
+from ..rosio.imaging import jpeg_bytes, parse_camera_source
+from ..rosio import topics
 from . import params
 from .common import SENSOR_QOS, declare_parameters, now_ns, ns_to_time, rgb_to_image, run_node
 

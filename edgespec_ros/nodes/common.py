@@ -1,5 +1,5 @@
 """What every node shares: parameter declaration from ``nodes.params``, QoS profiles, stamps and
-message <-> core conversions (images through ``edgespec_ros.imaging``, no cv_bridge)."""
+message <-> core conversions (images through ``edgespec_ros.rosio.imaging``, no cv_bridge)."""
 from __future__ import annotations
 
 import sys
@@ -14,7 +14,7 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from sensor_msgs.msg import CompressedImage, Image
 
 from ..control.actions import ACTION_KIND_CODES, Action, ActionParseError, action_from_fields
-from ..imaging import raw_from_rgb, rgb_from_compressed, rgb_from_raw
+from ..rosio.imaging import raw_from_rgb, rgb_from_compressed, rgb_from_raw
 from .params import ParamSpec
 
 # Camera images: BEST_EFFORT matches both best-effort publishers (go2_ros2_sdk's camera/image_raw)

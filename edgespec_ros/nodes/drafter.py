@@ -34,10 +34,10 @@ from ..action import Instruct
 from ..robot.drafter import (ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, DecisionOutcome, DrafterCore,
                              DrafterSettings, Frame, GoalProgress)
 from ..control.motion import outcome_name
-from ..imaging import ImageFormatError
+from ..rosio.imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from ..wire.tokens import read_token
-from .. import topics
+from ..rosio import topics
 from . import params
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, declare_parameters, guard_at_configure, image_to_rgb, \
     now_ns, ns_to_time, read_at_configure, run_node, set_action, time_to_ns

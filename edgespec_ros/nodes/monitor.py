@@ -24,10 +24,10 @@ from sensor_msgs.msg import Image
 from visualization_msgs.msg import Marker, MarkerArray
 
 from ..control.actions import ActionParseError
-from ..imaging import ImageFormatError, annotate
+from ..rosio.imaging import ImageFormatError, annotate
 from ..control.motion import Pose2D, motion_preview, yaw_from_quaternion
 from ..msg import DecodingStats, MotionState, VerifiedAction
-from .. import topics
+from ..rosio import topics
 from . import params
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, image_to_rgb, \
     rgb_to_image, run_node, time_to_ns

@@ -23,7 +23,7 @@ from ..msg import MotionState, VerifiedAction
 from ..control.motion import (COMPLETED, FAULT, GO2_WEBRTC_SPORT_TOPIC, REJECTED, SPORT_MIN_RATE_HZ, STALE,
                               ZERO, MotionExecutor, MotionLimits, Pose2D, outcome_code, sport_request,
                               webrtc_request, yaw_from_quaternion)
-from .. import topics
+from ..rosio import topics
 from . import params
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, run_node, time_to_ns

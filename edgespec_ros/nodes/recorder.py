@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import time
 
-from .. import topics
+from ..rosio import topics
 
 # (topic, type, QoS kind): what a demo bag holds
 RECORDED_TOPICS = (

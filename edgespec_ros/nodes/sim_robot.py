@@ -25,7 +25,7 @@ from ..control.motion import quaternion_from_yaw, wrap_angle
 from ..msg import VerifiedAction
 from ..sim.scenario import resolve_scenario
 from ..sim.world import SimWorld
-from .. import topics
+from ..rosio import topics
 from . import params
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, rgb_to_image, run_node

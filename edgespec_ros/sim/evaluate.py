@@ -80,7 +80,7 @@ def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episode
             continue
         from pathlib import Path
 
-        from ..bags import BagWriter, EpisodeRecording
+        from ..rosio.bags import BagWriter, EpisodeRecording
         with BagWriter(Path(bags_dir) / s.name) as bag:
             results.append(run_episode(policy, s, resample_temperature, EpisodeRecording(bag)))
     n = len(results)

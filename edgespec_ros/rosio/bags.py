@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .control.motion import OUTCOMES, outcome_name
+from ..control.motion import OUTCOMES, outcome_name
 from .imaging import ImageFormatError, raw_from_rgb, rgb_from_compressed, rgb_from_raw
 from . import topics
 
@@ -758,7 +758,7 @@ class BagReplay:
             raise BagError(f"a policy with memory {k} is told how each earlier move ended, and {self.path} has no "
                            f"navigator state ({self.motion_topic}): record that topic too (the demo's --record does), "
                            "or replay a memoryless pair")
-        from .decoding.memory import CommandMemory
+        from ..decoding.memory import CommandMemory
         memory, shown = CommandMemory(k), {}
         for event in self._events:
             if event[0] == "command":

@@ -4,7 +4,7 @@ rename one, remap it in the launch file, as ROS 2 does (``remappings=[("camera/i
 "/go2/front/image")]``, or ``--ros-args -r camera/image_raw:=/go2/front/image``), never with a
 parameter. ``docs/parameters.md`` lists them per node (``python -m edgespec_ros.nodes.params``).
 
-ROS-free, so the docs, the checks and the recordings (edgespec_ros.bags) need no rclpy.
+ROS-free, so the docs, the checks and the recordings (edgespec_ros.rosio.bags) need no rclpy.
 """
 from __future__ import annotations
 
