@@ -177,3 +177,17 @@ def test_no_import_cycles_between_modules_or_packages():
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_has_a_room():
+    """The package's top level holds only what starts the system; everything else lives in the
+    room of where it runs or what it serves (rosio: ROS I/O without rclpy)."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert loose == ["bringup.py", "demo.py", "processes.py"], loose
+
+
+def test_ros_io_needs_no_ros():
+    for path in (PACKAGE / "rosio").glob("*.py"):
+        text = path.read_text()
+        assert "import rclpy" not in text and "from rclpy" not in text, path.name
+        assert not {m for m in imports(path) if m.startswith("edgespec_ros.nodes")}, path.name
