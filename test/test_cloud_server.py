@@ -766,3 +766,24 @@ def test_a_conditional_block_with_the_split_codec_is_refused(pair, verifier):
     ws = raw_session(verifier.url, pair, cfg=DecodeConfig(codec="split"))
     ws.send(_verify_frame(pair, 1, [3], 1, (0, 0, 1), codec="split"))
     expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "conditional blocks are not valid with the split codec")
+
+
+def test_welcome_says_what_the_verifiers_compute_costs_and_mode_auto_starts_from_it(pair, verifier):
+    """Protocol 9: an emulated verifier's WELCOME carries its lone pass and AR step (a native one
+    says 0: unknown), and a mode-auto decoder starts from that step instead of spending its first
+    decision on AR to measure it."""
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    profile = ComputeProfile("welcome-test", verify_s=0.62, ar_step_s=0.354)
+    st = ServerThread(VerifierServer(_server_target(pair), compute=profile)).start()
+    try:
+        with client(st.url, pair) as rv:
+            assert rv.welcome.pass_ms == pytest.approx(620, rel=1e-3)
+            assert rv.welcome.ar_step_ms == pytest.approx(354, rel=1e-3)
+            decoder = EdgeDecoder(pair.draft, rv)
+            auto = decoder._auto(DecodeConfig(mode="auto", gamma="auto"))
+            assert auto.begin_auto_decision() == "sd"  # the AR step is known: measure drafting first
+    finally:
+        st.stop()
+    with client(verifier.url, pair) as rv:
+        assert (rv.welcome.pass_ms, rv.welcome.ar_step_ms) == (0.0, 0.0)
+        assert EdgeDecoder(pair.draft, rv)._auto(DecodeConfig(mode="auto", gamma="auto")).begin_auto_decision() == "ar"

@@ -312,7 +312,9 @@ class VerifierServer:
         head = getattr(self.lm, "wisv", None)
         await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, conn.frame_cap,
                                          self.server_name, self.num_layers, self.exit_layers,
-                                         0 if head is None else head.config.draft_dim)))
+                                         0 if head is None else head.config.draft_dim,
+                                         # an emulated profile's costs; natively unknown (0) until measured
+                                         1e3 * self.compute.pass_s(1), 1e3 * self.compute.pass_s(1, ar=True))))
         log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.label(),
                  clean(hello.draft, 64) or "unnamed", "" if tenant is None else f", token #{tenant}")
         live: list[ExitSender] = []  # this session's exit sender while a round streams

@@ -73,7 +73,12 @@ class EdgeDecoder:
         if cfg.gamma != "auto":
             return None
         if self.auto_gamma is None:  # an emulated robot knows its draft speed before it drafts
-            self.auto_gamma = AutoGamma(ar_step_s=None, draft_token_s=self.device.draft_token_s or None)
+            # mode auto: the verifier's own AR step time where its WELCOME says it (protocol 9), so
+            # the first decision need not be AR only to measure it
+            welcome = getattr(self.verifier, "welcome", None)
+            ar_step_s = (welcome.ar_step_ms / 1e3 if cfg.mode == "auto" and welcome is not None
+                         and getattr(welcome, "ar_step_ms", 0) > 0 else None)
+            self.auto_gamma = AutoGamma(ar_step_s=ar_step_s, draft_token_s=self.device.draft_token_s or None)
         return self.auto_gamma
 
     def strategy(self, cfg: DecodeConfig) -> Strategy:

@@ -24,7 +24,7 @@ MAGIC = b"ESPD"
 # and the relaxed VERDICT; a HELLO that names the draft (content hash) and how many earlier decisions the
 # robot's prompts show (a memory mismatch is refused like a tokenizer mismatch); greedy and WISV blocks carry
 # no draft distribution. What each version added: CHANGELOG.md.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -188,6 +188,10 @@ class Welcome:
     num_layers: int = 0  # target decoder layers
     exit_layers: list[int] = field(default_factory=list)  # layers with early-exit adapters (empty: no fsd)
     wisv_dim: int = 0  # width of the drafter hidden states the WISV head reads (0: no head, no wisv)
+    # what this verifier's compute costs, where it knows (0: unknown): a lone verification pass and
+    # one AR step, in ms (``mode auto`` predicts the paths from them before it has measured any)
+    pass_ms: float = 0.0
+    ar_step_ms: float = 0.0
 
 
 @dataclass
@@ -308,7 +312,7 @@ _ENCODERS = {
     Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)
             .str(m.draft).u16(m.memory)),
     Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame)
-              .str(m.server).u16(m.num_layers).ids(m.exit_layers).u16(m.wisv_dim)),
+              .str(m.server).u16(m.num_layers).ids(m.exit_layers).u16(m.wisv_dim).f32(m.pass_ms).f32(m.ar_step_ms)),
     Error: (FrameType.ERROR, lambda m, w: w.u16(m.code).str(m.message)),
     Prefill: (FrameType.PREFILL, lambda m, w: w.u32(m.decision).str(m.instruction).blob(m.jpeg).ids(m.prompt_ids)
               .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode).f32(m.wisv_threshold)),
@@ -331,7 +335,8 @@ _DECODERS = {
     FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client"),
                                      r.str("draft"), r.u16("memory")),
     FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"),
-                                         r.str("server"), r.u16("num_layers"), r.ids("exit_layers"), r.u16("wisv_dim")),
+                                         r.str("server"), r.u16("num_layers"), r.ids("exit_layers"), r.u16("wisv_dim"),
+                                         r.f32("pass_ms"), r.f32("ar_step_ms")),
     FrameType.ERROR: lambda r: Error(r.u16("code"), r.str("message")),
     FrameType.PREFILL: lambda r: Prefill(r.u32("decision"), r.str("instruction"), r.blob("jpeg"), r.ids("prompt_ids"),
                                          r.u64("seed"), r.f32("temperature"), r.u32("top_k"), r.f32("top_p"),
