@@ -26,7 +26,7 @@ from launch_ros.substitutions import FindPackageShare
 from launch.events import matches_action
 from lifecycle_msgs.msg import Transition
 
-from edgespec_ros.nodes.graph import sets_parameters
+from edgespec_ros.bringup.graph import sets_parameters
 
 PACKAGE = "edgespec_ros"
 

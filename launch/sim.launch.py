@@ -22,7 +22,7 @@ from launch_ros.events.lifecycle import ChangeState
 from launch_ros.substitutions import FindPackagePrefix, FindPackageShare
 from lifecycle_msgs.msg import Transition
 
-from edgespec_ros.nodes.graph import sets_parameters
+from edgespec_ros.bringup.graph import sets_parameters
 
 PACKAGE = "edgespec_ros"
 

@@ -1,4 +1,4 @@
-"""Helpers for the rclpy tests: an in-process node graph (edgespec_ros.nodes.graph.Graph) in a unique
+"""Helpers for the rclpy tests: an in-process node graph (edgespec_ros.bringup.graph.Graph) in a unique
 namespace, a probe node that publishes and records, waiting with deadlines, a scripted verifier."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 
-from edgespec_ros.nodes.graph import Graph
+from edgespec_ros.bringup.graph import Graph
 
 DEADLINE_S = 20.0
 
@@ -22,7 +22,7 @@ def unique_namespace() -> str:
 
 def wait_until(predicate, timeout_s: float = DEADLINE_S, what: str = "condition", poll_s: float = 0.01):
     """Return predicate()'s first truthy value; fail the test naming `what` after timeout_s."""
-    from edgespec_ros.nodes.graph import wait_for
+    from edgespec_ros.bringup.graph import wait_for
     try:
         return wait_for(predicate, timeout_s, what, poll_s)
     except TimeoutError as exc:

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
                     reason=f"the trained default models are not in {default_model_path('draft')} and "
                            f"{default_model_path('target')} yet (make models); an untrained pair cannot find anything")
 def test_closed_loop_episode_reaches_the_goal(tmp_path, capsys):
-    from edgespec_ros.bringup import main
+    from edgespec_ros.bringup.closed_loop import main
     out = tmp_path / "demo"
     code = main(["--scenario", "silver-bottle-distractor", "--out", str(out), "--timeout", "600",
                  "--record"])  # seed 0, greedy

@@ -134,9 +134,9 @@ def yaml_parameters(role: str) -> dict:
 def test_a_checkout_runs_on_its_own_config():
     """Run from a checkout, the nodes read its config/ (not an older copy installed in the venv's
     share/, which would hide an edit to config/ from every test and from `make demo`)."""
-    from edgespec_ros.nodes.graph import share_dir
-    if not (ROOT / "edgespec_ros" / "nodes" / "graph.py").samefile(
-            __import__("edgespec_ros.nodes.graph", fromlist=["x"]).__file__):
+    from edgespec_ros.bringup.graph import share_dir
+    if not (ROOT / "edgespec_ros" / "bringup" / "graph.py").samefile(
+            __import__("edgespec_ros.bringup.graph", fromlist=["x"]).__file__):
         pytest.skip("edgespec_ros is imported from an install, not from this checkout")
     assert share_dir() == ROOT
 
@@ -259,7 +259,7 @@ def test_parameters_are_declared_once_and_files_only_override():
 
 
 def test_a_config_file_without_parameters_is_not_passed_on(tmp_path):
-    from edgespec_ros.nodes.graph import sets_parameters
+    from edgespec_ros.bringup.graph import sets_parameters
     assert not sets_parameters(ROOT / "config" / "drafter.yaml")
     assert sets_parameters(ROOT / "config" / "camera.yaml")
     (tmp_path / "x.yaml").write_text("/**:\n  ros__parameters:\n    gamma: 6\n")
@@ -286,7 +286,7 @@ def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):
     import cv2
     import numpy as np
 
-    from edgespec_ros.nodes.graph import Graph
+    from edgespec_ros.bringup.graph import Graph
     from ros_helpers import domain_id, unique_namespace
     video = str(tmp_path / "v.avi")
     writer = cv2.VideoWriter(video, cv2.VideoWriter_fourcc(*"MJPG"), 5, (32, 32))
@@ -311,7 +311,7 @@ def test_nodes_built_from_the_yaml_declare_exactly_their_parameters(tmp_path):
 
 def test_parameter_precedence_config_then_params_file_then_arguments(tmp_path):
     """As in the launch files: config/<role>.yaml < params_file < launch-argument overrides."""
-    from edgespec_ros.nodes.graph import Graph
+    from edgespec_ros.bringup.graph import Graph
     from ros_helpers import domain_id, unique_namespace
     extra = tmp_path / "site.yaml"
     extra.write_text("/**/navigator:\n  ros__parameters:\n    max_linear_mps: 0.3\n    max_angular_rps: 0.7\n")

@@ -18,7 +18,7 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Bool, String
 from visualization_msgs.msg import MarkerArray
 
-from edgespec_ros.nodes.graph import Graph
+from edgespec_ros.bringup.graph import Graph
 from edgespec_ros.robot.drafter import fault_outcome, outcome_from_text
 from edgespec_ros.nodes.drafter import decision_message
 from edgespec_ros.msg import DecodingStats, MotionState, VerifiedAction

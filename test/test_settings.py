@@ -92,7 +92,7 @@ def test_a_decision_decodes_with_the_drafters_defaults():
 
 def test_the_bench_and_the_demo_default_to_the_drafters_settings():
     from edgespec_ros.bench.cli import build_parser as bench_parser
-    from edgespec_ros.demo import build_parser as demo_parser
+    from edgespec_ros.bringup.demo import build_parser as demo_parser
     bench = bench_parser().parse_args([])
     assert (bench.gamma, bench.max_new_tokens, bench.codec, bench.pipe_depth, bench.workers) == (
         DEFAULTS.gamma, DEFAULTS.max_new_tokens, DEFAULTS.codec, DEFAULTS.pipe_depth, DEFAULTS.predraft_workers)

@@ -12,13 +12,13 @@ import argparse
 import sys
 import textwrap
 
-from .models import resolve_models
-from .processes import env_threads
-from .bench.runner import add_speedups, bench_prompts, emulated_setup, run_modes
-from .decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
-from .decoding.sampling import SamplingParams
-from .wire.link import PROFILES
-from .robot.settings import DEFAULTS
+from ..models import resolve_models
+from ..processes import env_threads
+from ..bench.runner import add_speedups, bench_prompts, emulated_setup, run_modes
+from ..decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
+from ..decoding.sampling import SamplingParams
+from ..wire.link import PROFILES
+from ..robot.settings import DEFAULTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     if "--compare" in argv:
         argv.remove("--compare")
         return compare(argv)
-    from .bringup import main as closed_loop
+    from .closed_loop import main as closed_loop
     if argv in (["-h"], ["--help"]):
         print("edgespec-demo: the closed loop (below); `edgespec-demo --compare --help` for the one-frame AR vs SD "
               "comparison.\n")

@@ -11,7 +11,7 @@ file drives it: configure, then activate. An observer node sends the scenario's 
 ``command``, prints one line per decision, and records the annotated frames; at the end the
 trajectory map, the frames and a metrics table are written to the output folder.
 
-The graph itself is ``nodes.graph.Graph`` (the tests bring nodes up with it too); the child
+The graph itself is ``bringup.graph.Graph`` (the tests bring nodes up with it too); the child
 processes are ``processes``.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from .nodes.graph import NODE_ROLES, Graph, wait_for
+from .graph import NODE_ROLES, Graph, wait_for
 
 # --------------------------------------------------------------------------------------------------
 # The closed-loop demo
@@ -43,8 +43,8 @@ class Observer:
         from sensor_msgs.msg import Image
         from std_msgs.msg import String
 
-        from .msg import DecodingStats, VerifiedAction
-        from .nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS
+        from ..msg import DecodingStats, VerifiedAction
+        from ..nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS
         from geometry_msgs.msg import PoseStamped
         self.node = Node("demo_observer", context=context)
         self.scenario = scenario
@@ -67,7 +67,7 @@ class Observer:
             self.node.create_subscription(msg_type, topic, callback, qos, callback_group=group)
 
     def _on_decision(self, msg) -> None:
-        from .nodes.common import time_to_ns
+        from ..nodes.common import time_to_ns
         stamp = time_to_ns(msg.header.stamp)
         with self._lock:
             self.decision_stamps.add(stamp)
@@ -87,7 +87,7 @@ class Observer:
         self.pose = (msg.pose.position.x, msg.pose.position.y)
 
     def _on_annotated(self, msg) -> None:
-        from .nodes.common import image_to_rgb, time_to_ns
+        from ..nodes.common import image_to_rgb, time_to_ns
         stamp = time_to_ns(msg.header.stamp)
         image = image_to_rgb(msg)
         with self._lock:
@@ -111,9 +111,9 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .robot.decoder import DECODING_MODES
-    from .wire.link import PROFILES
-    from .decoding.compute import COMPUTE_PROFILES, compute_arg
+    from ..robot.decoder import DECODING_MODES
+    from ..wire.link import PROFILES
+    from ..decoding.compute import COMPUTE_PROFILES, compute_arg
     ap = argparse.ArgumentParser(
         prog="edgespec-bringup",
         description="The closed loop in one process: sim_robot, drafter, navigator and monitor nodes (the graph of "
@@ -147,18 +147,18 @@ def default_mode() -> str:
     """The drafter's own default (its ``mode`` parameter, robot/settings.py): the fastest mode on
     every emulated Go2 link with the committed pair (docs/pipeline.md); on the demo's tiny models
     cloud-only ar is faster still, since their target costs no more than their draft."""
-    from .robot.settings import DEFAULTS
+    from ..robot.settings import DEFAULTS
     return DEFAULTS.mode
 
 
 def run_closed_loop(args) -> int:
     from std_msgs.msg import String
 
-    from .models import resolve_models
-    from .processes import env_threads, link_proxy_process, verifier_process
-    from .sim.scenario import resolve_scenario
-    from .sim.render import compose_side_by_side, render_topdown
-    from .wire.link import get_profile
+    from ..models import resolve_models
+    from ..processes import env_threads, link_proxy_process, verifier_process
+    from ..sim.scenario import resolve_scenario
+    from ..sim.render import compose_side_by_side, render_topdown
+    from ..wire.link import get_profile
 
     env_threads()
     # The demo drives a simulated robot and must never reach a real one (Graph.start says it too).
@@ -193,8 +193,8 @@ def run_closed_loop(args) -> int:
             observer = Observer(graph.context, scenario)
             graph.add_node(observer.node)
             if args.record:
-                from .rosio.bags import BagWriter
-                from .nodes.recorder import BagRecorder
+                from ..rosio.bags import BagWriter
+                from ..nodes.recorder import BagRecorder
                 bag = recording.enter_context(BagWriter(out / "bag"))
                 graph.add_node(BagRecorder(graph.context, bag).node)
             graph.activate_drafter()
@@ -260,7 +260,7 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
                     return result
             continue
         msg = payload
-        from .nodes.common import time_to_ns
+        from ..nodes.common import time_to_ns
         stamp = time_to_ns(msg.header.stamp)
         if msg.fault:
             result["faults"] += 1

@@ -18,7 +18,7 @@ PACKAGE = "edgespec_ros"
 def share_dir() -> Path:
     """Where launch/ and config/ are: this checkout when run from one, else the colcon/ament share
     directory, else the venv's ``share/edgespec_ros`` (installed there by scripts/build_msgs.sh)."""
-    checkout = Path(__file__).resolve().parents[2]  # <checkout>/edgespec_ros/nodes/graph.py
+    checkout = Path(__file__).resolve().parents[2]  # <checkout>/edgespec_ros/bringup/graph.py
     if (checkout / "package.xml").is_file() and (checkout / "config").is_dir():
         return checkout
     try:
@@ -34,11 +34,11 @@ def share_dir() -> Path:
 
 
 def node_factories() -> dict:
-    from .camera import CameraNode
-    from .drafter import DrafterNode
-    from .monitor import MonitorNode
-    from .navigator import NavigatorNode
-    from .sim_robot import SimRobotNode
+    from ..nodes.camera import CameraNode
+    from ..nodes.drafter import DrafterNode
+    from ..nodes.monitor import MonitorNode
+    from ..nodes.navigator import NavigatorNode
+    from ..nodes.sim_robot import SimRobotNode
     return {"camera": CameraNode, "drafter": DrafterNode, "navigator": NavigatorNode, "monitor": MonitorNode,
             "sim_robot": SimRobotNode}
 
