@@ -191,36 +191,43 @@ def test_a_rounds_pass_does_not_starve_another_flows_prefill():
         fair.shutdown()
 
 
-@pytest.mark.parametrize("max_batch, passes", [(8, [4]), (2, [2, 2])])
-def test_rounds_queued_together_share_passes(max_batch, passes):
-    fair = FairCompute("t", max_batch=max_batch)
+def _queued_together(fair: FairCompute, rounds: list[tuple[str, str]]) -> tuple[list, list[list]]:
+    """Each (session, flow) submits one round (with a host prelude) while the compute thread is
+    held by another job, so they all queue together; then the thread is freed. Returns the
+    rounds' results (in submission order) and the items of each pass (sorted)."""
     hold, running = threading.Event(), threading.Event()
-    sizes = []
+    passes = []
 
     def blocker():
         running.set()
         hold.wait()
 
     def verify(items):
-        sizes.append(len(items))
+        passes.append(sorted(items))
         return [f"verdict {i}" for i in items]
 
     async def main():
         blocked = asyncio.ensure_future(fair.run("blocker", blocker))
         await asyncio.get_running_loop().run_in_executor(None, running.wait)
-        futs = [asyncio.ensure_future(fair.run_batched(f"s{i}", verify, lambda q: q, flow=f"tenant{i}",
-                                                       prelude=(lambda i=i: i, ()))) for i in range(4)]
+        futs = [asyncio.ensure_future(fair.run_batched(key, verify, lambda q: q, flow=flow,
+                                                       prelude=(lambda key=key: key, ()))) for key, flow in rounds]
         await asyncio.sleep(0)  # each run_batched queues its job before its first await
-        assert fair.queue_depth() == 4
+        assert fair.queue_depth() == len(rounds)
         hold.set()
         await blocked
         return await asyncio.gather(*futs)
 
     try:
-        assert asyncio.run(main()) == [f"verdict {i}" for i in range(4)]
-        assert sizes == passes
+        return asyncio.run(main()), passes
     finally:
         fair.shutdown()
+
+
+@pytest.mark.parametrize("max_batch, passes", [(8, [4]), (2, [2, 2])])
+def test_rounds_queued_together_share_passes(max_batch, passes):
+    results, got = _queued_together(FairCompute("t", max_batch=max_batch), [(f"s{i}", f"tenant{i}") for i in range(4)])
+    assert results == [f"verdict s{i}" for i in range(4)]
+    assert [len(p) for p in got] == passes
 
 
 def _cohorts(pass_cost, rounds: int = 8, pass_s: float = 0.3, draft_s: float = 0.1, lone: bool = False):
@@ -302,33 +309,11 @@ def test_a_hold_ends_at_the_expected_time_when_the_round_never_comes():
 def test_where_tenants_are_kept_apart_a_pass_carries_one_tenants_rounds():
     """max_flows_per_pass=1 (a CPU verifier's default): rounds of two tenants queued together run
     as one pass per tenant, a tenant's own robots still together; without the cap, one pass."""
+    rounds = [("a1", "A"), ("b1", "B"), ("a2", "A"), ("b2", "B")]
+
     def run(max_flows):
-        fair = FairCompute("t", max_batch=8, max_flows_per_pass=max_flows)
-        hold, running = threading.Event(), threading.Event()
-        passes = []
-
-        def blocker():
-            running.set()
-            hold.wait()
-
-        def verify(items):
-            passes.append(sorted(items))
-            return [f"verdict {i}" for i in items]
-
-        async def main():
-            blocked = asyncio.ensure_future(fair.run("blocker", blocker))
-            await asyncio.get_running_loop().run_in_executor(None, running.wait)
-            futs = [asyncio.ensure_future(fair.run_batched(s, verify, lambda q: q, flow=t, prelude=(lambda s=s: s, ())))
-                    for s, t in (("a1", "A"), ("b1", "B"), ("a2", "A"), ("b2", "B"))]
-            await asyncio.sleep(0)
-            hold.set()
-            await blocked
-            return await asyncio.gather(*futs)
-
-        try:
-            assert asyncio.run(main()) == ["verdict a1", "verdict b1", "verdict a2", "verdict b2"]
-        finally:
-            fair.shutdown()
+        results, passes = _queued_together(FairCompute("t", max_batch=8, max_flows_per_pass=max_flows), rounds)
+        assert results == ["verdict a1", "verdict b1", "verdict a2", "verdict b2"]
         return passes
 
     assert sorted(run(1)) == [["a1", "a2"], ["b1", "b2"]]
