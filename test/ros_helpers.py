@@ -70,6 +70,17 @@ class Probe:
         wait_until(lambda: pub.get_subscription_count() > 0, timeout_s, f"a subscriber on {topic}")
         pub.publish(msg)
 
+    def publish_until(self, topic: str, make_msg, done, what: str, timeout_s: float = DEADLINE_S):
+        """Publish make_msg() on topic, again every 0.3 s, until done() gives a truthy value (returned).
+        For a subscriber created again (a lifecycle node activated anew): until discovery matches the
+        new one, a publisher may still count the old one, and a message sent then is lost."""
+        def published_and_done():
+            if result := done():
+                return result
+            self.publish_when_matched(topic, make_msg(), timeout_s)
+            return None
+        return wait_until(published_and_done, timeout_s, what, poll_s=0.3)
+
     def now_stamp(self):
         return self.node.get_clock().now().to_msg()
 

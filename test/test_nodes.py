@@ -208,9 +208,11 @@ def test_an_estop_latched_while_the_navigator_is_inactive_holds_after_it_is_acti
         supervisor.publish(Bool(data=True))
         wait_until(lambda: nav.executor_.estop, what="the e-stop heard while inactive")
         assert nav.trigger_activate() == TransitionCallbackReturn.SUCCESS
-        first = decision_msg(probe, "Action: move forward 2 m")
-        probe.publish_when_matched("decision", first)
-        state = wait_until(lambda: state_for(probe, first.header.stamp, state="estop"), what="the decision refused")
+        sent = []
+        state = probe.publish_until(
+            "decision", lambda: sent.append(decision_msg(probe, "Action: move forward 2 m")) or sent[-1],
+            lambda: next(filter(None, (state_for(probe, m.header.stamp, state="estop") for m in sent)), None),
+            what="the decision refused")
         assert "e-stop engaged" in state.reason
         time.sleep(0.3)  # control ticks pass: still nothing moves
         assert not moving(twists(probe)), "motion under a latched e-stop"
@@ -395,9 +397,9 @@ def test_the_navigator_is_a_lifecycle_node_that_stops_the_robot_before_it_stops_
         assert not [m for t, m in recorder.requests() if t > t0 and m.api_id == SPORT_API_MOVE], "moved while inactive"
         assert nav.trigger_activate() == TransitionCallbackReturn.SUCCESS
         t1 = time.monotonic()
-        probe.publish_when_matched("decision", decision_msg(probe, "Action: turn left large"))
-        wait_until(lambda: [m for t, m in recorder.requests() if t > t1 and m.api_id == SPORT_API_MOVE],
-                   what="motion once active again")
+        probe.publish_until("decision", lambda: decision_msg(probe, "Action: turn left large"),
+                            lambda: [m for t, m in recorder.requests() if t > t1 and m.api_id == SPORT_API_MOVE],
+                            what="motion once active again")
     broken = lambda node, name: Go2WebRtcBackend(recorder, "webrtc_req")  # noqa: E731 - no go2_interfaces here
     with pytest.raises(RuntimeError, match="navigator configure failed: .*go2_interfaces"):
         with graph(("navigator",), overrides=overrides, node_kwargs={"navigator": {"backend_factory": broken}}):
