@@ -57,3 +57,23 @@ def test_the_bench_takes_a_robot_and_its_label_names_both_sources():
     assert "Table 9" in label and "robot: WHAT-IF" in label
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--robot", "nope"])
+
+
+def test_a_loaded_cloud_charges_every_pass_with_the_other_tenants_rows():
+    """``PROFILE:load=N``: N other sessions' rows ride every pass at its block, so a lone round
+    costs the table's pass of N + 1 rows and a lone AR step a batched one; the label says LOADED."""
+    base = get_compute("a100-fsd-table9")
+    loaded = get_compute("a100-fsd-table9:load=7")
+    assert loaded.name == "a100-fsd-table9:load=7" and "LOADED: 7 other sessions' rows" in loaded.source
+    assert loaded.pass_s(1) == pytest.approx(30.7e-3) == base.pass_s(8)
+    assert loaded.pass_s(9, block=5) == pytest.approx(45.8e-3)
+    assert loaded.pass_s(1, block=1, ar=True) == base.pass_s(8, block=1, ar=True)
+    assert (loaded.prefill_s, loaded.draft_token_s) == (base.prefill_s, base.draft_token_s)
+    assert base.with_load(0) is base and loaded.with_load(8).pass_s(1) == pytest.approx(45.8e-3)  # loads add up
+    assert loaded.with_robot("orin-nano-trt-int4").pass_s(1) == loaded.pass_s(1)  # the robot does not change it
+    with pytest.raises(ValueError, match="no measured rows x block table"):
+        get_compute("go2-paper:load=4")
+    with pytest.raises(ValueError, match="whole number of rows"):
+        get_compute("a100-fsd-table9:load=many")
+    with pytest.raises(ValueError, match="unknown compute profile"):
+        get_compute("nope:load=2")

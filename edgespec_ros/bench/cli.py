@@ -10,7 +10,7 @@ import sys
 from tqdm import tqdm
 
 from ..codecs import get_codec
-from ..decoding.compute import COMPUTE_PROFILES, ROBOT_PROFILES, compute_arg, get_compute, robot_arg
+from ..decoding.compute import ROBOT_PROFILES, compute_arg, compute_help, get_compute, robot_arg
 from ..robot.decoder import DECODING_MODES, DecodeConfig
 from ..robot.settings import DEFAULTS
 from ..decoding.sampling import SamplingParams
@@ -69,9 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", default="ar,sd", help=f"comma-separated modes from {','.join(DECODING_MODES)} (default ar,sd)")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link profile")
     ap.add_argument("--compute", default=None, type=compute_arg,
-                    help=f"native (default), or pad compute to a hardware profile ({', '.join(COMPUTE_PROFILES)}, "
-                         "or a file measured by edgespec-profile; emulated); "
-                         "with --sweep: every link's compute (default: the sweep's own)")
+                    help=f"{compute_help()} (default native); with --sweep: every link's compute (default: the "
+                         "sweep's own)")
     ap.add_argument("--robot", type=robot_arg, default=None,
                     help=f"the robot's drafting from another profile ({', '.join(ROBOT_PROFILES)}; what-ifs say so), "
                          "with --compute's cloud (default: --compute's own robot terms)")

@@ -113,7 +113,7 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from ..robot.decoder import DECODING_MODES
     from ..wire.link import PROFILES
-    from ..decoding.compute import COMPUTE_PROFILES, compute_arg
+    from ..decoding.compute import compute_arg, compute_help
     ap = argparse.ArgumentParser(
         prog="edgespec-bringup",
         description="The closed loop in one process: sim_robot, drafter, navigator and monitor nodes (the graph of "
@@ -124,8 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"decoding mode (default: the drafter's, {default_mode()})")
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
     ap.add_argument("--compute", default="native", type=compute_arg,
-                    help=f"pad verifier compute to a hardware profile: {', '.join(COMPUTE_PROFILES)} or a file "
-                         "from edgespec-profile (default native)")
+                    help=f"the verifier's compute: {compute_help()} (default native)")
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: the drafter's, docs/parameters.md)")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
     ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")

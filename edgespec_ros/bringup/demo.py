@@ -15,7 +15,7 @@ import textwrap
 from ..models import resolve_models
 from ..processes import env_threads
 from ..bench.runner import add_speedups, bench_prompts, emulated_setup, run_modes
-from ..decoding.compute import COMPUTE_PROFILES, compute_arg, get_compute
+from ..decoding.compute import compute_arg, compute_help, get_compute
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from ..robot.settings import DEFAULTS
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--link", default="wifi-poor", choices=list(PROFILES), help="emulated link (default wifi-poor)")
     ap.add_argument("--compute", default="native", type=compute_arg,
-                    help=f"compute profile: {', '.join(COMPUTE_PROFILES)} or a file from edgespec-profile")
+                    help=f"the verifier's compute: {compute_help()} (default native)")
     ap.add_argument("--gamma", type=int, default=DEFAULTS.gamma, help=f"draft length (default {DEFAULTS.gamma})")
     ap.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     ap.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)

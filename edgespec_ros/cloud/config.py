@@ -7,7 +7,7 @@ import argparse
 import logging
 import os
 
-from ..decoding.compute import compute_arg, get_compute
+from ..decoding.compute import compute_arg, compute_help, get_compute
 from ..decoding.engines import QUANTIZATIONS, ModelLoadError, load_model
 from ..wire import protocol as P
 from .limits import ServerLimits
@@ -75,8 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
     ap.add_argument("--compute", default="native", type=compute_arg,
-                    help="pad target compute to a hardware profile: go2-paper (620 ms/verify, 354 ms/AR step, "
-                         "620 ms/prefill), or a profile file measured by edgespec-profile (default native)")
+                    help=f"the target's compute: {compute_help()} (default native)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                     help="weights dtype (default float32; auto: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N or auto")

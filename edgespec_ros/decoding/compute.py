@@ -67,6 +67,8 @@ class ComputeProfile:
     verify_table: tuple = ()
     source: str = ""  # where the figures come from (a measured profile names its device)
     edge_source: str = ""
+    # a shared cloud under load: this many other sessions' rows ride every pass (``with_load``)
+    background_rows: int = 0
 
     @property
     def emulated(self) -> bool:
@@ -80,7 +82,7 @@ class ComputeProfile:
         for a pass of AR steps only)."""
         if self.verify_table:
             rows_at, blocks_at, table = self.verify_table
-            return max(0.0, _interp2(rows_at, blocks_at, table, rows, block))
+            return max(0.0, _interp2(rows_at, blocks_at, table, rows + self.background_rows, block))
         if not self.verify_s:
             return 0.0
         return self.ar_step_s if ar else self.verify_s
@@ -116,6 +118,23 @@ class ComputeProfile:
         r = get_robot(robot) if isinstance(robot, str) else robot
         return replace(self, name=f"{self.name}+{r.name}", draft_token_s=r.draft_token_s,
                        edge_prefill_s=r.edge_prefill_s, edge_units=1, edge_source=r.source)
+
+    def with_load(self, rows: int) -> "ComputeProfile":
+        """This cloud shared with other tenants: ``rows`` other sessions' rows ride every pass, each
+        feeding the pass's own block (charged from the measured rows x block table, so a lone AR
+        step costs a batched one). Prefill and exits are not loaded (a stated simplification).
+        ValueError for a flat profile, which has no batch curve to charge the load from."""
+        if rows < 0 or rows > MAX_TABLE_AXIS:
+            raise ValueError(f"load: 0 <= rows <= {MAX_TABLE_AXIS}, got {rows}")
+        if not rows:
+            return self
+        if not self.verify_table:
+            raise ValueError(f"compute profile {self.name!r} has no measured rows x block table: a load of other "
+                             "sessions' rows cannot be charged on it (use a measured profile, e.g. an edgespec-profile "
+                             "file, or a100-fsd-table9)")
+        return replace(self, name=f"{self.name}{LOAD_SUFFIX}{rows}", background_rows=self.background_rows + rows,
+                       source=f"{self.source}; LOADED: {rows} other sessions' rows in every pass (this project's "
+                              "emulation of a shared server)")
 
     @classmethod
     def from_dict(cls, d: dict, origin: str = "profile") -> "ComputeProfile":
@@ -346,14 +365,32 @@ def robot_arg(text: str) -> str:
     return text
 
 
+LOAD_SUFFIX = ":load="  # ``PROFILE:load=N``: that cloud with N other sessions' rows in every pass
+
+
 def get_compute(name: str) -> ComputeProfile:
-    """A named profile, or a profile file (``edgespec-profile`` writes one): ValueError otherwise."""
+    """A named profile, or a profile file (``edgespec-profile`` writes one), optionally loaded
+    (``NAME:load=N``, ``ComputeProfile.with_load``): ValueError otherwise."""
+    base, sep, load = name.rpartition(LOAD_SUFFIX)
+    if sep:
+        try:
+            rows = int(load)
+        except ValueError:
+            raise ValueError(f"compute profile {name!r}: the load must be a whole number of rows, got {load!r}") from None
+        return get_compute(base).with_load(rows)
     if name in COMPUTE_PROFILES:
         return COMPUTE_PROFILES[name]
     if name.endswith(".json") or os.path.sep in name or os.path.isfile(name):
         return ComputeProfile.load(name)
     raise ValueError(f"unknown compute profile {name!r}; known: {', '.join(COMPUTE_PROFILES)}, or a profile file "
                      "(edgespec-profile writes one)")
+
+
+def compute_help() -> str:
+    """What --compute accepts, for every command line that takes it."""
+    return (f"native (no emulation), a named profile ({', '.join(n for n in COMPUTE_PROFILES if n != 'native')}) or a "
+            f"profile file measured by edgespec-profile, whose times are then emulated; NAME{LOAD_SUFFIX}N: that measured "
+            "cloud shared with N other sessions' rows in every pass")
 
 
 def compute_arg(text: str) -> str:
