@@ -51,8 +51,9 @@ ARGUMENTS = [
     ("server_url", "", "websocket URL of the cloud verifier ('' = the node's default, docs/parameters.md)"),
     ("token_file", "", "file with the verifier auth token ('' = none)"),
     ("tls_ca_file", "", "wss:// server_url: CA file that signs the verifier's certificate ('' = the system CAs)"),
-    ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
-              "a verifier without early exits) ('' = the node's default, docs/parameters.md)"),
+    ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd | auto (auto: the path predicted fastest before each "
+              "decision; the fsd modes run without pre-drafting on a verifier without early exits) ('' = the node's "
+              "default, docs/parameters.md)"),
     ("verify_mode", "", "rejection (lossless) | wisv (LOSSY: the verifier's decision head keeps harmless "
                         "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head) ('' = the node's default, docs/parameters.md)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),

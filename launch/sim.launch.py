@@ -40,8 +40,9 @@ SIM_PARAMETERS = {"navigator": {"estop_required": False}}
 
 ARGUMENTS = [
     ("scenario", "", "shipped scenario name or scenario JSON path ('' = the node's default, docs/parameters.md)"),
-    ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd (the fsd modes run without pre-drafting on "
-              "a verifier without early exits) ('' = the node's default, docs/parameters.md)"),
+    ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd | auto (auto: the path predicted fastest before each "
+              "decision; the fsd modes run without pre-drafting on a verifier without early exits) ('' = the node's "
+              "default, docs/parameters.md)"),
     ("draft_model", "", "draft model directory ('' = the embedded default)"),
     ("target_model", "", "target model directory for the local verifier ('' = the embedded default)"),
     ("verifier_port", "8765", "port of the local verifier"),

@@ -121,6 +121,9 @@ def test_launch_arguments_set_declared_parameters(path):
             assert isinstance(spec.default, str), f"{path.name}: {role}.{parameter} is not a string parameter"
     for name, default, doc in module_constant(tree, "ARGUMENTS"):
         assert doc, f"{path.name}: launch argument {name} has no description"
+        if name == "mode":  # the choices a user reads in `ros2 launch -s` are the drafter's own
+            from edgespec_ros.robot.settings import DECODING_MODES
+            assert doc.startswith("decoding mode: " + " | ".join(DECODING_MODES) + " "), doc
     launched = {n[1] for n in launched_nodes(path) if n[0] == PACKAGE}
     assert set(role_args) <= launched | {"camera"}
 

@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_mode() -> str:
-    """The drafter's own default (its ``mode`` parameter, robot/settings.py): the fastest mode on
-    every emulated Go2 link with the committed pair (docs/pipeline.md); on the demo's tiny models
-    cloud-only ar is faster still, since their target costs no more than their draft."""
+    """The drafter's own default (its ``mode`` parameter, robot/settings.py): ``auto``, which
+    measures the link, the cloud and this pair's acceptance and takes the path predicted fastest
+    before each decision (on the demo's tiny models, whose target costs no more than their draft,
+    that is cloud-only ar; on an emulated Go2 and its slow cloud, pipe)."""
     from ..robot.settings import DEFAULTS
     return DEFAULTS.mode
 

@@ -36,7 +36,7 @@ class DrafterSettings:
     """Decoding and scheduling settings of the drafter (the drafter node's parameters)."""
 
     mode: str = setting(
-        "pipe", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
+        "auto", "decoding mode: ar (cloud only), sd (edge drafts, cloud verifies), fsd (sd + pre-drafting on "
                 "the verifier's streamed early exits; needs a verifier with exit adapters, else it runs as sd), "
                 "pipe (PicoSpec pipeline: up to pipe_depth blocks in flight, drafted ahead of their verdicts), "
                 "pipe+fsd (the pipeline, whose continuation after a rejection the early exits guessed and the "
@@ -158,7 +158,9 @@ class DecodeConfig:
     every default is ``DEFAULTS``'s."""
 
     mode: str = _D.mode
-    gamma: int | str = _D.gamma  # draft length, or "auto" (sd, pipe, pipe+fsd): from the measured link and compute
+    # draft length, or "auto" (sd, pipe, pipe+fsd): from the measured link and compute; None: the
+    # default for the mode ("auto" in mode auto, which chooses it, else DEFAULTS.gamma)
+    gamma: int | str | None = None
     max_new_tokens: int = _D.max_new_tokens
     params: SamplingParams = field(default_factory=lambda: SamplingParams(_D.temperature))
     seed: int = _D.seed
@@ -169,7 +171,7 @@ class DecodeConfig:
     codec: str = _D.codec  # uplink codec spec for q, e.g. "ksqs:k=8,l=32" (edgespec_ros.codecs)
     workers: int = _D.predraft_workers  # fsd, pipe+fsd: pre-draft worker threads
     client_queue: str = _D.client_queue  # fsd: order in which early exits are pre-drafted
-    pipe_depth: int | str = _D.pipe_depth  # pipe modes: blocks in flight, or "auto"
+    pipe_depth: int | str | None = None  # pipe modes: blocks in flight, or "auto"; None: as gamma
     # pipe modes: when the verifier has nothing left to verify, send the block being drafted as it is
     # (latency-aware truncation: the cloud verifies the sub-block drafted so far); off only to measure it
     pipe_truncate: bool = True
@@ -181,6 +183,10 @@ class DecodeConfig:
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
             raise ValueError(f"unknown decoding mode {self.mode!r}; expected one of {DECODING_MODES}")
+        if self.gamma is None:
+            self.gamma = "auto" if self.mode == "auto" else _D.gamma
+        if self.pipe_depth is None:
+            self.pipe_depth = "auto" if self.mode == "auto" else _D.pipe_depth
         if self.mode == "auto" and self.gamma != "auto":
             raise ValueError("mode auto chooses the draft length too: give gamma 'auto'")
         if self.gamma == "auto":
