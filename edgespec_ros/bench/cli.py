@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--hostile-paths", nargs="+", default=None, choices=["single", "ray"],
                        help="hostile sweep: the serving paths soaked (default single; ray: 2 replicas on a local "
                             "Ray Serve behind the edge, needs pip install .[fleet])")
+    sweep.add_argument("--clouds", nargs="+", type=compute_arg, default=None,
+                       help="regimes sweep: cloud compute profiles (default go2-paper, the measured H200 profile in "
+                            "docs/profiles and that H200 under load, PROFILE:load=16)")
+    sweep.add_argument("--robot-profiles", nargs="+", type=robot_arg, default=None,
+                       help=f"regimes sweep: the robots' draft speeds (default {' '.join(ROBOT_PROFILES)})")
     sweep.add_argument("--robots", nargs="+", type=int, default=None,
                        help="fleet sweep: numbers of robots (default 1 2 4 8)")
     sweep.add_argument("--draft-ms", type=float, default=None,
@@ -218,7 +223,7 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
                         action_tolerance=args.action_tolerance, memory=pair_memory(args.memory, pair),
-                        robot=args.robot)
+                        robot=args.robot, clouds=args.clouds, robot_profiles=args.robot_profiles, json=args.json)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

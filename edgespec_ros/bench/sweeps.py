@@ -61,6 +61,9 @@ class SweepOptions:
     action_tolerance: int = 0  # wisv sweep: also each closed-loop threshold with this size tolerance (in process)
     replay: object | None = None  # bags.BagReplay: decide on a recording's frames instead of simulated ones
     memory: int = 0  # simulated prompts as a policy with this memory prompts (--memory; a replay brings its own)
+    clouds: list[str] | None = None  # regimes sweep: cloud compute profiles
+    robot_profiles: list[str] | None = None  # regimes sweep: robot profiles (draft speeds)
+    json: str | None = None  # --json: where the rows go (a long sweep checkpoints beside it)
 
     def prompts(self, n: int):
         """The first ``n`` prompts (``runner.prompt_parts``): held-out simulated scenes (with
@@ -422,7 +425,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fleet, fsd, hostile, pipe, split_tv, wisv
+    from . import fleet, fsd, hostile, pipe, regimes, split_tv, wisv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -434,6 +437,10 @@ def _register_fsd_sweeps() -> None:
         Sweep("modes", "ar, sd, fsd, pipe and pipe+fsd on each link (default go2-paper, wifi-poor, cellular): "
               "ms/token, blocks in flight, flushes, cloud idle time, the pipeline bound and the fraction reached",
               pipe.sweep_modes, pipe.table_modes, pipe.plot_modes),
+        Sweep("regimes", "where speculation pays: cloud (go2-paper, the measured H200, the H200 under load) x robot "
+              "draft speed (72, ~29, ~17 ms a token) x link: ms/token of ar, sd, pipe and auto, the map of best "
+              "speculative / AR with the break-even line (--clouds, --robot-profiles, --links; checkpoints and resumes)",
+              regimes.run_regimes, regimes.table_regimes, regimes.plot_regimes),
         Sweep("split-tv", "split codec: total-variation distance of the top-K downlink's output from the target's "
               "(K = 0 exact, 1, 3, 8, 32, 128)", split_tv.run, split_tv.table, split_tv.plot),
         Sweep("hostile", "a good robot's decision latency (p50/p99), decisions lost and the verifier's RSS while "
