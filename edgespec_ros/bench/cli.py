@@ -166,10 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "docs/profiles and that H200 under load, PROFILE:load=16)")
     sweep.add_argument("--robot-profiles", nargs="+", type=robot_arg, default=None,
                        help=f"regimes sweep: the robots' draft speeds (default {' '.join(ROBOT_PROFILES)})")
+    sweep.add_argument("--decision-interval", type=float, default=None,
+                       help="capacity sweep: mean seconds between a robot's decisions, Poisson (default 6)")
     sweep.add_argument("--robots", nargs="+", type=int, default=None,
-                       help="fleet sweep: numbers of robots (default 1 2 4 8)")
+                       help="fleet sweep: numbers of robots (default 1 2 4 8); capacity sweep: (default 1 4 8 16 24 32)")
     sweep.add_argument("--draft-ms", type=float, default=None,
-                       help="fleet sweep: emulated drafting time per draft token on each robot (default 8)")
+                       help="fleet sweep: emulated drafting time per draft token on each robot (default 8); capacity "
+                            "sweep: (default the profile's robot, 72)")
     sweep.add_argument("--fleet-verifiers", nargs="+", default=None, choices=["sequential", "batched", "ray"],
                        help="fleet sweep: the verifiers measured (default all three; ray: 2 batched replicas on a "
                             "local Ray Serve instance, needs pip install .[fleet])")
@@ -223,7 +226,8 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
                         action_tolerance=args.action_tolerance, memory=pair_memory(args.memory, pair),
-                        robot=args.robot, clouds=args.clouds, robot_profiles=args.robot_profiles, json=args.json)
+                        robot=args.robot, clouds=args.clouds, robot_profiles=args.robot_profiles, json=args.json,
+                        decision_interval=args.decision_interval)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
     rows = sweep.run(opts, lambda total: tqdm(total=total, desc=sweep.name, unit="dec"))
     print(sweep.table(rows))

@@ -64,6 +64,7 @@ class SweepOptions:
     clouds: list[str] | None = None  # regimes sweep: cloud compute profiles
     robot_profiles: list[str] | None = None  # regimes sweep: robot profiles (draft speeds)
     json: str | None = None  # --json: where the rows go (a long sweep checkpoints beside it)
+    decision_interval: float | None = None  # capacity sweep: mean seconds between a robot's decisions
 
     def prompts(self, n: int):
         """The first ``n`` prompts (``runner.prompt_parts``): held-out simulated scenes (with
@@ -425,7 +426,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import fleet, fsd, hostile, pipe, regimes, split_tv, wisv
+    from . import capacity, fleet, fsd, hostile, pipe, regimes, split_tv, wisv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -441,6 +442,10 @@ def _register_fsd_sweeps() -> None:
               "draft speed (72, ~29, ~17 ms a token) x link: ms/token of ar, sd, pipe and auto, the map of best "
               "speculative / AR with the break-even line (--clouds, --robot-profiles, --links; checkpoints and resumes)",
               regimes.run_regimes, regimes.table_regimes, regimes.plot_regimes),
+        Sweep("capacity", "robots per GPU at a p99 decision-latency SLO: N robots deciding at Poisson times on the "
+              "measured H200 profile, the speculative fleet (replayed SD rounds, --draft-ms) vs batched cloud AR "
+              "(--robots, --decision-interval, --compute)", capacity.run_capacity, capacity.table_capacity,
+              capacity.plot_capacity),
         Sweep("split-tv", "split codec: total-variation distance of the top-K downlink's output from the target's "
               "(K = 0 exact, 1, 3, 8, 32, 128)", split_tv.run, split_tv.table, split_tv.plot),
         Sweep("hostile", "a good robot's decision latency (p50/p99), decisions lost and the verifier's RSS while "
