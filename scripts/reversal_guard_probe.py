@@ -49,7 +49,7 @@ class ReversalGuard:
         from edgespec_ros.control.actions import ActionParseError, parse_action
         from edgespec_ros.decoding.inputs import build_inputs, jpeg_roundtrip
         from edgespec_ros.decoding.verify import VerifySettings
-        from edgespec_ros.sim.policy import PolicyOutput
+        from edgespec_ros.evaluation.policy import PolicyOutput
         if not history:  # an episode's first decision
             self.actions, self.banned, self.banned_for = [], None, 0
         else:

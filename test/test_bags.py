@@ -17,7 +17,7 @@ from edgespec_ros.rosio.bags import BagError, BagReplay, BagWriter, EpisodeRecor
 from edgespec_ros.control.actions import ActionParseError, parse_action
 from edgespec_ros.sim.dataset import iter_scenarios
 from edgespec_ros.sim.evaluate import run_episode
-from edgespec_ros.sim.policy import PolicyOutput
+from edgespec_ros.evaluation.policy import PolicyOutput
 
 TEXTS = ("The cone is ahead on the left. Action: turn left small",
          "I see the cone. Action: move forward small",

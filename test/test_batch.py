@@ -246,7 +246,8 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
     from edgespec_ros.decoding.compute import ComputeProfile
     from edgespec_ros.decoding.preempt import run_steps
     from edgespec_ros.cloud.fair import Occupy
-    from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.work import PassRow
     table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.2, 0.3), (0.6, 0.9))), prefill_s=0.5)
     server = VerifierServer(server_copy(pair.target), compute=table)
     from edgespec_ros.cloud.target import TargetSession
@@ -258,10 +259,10 @@ def test_the_verifier_charges_a_measured_profile_by_rows_and_block_and_emulates_
         out = server._verify_batch_on_device(items)
         assert isinstance(out, Occupy) and [r for r in out.value if isinstance(r, Exception)] == []
         return time.perf_counter() - t0 + out.seconds
-    assert charged([_DeviceWork(Round(a, [5, 6, 7], None), 4)]) == pytest.approx(table.pass_s(1, 4), abs=0.01)
-    assert charged([_DeviceWork(Round(a, [5], None), 2), _DeviceWork(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]) \
+    assert charged([PassRow(Round(a, [5, 6, 7], None), 4)]) == pytest.approx(table.pass_s(1, 4), abs=0.01)
+    assert charged([PassRow(Round(a, [5], None), 2), PassRow(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]) \
         == pytest.approx(0.9, abs=0.01)
-    assert charged([_DeviceWork(ArStep(a), 1), _DeviceWork(ArStep(b), 1)]) == pytest.approx(0.6, abs=0.01)
+    assert charged([PassRow(ArStep(a), 1), PassRow(ArStep(b), 1)]) == pytest.approx(0.6, abs=0.01)
     # the prefill: its own compute, then the accelerator busy up to prefill_s in all
     prompt, _ = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt("stop", pair.image)
     t0 = time.perf_counter()
@@ -279,17 +280,18 @@ def test_exits_are_timed_within_the_batched_pass_the_round_rides(pair):
     from types import SimpleNamespace
     from edgespec_ros.cloud.batch import Round
     from edgespec_ros.cloud.exit_stream import ExitSender
-    from edgespec_ros.cloud.server import VerifierServer, _DeviceWork
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.work import PassRow
     from edgespec_ros.decoding.compute import ComputeProfile
     from edgespec_ros.wire import protocol as P
     table = ComputeProfile("table", verify_table=((1, 2), (1, 8), ((0.02, 0.03), (0.06, 0.09))), exit_s=0.005)
     server = VerifierServer(server_copy(pair.target), compute=table)
     a, b = _two_greedy_sessions(pair)
     told = []
-    items = [_DeviceWork(Round(a, [5], None), 2), _DeviceWork(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]
+    items = [PassRow(Round(a, [5], None), 2), PassRow(Round(b, [5, 6, 7, 8, 9, 10, 11], None), 8)]
     for w in items:
         w.on_start = lambda t, pass_s, exit_rows: told.append((pass_s, exit_rows))
-        w.extra = lambda: 0.0
+        w.exit_cost = lambda: 0.0
     server._verify_batch_on_device(items)
     assert told == [(pytest.approx(0.09), 2)] * 2  # both rows: the 2-row, 8-token pass
 

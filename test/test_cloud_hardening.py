@@ -1119,10 +1119,10 @@ def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):
     cuts it past what the session's codec, vocabulary and image limit can need (here ~8 MiB: the
     largest allowed image), and a frame just past that cap gets a clear ERROR."""
     from websockets.exceptions import ConnectionClosed
-    from edgespec_ros.cloud.session import MAX_BLOCK, VerifierSession
-    from edgespec_ros.codecs import get_codec
+    from edgespec_ros.cloud.session import MAX_BLOCK
+    from wire_helpers import open_session
     limits = ServerLimits()
-    cap = VerifierSession(pair.target, get_codec("dense32"), limits).frame_cap(P.DEFAULT_MAX_FRAME)
+    cap = open_session(pair.target, "dense32", limits).frame_cap(P.DEFAULT_MAX_FRAME)
     assert limits.max_image_bytes < cap < limits.max_image_bytes + 1024 * 1024  # the image, not 64 MiB
     # the largest image and prompt a PREFILL may carry fit under the cap
     prompt = pair.prompt()
@@ -1130,7 +1130,7 @@ def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):
     assert len(largest_prefill) <= cap
     # a Qwen2-VL-sized vocabulary: the largest VERIFY (MAX_BLOCK drafts, dense32 q) fits, with
     # little room past it (the cap follows what the settings can need, not --max-frame)
-    qwen_like = VerifierSession(pair.target, get_codec("dense32"), limits)
+    qwen_like = open_session(pair.target, "dense32", limits)
     qwen_like.vocab = 151_936
     largest_verify = len(P.encode(P.Verify(1, 1, [0] * MAX_BLOCK, bytes(4 * 151_936 * MAX_BLOCK))))
     assert largest_verify <= qwen_like.frame_cap(P.DEFAULT_MAX_FRAME) < 1.01 * largest_verify + 8192

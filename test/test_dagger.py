@@ -13,7 +13,7 @@ from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import generate_examples, learner_frames, scenario_for_seed, split_seeds
 from edgespec_ros.sim.expert import ExpertPolicy
-from edgespec_ros.sim.policy import PolicyOutput
+from edgespec_ros.evaluation.policy import PolicyOutput
 from edgespec_ros.train.data import encode_example
 from edgespec_ros.train.trainer import TrainConfig, train_model
 

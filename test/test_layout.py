@@ -59,7 +59,11 @@ def test_no_module_imports_a_command_line_module():
 def test_imports_follow_the_data_flow():
     """The folders are the data flow: decoding/ (the shared core) and codecs/ under everything;
     robot/ (the decision loop, the drafter) and control/ (actions, motion) on the robot; cloud/ (the
-    verifier) in the cloud; wire/ (protocol, the robot's client, the link) between them."""
+    verifier) in the cloud; wire/ (protocol, the robot's client, the link) between them; sim/ (the
+    simulated world) beside them, reaching none of them but control/ (its command-line entry point
+    loads a policy to decide in it); evaluation/ (policies deciding in the simulator, offline
+    replays) over both halves: it may import any room but bench/ and no command-line module, and
+    nothing on either half, the core or the simulator imports it."""
     core = ("edgespec_ros.sim", "edgespec_ros.robot", "edgespec_ros.control", "edgespec_ros.decoding",
             "edgespec_ros.codecs", "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.nodes")
     for module, hits in importers_of("edgespec_ros.train").items():
@@ -76,11 +80,26 @@ def test_imports_follow_the_data_flow():
                                "edgespec_ros.cloud"),
         "edgespec_ros.nodes": ("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.robot", "edgespec_ros.control",
                                "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.sim"),
+        "edgespec_ros.evaluation": ("edgespec_ros.decoding", "edgespec_ros.codecs", "edgespec_ros.robot",
+                                    "edgespec_ros.control", "edgespec_ros.wire", "edgespec_ros.cloud", "edgespec_ros.nodes"),
     }
     for layer, users in below.items():
         for module, hits in importers_of(layer).items():
             if module.startswith(users):
                 assert not hits, f"{module} imports {layer}: {hits}"
+    reaches_none = {  # a room (but its command-line entry points) and what it must not import
+        "edgespec_ros.decoding": ("edgespec_ros.robot", "edgespec_ros.cloud", "edgespec_ros.wire",
+                                  "edgespec_ros.nodes", "edgespec_ros.sim", "edgespec_ros.train", "edgespec_ros.bench",
+                                  "edgespec_ros.evaluation", "edgespec_ros.control"),
+        "edgespec_ros.sim": ("edgespec_ros.robot", "edgespec_ros.cloud", "edgespec_ros.wire", "edgespec_ros.evaluation",
+                             "edgespec_ros.nodes"),
+    }
+    for room, banned in reaches_none.items():
+        for path in sources():
+            name = module_name(path)
+            if name.startswith(room) and name not in CLI_MODULES:
+                hits = {m for m in imports(path) if m.startswith(banned)}
+                assert not hits, f"{name} imports {hits}"
     # The core, the robot's loop, the verifier and the control end stay ROS-free.
     for path in sources():
         name = module_name(path)
@@ -181,8 +200,9 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_every_module_has_a_room():
     """Every module lives in the room of where it runs or what it serves (bringup: what starts the
-    system; rosio: ROS I/O without rclpy); only ``processes`` (the verifier and the link proxy as
-    processes, shared by the bring-up and the benchmarks) stays at the top."""
+    system; rosio: ROS I/O without rclpy; evaluation: what drives both halves in process to
+    evaluate them); only ``processes`` (the verifier and the link proxy as processes, shared by the
+    bring-up and the benchmarks) stays at the top."""
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert loose == ["processes.py"], loose
 

@@ -12,7 +12,7 @@ from edgespec_ros.decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory,
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import expert_frames, generate_examples, scenario_for_seed, split_seeds
 from edgespec_ros.sim.evaluate import run_episode
-from edgespec_ros.sim.policy import PolicyOutput
+from edgespec_ros.evaluation.policy import PolicyOutput
 
 TURNS = [Turn(f"turn {'left' if i % 2 else 'right'} small", DONE) for i in range(9)]
 

@@ -5,10 +5,9 @@ import math
 import pytest
 
 from edgespec_ros.control.actions import parse_action
-from edgespec_ros.control.motion import (ESTOP, IDLE, MOVING, SPORT_API_MOVE, SPORT_API_STOP_MOVE, WATCHDOG, ZERO,
-                                         MotionExecutor, MotionLimits, Pose2D, VelocityCommand, braking_speed,
-                                         motion_preview, quaternion_from_yaw, ramp, sport_request, trapezoid_time,
-                                         webrtc_request, wrap_angle, yaw_from_quaternion)
+from edgespec_ros.control.motion import (ESTOP, IDLE, MOVING, WATCHDOG, ZERO, MotionExecutor, MotionLimits, Pose2D,
+                                         VelocityCommand, braking_speed, motion_preview, quaternion_from_yaw, ramp,
+                                         trapezoid_time, wrap_angle, yaw_from_quaternion)
 
 DT = 0.05
 LIMITS = MotionLimits(max_linear_mps=0.5, max_angular_rps=1.0, max_linear_accel_mps2=1.0, max_angular_accel_rps2=2.0)
@@ -225,12 +224,14 @@ def test_new_decision_replaces_the_current_one():
 
 
 def test_sport_request_mapping():
+    from edgespec_ros.nodes.backends import SPORT_API_MOVE, SPORT_API_STOP_MOVE, sport_request
     assert sport_request(ZERO) == (SPORT_API_STOP_MOVE, "")
     api, param = sport_request(VelocityCommand(0.3, -0.5))
     assert api == SPORT_API_MOVE and json.loads(param) == {"x": 0.3, "y": 0.0, "z": -0.5}
 
 
 def test_webrtc_request_is_the_sport_request_with_stop_move_prioritised():
+    from edgespec_ros.nodes.backends import SPORT_API_MOVE, SPORT_API_STOP_MOVE, webrtc_request
     assert webrtc_request(ZERO) == (SPORT_API_STOP_MOVE, "", 1)  # go2_ros2_sdk would drop a zero Twist
     api, param, priority = webrtc_request(VelocityCommand(0.3, -0.5))
     assert (api, priority) == (SPORT_API_MOVE, 0) and json.loads(param) == {"x": 0.3, "y": 0.0, "z": -0.5}

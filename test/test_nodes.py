@@ -334,8 +334,7 @@ def test_go2_webrtc_backend_stops_the_robot_on_every_stop_path():
     """go2_ros2_sdk drops an all-zero Twist, so on that stack the navigator speaks its WebRtcReq:
     Move (1008) while moving, and StopMove (1003, priority) on the e-stop, the watchdog, a fault
     stop and at shutdown; never a Move after a stop until a new decision."""
-    from edgespec_ros.control.motion import GO2_WEBRTC_SPORT_TOPIC, SPORT_API_MOVE, SPORT_API_STOP_MOVE
-    from edgespec_ros.nodes.navigator import Go2WebRtcBackend
+    from edgespec_ros.nodes.backends import GO2_WEBRTC_SPORT_TOPIC, SPORT_API_MOVE, SPORT_API_STOP_MOVE, Go2WebRtcBackend
     recorder = _Recorder()
 
     def factory(node, name):
@@ -379,8 +378,7 @@ def test_the_navigator_is_a_lifecycle_node_that_stops_the_robot_before_it_stops_
     """Only an active navigator commands motion; deactivating it while it moves sends the stop
     first (StopMove here) and it then ignores decisions; activated again, it drives; a missing
     backend package fails configure, loudly, and leaves it unconfigured."""
-    from edgespec_ros.control.motion import SPORT_API_MOVE, SPORT_API_STOP_MOVE
-    from edgespec_ros.nodes.navigator import Go2WebRtcBackend
+    from edgespec_ros.nodes.backends import SPORT_API_MOVE, SPORT_API_STOP_MOVE, Go2WebRtcBackend
     recorder = _Recorder()
     factory = lambda node, name: Go2WebRtcBackend(recorder, "webrtc_req", message=WebRtcReq)  # noqa: E731
     overrides = {"navigator": {"backend": "go2_webrtc", "use_odometry": False}}
@@ -407,7 +405,7 @@ def test_the_navigator_is_a_lifecycle_node_that_stops_the_robot_before_it_stops_
 
 
 def test_the_go2_webrtc_backend_names_its_missing_message_package():
-    from edgespec_ros.nodes.navigator import Go2WebRtcBackend
+    from edgespec_ros.nodes.backends import Go2WebRtcBackend
     with pytest.raises(ImportError, match="go2_interfaces"):
         Go2WebRtcBackend(_Recorder(), "webrtc_req")
 

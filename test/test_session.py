@@ -8,14 +8,14 @@ import torch
 
 from edgespec_ros.cloud.limits import ServerLimits
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.cloud.session import DENSE, SPLIT, SessionError, VerifierSession
+from edgespec_ros.cloud.session import DENSE, SPLIT, SessionError
 from edgespec_ros.codecs import get_codec
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.decoding.verifier import Block, Condition, VerifierRefused
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.frames import prefill_frame, verify_frame
-from wire_helpers import make_pair
+from wire_helpers import make_pair, open_session
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_the_in_process_verifier_keeps_the_servers_limits(pair):
 def test_a_session_answers_frames_without_running_anything(pair):
     """The state machine alone: frames in, steps out; nothing runs until a driver runs it."""
     codec = get_codec("dense32")
-    session = VerifierSession(pair.target, codec)
+    session = open_session(pair.target, "dense32")
     with pytest.raises(SessionError, match="before PREFILL"):
         session.on_verify(P.Verify(1, 1, [1], b""))
     prompt, settings = session.on_prefill(prefill_frame(7, pair.prompt(), VerifySettings()))
@@ -80,7 +80,7 @@ def test_a_session_answers_frames_without_running_anything(pair):
     session.target.start(prompt, settings)
     block = Block(1, 0, [1, 2], _q(2, pair.vocab), chained=True)
     step = session.on_verify(verify_frame(7, block, codec, exits=False))
-    assert step.rule == DENSE and step.chained and step.rows == 2  # after the prefill nothing is pending
+    assert step.path == DENSE and step.chained and step.rows == 2  # after the prefill nothing is pending
     assert session.target.position == 0  # admitting a block verifies nothing
     with pytest.raises(SessionError, match="frame for decision 8, current decision is 7"):
         session.on_verify(verify_frame(8, block, codec, exits=False))
@@ -106,13 +106,13 @@ def test_the_epoch_rule_drops_blocks_of_an_ended_epoch_and_refuted_guesses(pair)
 
 def test_the_split_codec_session_refuses_conditional_blocks(pair):
     codec = get_codec("split")
-    session = VerifierSession(pair.target, codec)
+    session = open_session(pair.target, "split")
     session.target.start(*session.on_prefill(prefill_frame(1, pair.prompt(), VerifySettings())))
     frame = P.Verify(1, 1, [1], codec.encode([1], _q(1, pair.vocab)), 0, P.NO_TOKEN, 1, [0, 0, 1])
     with pytest.raises(SessionError, match="conditional blocks are not valid with the split codec"):
         session.on_verify(frame)
     step = session.on_verify(P.Verify(1, 2, [1], codec.encode([1], _q(1, pair.vocab))))
-    assert step.rule == SPLIT and step.rows == 1
+    assert step.path == SPLIT and step.rows == 1
 
 
 @pytest.mark.parametrize("poison", ["nan", "zero at the draft"])
@@ -120,7 +120,7 @@ def test_a_bad_draft_distribution_is_refused_before_it_can_join_a_batch(pair, po
     """Issue 34.1: q is checked when the block is decoded, before its round may share a forward pass
     with other robots' rounds (where the rule or its early exits would fail inside the pass)."""
     codec = get_codec("dense32")
-    session = VerifierSession(pair.target, codec)
+    session = open_session(pair.target, "dense32")
     prompt, settings = session.on_prefill(prefill_frame(
         1, pair.prompt(), VerifySettings(params=SamplingParams(1.0), verify_mode="rejection")))
     session.target.start(prompt, settings)
@@ -153,7 +153,7 @@ def test_greedy_and_wisv_blocks_carry_no_q_and_a_block_with_one_is_refused(pair,
     assert verify_frame(1, block, codec, exits=False).q_payload != b""
     if mode == "wisv" and getattr(pair.target, "wisv", None) is None:
         return  # the session half needs a target with a decision head
-    session = VerifierSession(pair.target, codec)
+    session = open_session(pair.target, "dense32")
     session.target.start(*session.on_prefill(prefill_frame(1, pair.prompt(), settings)))
     step = session.on_verify(verify_frame(1, Block(1, 0, [1], _q(1, pair.vocab)), codec, exits=False))
     with pytest.raises(SessionError, match="carries a draft distribution: send none") as info:

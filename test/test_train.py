@@ -17,7 +17,7 @@ from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.inputs import build_inputs
 from edgespec_ros.train import cli as train_cli
 from edgespec_ros.train.data import IGNORE, collate, encode_example
-from edgespec_ros.sim.policy import VLMPolicy
+from edgespec_ros.evaluation.policy import VLMPolicy
 from edgespec_ros.models.tokenizer import SPECIAL_TOKENS
 
 
@@ -164,7 +164,7 @@ class _StubbornPolicy:
 
     def decide(self, image, instruction, temperature=0.0, seed=0):
         from edgespec_ros.control.actions import parse_action
-        from edgespec_ros.sim.policy import PolicyOutput
+        from edgespec_ros.evaluation.policy import PolicyOutput
         self.calls.append((temperature, seed))
         if temperature == 0:
             return PolicyOutput("Action: move forward turn left small.", None, "unknown size 'turn'", 8)
@@ -194,7 +194,7 @@ class _PushingPolicy:
 
     def decide(self, image, instruction, temperature=0.0, seed=0):
         from edgespec_ros.control.actions import parse_action
-        from edgespec_ros.sim.policy import PolicyOutput
+        from edgespec_ros.evaluation.policy import PolicyOutput
         self.calls.append(temperature)
         text = "Action: move forward large." if temperature == 0 else "Action: turn left large."
         return PolicyOutput(text, parse_action(text), None, 6)

@@ -13,15 +13,15 @@ import torch
 from edgespec_ros.cloud.batch import ArStep, BatchResult, Round, verify_batch
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.session import DENSE, SPLIT, SessionError, VerifierSession
-from edgespec_ros.cloud.work import (ArStepPass, AskHidden, BeginRound, Done, EndRound, HostWork, LonePass, PassRow,
-                                     PrefillWork, RoundPass, RoundTiming, SendFrame)
-from edgespec_ros.codecs import get_codec
+from edgespec_ros.cloud.work import (ArStepPass, AskHidden, BeginRound, Done, EndRound, HostWork, LonePass, PrefillWork,
+                                     RoundPass, RoundTiming, SendFrame)
 from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import Block, VerifierRefused
 from edgespec_ros.decoding.verify import NO_TOKEN, WISV, DraftDistributionError, VerifyResult, VerifySettings
 from edgespec_ros.decoding.wisv import Csi, encode_hidden
 from edgespec_ros.wire import protocol as P
+from wire_helpers import open_session
 
 VOCAB, DIM, EOS = 32, 4, 31
 GREEDY = VerifySettings(SamplingParams(0.0), verify_mode="greedy")
@@ -91,14 +91,14 @@ class FakeTarget:
 
 def fake_lm(wisv: bool = False, exits: bool = False):
     head = SimpleNamespace(config=SimpleNamespace(draft_dim=DIM)) if wisv else None
-    return SimpleNamespace(vocab_size=VOCAB, max_context=None, wisv=head, eos_token_ids={EOS},
-                           exits=SimpleNamespace(layers=[1]) if exits else None, new_sequence=FakeSeq)
+    return SimpleNamespace(vocab_size=VOCAB, max_context=None, wisv=head, eos_token_ids={EOS}, memory=0, num_layers=2,
+                           exits=SimpleNamespace(layers=[1]) if exits else None, new_sequence=FakeSeq,
+                           fingerprint=lambda: "fake", path="fake")
 
 
 def session(codec: str = "dense32", settings: VerifySettings = GREEDY, **lm) -> VerifierSession:
-    """A session after its PREFILL (driven through the dispatch), on a fake target."""
-    s = VerifierSession(fake_lm(**lm), get_codec(codec))
-    s.target = FakeTarget()
+    """A session after its HELLO and PREFILL (driven through the dispatch), on a fake target."""
+    s = open_session(fake_lm(**lm), codec, new_target=lambda _lm: FakeTarget())
     d = s.handle(P.Prefill(1, "go", b"", [1, 2, 3], settings.seed, settings.params.temperature, settings.params.top_k,
                            settings.params.top_p, settings.verify_mode, settings.wisv_threshold))
     work = d.next_work()
@@ -109,7 +109,7 @@ def session(codec: str = "dense32", settings: VerifySettings = GREEDY, **lm) -> 
 
 
 def test_prefill_asks_for_the_prefill_then_replies_prefill_ok():
-    s = VerifierSession(fake_lm(), get_codec("dense32"))
+    s = open_session(fake_lm())
     d = s.handle(P.Prefill(4, "go", b"", [1, 2], 0, 0.0, 0, 1.0, "greedy", 0.0))
     work = d.next_work()
     assert isinstance(work, PrefillWork) and work.settings.verify_mode == "greedy" and work.prompt.prompt_ids == [1, 2]
@@ -261,12 +261,6 @@ def test_verify_batch_keeps_each_rows_result_and_error_apart():
         batch.value(1)
     assert batch.outcomes() == [batch.values[0], batch.errors[1], batch.values[2]] == list(batch)
     assert len(batch) == 3 and batch[1] is batch.errors[1]
-
-
-def test_a_pass_row_types_its_exit_cost_under_its_earlier_name_too():
-    row = PassRow(ArStep(FakeTarget()), 1)
-    row.extra = lambda: 0.5
-    assert row.exit_cost() == 0.5 and row.extra is row.exit_cost
 
 
 def _local(**lm) -> LocalVerifier:

@@ -69,10 +69,11 @@ def test_the_size_tolerance_keeps_a_near_size_word_in_the_action_clause_and_neve
     for "large" needs two; a direction or a kind is never relaxed, whatever the tolerance."""
     from transformers import AutoTokenizer
     from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.control.actions import SIZES
     from edgespec_ros.decoding.wisv import SizeTolerance
     from edgespec_ros.models import default_model_path
     tok = AutoTokenizer.from_pretrained(default_model_path("target"))
-    one, two = SizeTolerance(tok, 1), SizeTolerance(tok, 2)
+    one, two = SizeTolerance(tok, 1, SIZES), SizeTolerance(tok, 2, SIZES)
     word = {w: tok.encode(" " + w, add_special_tokens=False)[0] for w in ("small", "medium", "large", "left", "right", "stop")}
     assert sorted(one.size_of.values()) == [(0, " "), (1, " "), (2, " ")]  # each size word is one token here, after a space
     bonus = word["stop"]
@@ -96,6 +97,7 @@ def test_an_in_process_verifier_keeps_a_near_size_word_in_the_action_clause_only
     the size word at tolerance 0."""
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.cloud.target import TargetSession, target_generate
+    from edgespec_ros.control.actions import SIZES
     from edgespec_ros.decoding.engines import load_model
     from edgespec_ros.decoding.verifier import Block
     from edgespec_ros.decoding.verify import VerifySettings
@@ -105,7 +107,7 @@ def test_an_in_process_verifier_keeps_a_near_size_word_in_the_action_clause_only
     from edgespec_ros.sim.dataset import heldout_prompts
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     attach_wisv(target)
-    sizes = SizeTolerance(target.tokenizer, 1).size_of
+    sizes = SizeTolerance(target.tokenizer, 1, SIZES).size_of
     for instruction, image in heldout_prompts(12, seed=1000):  # a frame whose answer has a size word
         prompt, _ = EdgeDecoder(draft, LocalVerifier(target)).make_prompt(instruction, image)
         own = target_generate(target, TargetSession(target).build_prompt_inputs(prompt),
@@ -117,7 +119,8 @@ def test_an_in_process_verifier_keeps_a_near_size_word_in_the_action_clause_only
     cls, space = sizes[own[i]]
     swapped = next(t for t, (c, sp) in sizes.items() if sp == space and abs(c - cls) == 1)
     block = own[:i] + [swapped]
-    settings = VerifySettings(verify_mode="wisv", wisv_threshold=0.5, action_tolerance=tolerance)
+    settings = VerifySettings(verify_mode="wisv", wisv_threshold=0.5, action_tolerance=tolerance,
+                              action_sizes=SIZES if tolerance else ())
     v = LocalVerifier(target, csi=Csi(1e6, 1e6, 0.05))
     v.start(prompt, settings)
     dim = target.wisv.config.draft_dim
@@ -298,7 +301,7 @@ def test_cached_trace_collection_matches_fresh_forwards_and_fresh_counterfactual
     from edgespec_ros.models import default_model_path
     from edgespec_ros.robot.decoder import DecodeConfig
     from edgespec_ros.sim.dataset import generate_examples
-    from edgespec_ros.train.replay import action_of_tokens, final_rows, prompt_pair
+    from edgespec_ros.evaluation.replay import action_of_tokens, final_rows, prompt_pair
     from edgespec_ros.train.wisv import episode_traces
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     greedy = SamplingParams(temperature=0.0)
@@ -422,7 +425,7 @@ def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more
     from edgespec_ros.robot.decoder import DecodeConfig
     from edgespec_ros.decoding.engines import load_model
     from edgespec_ros.decoding.sampling import SamplingParams
-    from edgespec_ros.train.replay import prompt_pair, replay_rounds, wisv_choice
+    from edgespec_ros.evaluation.replay import prompt_pair, replay_rounds, wisv_choice
     from edgespec_ros.models import default_model_path
     from edgespec_ros.sim.dataset import heldout_prompts
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))

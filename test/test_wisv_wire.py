@@ -18,7 +18,7 @@ from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import VerifierRefused
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.train.replay import action_of_tokens, final_rows, prompt_pair
+from edgespec_ros.evaluation.replay import action_of_tokens, final_rows, prompt_pair
 from edgespec_ros.decoding.wisv import (Csi, CsiEstimator, DecisionHead, attach_wisv, choose_upload, decode_hidden,
                                         encode_hidden)
 from edgespec_ros.models import default_model_path

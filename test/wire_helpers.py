@@ -85,6 +85,20 @@ def make_pair(draft_noise: float = 0.005) -> ModelPair:
                      wrap_model(model, tokenizer, image_processor), image)
 
 
+def open_session(lm, codec: str = "dense32", limits: ServerLimits | None = None, **session):
+    """A ``VerifierSession`` past its HELLO (the robot's, sharing the target's tokenizer and memory),
+    admitted with no tenant and no trace, as its drivers leave it."""
+    from edgespec_ros.cloud.session import VerifierSession
+    from edgespec_ros.cloud.work import Authenticate, Done, Open
+    from edgespec_ros.codecs import get_codec
+    from edgespec_ros.wire.frames import hello_frame
+    s = VerifierSession(lm, limits, **session)
+    d = s.handle(hello_frame(s.identity.fingerprint, lm.vocab_size, get_codec(codec), memory=lm.memory))
+    assert isinstance(d.next_work(), Authenticate) and isinstance(d.next_work(None), Open)
+    assert isinstance(d.next_work(None).frame, P.Welcome) and d.next_work() == Done()
+    return s
+
+
 def server_copy(lm: LoadedModel) -> LoadedModel:
     """The server's own copy of a model (weights and early exits): no module is shared with the
     test's local references, so a server bug cannot hide behind a shared object."""

@@ -118,7 +118,7 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     from ..cloud.local import LocalVerifier
     from ..decoding.wisv import attach_wisv
     from ..sim.evaluate import run_episode
-    from ..sim.policy import DecoderPolicy
+    from ..evaluation.policy import DecoderPolicy
     from ..train.card import heldout_set, trained_expert
     draft, target = load_model(draft_path), load_model(target_path)
     if draft.memory != target.memory:

@@ -1,9 +1,9 @@
 """``LocalVerifier``: the cloud verifier in this process (no network), behind the robot's
 ``Verifier`` interface (``decoding.verifier``): for tests, references and offline replays. It
 drives the websocket server's own ``VerifierSession`` with the frames the websocket client would
-send (``wire.frames``) and executes the work items it gives (``cloud.work``) inline: the same
-checks, codec round trip, epoch gate, verification paths and order of work, with no link in
-between."""
+send (``wire.frames``), its HELLO first, and executes the work items it gives (``cloud.work``)
+inline: the same handshake, checks, codec round trip, epoch gate, verification paths and order
+of work, with no link in between (and no auth: every HELLO is admitted)."""
 from __future__ import annotations
 
 import inspect
@@ -21,10 +21,10 @@ from ..decoding.inputs import Prompt
 from ..decoding.engines import LoadedModel
 from ..decoding.verifier import Block, VerifierRefused, VerifyReply
 from ..wire import protocol as P
-from ..wire.frames import carries_q, hidden_frame, prefill_frame, verdict_reply, verify_frame
-from .session import SessionError, Step, VerifierSession
-from .work import (ArStepPass, AskHidden, BeginRound, Done, EndRound, HostWork, LonePass, OnExit, PrefillWork,
-                   RoundPass, RoundTiming, SendFrame, Work)
+from ..wire.frames import carries_q, hello_frame, hidden_frame, prefill_frame, verdict_reply, verify_frame
+from .session import Identity, SessionError, Step, VerifierSession
+from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Done, EndRound, HostWork, LonePass, OnExit, Open,
+                   PrefillWork, RoundPass, RoundTiming, SendFrame, Work)
 
 
 @dataclass
@@ -32,7 +32,8 @@ class _Run:
     """What the inline driver saw of one frame's work (the Verifier interface's replies need it)."""
     block: Block | None = None  # the block a VERIFY carries (its hidden rows answer a HIDDEN_REQUEST)
     on_exit: OnExit | None = None
-    tolerance: float = 0.0  # PREFILL: the settings' action tolerance (in process only)
+    tolerance: float = 0.0  # PREFILL: the settings' action tolerance and its size words (in process only)
+    sizes: tuple[str, ...] = ()
     step: Step | None = None  # the round, once begun (None: no round, or its block was dropped)
     started: float = 0.0
     prefill_s: float = 0.0
@@ -59,12 +60,18 @@ class LocalVerifier:
     def __init__(self, lm: LoadedModel, codec: str = DEFAULT_CODEC, eager: bool = False, verdict_delay: int = 0,
                  csi=None, recorder=None, tenant: str = "local", draft_hash: str = "", limits=None):
         self.codec = get_codec(codec)
-        trace = recorder.session(tenant, draft_hash) if recorder is not None else None
-        self.verifier_session = VerifierSession(lm, self.codec, limits, trace)
+        self._recorder, self._tenant = recorder, tenant
+        identity = Identity.of(lm, server="edgespec-verifier (in process)")
+        self.verifier_session = VerifierSession(lm, limits, identity)
         self.session = self.verifier_session.target  # the TargetSession
         self.link_csi = csi  # wisv: the channel state this in-process "link" reports (None: a perfect link)
         self.vocab = lm.vocab_size
-        self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
+        # the robot's HELLO as its client builds it, of a robot sharing the target's tokenizer and memory
+        hello = hello_frame(identity.fingerprint, lm.vocab_size, self.codec, client="edgespec-local", draft=draft_hash,
+                            memory=lm.memory)
+        with _refused():
+            *_, self.welcome = self._drive(hello, _Run())  # the WELCOME, the HELLO's one reply
+        self.exit_layers = list(self.welcome.exit_layers)
         self._queue: deque[Block] = deque()
         self._send_q = True  # this decision's blocks carry q (wire.frames.carries_q)
         self.eager = eager
@@ -84,7 +91,7 @@ class LocalVerifier:
         self.decision += 1
         self._send_q = carries_q(settings, self.codec)
         # in process only: PREFILL does not carry the action tolerance (the wire refuses it)
-        run = _Run(tolerance=settings.action_tolerance)
+        run = _Run(tolerance=settings.action_tolerance, sizes=settings.action_sizes)
         with _refused():
             for _ in self._drive(prefill_frame(self.decision, prompt, settings), run):
                 pass  # PREFILL_OK
@@ -161,6 +168,10 @@ class LocalVerifier:
     def _execute(self, work: Work, run: _Run):
         """One work item, inline; its result for the session."""
         vs = self.verifier_session
+        if isinstance(work, Authenticate):  # in process: no tokens, no quotas
+            return None
+        if isinstance(work, Open):  # the session's trace, under this verifier's tenant and the HELLO's draft
+            return None if self._recorder is None else self._recorder.session(self._tenant, work.hello.draft)
         if isinstance(work, BeginRound):
             run.step, run.started = work.step, time.perf_counter()
             return run.on_exit if work.step.exits else None
@@ -181,7 +192,8 @@ class LocalVerifier:
             run.asked, run.exchanges = len(work.request.positions), 1
             return hidden_frame(work.request, run.block)
         if isinstance(work, PrefillWork):
-            settings = replace(work.settings, action_tolerance=run.tolerance) if run.tolerance else work.settings
+            settings = (replace(work.settings, action_tolerance=run.tolerance, action_sizes=run.sizes) if run.tolerance
+                        else work.settings)
             run.prefill_s = vs.target.start(work.prompt, settings)
             return run.prefill_s
         raise TypeError(f"LocalVerifier: no way to run {type(work).__name__}")

@@ -16,7 +16,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..codecs import get_codec
 from .batch import ArStep, verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
@@ -31,9 +30,9 @@ from .metrics import VerifierMetrics
 from .admission import Doorman, refuse
 from .front_door import FrontDoor, LogBudget
 from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, InsecureConfig, ServerLimits, clean, is_loopback
-from .session import SessionError, Step, VerifierSession
-from .work import (ArStepPass, AskHidden, BeginRound, Done, EndRound, HostWork, LonePass, PassRow, PrefillWork,
-                   RoundPass, RoundTiming, SendFrame, Work)
+from .session import Identity, SessionError, Step, VerifierSession
+from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Done, EndRound, HostWork, LonePass, Open, PassRow,
+                   PrefillWork, RoundPass, RoundTiming, SendFrame, Work)
 
 log = logging.getLogger("edgespec.verifier")
 FRAME_MARGIN = 64 * 1024  # past a session's frame cap: frames within this get an ERROR, beyond it a 1009 close
@@ -47,9 +46,6 @@ def on_device(fn, args: tuple, budget) -> Occupy:
     t0 = time.perf_counter()
     result = fn(*args)
     return Occupy(result, budget() - (time.perf_counter() - t0))
-
-
-_DeviceWork = PassRow  # the earlier name of a session's row of a batched pass (cloud.work.PassRow)
 
 
 @dataclass
@@ -126,11 +122,13 @@ class VerifierServer:
             raise ValueError(f"exit queue policy must be one of {EXIT_QUEUE_POLICIES}, got {exit_queue!r}")
         self.exit_queue, self.exit_queue_size = exit_queue, exit_queue_size
         self.num_layers = lm.num_layers
-        self.exit_layers = list(lm.exits.layers) if lm.exits is not None else []
         self.limits = limits or ServerLimits()
         context = lm.max_context
         self.max_context = context  # the model's own maximum (None: unknown)
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, context or self.limits.max_prompt_tokens)
+        # what a WELCOME says of this verifier; the costs an emulated profile's (natively 0, unknown, until measured)
+        self.identity = Identity(self.fingerprint, self.model_name, server_name, max_frame,
+                                 1e3 * self.compute.pass_s(1), 1e3 * self.compute.pass_s(1, ar=True))
         self.ssl_context = ssl_context
         self.insecure_no_auth = insecure_no_auth
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
@@ -278,45 +276,11 @@ class VerifierServer:
         if conn.reclaimed:  # its slot went to a newer connection meanwhile
             raise SessionError(P.ErrorCode.BUSY, "handshake too slow: HELLO must follow the connection at once "
                                                  "while the verifier is busy")
-        if not isinstance(hello, P.Hello):
-            raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(hello).__name__}")
-        tenant = self.doorman.authenticate(conn.address, hello.token)
-        if hello.fingerprint != self.fingerprint or hello.vocab_size != self.vocab:
-            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
-                               f"model mismatch: edge tokenizer {hello.fingerprint[:12]}.. vocab {hello.vocab_size}, "
-                               f"verifier {self.fingerprint[:12]}.. vocab {self.vocab}: draft and target must share "
-                               "one tokenizer")
-        if hello.memory != (memory := getattr(self.lm, "memory", 0)):
-            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
-                               f"model mismatch: the robot's prompts show {hello.memory} earlier decisions, the "
-                               f"target {self.model_name} was trained on prompts showing {memory} "
-                               "(policy_memory): pair a draft and a target from one training run")
-        try:
-            codec = get_codec(hello.codec)
-        except ValueError as exc:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
-        self.doorman.enter(conn.key, conn.address, tenant)
-        conn.tenant, conn.accepted = tenant, True
-        conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
-        trace = None if self.recorder is None else self.recorder.session(
-            ANONYMOUS if tenant is None else self.tenant_ids[tenant], hello.draft)
-        session = VerifierSession(self.lm, codec, self.limits, trace)
-        # The session's own frame limit from now on: what its settings can need (the websocket layer
-        # cuts anything past it plus a margin; decode() gives frames in the margin a clear ERROR).
-        conn.frame_cap = session.frame_cap(self.max_frame)
-        protocol = getattr(ws, "protocol", None)
-        if protocol is not None:
-            # websockets >= 16 names it max_message_size, 13-15 max_size
-            name = "max_message_size" if hasattr(protocol, "max_message_size") else "max_size"
-            setattr(protocol, name, conn.frame_cap + FRAME_MARGIN)
-        head = getattr(self.lm, "wisv", None)
-        await ws.send(P.encode(P.Welcome(self.fingerprint, self.vocab, self.model_name, conn.frame_cap,
-                                         self.server_name, self.num_layers, self.exit_layers,
-                                         0 if head is None else head.config.draft_dim,
-                                         # an emulated profile's costs; natively unknown (0) until measured
-                                         1e3 * self.compute.pass_s(1), 1e3 * self.compute.pass_s(1, ar=True))))
-        log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64), codec.label(),
-                 clean(hello.draft, 64) or "unnamed", "" if tenant is None else f", token #{tenant}")
+        session = VerifierSession(self.lm, self.limits, self.identity)
+        await self._open(conn, session, hello)
+        log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64),
+                 session.codec.label(), clean(hello.draft, 64) or "unnamed",
+                 "" if conn.tenant is None else f", token #{conn.tenant}")
         live: list[ExitSender] = []  # this session's exit sender while a round streams
         inbox = Inbox(16, max(conn.frame_cap, 1 << 20), self._tenant_bytes, conn.flow or ("session", conn.key),
                       self.limits.max_tenant_inbox_bytes)
@@ -331,6 +295,40 @@ class VerifierServer:
             inbox.release()
             for sender in live:  # the robot vanished mid-round: stop streaming its exits
                 sender.cancel()
+
+    async def _open(self, conn: _Conn, session: VerifierSession, hello) -> None:
+        """The session's first frame (the VerifierSession checks that it is a HELLO, and the pair):
+        its admission here (the Doorman: token, quotas), then the session opened (its tenant, its
+        trace, the websocket layer's cap at the session's frame cap) and the WELCOME sent."""
+        dispatch = session.handle(hello)
+        work = dispatch.next_work()
+        while not isinstance(work, Done):
+            if isinstance(work, Authenticate):
+                result = self.doorman.authenticate(conn.address, work.hello.token)
+            elif isinstance(work, Open):
+                result = self._admit(conn, work)
+            elif isinstance(work, SendFrame):  # the WELCOME
+                await conn.ws.send(P.encode(work.frame))
+                result = None
+            else:
+                raise TypeError(f"verifier: no way to run {type(work).__name__} before HELLO is accepted")
+            work = dispatch.next_work(result)
+
+    def _admit(self, conn: _Conn, opened: Open):
+        """An accepted HELLO: the connection becomes its tenant's session; its frames are cut to the
+        session's own cap from now on (what its settings can need: the websocket layer cuts anything
+        past it plus a margin, and decode() gives frames in the margin a clear ERROR). Its trace."""
+        tenant = opened.tenant
+        self.doorman.enter(conn.key, conn.address, tenant)
+        conn.tenant, conn.accepted, conn.frame_cap = tenant, True, opened.max_frame
+        conn.label = self.metrics.tenant(None if tenant is None else self.tenant_ids[tenant])
+        protocol = getattr(conn.ws, "protocol", None)
+        if protocol is not None:
+            # websockets >= 16 names it max_message_size, 13-15 max_size
+            name = "max_message_size" if hasattr(protocol, "max_message_size") else "max_size"
+            setattr(protocol, name, conn.frame_cap + FRAME_MARGIN)
+        return None if self.recorder is None else self.recorder.session(
+            ANONYMOUS if tenant is None else self.tenant_ids[tenant], opened.hello.draft)
 
     async def _serve_frames(self, conn: _Conn, session: VerifierSession, live: list, inbox: Inbox):
         """A session's frames, one at a time: the VerifierSession checks each and says what to run;

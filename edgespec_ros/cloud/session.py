@@ -1,17 +1,25 @@
 """One robot session at the verifier, with no I/O (the model is the h11 library: a protocol as a
 state machine, the socket code around it thin).
 
-``VerifierSession`` takes a session's decoded frames (PREFILL, VERIFY, HIDDEN, GENERATE) and holds
-every check and decision about them: the input checks (decision, round cap, lengths, vocabulary,
-flags, context, the codec's limits, images), the epoch gate (``EpochGate``: live, ended and void
-epochs, conditional blocks), the three verification paths (dense, split, WISV) and what each
-verdict says. It never waits and never sends: ``handle(frame)`` gives a ``cloud.work.Dispatch``
-whose work items (``cloud.work``: prefill, host work, lone and batched passes, a hidden-row
-request, the round's timing, the frames to send) the driver executes where it likes (the
-websocket server on its fair, batched compute thread; ``LocalVerifier`` inline), handing each
-item's result back. The dispatch on the path and the order of a round's steps are written once,
-in ``_verify_work``; both drivers therefore verify by the same code, and the in-process tests
-exercise the server's checks.
+``VerifierSession`` takes a session's decoded frames and holds every check and decision about
+them. A session awaits its HELLO first (anything else is a BAD_FRAME): the driver's admission
+(``Authenticate``: tokens and quotas are the driver's policy, asked before anything of the model
+is checked or said), then the pair's checks (tokenizer fingerprint, vocabulary, memory, codec),
+the driver's ``Open`` and the WELCOME. Open, it takes PREFILL, VERIFY, HIDDEN and GENERATE: the
+input checks (decision, round cap, lengths, vocabulary, flags, context, the codec's limits,
+images), the epoch gate (``EpochGate``: live, ended and void epochs, conditional blocks), the
+three verification paths (dense, split, WISV) and what each verdict says. It never waits and
+never sends: ``handle(frame)`` gives a ``cloud.work.Dispatch`` whose work items (``cloud.work``:
+admission, prefill, host work, lone and batched passes, a hidden-row request, the round's
+timing, the frames to send) the driver executes where it likes (the websocket server on its
+fair, batched compute thread; ``LocalVerifier`` inline), handing each item's result back. The
+dispatch on the path and the order of a round's steps are written once, in ``_verify_work``;
+both drivers therefore verify by the same code, and the in-process tests exercise the server's
+checks.
+
+The session reads its model through ``TargetModel`` (``decoding.engines.LoadedModel`` is one) and
+gets its ``TargetSession`` (KV cache, verification) from ``new_target``: the state machine runs as
+well on a toy model and target, without weights.
 
 A user's mistake raises ``SessionError`` (an ERROR frame's code and message); the driver ends the
 session with it.
@@ -20,18 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
-from ..codecs import CodecError
+from ..codecs import CodecError, get_codec
 from .batch import ArStep, Round
 from .target import TargetSession
-from .work import (ArStepPass, AskHidden, BeginRound, Dispatch, Done, EndRound, HostWork, LonePass, OnExit,  # noqa: F401
-                   PrefillWork, RoundPass, RoundTiming, SendFrame, Step)  # Step: the session's rounds (re-exported)
+from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Dispatch, Done, EndRound, HostWork,  # noqa: F401
+                   LonePass, OnExit, Open, PrefillWork, RoundPass, RoundTiming, SendFrame,
+                   Step)  # Step: the session's rounds (re-exported)
 from ..decoding.verify import VERIFY_MODES, WISV, VerifySettings
 from ..decoding.inputs import Prompt
-from ..decoding.engines import LoadedModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import Condition, EpochGate
 from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs_once
@@ -41,6 +51,7 @@ from .limits import LimitError, ServerLimits, check_image
 DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification paths (Step.path)
 DENSE_ERRORS = (CodecError, DraftDistributionError)  # a dense round's errors a client's q can cause
 MAX_BLOCK = 64  # drafts per VERIFY
+AWAITING_HELLO, OPEN = "awaiting HELLO", "open"  # VerifierSession.state
 
 
 class SessionError(Exception):
@@ -51,14 +62,63 @@ class SessionError(Exception):
         self.code = int(code)
 
 
-class VerifierSession:
-    """One robot session's verification: decoded frames in, work items out (module docstring)."""
+class TargetModel(Protocol):
+    """What a ``VerifierSession`` reads of its model (``decoding.engines.LoadedModel`` is one): the
+    bounds its checks hold frames to, what a WELCOME announces, the tokens that end an AR run;
+    ``Identity.of`` reads the fingerprint and path once. Everything else of the model is its
+    ``TargetSession``'s (the session's ``new_target``)."""
 
-    def __init__(self, lm: LoadedModel, codec, limits: ServerLimits | None = None, trace=None):
-        self.lm, self.codec = lm, codec
+    path: str  # the WELCOME names its last component, never the path
+    exits: object  # decoding.exits.EarlyExits (its ``layers``), or None: no early exits
+    wisv: object  # decoding.wisv.DecisionHead (its ``config.draft_dim``), or None: no WISV
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int | None: ...  # None: unknown
+
+    @property
+    def memory(self) -> int: ...  # earlier decisions its prompts show (decoding.memory)
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> set[int]: ...
+
+    def fingerprint(self) -> str: ...  # the tokenizer's (decoding.engines.vocab_fingerprint)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the verifier says of itself in a WELCOME and holds a HELLO to: its model's tokenizer
+    fingerprint, the model's name (never a server path), the server's name, the largest frame a
+    session may send, and what a lone verification pass and an AR step cost where the driver
+    knows (ms; 0: unknown). Made once per driver: the fingerprint hashes the whole vocabulary."""
+    fingerprint: str
+    model: str = "target"
+    server: str = "edgespec-verifier"
+    max_frame: int = P.DEFAULT_MAX_FRAME
+    pass_ms: float = 0.0
+    ar_step_ms: float = 0.0
+
+    @classmethod
+    def of(cls, lm: TargetModel, model: str | None = None, **fields) -> Identity:
+        return cls(lm.fingerprint(), model or os.path.basename(os.path.normpath(lm.path)) or "target", **fields)
+
+
+class VerifierSession:
+    """One robot session's verification: decoded frames in, work items out (module docstring).
+    ``codec`` and ``tenant`` are the HELLO's, once it is accepted (``state`` OPEN)."""
+
+    def __init__(self, lm: TargetModel, limits: ServerLimits | None = None, identity: Identity | None = None,
+                 new_target: Callable[[TargetModel], TargetSession] = TargetSession):
+        self.lm = lm
         self.limits = limits or ServerLimits()
-        self.target = TargetSession(lm)
-        self.target.trace = trace  # cloud.traces: the recorder's session, or None (off)
+        self.identity = identity or Identity.of(lm)
+        self.state, self.codec, self.tenant = AWAITING_HELLO, None, None
+        self.target = new_target(lm)
         self.gate = EpochGate()
         self.vocab = lm.vocab_size
         self.max_context = lm.max_context  # the model's own (None: unknown)
@@ -80,7 +140,7 @@ class VerifierSession:
         except (NotImplementedError, ValueError):
             row = 4 * vocab
         row = min(4 * vocab, 2 * row) + 64  # twice the formula: framing and padding, never past dense32
-        head = getattr(self.lm, "wisv", None)
+        head = self.lm.wisv
         hidden = 0 if head is None else MAX_BLOCK * head.config.draft_dim * 2
         verify = MAX_BLOCK * (row + 4) + hidden + 4096
         return min(max_frame, max(prefill, verify))
@@ -97,11 +157,15 @@ class VerifierSession:
     # --- the dispatch: a frame's work items, in order (cloud.work) ---------------------------
 
     def handle(self, msg) -> Dispatch:
-        """A decoded frame from the robot (PREFILL, VERIFY, GENERATE): its work, item by item.
-        Any other frame raises BAD_FRAME at the first ``next_work``."""
+        """A decoded frame from the robot (HELLO first, then PREFILL, VERIFY, GENERATE): its work,
+        item by item. Any other frame raises BAD_FRAME at the first ``next_work``."""
         return Dispatch(self._work(msg))
 
     def _work(self, msg):
+        if self.state == AWAITING_HELLO:
+            if not isinstance(msg, P.Hello):
+                raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(msg).__name__}")
+            return (yield from self._hello_work(msg))
         if isinstance(msg, P.Prefill):
             return (yield from self._prefill_work(msg))
         if isinstance(msg, P.Verify):
@@ -109,6 +173,20 @@ class VerifierSession:
         if isinstance(msg, P.Generate):
             return (yield from self._generate_work(msg))
         raise SessionError(P.ErrorCode.BAD_FRAME, f"unexpected {type(msg).__name__} frame from the edge")
+
+    def _hello_work(self, hello: P.Hello):
+        """The driver admits the HELLO (``Authenticate``) before the pair is checked: a client it
+        refuses learns nothing of the model. Then the pair: the robot's tokenizer and vocabulary
+        must be the target's, its prompts must show as many earlier decisions as the target's were
+        trained on, its codec must be known. The driver opens the session (``Open``: its tenant
+        and frame cap; the session's trace comes back), then the WELCOME goes out."""
+        tenant = yield Authenticate(hello)
+        codec = self.on_hello(hello)
+        self.state, self.codec, self.tenant = OPEN, codec, tenant
+        cap = self.frame_cap(self.identity.max_frame)
+        self.target.trace = yield Open(hello, tenant, cap)  # cloud.traces: the recorder's session, or None (off)
+        yield SendFrame(self.welcome(cap))
+        return Done()
 
     def _prefill_work(self, msg: P.Prefill):
         prompt, settings = self.on_prefill(msg)
@@ -166,6 +244,34 @@ class VerifierSession:
                 break
         return Done()
 
+    # --- HELLO -------------------------------------------------------------------------------
+
+    def on_hello(self, hello: P.Hello):
+        """An admitted HELLO checked against the model: its codec (``codecs``)."""
+        ident, vocab = self.identity, self.vocab
+        if hello.fingerprint != ident.fingerprint or hello.vocab_size != vocab:
+            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
+                               f"model mismatch: edge tokenizer {hello.fingerprint[:12]}.. vocab {hello.vocab_size}, "
+                               f"verifier {ident.fingerprint[:12]}.. vocab {vocab}: draft and target must share "
+                               "one tokenizer")
+        if hello.memory != (memory := self.lm.memory):
+            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
+                               f"model mismatch: the robot's prompts show {hello.memory} earlier decisions, the "
+                               f"target {ident.model} was trained on prompts showing {memory} "
+                               "(policy_memory): pair a draft and a target from one training run")
+        try:
+            return get_codec(hello.codec)
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, str(exc)) from None
+
+    def welcome(self, max_frame: int) -> P.Welcome:
+        """The WELCOME: the model, its early exits and WISV head, this session's frame cap and the
+        costs the driver knows."""
+        ident, lm = self.identity, self.lm
+        return P.Welcome(ident.fingerprint, self.vocab, ident.model, max_frame, ident.server, lm.num_layers,
+                         list(lm.exits.layers) if lm.exits is not None else [],
+                         0 if lm.wisv is None else lm.wisv.config.draft_dim, ident.pass_ms, ident.ar_step_ms)
+
     # --- PREFILL -----------------------------------------------------------------------------
 
     def on_prefill(self, msg: P.Prefill) -> tuple[Prompt, VerifySettings]:
@@ -190,7 +296,7 @@ class VerifierSession:
     def _settings(self, msg: P.Prefill) -> VerifySettings:
         if msg.verify_mode not in VERIFY_MODES:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"verify mode {msg.verify_mode!r} not in {VERIFY_MODES}")
-        if msg.verify_mode == WISV and getattr(self.lm, "wisv", None) is None:
+        if msg.verify_mode == WISV and self.lm.wisv is None:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "verify mode wisv: this verifier has no WISV decision head "
                                                         "(<target>/wisv, `edgespec-train wisv`; --wisv)")
         if not all(map(math.isfinite, (msg.temperature, msg.top_p, msg.wisv_threshold))):

@@ -321,8 +321,9 @@ class TargetSession:
         from ..decoding.wisv import SizeTolerance
         if not settings.action_tolerance:
             return None
-        if self._tolerance is None or self._tolerance.classes != settings.action_tolerance:
-            self._tolerance = SizeTolerance(self.lm.tokenizer, settings.action_tolerance)
+        if self._tolerance is None or (self._tolerance.classes, self._tolerance.sizes) != (
+                settings.action_tolerance, settings.action_sizes):
+            self._tolerance = SizeTolerance(self.lm.tokenizer, settings.action_tolerance, settings.action_sizes)
         return self._tolerance
 
     def wisv_abort(self) -> None:

@@ -3,14 +3,19 @@
 ``VerifierSession.handle(frame)`` returns a ``Dispatch``; ``dispatch.next_work()`` gives the next
 work item, and the driver hands the item's result back with ``next_work(result)`` (or its error
 with ``fail(exc)``: the session turns a user's mistake into a ``SessionError``) until the item is
-``Done``. The dispatch on the verification path (dense, split, WISV), the order of a round's
-steps, early exits, hidden-row requests and AR steps is written once, in the session; a driver
-only executes items: the websocket server on its fair compute thread (batched passes through
-``FairCompute.run_batched``), ``LocalVerifier`` inline.
+``Done``. The handshake (HELLO's admission, checks and WELCOME), the dispatch on the
+verification path (dense, split, WISV), the order of a round's steps, early exits, hidden-row
+requests and AR steps are written once, in the session; a driver only executes items: the
+websocket server on its fair compute thread (batched passes through ``FairCompute.run_batched``),
+``LocalVerifier`` inline.
 
 Items and the result each one expects back:
 
 ==================  ======================================================================
+``Authenticate``    HELLO's admission (tokens, quotas): the tenant (None: auth off), or the
+                    driver's ``SessionError``
+``Open``            HELLO accepted: the driver opens the session (its tenant, its frame
+                    cap): the session's trace (``cloud.traces``; None: recording off)
 ``PrefillWork``     the decision's prefill (``TargetSession.start``): its compute seconds
 ``BeginRound``      a verified round starts (the driver's clock; its early-exit stream when
                     ``step.exits``): the on_exit callback for the pass, or None
@@ -57,10 +62,6 @@ class Step:
     csi: object = None  # wisv: the link as the robot measured it (decoding.wisv.Csi)
     hidden: torch.Tensor | None = None  # wisv, full upload: the drafter's hidden rows [n, d]
 
-    @property
-    def rule(self) -> str:  # the earlier name of ``path``
-        return self.path
-
 
 @dataclass
 class PassRow:
@@ -74,16 +75,24 @@ class PassRow:
     exit_cost: Callable[[], float] | None = None
     on_start: Callable[[float, float, int], None] | None = None
 
-    @property
-    def extra(self) -> Callable[[], float] | None:  # the earlier name of exit_cost
-        return self.exit_cost
-
-    @extra.setter
-    def extra(self, value: Callable[[], float] | None) -> None:
-        self.exit_cost = value
-
 
 # --- work items ------------------------------------------------------------------------------
+
+@dataclass
+class Authenticate:
+    """The HELLO's admission, the driver's policy (auth tokens, session quotas), asked before
+    anything of the model is checked or said."""
+    hello: P.Hello
+
+
+@dataclass
+class Open:
+    """The HELLO is accepted: the driver admits the session as ``tenant`` and takes frames of up
+    to ``max_frame`` bytes from it from now on (before the WELCOME goes out)."""
+    hello: P.Hello
+    tenant: object
+    max_frame: int
+
 
 @dataclass
 class PrefillWork:
@@ -159,7 +168,8 @@ class Done:
     dropped: bool = False  # a block the epoch gate dropped unverified (no work: the idle clock runs on)
 
 
-Work = Union[PrefillWork, BeginRound, HostWork, LonePass, RoundPass, ArStepPass, AskHidden, EndRound, SendFrame, Done]
+Work = Union[Authenticate, Open, PrefillWork, BeginRound, HostWork, LonePass, RoundPass, ArStepPass, AskHidden,
+             EndRound, SendFrame, Done]
 
 
 class Dispatch:

@@ -2,7 +2,8 @@
 
 The navigator node feeds a :class:`MotionExecutor` with decisions, e-stop changes and odometry,
 and calls :meth:`MotionExecutor.update` at its control rate; whatever it returns is sent to the
-robot (a ``geometry_msgs/Twist`` or a unitree sport-API request). The rules:
+robot by its backend (``nodes.backends``: a ``geometry_msgs/Twist``, or a Go2 sport-API request),
+which the executor knows nothing of. The rules:
 
 * ``move forward <d>`` / ``turn <dir> <a>`` run a velocity profile that accelerates at most at the
   acceleration limit, cruises at most at the velocity limit and brakes so as to stop at the goal.
@@ -23,7 +24,6 @@ None) so that a multiplexer (twist_mux) can hand control to a joystick.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -52,16 +52,6 @@ def outcome_code(outcome: str) -> int:
 def outcome_name(code: int) -> str:
     """The ``motion.OUTCOMES`` name of a MotionState.outcome ("none" for an unknown code)."""
     return OUTCOMES[code] if 0 <= code < len(OUTCOMES) else OUTCOMES[0]
-
-
-# unitree_ros2 sport API (unitree_api/msg/Request on /api/sport/request)
-SPORT_API_MOVE = 1008
-SPORT_API_STOP_MOVE = 1003
-SPORT_MIN_RATE_HZ = 20.0  # Move must be streamed at 20 Hz or more, or the robot stops
-# go2_ros2_sdk's request topic (go2_interfaces/msg/WebRtcReq): the same sport API over WebRTC, to the
-# robot's own request topic; StopMove goes out with priority (Unitree's SportClient sends it so).
-GO2_WEBRTC_SPORT_TOPIC = "rt/api/sport/request"
-WEBRTC_PRIORITY, WEBRTC_NORMAL = 1, 0
 
 
 @dataclass(frozen=True)
@@ -163,23 +153,6 @@ def trapezoid_time(distance: float, max_speed: float, accel: float) -> float:
     if distance <= ramp_distance:
         return 2.0 * math.sqrt(distance / accel)
     return 2.0 * max_speed / accel + (distance - ramp_distance) / max_speed
-
-
-def sport_request(command: VelocityCommand) -> tuple[int, str]:
-    """The unitree sport-API ``(api_id, parameter JSON)`` of a velocity command: zero is StopMove
-    (1003, empty parameter), anything else is Move (1008, {"x": vx, "y": 0, "z": wz})."""
-    if command.is_zero:
-        return SPORT_API_STOP_MOVE, ""
-    return SPORT_API_MOVE, json.dumps({"x": round(command.linear_mps, 4), "y": 0.0,
-                                       "z": round(command.angular_rps, 4)})
-
-
-def webrtc_request(command: VelocityCommand) -> tuple[int, str, int]:
-    """go2_ros2_sdk's ``(api_id, parameter JSON, priority)`` for a velocity command: the sport
-    request of ``sport_request``, StopMove with priority. Its cmd_vel path drops an all-zero Twist
-    (it moves only if x, y or z is non-zero), so on that stack this is how a stop reaches the robot."""
-    api_id, parameter = sport_request(command)
-    return api_id, parameter, WEBRTC_PRIORITY if api_id == SPORT_API_STOP_MOVE else WEBRTC_NORMAL
 
 
 def motion_preview(pose: Pose2D, action: Action | None, turn_arrow_m: float = 0.6) -> tuple[Pose2D, Pose2D] | None:

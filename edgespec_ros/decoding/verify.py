@@ -54,6 +54,9 @@ class VerifySettings:
     # large) up to this many classes from the target's, in the action clause too (Spec-VLA's relaxed
     # acceptance); 0: off
     action_tolerance: int = 0
+    # the action grammar's size words, smallest first, that action_tolerance relaxes (control.actions.SIZES,
+    # named by whoever builds the settings above the core: DrafterSettings.verify_settings); in process only
+    action_sizes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.verify_mode not in VERIFY_MODES:

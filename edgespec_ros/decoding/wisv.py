@@ -359,16 +359,19 @@ ACTION_MARKER = "action:"
 
 
 class SizeTolerance:
-    """Spec-VLA-style relaxed acceptance (LOSSY): a draft token that is a size word of the action
-    grammar (``control.actions.SIZES``) is kept in place of the target's size word when they are at
-    most ``classes`` apart ("medium" for "large" at 1, not "small"). Kind and direction are never
-    relaxed: only tokens that are size words on both sides qualify."""
+    """Spec-VLA-style relaxed acceptance (LOSSY): a draft token that is one of the action grammar's
+    ``sizes`` (its size words, smallest first: ``control.actions.SIZES``, which the settings'
+    builder passes down, ``VerifySettings.action_sizes``; the core knows no grammar) is kept in
+    place of the target's size word when they are at most ``classes`` apart ("medium" for "large"
+    at 1, not "small"). Kind and direction are never relaxed: only tokens that are size words on
+    both sides qualify."""
 
-    def __init__(self, tokenizer, classes: int):
-        from ..control.actions import SIZES
-        self.classes = classes
+    def __init__(self, tokenizer, classes: int, sizes: tuple[str, ...]):
+        if len(sizes) < 2:
+            raise ValueError(f"SizeTolerance needs the action grammar's size words, smallest first; got {sizes!r}")
+        self.classes, self.sizes = classes, tuple(sizes)
         self.size_of: dict[int, tuple[int, str]] = {}  # token id -> (size class, the space before it)
-        for k, word in enumerate(SIZES):
+        for k, word in enumerate(self.sizes):
             for space in ("", " "):
                 ids = tokenizer.encode(space + word, add_special_tokens=False)
                 if len(ids) == 1 and tokenizer.decode(ids) == space + word:

@@ -1,8 +1,8 @@
 """navigator: verified action text -> motion, through the action grammar and ``motion.MotionExecutor``.
 
 Subscribes to decisions (edgespec_ros/VerifiedAction), the e-stop (std_msgs/Bool) and odometry;
-publishes velocity commands on one backend (geometry_msgs/Twist on cmd_vel; go2_ros2_sdk's WebRtcReq;
-or unitree_ros2's sport API) and its state (edgespec_ros/MotionState, latched). Which backend for
+publishes velocity commands on one backend (``backends``: geometry_msgs/Twist on cmd_vel; go2_ros2_sdk's
+WebRtcReq; or unitree_ros2's sport API) and its state (edgespec_ros/MotionState, latched). Which backend for
 which Go2 stack: docs/robot.md.
 """
 from __future__ import annotations
@@ -11,96 +11,22 @@ import math
 import threading
 import time
 
-from geometry_msgs.msg import Twist
 from nav_msgs.msg import Odometry
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
-from rclpy.node import Node
 from std_msgs.msg import Bool
 
 from ..control.actions import ActionParseError, parse_action
 from ..msg import MotionState, VerifiedAction
-from ..control.motion import (COMPLETED, FAULT, GO2_WEBRTC_SPORT_TOPIC, REJECTED, SPORT_MIN_RATE_HZ, STALE,
-                              ZERO, MotionExecutor, MotionLimits, Pose2D, outcome_code, sport_request,
-                              webrtc_request, yaw_from_quaternion)
+from ..control.motion import (COMPLETED, FAULT, REJECTED, STALE, ZERO, MotionExecutor, MotionLimits, Pose2D,
+                              outcome_code, yaw_from_quaternion)
 from ..rosio import topics
 from . import params
+from .backends import BACKENDS, check_control_rate
 from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, declare_parameters, now_ns, \
     ns_to_time, run_node, time_to_ns
 
 NS = 1e-9
-
-
-def robot_message(backend: str, package: str, name: str, source: str, why: str = ""):
-    """The message class ``package``.msg.``name`` a Go2 backend publishes; ImportError naming the
-    package, where it comes from (``source``) and the way out, when it is not in the workspace."""
-    import importlib
-    try:
-        return getattr(importlib.import_module(f"{package}.msg"), name)
-    except (ImportError, AttributeError) as exc:
-        raise ImportError(f"backend '{backend}' needs the {package} message package ({source}: build it in your "
-                          f"workspace and source it), or use backend 'twist'{why}") from exc
-
-
-class TwistBackend:
-    """geometry_msgs/Twist on cmd_vel (twist_mux, nav2, simulators). Not for go2_ros2_sdk: its cmd_vel
-    path drops an all-zero Twist, so a stop never reaches the robot, which keeps its last velocity
-    until the stream's own timeout; use ``go2_webrtc`` there."""
-
-    name = "twist"
-
-    def __init__(self, node: Node, topic: str):
-        self.publisher = node.create_publisher(Twist, topic, RELIABLE_QOS)
-
-    def send(self, command) -> None:
-        msg = Twist()
-        msg.linear.x = float(command.linear_mps)
-        msg.angular.z = float(command.angular_rps)
-        self.publisher.publish(msg)
-
-
-class SportBackend:
-    """unitree_ros2 sport API: Move (1008) streamed at the control rate, StopMove (1003) for zero."""
-
-    name = "unitree_sport"
-
-    def __init__(self, node: Node, topic: str):
-        Request = robot_message(self.name, "unitree_api", "Request", "github.com/unitreerobotics/unitree_ros2")
-        self.request_type = Request
-        self.publisher = node.create_publisher(Request, topic, RELIABLE_QOS)
-
-    def send(self, command) -> None:
-        api_id, parameter = sport_request(command)
-        msg = self.request_type()
-        msg.header.identity.api_id = api_id
-        msg.parameter = parameter
-        self.publisher.publish(msg)
-
-
-class Go2WebRtcBackend:
-    """go2_ros2_sdk's own request topic: go2_interfaces/msg/WebRtcReq on ``webrtc_req``, the sport API
-    over its WebRTC link: Move (1008) streamed at the control rate, StopMove (1003, priority) for zero,
-    so every stop (e-stop, watchdog, fault, a refused decision, shutdown) reaches the robot.
-    ``message``: the WebRtcReq class (default: imported from go2_interfaces)."""
-
-    name = "go2_webrtc"
-
-    def __init__(self, node: Node, topic: str, message=None):
-        if message is None:
-            message = robot_message(self.name, "go2_interfaces", "WebRtcReq", "go2_ros2_sdk, "
-                                    "github.com/abizovnuralem/go2_ros2_sdk", " (whose zero Twist that stack drops)")
-        self.message = message
-        self.publisher = node.create_publisher(message, topic, RELIABLE_QOS)
-
-    def send(self, command) -> None:
-        api_id, parameter, priority = webrtc_request(command)
-        msg = self.message()
-        msg.id, msg.topic, msg.api_id, msg.parameter, msg.priority = 0, GO2_WEBRTC_SPORT_TOPIC, api_id, parameter, priority
-        self.publisher.publish(msg)
-
-
-BACKENDS = {"twist": (TwistBackend, topics.CMD_VEL), "go2_webrtc": (Go2WebRtcBackend, topics.WEBRTC_REQ),
-            "unitree_sport": (SportBackend, topics.SPORT_REQUEST)}
 
 
 class NavigatorNode(LifecycleNode):
@@ -146,9 +72,7 @@ class NavigatorNode(LifecycleNode):
     def on_configure(self, state) -> TransitionCallbackReturn:
         p = self.p  # read-only parameters, validated when declared
         try:
-            if p["backend"] != "twist" and p["control_rate_hz"] < SPORT_MIN_RATE_HZ:
-                raise ValueError(f"control_rate_hz {p['control_rate_hz']} is too low for the sport API: Move must "
-                                 f"be streamed at >= {SPORT_MIN_RATE_HZ:g} Hz")
+            check_control_rate(p["backend"], p["control_rate_hz"])
             limits = MotionLimits(p["max_linear_mps"], p["max_angular_rps"], p["max_linear_accel_mps2"],
                                   p["max_angular_accel_rps2"], p["min_linear_mps"], p["min_angular_rps"],
                                   p["position_tolerance_m"], math.radians(p["angle_tolerance_deg"]))

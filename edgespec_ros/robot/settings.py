@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from types import SimpleNamespace
 
 from ..codecs import DEFAULT_CODEC, get_codec
+from ..control.actions import SIZES
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
 
@@ -114,7 +115,14 @@ class DrafterSettings:
         if self.verify_mode == "wisv" and self.temperature != 0:
             raise ValueError("verify_mode wisv decides greedy decisions: set temperature 0 (resampled decisions are "
                              "verified losslessly)")
-        self.decode_config(0)  # validates gamma, codec, max_new_tokens, the verify mode and threshold
+        for f in fields(self):  # every bound a field states (gamma too, which mode auto does not use)
+            value, lo, hi = getattr(self, f.name), f.metadata.get("min_value"), f.metadata.get("max_value")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                raise ValueError(f"{f.name} must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
+                                 f"got {value!r}")
+        self.decode_config(0)  # validates codec, max_new_tokens, the verify mode and threshold
 
     def verification(self) -> str:
         """How this drafter's decisions are verified, for logs and DecodingStats: "lossless", or
@@ -187,13 +195,13 @@ class DecodeConfig:
             self.gamma = "auto" if self.mode == "auto" else _D.gamma
         if self.pipe_depth is None:
             self.pipe_depth = "auto" if self.mode == "auto" else _D.pipe_depth
-        if self.mode == "auto" and self.gamma != "auto":
-            raise ValueError("mode auto chooses the draft length too: give gamma 'auto'")
         if self.gamma == "auto":
             if self.mode == "fsd":
                 raise ValueError("gamma 'auto' is for the sd and pipe modes; give fsd an integer gamma")
         elif isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= GAMMA_MAX:
             raise ValueError(f"gamma (draft length) must be in 1..{GAMMA_MAX} or 'auto', got {self.gamma!r}")
+        if self.mode == "auto" and self.gamma != "auto":
+            raise ValueError("mode auto chooses the draft length too: give gamma 'auto'")
         if self.pipe_depth != "auto" and (isinstance(self.pipe_depth, bool) or not isinstance(self.pipe_depth, int)
                                           or not 1 <= self.pipe_depth <= PIPE_DEPTH_MAX):
             raise ValueError(f"pipe_depth (blocks in flight) must be in 1..{PIPE_DEPTH_MAX} or 'auto', "
@@ -216,8 +224,9 @@ class DecodeConfig:
 
     def verify_settings(self) -> VerifySettings:
         wisv = self.verify_mode == WISV
+        tolerance = self.action_tolerance if wisv else 0
         return VerifySettings(self.params, self.seed, self.verify_mode, self.wisv_threshold if wisv else 0.0,
-                              self.action_tolerance if wisv else 0)
+                              tolerance, SIZES if tolerance else ())
 
 
 DEFAULTS = DrafterSettings()  # the shipped settings: bench, demo and training default to these

@@ -123,7 +123,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from ..decoding.engines import ModelLoadError, load_model
-    from .policy import VLMPolicy
+    from ..evaluation.policy import VLMPolicy
     from .evaluate import evaluate_closed_loop
 
     directory = Path(args.scenarios)

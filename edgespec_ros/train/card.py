@@ -19,7 +19,7 @@ from ..cloud.local import LocalVerifier
 from ..decoding.engines import load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
-from ..sim.policy import VLMPolicy
+from ..evaluation.policy import VLMPolicy
 from ..robot.settings import DEFAULTS
 
 

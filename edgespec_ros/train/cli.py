@@ -520,7 +520,7 @@ def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str,
         from tqdm import tqdm
         from ..decoding.engines import wrap_model
         from ..sim.dataset import dense_labels, learner_frames
-        from ..sim.policy import VLMPolicy
+        from ..evaluation.policy import VLMPolicy
         from .data import encode_example
         started = time.monotonic()
         policy = VLMPolicy(wrap_model(model, tokenizer, image_processor))

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .replay import GREEDY_NEW_TOKENS
+from ..evaluation.replay import GREEDY_NEW_TOKENS
 from ..robot.settings import DEFAULTS
 
 
@@ -115,7 +115,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = DEFAULTS
     from ..cloud.target import target_generate
     from ..robot.decoder import DecodeConfig
     from ..decoding.sampling import SamplingParams
-    from .replay import action_of_tokens, greedy_choice, greedy_continue_batch, prompt_pair, replay_rounds
+    from ..evaluation.replay import action_of_tokens, greedy_choice, greedy_continue_batch, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features
     eos = target.eos_token_ids
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image, history)
@@ -295,7 +295,7 @@ def _policy(spec, target, heads: dict | None = None):
     if spec is None or callable(spec):
         return spec
     from ..decoding.wisv import Csi, DecisionHead
-    from .replay import wisv_choice
+    from ..evaluation.replay import wisv_choice
     head_dir, csi, threshold = spec
     heads = {} if heads is None else heads  # a process's cache: its heads live as long as the pass
     if head_dir not in heads:

@@ -33,7 +33,7 @@ from ..decoding.inputs import Prompt
 from ..decoding.verifier import Block, VerifierError, VerifierRefused, VerifyReply, dropped_after
 from ..decoding.verify import VerifySettings
 from . import protocol as P
-from .frames import carries_q, hidden_frame, prefill_frame, verdict_reply, verify_frame
+from .frames import carries_q, hello_frame, hidden_frame, prefill_frame, verdict_reply, verify_frame
 from .link import DOWN, UP
 
 
@@ -150,8 +150,8 @@ class EdgeSession:
     def hello(self) -> P.Hello:
         """The HELLO opening the connection; the WELCOME is awaited next."""
         self.wait_for(P.Welcome)
-        return P.Hello(self.token, self.fingerprint, self.vocab_size, self.codec.spec, self.client_name,
-                       self.draft, self.policy_memory)
+        return hello_frame(self.fingerprint, self.vocab_size, self.codec, self.token, self.client_name, self.draft,
+                           self.policy_memory)
 
     @staticmethod
     def check_settings(settings: VerifySettings) -> None:

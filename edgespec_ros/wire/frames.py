@@ -1,7 +1,8 @@
-"""The robot's side of the frames, in one place: a decision's prompt and a drafted block as the
-frames that carry them (PREFILL, VERIFY, and HIDDEN when the verifier asks), and a VERDICT back as the ``VerifyReply`` the decoder
-reads, checked. The websocket client sends and reads them over the network; ``LocalVerifier``
-hands them to the same ``VerifierSession`` in process, so both verify exactly the same frames."""
+"""The robot's side of the frames, in one place: the HELLO introducing it, a decision's prompt and
+a drafted block as the frames that carry them (PREFILL, VERIFY, and HIDDEN when the verifier asks),
+and a VERDICT back as the ``VerifyReply`` the decoder reads, checked. The websocket client sends
+and reads them over the network; ``LocalVerifier`` hands them to the same ``VerifierSession`` in
+process, so both verify exactly the same frames."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,14 @@ from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifierError, VerifyReply, mask_of
 from ..decoding.verify import NO_TOKEN
 from . import protocol as P
+
+
+def hello_frame(fingerprint: str, vocab_size: int, codec, token: str = "", client: str = "edgespec-edge",
+                draft: str = "", memory: int = 0) -> P.Hello:
+    """The HELLO opening a session: the robot's tokenizer (fingerprint, vocabulary), its codec (a
+    ``codecs`` codec: its spec), auth token, name, draft (content hash) and how many earlier
+    decisions its prompts show."""
+    return P.Hello(token, fingerprint, vocab_size, codec.spec, client, draft, memory)
 
 
 def prefill_frame(decision: int, prompt: Prompt, settings: VerifySettings) -> P.Prefill:
