@@ -769,9 +769,9 @@ def test_a_conditional_block_with_the_split_codec_is_refused(pair, verifier):
 
 
 def test_welcome_says_what_the_verifiers_compute_costs_and_mode_auto_starts_from_it(pair, verifier):
-    """Protocol 9: an emulated verifier's WELCOME carries its lone pass and AR step (a native one
-    says 0: unknown), and a mode-auto decoder starts from that step instead of spending its first
-    decision on AR to measure it."""
+    """Protocol 9: an emulated verifier's WELCOME carries its lone pass and AR step, a native one
+    the medians of those it measured (0: none yet), and a mode-auto decoder starts from that step
+    instead of spending its first decision on AR to measure it."""
     from edgespec_ros.robot.decoder import EdgeDecoder
     profile = ComputeProfile("welcome-test", verify_s=0.62, ar_step_s=0.354)
     st = ServerThread(VerifierServer(_server_target(pair), compute=profile)).start()
@@ -784,6 +784,23 @@ def test_welcome_says_what_the_verifiers_compute_costs_and_mode_auto_starts_from
             assert auto.begin_auto_decision() == "sd"  # the AR step is known: measure drafting first
     finally:
         st.stop()
-    with client(verifier.url, pair) as rv:
-        assert (rv.welcome.pass_ms, rv.welcome.ar_step_ms) == (0.0, 0.0)
-        assert EdgeDecoder(pair.draft, rv)._auto(DecodeConfig(mode="auto", gamma="auto")).begin_auto_decision() == "ar"
+    native = ServerThread(VerifierServer(_server_target(pair))).start()
+    try:
+        with client(native.url, pair) as rv:
+            assert (rv.welcome.pass_ms, rv.welcome.ar_step_ms) == (0.0, 0.0)  # nothing measured yet
+            decoder = EdgeDecoder(pair.draft, rv)
+            assert decoder._auto(DecodeConfig(mode="auto", gamma="auto")).begin_auto_decision() == "ar"
+            for mode in ("ar", "sd"):  # lone AR steps and lone verification passes, measured
+                decoder.decide(INSTRUCTIONS[0], pair.image, DecodeConfig(mode=mode, max_new_tokens=8))
+            decoder.close()
+        server = native.server
+        with client(native.url, pair) as rv:
+            steps = [1e3 * x for x in server.lone_passes[True]]
+            passes = [1e3 * x for x in server.lone_passes[False]]
+            assert len(steps) >= 7 and passes  # 8 tokens: a prefill's then 7 steps; at least one round
+            assert rv.welcome.ar_step_ms == pytest.approx(float(np.median(steps)))
+            assert rv.welcome.pass_ms == pytest.approx(float(np.median(passes)))
+            auto = EdgeDecoder(pair.draft, rv)._auto(DecodeConfig(mode="auto", gamma="auto"))
+            assert auto.begin_auto_decision() != "ar"  # the AR step is known: it measures drafting first
+    finally:
+        native.stop()

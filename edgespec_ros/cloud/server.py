@@ -11,9 +11,10 @@ import itertools
 import logging
 import os
 import secrets
+import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .batch import ArStep, verify_batch
@@ -46,6 +47,9 @@ def on_device(fn, args: tuple, budget) -> Occupy:
     t0 = time.perf_counter()
     result = fn(*args)
     return Occupy(result, budget() - (time.perf_counter() - t0))
+
+
+LONE_PASSES_KEPT = 32  # natively measured lone passes (and AR steps) a WELCOME's medians are taken over
 
 
 @dataclass
@@ -126,9 +130,11 @@ class VerifierServer:
         context = lm.max_context
         self.max_context = context  # the model's own maximum (None: unknown)
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens, context or self.limits.max_prompt_tokens)
-        # what a WELCOME says of this verifier; the costs an emulated profile's (natively 0, unknown, until measured)
+        # what a WELCOME says of this verifier; the costs an emulated profile's, natively the medians of
+        # the lone passes measured so far (0, unknown, until one was: ``welcome_identity``)
         self.identity = Identity(self.fingerprint, self.model_name, server_name, max_frame,
-                                 1e3 * self.compute.pass_s(1), 1e3 * self.compute.pass_s(1, ar=True))
+                                 1e3 * self.compute.pass_s(1), 1e3 * self.compute.pass_s(1, 1, ar=True))
+        self.lone_passes = {False: deque(maxlen=LONE_PASSES_KEPT), True: deque(maxlen=LONE_PASSES_KEPT)}  # True: AR
         self.ssl_context = ssl_context
         self.insecure_no_auth = insecure_no_auth
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
@@ -276,7 +282,7 @@ class VerifierServer:
         if conn.reclaimed:  # its slot went to a newer connection meanwhile
             raise SessionError(P.ErrorCode.BUSY, "handshake too slow: HELLO must follow the connection at once "
                                                  "while the verifier is busy")
-        session = VerifierSession(self.lm, self.limits, self.identity)
+        session = VerifierSession(self.lm, self.limits, self.welcome_identity())
         await self._open(conn, session, hello)
         log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64),
                  session.codec.label(), clean(hello.draft, 64) or "unnamed",
@@ -515,6 +521,15 @@ class VerifierServer:
     def _sender_done(self) -> None:
         self.live_exit_senders -= 1
 
+    def welcome_identity(self) -> Identity:
+        """What the next WELCOME says: an emulated profile's costs, or natively the medians of the
+        last LONE_PASSES_KEPT lone verification passes and AR steps this verifier measured (the
+        robot's mode auto starts from them; 0 where none ran yet)."""
+        if self.compute.emulated:
+            return self.identity
+        ms = {ar: 1e3 * statistics.median(list(d)) if d else 0.0 for ar, d in self.lone_passes.items()}
+        return replace(self.identity, pass_ms=ms[False], ar_step_ms=ms[True])
+
     def _verify_batch_on_device(self, items: list[PassRow]) -> Occupy:
         """On the compute thread: several sessions' rounds and AR steps in one pass (verify_batch),
         then the emulated accelerator stays busy for the profile's time of that pass (its rows and
@@ -529,6 +544,8 @@ class VerifierServer:
             if w.on_start is not None:
                 w.on_start(t0, pass_s, exit_rows)
         batch = verify_batch([w.item for w in items])
+        if len(items) == 1 and not self.compute.emulated:  # a native lone pass: what the next WELCOME says
+            self.lone_passes[ar].append(time.perf_counter() - t0)
         self.metrics.on_batch(len(items))
         budget = pass_s + sum(w.exit_cost() for w in items if w.exit_cost is not None)
         # each row's result, or its own error in its place: FairCompute raises it to that session only
