@@ -36,8 +36,9 @@ class FakeDecoder:
     """decide() returns `text` (reporting it as 2 chunks through on_tokens), raises `error`, or blocks on
     `release` (calling on_tokens after release, like the next verified chunk would)."""
 
-    def __init__(self, text=TEXT, error=None, block=False):
+    def __init__(self, text=TEXT, error=None, block=False, auto=None):
         self.text, self.error = text, error
+        self.auto = auto  # mode auto: (the path it takes, its predictions in ms/token), as EdgeDecoder reports
         self.verifier = FakeVerifier()
         self.tokenizer = None
         self.calls = []
@@ -61,6 +62,8 @@ class FakeDecoder:
         m = DecisionMetrics(mode=cfg.mode, gamma=cfg.gamma, tokens=12, rounds=4, drafted=16, accepted=8,
                             accepted_per_position=[4, 2, 1, 1], drafted_per_position=[4, 4, 4, 4], wall_s=0.5,
                             t_uplink=0.1, t_downlink=0.1)
+        if cfg.mode == "auto" and self.auto:
+            m.mode, m.predicted_ms_per_token = self.auto
         return Decision(list(range(12)), self.text, m)
 
 

@@ -50,6 +50,24 @@ def test_decision_needs_a_command_and_a_fresh_frame():
     assert core.begin() is None and "newer" in core.why_not_ready(clock())
 
 
+def test_a_mode_auto_decision_says_which_path_it_took_and_what_each_was_predicted_to_cost():
+    """Shown on VerifiedAction (mode auto:PATH, predicted) and the decision log line; a fixed mode
+    predicts nothing."""
+    from edgespec_ros.robot.drafter import predicted_text
+    decoder = FakeDecoder(auto=("pipe", {"ar": 371.3, "sd": 255.94, "pipe": 214.5}))
+    core, clock = make(decoder, mode="auto")
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    assert (out.mode, out.predicted) == ("auto:pipe", "ar 371.3, sd 255.9, pipe 214.5")
+    assert predicted_text({}) == ""  # its first decisions measure: nothing predicted yet
+    core, clock = make(FakeDecoder(auto=("pipe", {"ar": 1.0})), mode="pipe")
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    assert (out.mode, out.predicted) == ("pipe", "")
+
+
 def test_wait_for_motion_then_a_frame_captured_after_it():
     core, clock = make()
     core.set_command("go")

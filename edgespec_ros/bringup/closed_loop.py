@@ -280,7 +280,8 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
         result["labels"].append((msg.action or "unparseable").replace(" ", "-"))
         print(f"  {steps:>2}/{scenario.max_steps:<2} {progress_bar(steps, scenario.max_steps)} "
               f"{observer.goal_distance(pose):5.2f} m to goal  {action:<24} {msg.tokens:>3} tokens "
-              f"{msg.rounds:>3} rounds  {msg.latency_s * 1e3:6.0f} ms", flush=True)
+              f"{msg.rounds:>3} rounds  {msg.latency_s * 1e3:6.0f} ms"
+              + (f"  {msg.mode[len('auto:'):]}" if msg.mode.startswith("auto:") else ""), flush=True)
         episode = result["episode"]
         if episode and episode["done"] and result["decisions"] >= episode["steps"]:
             return result

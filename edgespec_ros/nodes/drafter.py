@@ -385,8 +385,10 @@ class DrafterNode(LifecycleNode):
             how = "lossless" if self.settings.verification() == "lossless" else "LOSSY"
             if self.settings.verify_mode == "wisv" and outcome.metrics is not None:
                 how += f" wisv, {outcome.metrics.wisv_relaxed} mismatches kept"
+            chose = f", {outcome.mode}" + (f" (predicted ms/token: {outcome.predicted})" if outcome.predicted else "") \
+                if outcome.mode.startswith("auto") else ""
             log.info(f"decision: {outcome.action} ({outcome.tokens} tokens, {outcome.rounds} rounds, "
-                     f"{outcome.latency_s * 1e3:.0f} ms, {how})")
+                     f"{outcome.latency_s * 1e3:.0f} ms, {how}{chose})")
         core = self.core
         stats_pub = self._lifecycle_pubs.get("stats")
         if core is not None and stats_pub is not None:
@@ -421,6 +423,7 @@ def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
     msg.reasoning = outcome.reasoning
     msg.text = outcome.text
     msg.mode = outcome.mode
+    msg.predicted = outcome.predicted
     msg.tokens = outcome.tokens
     msg.rounds = outcome.rounds
     msg.tau = float(outcome.tau)

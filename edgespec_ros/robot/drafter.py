@@ -54,6 +54,12 @@ class Frame:
     frame_id: str = ""
 
 
+def predicted_text(ms_per_token: dict) -> str:
+    """Mode auto's predictions as one line, "ar 27.0, sd 151.2, pipe 104.9" ms/token ("" while it
+    still measures: its first decisions are chosen to measure, not predicted)."""
+    return ", ".join(f"{path} {ms:.1f}" for path, ms in ms_per_token.items())
+
+
 @dataclass
 class DecisionOutcome:
     """What one decision produced: the fields of a VerifiedAction message (plus the metrics)."""
@@ -68,6 +74,7 @@ class DecisionOutcome:
     parsed: bool = False
     parse_error: str = ""
     mode: str = ""
+    predicted: str = ""           # mode auto: its cost model's ms/token per path ("" otherwise)
     tokens: int = 0
     rounds: int = 0
     tau: float = 0.0
@@ -352,6 +359,7 @@ class DrafterCore:
         outcome = outcome_from_text(decision.text, instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
                                     frame_id=ticket.frame.frame_id, mode=mode, config=self.action_config)
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
+        outcome.predicted = predicted_text(m.predicted_ms_per_token) if s.mode == "auto" else ""
         outcome.temperature = cfg.params.temperature
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)

@@ -143,7 +143,7 @@ KINDS = {"": 0, "stop": 1, "move": 2, "turn": 3}
 
 def decision_message(*, stamp: int, instruction: str, text: str, action=None, parse_error: str = "",
                      reasoning: str = "", mode: str = "", tokens: int = 0, rounds: int = 0, latency_s: float = 0.0,
-                     temperature: float = 0.0, frame_id: str = "camera", fault: str = ""):
+                     temperature: float = 0.0, frame_id: str = "camera", fault: str = "", predicted: str = ""):
     """An edgespec_ros/VerifiedAction from plain values (``action``: a parsed control.actions.Action
     or None), as the drafter node fills it."""
     store = typestore()
@@ -158,7 +158,8 @@ def decision_message(*, stamp: int, instruction: str, text: str, action=None, pa
         size=getattr(action, "size", "") or "" if action is not None else "",
         distance_m=float(action.distance_m) if action is not None and kind == "move" else 0.0,
         angle_rad=float(action.angle_rad) if action is not None and kind == "turn" else 0.0,
-        reasoning=reasoning, text=text, mode=mode, parsed=action is not None, parse_error=parse_error,
+        reasoning=reasoning, text=text, mode=mode, predicted=predicted, parsed=action is not None,
+        parse_error=parse_error,
         tokens=tokens, rounds=rounds, tau=float(tokens / rounds) if rounds else 0.0, latency_s=float(latency_s),
         temperature=float(temperature), fault=fault)
 
@@ -438,7 +439,7 @@ READ_FIELDS = {
     DECISION_TYPE: ("header", "instruction", "action", "text", "mode", "parsed", "fault"),
     MOTION_TYPE: ("decision_stamp", "state", "outcome"),
 }
-OPTIONAL_FIELDS = {DECISION_TYPE: ("temperature",)}
+OPTIONAL_FIELDS = {DECISION_TYPE: ("temperature", "predicted")}
 
 
 def _fits(theirs_store, theirs, ours_store, ours, depth: int = 0) -> bool:
