@@ -145,3 +145,27 @@ def test_a_robot_that_knows_its_draft_speed_never_measures_a_path_that_cannot_wi
     assert slow.begin_auto_decision() == "ar"
     slow.observe_ar(30, 30 * 0.354, 0.24)
     assert slow.begin_auto_decision() == "sd"
+
+
+def test_a_path_slower_than_its_prediction_is_judged_by_what_it_does():
+    """The model leaves out what a pipeline's decisions pay beside their rounds: where the pipe's
+    decisions run 1.5x slower than predicted, auto leaves it for the AR it had measured, and a
+    path's calibration follows its decisions (clipped), 1.0 before any."""
+    from edgespec_ros.robot.draft_length import CALIBRATION_CLIP
+    auto = _measured(verify_s=0.024, rtt_s=0.05, draft_s=0.0167, ar_s=0.027, accepted=19, drafted=20)
+    raw = auto.predict()
+    assert raw["pipe"] < raw["ar"] and auto.calibration("pipe") == 1.0
+    auto._auto_mode = "pipe"
+    assert auto.begin_auto_decision() == "pipe"
+    auto.observe_decision("pipe", 1.5 * raw["pipe"])
+    assert auto.calibration("pipe") == pytest.approx(1.5)
+    auto.observe_decision("ar", auto.predict()["ar"])
+    assert auto.calibration("ar") == pytest.approx(1.0)
+    assert 1.5 * raw["pipe"] > raw["ar"] * (1 + AUTO_SWITCH_MARGIN)  # the measured pipe is worse than AR
+    assert auto.begin_auto_decision() == "ar"
+    assert auto.last_prediction["pipe"] == pytest.approx(1.5 * raw["pipe"])
+    auto.observe_decision("sd", 100.0)  # one wild decision moves it at most CALIBRATION_CLIP
+    assert auto.calibration("sd") == pytest.approx(CALIBRATION_CLIP)
+    before = AutoGamma()
+    before.observe_decision("ar", 0.03)  # nothing to compare with before the model predicts
+    assert before.calibration("ar") == 1.0

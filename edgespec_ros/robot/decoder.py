@@ -121,7 +121,7 @@ class EdgeDecoder:
         codec = getattr(self.verifier, "codec", None)
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
-        predicted = None
+        predicted, auto_decision = None, cfg.mode == "auto"
         if cfg.mode == "auto":  # the path the estimates predict fastest (AutoGamma.begin_auto_decision)
             auto = self._auto(cfg)
             cfg = replace(cfg, mode=auto.begin_auto_decision())
@@ -143,6 +143,8 @@ class EdgeDecoder:
         out, _ = truncate_at_stop(out, self.eos_ids, cfg.max_new_tokens)
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start
+        if auto_decision:  # mode auto learns what the path it took really costs
+            self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens))
         m.cloud_prefill_s = getattr(self.verifier, "last_prefill_s", None) or 0.0
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)

@@ -202,6 +202,8 @@ class AutoGamma:
         self.draft_prior_s = draft_token_s
         self._auto_mode: str | None = None  # mode auto: the path of the last decision
         self.last_prediction: dict[str, float] | None = None  # mode auto: predict() at the last choice
+        # mode auto: per path, its decisions' measured seconds per token over predict()'s (``calibration``)
+        self._calibration: dict[str, _Ew] = {}
 
     @staticmethod
     def _acceptance_prior(rate: float) -> _Ew:
@@ -322,11 +324,30 @@ class AutoGamma:
         pipe_block = hit * max(g * t_draft, F + g * t_tx) + (1 - hit) * (g * t_draft + F + g * t_tx)
         return {"ar": plan.ar_step_s, "sd": (F + g * (t_draft + t_tx)) / tokens, "pipe": pipe_block / tokens}
 
+    def observe_decision(self, path: str, seconds_per_token: float) -> None:
+        """Mode auto: a decision on ``path`` took ``seconds_per_token`` (its wall time over its
+        tokens). Its ratio to what ``predict`` says for that path on the estimates it updated is
+        kept (exponentially weighted, rate CALIBRATION_RATE, clipped to [1/CALIBRATION_CLIP,
+        CALIBRATION_CLIP]): the model leaves out what every decision pays beside its rounds (the
+        prompt, the prefills, the host's work) and a pipeline's stalls, which differ by path; a
+        path whose decisions run slower than predicted is then chosen on what it does, not on the
+        formula. Nothing is kept before the model can predict (its first, measuring decisions)."""
+        pred = self.predict()
+        if pred is None or path not in pred or pred[path] <= 0 or not seconds_per_token > 0:
+            return
+        ratio = min(max(seconds_per_token / pred[path], 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
+        self._calibration.setdefault(path, _Ew(CALIBRATION_RATE, 2)).add(ratio, 1.0)
+
+    def calibration(self, path: str) -> float:
+        """Mode auto: the measured / predicted seconds per token of ``path``'s decisions (1.0 until one ran)."""
+        ew = self._calibration.get(path)
+        return ew.sums[0] / ew.sums[1] if ew is not None and ew.count else 1.0
+
     def begin_auto_decision(self) -> str:
         """``mode auto``: the path of the next decision, "ar", "sd" or "pipe" (call once at the
         start of each). As ``begin_decision`` measures (AR first, then an SD decision, probes of
         the speculative paths while AR wins), it then takes the path ``predict`` says is fastest,
-        but keeps the current one unless another is predicted ``AUTO_SWITCH_MARGIN`` faster (the
+        each path's prediction scaled by its ``calibration`` (what its decisions really cost), but keeps the current one unless another is predicted ``AUTO_SWITCH_MARGIN`` faster (the
         estimates are noisy; a path flapping every decision helps nobody). ``last_prediction``:
         what the choice was made on."""
         self._last_round = None
@@ -338,7 +359,7 @@ class AutoGamma:
             optimistic = self.predict(alpha=self.alpha_probe)
             mode = "sd" if optimistic is None or min(optimistic["sd"], optimistic["pipe"]) < optimistic["ar"] else "ar"
         else:
-            pred = self.last_prediction = self.predict()
+            pred = self.last_prediction = {k: v * self.calibration(k) for k, v in self.predict().items()}
             best = min(pred, key=pred.get)
             current = self._auto_mode
             mode = current if current in pred and pred[current] <= pred[best] * (1 + AUTO_SWITCH_MARGIN) else best
@@ -370,5 +391,7 @@ class AutoGamma:
 
 
 AUTO_SWITCH_MARGIN = 0.05  # mode auto leaves its current path only for one predicted this much faster
+CALIBRATION_RATE = 0.3  # mode auto: a path's measured/predicted ratio follows its last few decisions
+CALIBRATION_CLIP = 4.0  # ... and one decision moves it at most this factor either way
 _MIN_S = 1e-9  # keeps the model's ratios finite when a time measured 0 (in-process verifiers)
 _SLOPE_RIDGE = 1.0  # the link's per-token slope is shrunk towards 0 by one pair of rounds with dn = 1
