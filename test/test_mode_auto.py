@@ -164,6 +164,10 @@ def test_a_path_slower_than_its_prediction_is_judged_by_what_it_does():
     assert 1.5 * raw["pipe"] > raw["ar"] * (1 + AUTO_SWITCH_MARGIN)  # the measured pipe is worse than AR
     assert auto.begin_auto_decision() == "ar"
     assert auto.last_prediction["pipe"] == pytest.approx(1.5 * raw["pipe"])
+    fresh = _measured(verify_s=0.024, rtt_s=0.05, draft_s=0.0167, ar_s=0.027, accepted=19, drafted=20)
+    fresh.observe_decision("sd", 1.2 * fresh.predict()["sd"])
+    assert fresh.calibration("pipe") == pytest.approx(1.2)  # a speculative path not run yet: the other's
+    assert fresh.calibration("ar") == 1.0  # never AR's from a speculative path
     auto.observe_decision("sd", 100.0)  # one wild decision moves it at most CALIBRATION_CLIP
     assert auto.calibration("sd") == pytest.approx(CALIBRATION_CLIP)
     before = AutoGamma()

@@ -339,8 +339,12 @@ class AutoGamma:
         self._calibration.setdefault(path, _Ew(CALIBRATION_RATE, 2)).add(ratio, 1.0)
 
     def calibration(self, path: str) -> float:
-        """Mode auto: the measured / predicted seconds per token of ``path``'s decisions (1.0 until one ran)."""
+        """Mode auto: the measured / predicted seconds per token of ``path``'s decisions; for a
+        speculative path not run yet, the other speculative path's (the overheads the model leaves
+        out are mostly the decision's, shared by both); 1.0 before any."""
         ew = self._calibration.get(path)
+        if (ew is None or not ew.count) and path != "ar":
+            ew = next((e for p, e in self._calibration.items() if p not in ("ar", path) and e.count), None)
         return ew.sums[0] / ew.sums[1] if ew is not None and ew.count else 1.0
 
     def begin_auto_decision(self) -> str:
