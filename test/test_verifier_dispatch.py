@@ -18,7 +18,7 @@ from edgespec_ros.cloud.work import (ArStepPass, AskHidden, BeginRound, Done, En
 from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import Block, VerifierRefused
-from edgespec_ros.decoding.verify import NO_TOKEN, WISV, DraftDistributionError, VerifyResult, VerifySettings
+from edgespec_ros.decoding.verify import NO_TOKEN, WISV, DraftDistributionError, RuleRow, VerifyResult, VerifySettings
 from edgespec_ros.decoding.wisv import Csi, encode_hidden
 from edgespec_ros.wire import protocol as P
 from wire_helpers import open_session
@@ -40,6 +40,11 @@ class FakeSeq:
 
     def take_pending(self):
         return []
+
+
+def one_hot(tokens: list[int]) -> torch.Tensor:
+    """Logits [len(tokens), VOCAB] whose argmax at row i is tokens[i]."""
+    return torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).float()
 
 
 class FakeTarget:
@@ -67,12 +72,27 @@ class FakeTarget:
         self.calls.append(("finish", list(draft_ids)))
         return VerifyResult(len(draft_ids), 7)
 
+    def round_row(self, draft_ids, draft_probs, logits, start):
+        """verify_batch's rule row: logits whose greedy verdict accepts every draft, then 7."""
+        self.calls.append(("finish", list(draft_ids)))
+        return RuleRow(list(draft_ids), one_hot(list(draft_ids) + [7]), SamplingParams(0.0), 0, start, "greedy")
+
+    def commit_round(self, draft_ids, result, chained, start, logits):
+        return result
+
     def _require_started(self):
         return self.settings
 
     def ar_step(self):
         self.calls.append("ar")
         return 5, 0.001
+
+    def ar_row(self):
+        self.calls.append("ar")
+        return RuleRow([], one_hot([5]), SamplingParams(0.0), 0, self.position)
+
+    def commit_ar(self, token):
+        return token
 
     def wisv_begin(self, draft_ids, chained=False, on_exit=None):
         self.wisv_round = "open"
@@ -254,9 +274,9 @@ def test_verify_batch_keeps_each_rows_result_and_error_apart():
     bad.calls.append("fail")
     batch = verify_batch([Round(good, [1, 2], None), Round(bad, [3], None), ArStep(ar)])
     assert isinstance(batch, BatchResult)
-    assert batch.values[0] == VerifyResult(2, 7) and batch.errors[0] is None
+    assert batch.values[0] == VerifyResult(2, 7, [True, True]) and batch.errors[0] is None
     assert batch.values[1] is None and isinstance(batch.errors[1], ValueError)
-    assert batch.values[2] == (5, 0.001) and batch.value(2) == (5, 0.001)
+    assert batch.values[2][0] == 5 and batch.value(2) is batch.values[2]  # (token, the rule's seconds)
     with pytest.raises(ValueError, match="not started"):
         batch.value(1)
     assert batch.outcomes() == [batch.values[0], batch.errors[1], batch.values[2]] == list(batch)

@@ -18,8 +18,9 @@ the passes:
 
 On a CPU every tensor is a host tensor already, so the bytes are those that would cross on an
 accelerator, not copies made here; timings are the CPU's. Mode ``sampled`` verifies
-temperature-1 rejection-sampling rounds with a random q per draft (q travels host -> device, which
-is not counted: it enters tensor land).
+temperature-1 rejection-sampling rounds with a random q per draft, checked before the pass as the
+session checks it when it decodes the block (q travels host -> device, which is not counted: it
+enters tensor land).
 
 ``python -m edgespec_ros.bench.host_share`` measures the embedded target (``--shape mid``: a
 random-weight Qwen2-VL with the real 151,936-token vocabulary, small enough for a CPU).
@@ -41,7 +42,7 @@ from ..cloud.target import TargetSession
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.sampling import SamplingParams
-from ..decoding.verify import VerifySettings
+from ..decoding.verify import VerifySettings, check_draft_probs_once
 
 GREEDY = VerifySettings(SamplingParams(0.0), seed=0, verify_mode="greedy")
 SAMPLED = VerifySettings(SamplingParams(1.0), seed=0, verify_mode="rejection")
@@ -169,6 +170,8 @@ def _rounds(lm: LoadedModel, sessions, block: int, mode: str, rng: random.Random
             q = torch.softmax(torch.randn(drafts, lm.vocab_size, generator=g, dtype=torch.float64), -1)
             q[torch.arange(drafts), torch.tensor(draft)] += 1e-3  # the drafts had mass under q
             q = q / q.sum(-1, keepdim=True)
+            # the session checks q when it decodes the block (on the host, where q arrives), before the pass
+            check_draft_probs_once(torch.tensor(draft), q, lm.vocab_size)
         out.append(Round(s, draft, q))
     return out
 
@@ -234,19 +237,20 @@ def measure(lm: LoadedModel, rows_list=(1, 8, 16), block: int = 5, passes: int =
     return out
 
 
-def load(shape: str) -> LoadedModel:
+def load(shape: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """The embedded target (``embedded``), or a random-weight Qwen2-VL: ``mid`` (``MID``) or a
-    ``bench/shapes`` name, float32 on the CPU."""
+    ``bench/shapes`` name (qwen2-vl-2b, ...), on ``device`` in ``dtype``."""
+    from ..decoding.engines import load_model, resolve_device, resolve_dtype
     if shape == "embedded":
-        from ..decoding.engines import load_model
         from ..models import resolve_models
-        return load_model(resolve_models(None, None).target_path)
+        return load_model(resolve_models(None, None).target_path, dtype=dtype, device=device)
     from .gpu_measure import build_lm, load_shape
     if shape == "mid":
         spec = {**load_shape("qwen2-vl-2b"), **MID, "_name": "qwen2-vl-mid-cpu"}
     else:
         spec = load_shape(shape)
-    return build_lm(spec, torch.device("cpu"), torch.float32)
+    dev = resolve_device(device)
+    return build_lm(spec, dev, resolve_dtype(dtype, dev))
 
 
 def format_table(results: list[dict]) -> str:
@@ -266,16 +270,19 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--modes", default="greedy,sampled")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    lm = load(args.shape)
+    lm = load(args.shape, args.device, args.dtype)
     rows = tuple(int(r) for r in args.rows.split(","))
     results = []
     for mode in args.modes.split(","):
         results += measure(lm, rows, args.block, args.passes, mode)
-    print(f"{args.shape}: vocab {lm.vocab_size}, block {args.block}, median of {args.passes} passes")
+    print(f"{args.shape} on {lm.device} ({args.dtype}): vocab {lm.vocab_size}, block {args.block}, "
+          f"median of {args.passes} passes")
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

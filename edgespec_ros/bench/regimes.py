@@ -177,6 +177,21 @@ def table_regimes(rows: list[dict]) -> str:
     return fixed_width(head, lines) + "\n" + "\n".join(notes)
 
 
+HEADLINE_LINK = "wifi-poor"  # the README's summary of the map: one link, every cloud and robot
+HEADLINE_HEAD = ["cloud (EMULATED)", "robot drafts (ms/token)", "AR ms/token", "best fixed speculative", "auto",
+                 "fastest"]
+
+
+def headline_rows(rows: list[dict], link: str = HEADLINE_LINK) -> list[list[str]]:
+    """The README's headline table from the map's cells on ``link`` (a test holds the README to it)."""
+    out = []
+    for c in (r for r in rows if r.get("kind") == "cell" and r["link"] == link):
+        out.append([_short(c["cloud_name"]), f"{c['robot']} ({c['draft_ms']:.1f})", f"{c['ar_ms']:.1f}",
+                    f"{c['best_mode']} {c['best_ms']:.1f} ({c['best_vs_ar']:.2f}x)",
+                    f"{c['auto_ms']:.1f} ({c['auto_vs_ar']:.2f}x)", c["winner"]])
+    return out
+
+
 def plot_regimes(rows: list[dict], path: str) -> None:
     """One panel per link: each cell at (the robot's draft ms per token, the cloud's AR ms per
     token), coloured by the best speculative mode's speedup over AR and labelled with it and auto's;

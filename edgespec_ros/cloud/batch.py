@@ -6,7 +6,9 @@ blocks).
 its tokens on top of its cache, at its own M-RoPE positions; returns the logits [n_i, V]) in one
 forward pass: the caches are left-padded to the longest and stacked, the new tokens right-padded,
 and a per-row attention mask hides every pad; positions are explicit per row. Afterwards each
-sequence's cache holds exactly its own new keys and values, as if it had been fed alone.
+sequence's cache holds exactly its own new keys and values, as if it had been fed alone. The logits
+stay on the model's device: ``verify_batch`` runs the verification rule there for every row at once
+(``decoding.verify.verify_rows``) and brings back one small int tensor per pass.
 
 Exactness: masked pads contribute exact zeros to attention, but a batched matmul may reduce in a
 different order than a single-row one, so logits agree with the unbatched ones to float rounding
@@ -16,6 +18,7 @@ batched and alone only when a uniform draw or a greedy tie falls within that rou
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as _Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Union
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 
 from ..decoding.engines import _TRANSFORMERS_MAJOR, Sequence
+from ..decoding.verify import verify_rows
 
 if TYPE_CHECKING:
     from ..decoding.exits import ExitResult
@@ -47,7 +51,8 @@ def _new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
 
 @torch.inference_mode()
 def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch.Tensor]:
-    """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each."""
+    """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each,
+    on the model's device (a lone sequence's where its ``device_logits`` says)."""
     if len(seqs) != len(token_lists) or not seqs:
         raise ValueError("feed_batch needs one token list per sequence, and at least one")
     if len(seqs) == 1:
@@ -87,7 +92,7 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
     position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
     out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                    use_cache=True)
-    logits = out.logits.float().cpu()
+    logits = out.logits.float()  # stays on the device
     merged = _layers(cache)
     results = []
     for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
@@ -156,11 +161,13 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
     """Verify several sessions' rounds (``Round``) and decode their AR steps (``ArStep``) with one
     forward pass (one model; at most one item per session): each session's result and commit are
     those of ``TargetSession.verify``/``ar_step`` on its own, up to float rounding in the logits
-    (see the module docstring). An item that fails its own checks (state, draft distribution:
+    (see the module docstring). The rule then runs once for every row, on the logits' device
+    (``decoding.verify.verify_rows``: an AR step is a round of no drafts), and one int64 [rows, 2]
+    comes back to the host. An item that fails its own checks (state, draft distribution:
     before the pass, inside it in its early exits, or after it) gets its exception in ``errors``,
     and the others go on. A round with ``on_exit``
     gets its early exits from inside the shared pass (the adapters run on its batch row only),
-    shallowest first, as alone."""
+    shallowest first, as alone. An AR step's compute seconds are the rule's (its feed was the pass)."""
     sessions = [r.session for r in rounds]
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("verify_batch: one item per session (a session's next step needs this one's result)")
@@ -187,6 +194,7 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
         with _exit_hooks(sessions, fed_rows, tokens, exits, failed):
             fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows],
                                                 [tokens[i] for i in fed_rows])))
+    rows, owners, logits = [], [], {}
     for i in live:
         s, r = sessions[i], rounds[i]
         if i in failed:
@@ -194,11 +202,24 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
             continue
         try:
             if isinstance(r, ArStep):
-                values[i] = s.ar_step()  # its pending token was fed above: samples from its last logits
+                rows.append(s.ar_row())  # its pending token was fed above: its last logits
             else:
-                values[i] = s.finish_round(r.draft_ids, r.draft_probs, s.seq.end_target(fed.get(i)), r.chained,
-                                           starts[i])
+                logits[i] = s.seq.end_target(fed.get(i))
+                rows.append(s.round_row(r.draft_ids, r.draft_probs, logits[i], starts[i]))
+            owners.append(i)
         except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
+            errors[i] = exc
+    t0 = time.perf_counter()
+    results = verify_rows(rows)
+    rule_s = time.perf_counter() - t0
+    for i, result in zip(owners, results):
+        s, r = sessions[i], rounds[i]
+        try:
+            if isinstance(r, ArStep):
+                values[i] = (s.commit_ar(result.next_token), rule_s)
+            else:
+                values[i] = s.commit_round(r.draft_ids, result, r.chained, starts[i], logits[i])
+        except Exception as exc:  # noqa: BLE001 - its own session's error, not the batch's
             errors[i] = exc
     return BatchResult(values, errors)
 
@@ -212,18 +233,21 @@ def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict, failed
     if not exits:
         return contextlib.nullcontext()
     from ..decoding.exits import ExitHooks
+    from .target import verify_exits
     lm = sessions[fed_rows[0]].lm
     streaming = [i for i in fed_rows if i in exits]
     hooks = ExitHooks(lm.model, lm.exits)
     hooks.rows, hooks.select = None, [fed_rows.index(i) for i in streaming]
 
     def callback(layer: int, logits: torch.Tensor) -> None:  # [len(streaming), longest, V]
-        for k, i in enumerate(streaming):
-            if i in failed:
-                continue
-            try:
-                exits[i](layer, logits[k, :len(tokens[i])])  # the row's own tokens (pads come after)
-            except Exception as exc:  # noqa: BLE001 - that row's error, never the batch's
-                failed[i] = exc
+        ks = [k for k, i in enumerate(streaming) if i not in failed]
+        if not ks:
+            return
+        # every streaming row's exit verified by one rule call; each row's own tokens (pads come after)
+        outcome = verify_exits(layer, [exits[streaming[k]] for k in ks],
+                               [logits[k, :len(tokens[streaming[k]])] for k in ks])
+        for k, error in zip(ks, outcome):
+            if error is not None:
+                failed[streaming[k]] = error
     hooks.callback = callback
     return hooks

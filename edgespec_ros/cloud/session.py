@@ -393,9 +393,11 @@ class VerifierSession:
         return Round(self.target, list(step.msg.draft_ids), step.q, step.chained, on_exit if step.exits else None)
 
     def split_verify(self, step: Step):
-        """The split step's pass: q(x) of each draft only; on a rejection the result carries p."""
+        """The split step's pass: q(x) of each draft only; on a rejection the result carries p (only
+        the top-K the downlink carries comes to the host)."""
         with self.refusing("bad split-codec round", (CodecError, DraftDistributionError, ValueError)):
-            return self.target.verify_separate(step.msg.draft_ids, step.q, step.edge_token, chained=step.chained)[0]
+            return self.target.verify_separate(step.msg.draft_ids, step.q, step.edge_token, chained=step.chained,
+                                               p_top=getattr(self.codec, "k", 0))[0]  # the downlink's top-K
 
     def encode_p(self, result) -> bytes:
         """Host work: the split verdict's target distribution as the downlink carries it."""

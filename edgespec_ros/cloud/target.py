@@ -22,9 +22,9 @@ import torch
 from ..decoding.preempt import run_steps
 from ..decoding.engines import PREFILL_CHUNK, LoadedModel
 from ..decoding.inputs import PromptInputs
-from ..decoding.sampling import STREAM_RESAMPLE, keyed_uniform, probs_from_logits, sample_from
 from ..decoding.inputs import Prompt
-from ..decoding.verify import NO_TOKEN, WISV, VerifyResult, VerifySettings, verify, verify_separate
+from ..decoding.verify import (NO_TOKEN, SEPARATE, WISV, RuleRow, VerifyResult, VerifySettings, rule_row, to_host,
+                               verify_rows)
 
 
 
@@ -49,6 +49,7 @@ class TargetSession:
         self._tolerance = None  # the decisions' SizeTolerance (wisv action_tolerance), built on first use
         self.lm = lm
         self.seq = lm.new_sequence()
+        self.seq.device_logits = True  # the rule runs where the logits are (decoding.verify.verify_rows)
         self.settings: VerifySettings | None = None
         self._exit_last: dict[int, torch.Tensor] = {}
         self.awaiting_edge_token = False  # split codec: the robot owes the token after a rejection
@@ -190,11 +191,21 @@ class TargetSession:
 
     def finish_round(self, draft_ids: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
                      chained: bool, start_position: int) -> VerifyResult:
-        """The verification rule on the round's target logits, and the commit."""
+        """The verification rule on the round's target logits, and the commit (alone; a batched
+        pass makes every row's ``round_row``, runs the rule on all, then ``commit_round`` each)."""
+        result = verify_rows([self.round_row(draft_ids, draft_probs, logits, start_position)])[0]
+        return self.commit_round(draft_ids, result, chained, start_position, logits)
+
+    def round_row(self, draft_ids: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                  start_position: int) -> RuleRow:
+        """The round checked (its drafts, its q) as a row of the rule (``decoding.verify.verify_rows``)."""
         settings = self.settings
-        ids = torch.tensor(draft_ids, dtype=torch.long)
-        result = verify(ids, draft_probs, logits, settings.params,
-                        seed=settings.seed, start_position=start_position, mode=settings.rule)
+        return rule_row(draft_ids, draft_probs, logits, settings.params, seed=settings.seed,
+                        start_position=start_position, mode=settings.rule)
+
+    def commit_round(self, draft_ids: list[int], result: VerifyResult, chained: bool, start_position: int,
+                     logits: torch.Tensor) -> VerifyResult:
+        """Commit the rule's verdict on a round (early exits scored, the round recorded)."""
         self._score_exits(result)
         self._commit(draft_ids, result, chained, result.next_token)
         self._record(start_position, draft_ids, logits, result)
@@ -224,10 +235,11 @@ class TargetSession:
             self.last_exit_layer = next((e.layer for e in self.last_exits if e.key == final), self.lm.num_layers)
 
     def verify_separate(self, draft_ids: list[int], q_at_draft: torch.Tensor,
-                        edge_token: int | None, chained: bool = False) -> tuple[VerifyResult, float]:
+                        edge_token: int | None, chained: bool = False, p_top: int = 0) -> tuple[VerifyResult, float]:
         """A round of the split codec (separate rejection sampling): only q(x) of each draft is
         known here; a rejection leaves the next token to the robot (result.next_token NO_TOKEN,
-        result.target_p = p there), which sends it as ``edge_token`` with the next round."""
+        result.target_p = p there: only its top ``p_top`` entries come to the host when the
+        downlink carries only those), which sends it as ``edge_token`` with the next round."""
         settings = self._require_started()
         if self.awaiting_edge_token and edge_token is None:
             raise ValueError("split codec: this VERIFY lacks the token the robot resampled after the last rejection")
@@ -241,40 +253,20 @@ class TargetSession:
             self.awaiting_edge_token = False
         start_position = self.position
         logits = self.seq.target_logits(draft_ids)
-        result = verify_separate(draft_ids, q_at_draft, logits, settings.params, seed=settings.seed,
-                                 start_position=start_position)
+        result = verify_rows([rule_row(draft_ids, q_at_draft, logits, settings.params, seed=settings.seed,
+                                       start_position=start_position, mode=SEPARATE, p_top=p_top)])[0]
         rejected = result.target_p is not None
         self._commit(draft_ids, result, chained, result.next_token)
         self.awaiting_edge_token = rejected
         self._record(start_position, draft_ids, logits, result)
         return result, time.perf_counter() - t0
 
-    def exit_verifier(self, draft_ids: list[int], draft_probs: torch.Tensor | None, start_position: int, on_exit):
-        """For a round about to be fed (after ``begin_round``, before ``begin_target``): a function
-        (layer, exit logits [n, V] of the n tokens the round feeds) that verifies the draft at
-        that exit (Eq. 5: same rule, same keyed randomness, its own logits), records it in
-        ``last_exits`` and passes it to on_exit. Called from inside the forward pass, alone or
-        batched (``cloud.batch.verify_batch``)."""
-        from ..decoding.exits import ExitResult
-        settings = self.settings
-        ids = torch.tensor(draft_ids, dtype=torch.long)
-        rows = len(draft_ids) + 1
-        # Row 0 (the distribution at the first draft) was computed by the last forward when nothing
-        # is pending: the prefill's last position, or the last row of a chained block accepted in full.
-        first_rows = not self.seq.pending
-
-        def exit_verified(layer: int, fed: torch.Tensor) -> None:
-            z = fed[-(rows - 1):] if first_rows else fed[-rows:]
-            if first_rows:
-                z = torch.cat([self._exit_last[layer].view(1, -1), z], dim=0)
-            self._exit_last[layer] = z[-1]  # row 0 of a chained next block, if this one is accepted in full
-            r = verify(ids, draft_probs, z, settings.params, seed=settings.seed,
-                       start_position=start_position, mode=settings.rule)
-            confidence = float(torch.softmax(z[r.accepted], dim=-1).max())  # Eq. 4 at its next token
-            res = ExitResult(layer, r.accepted, r.next_token, confidence)
-            self.last_exits.append(res)
-            on_exit(res)
-        return exit_verified
+    def exit_verifier(self, draft_ids: list[int], draft_probs: torch.Tensor | None, start_position: int,
+                      on_exit) -> "ExitVerifier":
+        """For a round about to be fed (after ``begin_round``, before ``begin_target``): its early
+        exits' verifier (``ExitVerifier``), called from inside the forward pass with each exit's
+        logits, alone or batched (``cloud.batch.verify_batch``: ``verify_exits`` over the rows)."""
+        return ExitVerifier(self, draft_ids, draft_probs, start_position, on_exit)
 
     def _target_logits_with_exits(self, draft_ids, ids, draft_probs, start_position, on_exit) -> torch.Tensor:
         from ..decoding.exits import ExitHooks
@@ -297,7 +289,7 @@ class TargetSession:
         if settings.verify_mode != WISV:
             raise ValueError(f"a WISV round in a decision verified by {settings.verify_mode!r}")
         _, logits = self._round_logits(draft_ids, None, on_exit)
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = to_host(logits.argmax(dim=-1))  # gamma + 1 ints: the mismatches are read on the host
         eos = self.lm.eos_token_ids
         protected, asked = set(), []
         if settings.wisv_threshold > 0:  # at 0 nothing is kept: greedy SD, no text to decode
@@ -354,7 +346,8 @@ class TargetSession:
             tokens = None
             if head.config.token_dim:
                 tokens = token_pair_features(self.lm, [r.draft_ids[i] for i in r.asked], [r.argmax[i] for i in r.asked])
-            probs = dict(zip(r.asked, head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens).tolist()))
+            reject = head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens)
+            probs = dict(zip(r.asked, to_host(reject)))
         self.wisv_round = None
         start = self.position
         tolerated = self._size_tolerance(self.settings) if self.settings.wisv_threshold > 0 else None
@@ -367,13 +360,77 @@ class TargetSession:
 
     def ar_step(self) -> tuple[int, float]:
         """Decode one token with the target alone; returns (token, compute seconds)."""
-        settings = self._require_started()
+        self._require_started()
         t0 = time.perf_counter()
-        pos = self.position
-        p = probs_from_logits(self.seq.next_logits(), settings.params)
-        token = sample_from(p, keyed_uniform(settings.seed, pos, STREAM_RESAMPLE))
-        self.seq.append_generated(token)
+        token = self.commit_ar(verify_rows([self.ar_row()])[0].next_token)
         return token, time.perf_counter() - t0
+
+    def ar_row(self) -> RuleRow:
+        """The next AR step as a row of the rule: a round of no drafts, whose bonus token is the
+        target's own sample from p (under the decision's sampling parameters, the position's keyed
+        uniform) at the next position. Feeds the pending token first when it was not fed yet."""
+        settings = self._require_started()
+        return RuleRow([], self.seq.next_logits().view(1, -1), settings.params, settings.seed, self.position)
+
+    def commit_ar(self, token: int) -> int:
+        """Commit the rule's token for an AR step (fed with the next forward)."""
+        self.seq.append_generated(token)
+        return token
+
+
+class ExitVerifier:
+    """One round's early exits (Eq. 5: each exit verifies the draft with the same rule and keyed
+    randomness on its own logits, Eq. 4 its confidence at its next token): ``row(layer, fed)``
+    makes the exit's row of the rule from the exit logits [n, V] of the n tokens the round feeds,
+    ``deliver`` records the verdict in the session's ``last_exits`` and passes it to on_exit.
+    Called alone (``__call__``) or for several rounds at once (``verify_exits``)."""
+
+    def __init__(self, session: TargetSession, draft_ids: list[int], draft_probs, start_position: int, on_exit):
+        self.session, self.draft_ids, self.draft_probs = session, draft_ids, draft_probs
+        self.start, self.on_exit = start_position, on_exit
+        self.rows = len(draft_ids) + 1
+        # Row 0 (the distribution at the first draft) was computed by the last forward when nothing
+        # is pending: the prefill's last position, or the last row of a chained block accepted in full.
+        self.first_rows = not session.seq.pending
+
+    def row(self, layer: int, fed: torch.Tensor) -> RuleRow:
+        s = self.session
+        z = fed[-(self.rows - 1):] if self.first_rows else fed[-self.rows:]
+        if self.first_rows:
+            z = torch.cat([s._exit_last[layer].view(1, -1), z], dim=0)
+        s._exit_last[layer] = z[-1]  # row 0 of a chained next block, if this one is accepted in full
+        return s.round_row(self.draft_ids, self.draft_probs, z, self.start)
+
+    def deliver(self, layer: int, result: VerifyResult) -> None:
+        from ..decoding.exits import ExitResult
+        res = ExitResult(layer, result.accepted, result.next_token, result.confidence)
+        self.session.last_exits.append(res)
+        self.on_exit(res)
+
+    def __call__(self, layer: int, fed: torch.Tensor) -> None:
+        error = verify_exits(layer, [self], [fed])[0]
+        if error is not None:
+            raise error
+
+
+def verify_exits(layer: int, verifiers: list[ExitVerifier], feds: list[torch.Tensor]) -> list[Exception | None]:
+    """Exit ``layer`` of several rounds in one rule call (one crossing to the host for all: each
+    row's accepted count, next token and confidence): each row's own error (its draft cannot be
+    verified, its on_exit failed) in its place, None where it streamed its exit."""
+    errors: list[Exception | None] = [None] * len(verifiers)
+    rows, live = [], []
+    for k, (v, fed) in enumerate(zip(verifiers, feds)):
+        try:
+            rows.append(v.row(layer, fed))
+            live.append(k)
+        except Exception as exc:  # noqa: BLE001 - that round's input, never the others'
+            errors[k] = exc
+    for k, result in zip(live, verify_rows(rows, confidence=True)):
+        try:
+            verifiers[k].deliver(layer, result)
+        except Exception as exc:  # noqa: BLE001 - that round's sender
+            errors[k] = exc
+    return errors
 
 
 def target_generate(lm: LoadedModel, prompt_inputs: PromptInputs, settings, max_new_tokens: int | None = None

@@ -85,10 +85,11 @@ def target_topk(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k most probable tokens of each row of ``logits`` [n, V] under the untempered softmax:
     (ids int32 [n, min(k, V)], log-probs float32 [n, min(k, V)]), most probable first."""
     import torch
+    from ..decoding.verify import to_host
     z = logits.detach().float()
     values, ids = torch.topk(z, min(k, z.shape[-1]), dim=-1)
     logprobs = values - torch.logsumexp(z, dim=-1, keepdim=True)
-    return ids.to(torch.int32).cpu().numpy(), logprobs.cpu().numpy().astype(np.float32)
+    return to_host(ids.to(torch.int32), numpy=True), to_host(logprobs, numpy=True).astype(np.float32)
 
 
 @dataclass

@@ -49,7 +49,7 @@ class LoadedModel:
     @functools.cached_property
     def device(self) -> torch.device:
         """Where the weights are (read once: nothing moves a loaded model): inputs are made there;
-        logits come back on the CPU."""
+        logits come back on the CPU, except a verifier's (``Sequence.device_logits``)."""
         return next(self.model.parameters()).device
 
     @property
@@ -350,6 +350,13 @@ class Sequence:
     round_hidden: torch.Tensor | None = None  # [gamma + 1, d] after end_target(): beside its logits rows
     prompt_ids: list[int] = field(default_factory=list)  # the prompt whose positions begin the cache
     reused: int = 0  # prompt positions the last prefill kept from the cache instead of computing
+    # the verifier's sequences keep their logits where the model computed them (the rule runs there:
+    # decoding.verify); a drafter's come back to the CPU, where it samples
+    device_logits: bool = False
+
+    def _out(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        return logits if self.device_logits else logits.cpu()
 
     def _hidden_capture(self):
         if not self.keep_hidden:
@@ -432,7 +439,7 @@ class Sequence:
                 self.fed = b
             if hidden:
                 self.last_hidden = hidden[-1][0, -1]
-        self.last_logits = out.logits[0, -1].float().cpu()
+        self.last_logits = self._out(out.logits[0, -1])
         return self.last_logits
 
     @torch.inference_mode()
@@ -451,7 +458,7 @@ class Sequence:
             self.last_hidden = self.fed_hidden[-1]
         self.fed += n
         self.fed_tokens.extend(int(t) for t in token_ids)
-        logits = out.logits[0].float().cpu()
+        logits = self._out(out.logits[0])
         self.last_logits = logits[-1]
         return logits
 
@@ -462,6 +469,7 @@ class Sequence:
                         self.last_logits, list(self.generated), list(self.fed_tokens), self.keep_hidden,
                         self.last_hidden)
         twin.prompt_ids = self.prompt_ids  # never mutated in place: shared safely
+        twin.device_logits = self.device_logits
         for attr in ("_verify_base",):
             if hasattr(self, attr):
                 setattr(twin, attr, getattr(self, attr))

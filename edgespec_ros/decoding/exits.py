@@ -174,9 +174,7 @@ class ExitHooks:
                 hs = hs[:, -self.rows:]
             with torch.set_grad_enabled(self.train):
                 logits = self.exits.logits(layer, hs, self.norm, self.head).float()
-            if not self.train:
-                logits = logits.cpu()  # verified against the drafts on the CPU, like the final logits
-            self.callback(layer, logits)
+            self.callback(layer, logits)  # on the model's device, where the verifier's rule runs
         return hook
 
 

@@ -81,13 +81,21 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.softmax(scaled, dim=-1)
 
 
+def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF samples, one token per row of ``probs`` [R, V] (unnormalised weights: each row
+    scales to its own total) with ``uniforms`` [R] in [0, 1), on their device: int64 [R]. Never a
+    zero-weight token because of float rounding at the CDF's top: the draw moves down to the last
+    token of positive weight at or before it (token 0 in a row with none)."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    target = (uniforms.to(torch.float64) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    cols = torch.arange(probs.shape[-1], device=probs.device)
+    ok = (probs > 0) & (cols <= idx)
+    return torch.where(ok, cols, -1).amax(dim=-1).clamp_(min=0)
+
+
 def sample_from(probs: torch.Tensor, uniform: float) -> int:
-    """Inverse-CDF sample of one token from a 1-D distribution with a given uniform in [0, 1)."""
-    cdf = torch.cumsum(probs.to(torch.float64), dim=0)
-    total = float(cdf[-1])
-    idx = int(torch.searchsorted(cdf, torch.tensor([uniform * total], dtype=torch.float64), right=True))
-    idx = min(idx, probs.shape[0] - 1)
-    # Never return a zero-probability token because of float rounding at the CDF's top.
-    while probs[idx] <= 0 and idx > 0:
-        idx -= 1
-    return idx
+    """Inverse-CDF sample of one token from a 1-D distribution with a given uniform in [0, 1)
+    (``sample_rows`` of one row)."""
+    u = torch.tensor([uniform], dtype=torch.float64, device=probs.device)
+    return int(sample_rows(probs.view(1, -1), u)[0])

@@ -1,6 +1,6 @@
 """Speculative verification: draft tokens + the exact q they came from + target logits -> tokens.
 
-One pure function, like vLLM's rejection sampler. Two modes:
+One rule, like vLLM's rejection sampler. Two modes:
 - ``rejection`` (lossless, Leviathan et al. / Chen et al.): accept draft x_i with probability
   min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from norm(max(0, p_i - q_i)); when
   all gamma drafts are accepted, sample a bonus token from p_gamma. The output is distributed
@@ -10,6 +10,16 @@ One pure function, like vLLM's rejection sampler. Two modes:
 
 Temperature, top-k and top-p are applied to the target logits here exactly as the drafter
 applied them to its own (see ``sampling.probs_from_logits``).
+
+The rule runs for every round of a verification pass at once, where the logits are (``verify_rows``):
+each round is checked on the host (ids, shapes, q: what came over the wire), then argmax,
+p, the accept test, the first rejection (cumprod), the residual and the bonus draw are batched
+tensor operations over all rows on the logits' device, with the position-keyed uniforms made on
+the host as one small tensor. What comes back to Python is one int64 [rows, 2] per pass
+(accepted count, next token), through ``to_host``: the verification path's one door out of tensor
+land, which counts the bytes it lets through (``HOST``). A split-codec rejection also brings back
+p at the rejected position (the downlink's payload: its top-K only when the codec sends only
+that); early exits, which stream mid-pass, one [rows, 3] per exit layer.
 """
 from __future__ import annotations
 
@@ -26,9 +36,11 @@ from .sampling import (
     keyed_uniform,
     probs_from_logits,
     sample_from,
+    sample_rows,
 )
 
 MODES = ("rejection", "greedy")
+SEPARATE = "separate"  # PicoSpec's separate rejection sampling, cloud half: only q(x) of each draft is here
 # next_token when no token follows the accepted drafts: a chained block accepted in full (the
 # robot's next block continues it), or a split-codec rejection (the robot resamples it from
 # target_p). The one "no next token" of the core; the wire writes it as protocol.NO_TOKEN.
@@ -36,6 +48,45 @@ NO_TOKEN = -1
 WISV = "wisv"  # semantic verification (decoding.wisv): LOSSY; greedy rounds, a decision head at mismatches
 VERIFY_MODES = MODES + (WISV,)
 _Q_SUM_TOL = 1e-3
+
+
+class HostTraffic:
+    """What ``to_host`` let out of tensor land: calls (each a synchronisation on an accelerator)
+    and bytes (numel x element size of the tensors converted). ``inside`` is true while this
+    thread is converting through ``to_host`` (``bench.host_share`` tells its conversions apart)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @property
+    def inside(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    def snapshot(self) -> tuple[int, int]:
+        """(calls, bytes) so far."""
+        with self._lock:
+            return self.calls, self.bytes
+
+
+HOST = HostTraffic()
+
+
+def to_host(t: torch.Tensor, numpy: bool = False):
+    """The verification path's one conversion from tensor land to Python: ``t.tolist()`` (or a
+    numpy array), counted in ``HOST``. Every tensor the rule, the batch and the target session
+    read as Python values goes through here, so its count is what crosses to the host."""
+    t = t.detach()
+    with HOST._lock:
+        HOST.calls += 1
+        HOST.bytes += t.numel() * t.element_size()
+    HOST._local.depth = getattr(HOST._local, "depth", 0) + 1
+    try:
+        return t.cpu().numpy() if numpy else t.tolist()
+    finally:
+        HOST._local.depth -= 1
 
 
 class DraftDistributionError(ValueError):
@@ -83,7 +134,10 @@ class VerifyResult:
     next_token: int  # the token that follows them (resampled at a rejection, or the bonus); NO_TOKEN: none
     accepted_mask: list[bool] = field(default_factory=list)  # per draft position; False after the first rejection
     resampled: bool = False  # True when next_token came from the residual of a rejection
-    target_p: torch.Tensor | None = None  # separate rejection sampling: p at the rejected position (next_token NO_TOKEN)
+    # separate rejection sampling: p at the rejected position (next_token NO_TOKEN), float64 [V] on
+    # the host; only its top p_top entries (zeros elsewhere) where the row asked for them alone
+    target_p: torch.Tensor | None = None
+    confidence: float | None = None  # asked for (early exits, Eq. 4): max softmax of the logits at the verdict row
 
     def committed_tokens(self, draft_ids) -> list[int]:
         """The tokens this round commits: the accepted draft prefix, then next_token."""
@@ -121,33 +175,224 @@ def check_draft_probs_once(draft_ids: torch.Tensor, draft_probs: torch.Tensor, v
     """check_draft_probs, skipped for a tensor this thread already checked unchanged (same object,
     same in-place version, same drafts): a round's q is checked when its block is decoded, then read
     by every early exit's rule and the final one, which need not scan [gamma, V] again each."""
-    key = (draft_probs._version, vocab_size, tuple(int(t) for t in draft_ids))
+    key = (draft_probs._version, vocab_size, tuple(int(t) for t in draft_ids))  # ids: a list or host tensor
     seen = getattr(_CHECKED, "seen", None)
     if seen is None:
         seen = _CHECKED.seen = []
     for ref, k in seen:
         if k == key and ref() is draft_probs:
             return
-    check_draft_probs(draft_ids, draft_probs, vocab_size)
+    check_draft_probs(torch.as_tensor(draft_ids, dtype=torch.long).view(-1), draft_probs, vocab_size)
     seen.append((weakref.ref(draft_probs), key))
     if len(seen) > _CHECKED_KEPT:
         del seen[0]
 
 
-def _check_round(draft_ids, target_logits: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(draft ids as a long vector, gamma, V); target_logits must be [gamma + 1, V], ids in range."""
-    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).view(-1)
-    gamma = draft_ids.shape[0]
+def _ids(draft_ids) -> list[int]:
+    """Draft ids as Python ints. They come from the wire as a list (a host tensor in some callers):
+    nothing of the device."""
+    if isinstance(draft_ids, torch.Tensor):
+        return [int(t) for t in draft_ids.reshape(-1).tolist()]
+    return [int(t) for t in draft_ids]
+
+
+def _check_round(draft_ids, target_logits: torch.Tensor) -> tuple[list[int], int, int]:
+    """(draft ids, gamma, V); target_logits must be [gamma + 1, V], ids in range (host checks)."""
+    draft_ids = _ids(draft_ids)
+    gamma = len(draft_ids)
     if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
         raise ValueError(f"target_logits must be [gamma + 1, V] = [{gamma + 1}, V], got {tuple(target_logits.shape)}")
     vocab = target_logits.shape[1]
-    if gamma and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab):
-        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids.tolist()}")
+    if gamma and (min(draft_ids) < 0 or max(draft_ids) >= vocab):
+        raise DraftDistributionError(f"draft token ids must be in [0, {vocab}), got {draft_ids}")
     return draft_ids, gamma, vocab
 
 
+@dataclass
+class RuleRow:
+    """One round for ``verify_rows``, checked (``rule_row``; an AR step is a round of no drafts)."""
+
+    draft_ids: list[int]
+    logits: torch.Tensor  # [n + 1, V]: the target's logits at each draft and the bonus position
+    params: SamplingParams
+    seed: int
+    start: int  # keyed-randomness position of the first draft
+    mode: str = "rejection"  # MODES, or SEPARATE
+    q: torch.Tensor | None = None  # rejection: the drafts' q [n, V] (checked); separate: q(x) float64 [n]
+    p_top: int = 0  # separate: a rejection brings back only the top p_top entries of p (0: all of it)
+
+
+def rule_row(draft_ids, draft_probs, target_logits: torch.Tensor, params: SamplingParams, *, seed: int,
+             start_position: int, mode: str = "rejection", p_top: int = 0) -> RuleRow:
+    """Check one round on the host (ids in range, logits [gamma + 1, V], q a valid distribution of
+    the drafts or, ``SEPARATE``, q(x) probabilities) and make its row for the rule; ValueError or
+    DraftDistributionError for the round's own input."""
+    if mode not in MODES + (SEPARATE,):
+        raise ValueError(f"unknown verification mode {mode!r}; expected one of {MODES}")
+    ids, gamma, vocab = _check_round(draft_ids, target_logits)
+    q = None
+    if mode == "rejection":
+        if draft_probs is None:
+            raise DraftDistributionError("rejection sampling needs the draft distributions q")
+        q = torch.as_tensor(draft_probs)
+        check_draft_probs_once(ids, q, vocab)
+    elif mode == SEPARATE:
+        q = torch.as_tensor(draft_probs, dtype=torch.float64).reshape(-1)
+        if q.shape[0] != gamma or not torch.isfinite(q).all() or (q <= 0).any() or (q > 1 + 1e-9).any():
+            raise DraftDistributionError(f"q(x) of the {gamma} drafted tokens must be probabilities in (0, 1]")
+    return RuleRow(ids, target_logits, params, seed, start_position, mode, q, p_top)
+
+
+def _padded(rows: list[torch.Tensor], length: int, fill: float = 0.0) -> torch.Tensor:
+    """Rows of at most ``length`` entries stacked [B, length, ...], ``fill`` after each one's own."""
+    if all(r.shape[0] == length for r in rows):
+        return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+    out = rows[0].new_full((len(rows), length, *rows[0].shape[1:]), fill)
+    for k, r in enumerate(rows):
+        out[k, :r.shape[0]] = r
+    return out
+
+
+def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[b, i[b]] for every row b of x [B, L, ...]."""
+    return x.gather(1, i.view(-1, 1, *([1] * (x.dim() - 2))).expand(-1, 1, *x.shape[2:])).squeeze(1)
+
+
+# On a CPU the rule takes the rows of one setting in chunks of at most this many bytes of float64
+# p: batched float64 tensors of a large vocabulary overflow its caches (p of 16 rows x 5 positions x
+# 151,936 tokens took 2.4x the time of the same rows one at a time). An accelerator takes every
+# row of a setting at once. Chunks change no value: every operation of the rule is row-wise.
+CPU_CHUNK_BYTES = 8 << 20
+
+
+def _chunks(rows: list[RuleRow]) -> list[list[int]]:
+    """The rows' indices grouped by rule and sampling parameters (greedy rows all together), in
+    order of first appearance; on a CPU each group cut into chunks of ``CPU_CHUNK_BYTES``."""
+    groups: dict[tuple, list[int]] = {}
+    for k, r in enumerate(rows):
+        groups.setdefault(("greedy",) if r.mode == "greedy" else (r.mode, r.params), []).append(k)
+    if rows[0].logits.device.type != "cpu":
+        return list(groups.values())
+    out = []
+    for ks in groups.values():
+        per_row = (1 + max(len(rows[k].draft_ids) for k in ks)) * rows[ks[0]].logits.shape[-1] * 8
+        n = max(1, CPU_CHUNK_BYTES // per_row)
+        out += [ks[i:i + n] for i in range(0, len(ks), n)]
+    return out
+
+
+def _leading(ok: torch.Tensor) -> torch.Tensor:
+    """How many leading entries of each row of ok [B, G] are true."""
+    return ok.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _decide_chunk(rows: list[RuleRow], dev: torch.device, confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rule on rows of one rule and setting, as tensor operations on ``dev``: [n, 2] (accepted,
+    next token; NO_TOKEN at a separate rejection), or [n, 3] float64 with the confidence; and p at
+    each row's verdict position [n, V] (rows not greedy)."""
+    n = [len(r.draft_ids) for r in rows]
+    g, mode = max(n), rows[0].mode
+    dtype = rows[0].logits.dtype
+    for r in rows[1:]:
+        dtype = torch.promote_types(dtype, r.logits.dtype)
+    z = _padded([r.logits.to(dev, dtype) for r in rows], g + 1)  # [n, G + 1, V]
+    meta = torch.tensor([r.draft_ids + [0] * (g - k) + [k] for r, k in zip(rows, n)], dtype=torch.long).to(dev)
+    drafts, count = meta[:, :g], meta[:, g]
+    valid = torch.arange(g, device=dev) < count[:, None]
+    p_at = None
+    if mode == "greedy":
+        target = z.argmax(dim=-1)  # [n, G + 1]
+        accepted = _leading((target[:, :g] == drafts) & valid)
+        token = target.gather(1, accepted.view(-1, 1)).view(-1)
+    else:
+        p = probs_from_logits(z, rows[0].params)  # [n, G + 1, V] float64
+        # per row: the accept coins of its drafts, then the residual / bonus uniforms of its positions
+        u = torch.tensor([[keyed_uniform(r.seed, r.start + j, STREAM_ACCEPT) for j in range(g)]
+                          + [keyed_uniform(r.seed, r.start + j, STREAM_RESAMPLE) for j in range(g + 1)]
+                          for r in rows], dtype=torch.float64).to(dev)
+        coins, uniforms = u[:, :g], u[:, g:]
+        px = p[:, :g].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        if mode == SEPARATE:
+            qx = _padded([r.q.to(dev, torch.float64) for r in rows], g, fill=1.0)
+        else:
+            none = torch.zeros(0, z.shape[-1], dtype=torch.float64, device=dev)  # a round of no drafts (an AR step)
+            q = _padded([none if r.q is None else r.q.to(dev, torch.float64) for r in rows], g, fill=1.0)
+            total = q.sum(dim=-1)  # q is normalised as q / total, element by element where it is read
+            qx = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) / total
+        accepted = _leading((coins * qx < px) & valid)  # accept iff coin < p/q, written without the division
+        rejected = accepted < count
+        p_at = _at(p, accepted)  # [n, V]: p at the rejected draft, or at the bonus position
+        dist = p_at
+        if mode == "rejection" and g:  # at a rejection: the residual norm(max(0, p - q))
+            a = accepted.clamp(max=g - 1)
+            residual = (p_at - _at(q, a) / _at(total, a).unsqueeze(-1)).clamp(min=0.0)
+            use = rejected & (residual.sum(dim=-1) > 0)  # p == q up to rounding: a rejection is (measure-)impossible
+            dist = torch.where(use[:, None], residual, p_at)
+        token = sample_rows(dist, uniforms.gather(1, accepted.view(-1, 1)).view(-1))
+        if mode == SEPARATE:  # a rejection: the robot resamples it from p, which goes down
+            token = torch.where(rejected, torch.full_like(token, NO_TOKEN), token)
+    out = torch.stack([accepted, token], dim=1)
+    if confidence:
+        top = torch.softmax(_at(z, accepted), dim=-1).amax(dim=-1)
+        out = torch.cat([out.to(torch.float64), top.to(torch.float64).view(-1, 1)], dim=1)
+    return out, p_at
+
+
+def _decide(rows: list[RuleRow], confidence: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The rule for every row, on the first row's logits' device (the others' are moved there):
+    greedy rows by argmax, the others by rejection sampling with p under their own sampling
+    parameters, the accept coins and residual / bonus uniforms keyed by (seed, position) as
+    ``keyed_uniform`` gives them, made on the host as one small tensor per setting. One chunk per
+    rule and setting in the pass (``_chunks``), usually one. Returns the rows' verdicts in order
+    ([B, 2], or [B, 3] with ``confidence``) and p at each separate row's verdict position."""
+    dev = rows[0].logits.device
+    parts, order, p_at = [], [], {}
+    for ks in _chunks(rows):
+        out, p = _decide_chunk([rows[k] for k in ks], dev, confidence)
+        parts.append(out)
+        order += ks
+        if rows[ks[0]].mode == SEPARATE:
+            p_at.update({k: p[j] for j, k in enumerate(ks)})
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order != sorted(order):
+        out = out.index_select(0, torch.tensor(sorted(range(len(order)), key=order.__getitem__)).to(dev))
+    return out, p_at
+
+
+def _p_payload(p: torch.Tensor, top: int) -> torch.Tensor:
+    """p [V] at a separate rejection, brought to the host as float64: all of it, or only its top
+    ``top`` entries (zeros elsewhere) when the downlink carries only those."""
+    vocab = p.shape[0]
+    if 0 < top < vocab:
+        best = torch.topk(p, top)
+        ids, values = to_host(torch.stack([best.indices.to(torch.float64), best.values]), numpy=True)
+        dense = torch.zeros(vocab, dtype=torch.float64)
+        dense[torch.from_numpy(ids).long()] = torch.from_numpy(values)
+        return dense
+    return torch.from_numpy(to_host(p, numpy=True))
+
+
+def verify_rows(rows: list[RuleRow], confidence: bool = False) -> list[VerifyResult]:
+    """The rule on several checked rounds at once (``_decide``), one crossing to the host for all:
+    accepted count and next token per row (``confidence``: and the max softmax of each row's
+    logits at its verdict position, Eq. 4 of the early exits). A separate row's rejection then
+    brings back p there (``VerifyResult.target_p``)."""
+    if not rows:
+        return []
+    out, p_at = _decide(rows, confidence)
+    results = []
+    for r, v in zip(rows, to_host(out)):
+        n, a, t = len(r.draft_ids), int(v[0]), int(v[1])
+        results.append(VerifyResult(a, t, [True] * a + [False] * (n - a), resampled=a < n,
+                                    confidence=v[2] if confidence else None))
+    for k, p in p_at.items():
+        if results[k].accepted < len(rows[k].draft_ids):
+            results[k].target_p = _p_payload(p, rows[k].p_top)
+    return results
+
+
 def verify(
-    draft_ids: torch.Tensor,
+    draft_ids,
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
     params: SamplingParams,
@@ -156,77 +401,27 @@ def verify(
     start_position: int,
     mode: str = "rejection",
 ) -> VerifyResult:
-    """Verify gamma draft tokens against target logits [gamma + 1, V].
+    """Verify gamma draft tokens against target logits [gamma + 1, V] (``verify_rows`` of one round).
 
     draft_probs: [gamma, V], the exact distributions the drafts were sampled from (rejection
     mode; ignored in greedy mode, where it may be None). Randomness is keyed by
     (seed, start_position + i) so that results do not depend on earlier wasted work.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown verification mode {mode!r}; expected one of {MODES}")
-    draft_ids, gamma, vocab = _check_round(draft_ids, target_logits)
-
-    if mode == "greedy":
-        target_argmax = target_logits.argmax(dim=-1)
-        mask: list[bool] = []
-        for i in range(gamma):
-            ok = bool(draft_ids[i] == target_argmax[i])
-            mask.append(ok)
-            if not ok:
-                mask.extend([False] * (gamma - i - 1))
-                return VerifyResult(i, int(target_argmax[i]), mask, resampled=True)
-        return VerifyResult(gamma, int(target_argmax[gamma]), mask)
-
-    if draft_probs is None:
-        raise DraftDistributionError("rejection sampling needs the draft distributions q")
-    draft_probs = torch.as_tensor(draft_probs)
-    check_draft_probs_once(draft_ids, draft_probs, vocab)
-    p = probs_from_logits(target_logits, params)
-    q = draft_probs.to(torch.float64)
-    q = q / q.sum(dim=-1, keepdim=True)
-    mask = []
-    for i in range(gamma):
-        pos = start_position + i
-        x = int(draft_ids[i])
-        coin = keyed_uniform(seed, pos, STREAM_ACCEPT)
-        # accept iff coin < p/q, written without the division
-        if coin * float(q[i, x]) < float(p[i, x]):
-            mask.append(True)
-            continue
-        mask.extend([False] * (gamma - i))
-        residual = torch.clamp(p[i] - q[i], min=0.0)
-        if float(residual.sum()) <= 0.0:
-            residual = p[i]  # p == q up to rounding: a rejection is then (measure-)impossible
-        token = sample_from(residual, keyed_uniform(seed, pos, STREAM_RESAMPLE))
-        return VerifyResult(i, token, mask, resampled=True)
-    bonus = sample_from(p[gamma], keyed_uniform(seed, start_position + gamma, STREAM_RESAMPLE))
-    return VerifyResult(gamma, bonus, mask)
+    return verify_rows([rule_row(draft_ids, draft_probs, target_logits, params, seed=seed,
+                                 start_position=start_position, mode=mode)])[0]
 
 
 def verify_separate(draft_ids, q_at_draft: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams, *,
-                    seed: int, start_position: int) -> VerifyResult:
+                    seed: int, start_position: int, p_top: int = 0) -> VerifyResult:
     """PicoSpec separate rejection sampling, cloud half: only q_i(x_i) is known here.
 
     The accept test is ``verify``'s (same coins). At a rejection the residual needs the whole q_i,
-    which stayed on the robot: the result has next_token NO_TOKEN and ``target_p`` = p_i, and the robot
-    finishes with ``resample_separate``. With all drafts accepted the bonus token is sampled here.
+    which stayed on the robot: the result has next_token NO_TOKEN and ``target_p`` = p_i (its top
+    ``p_top`` entries only, when the downlink carries only those), and the robot finishes with
+    ``resample_separate``. With all drafts accepted the bonus token is sampled here.
     """
-    draft_ids, gamma, vocab = _check_round(draft_ids, target_logits)
-    q = torch.as_tensor(q_at_draft, dtype=torch.float64).view(-1)
-    if q.shape[0] != gamma or not torch.isfinite(q).all() or (q <= 0).any() or (q > 1 + 1e-9).any():
-        raise DraftDistributionError(f"q(x) of the {gamma} drafted tokens must be probabilities in (0, 1]")
-    p = probs_from_logits(target_logits, params)
-    mask: list[bool] = []
-    for i in range(gamma):
-        pos = start_position + i
-        x = int(draft_ids[i])
-        if keyed_uniform(seed, pos, STREAM_ACCEPT) * float(q[i]) < float(p[i, x]):
-            mask.append(True)
-            continue
-        mask.extend([False] * (gamma - i))
-        return VerifyResult(i, NO_TOKEN, mask, resampled=True, target_p=p[i])
-    bonus = sample_from(p[gamma], keyed_uniform(seed, start_position + gamma, STREAM_RESAMPLE))
-    return VerifyResult(gamma, bonus, mask)
+    return verify_rows([rule_row(draft_ids, q_at_draft, target_logits, params, seed=seed,
+                                 start_position=start_position, mode=SEPARATE, p_top=p_top)])[0]
 
 
 def resample_separate(target_p: torch.Tensor, q_row: torch.Tensor, *, seed: int, position: int) -> int:
