@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..decoding.compute import get_compute
+from ..decoding.compute import LOAD_SUFFIX, get_compute
 from ..robot.settings import DEFAULTS
 from .fleet import _limits, record
 from .regimes import default_clouds
@@ -83,7 +83,7 @@ def run_capacity(opts, progress) -> list[dict]:
     from ..cloud.server import VerifierServer
     from ..cloud.thread import ServerThread
     from ..decoding.engines import load_model
-    cloud = opts.compute or next((c for c in default_clouds() if c != "go2-paper" and ":load=" not in c), None)
+    cloud = opts.compute or next((c for c in default_clouds() if c != "go2-paper" and LOAD_SUFFIX not in c), None)
     if cloud is None:
         raise SystemExit("capacity: no measured cloud profile here (docs/profiles/...): give --compute FILE")
     compute = get_compute(cloud)
@@ -130,7 +130,7 @@ def run_capacity(opts, progress) -> list[dict]:
                     "p99_s": float(np.percentile(lat, 99)) if lat else None,
                     "busy": fair.busy_s / wall, "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 1.0,
                     "desync": sum(o["desync"] for o in outs), "errors": [e for o in outs for e in o["errors"]],
-                    "wall_s": wall, "compute": compute.name, "compute_source": compute.source,
+                    "wall_s": wall, "compute": compute.name, "compute_spec": cloud, "compute_source": compute.source,
                     "draft_ms": 1e3 * draft_s, "interval_s": interval})
     bar.close()
     return rows + capacity_rows(rows)
@@ -179,7 +179,7 @@ def table_capacity(rows: list[dict]) -> str:
               _fmt(c["speculative_vs_ar"], ".2f") + ("x" if c["speculative_vs_ar"] else "")] for c in caps])
     if runs:
         r = runs[0]
-        compute = get_compute_quiet(r["compute"])
+        compute = get_compute_quiet(r.get("compute_spec", r["compute"]))
         bound = memory_bound_until(compute) if compute else None
         out += (f"\nEMULATED on this machine's CPU: compute {r['compute']} ({r['compute_source']}); each robot decides "
                 f"at Poisson times, mean {r['interval_s']:g} s apart, and drafts at {r['draft_ms']:g} ms a token on its "

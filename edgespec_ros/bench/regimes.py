@@ -26,8 +26,8 @@ H200_PROFILE = os.path.join("docs", "profiles", "h200-qwen2-vl-7b-bf16.json")  #
 REGIME_LOAD = 16  # the loaded cloud: 16 other sessions' rows in every pass (the measured table's last row)
 REGIME_ROBOTS = ("orin-paper", "orin-nano-mlc-int4", "orin-nano-trt-int4")
 REGIME_LINKS = ("go2-paper", "wifi-poor", "cellular")
-SPECULATIVE = ("sd", "pipe")
-AUTO_WARMUP = 2  # auto's unmeasured first decisions (it measures AR and a speculative path first)  # the fixed speculative modes measured (auto chooses among ar, sd and pipe)
+SPECULATIVE = ("sd", "pipe")  # the fixed speculative modes measured (auto chooses among ar, sd and pipe)
+AUTO_WARMUP = 2  # auto's unmeasured first decisions (it measures AR and a speculative path first)
 
 
 def default_clouds() -> list[str]:

@@ -105,7 +105,7 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
         s.fed += n
         s.fed_tokens.extend(int(t) for t in tokens)
         row = logits[i, :n]
-        s.last_logits = row[-1]
+        s.last_logits = row[-1].clone()  # a copy: a view would keep the whole pass's logits alive
         results.append(row)
     return results
 
@@ -210,7 +210,12 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
         except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
             errors[i] = exc
     t0 = time.perf_counter()
-    results = verify_rows(rows)
+    try:
+        results = verify_rows(rows)
+    except Exception as exc:  # noqa: BLE001 - the rule failed for the pass (e.g. out of memory): each row's error
+        for i in owners:
+            errors[i] = exc
+        return BatchResult(values, errors)
     rule_s = time.perf_counter() - t0
     for i, result in zip(owners, results):
         s, r = sessions[i], rounds[i]

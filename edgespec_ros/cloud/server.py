@@ -544,7 +544,7 @@ class VerifierServer:
             if w.on_start is not None:
                 w.on_start(t0, pass_s, exit_rows)
         batch = verify_batch([w.item for w in items])
-        if len(items) == 1 and not self.compute.emulated:  # a native lone pass: what the next WELCOME says
+        if len(items) == 1 and not self.compute.emulated and batch.errors[0] is None:  # a native lone pass that ran
             self.lone_passes[ar].append(time.perf_counter() - t0)
         self.metrics.on_batch(len(items))
         budget = pass_s + sum(w.exit_cost() for w in items if w.exit_cost is not None)

@@ -370,7 +370,8 @@ class TargetSession:
         target's own sample from p (under the decision's sampling parameters, the position's keyed
         uniform) at the next position. Feeds the pending token first when it was not fed yet."""
         settings = self._require_started()
-        return RuleRow([], self.seq.next_logits().view(1, -1), settings.params, settings.seed, self.position)
+        return RuleRow([], self.seq.next_logits().view(1, -1), settings.params, settings.seed, self.position,
+                       mode="greedy" if settings.params.greedy else "rejection")
 
     def commit_ar(self, token: int) -> int:
         """Commit the rule's token for an AR step (fed with the next forward)."""

@@ -80,8 +80,11 @@ class LoadedModel:
         return eos_token_ids(self.tokenizer, cfg_eos)
 
     def fingerprint(self) -> str:
-        """Hash of the tokenizer vocabulary and the LM head size: edge and cloud must agree on it."""
-        return vocab_fingerprint(self.tokenizer, self.vocab_size)
+        """Hash of the tokenizer vocabulary and the LM head size: edge and cloud must agree on it
+        (hashed once: a 152k vocabulary takes a while, and every in-process verifier asks)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = vocab_fingerprint(self.tokenizer, self.vocab_size)
+        return self._fingerprint
 
     @functools.cached_property
     def content_hash(self) -> str:
@@ -355,8 +358,9 @@ class Sequence:
     device_logits: bool = False
 
     def _out(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        return logits if self.device_logits else logits.cpu()
+        """Logits kept by the sequence, as float32: on the model's device for a verifier's, else on
+        the CPU; a copy either way, never a view that keeps the forward's whole output alive."""
+        return logits.float().clone() if self.device_logits else logits.float().cpu()
 
     def _hidden_capture(self):
         if not self.keep_hidden:

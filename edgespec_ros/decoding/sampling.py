@@ -97,5 +97,9 @@ def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, uniform: float) -> int:
     """Inverse-CDF sample of one token from a 1-D distribution with a given uniform in [0, 1)
     (``sample_rows`` of one row)."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    idx = min(int(torch.searchsorted(cdf, uniform * cdf[-1], right=True)), probs.shape[-1] - 1)
+    if probs[idx] > 0:  # the common case: no masked search over the vocabulary (the robot drafts here)
+        return idx
     u = torch.tensor([uniform], dtype=torch.float64, device=probs.device)
     return int(sample_rows(probs.view(1, -1), u)[0])

@@ -396,6 +396,6 @@ class AutoGamma:
 
 AUTO_SWITCH_MARGIN = 0.05  # mode auto leaves its current path only for one predicted this much faster
 CALIBRATION_RATE = 0.3  # mode auto: a path's measured/predicted ratio follows its last few decisions
-CALIBRATION_CLIP = 4.0  # ... and one decision moves it at most this factor either way
+CALIBRATION_CLIP = 4.0  # ... each decision's ratio counted within [1/CLIP, CLIP]
 _MIN_S = 1e-9  # keeps the model's ratios finite when a time measured 0 (in-process verifiers)
 _SLOPE_RIDGE = 1.0  # the link's per-token slope is shrunk towards 0 by one pair of rounds with dn = 1

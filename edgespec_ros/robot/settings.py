@@ -141,14 +141,15 @@ class DrafterSettings:
         temperature = max(self.temperature, self.resample_temperature) if resample else self.temperature
         # WISV decides greedy decisions; a sampled one (resampling) is verified losslessly
         verify_mode = self.verify_mode if temperature == 0 else "rejection"
-        auto = self.auto_gamma or self.mode == "auto"  # mode auto chooses the draft length too
-        return DecodeConfig(mode=self.mode, gamma="auto" if auto else self.gamma,
+        mode_auto = self.mode == "auto"  # chooses the draft length and depth too (DecodeConfig's None)
+        return DecodeConfig(mode=self.mode, gamma=None if mode_auto else "auto" if self.auto_gamma else self.gamma,
                             verify_mode=verify_mode, wisv_threshold=self.wisv_threshold,
                             hidden_upload=self.hidden_upload,
                             max_new_tokens=self.max_new_tokens,
                             params=SamplingParams(temperature), seed=self.seed + decision_index,
                             codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,
-                            pipe_depth="auto" if auto and self.mode in ("pipe", "pipe+fsd", "auto") else self.pipe_depth)
+                            pipe_depth=None if mode_auto else "auto" if self.auto_gamma and self.mode in ("pipe", "pipe+fsd")
+                            else self.pipe_depth)
 
 
 def described_fields(cls=DrafterSettings):
