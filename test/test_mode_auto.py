@@ -28,9 +28,17 @@ def test_the_prediction_is_the_models_formulas():
     tokens = (1 - a ** (g + 1)) / (1 - a)
     assert pred["ar"] == pytest.approx(0.35)
     assert pred["sd"] == pytest.approx((F + g * t_draft) / tokens)
-    hit = a ** g
-    assert pred["pipe"] == pytest.approx((hit * max(g * t_draft, F) + (1 - hit) * (g * t_draft + F)) / tokens)
+    def pipe(n):  # Eq. 9 per committed token at n drafts a block
+        hit = a ** n
+        return (hit * max(n * t_draft, F) + (1 - hit) * (n * t_draft + F)) / ((1 - a ** (n + 1)) / (1 - a))
+    best = min(range(1, auto.gamma_max + 1), key=pipe)
+    assert pred["pipe"] == pytest.approx(pipe(best)) and auto.next_pipe_gamma() == best  # the pipeline's own gamma
+    assert pred["pipe"] <= pipe(g) + 1e-12
     assert pred["pipe"] < pred["sd"]  # a block drafted ahead never costs more than one drafted after
+    # a fast robot against a slow round: the pipeline's blocks grow with the round it hides, and stay
+    # far shorter than stop-and-wait's (whose every round pays the whole F)
+    slow_round = _measured(verify_s=0.62, rtt_s=0.05, draft_s=0.072, ar_s=0.354)
+    assert slow_round.next_pipe_gamma() < slow_round.next_gamma()
     assert AutoGamma().predict() is None  # nothing measured yet
 
 

@@ -307,7 +307,8 @@ class AutoGamma:
 
     def predict(self, alpha: float | None = None) -> dict[str, float] | None:
         """Predicted seconds per committed token of each path on the current estimates (None
-        before an SD round was measured), all at ODLD's gamma* and with F = t_verify + t_rtt:
+        before an SD round was measured), with F = t_verify + t_rtt, sd at ODLD's gamma* and pipe
+        at its own (``_pipe_gamma``):
         - ``ar``: the measured target step (the decision's one round trip is paid by every mode);
         - ``sd``: one round, F + gamma (t_draft + t_tx), per E[L] = (1 - alpha^(gamma+1)) / (1 - alpha)
           committed tokens (Eq. 11's model);
@@ -319,10 +320,23 @@ class AutoGamma:
             return None
         a, g, F = min(max(plan.alpha, 0.0), 1.0), plan.gamma, plan.round_s
         t_draft, t_tx = plan.c * F, plan.b * F
-        tokens = (1 - a ** (g + 1)) / (1 - a) if a < 1.0 else g + 1.0
-        hit = a ** g
-        pipe_block = hit * max(g * t_draft, F + g * t_tx) + (1 - hit) * (g * t_draft + F + g * t_tx)
-        return {"ar": plan.ar_step_s, "sd": (F + g * (t_draft + t_tx)) / tokens, "pipe": pipe_block / tokens}
+        pipe_gamma = self._pipe_gamma(a, F, t_draft, t_tx)
+        return {"ar": plan.ar_step_s, "sd": (F + g * (t_draft + t_tx)) / _committed(a, g),
+                "pipe": _pipe_block_s(a, pipe_gamma, F, t_draft, t_tx) / _committed(a, pipe_gamma)}
+
+    def _pipe_gamma(self, a: float, F: float, t_draft: float, t_tx: float) -> int:
+        """The pipeline's own draft length: Eq. 9's seconds per token minimised over gamma (ODLD's
+        gamma* is the stop-and-wait optimum; a pipeline that hides the round behind drafting wants
+        blocks about as long as the round, not longer)."""
+        return min(range(1, self.gamma_max + 1), key=lambda g: _pipe_block_s(a, g, F, t_draft, t_tx) / _committed(a, g))
+
+    def next_pipe_gamma(self) -> int:
+        """The draft length of the pipeline's next block: ``_pipe_gamma`` on the latest estimates."""
+        plan = self.plan()
+        if plan is None:
+            return self.gamma_init
+        a, F = min(max(plan.alpha, 0.0), 1.0), plan.round_s
+        return self._pipe_gamma(a, F, plan.c * F, plan.b * F)
 
     def observe_decision(self, path: str, seconds_per_token: float) -> None:
         """Mode auto: a decision on ``path`` took ``seconds_per_token`` (its wall time over its
@@ -392,6 +406,18 @@ class AutoGamma:
         """The draft length of the next SD round: gamma* on the latest estimates."""
         plan = self.plan()
         return self.gamma_init if plan is None else plan.gamma
+
+
+def _committed(a: float, g: int) -> float:
+    """Expected tokens a round of g drafts commits at acceptance a: (1 - a^(g+1)) / (1 - a)."""
+    return (1 - a ** (g + 1)) / (1 - a) if a < 1.0 else g + 1.0
+
+
+def _pipe_block_s(a: float, g: int, F: float, t_draft: float, t_tx: float) -> float:
+    """PicoSpec's Eq. 9: a block drafted ahead stands with P_hit = a^g (its predecessor accepted
+    whole) and costs max(g t_draft, F + g t_tx), else g t_draft + F + g t_tx."""
+    hit = a ** g
+    return hit * max(g * t_draft, F + g * t_tx) + (1 - hit) * (g * t_draft + F + g * t_tx)
 
 
 AUTO_SWITCH_MARGIN = 0.05  # mode auto leaves its current path only for one predicted this much faster

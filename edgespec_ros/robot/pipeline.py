@@ -54,14 +54,15 @@ class PipeStrategy(Strategy):
     def plan(self, cfg: DecodeConfig) -> tuple[int, int]:
         """(gamma, blocks in flight): fixed, or from the measured link and compute (gamma auto).
 
-        Auto: gamma from ODLD on the controller's estimates; the depth that covers one block's
+        Auto: gamma minimising the pipeline's own model (PicoSpec Eq. 9) on the controller's
+        estimates; the depth that covers one block's
         round trip with drafting, ceil((t_rtt + t_verify + gamma t_draft) / max(gamma t_draft,
         t_verify)), so the cloud never waits on the link (PicoSpec Eq. 9's overlap condition)."""
         if self.auto is None:
             gamma = cfg.gamma if cfg.gamma != "auto" else DEFAULTS.gamma
             depth = cfg.pipe_depth if cfg.pipe_depth != "auto" else DEFAULTS.pipe_depth
             return int(gamma), int(depth)
-        gamma = self.auto.next_gamma()
+        gamma = self.auto.next_pipe_gamma()
         if cfg.pipe_depth != "auto":
             return gamma, int(cfg.pipe_depth)
         est = self.auto.estimates()
