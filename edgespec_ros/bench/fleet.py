@@ -1,6 +1,6 @@
 """``edgespec-bench --sweep fleet``: one verifier, 1..N robots at once; the one-at-a-time worker
 (``--max-batch 1``) against batched verification, and the same robots through a 2-replica Ray
-Serve deployment of the batched verifier (issue 19).
+Serve deployment of the batched verifier.
 
 So that the figure measures the verifier and not N drafters fighting for this machine's cores,
 the robots do not draft: each decision's rounds were recorded once, in-process, by the real
