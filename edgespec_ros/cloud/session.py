@@ -397,7 +397,7 @@ class VerifierSession:
         the top-K the downlink carries comes to the host)."""
         with self.refusing("bad split-codec round", (CodecError, DraftDistributionError, ValueError)):
             return self.target.verify_separate(step.msg.draft_ids, step.q, step.edge_token, chained=step.chained,
-                                               p_top=getattr(self.codec, "k", 0))[0]  # the downlink's top-K
+                                               p_top=self.codec.downlink_top_k)[0]
 
     def encode_p(self, result) -> bytes:
         """Host work: the split verdict's target distribution as the downlink carries it."""

@@ -42,6 +42,11 @@ class Split(Codec):
     def lossy(self) -> bool:
         return not self.exact  # the robot resamples a rejection from the top-K of p only
 
+    @property
+    def downlink_top_k(self) -> int:
+        """The entries of p a rejection's downlink carries (0: all of it, the exact split)."""
+        return self.k
+
     def prepare_row(self, q: torch.Tensor) -> torch.Tensor:
         return q
 

@@ -260,23 +260,26 @@ def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 # On a CPU the rule takes the rows of one setting in chunks of at most this many bytes of float64
 # p: batched float64 tensors of a large vocabulary overflow its caches (p of 16 rows x 5 positions x
-# 151,936 tokens took 2.4x the time of the same rows one at a time). An accelerator takes every
-# row of a setting at once. Chunks change no value: every operation of the rule is row-wise.
+# 151,936 tokens took 2.4x the time of the same rows one at a time). Chunks change no value: every
+# operation of the rule is row-wise.
 CPU_CHUNK_BYTES = 8 << 20
+# An accelerator takes far larger chunks, but not unbounded ones: float64 p of 64 rows x 65 positions x
+# 151,936 tokens alone would be 5 GB (with q, the residual and softmax's temporaries several times that)
+DEVICE_CHUNK_BYTES = 512 << 20
 
 
 def _chunks(rows: list[RuleRow]) -> list[list[int]]:
     """The rows' indices grouped by rule and sampling parameters (greedy rows all together), in
-    order of first appearance; on a CPU each group cut into chunks of ``CPU_CHUNK_BYTES``."""
+    order of first appearance, each group cut into chunks of at most ``CPU_CHUNK_BYTES`` of p on a CPU,
+    ``DEVICE_CHUNK_BYTES`` on an accelerator."""
     groups: dict[tuple, list[int]] = {}
     for k, r in enumerate(rows):
         groups.setdefault(("greedy",) if r.mode == "greedy" else (r.mode, r.params), []).append(k)
-    if rows[0].logits.device.type != "cpu":
-        return list(groups.values())
+    cap = CPU_CHUNK_BYTES if rows[0].logits.device.type == "cpu" else DEVICE_CHUNK_BYTES
     out = []
     for ks in groups.values():
         per_row = (1 + max(len(rows[k].draft_ids) for k in ks)) * rows[ks[0]].logits.shape[-1] * 8
-        n = max(1, CPU_CHUNK_BYTES // per_row)
+        n = max(1, cap // per_row)
         out += [ks[i:i + n] for i in range(0, len(ks), n)]
     return out
 
