@@ -178,6 +178,12 @@ def test_a_path_slower_than_its_prediction_is_judged_by_what_it_does():
     assert fresh.calibration("ar") == 1.0  # never AR's from a speculative path
     auto.observe_decision("sd", 100.0)  # one wild decision moves it at most CALIBRATION_CLIP
     assert auto.calibration("sd") == pytest.approx(CALIBRATION_CLIP)
+    # weighted by tokens: a 2-token decision slow from its fixed costs barely moves a 30-token one's ratio
+    weighted = _measured(verify_s=0.62, rtt_s=0.05, draft_s=0.072, ar_s=0.354)
+    p = weighted.predict()["pipe"]
+    weighted.observe_decision("pipe", 0.8 * p, tokens=30)
+    weighted.observe_decision("pipe", 3.0 * p, tokens=2)
+    assert weighted.calibration("pipe") == pytest.approx((0.7 * 0.8 * 30 + 3.0 * 2) / (0.7 * 30 + 2))
     before = AutoGamma()
     before.observe_decision("ar", 0.03)  # nothing to compare with before the model predicts
     assert before.calibration("ar") == 1.0

@@ -338,11 +338,12 @@ class AutoGamma:
         a, F = min(max(plan.alpha, 0.0), 1.0), plan.round_s
         return self._pipe_gamma(a, F, plan.c * F, plan.b * F)
 
-    def observe_decision(self, path: str, seconds_per_token: float) -> None:
-        """Mode auto: a decision on ``path`` took ``seconds_per_token`` (its wall time over its
-        tokens). Its ratio to what ``predict`` says for that path on the estimates it updated is
-        kept (exponentially weighted, rate CALIBRATION_RATE, clipped to [1/CALIBRATION_CLIP,
-        CALIBRATION_CLIP]): the model leaves out what every decision pays beside its rounds (the
+    def observe_decision(self, path: str, seconds_per_token: float, tokens: int = 1) -> None:
+        """Mode auto: a decision on ``path`` of ``tokens`` tokens took ``seconds_per_token`` (its
+        wall time over its tokens). Its ratio to what ``predict`` says for that path on the
+        estimates it updated is kept (exponentially weighted, rate CALIBRATION_RATE, each ratio
+        clipped to [1/CALIBRATION_CLIP, CALIBRATION_CLIP] and weighted by the decision's tokens: a
+        short decision, whose fixed costs dominate its time per token, counts little): the model leaves out what every decision pays beside its rounds (the
         prompt, the prefills, the host's work) and a pipeline's stalls, which differ by path; a
         path whose decisions run slower than predicted is then chosen on what it does, not on the
         formula. Nothing is kept before the model can predict (its first, measuring decisions)."""
@@ -350,7 +351,8 @@ class AutoGamma:
         if pred is None or path not in pred or pred[path] <= 0 or not seconds_per_token > 0:
             return
         ratio = min(max(seconds_per_token / pred[path], 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
-        self._calibration.setdefault(path, _Ew(CALIBRATION_RATE, 2)).add(ratio, 1.0)
+        weight = max(1, int(tokens))
+        self._calibration.setdefault(path, _Ew(CALIBRATION_RATE, 2)).add(ratio * weight, weight)
 
     def calibration(self, path: str) -> float:
         """Mode auto: the measured / predicted seconds per token of ``path``'s decisions; for a
