@@ -144,7 +144,7 @@ class EdgeDecoder:
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start
         if auto_decision:  # mode auto learns what the path it took really costs
-            self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens), m.tokens)
+            self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens))
         m.cloud_prefill_s = getattr(self.verifier, "last_prefill_s", None) or 0.0
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)

@@ -19,6 +19,8 @@ module computes (and test_draft_length.py checks entry by entry).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from scipy.special import lambertw
@@ -202,8 +204,8 @@ class AutoGamma:
         self.draft_prior_s = draft_token_s
         self._auto_mode: str | None = None  # mode auto: the path of the last decision
         self.last_prediction: dict[str, float] | None = None  # mode auto: predict() at the last choice
-        # mode auto: per path, its decisions' measured seconds per token over predict()'s (``calibration``)
-        self._calibration: dict[str, _Ew] = {}
+        # mode auto: per path, its last decisions' measured seconds per token over predict()'s (``calibration``)
+        self._calibration: dict[str, deque] = {}
 
     @staticmethod
     def _acceptance_prior(rate: float) -> _Ew:
@@ -338,30 +340,29 @@ class AutoGamma:
         a, F = min(max(plan.alpha, 0.0), 1.0), plan.round_s
         return self._pipe_gamma(a, F, plan.c * F, plan.b * F)
 
-    def observe_decision(self, path: str, seconds_per_token: float, tokens: int = 1) -> None:
-        """Mode auto: a decision on ``path`` of ``tokens`` tokens took ``seconds_per_token`` (its
-        wall time over its tokens). Its ratio to what ``predict`` says for that path on the
-        estimates it updated is kept (exponentially weighted, rate CALIBRATION_RATE, each ratio
-        clipped to [1/CALIBRATION_CLIP, CALIBRATION_CLIP] and weighted by the decision's tokens: a
-        short decision, whose fixed costs dominate its time per token, counts little): the model leaves out what every decision pays beside its rounds (the
-        prompt, the prefills, the host's work) and a pipeline's stalls, which differ by path; a
-        path whose decisions run slower than predicted is then chosen on what it does, not on the
-        formula. Nothing is kept before the model can predict (its first, measuring decisions)."""
+    def observe_decision(self, path: str, seconds_per_token: float) -> None:
+        """Mode auto: a decision on ``path`` took ``seconds_per_token`` (its wall time over its
+        tokens). Its ratio to what ``predict`` says for that path on the estimates it updated is
+        kept, the last CALIBRATION_KEPT of each path (each clipped to [1/CALIBRATION_CLIP,
+        CALIBRATION_CLIP]); their median is the path's ``calibration``. The model leaves out what
+        every decision pays beside its rounds (the prompt, the prefills, the host's work) and a
+        pipeline's stalls, which differ by path; a path whose decisions run slower than predicted
+        is then chosen on what it does, not on the formula, and one odd decision (a short one, a
+        stall) does not move it. Nothing is kept before the model can predict."""
         pred = self.predict()
         if pred is None or path not in pred or pred[path] <= 0 or not seconds_per_token > 0:
             return
         ratio = min(max(seconds_per_token / pred[path], 1 / CALIBRATION_CLIP), CALIBRATION_CLIP)
-        weight = max(1, int(tokens))
-        self._calibration.setdefault(path, _Ew(CALIBRATION_RATE, 2)).add(ratio * weight, weight)
+        self._calibration.setdefault(_calibrated_as(path), deque(maxlen=CALIBRATION_KEPT)).append(ratio)
 
     def calibration(self, path: str) -> float:
-        """Mode auto: the measured / predicted seconds per token of ``path``'s decisions; for a
-        speculative path not run yet, the other speculative path's (the overheads the model leaves
-        out are mostly the decision's, shared by both); 1.0 before any."""
-        ew = self._calibration.get(path)
-        if (ew is None or not ew.count) and path != "ar":
-            ew = next((e for p, e in self._calibration.items() if p not in ("ar", path) and e.count), None)
-        return ew.sums[0] / ew.sums[1] if ew is not None and ew.count else 1.0
+        """Mode auto: the median measured / predicted seconds per token of ``path``'s last decisions
+        (1.0 before any). The speculative paths share one: what the model leaves out is mostly the
+        decision's own (prompt, prefills, host work), the same for both, and the model already
+        ranks them (a block drafted ahead never costs more than one drafted after); one ratio each
+        would let a single odd decision of one path hand the choice to the slower."""
+        kept = self._calibration.get(_calibrated_as(path))
+        return statistics.median(kept) if kept else 1.0
 
     def begin_auto_decision(self) -> str:
         """``mode auto``: the path of the next decision, "ar", "sd" or "pipe" (call once at the
@@ -410,6 +411,11 @@ class AutoGamma:
         return self.gamma_init if plan is None else plan.gamma
 
 
+def _calibrated_as(path: str) -> str:
+    """The calibration a path's decisions share: AR's own, or one for the speculative paths."""
+    return "ar" if path == "ar" else "speculative"
+
+
 def _committed(a: float, g: int) -> float:
     """Expected tokens a round of g drafts commits at acceptance a: (1 - a^(g+1)) / (1 - a)."""
     return (1 - a ** (g + 1)) / (1 - a) if a < 1.0 else g + 1.0
@@ -423,7 +429,7 @@ def _pipe_block_s(a: float, g: int, F: float, t_draft: float, t_tx: float) -> fl
 
 
 AUTO_SWITCH_MARGIN = 0.05  # mode auto leaves its current path only for one predicted this much faster
-CALIBRATION_RATE = 0.3  # mode auto: a path's measured/predicted ratio follows its last few decisions
+CALIBRATION_KEPT = 5  # mode auto: a path's measured/predicted ratio is the median of its last 5 decisions
 CALIBRATION_CLIP = 4.0  # ... each decision's ratio counted within [1/CLIP, CLIP]
 _MIN_S = 1e-9  # keeps the model's ratios finite when a time measured 0 (in-process verifiers)
 _SLOPE_RIDGE = 1.0  # the link's per-token slope is shrunk towards 0 by one pair of rounds with dn = 1
