@@ -289,17 +289,25 @@ def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():
 
 
 def test_an_instruct_goal_counts_its_own_outcomes_and_ends_as_its_command_does():
-    from edgespec_ros.robot.drafter import GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
+    from edgespec_ros.robot.drafter import GOAL_COUNT_GRACE_S, GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
     core, clock = make(max_decisions=0, wait_for_motion=False)
     core.set_command("go", max_decisions=2)
     goal = GoalProgress(core.status().generation, clock(), timeout_s=5.0)
     assert goal.ended(core.status(), clock()) is None
-    for _ in range(2):
-        clock.advance(0.1)
-        core.set_frame(frame(clock))
-        assert goal.count(core.run(core.begin()))
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    assert goal.count(core.run(core.begin()))
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    last = core.run(core.begin())  # the command has ended; its last decision is not published yet
+    assert goal.ended(core.status(), clock()) is None  # the goal waits for it to be counted ...
+    assert goal.count(last)
     assert (goal.decisions, goal.faults, goal.tokens) == (2, 0, 24)
     assert goal.ended(core.status(), clock()) == (MAX_DECISIONS, "max_decisions (2) reached")
+    lost = GoalProgress(goal.generation, goal.started_ns, decisions=1)  # ... but not for ever
+    assert lost.ended(core.status(), clock()) is None
+    clock.advance(GOAL_COUNT_GRACE_S)
+    assert lost.ended(core.status(), clock())[0] == MAX_DECISIONS
     # a stop from the model, a timeout, and a newer command
     core, clock = make(decoder=FakeDecoder(text="Done. Action: stop."))
     core.set_command("go")

@@ -127,6 +127,7 @@ class CommandStatus:
 # How an Instruct goal ended; the index is Instruct.Result's OUTCOME_* constant (a test checks).
 GOAL_OUTCOMES = ("", REACHED, MAX_DECISIONS, CANCELLED, "preempted", "timeout", "aborted")
 PREEMPTED, TIMEOUT, ABORTED = GOAL_OUTCOMES[4:]
+GOAL_COUNT_GRACE_S = 2.0  # how long an ended goal waits for its last decisions to be published
 
 
 @dataclass
@@ -140,6 +141,7 @@ class GoalProgress:
     decisions: int = 0
     faults: int = 0
     tokens: int = 0
+    inactive_since_ns: int | None = None  # when the command was first seen ended with decisions unpublished
 
     def count(self, outcome: DecisionOutcome) -> bool:
         """Record an outcome if it belongs to this goal's command (True then)."""
@@ -158,6 +160,12 @@ class GoalProgress:
         if status.generation != self.generation:
             return PREEMPTED, "replaced by a newer goal or command"
         if not status.active:
+            # the core ends the command when its last decision is finished, a moment before that
+            # decision is published and counted here: the goal waits for it (at most GOAL_COUNT_GRACE_S)
+            if self.decisions < status.decisions:
+                self.inactive_since_ns = self.inactive_since_ns if self.inactive_since_ns is not None else now_ns
+                if now_ns - self.inactive_since_ns < GOAL_COUNT_GRACE_S * NS:
+                    return None
             return (status.finish_kind or CANCELLED), status.finished_reason or "cancelled"
         if self.timeout_s > 0 and now_ns - self.started_ns >= self.timeout_s * NS:
             return TIMEOUT, f"timeout_s {self.timeout_s:g} s passed"
