@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from scipy.special import lambertw
 
 GAMMA_MAX = 64  # the protocol's longest draft
+PIPE_DEPTH_MAX = 8  # the pipeline's most blocks in flight
 
 
 @dataclass(frozen=True)
@@ -307,38 +308,56 @@ class AutoGamma:
         self._ar_run = self._ar_run + 1 if mode == "ar" else 0
         return mode
 
-    def predict(self, alpha: float | None = None) -> dict[str, float] | None:
+    def predict(self, alpha: float | None = None, pipe_depth: int | None = None) -> dict[str, float] | None:
         """Predicted seconds per committed token of each path on the current estimates (None
         before an SD round was measured), with F = t_verify + t_rtt, sd at ODLD's gamma* and pipe
-        at its own (``_pipe_gamma``):
+        at its own gamma and depth (``pipe_plan``; ``pipe_depth`` fixes the depth):
         - ``ar``: the measured target step (the decision's one round trip is paid by every mode);
         - ``sd``: one round, F + gamma (t_draft + t_tx), per E[L] = (1 - alpha^(gamma+1)) / (1 - alpha)
           committed tokens (Eq. 11's model);
-        - ``pipe``: PicoSpec's Eq. 9 for a block drafted ahead of its predecessor's verdict: with
-          P_hit = alpha^gamma (the block before was accepted whole, so the one drafted ahead stands)
-          a block costs max(gamma t_draft, F + gamma t_tx), else gamma t_draft + F + gamma t_tx."""
+        - ``pipe``: PicoSpec's Eq. 9 generalised to ``depth`` blocks in flight (``_pipe_block_s``)."""
         plan = self.plan(alpha)
         if plan is None:
             return None
         a, g, F = min(max(plan.alpha, 0.0), 1.0), plan.gamma, plan.round_s
         t_draft, t_tx = plan.c * F, plan.b * F
-        pipe_gamma = self._pipe_gamma(a, F, t_draft, t_tx)
+        pipe_gamma, depth = self._pipe_plan(a, F, t_draft, t_tx, pipe_depth)
         return {"ar": plan.ar_step_s, "sd": (F + g * (t_draft + t_tx)) / _committed(a, g),
-                "pipe": _pipe_block_s(a, pipe_gamma, F, t_draft, t_tx) / _committed(a, pipe_gamma)}
+                "pipe": _pipe_block_s(a, pipe_gamma, F, t_draft, t_tx, self._t_verify(), depth)
+                / _committed(a, pipe_gamma)}
 
-    def _pipe_gamma(self, a: float, F: float, t_draft: float, t_tx: float) -> int:
-        """The pipeline's own draft length: Eq. 9's seconds per token minimised over gamma (ODLD's
-        gamma* is the stop-and-wait optimum; a pipeline that hides the round behind drafting wants
-        blocks about as long as the round, not longer)."""
-        return min(range(1, self.gamma_max + 1), key=lambda g: _pipe_block_s(a, g, F, t_draft, t_tx) / _committed(a, g))
+    def _t_verify(self) -> float:
+        return self._verify.sums[0] / self._verify.sums[1] if self._verify.count else 0.0
 
-    def next_pipe_gamma(self) -> int:
-        """The draft length of the pipeline's next block: ``_pipe_gamma`` on the latest estimates."""
+    def _pipe_plan(self, a: float, F: float, t_draft: float, t_tx: float,
+                   depth: int | None = None) -> tuple[int, int]:
+        """The pipeline's own (gamma, depth): the generalised Eq. 9 seconds per token minimised
+        over gamma, each gamma with the depth that hides one block's round behind the blocks ahead
+        of it (``_pipe_cover``) unless ``depth`` is fixed. (ODLD's gamma* is the stop-and-wait
+        optimum; a pipeline that hides the round wants blocks only as long as its drafting keeps
+        the cloud busy, since every rejection voids what was drafted ahead.)"""
+        t_verify = self._t_verify()
+        best = None
+        for g in range(1, self.gamma_max + 1):
+            d = depth or _pipe_cover(g, F, t_draft, t_tx, t_verify)
+            cost = _pipe_block_s(a, g, F, t_draft, t_tx, t_verify, d) / _committed(a, g)
+            if best is None or cost < best[0]:
+                best = (cost, g, d)
+        return best[1], best[2]
+
+    def next_pipe_plan(self, depth: int | None = None) -> tuple[int, int] | None:
+        """(gamma, blocks in flight) of the pipeline's next decision on the latest estimates
+        (``depth`` fixes the second); None before anything is measured."""
         plan = self.plan()
         if plan is None:
-            return self.gamma_init
+            return None
         a, F = min(max(plan.alpha, 0.0), 1.0), plan.round_s
-        return self._pipe_gamma(a, F, plan.c * F, plan.b * F)
+        return self._pipe_plan(a, F, plan.c * F, plan.b * F, depth)
+
+    def next_pipe_gamma(self) -> int:
+        """The draft length of the pipeline's next block (``next_pipe_plan``'s gamma)."""
+        plan = self.next_pipe_plan()
+        return self.gamma_init if plan is None else plan[0]
 
     def observe_decision(self, path: str, seconds_per_token: float) -> None:
         """Mode auto: a decision on ``path`` took ``seconds_per_token`` (its wall time over its
@@ -421,11 +440,26 @@ def _committed(a: float, g: int) -> float:
     return (1 - a ** (g + 1)) / (1 - a) if a < 1.0 else g + 1.0
 
 
-def _pipe_block_s(a: float, g: int, F: float, t_draft: float, t_tx: float) -> float:
-    """PicoSpec's Eq. 9: a block drafted ahead stands with P_hit = a^g (its predecessor accepted
-    whole) and costs max(g t_draft, F + g t_tx), else g t_draft + F + g t_tx."""
+def _pipe_block_s(a: float, g: int, F: float, t_draft: float, t_tx: float, t_verify: float = 0.0,
+                  depth: int = 1) -> float:
+    """PicoSpec's Eq. 9 with ``depth`` blocks in flight. A block drafted ahead stands with
+    P_hit = a^g (its predecessor accepted whole) and then costs the pipeline's period: the slowest
+    of drafting it (g t_draft), the cloud verifying it (t_verify) and its share of the round that
+    the blocks in flight hide, (F + g t_tx) / depth; else it is a refill drafted after the verdict,
+    g t_draft + F + g t_tx. With depth 1 the period is max(g t_draft, F + g t_tx): Eq. 9 itself."""
     hit = a ** g
-    return hit * max(g * t_draft, F + g * t_tx) + (1 - hit) * (g * t_draft + F + g * t_tx)
+    period = max(g * t_draft, t_verify, (F + g * t_tx) / depth)
+    return hit * period + (1 - hit) * (g * t_draft + F + g * t_tx)
+
+
+def _pipe_cover(g: int, F: float, t_draft: float, t_tx: float, t_verify: float) -> int:
+    """Blocks in flight that keep the cloud from waiting on the link: one block's whole round,
+    drafting included, over the pipeline's period (PicoSpec's overlap condition), in
+    1..PIPE_DEPTH_MAX."""
+    period = max(g * t_draft, t_verify)
+    if period <= 0:
+        return PIPE_DEPTH_MAX
+    return max(1, min(PIPE_DEPTH_MAX, math.ceil((F + g * (t_draft + t_tx)) / period)))
 
 
 AUTO_SWITCH_MARGIN = 0.05  # mode auto leaves its current path only for one predicted this much faster

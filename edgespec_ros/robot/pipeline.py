@@ -3,7 +3,6 @@ optionally with FSD's pre-drafting and conditional blocks (docs/pipeline.md)."""
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ import torch
 
 from ..decoding.verifier import Block, Condition, VerifierTimeout, VerifyReply
 from .draft_length import AutoGamma
-from .rounds import PIPE_DEPTH_MAX, DecisionState, DecodeConfig, Strategy
+from .rounds import DecisionState, DecodeConfig, Strategy
 from .settings import DEFAULTS
 
 COND_SLICE_S = 0.003  # pipe+fsd: how often a waiting robot checks for a pre-draft to send conditionally
@@ -52,25 +51,15 @@ class PipeStrategy(Strategy):
             self.pre.close()
 
     def plan(self, cfg: DecodeConfig) -> tuple[int, int]:
-        """(gamma, blocks in flight): fixed, or from the measured link and compute (gamma auto).
-
-        Auto: gamma minimising the pipeline's own model (PicoSpec Eq. 9) on the controller's
-        estimates; the depth that covers one block's
-        round trip with drafting, ceil((t_rtt + t_verify + gamma t_draft) / max(gamma t_draft,
-        t_verify)), so the cloud never waits on the link (PicoSpec Eq. 9's overlap condition)."""
-        if self.auto is None:
+        """(gamma, blocks in flight): fixed, or from the measured link and compute (gamma auto):
+        the pair minimising the pipeline's own model (PicoSpec Eq. 9 with blocks in flight,
+        ``AutoGamma.next_pipe_plan``), the depth fixed where ``pipe_depth`` is."""
+        fixed_depth = None if cfg.pipe_depth == "auto" else int(cfg.pipe_depth)
+        planned = None if self.auto is None else self.auto.next_pipe_plan(fixed_depth)
+        if planned is None:
             gamma = cfg.gamma if cfg.gamma != "auto" else DEFAULTS.gamma
-            depth = cfg.pipe_depth if cfg.pipe_depth != "auto" else DEFAULTS.pipe_depth
-            return int(gamma), int(depth)
-        gamma = self.auto.next_pipe_gamma()
-        if cfg.pipe_depth != "auto":
-            return gamma, int(cfg.pipe_depth)
-        est = self.auto.estimates()
-        t_draft, t_verify, t_rtt = est["t_draft"], est["t_verify"], est["t_rtt"]
-        if not all(map(math.isfinite, (t_draft, t_verify, t_rtt))) or max(gamma * t_draft, t_verify) <= 0:
-            return gamma, 3
-        cover = (t_rtt + t_verify + gamma * t_draft) / max(gamma * t_draft, t_verify)
-        return gamma, max(1, min(PIPE_DEPTH_MAX, math.ceil(cover)))
+            return int(gamma), fixed_depth or DEFAULTS.pipe_depth
+        return planned
 
     def run(self, d: DecisionState) -> None:
         _Pipeline(self, d).run()
