@@ -1,0 +1,80 @@
+"""The way back (control.retrace) and the link-loss rule (robot.link_health): pure, on poses and
+fake times."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from edgespec_ros.control.actions import Action
+from edgespec_ros.control.motion import Pose2D
+from edgespec_ros.control.retrace import RetracePath
+from edgespec_ros.robot.link_health import LinkHealth, is_link_fault
+
+
+def _apply(pose: Pose2D, action: Action) -> Pose2D:
+    if action.kind == "turn":
+        return Pose2D(pose.x, pose.y, pose.yaw_rad + action.angle_rad)
+    return Pose2D(pose.x + action.distance_m * math.cos(pose.yaw_rad),
+                  pose.y + action.distance_m * math.sin(pose.yaw_rad), pose.yaw_rad)
+
+
+def test_retrace_walks_back_to_the_commands_start_and_never_past_it():
+    path = RetracePath()
+    pose = start = Pose2D(1.0, 2.0, 0.3)
+    for action in (Action.move_forward("large"), Action.turn("left", "medium"), Action.move_forward("medium"),
+                   Action.turn("right", "large"), Action.move_forward(0.7)):
+        path.record(pose, action)
+        pose = _apply(pose, action)
+    assert len(path.waypoints) == 3  # the pose before each move; turns add none
+    steps = []
+    for _ in range(50):
+        step = path.next_step(pose)
+        if step is None:
+            break
+        steps.append(step.action)
+        pose = _apply(pose, step.action)
+    assert path.next_step(pose) is None  # nothing left: it stands at the command's start
+    assert math.hypot(pose.x - start.x, pose.y - start.y) < 0.1
+    assert all(a.kind in ("turn", "move") for a in steps) and len(steps) <= 7
+    # at the start already, or nothing recorded: nothing to retrace
+    assert RetracePath().next_step(start) is None
+
+
+def test_retrace_moves_in_pieces_the_grammar_allows():
+    path = RetracePath()
+    path.record(Pose2D(0, 0, 0), Action.move_forward(2.0))
+    path.record(Pose2D(2, 0, 0), Action.move_forward(2.0))
+    pose = Pose2D(5.0, 0.0, math.pi)  # facing back already
+    step = path.next_step(pose)
+    assert step.action.kind == "move" and step.action.distance_m == pytest.approx(2.0)  # max_move_m
+    assert step.left == 2
+
+
+def test_the_link_is_lost_after_the_stated_faults_and_back_on_a_verified_decision():
+    h = LinkHealth(faults_to_lose=3, backoff_s=0.5, backoff_max_s=2.0)
+    assert not h.link_fault(0.0) and not h.link_fault(1.0)
+    assert h.link_fault(2.0) and h.lost and h.losses == 1
+    assert not h.link_fault(3.0)  # already lost: declared once
+    assert not h.probe_due(2.4) and h.probe_due(2.5)
+    h.probe_failed(2.5)
+    assert h.next_probe_s == pytest.approx(3.5)
+    h.probe_failed(3.5)
+    h.probe_failed(5.5)
+    assert h.next_probe_s == pytest.approx(7.5)  # capped at backoff_max_s
+    assert h.verified(7.5) and not h.lost and h.faults == 0
+    assert not h.verified(8.0)
+    # a verified decision between faults resets the count
+    h.link_fault(9.0), h.link_fault(10.0), h.verified(11.0)
+    assert not h.link_fault(12.0) and not h.lost
+
+
+def test_which_faults_are_the_links():
+    assert is_link_fault("deadline missed: no verified decision within 4 s")
+    assert is_link_fault("verifier unreachable: connection refused")
+    assert is_link_fault("verifier timeout: no verdict")
+    assert not is_link_fault("verifier refused: bad token")
+    assert not is_link_fault("command cancelled: 'x' replaced by new command 'y'")
+    assert not is_link_fault("decoding error: ValueError: x")
+    with pytest.raises(ValueError):
+        LinkHealth(faults_to_lose=0)
