@@ -275,10 +275,12 @@ def test_lossy_settings_say_so_in_the_stats_the_logs_and_diagnostics_read():
         pass
     msg = Msg()
     for key in ("mode", "link", "rtt_ms", "tau", "acceptance_rate", "cache_miss_rate", "tokens_per_second",
-                "decisions", "uplink_bytes", "downlink_bytes", "verification", "relaxed_tokens"):
+                "decisions", "uplink_bytes", "downlink_bytes", "verification", "relaxed_tokens", "link_state",
+                "link_losses", "unverified_decisions"):
         setattr(msg, key, snap.get(key, "wifi-poor") if key != "link" else "wifi-poor")
     shown = dict(link_key_values(msg))
     assert shown["verification"].startswith("LOSSY") and shown["relaxed_tokens"] == "3"
+    assert shown["link_state"] == "ok" and shown["unverified_decisions"] == "0"
 
 
 def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():

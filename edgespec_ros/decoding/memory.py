@@ -140,6 +140,12 @@ class CommandMemory(PolicyMemory):
             self.gave_up_waiting()  # still waiting for the last motion: it was cut short
             self.awaiting_stamp, self.awaiting_action = stamp_ns, action
 
+    def retracing(self, stamp_ns: int) -> None:
+        """A retrace step (``on_link_loss: retrace``) on the frame stamped ``stamp_ns``: its motion
+        is awaited like a decision's, but it is no decision of the policy's and is not remembered."""
+        self.gave_up_waiting()
+        self.awaiting_stamp, self.awaiting_action = stamp_ns, ""
+
     def motion_reported(self, stamp_ns: int, state: str, outcome: str) -> str | None:
         """The navigator's report (MotionState: ``state`` idle|moving|estop|watchdog, ``outcome`` a
         ``control.motion.OUTCOMES`` name) for the decision stamped ``stamp_ns``. Returns the outcome
@@ -151,11 +157,13 @@ class CommandMemory(PolicyMemory):
         if outcome == "none":
             outcome = "completed" if state == "idle" else INTERRUPTED
         self.awaiting_stamp = None
-        self.add(self.awaiting_action, outcome)
+        if self.awaiting_action:  # a retrace step is not remembered
+            self.add(self.awaiting_action, outcome)
         return outcome
 
     def gave_up_waiting(self) -> None:
         """No outcome will be waited for any more: the awaited motion counts as interrupted."""
         if self.awaiting_stamp is not None:
             self.awaiting_stamp = None
-            self.add(self.awaiting_action, INTERRUPTED)
+            if self.awaiting_action:
+                self.add(self.awaiting_action, INTERRUPTED)

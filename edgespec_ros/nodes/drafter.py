@@ -31,6 +31,7 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 
 from ..action import Instruct
+from ..robot.decoder import DRAFT_ONLY
 from ..robot.drafter import (ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, DecisionOutcome, DrafterCore,
                              DrafterSettings, Frame, GoalProgress)
 from ..control.motion import outcome_name
@@ -341,6 +342,8 @@ class DrafterNode(LifecycleNode):
         core = self.core
         if core is None:
             return
+        if core.probe_link():  # the link was lost and a reconnect just succeeded
+            self.get_logger().info("link back: the verifier answered again; decisions are verified again")
         ticket = core.begin()
         if ticket is None:
             return
@@ -376,6 +379,11 @@ class DrafterNode(LifecycleNode):
         log = self.get_logger()
         if outcome.fault:
             log.error(f"STOP ({outcome.fault})")
+        elif outcome.fallback:  # one call site per severity (rclpy): every fallback is a WARN
+            what = (f"draft-only decision (LOSSY, unverified: the link is lost): {outcome.action or outcome.text!r}"
+                    if outcome.fallback == DRAFT_ONLY else "retrace step (the link is lost): the navigator walks "
+                    "back one move towards the command's start")
+            log.warning(what)
         elif not outcome.parsed:
             resample = self.settings.resample_temperature
             then = (f"the next decision samples at temperature {max(resample, self.settings.temperature):g}"
@@ -410,6 +418,8 @@ class DrafterNode(LifecycleNode):
         msg.rtt_ms = float(s["rtt_ms"])
         msg.uplink_bytes, msg.downlink_bytes = int(s["uplink_bytes"]), int(s["downlink_bytes"])
         msg.verification, msg.relaxed_tokens = s["verification"], int(s["relaxed_tokens"])
+        msg.link_state, msg.link_losses = s["link_state"], int(s["link_losses"])
+        msg.unverified_decisions = int(s["unverified_decisions"])
         return msg
 
 
@@ -430,6 +440,7 @@ def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
     msg.latency_s = float(outcome.latency_s)
     msg.temperature = float(outcome.temperature)
     msg.fault = outcome.fault
+    msg.fallback = outcome.fallback
     return msg
 
 

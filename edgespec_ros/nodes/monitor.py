@@ -63,7 +63,9 @@ def link_key_values(stats) -> list[tuple[str, str]]:
             ("cache_miss_rate", "n/a" if math.isnan(miss) else f"{miss:.3f}"),
             ("tokens_per_second", f"{stats.tokens_per_second:.1f}"), ("decisions", str(stats.decisions)),
             ("uplink_bytes", str(stats.uplink_bytes)), ("downlink_bytes", str(stats.downlink_bytes)),
-            ("verification", stats.verification or "lossless"), ("relaxed_tokens", str(stats.relaxed_tokens))]
+            ("verification", stats.verification or "lossless"), ("relaxed_tokens", str(stats.relaxed_tokens)),
+            ("link_state", stats.link_state or "ok"), ("link_losses", str(stats.link_losses)),
+            ("unverified_decisions", str(stats.unverified_decisions))]
 
 
 class MonitorNode(Node):
@@ -202,12 +204,20 @@ class MonitorNode(Node):
             lossy = (stats.verification or "lossless") != "lossless"
             link.level = DiagnosticStatus.OK
             link.message = f"{stats.mode} over {stats.link}" + (f", {stats.verification}" if lossy else ", lossless")
+            if stats.link_state and stats.link_state != "ok":
+                link.level = DiagnosticStatus.WARN
+                link.message = f"link {stats.link_state}: {stats.unverified_decisions} unverified decisions so far"
             link.values = [KeyValue(key=k, value=v) for k, v in link_key_values(stats)]
         drafter = DiagnosticStatus(name="edgespec: drafter", hardware_id="edgespec")
         if decision is None:
             drafter.level, drafter.message = DiagnosticStatus.STALE, "no decision yet"
         elif decision.fault:
             drafter.level, drafter.message = DiagnosticStatus.ERROR, f"stopped: {decision.fault}"
+        elif decision.fallback == "draft-only":
+            drafter.level = DiagnosticStatus.WARN
+            drafter.message = f"link lost: draft-only decision (LOSSY, unverified): {decision.action or decision.text}"
+        elif decision.fallback:
+            drafter.level, drafter.message = DiagnosticStatus.WARN, f"link lost: {decision.fallback} step (no model)"
         elif not decision.parsed:
             drafter.level, drafter.message = DiagnosticStatus.WARN, "last answer unparseable (no motion)"
         else:

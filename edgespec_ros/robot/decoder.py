@@ -35,7 +35,9 @@ from .pipeline import PipeStrategy
 from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDrafted, StopAndWait,
                      Strategy, truncate_at_stop)
 
-__all__ = ["DECODING_MODES", "Decision", "DecodeConfig", "EdgeDecoder"]
+__all__ = ["DECODING_MODES", "DRAFT_ONLY", "Decision", "DecodeConfig", "EdgeDecoder"]
+
+DRAFT_ONLY = "draft-only"  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
 
 @dataclass
 class Decision:
@@ -146,5 +148,33 @@ class EdgeDecoder:
         if auto_decision:  # mode auto learns what the path it took really costs
             self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens))
         m.cloud_prefill_s = getattr(self.verifier, "last_prefill_s", None) or 0.0
+        text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
+        return Decision(out, text, m)
+
+    def decide_draft_only(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=()) -> Decision:
+        """LOSSY, for ``on_link_loss: draft_only`` only: the draft decides alone, greedy, on the
+        robot's device (its prefill and every token charged as any drafting is), nothing sent.
+        Its text is the draft's, not the target's: callers label it (mode DRAFT_ONLY)."""
+        if self.draft is None:
+            raise ValueError("draft-only decisions need a draft model")
+        m = DecisionMetrics(mode=DRAFT_ONLY, gamma=0)
+        t_start = time.perf_counter()
+        _, inputs = self.make_prompt(instruction, image, history)
+        seq = self.draft.new_sequence()
+        with self.device.prefill():
+            logits = seq.prefill(inputs)
+        out: list[int] = []
+        while len(out) < cfg.max_new_tokens:
+            token = int(logits.argmax())
+            out.append(token)
+            if on_tokens is not None:
+                on_tokens([token])
+            if token in self.eos_ids:
+                break
+            with self.device.token():
+                logits = seq.feed([token])[-1]
+        m.t_draft = time.perf_counter() - t_start
+        m.tokens = len(out)
+        m.wall_s = time.perf_counter() - t_start
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)

@@ -18,7 +18,14 @@ Safety rules enforced here:
   before the supervisor looked is dropped too (``late_results``) and the deadline stop goes out
   in its place;
 * a new command (or an empty one) cancels the running decision (its result is discarded) and
-  gives a ``stop`` outcome, so the robot never finishes a motion of the old command.
+  gives a ``stop`` outcome, so the robot never finishes a motion of the old command;
+* once the link is lost (``robot.link_health``: ``link_loss_faults`` link faults in a row) the
+  robot does what ``on_link_loss`` says: ``stop`` decides nothing until a reconnect succeeds;
+  ``retrace`` publishes retrace steps (no model: the navigator walks back one move towards the
+  command's start, never past it); ``draft_only`` publishes the draft's own greedy decisions,
+  each labelled ``draft-only`` (LOSSY) in its ``fallback`` and mode. Reconnects (a handshake, with
+  backoff) run before each decision while lost; the first that succeeds, or any verified
+  decision, ends the fallback, and the command's memory carries over.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_A
                                split_reasoning_action)
 from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME
 from ..decoding.memory import CommandMemory
-from .decoder import DecodeConfig
+from .decoder import DRAFT_ONLY, DecodeConfig
+from .link_health import LinkHealth, is_link_fault
 from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
 from ..decoding.metrics import DecisionMetrics, RunSummary
 
@@ -83,6 +91,7 @@ class DecisionOutcome:
     fault: str = ""
     metrics: DecisionMetrics | None = None
     generation: int = -1          # the command it belongs to (DrafterCore.generation then)
+    fallback: str = ""            # the link is lost: DRAFT_ONLY (LOSSY) or RETRACE stands in for a verified decision
 
     @property
     def is_fault(self) -> bool:
@@ -108,6 +117,17 @@ def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = ""
     """A safety stop: action ``stop``, ``fault`` says why."""
     return DecisionOutcome(instruction, stamp_ns, frame_id, text=text, action="stop", parsed_action=Action.stop(),
                            parsed=True, reasoning=fault, mode=mode, fault=fault)
+
+
+RETRACE = "retrace"  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
+RETRACE_DONE = "retrace_done"  # the navigator's outcome when nothing is left to retrace (the command's start)
+
+
+def retrace_outcome(*, instruction: str, stamp_ns: int, frame_id: str = "") -> DecisionOutcome:
+    """A retrace step: no action of its own (the navigator knows the way back), labelled."""
+    return DecisionOutcome(instruction, stamp_ns, frame_id, mode=RETRACE, fallback=RETRACE,
+                           parse_error="no model decided: retracing while the link is lost",
+                           reasoning="link lost: walking back along this command's moves")
 
 
 # How a command ended (CommandStatus.finish_kind)
@@ -185,6 +205,7 @@ class Ticket:
     abandoned: bool = False
     resample: bool = False  # the last decision was unparseable or blocked: sample this one
     history: tuple = ()  # a policy with memory: the earlier decisions its prompt shows (decoding.memory)
+    fallback: str = ""  # the link is lost: DRAFT_ONLY or RETRACE (nothing is sent to the verifier)
 
 
 def classify_error(exc: BaseException) -> str:
@@ -240,6 +261,9 @@ class DrafterCore:
         # draft model was trained to read them (0 for a memoryless model: prompts as before)
         # (and, memory or not, the decision whose motion we wait for: memory.awaiting_stamp)
         self.memory = CommandMemory(getattr(getattr(decoder, "draft", None), "memory", 0) or 0)
+        self.link = LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
+        self.retrace_done = False  # the navigator reported nothing left to retrace for this command
+        self.reconnects = 0  # reconnects that ended a link loss
 
     # ------------------------------------------------------------------ inputs
 
@@ -265,6 +289,7 @@ class DrafterCore:
             self.retry_after_ns = 0
             self.resample_next = False
             self.memory.reset()  # and no motion awaited
+            self.retrace_done = False
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -284,6 +309,8 @@ class DrafterCore:
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
         (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample)."""
         with self._lock:
+            if outcome == RETRACE_DONE:
+                self.retrace_done = True
             ended = self.memory.motion_reported(decision_stamp_ns, state, outcome)
             if ended is not None:
                 self.motion_idle_since_ns = state_stamp_ns
@@ -301,6 +328,11 @@ class DrafterCore:
             return "a decision is in flight"
         if now_ns < self.retry_after_ns:
             return "backing off after a fault"
+        if self.link.lost:
+            if s.on_link_loss == "stop":
+                return "link lost (on_link_loss stop): standing still until a reconnect succeeds"
+            if s.on_link_loss == "retrace" and self.retrace_done:
+                return "link lost (on_link_loss retrace): back at the command's start, waiting for a reconnect"
         frame = self.frame
         if frame is None:
             return "no camera frame yet"
@@ -324,9 +356,11 @@ class DrafterCore:
                 return None
             if self.settings.wait_for_motion:
                 self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
+            fallback = "" if not self.link.lost else RETRACE if self.settings.on_link_loss == "retrace" \
+                else DRAFT_ONLY
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
                             self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
-                            history=self.memory.shown())
+                            history=self.memory.shown(), fallback=fallback)
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
@@ -349,10 +383,14 @@ class DrafterCore:
                     on_partial(text)
 
         outcome: DecisionOutcome
+        if ticket.fallback == RETRACE:
+            return self._finish(ticket, retrace_outcome(instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
+                                                        frame_id=ticket.frame.frame_id))
         cfg = s.decode_config(ticket.index, ticket.resample)
         try:
             memory = {"history": ticket.history} if self.memory.k else {}
-            decision = self.decoder.decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens, **memory)
+            decide = self.decoder.decide_draft_only if ticket.fallback == DRAFT_ONLY else self.decoder.decide
+            decision = decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens, **memory)
         except DecisionCancelled:
             self._drop_connection()
             return self._finish(ticket, None)
@@ -363,11 +401,12 @@ class DrafterCore:
             outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
             return self._finish(ticket, outcome)
         m = decision.metrics
-        mode = f"auto:{m.mode}" if s.mode == "auto" else s.mode  # the path auto took, e.g. "auto:pipe"
+        mode = DRAFT_ONLY if ticket.fallback else f"auto:{m.mode}" if s.mode == "auto" else s.mode  # e.g. "auto:pipe"
         outcome = outcome_from_text(decision.text, instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
                                     frame_id=ticket.frame.frame_id, mode=mode, config=self.action_config)
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
-        outcome.predicted = predicted_text(m.predicted_ms_per_token) if s.mode == "auto" else ""
+        outcome.predicted = predicted_text(m.predicted_ms_per_token) if s.mode == "auto" and not ticket.fallback else ""
+        outcome.fallback = ticket.fallback
         outcome.temperature = cfg.params.temperature
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
@@ -397,7 +436,13 @@ class DrafterCore:
         outcome.latency_s = (now - ticket.frame.stamp_ns) / NS
         outcome.generation = ticket.generation
         self.stats.add_fault()
+        self._link_fault(outcome.fault)
         return outcome
+
+    def _link_fault(self, fault: str) -> None:
+        """A decision failed (under the lock): a link fault counts towards declaring the link lost."""
+        if is_link_fault(fault) and self.link.link_fault(self.steady_ns() / NS):
+            self.stats.link_lost(self.settings.on_link_loss)
 
     def _finish(self, ticket: Ticket, outcome: DecisionOutcome | None) -> DecisionOutcome | None:
         now = self.clock_ns()
@@ -417,7 +462,14 @@ class DrafterCore:
             if outcome.is_fault:
                 self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
                 self.stats.add_fault()
+                self._link_fault(outcome.fault)
                 return outcome
+            if outcome.fallback == RETRACE:  # not a decision of the command: the navigator's step back
+                self.stats.add_unverified()
+                self.memory.retracing(outcome.stamp_ns)
+                return outcome
+            if not outcome.fallback and self.link.verified(self.steady_ns() / NS):
+                self.stats.link_back()
             self.decisions += 1
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
@@ -429,6 +481,30 @@ class DrafterCore:
                 self.active, self.finish_kind = False, MAX_DECISIONS
                 self.finished_reason = f"max_decisions ({self.command_max_decisions}) reached"
             return outcome
+
+    def probe_link(self) -> bool | None:
+        """While the link is lost and a reconnect is due (``LinkHealth``'s backoff): try one, a
+        handshake and nothing decided (bounded by the verifier's connect timeout), on the calling
+        thread (the node's decision thread: a decision does not run meanwhile). True: the link is
+        back and the next decision is verified again; False: it failed; None: nothing was due."""
+        with self._lock:
+            if not self.link.probe_due(self.steady_ns() / NS) or self.in_flight is not None:
+                return None
+        verifier = getattr(self.decoder, "verifier", None)
+        try:
+            if getattr(verifier, "ws", None) is not None:
+                verifier.abort()  # a connection left from before the loss may be dead: start afresh
+            verifier.connect()
+        except Exception:  # noqa: BLE001 - any failure to reconnect is a failed probe
+            self._drop_connection()
+            with self._lock:
+                self.link.probe_failed(self.steady_ns() / NS)
+            return False
+        with self._lock:
+            if self.link.verified(self.steady_ns() / NS):
+                self.reconnects += 1
+                self.stats.link_back()
+        return True
 
     def status(self) -> CommandStatus:
         """The current command, consistently: its generation (changes with every set_command),
@@ -463,6 +539,9 @@ class DecodingStatsAggregator:
     decisions: int = 0
     faults: int = 0
     unparseable: int = 0
+    unverified: int = 0  # draft-only decisions (LOSSY) and retrace steps, published while the link was lost
+    link_losses: int = 0
+    link_state: str = "ok"  # or "LOST (on_link_loss ...)"
     totals: RunSummary = None
     rtt_ms: deque = field(default_factory=lambda: deque(maxlen=200))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -476,6 +555,9 @@ class DecodingStatsAggregator:
         with self._lock:
             self.decisions += 1
             self.unparseable += 0 if outcome.parsed else 1
+            if outcome.fallback:  # the draft's own decision: its tokens are not verified tokens
+                self.unverified += 1
+                return
             if m is None:
                 return
             self.totals.add(m)
@@ -485,6 +567,19 @@ class DecodingStatsAggregator:
     def add_fault(self) -> None:
         with self._lock:
             self.faults += 1
+
+    def add_unverified(self) -> None:
+        with self._lock:
+            self.unverified += 1
+
+    def link_lost(self, on_link_loss: str) -> None:
+        with self._lock:
+            self.link_losses += 1
+            self.link_state = f"LOST (on_link_loss {on_link_loss})"
+
+    def link_back(self) -> None:
+        with self._lock:
+            self.link_state = "ok"
 
     def snapshot(self) -> dict:
         """The DecodingStats fields (cache_miss_rate is NaN outside fsd)."""
@@ -507,4 +602,7 @@ class DecodingStatsAggregator:
                 "downlink_bytes": t.downlink_bytes,
                 "verification": self.verification,
                 "relaxed_tokens": t.wisv_relaxed,
+                "link_state": self.link_state,
+                "link_losses": self.link_losses,
+                "unverified_decisions": self.unverified,
             }

@@ -20,6 +20,7 @@ from ..control.actions import SIZES
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
 from .draft_length import GAMMA_MAX, PIPE_DEPTH_MAX  # noqa: F401 - the settings' bounds
+from .link_health import LINK_LOSS_ACTIONS
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
 QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
@@ -97,6 +98,19 @@ class DrafterSettings:
     finish_on_stop: bool = setting(True, "a verified 'stop' completes the command (no more decisions until "
                                          "the next)")
     max_decisions: int = setting(0, "decisions per command before it is dropped; 0 = unlimited", min_value=0)
+    on_link_loss: str = setting(
+        "stop", "what the robot does once the link to the verifier is lost (link_loss_faults link faults in a "
+                "row: a missed deadline, an unreachable or dropped verifier): stop (stand still until a "
+                "reconnect succeeds), retrace (walk back along this command's moves, never past its start, "
+                "until the link is back) or draft_only (LOSSY: the draft decides alone, greedy, each decision "
+                "labelled draft-only, the navigator's degraded motion profile); reconnects run meanwhile",
+        choices=LINK_LOSS_ACTIONS)
+    link_loss_faults: int = setting(3, "link faults in a row (each a failed reconnect after the first) that "
+                                       "declare the link lost", min_value=1, max_value=100)
+    reconnect_backoff_s: float = setting(0.5, "while the link is lost: the first reconnect's wait; it doubles "
+                                              "after each failed one", min_value=0.01)
+    reconnect_backoff_max_s: float = setting(8.0, "while the link is lost: the longest wait between reconnects",
+                                             min_value=0.01)
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
@@ -105,6 +119,11 @@ class DrafterSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.on_link_loss not in LINK_LOSS_ACTIONS:
+            raise ValueError(f"on_link_loss {self.on_link_loss!r}: choose one of {', '.join(LINK_LOSS_ACTIONS)}")
+        if self.reconnect_backoff_s > self.reconnect_backoff_max_s:
+            raise ValueError(f"reconnect_backoff_s ({self.reconnect_backoff_s:g}) must not exceed "
+                             f"reconnect_backoff_max_s ({self.reconnect_backoff_max_s:g})")
         if self.max_decisions < 0:
             raise ValueError(f"max_decisions must be >= 0 (0 = unlimited), got {self.max_decisions}")
         for name in ("temperature", "resample_temperature"):

@@ -1,0 +1,193 @@
+"""``on_link_loss`` in the drafter's decision loop (DrafterCore), on a fake clock and a fake link:
+a cut flips to the fallback after the stated rule (robot.link_health) and back after a reconnect;
+every decision published while the link is lost says so (draft-only, retrace); stop decides
+nothing until the link is back."""
+from __future__ import annotations
+
+import pytest
+
+from edgespec_ros.decoding.metrics import DecisionMetrics
+from edgespec_ros.robot.decoder import DRAFT_ONLY, Decision
+from edgespec_ros.robot.drafter import RETRACE, RETRACE_DONE
+from edgespec_ros.wire.client import LinkLostError
+
+from drafting_helpers import TEXT, FakeDecoder, frame, make
+
+DRAFT_TEXT = "I see nothing. Action: turn left small."
+
+
+class Link:
+    def __init__(self):
+        self.up = True
+
+
+class FlakyVerifier:
+    def __init__(self, link: Link):
+        self.link, self.ws, self.closed, self.connects = link, None, 0, 0
+
+    def connect(self):
+        self.connects += 1
+        if not self.link.up:
+            raise LinkLostError("cannot reach the verifier")
+        self.ws = object()
+
+    def abort(self):
+        self.ws = None
+        self.closed += 1
+
+    close = abort
+
+
+class FlakyDecoder(FakeDecoder):
+    """Verified decisions while the link is up, LinkLostError while it is down; the draft alone
+    always answers (DRAFT_TEXT)."""
+
+    def __init__(self, link: Link):
+        super().__init__()
+        self.link = link
+        self.verifier = FlakyVerifier(link)
+        self.draft_only_calls = 0
+
+    def decide(self, instruction, image, cfg, on_tokens=None, **kw):
+        if not self.link.up:
+            raise LinkLostError("connection reset")
+        return super().decide(instruction, image, cfg, on_tokens)
+
+    def decide_draft_only(self, instruction, image, cfg, on_tokens=None, **kw):
+        self.draft_only_calls += 1
+        return Decision([1, 2, 3], DRAFT_TEXT, DecisionMetrics(mode=DRAFT_ONLY, gamma=0, tokens=3))
+
+
+def _step(core, clock, seconds=1.1):
+    """One pass of the node's decision timer after ``seconds``: probe if due, then decide if ready."""
+    clock.advance(seconds)
+    core.set_frame(frame(clock))
+    core.probe_link()
+    ticket = core.begin()
+    return None if ticket is None else core.run(ticket)
+
+
+def _lose(core, clock, link, faults=3):
+    link.up = False
+    outs = [_step(core, clock) for _ in range(faults)]
+    assert all(o is not None and o.fault.startswith("verifier unreachable") for o in outs)
+    return outs
+
+
+@pytest.mark.parametrize("on_link_loss", ["stop", "retrace", "draft_only"])
+def test_a_cut_flips_to_the_fallback_after_the_stated_faults_and_back_after_a_reconnect(on_link_loss):
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss=on_link_loss, link_loss_faults=3, retry_interval_s=1.0,
+                       reconnect_backoff_s=0.5, reconnect_backoff_max_s=4.0, wait_for_motion=False)
+    core.set_command("go to the bottle")
+    first = _step(core, clock)
+    assert first.action == "move forward medium" and not first.fallback
+    link.up = False
+    out = [_step(core, clock) for _ in range(2)]
+    assert not core.link.lost and all(o.fault for o in out)  # 2 faults: not yet
+    _step(core, clock)
+    assert core.link.lost and core.stats.snapshot()["link_state"] == f"LOST (on_link_loss {on_link_loss})"
+    fallbacks = [_step(core, clock) for _ in range(4)]
+    if on_link_loss == "stop":
+        assert fallbacks == [None] * 4 and "link lost" in core.why_not_ready(clock())
+    else:
+        want = RETRACE if on_link_loss == "retrace" else DRAFT_ONLY
+        assert all(o is not None and o.fallback == want and o.mode == want and not o.fault for o in fallbacks)
+    connects = decoder.verifier.connects
+    assert connects >= 2  # reconnects were tried while lost, with backoff (not every pass)
+    assert connects < 4 + 1
+    link.up = True
+    clock.advance(5.0)  # past the longest backoff
+    back = _step(core, clock)
+    assert not core.link.lost and core.reconnects == 1
+    assert back is not None and not back.fallback and back.action == "move forward medium"
+    snap = core.stats.snapshot()
+    assert snap["link_state"] == "ok" and snap["link_losses"] == 1
+    assert snap["unverified_decisions"] == (0 if on_link_loss == "stop" else 4)
+
+
+def test_draft_only_decisions_are_the_drafts_own_labelled_lossy_and_remembered():
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=2, wait_for_motion=False)
+    core.set_command("go")
+    _lose(core, clock, link, faults=2)
+    out = _step(core, clock)
+    assert decoder.draft_only_calls == 1
+    assert out.fallback == DRAFT_ONLY and out.mode == DRAFT_ONLY and out.action == "turn left small"
+    assert out.predicted == "" and not out.fault
+    assert core.decisions == 1  # a decision of the command (its memory carries over)
+    from edgespec_ros.nodes.drafter import decision_message
+    msg = decision_message(out)
+    assert msg.fallback == msg.FALLBACK_DRAFT_ONLY == "draft-only" and msg.mode == "draft-only"
+
+
+def test_retrace_steps_carry_no_action_are_not_remembered_and_end_at_the_commands_start():
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="retrace", link_loss_faults=1, wait_for_motion=True)
+    core.set_command("go")
+    link.up = False
+    assert _step(core, clock).fault
+    step = _step(core, clock)
+    assert step.fallback == RETRACE and step.action == "" and not step.parsed and step.parsed_action is None
+    from edgespec_ros.nodes.drafter import decision_message
+    msg = decision_message(step)
+    assert msg.fallback == msg.FALLBACK_RETRACE and msg.kind == msg.KIND_NONE
+    assert core.memory.shown() == () and core.decisions == 0  # no decision of the policy's
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()) == "waiting for the navigator to finish the last motion"
+    core.note_motion("idle", step.stamp_ns, clock(), RETRACE_DONE)  # the navigator: nothing left
+    clock.advance(1.1)
+    core.set_frame(frame(clock))
+    assert "back at the command's start" in core.why_not_ready(clock())
+    core.set_command("another")  # a new command: a new path (its start is here)
+    assert not core.retrace_done
+
+
+def test_a_refusing_verifier_is_not_a_lost_link():
+    from edgespec_ros.wire.client import VerifierRefused
+    decoder = FakeDecoder(error=VerifierRefused(4401, "bad token"))
+    core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=1)
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    assert core.run(core.begin()).fault.startswith("verifier refused")
+    assert not core.link.lost  # a configuration problem: the robot stops, it does not work around it
+
+
+def test_nothing_unverified_is_published_without_its_label():
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=2, wait_for_motion=False)
+    core.set_command("go")
+    published = [_step(core, clock)]
+    link.up = False
+    published += [_step(core, clock, 0.7) for _ in range(8)]
+    link.up = True
+    clock.advance(10)
+    published += [_step(core, clock) for _ in range(2)]
+    for out in filter(None, published):
+        verified = not out.fallback and not out.fault
+        assert verified == (out.text == TEXT), out  # the draft's text only ever goes out labelled
+        assert (out.text == DRAFT_TEXT) == (out.fallback == DRAFT_ONLY)
+
+
+def test_a_draft_only_decision_is_the_drafts_greedy_output_and_sends_nothing(vlm_draft, vlm_target, image):
+    """EdgeDecoder.decide_draft_only: the draft model's own greedy tokens (as target_generate gives
+    for that model alone), with no verifier call at all."""
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+
+    class NoLink(LocalVerifier):
+        def start(self, *a, **k):
+            raise AssertionError("a draft-only decision must not reach the verifier")
+
+    decoder = EdgeDecoder(vlm_draft, NoLink(vlm_target))
+    cfg = DecodeConfig(mode="sd", max_new_tokens=12)
+    out = decoder.decide_draft_only("go to the chair", image, cfg)
+    _, inputs = decoder.make_prompt("go to the chair", image)
+    assert out.tokens == target_generate(vlm_draft, inputs, cfg)
+    assert out.metrics.mode == DRAFT_ONLY and out.metrics.tokens == len(out.tokens)
