@@ -43,7 +43,8 @@ COLLISION_MONITOR_OUTPUT = "cmd_vel_cm"
 ROLE_ARGS = {
     "camera": {"source": "camera_source"},
     "drafter": {"server_url": "server_url", "token_file": "token_file", "tls_ca_file": "tls_ca_file", "mode": "mode",
-                "verify_mode": "verify_mode", "model_path": "model_path", "device": "device", "dtype": "dtype"},
+                "verify_mode": "verify_mode", "model_path": "model_path", "device": "device", "dtype": "dtype",
+                "on_link_loss": "on_link_loss"},
     "navigator": {"backend": "backend"},
 }
 
@@ -56,6 +57,9 @@ ARGUMENTS = [
               "default, docs/parameters.md)"),
     ("verify_mode", "", "rejection (lossless) | wisv (LOSSY: the verifier's decision head keeps harmless "
                         "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head) ('' = the node's default, docs/parameters.md)"),
+    ("on_link_loss", "", "once the link to the verifier is lost: stop (stand still until a reconnect) | retrace (walk "
+                      "back along the command's moves) | draft_only (LOSSY: the draft decides alone, labelled "
+                      "draft-only, degraded motion) ('' = the node's default, docs/parameters.md)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),
     ("device", "", "draft model device: auto | cpu | cuda | cuda:N ('' = the node's default, docs/parameters.md)"),
     ("dtype", "", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16 ('' = the node's default, docs/parameters.md)"),

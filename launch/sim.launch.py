@@ -29,7 +29,7 @@ PACKAGE = "edgespec_ros"
 # node -> {parameter: launch argument that overrides it (strings only)}
 ROLE_ARGS = {
     "sim_robot": {"scenario": "scenario"},
-    "drafter": {"mode": "mode", "model_path": "draft_model", "server_url": "server_url"},
+    "drafter": {"mode": "mode", "model_path": "draft_model", "server_url": "server_url", "on_link_loss": "on_link_loss"},
     "navigator": {},
     "monitor": {},
 }
@@ -43,6 +43,9 @@ ARGUMENTS = [
     ("mode", "", "decoding mode: ar | sd | fsd | pipe | pipe+fsd | auto (auto: the path predicted fastest before each "
               "decision; the fsd modes run without pre-drafting on a verifier without early exits) ('' = the node's "
               "default, docs/parameters.md)"),
+    ("on_link_loss", "", "once the link to the verifier is lost: stop (stand still until a reconnect) | retrace (walk "
+                      "back along the command's moves) | draft_only (LOSSY: the draft decides alone, labelled "
+                      "draft-only, degraded motion) ('' = the node's default, docs/parameters.md)"),
     ("draft_model", "", "draft model directory ('' = the embedded default)"),
     ("target_model", "", "target model directory for the local verifier ('' = the embedded default)"),
     ("verifier_port", "8765", "port of the local verifier"),

@@ -191,3 +191,75 @@ def test_a_draft_only_decision_is_the_drafts_greedy_output_and_sends_nothing(vlm
     _, inputs = decoder.make_prompt("go to the chair", image)
     assert out.tokens == target_generate(vlm_draft, inputs, cfg)
     assert out.metrics.mode == DRAFT_ONLY and out.metrics.tokens == len(out.tokens)
+
+
+def test_through_a_real_link_a_cut_flips_to_draft_only_and_a_restore_back_to_verified():
+    """A real verifier behind the link proxy: the link dies (blackholed: no FIN, no RST), the
+    decisions miss their deadlines, the link is declared lost after the stated faults and the
+    draft decides alone (labelled); the link comes back, a reconnect succeeds, and the next
+    decision is the target's own again."""
+    import threading
+    import time
+
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.thread import ServerThread
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+    from edgespec_ros.wire.client import RemoteVerifier
+    from edgespec_ros.wire.link import LinkProxy, get_profile
+
+    from wire_helpers import make_pair, server_copy
+
+    pair = make_pair()
+    with ServerThread(VerifierServer(server_copy(pair.target))) as st, \
+            LinkProxy(get_profile("lan"), "127.0.0.1", st.port) as proxy:
+        rv = RemoteVerifier(proxy.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, timeout_s=30.0,
+                            connect_timeout_s=0.5)
+        settings = DrafterSettings(mode="sd", deadline_s=0.6, retry_interval_s=0.05, max_new_tokens=16,
+                                   wait_for_motion=False, on_link_loss="draft_only", link_loss_faults=2,
+                                   reconnect_backoff_s=0.1, reconnect_backoff_max_s=0.4)
+        core = DrafterCore(EdgeDecoder(pair.draft, rv), settings, time.monotonic_ns)
+        core.set_command("find the silver bottle")
+        published = []
+
+        def decide_once(timeout_s=10.0):
+            t_end = time.monotonic() + timeout_s
+            while time.monotonic() < t_end:
+                core.set_frame(Frame(pair.image, time.monotonic_ns(), "cam"))
+                core.probe_link()
+                ticket = core.begin()
+                if ticket is None:
+                    time.sleep(0.02)
+                    continue
+                done = threading.Event()
+                out = []
+                worker = threading.Thread(target=lambda: (out.append(core.run(ticket)), done.set()), daemon=True)
+                worker.start()
+                while not done.wait(0.05):
+                    stop = core.check_deadline()
+                    if stop is not None:
+                        published.append(stop)
+                        worker.join(5)
+                        return stop
+                published.extend(o for o in out if o is not None)
+                return out[0]
+            raise AssertionError(f"no decision in {timeout_s} s: {core.why_not_ready(time.monotonic_ns())}")
+
+        first = decide_once()
+        assert not first.fault and not first.fallback
+        proxy.blackhole()
+        faults = [decide_once() for _ in range(2)]
+        assert all(f.fault for f in faults) and core.link.lost
+        drafted = decide_once()
+        assert drafted.fallback == DRAFT_ONLY and drafted.mode == DRAFT_ONLY and not drafted.fault
+        proxy.restore()
+        back = None
+        for _ in range(20):  # reconnects with backoff, then a verified decision
+            out = decide_once()
+            if not out.fallback and not out.fault:
+                back = out
+                break
+        assert back is not None and not core.link.lost and core.reconnects == 1
+        assert back.tokens > 0 and back.mode == "sd"
+        rv.abort()
+    assert all(o.fault or o.fallback or o.mode == "sd" for o in published)

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compute", default="native", type=compute_arg,
                     help=f"the verifier's compute: {compute_help()} (default native)")
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: the drafter's, docs/parameters.md)")
+    ap.add_argument("--on-link-loss", default=None, choices=["stop", "retrace", "draft_only"],
+                    help="what the robot does once the link is lost (default: the drafter's, stop); try it with a "
+                         "link that fails, e.g. --link wifi-poor-cuts")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
     ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")
     ap.add_argument("--out", default=None, help="output folder (default out/demo-<scenario>-<mode>-<time>)")
@@ -183,6 +186,8 @@ def run_closed_loop(args) -> int:
                              "link_name": args.link}
         if args.gamma is not None:
             drafter_overrides["gamma"] = args.gamma
+        if args.on_link_loss is not None:
+            drafter_overrides["on_link_loss"] = args.on_link_loss
         # the simulated world has no e-stop supervisor (sim.launch.py's SIM_PARAMETERS)
         overrides = {"sim_robot": {"scenario": args.scenario}, "drafter": drafter_overrides,
                      "navigator": {"estop_required": False}}
@@ -271,6 +276,11 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
                 return result
             continue
         faults_in_a_row = 0
+        if msg.fallback == "retrace":  # a step back while the link is lost: no decision of the policy's
+            result["unverified"] = result.get("unverified", 0) + 1
+            print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
+                  "RETRACE (link lost: one move back towards the command's start)", flush=True)
+            continue
         steps += 1
         result["decisions"] += 1
         result["latencies"].append(msg.latency_s)
@@ -281,7 +291,11 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
         print(f"  {steps:>2}/{scenario.max_steps:<2} {progress_bar(steps, scenario.max_steps)} "
               f"{observer.goal_distance(pose):5.2f} m to goal  {action:<24} {msg.tokens:>3} tokens "
               f"{msg.rounds:>3} rounds  {msg.latency_s * 1e3:6.0f} ms"
-              + (f"  {msg.mode[len('auto:'):]}" if msg.mode.startswith("auto:") else ""), flush=True)
+              + (f"  {msg.mode[len('auto:'):]}" if msg.mode.startswith("auto:") else "")
+              + ("  DRAFT-ONLY (LOSSY, unverified: the link is lost)" if msg.fallback == "draft-only" else ""),
+              flush=True)
+        if msg.fallback:
+            result["unverified"] = result.get("unverified", 0) + 1
         episode = result["episode"]
         if episode and episode["done"] and result["decisions"] >= episode["steps"]:
             return result
@@ -294,6 +308,8 @@ def _metrics_rows(result: dict, stats, profile, wall_s: float) -> list[tuple[str
     rows = [("outcome", "success" if result["success"] else "failure"),
             ("decisions", f"{result['decisions']} ({result['unparseable']} unparseable, {result['faults']} fault stops)"),
             ("collisions", str(episode.get("collisions", "-"))),
+            ("unverified decisions", f"{result.get('unverified', 0)} (draft-only, LOSSY, and retrace steps: the link "
+                                     "was lost)"),
             ("final distance to goal", f"{episode.get('goal_distance_m', float('nan')):.2f} m")]
     if lat:
         p90 = lat[min(len(lat) - 1, int(0.9 * len(lat)))]
