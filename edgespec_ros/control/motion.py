@@ -18,6 +18,9 @@ which the executor knows nothing of. The rules:
   pushing against something, or odometry stopped) is given up with an explicit zero ("blocked").
 * The e-stop overrides everything: immediate zero, the primitive is dropped, and decisions are
   refused until it is released.
+* A decision may run slower than the limits (``on_decision(..., speed_scale=)``, at most 1): the
+  degraded profile of a decision nobody verified (:class:`DegradedProfile`, which also clamps the
+  primitive). Every rule above holds for it unchanged.
 
 Every stop is sent as ``zero_repeats`` zero commands, then the executor goes silent (returns
 None) so that a multiplexer (twist_mux) can hand control to a joystick.
@@ -25,7 +28,7 @@ None) so that a multiplexer (twist_mux) can hand control to a joystick.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .actions import Action
@@ -33,6 +36,11 @@ from .actions import Action
 # Why a closed-loop primitive was given up, in words (MotionState.reason; programs read the outcome).
 BLOCKED_BY_CONTACT_REASON = "blocked: no progress on odometry"  # odometry fresh, robot not moving
 BLOCKED_NO_ODOMETRY_REASON = "blocked: no odometry"  # odometry stopped coming
+# A retrace decision (VerifiedAction.fallback "retrace") with the robot at its command's start: nothing
+# is left to walk back, the robot stays (a stop: outcome STOPPED, a reason that begins with this). A
+# retrace step that ran ends as any primitive does (completed, blocked, ...), never STOPPED: for a
+# retrace decision, STOPPED means "back at the start".
+RETRACE_DONE_REASON = "retrace done: nothing left to retrace"
 
 IDLE, MOVING, ESTOP, WATCHDOG = "idle", "moving", "estop", "watchdog"
 STATES = (IDLE, MOVING, ESTOP, WATCHDOG)
@@ -80,6 +88,19 @@ class MotionLimits:
             raise ValueError(f"MotionLimits: min_angular_rps {self.min_angular_rps} exceeds max_angular_rps "
                              f"{self.max_angular_rps}")
 
+    def scaled(self, speed_scale: float) -> "MotionLimits":
+        """These limits with the top speeds times ``speed_scale`` (0 < scale <= 1; the slowest
+        speeds capped at the new top speeds); accelerations and tolerances unchanged."""
+        if isinstance(speed_scale, bool) or not isinstance(speed_scale, (int, float)) \
+                or not 0.0 < speed_scale <= 1.0:
+            raise ValueError(f"speed_scale must be in (0, 1], got {speed_scale!r}")
+        if speed_scale == 1.0:
+            return self
+        linear, angular = self.max_linear_mps * speed_scale, self.max_angular_rps * speed_scale
+        return replace(self, max_linear_mps=linear, max_angular_rps=angular,
+                       min_linear_mps=min(self.min_linear_mps, linear),
+                       min_angular_rps=min(self.min_angular_rps, angular))
+
     def duration_s(self, action: Action) -> float:
         """Time a trapezoidal profile needs for ``action`` from rest to rest (0 for stop)."""
         if action.kind == "move":
@@ -87,6 +108,40 @@ class MotionLimits:
         if action.kind == "turn":
             return trapezoid_time(abs(action.angle_rad), self.max_angular_rps, self.max_angular_accel_rps2)
         return 0.0
+
+
+@dataclass(frozen=True)
+class DegradedProfile:
+    """How a decision nobody verified runs (the draft model deciding alone while the link to the
+    verifier is lost): moves of at most ``max_move_m``, turns of at most ``max_turn_deg``, at
+    ``speed_scale`` (0 < scale <= 1) of the top speeds."""
+
+    max_move_m: float = 0.25
+    max_turn_deg: float = 30.0
+    speed_scale: float = 0.5
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"DegradedProfile.{f.name}: must be a positive finite number, got {value!r}")
+        if self.speed_scale > 1.0:
+            raise ValueError(f"DegradedProfile.speed_scale: must be at most 1, got {self.speed_scale!r}")
+
+    def clamp(self, action: Action) -> Action:
+        """``action`` shortened to the profile's largest move or turn (unchanged when within them,
+        and for stop); a shortened primitive is metric (``move forward 0.25 m``)."""
+        if action.kind == "move" and action.distance_m > self.max_move_m:
+            return Action("move", "forward", None, float(self.max_move_m), 0.0)
+        if action.kind == "turn" and abs(action.angle_rad) > math.radians(self.max_turn_deg):
+            return Action("turn", action.direction, None, 0.0,
+                          math.copysign(math.radians(self.max_turn_deg), action.angle_rad))
+        return action
+
+    def describe(self) -> str:
+        return (f"moves <= {self.max_move_m:g} m, turns <= {self.max_turn_deg:g} deg, "
+                f"speed x{self.speed_scale:g}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +262,7 @@ class MotionExecutor:
         # was told is not what it did: a primitive ends on measured motion, never on hope.
         self.max_extrapolation_s = max_extrapolation_s
         self.limits = limits
+        self._limits = limits            # the current primitive's (limits, or slower: on_decision's speed_scale)
         self.watchdog_timeout_s = watchdog_timeout_s
         self.odom_timeout_s = odom_timeout_s
         self.zero_repeats = zero_repeats
@@ -250,11 +306,14 @@ class MotionExecutor:
         return self._odom_s is not None and now_s - self._odom_s <= self.odom_timeout_s
 
     def on_decision(self, now_s: float, action: Action | None, *, decision_id: Any = None,
-                    reason: str = "", refusal: str = REJECTED) -> None:
+                    reason: str = "", refusal: str = REJECTED, speed_scale: float = 1.0) -> None:
         """A new decision replaces the current primitive. ``action`` None means "do not move": the
-        robot stops, ``reason`` says why and ``refusal`` (REJECTED, STALE or FAULT) is the outcome."""
+        robot stops, ``reason`` says why and ``refusal`` (REJECTED, STALE or FAULT) is the outcome.
+        ``speed_scale`` (0 < scale <= 1) runs this primitive at that share of the top speeds
+        (``MotionLimits.scaled``); the next decision runs at the full limits again unless it says so."""
         if action is None and refusal not in (REJECTED, STALE, FAULT):
             raise ValueError(f"refusal {refusal!r} is not one of {(REJECTED, STALE, FAULT)}")
+        limits = self.limits.scaled(speed_scale)  # ValueError before anything changes
         self._last_decision_s = now_s
         self.decision_id = decision_id
         if self.estop:
@@ -268,6 +327,7 @@ class MotionExecutor:
             self._halt(IDLE, reason or "stop", "stop", STOPPED)
             return
         self.action, self.action_text = action, action.text
+        self._limits = limits
         self.state, self.reason, self.outcome = MOVING, reason or "executing", NO_OUTCOME
         self._progress = 0.0
         self._best_progress, self._best_progress_s = 0.0, now_s
@@ -331,7 +391,7 @@ class MotionExecutor:
         self._zeros_due = self.zero_repeats
 
     def _step(self, now_s: float, dt: float) -> VelocityCommand:
-        action, lim = self.action, self.limits
+        action, lim = self.action, self._limits
         speed_now = self._velocity.linear_mps if action.kind == "move" else abs(self._velocity.angular_rps)
         if self._closed_loop:
             if action.kind == "move":

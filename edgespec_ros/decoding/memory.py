@@ -146,6 +146,11 @@ class CommandMemory(PolicyMemory):
         self.gave_up_waiting()
         self.awaiting_stamp, self.awaiting_action = stamp_ns, ""
 
+    @property
+    def awaiting_retrace(self) -> bool:
+        """The motion awaited is a retrace step's."""
+        return self.awaiting_stamp is not None and not self.awaiting_action
+
     def motion_reported(self, stamp_ns: int, state: str, outcome: str) -> str | None:
         """The navigator's report (MotionState: ``state`` idle|moving|estop|watchdog, ``outcome`` a
         ``control.motion.OUTCOMES`` name) for the decision stamped ``stamp_ns``. Returns the outcome

@@ -4,6 +4,24 @@ Subscribes to decisions (edgespec_ros/VerifiedAction), the e-stop (std_msgs/Bool
 publishes velocity commands on one backend (``backends``: geometry_msgs/Twist on cmd_vel; go2_ros2_sdk's
 WebRtcReq; or unitree_ros2's sport API) and its state (edgespec_ros/MotionState, latched). Which backend for
 which Go2 stack: docs/robot.md.
+
+While the link to the verifier is lost the drafter sends stand-ins for verified decisions
+(VerifiedAction.fallback):
+
+* ``draft-only``: the draft model decided alone (LOSSY). Executed under the degraded motion profile
+  (``degraded_*`` parameters: shorter moves and turns, lower speeds), with a warning.
+* ``retrace``: no model decided. The navigator walks back one step along this command's moves
+  (``control.retrace.RetracePath``, on odometry) towards the command's start, executed as any
+  decision (every stop path and limit holds); at the start it does not move and reports a stop
+  whose reason begins with ``motion.RETRACE_DONE_REASON`` (outcome STOPPED). Without fresh
+  odometry it refuses (outcome REJECTED).
+
+The way back holds the pose before every move executed for the current command (verified and
+draft-only decisions; never retrace steps). The current command is the decisions' ``instruction``
+text: a decision with another instruction starts a new way back. A fault stop for a cancelled
+command ends it too (the drafter stamps that stop with the cancelled command's instruction, so a
+command given again with the same text starts afresh). A move that starts without fresh odometry
+cuts the way back (its start is unknown): it then leads only to the poses recorded since.
 """
 from __future__ import annotations
 
@@ -16,10 +34,11 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from std_msgs.msg import Bool
 
-from ..control.actions import ActionParseError, parse_action
+from ..control.actions import Action, ActionParseError, parse_action
+from ..control.retrace import RetracePath
 from ..msg import MotionState, VerifiedAction
-from ..control.motion import (COMPLETED, FAULT, REJECTED, STALE, ZERO, MotionExecutor, MotionLimits, Pose2D,
-                              outcome_code, yaw_from_quaternion)
+from ..control.motion import (COMPLETED, FAULT, MOVING, REJECTED, RETRACE_DONE_REASON, STALE, ZERO, DegradedProfile,
+                              MotionExecutor, MotionLimits, Pose2D, outcome_code, yaw_from_quaternion)
 from ..rosio import topics
 from . import params
 from .backends import BACKENDS, check_control_rate
@@ -27,6 +46,9 @@ from .common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS, action_of, dec
     ns_to_time, run_node, time_to_ns
 
 NS = 1e-9
+DRAFT_ONLY, RETRACE = VerifiedAction.FALLBACK_DRAFT_ONLY, VerifiedAction.FALLBACK_RETRACE
+# How the drafter's fault stop for a cancelled command begins (robot.drafter.DrafterCore.set_command).
+COMMAND_CANCELLED_FAULT = "command cancelled"
 
 
 class NavigatorNode(LifecycleNode):
@@ -50,6 +72,10 @@ class NavigatorNode(LifecycleNode):
         self._backend_factory = backend_factory
         self._lock = threading.Lock()
         self.executor_: MotionExecutor | None = None
+        self.degraded: DegradedProfile | None = None
+        self.retrace = RetracePath()      # the way back along the current command's moves
+        self._retrace_instruction = ""    # ... the command it belongs to (the decisions' instruction)
+        self._retrace_cut = False         # ... a move started without odometry: the start is not on it
         self.backend = None
         self.state_pub = None
         self._entities: list = []
@@ -76,6 +102,7 @@ class NavigatorNode(LifecycleNode):
             limits = MotionLimits(p["max_linear_mps"], p["max_angular_rps"], p["max_linear_accel_mps2"],
                                   p["max_angular_accel_rps2"], p["min_linear_mps"], p["min_angular_rps"],
                                   p["position_tolerance_m"], math.radians(p["angle_tolerance_deg"]))
+            degraded = DegradedProfile(p["degraded_max_move_m"], p["degraded_max_turn_deg"], p["degraded_speed_scale"])
             if self._backend_factory is not None:
                 backend = self._backend_factory(self, p["backend"])
             else:
@@ -88,6 +115,8 @@ class NavigatorNode(LifecycleNode):
         with self._lock:
             self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                             p["stall_timeout_s"])
+            self.degraded = degraded
+            self._new_way_back("")
             self._apply_estop(self._now_s())  # what the e-stop topic said (or has not yet) before configure
             self.backend = backend
             self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
@@ -203,32 +232,93 @@ class NavigatorNode(LifecycleNode):
         now = self._now_s()
         stamp_ns = time_to_ns(msg.header.stamp)
         age = self._ros_now_s() - stamp_ns * NS  # the frame's age: stamps are ROS time
-        action, reason, refusal = None, "", REJECTED
+        fallback = msg.fallback
+        action, reason, refusal, speed_scale = None, "", REJECTED, 1.0
         if msg.fault:
             reason, refusal = f"fault stop: {msg.fault}", FAULT
         elif age > self.p["max_decision_age_s"]:
             reason = f"stale decision refused: its frame is {age:.1f} s old (max_decision_age_s " \
                      f"{self.p['max_decision_age_s']:g})"
             refusal = STALE
+        elif fallback not in ("", DRAFT_ONLY, RETRACE):
+            reason = f"rejected: unknown fallback {fallback!r}"
+        elif fallback == RETRACE:
+            pass  # its step is found on the odometry, below (lock held)
         else:
             try:
                 action = action_of(msg)  # the drafter's parsed fields: the text is parsed once, there
             except ActionParseError as exc:
                 reason = f"rejected: {exc.reason}"
-        if action is None:
-            # one call site per severity: rclpy's logger refuses a call site whose severity changes
-            if msg.fault:
-                self.get_logger().error(f"no motion: {reason}")
-            else:
-                self.get_logger().warning(f"no motion: {reason}")
-        else:
-            self.get_logger().info(f"decision: {action.text}")
         with self._lock:
             if not self._active:  # a callback that ran after deactivate (a reentrant group held it)
                 self.get_logger().warning(f"decision ignored: the navigator is not active ({msg.text!r})")
                 return
-            self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal)
+            self._follow_command(msg)
+            step = None
+            if fallback == DRAFT_ONLY and action is not None:
+                action, speed_scale = self.degraded.clamp(action), self.degraded.speed_scale
+                reason = f"unverified draft-only decision, degraded profile ({self.degraded.describe()})"
+            elif fallback == RETRACE and not reason:  # neither a fault nor stale
+                action, reason, step = self._retrace_step(now)
+            pose = self.executor_.odometry if self.executor_.odometry_fresh(now) else None
+            self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal,
+                                       speed_scale=speed_scale)
+            executed = self.executor_.state == MOVING
+            if executed and fallback != RETRACE:
+                self._record_move(pose, action)
             self._tick(now)
+        # one call site per severity: rclpy's logger refuses a call site whose severity changes
+        if action is None:
+            if msg.fault:
+                self.get_logger().error(f"no motion: {reason}")
+            else:
+                self.get_logger().warning(f"no motion: {reason}")
+        elif fallback == DRAFT_ONLY:
+            self.get_logger().warning(f"UNVERIFIED draft-only decision (link to the verifier lost): {action.text} "
+                                      f"(decided {msg.action!r}), degraded profile: {self.degraded.describe()}")
+        elif step is not None:
+            w = step.waypoint
+            self.get_logger().info(f"retrace: {action.text} towards ({w.x:.2f}, {w.y:.2f}), "
+                                   f"{step.left} waypoint(s) left")
+        elif fallback == RETRACE:
+            self.get_logger().info(f"retrace: {reason}")
+        else:
+            self.get_logger().info(f"decision: {action.text}")
+
+    def _follow_command(self, msg) -> None:
+        """The way back belongs to one command (lock held): another instruction starts a new one,
+        and a fault stop for a cancelled command ends it."""
+        if msg.instruction != self._retrace_instruction or msg.fault.startswith(COMMAND_CANCELLED_FAULT):
+            self._new_way_back(msg.instruction)
+
+    def _new_way_back(self, instruction: str) -> None:
+        self.retrace.reset()
+        self._retrace_instruction, self._retrace_cut = instruction, False
+
+    def _record_move(self, pose: Pose2D | None, action: Action) -> None:
+        """A verified or draft-only ``action`` started executing at ``pose`` (None: no fresh
+        odometry) (lock held)."""
+        if action.kind != "move":
+            return
+        if pose is None:  # where this move began is unknown: the way back ends here
+            self.retrace.reset()
+            self._retrace_cut = True
+            if self.p["use_odometry"]:  # without odometry there is never a way back: nothing to say
+                self.get_logger().warning("way back cut: a move started without fresh odometry")
+            return
+        self.retrace.record(pose, action)
+
+    def _retrace_step(self, now: float):
+        """(action, reason, step) of a retrace decision (lock held): the next step back on fresh
+        odometry; a stop when nothing is left; None (refused) without fresh odometry."""
+        if not self.executor_.odometry_fresh(now):
+            return None, "retrace refused: no fresh odometry to find the way back on", None
+        step = self.retrace.next_step(self.executor_.odometry)
+        if step is None:
+            where = "the way back is cut where a move started without odometry" if self._retrace_cut else \
+                "at the command's start"
+            return Action.stop(), f"{RETRACE_DONE_REASON} ({where})", None
+        return step.action, f"retrace: {step.left} waypoint(s) back to the command's start", step
 
     def on_estop(self, msg: Bool, info) -> None:  # two parameters: rclpy then hands over the MessageInfo
         """The e-stop topic, heard in every lifecycle state: engaging stops at once (a stop is sent

@@ -110,6 +110,13 @@ NAVIGATOR = (
                               "says true (the simulated world)"),
     P("stall_timeout_s", 1.0, "a closed-loop primitive without odometry progress for this long is given up "
                               "(blocked)", min_value=0.05),
+    P("degraded_max_move_m", 0.25, "the degraded motion profile of an unverified decision (VerifiedAction.fallback "
+                                   "draft-only: the draft model deciding alone while the link to the verifier is "
+                                   "lost): its moves are shortened to at most this", min_value=0.01, max_value=2.0),
+    P("degraded_max_turn_deg", 30.0, "the degraded motion profile: an unverified decision's turns are shortened "
+                                     "to at most this", min_value=1.0, max_value=180.0),
+    P("degraded_speed_scale", 0.5, "the degraded motion profile: an unverified decision runs at this share of "
+                                   "max_linear_mps and max_angular_rps", min_value=0.05, max_value=1.0),
 )
 
 MONITOR = (

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME
+from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, STOPPED
 from ..decoding.memory import CommandMemory
 from .decoder import DRAFT_ONLY, DecodeConfig
 from .link_health import LinkHealth, is_link_fault
@@ -120,7 +120,9 @@ def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = ""
 
 
 RETRACE = "retrace"  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
-RETRACE_DONE = "retrace_done"  # the navigator's outcome when nothing is left to retrace (the command's start)
+# The navigator's outcome for a retrace step when nothing is left to retrace (the command's start): a
+# retrace step that moved ends completed, blocked, ..., never stopped (control.motion.RETRACE_DONE_REASON)
+RETRACE_DONE = STOPPED
 
 
 def retrace_outcome(*, instruction: str, stamp_ns: int, frame_id: str = "") -> DecisionOutcome:
@@ -309,7 +311,8 @@ class DrafterCore:
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
         (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample)."""
         with self._lock:
-            if outcome == RETRACE_DONE:
+            if (outcome == RETRACE_DONE and self.memory.awaiting_stamp == decision_stamp_ns
+                    and self.memory.awaiting_retrace):
                 self.retrace_done = True
             ended = self.memory.motion_reported(decision_stamp_ns, state, outcome)
             if ended is not None:
