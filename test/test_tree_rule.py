@@ -1,0 +1,137 @@
+"""The token tree's lossless rule (decoding.tree): a chain given as a tree commits what the chain
+rule commits, greedy is the target's argmax path, and sampled trees whose siblings were drawn
+without replacement give the target's own distribution (first two tokens, exactly enumerable
+here, against Monte Carlo at the noise floor)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from edgespec_ros.decoding.sampling import SamplingParams, probs_from_logits
+from edgespec_ros.decoding.tree import ROOT, TokenTree, draw_siblings, verify_tree
+from edgespec_ros.decoding.verify import verify
+
+V = 5
+T = SamplingParams(temperature=1.0)
+
+
+def _logits(seed, rows):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g, dtype=torch.float64) * 1.5
+
+
+def test_the_shape_masks_and_positions():
+    tree = TokenTree((3, 1, 4, 0), (ROOT, ROOT, 0, 2))
+    assert tree.children(ROOT) == [0, 1] and tree.children(0) == [2] and tree.depths() == [1, 1, 2, 3]
+    assert tree.path(3) == [0, 2, 3]
+    mask = tree.attention_mask()
+    assert mask[3].tolist() == [True, False, True, True] and mask[1].tolist() == [False, True, False, False]
+    assert tree.positions(10).tolist() == [10, 10, 11, 12]
+    with pytest.raises(ValueError):
+        TokenTree((1, 1), (ROOT, ROOT))  # siblings are distinct (without replacement)
+    with pytest.raises(ValueError):
+        TokenTree((1, 2), (1, ROOT))  # a parent comes first
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_chain_as_a_tree_commits_what_the_chain_rule_commits(seed):
+    g = torch.Generator().manual_seed(seed)
+    gamma = 4
+    q = torch.softmax(torch.randn(gamma, V, generator=g, dtype=torch.float64), -1)
+    ids = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(gamma)]
+    logits = _logits(seed + 100, gamma + 1)
+    for params in (T, SamplingParams()):
+        chain = verify(ids, q, logits, params, seed=seed, start_position=7)
+        q_rows = torch.cat([q, torch.zeros(1, V, dtype=torch.float64)])  # row i: what child i + 1 was drawn from
+        verdict = verify_tree(TokenTree.chain(ids), q_rows, logits, params, seed=seed, first_position=7)
+        assert len(verdict.path) == chain.accepted and verdict.next_token == chain.next_token
+
+
+def test_greedy_takes_the_targets_argmax_path_through_any_branch():
+    logits = torch.zeros(5, V, dtype=torch.float64)
+    tree = TokenTree((1, 2, 3, 4), (ROOT, ROOT, 1, 1))  # root: 1 | 2; under 2: 3 | 4
+    logits[0, 2] = 5  # the target says 2 (the second branch)
+    logits[2, 4] = 5  # after node 1 (token 2): 4 (its second child)
+    logits[4, 0] = 5  # after node 3 (token 4): 0
+    verdict = verify_tree(tree, None, logits, SamplingParams(), seed=0, first_position=0)
+    assert verdict.path == (1, 3) and verdict.next_token == 0
+    assert verdict.committed_tokens(tree) == [2, 4, 0]
+
+
+def _two_level_rollout(q0, q_after, p_logits, seed):
+    """Draft a tree: 2 root children drawn without replacement from q0, each with 1 child drawn from
+    its q; verify; return the first two committed tokens."""
+    kids = draw_siblings(q0, 2, seed=seed, position=0)
+    tokens, parents = list(kids), [ROOT] * len(kids)
+    grand = {}
+    for i, k in enumerate(kids):
+        (g,) = draw_siblings(q_after[k], 1, seed=seed, position=1)
+        grand[i] = len(tokens)
+        tokens.append(g)
+        parents.append(i)
+    tree = TokenTree(tuple(tokens), tuple(parents))
+    q_rows = torch.zeros(len(tree) + 1, V, dtype=torch.float64)
+    logits = torch.zeros(len(tree) + 1, V, dtype=torch.float64)
+    q_rows[0], logits[0] = q0, p_logits[0]
+    for i, k in enumerate(kids):
+        q_rows[i + 1], logits[i + 1] = q_after[k], p_logits[1 + k]
+        logits[grand[i] + 1] = p_logits[1 + V]  # after the second token: the target's (unused beyond it)
+    verdict = verify_tree(tree, q_rows, logits, T, seed=seed, first_position=0)
+    out = verdict.committed_tokens(tree)
+    if len(out) < 2:  # rejected at the root: the second token is the target's own, after the first
+        from edgespec_ros.decoding.sampling import keyed_uniform, sample_from
+        out.append(sample_from(probs_from_logits(p_logits[1 + out[0]], T), keyed_uniform(seed, 1, 3)))
+    return tuple(out[:2])
+
+
+def test_sampled_trees_give_the_targets_distribution():
+    g = torch.Generator().manual_seed(3)
+    q0 = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1)
+    q_after = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64), -1)
+    p_logits = torch.randn(V + 2, V, generator=g, dtype=torch.float64) * 1.5  # row 0: root; 1 + k: after token k
+    p0 = probs_from_logits(p_logits[0], T)
+    exact = {(a, b): float(p0[a] * probs_from_logits(p_logits[1 + a], T)[b])
+             for a, b in itertools.product(range(V), range(V))}
+    n = 20000
+    counts: dict = {}
+    for seed in range(n):
+        key = _two_level_rollout(q0, q_after, p_logits, seed)
+        counts[key] = counts.get(key, 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
+    # the noise floor of 25 outcomes at n draws: E[TV] ~ sum sqrt(p (1 - p) / n) / 2 * sqrt(2 / pi)
+    floor = 0.5 * sum((v * (1 - v) / n) ** 0.5 for v in exact.values()) * (2 / 3.14159) ** 0.5
+    assert tv < 2.5 * floor, (tv, floor)
+    # and the tree did accept more than a chain would: both siblings were tried
+    assert counts
+
+
+def test_siblings_are_drawn_without_replacement():
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
+    for seed in range(50):
+        kids = draw_siblings(q, 4, seed=seed, position=3)
+        assert len(kids) == 3 and len(set(kids)) == 3 and 3 not in kids and 4 not in kids
+
+
+@pytest.mark.parametrize("siblings", [2, 3])
+def test_siblings_verified_as_drawn_without_replacement_give_the_targets_first_token(siblings):
+    """One level, a peaked q far from p: where the rule treated later siblings as drawn from q itself
+    (with replacement), their acceptance would be off by the mass of the ones before (a bias of
+    several points here); the rule's first token must match p at the noise floor."""
+    q0 = torch.tensor([0.6, 0.3, 0.08, 0.02, 0.0], dtype=torch.float64)
+    p_logits = torch.log(torch.tensor([[0.05, 0.15, 0.5, 0.1, 0.2]], dtype=torch.float64))
+    p = probs_from_logits(p_logits[0], T)
+    n = 20000
+    counts = torch.zeros(V, dtype=torch.float64)
+    for seed in range(n):
+        kids = draw_siblings(q0, siblings, seed=seed, position=0)
+        tree = TokenTree(tuple(kids), (ROOT,) * len(kids))
+        q_rows = torch.zeros(len(tree) + 1, V, dtype=torch.float64)
+        q_rows[0] = q0
+        logits = torch.zeros(len(tree) + 1, V, dtype=torch.float64)
+        logits[0] = p_logits[0]
+        counts[verify_tree(tree, q_rows, logits, T, seed=seed, first_position=0).committed_tokens(tree)[0]] += 1
+    tv = 0.5 * float((counts / n - p).abs().sum())
+    floor = 0.5 * float(((p * (1 - p) / n) ** 0.5).sum()) * (2 / 3.14159) ** 0.5
+    assert tv < 3 * floor, (tv, floor)
