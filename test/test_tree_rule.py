@@ -135,3 +135,50 @@ def test_siblings_verified_as_drawn_without_replacement_give_the_targets_first_t
     tv = 0.5 * float((counts / n - p).abs().sum())
     floor = 0.5 * float(((p * (1 - p) / n) ** 0.5).sum()) * (2 / 3.14159) ** 0.5
     assert tv < 3 * floor, (tv, floor)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), T], ids=["greedy", "sampled"])
+def test_a_drafted_tree_sees_only_its_ancestors_and_compacts_to_the_path_alone(vlm_draft, image, params):
+    """One forward per level with the tree mask: each node's logits equal those of its path fed
+    alone (float rounding), and after compaction the sequence is the prefix plus the path."""
+    from edgespec_ros.decoding.inputs import build_inputs
+    from edgespec_ros.decoding.tree import TreeShape, compact, draft_tree
+    inputs = build_inputs(vlm_draft.tokenizer, "find the chair", image, vlm_draft.image_processor)
+    seq = vlm_draft.new_sequence()
+    seq.prefill(inputs)
+    alone = seq.fork()
+    shape = TreeShape((2, 3, 2), branch=2)
+    drafted = draft_tree(seq, shape, params, seed=3, first_position=seq.fed)
+    tree = drafted.tree
+    assert drafted.forwards == 3 and len(tree) == 7 and tree.depths() == [1, 1, 2, 2, 2, 3, 3]
+    assert seq.fed == drafted.base + 7
+    for leaf in (i for i in range(len(tree)) if not tree.children(i)):
+        path = tree.path(leaf)
+        twin = alone.fork()
+        logits = twin.feed([tree.tokens[i] for i in path])
+        for row, node in enumerate(path):
+            assert torch.allclose(logits[row], drafted.logits_after[node], atol=1e-4), (leaf, node)
+    path = tuple(tree.path(len(tree) - 1))
+    compact(seq, drafted, path)
+    twin = alone.fork()
+    twin.feed([tree.tokens[i] for i in path])
+    assert seq.fed == twin.fed and seq.fed_tokens == twin.fed_tokens
+    assert torch.allclose(seq.feed([5])[-1], twin.feed([5])[-1], atol=1e-4)
+
+
+def test_tree_rounds_commit_the_targets_greedy_output(vlm_draft, vlm_target, image):
+    """The offline tree benchmark: every decision commits the target's greedy tokens exactly, in at
+    least len / (depth + 1) rounds, a chain and a tree alike."""
+    from edgespec_ros.bench.tree import tree_rounds
+    from edgespec_ros.decoding.tree import TreeShape
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.decoding.inputs import build_inputs, jpeg_roundtrip
+    from edgespec_ros.decoding.verify import VerifySettings
+    prompts = [("find the chair", image), ("go to the door", image)]
+    want = sum(len(target_generate(vlm_target, build_inputs(vlm_target.tokenizer, text, jpeg_roundtrip(img),
+                                                            vlm_target.image_processor), VerifySettings(), 12))
+               for text, img in prompts)
+    for shape in (TreeShape.chain(3), TreeShape((2, 2, 2))):
+        row = tree_rounds(vlm_draft, vlm_target, prompts, shape, max_new_tokens=12)
+        assert row["tokens"] == want
+        assert row["rounds"] >= -(-row["tokens"] // (shape.depth + 1)) and row["draft_forwards"] <= 3 * row["rounds"]

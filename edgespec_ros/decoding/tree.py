@@ -207,3 +207,162 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
             return TreeVerdict(tuple(path), token, bool(kids))
         node = accepted
         path.append(node)
+
+
+# --- drafting a tree on the robot ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a tree is drafted: ``widths[d]`` nodes at depth d + 1 (one draft forward per level),
+    handed out to the level above in order of path score (the draft's probability of the path so
+    far, known before any child is drawn), at most ``branch`` children each. A node's number of
+    children never depends on the children's own values, so the sampled rule stays lossless.
+    ``TreeShape.chain(g)`` is the chain draft of g tokens."""
+
+    widths: tuple[int, ...]
+    branch: int = 2
+
+    def __post_init__(self):
+        if not self.widths or any(w < 1 for w in self.widths) or self.branch < 1:
+            raise ValueError(f"tree shape: widths must be >= 1 at every depth and branch >= 1, got "
+                             f"widths={self.widths}, branch={self.branch}")
+        if self.widths[0] > self.branch:
+            raise ValueError(f"tree shape: the root has at most branch={self.branch} children, widths[0]="
+                             f"{self.widths[0]}")
+
+    @classmethod
+    def chain(cls, gamma: int) -> "TreeShape":
+        return cls((1,) * gamma, 1)
+
+    @classmethod
+    def parse(cls, text: str, branch: int = 2) -> "TreeShape":
+        """"2,2,2,1" -> widths (2, 2, 2, 1); a single number g is the chain of g tokens."""
+        try:
+            widths = tuple(int(w) for w in text.split(","))
+        except ValueError:
+            raise ValueError(f"tree shape {text!r}: give the nodes per depth, e.g. 2,2,2,1") from None
+        return cls.chain(widths[0]) if len(widths) == 1 else cls(widths, branch)
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.widths)
+
+    def label(self) -> str:
+        return "chain" if self.branch == 1 and set(self.widths) == {1} else ",".join(map(str, self.widths))
+
+
+@dataclass
+class DraftedTree:
+    """A tree drafted on a sequence: its shape, the q rows the rule reads, the draft's logits after
+    each node (for its compaction), and where it starts in the sequence's cache."""
+
+    tree: TokenTree
+    q: torch.Tensor  # [n + 1, V] float64: row 0 the root's, row i + 1 after node i (zeros where unexpanded)
+    logits_after: torch.Tensor  # [n, V]: the draft's next-token logits after each node
+    base: int  # cache positions before the tree (the committed prefix)
+    forwards: int  # draft forward passes (levels) it took
+    root_logits: torch.Tensor | None = None  # the draft's logits before the tree (the root's children's)
+
+
+def _tree_mask(dtype, device, base: int, parents: list[int], new: range) -> torch.Tensor:
+    """Additive float mask [1, 1, len(new), base + len(parents)]: each new node sees the prefix, its
+    ancestors and itself (0), nothing else (-inf)."""
+    n = len(parents)
+    see = torch.zeros(len(new), base + n, dtype=torch.bool)
+    see[:, :base] = True
+    for row, i in enumerate(new):
+        node = i
+        while node != ROOT:
+            see[row, base + node] = True
+            node = parents[node]
+    mask = torch.zeros(see.shape, dtype=dtype)
+    mask.masked_fill_(~see, torch.finfo(dtype).min)
+    return mask.view(1, 1, *see.shape).to(device)
+
+
+@torch.inference_mode()
+def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_position: int) -> DraftedTree:
+    """Draft a tree of ``shape`` on ``seq`` (a drafter's ``decoding.engines.Sequence`` whose pending
+    tokens are fed and whose ``last_logits`` predict the root's children), one forward per level
+    with the tree's attention mask, every node of a level at its depth's position (M-RoPE text
+    positions for a VLM). Greedy (temperature 0): a node's children are the draft's top tokens
+    there; sampled: draws without replacement (``draw_siblings``), as the rule requires. The
+    nodes are appended to ``seq``'s cache; ``compact`` keeps the accepted path."""
+    if seq.pending:
+        seq.next_logits()
+    lm = seq.lm
+    base = seq.fed
+    vocab = seq.last_logits.shape[-1]
+    root_logits = seq.last_logits
+    tokens: list[int] = []
+    parents: list[int] = []
+    q_rows: dict[int, torch.Tensor] = {ROOT: probs_from_logits(seq.last_logits, params)}
+    # what paths are ranked by: q itself when sampling; greedy q is one-hot, so the draft's softmax
+    rank: dict[int, torch.Tensor] = {ROOT: q_rows[ROOT] if not params.greedy else torch.softmax(seq.last_logits.double(), -1)}
+    scores: dict[int, float] = {ROOT: 1.0}
+    logits_after: list[torch.Tensor] = []
+    frontier = [ROOT]
+    dtype = next(lm.model.parameters()).dtype
+    forwards = 0
+    for depth, width in enumerate(shape.widths, start=1):
+        level: list[tuple[int, int]] = []  # (parent, token)
+        left = width
+        for parent in sorted(frontier, key=lambda node: -scores[node]):
+            if left == 0:
+                break
+            k = min(shape.branch, left)
+            q = q_rows[parent]
+            if params.greedy:  # the draft's k likeliest tokens (its argmax first: the chain's token)
+                kids = [int(t) for t in torch.topk(rank[parent], k).indices]
+            else:
+                kids = draw_siblings(q, k, seed=seed, position=first_position + depth - 1)
+            level += [(parent, t) for t in kids]
+            left -= len(kids)
+        if not level:
+            break
+        start = len(tokens)
+        for parent, token in level:
+            tokens.append(token)
+            parents.append(parent)
+        new = range(start, len(tokens))
+        ids = torch.tensor([[t for _, t in level]], dtype=torch.long, device=lm.device)
+        pos = torch.full((len(level),), base + depth - 1, dtype=torch.long, device=lm.device) + seq.rope_delta
+        position_ids = pos.view(1, 1, -1).expand(3, 1, -1) if lm.is_vlm else pos.view(1, -1)
+        out = lm.model(input_ids=ids, attention_mask=_tree_mask(dtype, lm.device, base, parents, new),
+                       position_ids=position_ids, past_key_values=seq.cache, use_cache=True)
+        forwards += 1
+        seq.fed += len(level)
+        seq.fed_tokens.extend(t for _, t in level)
+        rows = out.logits[0].float().cpu()
+        frontier = []
+        for row, i in enumerate(new):
+            logits_after.append(rows[row])
+            q_rows[i] = probs_from_logits(rows[row], params)
+            rank[i] = q_rows[i] if not params.greedy else torch.softmax(rows[row].double(), -1)
+            scores[i] = scores[parents[i]] * float(rank[parents[i]][tokens[i]])
+            frontier.append(i)
+    tree = TokenTree(tuple(tokens), tuple(parents))
+    q = torch.zeros(len(tree) + 1, vocab, dtype=torch.float64)
+    for node, row in q_rows.items():
+        q[node + 1] = row
+    return DraftedTree(tree, q, torch.stack(logits_after) if logits_after else torch.zeros(0, vocab), base, forwards,
+                       root_logits)
+
+
+def compact(seq, drafted: DraftedTree, path: tuple[int, ...]) -> None:
+    """Keep the committed prefix and the accepted ``path`` in ``seq``'s cache (drop every other
+    node), as if the path alone had been fed: ``fed``, ``fed_tokens`` and ``last_logits`` follow."""
+    keep = list(range(drafted.base)) + [drafted.base + i for i in path]
+    index = torch.tensor(keep, dtype=torch.long, device=seq.lm.device)
+    for layer in seq.cache.layers:
+        layer.keys = layer.keys.index_select(2, index)
+        layer.values = layer.values.index_select(2, index)
+    n_tree = len(drafted.tree)
+    del seq.fed_tokens[len(seq.fed_tokens) - n_tree:]
+    seq.fed_tokens.extend(drafted.tree.tokens[i] for i in path)
+    seq.fed = len(keep)
+    seq.last_logits = drafted.logits_after[path[-1]] if path else drafted.root_logits
