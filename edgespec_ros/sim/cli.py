@@ -4,21 +4,30 @@
     edgespec-sim expert  --scenario FILE|NAME [--seed N] [--trace trace.png]
     edgespec-sim heldout --out DIR [--n N] [--seed S]
     edgespec-sim eval    --model DIR --scenarios DIR [--json OUT]
+                         [--link PROFILE --on-link-loss stop|retrace|draft_only --draft DIR --ms-per-token MS]
+    edgespec-sim link-fallbacks [--scenarios DIR] [--link PROFILE] [--ms-per-token MS] [--json OUT]
+    edgespec-sim deadzones --out DIR [--n N] [--seed S]
     edgespec-sim expert-noise [--expert KEY=VALUE ...] [--json OUT]
 
 NAME is one of the scenarios shipped in ``edgespec_ros/sim/scenarios/`` (e.g.
 ``silver-bottle-distractor``). Subcommands are registered in ``_SUBCOMMANDS`` so that later
 ones (``eval`` with a model) plug in the same way.
+
+``eval`` with any of the link options runs the closed loop over a link that fails
+(``sim.link_loop``: cuts in time, the scenarios' dead zones in space, a fallback once the link is
+lost) and reports how long the task takes in simulated time; ``link-fallbacks`` compares the
+fallbacks (stop, retrace, draft_only) side by side, by default over the shipped dead-zone scenarios.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 from .expert import expert_config_from_pairs
-from ..robot.settings import DEFAULTS
+from ..robot.settings import DECODING_MODES, DEFAULTS
 from .render import CameraConfig, compose_side_by_side, render_camera, render_topdown
 from .scenario import Pose, ScenarioError, load_scenario, resolve_scenario
 
@@ -116,22 +125,34 @@ def _setup_heldout(sub) -> None:
     parser.set_defaults(func=cmd_heldout)
 
 
+def _load_scenarios(spec: str) -> list:
+    """The scenarios of a directory of JSON files, or of one file."""
+    directory = Path(spec)
+    files = sorted(directory.glob("*.json")) if directory.is_dir() else [directory]
+    if not files or not files[0].exists():
+        raise ValueError(f"--scenarios {spec!r}: no scenario JSON files there "
+                         "(write some with `edgespec-sim heldout --out DIR`)")
+    return [load_scenario(f) for f in files]
+
+
+# eval's link options: given any of them, eval runs the linked closed loop (sim.link_loop)
+_LINK_OPTIONS = ("link", "on_link_loss", "draft", "ms_per_token", "verifier_compute", "mode", "robot", "deadline_s",
+                 "time_cap_s", "link_seed")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """Closed-loop episodes with a model deciding alone (temperature 0); JSON with success_rate."""
     if args.resample_temperature < 0:
         raise ValueError(f"--resample-temperature must be >= 0, got {args.resample_temperature}")
+    if any(getattr(args, name) is not None for name in _LINK_OPTIONS):
+        return _cmd_eval_linked(args)
     import json
 
     from ..decoding.engines import ModelLoadError, load_model
     from ..evaluation.policy import VLMPolicy
     from .evaluate import evaluate_closed_loop
 
-    directory = Path(args.scenarios)
-    files = sorted(directory.glob("*.json")) if directory.is_dir() else [directory]
-    if not files or not files[0].exists():
-        raise ValueError(f"--scenarios {args.scenarios!r}: no scenario JSON files there "
-                         "(write some with `edgespec-sim heldout --out DIR`)")
-    scenarios = [load_scenario(f) for f in files]
+    scenarios = _load_scenarios(args.scenarios)
     try:
         policy = VLMPolicy(load_model(args.model), max_new_tokens=args.max_new_tokens)
     except ModelLoadError as err:
@@ -152,7 +173,201 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _linked_policies(args: argparse.Namespace, need_draft: bool):
+    """The policy, its decision latency, and (``need_draft``) the draft policy with its latency, for
+    the linked loop: the target in process with the stated per-token latency, or (``--verifier-compute``)
+    a decoder against a verifier process with that compute emulated, its wall times measured."""
+    from ..decoding.compute import get_robot
+    from ..decoding.engines import ModelLoadError, load_model
+    from ..evaluation.policy import VLMPolicy
+    from ..models import default_model_path
+    from ..wire.link import get_profile
+    from .link_loop import STATED_MS_PER_TOKEN, DraftLatency, StatedLatency, emulated_decoder_policy
+
+    profile = get_profile(args.link or "ideal")
+    draft_dir = args.draft or default_model_path("draft")
+    try:
+        draft = VLMPolicy(load_model(draft_dir), max_new_tokens=args.max_new_tokens) if need_draft else None
+        with contextlib.ExitStack() as stack:
+            if getattr(args, "mode", None) and not args.verifier_compute:
+                raise ValueError("--mode decodes through a verifier: give --verifier-compute too (the in-process "
+                                 "target's latency is --ms-per-token's)")
+            if args.verifier_compute:
+                if args.ms_per_token is not None:
+                    raise ValueError("--ms-per-token states the latency of an in-process model; with "
+                                     "--verifier-compute the decisions' wall times are measured instead")
+                policy, latency = stack.enter_context(emulated_decoder_policy(
+                    draft_dir, args.model, link_profile=profile, compute=args.verifier_compute,
+                    max_new_tokens=args.max_new_tokens, mode=getattr(args, "mode", None) or DEFAULTS.mode))
+            else:
+                ms = STATED_MS_PER_TOKEN if args.ms_per_token is None else args.ms_per_token
+                policy = VLMPolicy(load_model(args.model), max_new_tokens=args.max_new_tokens)
+                latency = StatedLatency(ms, profile.rtt_s)
+            yield profile, policy, latency, draft, DraftLatency(get_robot(args.robot or "orin-paper"))
+    except ModelLoadError as err:
+        raise ValueError(str(err)) from None
+
+
+def _link_kwargs(args: argparse.Namespace, profile, latency, draft, draft_latency) -> dict:
+    """run_linked_episode's keyword arguments from the command line."""
+    from ..robot.settings import DEFAULTS
+    from .link_loop import DEFAULT_TIME_CAP_S
+
+    return dict(link_profile=profile, decision_latency=latency, draft_policy=draft, draft_latency=draft_latency,
+                deadline_s=DEFAULTS.deadline_s if args.deadline_s is None else args.deadline_s,
+                time_cap_s=DEFAULT_TIME_CAP_S if args.time_cap_s is None else args.time_cap_s,
+                link_seed=args.link_seed or 0)
+
+
+def _print_link_conditions(profile, latency, draft_latency, draft: bool, kwargs: dict) -> None:
+    print(f"link: {profile.describe()}; dead zones: the scenarios'; deadline {kwargs['deadline_s']:g} s, "
+          f"time cap {kwargs['time_cap_s']:g} s (simulated time)")
+    print(f"decision latency: {latency.label}")
+    if draft:
+        print(f"draft-only latency: {draft_latency.label}")
+
+
+def _fmt_s(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        import json
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+
+
+def _cmd_eval_linked(args: argparse.Namespace) -> int:
+    """eval over a link that fails: success, collisions and the task's time (sim.link_loop)."""
+    from ..robot.settings import DEFAULTS
+    from .link_loop import run_linked_episode, summarize
+
+    if args.resample_temperature or args.bags:
+        raise ValueError("the linked loop (--link and friends) decides greedily and records no bags: "
+                         "drop --resample-temperature and --bags")
+    fallback = args.on_link_loss or DEFAULTS.on_link_loss
+    scenarios = _load_scenarios(args.scenarios)
+    with _linked_policies(args, need_draft=fallback == "draft_only") as (profile, policy, latency, draft, dlat):
+        kwargs = _link_kwargs(args, profile, latency, draft, dlat)
+        _print_link_conditions(profile, latency, dlat, draft is not None, kwargs)
+        episodes = [run_linked_episode(policy, s, on_link_loss=fallback, **kwargs) for s in scenarios]
+    summary = summarize(episodes)
+    for ep in episodes:
+        print(f"  {ep.scenario:<32} {'success' if ep.success else 'FAIL   '} {ep.time_s:7.1f} s "
+              f"decisions {ep.decisions:>3} unverified {ep.unverified_decisions:>3} link losses {ep.link_losses} "
+              f"collisions {ep.collisions}{' [ended in a dead zone]' if ep.ended_in_dead_zone else ''}")
+    by_kind = ", ".join(f"{k} {v}" for k, v in summary["unverified_by_kind"].items())
+    print(f"on_link_loss {fallback}: success rate {summary['success_rate']:.1%} over {summary['episodes']} episodes, "
+          f"collisions {summary['collisions']}, time to goal median {_fmt_s(summary['time_median_s'])} s "
+          f"p90 {_fmt_s(summary['time_p90_s'])} s (simulated; failures at their end time), unverified decisions "
+          f"{summary['unverified_decisions']} ({by_kind}), ended in a dead zone {summary['ended_in_dead_zone']}, "
+          f"link losses {summary['link_losses']}")
+    report = summary | {"model": args.model, "on_link_loss": fallback, "link": profile.describe(),
+                        "latency_model": latency.label, "draft_latency_model": dlat.label if draft else None,
+                        "per_scenario": [e.to_dict() for e in episodes]}
+    _write_json(args.json, report)
+    return 0
+
+
+def _add_link_args(parser: argparse.ArgumentParser, default_link: str | None) -> None:
+    from ..decoding.compute import compute_arg, robot_arg
+    from ..wire.link import PROFILES
+
+    parser.add_argument("--link", choices=list(PROFILES), default=default_link,
+                        help="link profile; its cuts (e.g. wifi-poor-cuts, cellular-cuts) apply in simulated time")
+    parser.add_argument("--draft", default=None, help="the draft model directory (draft_only decides with it; "
+                        "--verifier-compute drafts with it); default: the embedded draft")
+    parser.add_argument("--ms-per-token", type=float, default=None,
+                        help="the stated latency model of the in-process target: MS per generated token plus one "
+                             "round trip of the link (EMULATED; default 27.3, see sim.link_loop)")
+    parser.add_argument("--verifier-compute", type=compute_arg, default=None,
+                        help="decide through a verifier process with this compute profile emulated, behind the "
+                             "link's delay, and measure each decision's wall time (EMULATED) instead of --ms-per-token")
+    parser.add_argument("--mode", choices=list(DECODING_MODES), default=None,
+                        help="with --verifier-compute: the decoding mode the robot runs (default: the drafter's, "
+                             f"{DEFAULTS.mode}); the decisions are the target's either way (lossless), their time differs")
+    parser.add_argument("--robot", type=robot_arg, default=None,
+                        help="robot profile of draft-only decisions: its draft prefill + draft token time "
+                             "(default orin-paper)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="a decision without a verdict by then is a link fault (default: the drafter's 8 s)")
+    parser.add_argument("--time-cap-s", type=float, default=None,
+                        help="end an episode at this simulated time (default 600)")
+    parser.add_argument("--link-seed", type=int, default=None, help="seed of the link's random cuts (default 0)")
+
+
+def cmd_link_fallbacks(args: argparse.Namespace) -> int:
+    """stop vs retrace vs draft_only over the same scenarios and link: one row per fallback."""
+    from ..models import default_model_path
+    from ..robot.link_health import LINK_LOSS_ACTIONS
+    from .link_loop import ALWAYS_UP, compare_fallbacks
+    from .scenario import builtin_scenarios
+
+    if args.scenarios:
+        scenarios = _load_scenarios(args.scenarios)
+    else:
+        scenarios = [s for s in map(load_scenario, builtin_scenarios().values()) if s.dead_zones]
+    args.model = args.model or default_model_path("target")
+    fallbacks = args.fallbacks or list(LINK_LOSS_ACTIONS)
+    with _linked_policies(args, need_draft="draft_only" in fallbacks) as (profile, policy, latency, draft, dlat):
+        kwargs = _link_kwargs(args, profile, latency, draft, dlat)
+        _print_link_conditions(profile, latency, dlat, draft is not None, kwargs)
+        print(f"scenarios: {', '.join(s.name for s in scenarios)}")
+        rows = compare_fallbacks(policy, scenarios, fallbacks=fallbacks, **kwargs)
+    head = f"{'on_link_loss':<12} {'success':>8} {'collisions':>10} {'median s':>9} {'p90 s':>7} " \
+           f"{'unverified':>10} {'in dead zone':>12} {'link losses':>11}"
+    print(head)
+    for fallback, row in rows.items():
+        print(f"{fallback:<12} {row['success_rate']:>8.1%} {row['collisions']:>10d} {_fmt_s(row['time_median_s']):>9} "
+              f"{_fmt_s(row['time_p90_s']):>7} {row['unverified_decisions']:>10d} "
+              f"{row['ended_in_dead_zone']:>9d}/{row['episodes']:<2d} {row['link_losses']:>11d}")
+    print(f"time to goal in simulated seconds (failures at their end time); {ALWAYS_UP}: the same scenarios "
+          "without dead zones or cuts; draft_only decisions are LOSSY")
+    _write_json(args.json, {"model": args.model, "link": profile.describe(), "latency_model": latency.label,
+                            "draft_latency_model": dlat.label if draft else None,
+                            "scenarios": [s.name for s in scenarios], "fallbacks": rows})
+    return 0
+
+
+def _setup_link_fallbacks(sub) -> None:
+    from ..robot.link_health import LINK_LOSS_ACTIONS
+
+    parser = sub.add_parser("link-fallbacks", help="compare on_link_loss stop, retrace and draft_only over "
+                            "scenarios with dead zones and a link that fails (one row per fallback)")
+    parser.add_argument("--model", default=None, help="the target model directory (default: the embedded one)")
+    parser.add_argument("--scenarios", default=None,
+                        help="directory of scenario JSON files (or one file); default: the shipped dead-zone scenarios")
+    parser.add_argument("--fallbacks", nargs="+", choices=LINK_LOSS_ACTIONS, default=None,
+                        help="which fallbacks (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    parser.add_argument("--json", help="write the rows (and per-scenario results) here")
+    _add_link_args(parser, default_link="wifi-poor")
+    parser.set_defaults(func=cmd_link_fallbacks)
+
+
+def cmd_deadzones(args: argparse.Namespace) -> int:
+    """Write seeded dead-zone variants of held-out scenarios as JSON files."""
+    from .coverage import write_dead_zone_variants
+
+    paths = write_dead_zone_variants(args.out, args.n, args.seed)
+    print(f"wrote {len(paths)} dead-zone variants of held-out scenarios to {args.out}")
+    return 0
+
+
+def _setup_deadzones(sub) -> None:
+    parser = sub.add_parser("deadzones", help="write held-out scenarios with a dead zone on the expert's path")
+    parser.add_argument("--out", required=True, help="directory to write into")
+    parser.add_argument("--n", type=int, default=20, help="how many variants")
+    parser.add_argument("--seed", type=int, default=0, help="first held-out index")
+    parser.set_defaults(func=cmd_deadzones)
+
+
 def _setup_eval(sub) -> None:
+    from ..robot.link_health import LINK_LOSS_ACTIONS
+
     parser = sub.add_parser("eval", help="closed-loop episodes with a model deciding alone (temperature 0)")
     parser.add_argument("--model", required=True, help="model directory (e.g. edgespec_ros/models/target)")
     parser.add_argument("--scenarios", required=True, help="directory of scenario JSON files (or one file)")
@@ -166,6 +381,11 @@ def _setup_eval(sub) -> None:
                         help="write each episode as a rosbag2 bag (MCAP) in this folder, <folder>/<scenario>/: "
                              "command, camera frames, decisions, odometry in simulated time (1 s per decision); "
                              "replay them with edgespec-bench --replay")
+    link = parser.add_argument_group("a link that fails (any of these: the linked closed loop, sim.link_loop, "
+                                     "reporting the task's time)")
+    link.add_argument("--on-link-loss", choices=LINK_LOSS_ACTIONS, default=None,
+                      help="what the robot does once the link is lost (default: the drafter's, stop)")
+    _add_link_args(link, default_link=None)
     parser.set_defaults(func=cmd_eval)
 
 
@@ -208,7 +428,8 @@ def _setup_expert_noise(sub) -> None:
     parser.set_defaults(func=cmd_expert_noise)
 
 
-_SUBCOMMANDS: list[Callable] = [_setup_render, _setup_expert, _setup_heldout, _setup_eval, _setup_expert_noise]
+_SUBCOMMANDS: list[Callable] = [_setup_render, _setup_expert, _setup_heldout, _setup_eval, _setup_link_fallbacks,
+                                _setup_deadzones, _setup_expert_noise]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,12 +9,15 @@ A scenario is a JSON file in this format (extra keys are allowed and kept)::
      "robot": {"x": 1.0, "y": 1.0, "yaw_deg": 0.0},
      "instruction": "find the silver bottle",
      "goal": {"object": "bottle1", "radius_m": 0.7},
-     "max_steps": 40}
+     "max_steps": 40,
+     "dead_zones": [{"x": 4.0, "y": 2.5, "radius_m": 0.8}]}
 
 Coordinates are metres in the room frame: x along the width, y along the depth, the origin in
 a corner, yaw counter-clockwise from +x. An object may carry an optional ``yaw_deg`` (which way
-a chair faces). This module owns the world's physical constants (object footprints, robot
-radius, colour palette) so the renderer, the world and the validator agree on them.
+a chair faces). ``dead_zones`` (optional) are discs where the robot has no link to the cloud (a
+Wi-Fi shadow): :meth:`Scenario.covered` is False inside them. This module owns the world's
+physical constants (object footprints, robot radius, colour palette) so the renderer, the world
+and the validator agree on them.
 """
 from __future__ import annotations
 
@@ -129,6 +132,20 @@ class Goal:
 
 
 @dataclass(frozen=True)
+class DeadZone:
+    """A disc of the floor without a link to the cloud (a Wi-Fi shadow behind a wall): the robot's
+    centre within ``radius_m`` of (x, y) has no coverage."""
+
+    x: float
+    y: float
+    radius_m: float
+
+    def contains(self, x: float, y: float) -> bool:
+        """Whether a robot centred at (x, y) is inside this zone."""
+        return math.hypot(x - self.x, y - self.y) <= self.radius_m
+
+
+@dataclass(frozen=True)
 class Scenario:
     """A validated scenario; build it with :func:`scenario_from_dict` or :func:`load_scenario`."""
 
@@ -140,6 +157,11 @@ class Scenario:
     goal: Goal
     max_steps: int
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    dead_zones: tuple[DeadZone, ...] = ()
+
+    def covered(self, x: float, y: float) -> bool:
+        """Whether a robot centred at (x, y) has a link to the cloud (it is in no dead zone)."""
+        return not any(zone.contains(x, y) for zone in self.dead_zones)
 
     @property
     def goal_index(self) -> int:
@@ -159,7 +181,7 @@ class Scenario:
         raise KeyError(f"no object {object_id!r}; known ids: {[o.id for o in self.objects]}")
 
 
-_TOP_LEVEL_KEYS = ("name", "room", "objects", "robot", "instruction", "goal", "max_steps")
+_TOP_LEVEL_KEYS = ("name", "room", "objects", "robot", "instruction", "goal", "max_steps", "dead_zones")
 
 
 def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
@@ -167,7 +189,8 @@ def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
 
     Raises ScenarioError naming the bad field path for missing fields, wrong types, unknown
     types/colours, duplicate ids, objects or robot outside the room or overlapping, an unknown
-    or ambiguous goal object, an unreachable goal radius, or a non-positive max_steps.
+    or ambiguous goal object, an unreachable goal radius, a non-positive max_steps, or a dead
+    zone that is malformed, centred outside the room or holds the robot's start.
     """
     if not isinstance(data, Mapping):
         raise ScenarioError("", f"a scenario must be a JSON object, got {type(data).__name__}")
@@ -233,8 +256,32 @@ def scenario_from_dict(data: Mapping[str, Any]) -> Scenario:
     if max_steps <= 0:
         raise ScenarioError("max_steps", f"must be positive, got {max_steps}")
 
+    dead_zones = _dead_zones_from(data.get("dead_zones", []), room, robot)
+
     extra = {k: v for k, v in data.items() if k not in _TOP_LEVEL_KEYS}
-    return Scenario(name, room, objects, robot, instruction, Goal(goal_id, radius), max_steps, extra)
+    return Scenario(name, room, objects, robot, instruction, Goal(goal_id, radius), max_steps, extra,
+                    dead_zones)
+
+
+def _dead_zones_from(data: Any, room: Room, robot: Pose) -> tuple[DeadZone, ...]:
+    """The validated ``dead_zones`` list: discs centred in the room, none holding the robot's start
+    (a robot that starts without a link could never be told anything)."""
+    if not isinstance(data, list):
+        raise ScenarioError("dead_zones", f"expected a list of {{x, y, radius_m}} objects, got {_describe(data)}")
+    zones = []
+    for i, entry in enumerate(data):
+        path = f"dead_zones[{i}]"
+        entry = _mapping(entry, path)
+        zone = DeadZone(_inside(_field(entry, "x", path), f"{path}.x", 0.0, room.width_m, "room.width_m",
+                                "the dead zone's centre"),
+                        _inside(_field(entry, "y", path), f"{path}.y", 0.0, room.depth_m, "room.depth_m",
+                                "the dead zone's centre"),
+                        _positive(_field(entry, "radius_m", path), f"{path}.radius_m"))
+        if zone.contains(robot.x, robot.y):
+            raise ScenarioError(path, f"holds the robot's start ({robot.x:g}, {robot.y:g}); a robot must start "
+                                "with a link")
+        zones.append(zone)
+    return tuple(zones)
 
 
 def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
@@ -255,6 +302,8 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
         "goal": {"object": scenario.goal.object_id, "radius_m": scenario.goal.radius_m},
         "max_steps": scenario.max_steps,
     }
+    if scenario.dead_zones:
+        data["dead_zones"] = [{"x": z.x, "y": z.y, "radius_m": z.radius_m} for z in scenario.dead_zones]
     data.update(scenario.extra)
     return data
 

@@ -1,17 +1,26 @@
-"""Link emulation for the edge-cloud path: one-way delay, jitter, rate per direction, loss.
+"""Link emulation for the edge-cloud path: one-way delay, jitter, rate per direction, loss, cuts.
 
 ``LinkModel`` turns "n bytes sent now in direction d" into an arrival time (FIFO serialization
 at the link rate, propagation delay, jitter, and a retransmission penalty for lost segments as
 TCP would see it; ordering is preserved). ``LinkProxy`` applies it to a real TCP connection on
 loopback, so the websocket client and server talk through an emulated link unchanged.
+
+A profile may also cut the link in time (``OutageSchedule``): periodic cuts (``outage_s`` every
+``outage_every_s``) and random ones (a Poisson process of cut starts at ``outage_rate_hz``, each
+``outage_s`` long), seeded, so a run can be repeated cut for cut. ``LinkModel.up_at(t)`` answers
+for t seconds since the link started; the proxy follows the schedule the way ``blackhole`` cuts
+the link (nothing read or delivered during a cut, sockets open), and so can the closed-loop
+simulation in simulated time (``sim.link_loop``).
 """
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 UP, DOWN = "up", "down"
 MSS = 1448  # TCP payload bytes per segment
@@ -20,32 +29,81 @@ RTO_MIN_S = 0.2  # Linux minimum retransmission timeout
 
 @dataclass(frozen=True)
 class LinkProfile:
+    """One emulated link. Cuts (all 0: none): ``outage_s`` long, periodic every ``outage_every_s``
+    (the first at ``outage_every_s``) and/or random at ``outage_rate_hz`` cut starts per second
+    (a Poisson process; overlapping cuts merge). See ``OutageSchedule``."""
+
     name: str
     delay_s: float = 0.0  # one-way propagation delay
     jitter_s: float = 0.0  # uniform +- jitter on each delivery
     up_bps: float = 0.0  # 0 = unlimited
     down_bps: float = 0.0
     loss: float = 0.0  # per-segment loss probability
+    outage_every_s: float = 0.0  # a periodic cut every this many seconds (0: none)
+    outage_s: float = 0.0  # length of each cut, periodic or random
+    outage_rate_hz: float = 0.0  # random cuts: mean cut starts per second (0: none)
+
+    def __post_init__(self):
+        for name in ("delay_s", "jitter_s", "up_bps", "down_bps", "loss", "outage_every_s", "outage_s",
+                     "outage_rate_hz"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"link profile {self.name!r}: {name} must be a finite number >= 0, got {value!r}")
+        if self.loss > 1:
+            raise ValueError(f"link profile {self.name!r}: loss is a probability, got {self.loss!r}")
+        scheduled = self.outage_every_s > 0 or self.outage_rate_hz > 0
+        if scheduled and self.outage_s <= 0:
+            raise ValueError(f"link profile {self.name!r}: cuts need outage_s > 0 (how long each lasts)")
+        if self.outage_s > 0 and not scheduled:
+            raise ValueError(f"link profile {self.name!r}: outage_s {self.outage_s:g} without outage_every_s "
+                             "or outage_rate_hz (when the cuts happen)")
+        if self.outage_every_s and self.outage_s >= self.outage_every_s:
+            raise ValueError(f"link profile {self.name!r}: a {self.outage_s:g} s cut every {self.outage_every_s:g} s "
+                             "never leaves the link up; make outage_s shorter than outage_every_s")
 
     @property
     def rtt_s(self) -> float:
         return 2 * self.delay_s
 
+    @property
+    def has_outages(self) -> bool:
+        """Whether this link is ever cut."""
+        return self.outage_s > 0
+
+    def without_outages(self) -> "LinkProfile":
+        """The same link never cut (for callers that apply the cuts themselves, in simulated time)."""
+        return replace(self, outage_every_s=0.0, outage_s=0.0, outage_rate_hz=0.0)
+
     def describe(self) -> str:
         def rate(bps):
             return "inf" if not bps else f"{bps / 1e6:g} Mbit/s"
+        cuts = ""
+        if self.outage_every_s:
+            cuts += f", a {self.outage_s:g} s cut every {self.outage_every_s:g} s"
+        if self.outage_rate_hz:
+            cuts += (f", random {self.outage_s:g} s cuts (one per {1 / self.outage_rate_hz:g} s on average, "
+                     "Poisson)")
         return (f"{self.name}: {self.delay_s * 1e3:g} ms one way"
                 + (f" +- {self.jitter_s * 1e3:g} ms" if self.jitter_s else "")
                 + f", up {rate(self.up_bps)}, down {rate(self.down_bps)}"
-                + (f", {self.loss * 100:g}% loss" if self.loss else ""))
+                + (f", {self.loss * 100:g}% loss" if self.loss else "") + cuts)
 
+
+_WIFI_POOR = LinkProfile("wifi-poor", delay_s=0.025, up_bps=20e6, down_bps=20e6)
+_CELLULAR = LinkProfile("cellular", delay_s=0.040, jitter_s=0.020, up_bps=10e6, down_bps=30e6, loss=0.01)
 
 PROFILES = {
     "ideal": LinkProfile("ideal"),
     "lan": LinkProfile("lan", delay_s=0.0025, up_bps=1e9, down_bps=1e9),
     "go2-paper": LinkProfile("go2-paper", delay_s=0.120, up_bps=100e6, down_bps=100e6),
-    "wifi-poor": LinkProfile("wifi-poor", delay_s=0.025, up_bps=20e6, down_bps=20e6),
-    "cellular": LinkProfile("cellular", delay_s=0.040, jitter_s=0.020, up_bps=10e6, down_bps=30e6, loss=0.01),
+    "wifi-poor": _WIFI_POOR,
+    "cellular": _CELLULAR,
+    # Links that fail in time. The cuts are this project's test conditions, not measurements: a
+    # 3 s Wi-Fi drop every 20 s (a roaming hand-over, a microwave), and on cellular random 4 s
+    # drops, one per 30 s on average (a cell edge).
+    "wifi-poor-cuts": replace(_WIFI_POOR, name="wifi-poor-cuts", outage_every_s=20.0, outage_s=3.0),
+    "cellular-cuts": replace(_CELLULAR, name="cellular-cuts", outage_rate_hz=1 / 30, outage_s=4.0),
 }
 
 
@@ -56,8 +114,96 @@ def get_profile(name: str) -> LinkProfile:
         raise ValueError(f"unknown link profile {name!r}; known: {', '.join(PROFILES)}") from None
 
 
+class OutageSchedule:
+    """When a profile's link is cut, as intervals [start, end) in seconds since the link started.
+
+    Periodic cuts start at k * ``outage_every_s`` (k = 1, 2, ...); random cuts start at the
+    arrivals of a Poisson process of rate ``outage_rate_hz`` drawn from ``seed`` (its own random
+    stream, so a seed gives the same cuts whatever else the link draws); every cut lasts
+    ``outage_s`` and overlapping cuts merge. Drawn lazily as far as asked; thread-safe.
+    """
+
+    def __init__(self, profile: LinkProfile, seed: int = 0):
+        self.profile = profile
+        self._rng = random.Random(f"link-outages:{seed}")
+        self._lock = threading.Lock()
+        self._starts: list[float] = []  # random cut starts drawn so far, ascending
+        self._next_start = self._draw(0.0)
+
+    def _draw(self, after: float) -> float:
+        rate = self.profile.outage_rate_hz
+        return after + self._rng.expovariate(rate) if rate else math.inf
+
+    def _random_starts_until(self, t: float) -> list[float]:
+        with self._lock:
+            while self._next_start <= t:
+                self._starts.append(self._next_start)
+                self._next_start = self._draw(self._next_start)
+            return self._starts
+
+    def _period(self, t: float) -> int:
+        """The index k of the periodic cut that starts last at or before ``t`` (k * outage_every_s);
+        a time within a nanosecond below a start counts as that start (float products like 3 * 0.7
+        land just below it)."""
+        return math.floor((t + 1e-9) / self.profile.outage_every_s)
+
+    def _ends_covering(self, t: float) -> float | None:
+        """The latest end of the cuts that contain ``t`` (None when none does)."""
+        p, end = self.profile, None
+        if p.outage_every_s:
+            k = self._period(t)
+            if k >= 1 and t < k * p.outage_every_s + p.outage_s:  # the same sum as the cut's end
+                end = k * p.outage_every_s + p.outage_s
+        if p.outage_rate_hz:
+            starts = self._random_starts_until(t)
+            i = bisect.bisect_right(starts, t)  # starts[i - 1] is the latest start <= t
+            if i and t < starts[i - 1] + p.outage_s:
+                end = max(end or 0.0, starts[i - 1] + p.outage_s)
+        return end
+
+    def up_at(self, t: float) -> bool:
+        """Whether the link is up ``t`` seconds after it started (always before 0)."""
+        return t < 0 or not self.profile.has_outages or self._ends_covering(t) is None
+
+    def next_change(self, t: float) -> float:
+        """The first time after ``t`` at which ``up_at`` changes (inf when it never does)."""
+        p = self.profile
+        if not p.has_outages:
+            return math.inf
+        t = max(t, 0.0)
+        end = self._ends_covering(t)
+        if end is not None:  # down: the end of the merged cut that holds t
+            while (later := self._ends_covering(end)) is not None and later > end:
+                end = later
+            return end
+        upcoming = [math.inf]
+        if p.outage_every_s:
+            upcoming.append((self._period(t) + 1) * p.outage_every_s)
+        if p.outage_rate_hz:
+            starts = self._random_starts_until(t)
+            with self._lock:
+                upcoming.append(self._next_start)
+            i = bisect.bisect_right(starts, t)
+            if i < len(starts):
+                upcoming.append(starts[i])
+        return min(upcoming)
+
+    def cuts(self, until: float) -> list[tuple[float, float]]:
+        """The merged cuts that start before ``until``, in order, as (start, end)."""
+        out: list[tuple[float, float]] = []
+        t = 0.0
+        while True:
+            if self.up_at(t):
+                t = self.next_change(t)
+            if t >= until:
+                return out
+            end = self.next_change(t)
+            out.append((t, end))
+            t = end
+
+
 class LinkModel:
-    """Arrival times of messages on one emulated link (thread-safe, seeded)."""
+    """Arrival times of messages on one emulated link (thread-safe, seeded), and its cuts."""
 
     def __init__(self, profile: LinkProfile, seed: int = 0):
         self.profile = profile
@@ -65,6 +211,15 @@ class LinkModel:
         self._lock = threading.Lock()
         self._busy_until = {UP: 0.0, DOWN: 0.0}
         self._last_arrival = {UP: 0.0, DOWN: 0.0}
+        self.outages = OutageSchedule(profile, seed)
+
+    def up_at(self, t: float) -> bool:
+        """Whether the link is up (not cut) ``t`` seconds after it started."""
+        return self.outages.up_at(t)
+
+    def next_change(self, t: float) -> float:
+        """When, after ``t`` (seconds since the link started), the link next goes up or down."""
+        return self.outages.next_change(t)
 
     def arrival(self, nbytes: int, direction: str, now: float | None = None) -> float:
         """Monotonic-clock time at which nbytes sent at `now` have fully arrived."""
@@ -102,6 +257,8 @@ class LinkProxy:
     ``blackhole()`` cuts the link the way a radio dies: nothing is forwarded or even read in
     either direction and the sockets stay open, so the sender's TCP buffers fill and a large send
     blocks, a receive waits forever, and no FIN or RST tells either side (``restore()`` undoes it).
+    A profile with cuts (``LinkProfile.outage_*``) is cut the same way on its schedule, counted
+    from ``start()``; the link forwards only while neither a cut nor ``blackhole()`` holds it.
     """
 
     def __init__(self, profile: LinkProfile, target_host: str, target_port: int, seed: int = 0,
@@ -113,7 +270,10 @@ class LinkProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self._thread: threading.Thread | None = None
-        self._open: asyncio.Event | None = None  # set: forwarding; clear: blackholed
+        self._open: asyncio.Event | None = None  # set: forwarding; clear: blackholed or cut
+        self._blackholed = False
+        self._cut = False  # inside one of the profile's scheduled cuts
+        self.started_s: float | None = None  # monotonic time of start(): the schedule's zero
         self.bytes = {UP: 0, DOWN: 0}
 
     @property
@@ -131,6 +291,9 @@ class LinkProxy:
             self._server = self._loop.run_until_complete(
                 asyncio.start_server(self._handle, self.listen[0], self.listen[1]))
             self.port = self._server.sockets[0].getsockname()[1]
+            self.started_s = time.monotonic()
+            if self.model.profile.has_outages:
+                self._loop.create_task(self._follow_outages())
             ready.set()
             self._loop.run_forever()
             self._loop.close()
@@ -143,21 +306,53 @@ class LinkProxy:
 
     def blackhole(self) -> None:
         """Cut the link now (see the class docstring); returns once the proxy has stopped forwarding."""
-        self._set_open(False)
+        self._set_blackholed(True)
 
     def restore(self) -> None:
-        self._set_open(True)
+        """Undo ``blackhole()`` (a scheduled cut still holds the link until it ends)."""
+        self._set_blackholed(False)
 
-    def _set_open(self, value: bool) -> None:
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since ``start()`` (the time the outage schedule is read at)."""
+        if self.started_s is None:
+            raise RuntimeError("the link proxy is not running")
+        return time.monotonic() - self.started_s
+
+    @property
+    def forwarding(self) -> bool:
+        """Whether bytes flow now: neither blackholed nor inside a scheduled cut."""
+        return not self._blackholed and self.model.up_at(self.elapsed_s)
+
+    def _set_blackholed(self, value: bool) -> None:
         if self._loop is None:
             raise RuntimeError("the link proxy is not running")
         done = threading.Event()
 
         def apply():
-            self._open.set() if value else self._open.clear()
+            self._blackholed = value
+            self._apply_gate()
             done.set()
         self._loop.call_soon_threadsafe(apply)
         done.wait(5)
+
+    def _apply_gate(self) -> None:
+        """Open the gate iff neither a blackhole nor a cut holds the link (on the proxy's loop)."""
+        if self._blackholed or self._cut:
+            self._open.clear()
+        else:
+            self._open.set()
+
+    async def _follow_outages(self) -> None:
+        """Open and close the gate on the profile's cut schedule, for as long as the proxy runs."""
+        while True:
+            t = time.monotonic() - self.started_s
+            self._cut = not self.model.up_at(t)
+            self._apply_gate()
+            change = self.model.next_change(t)
+            if math.isinf(change):
+                return
+            await asyncio.sleep(max(0.0, change - t))
 
     def stop(self) -> None:
         if self._loop is None:
@@ -205,13 +400,13 @@ class LinkProxy:
         async def deliver():
             while True:
                 arrival, chunk = await queue.get()
-                if chunk is None:
-                    writer.write_eof() if writer.can_write_eof() else writer.close()
-                    return
                 delay = arrival - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                await self._open.wait()  # blackholed: held (never delivered while the link is cut)
+                await self._open.wait()  # blackholed or cut: held (never delivered while the link is cut)
+                if chunk is None:  # the end of the stream crosses the link like the bytes before it
+                    writer.write_eof() if writer.can_write_eof() else writer.close()
+                    return
                 writer.write(chunk)
                 await writer.drain()
 
@@ -223,6 +418,7 @@ class LinkProxy:
                 if not chunk:
                     await queue.put((0.0, None))
                     break
+                await self._open.wait()  # read as the link was cut: on the wire once it is back
                 self.bytes[direction] += len(chunk)
                 await queue.put((self.model.arrival(len(chunk), direction), chunk))
             await deliverer

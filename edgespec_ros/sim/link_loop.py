@@ -1,0 +1,424 @@
+"""The closed loop with a link that fails, the robot's fallback, and how long the task takes.
+
+A ROS-free episode on a simulated clock (:func:`run_linked_episode`). Each decision happens at a
+simulated time t with the robot standing still. The link is up at t iff the link profile's cut
+schedule (``wire.link.OutageSchedule``, seeded) is up at t AND the scenario covers the robot's
+pose (``Scenario.covered``: no dead zone).
+
+* Link up: the policy (the target alone, or speculative decoding: every lossless mode decides the
+  target's greedy tokens, so their trajectories are identical and only the time differs) decides;
+  the clock advances by the decision's latency (``decision_latency``), then by the action's motion
+  time (``MotionLimits.duration_s``). The pose before each move is kept for the way back
+  (``control.retrace.RetracePath``). A decision slower than ``deadline_s`` is a missed deadline.
+* Link down (or a missed deadline): a link fault. The drafter waits out its deadline with the robot
+  still (the clock advances by ``deadline_s``) and tells ``robot.link_health.LinkHealth``.
+* Once LinkHealth declares the link lost, ``on_link_loss`` applies until a reconnect succeeds. A
+  reconnect is tried when ``LinkHealth.probe_due`` (backoff doubling after each failure) and
+  succeeds iff the same up-condition holds then:
+
+  - ``stop``: the robot stands still; time passes to the next reconnect.
+  - ``retrace``: the robot walks back along this command's moves (``RetracePath.next_step``, each
+    primitive an UNVERIFIED step with its motion time and the world's collision checks), never
+    past the command's start; there, or once a step runs into something, it stands still.
+  - ``draft_only`` (LOSSY): the draft decides alone, greedy; its latency is its tokens times the
+    robot's draft token time plus the robot's draft prefill (``DraftLatency``), its action is
+    clamped to the degraded motion profile (moves at most small, turns at most medium, at half
+    speed), and it is counted UNVERIFIED.
+
+The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``time_cap_s``.
+Decisions of the policies count towards ``max_steps``; link faults and retrace steps do not (no
+model decided them). Every record of an episode says whether its decision was verified and, if not,
+which fallback made it. All times are simulated seconds, and every latency model here is EMULATED
+(``StatedLatency``: a stated per-token figure; ``MeasuredLatency``: the wall time of a decoder
+against a verifier whose compute and link are emulated): reports name which one they used.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterator, Sequence
+
+from ..control.actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig
+from ..control.motion import DegradedProfile, MotionLimits, Pose2D
+from ..control.retrace import RetracePath
+from ..decoding.compute import RobotProfile
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
+from ..robot.link_health import LINK_LOSS_ACTIONS, LinkHealth
+from ..robot.settings import DEFAULTS
+from ..wire.link import LinkProfile, OutageSchedule
+from .scenario import Scenario
+from .world import SimWorld
+
+# Record kinds: decisions (verified, or one of the fallbacks' unverified ones) and the rest.
+VERIFIED, RETRACE, DRAFT_ONLY = "verified", "retrace", "draft_only"
+UNVERIFIED_KINDS = (RETRACE, DRAFT_ONLY)
+LINK_FAULT, PROBE_OK, PROBE_FAILED, WAIT = "link_fault", "probe_ok", "probe_failed", "wait"
+
+# The degraded motion profile of draft-only decisions (LOSSY decisions move less and slower).
+# how a draft-only decision runs: the navigator's degraded profile (its parameters' defaults)
+DEGRADED = DegradedProfile()
+
+# A stated per-token decision time for an in-process policy: the README's EMULATED figure for a
+# measured H200 cloud (edgespec-profile) with the robot drafting at the Orin's 72 ms/token, mode
+# auto (which decides as cloud AR there): 27.3 ms per token.
+STATED_MS_PER_TOKEN = 27.3
+
+DEFAULT_TIME_CAP_S = 600.0
+
+
+# --------------------------------------------------------------------------- latency models
+
+class StatedLatency:
+    """EMULATED, stated: a decision costs ``ms_per_token`` per generated token plus one round trip
+    of the link (``rtt_s``); for a policy that runs in process (e.g. the target alone)."""
+
+    def __init__(self, ms_per_token: float, rtt_s: float = 0.0):
+        if not ms_per_token > 0 or not math.isfinite(ms_per_token) or rtt_s < 0:
+            raise ValueError(f"stated latency: need ms_per_token > 0 and rtt_s >= 0, got {ms_per_token}, {rtt_s}")
+        self.ms_per_token, self.rtt_s = ms_per_token, rtt_s
+
+    @property
+    def label(self) -> str:
+        return (f"stated {self.ms_per_token:g} ms/token x tokens + one round trip ({self.rtt_s * 1e3:g} ms) "
+                "(EMULATED)")
+
+    def __call__(self, out) -> float:
+        return out.tokens * self.ms_per_token / 1e3 + self.rtt_s
+
+
+class MeasuredLatency:
+    """EMULATED, measured: the wall time of each decision of a ``DecoderPolicy`` whose verifier runs
+    with emulated compute behind an emulated link (:func:`emulated_decoder_policy`)."""
+
+    def __init__(self, policy, what: str = "a decoder against an emulated remote verifier"):
+        if not hasattr(policy, "last"):
+            raise ValueError("measured latency needs a DecoderPolicy (its last decision's metrics)")
+        self.policy, self.what = policy, what
+
+    @property
+    def label(self) -> str:
+        return f"measured wall time of each decision: {self.what} (EMULATED)"
+
+    def __call__(self, out) -> float:
+        return float(self.policy.last.metrics.wall_s)
+
+
+class DraftLatency:
+    """EMULATED, stated: a draft-only decision on the robot costs the robot profile's draft prefill
+    plus its draft token time per generated token (``decoding.compute.ROBOT_PROFILES``)."""
+
+    def __init__(self, robot: RobotProfile):
+        self.robot = robot
+
+    @property
+    def label(self) -> str:
+        return (f"draft on robot {self.robot.name}: {self.robot.edge_prefill_s * 1e3:g} ms prefill + "
+                f"{self.robot.draft_token_s * 1e3:.1f} ms/token (EMULATED)")
+
+    def __call__(self, out) -> float:
+        return self.robot.edge_prefill_s + out.tokens * self.robot.draft_token_s
+
+
+# --------------------------------------------------------------------------- degraded motion
+
+def degrade(action: Action, profile: DegradedProfile = DEGRADED) -> Action:
+    """``action`` clamped to the degraded profile (``DegradedProfile.clamp``); a stop stays a stop."""
+    return profile.clamp(action)
+
+
+def degraded_limits(limits: MotionLimits = MotionLimits(), profile: DegradedProfile = DEGRADED) -> MotionLimits:
+    """``limits`` at the degraded profile's share of their top speeds (``MotionLimits.scaled``)."""
+    return limits.scaled(profile.speed_scale)
+
+
+# --------------------------------------------------------------------------- the episode
+
+@dataclass
+class StepRecord:
+    """One thing that took simulated time: a decision (``kind`` verified, retrace or draft_only), a
+    link fault, a reconnect (probe_ok / probe_failed) or a wait (standing still while lost)."""
+
+    t_s: float  # simulated time it began
+    kind: str
+    verified: bool  # a decision the cloud verified (False for every fallback decision, fault or wait)
+    action: str = ""  # the action executed ("" for none)
+    latency_s: float = 0.0  # deciding (or the deadline waited out, or the wait)
+    motion_s: float = 0.0
+    x: float = 0.0  # the pose it began at
+    y: float = 0.0
+    covered: bool = True  # the pose was outside every dead zone
+    collided: bool = False
+    note: str = ""
+
+    @property
+    def unverified_decision(self) -> bool:
+        """A decision no verifier checked (made by a fallback)."""
+        return self.kind in UNVERIFIED_KINDS
+
+
+@dataclass
+class LinkedEpisode:
+    """One episode's result; ``time_s`` is the time to the goal for a success, the time at the end
+    otherwise (simulated seconds)."""
+
+    scenario: str
+    on_link_loss: str
+    success: bool
+    outcome: str
+    collisions: int
+    time_s: float
+    decisions: int  # decisions executed or skipped, verified and unverified
+    verified_decisions: int
+    unverified: dict[str, int]  # unverified decisions by kind (retrace, draft_only)
+    link_faults: int
+    link_losses: int
+    ended_in_dead_zone: bool
+    time_capped: bool
+    final_goal_distance_m: float
+    records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def unverified_decisions(self) -> int:
+        return sum(self.unverified.values())
+
+    def to_dict(self, with_records: bool = True) -> dict:
+        d = asdict(self)
+        if not with_records:
+            d.pop("records")
+        d["unverified_decisions"] = self.unverified_decisions
+        return d
+
+
+def _remember(memory: PolicyMemory, action: Action | None, collided: bool) -> None:
+    if action is None:
+        memory.add(None, NO_ACTION)
+    else:
+        memory.add(action.text, BLOCKED if collided else DONE)
+
+
+def _decide(policy, world: SimWorld, scenario: Scenario, memory: PolicyMemory):
+    history = {"history": memory.shown()} if memory.k else {}
+    return policy.decide(world.camera_image(), scenario.instruction, **history)
+
+
+def run_linked_episode(policy, scenario: Scenario, *, link_profile: LinkProfile, on_link_loss: str,
+                       decision_latency: Callable[[object], float], draft_policy=None,
+                       draft_latency: Callable[[object], float] | None = None,
+                       deadline_s: float = DEFAULTS.deadline_s, link_seed: int = 0,
+                       time_cap_s: float = DEFAULT_TIME_CAP_S, health: LinkHealth | None = None,
+                       limits: MotionLimits = MotionLimits(),
+                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG) -> LinkedEpisode:
+    """Roll ``policy`` (VLMPolicy-like: ``decide(image, instruction[, history=])`` -> ``.action``,
+    ``.tokens``) out in ``scenario`` over a link that fails in time (``link_profile``'s cuts,
+    seeded by ``link_seed``) and in space (the scenario's dead zones), with ``on_link_loss`` (stop,
+    retrace or draft_only: then ``draft_policy`` and ``draft_latency`` are needed) once the link
+    is declared lost by a fresh copy of ``health`` (its settings; default: the drafter's shipped
+    link-loss settings). See the module docstring for the rules. Greedy throughout."""
+    if on_link_loss not in LINK_LOSS_ACTIONS:
+        raise ValueError(f"on_link_loss {on_link_loss!r}: choose one of {', '.join(LINK_LOSS_ACTIONS)}")
+    if on_link_loss == DRAFT_ONLY and (draft_policy is None or draft_latency is None):
+        raise ValueError("on_link_loss draft_only needs a draft_policy and its draft_latency")
+    if not deadline_s > 0 or not time_cap_s > 0:
+        raise ValueError(f"need deadline_s > 0 and time_cap_s > 0, got {deadline_s}, {time_cap_s}")
+    schedule = OutageSchedule(link_profile, link_seed)
+    health = replace(health) if health is not None else LinkHealth(  # replace: its settings, a fresh state
+        DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s)
+    world = SimWorld(scenario, action_config=action_config)
+    path = RetracePath(config=action_config)
+    slow = degraded_limits(limits)
+    memory = PolicyMemory(getattr(policy, "memory", 0))
+    draft_memory = PolicyMemory(getattr(draft_policy, "memory", 0)) if draft_policy is not None else None
+    records: list[StepRecord] = []
+    t = 0.0
+    retrace_blocked = False  # a retrace step ran into something: stand still until the link is back
+
+    def link_up(at: float) -> bool:
+        return schedule.up_at(at) and scenario.covered(world.pose.x, world.pose.y)
+
+    def record(kind: str, verified: bool = False, **kw) -> StepRecord:
+        pose = world.pose
+        rec = StepRecord(t, kind, verified, x=round(pose.x, 3), y=round(pose.y, 3),
+                         covered=scenario.covered(pose.x, pose.y), **kw)
+        records.append(rec)
+        return rec
+
+    def execute(action: Action, motion: MotionLimits) -> tuple[bool, float]:
+        """A decided action through the world (a decision counted); returns (collided, motion time)."""
+        if action.kind == "move":
+            path.record(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad), action)
+        result = world.step(action)
+        return result.collided, motion.duration_s(action)
+
+    while not world.done and t < time_cap_s:
+        if health.lost:
+            if health.probe_due(t):
+                if link_up(t):  # a reconnect (a handshake: one round trip) brings the link back
+                    record(PROBE_OK, latency_s=link_profile.rtt_s)
+                    t += link_profile.rtt_s
+                    health.verified(t)
+                    retrace_blocked = False
+                    continue
+                record(PROBE_FAILED)
+                health.probe_failed(t)
+            if on_link_loss == DRAFT_ONLY:
+                out = _decide(draft_policy, world, scenario, draft_memory)
+                latency = draft_latency(out)
+                action = degrade(out.action) if out.action is not None else None
+                rec = record(DRAFT_ONLY, latency_s=latency, action=action.text if action else "",
+                             note="LOSSY: the draft alone, degraded motion" if action else f"no action: {out.error}")
+                t += latency
+                if action is None:
+                    world.skip_decision(out.error or "no action")
+                    collided = False
+                else:
+                    collided, rec.motion_s = execute(action, slow)
+                    rec.collided = collided
+                    t += rec.motion_s
+                for m in (memory, draft_memory):
+                    _remember(m, action, collided)
+                continue
+            step = None
+            if on_link_loss == RETRACE and not retrace_blocked:
+                step = path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
+            if step is None:  # stop, or nothing (more) to retrace: stand still until the next reconnect
+                wait = max(min(health.next_probe_s, time_cap_s) - t, 0.0)
+                why = ("on_link_loss stop" if on_link_loss != RETRACE else
+                       "retrace blocked" if retrace_blocked else "back at the command's start")
+                record(WAIT, latency_s=wait, note=why)
+                t += wait
+                continue
+            rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start")
+            result = world.execute(step.action)  # motion only: no decision of a policy's
+            rec.motion_s, rec.collided = limits.duration_s(step.action), result.collided
+            t += rec.motion_s
+            retrace_blocked = result.collided
+            continue
+
+        if not link_up(t):
+            why = "a dead zone" if not scenario.covered(world.pose.x, world.pose.y) else "a cut"
+            record(LINK_FAULT, latency_s=deadline_s, note=f"deadline missed: no link ({why})")
+            t += deadline_s
+            health.link_fault(t)
+            continue
+        out = _decide(policy, world, scenario, memory)
+        latency = decision_latency(out)
+        if latency > deadline_s:  # the drafter gives up at its deadline: a link fault like any other
+            record(LINK_FAULT, latency_s=deadline_s, note=f"deadline missed: the decision took {latency:.2f} s")
+            t += deadline_s
+            health.link_fault(t)
+            continue
+        rec = record(VERIFIED, True, latency_s=latency, action=out.action.text if out.action else "",
+                     note="" if out.action else f"no action: {out.error}")
+        t += latency
+        health.verified(t)
+        if out.action is None:
+            world.skip_decision(out.error or "no action")
+            collided = False
+        else:
+            collided, rec.motion_s = execute(out.action, limits)
+            rec.collided = collided
+            t += rec.motion_s
+        for m in (memory, draft_memory):
+            if m is not None:
+                _remember(m, out.action, collided)
+
+    decisions = [r for r in records if r.kind in (VERIFIED, *UNVERIFIED_KINDS)]
+    pose = world.pose
+    capped = not world.done
+    return LinkedEpisode(
+        scenario=scenario.name, on_link_loss=on_link_loss, success=world.success,
+        outcome=world.outcome if world.done else f"time cap ({time_cap_s:g} s) before the task ended",
+        collisions=world.collisions, time_s=round(t, 3), decisions=len(decisions),
+        verified_decisions=sum(r.kind == VERIFIED for r in decisions),
+        unverified={k: sum(r.kind == k for r in decisions) for k in UNVERIFIED_KINDS},
+        link_faults=sum(r.kind == LINK_FAULT for r in records), link_losses=health.losses,
+        ended_in_dead_zone=not scenario.covered(pose.x, pose.y), time_capped=capped,
+        final_goal_distance_m=round(world.goal_distance(), 3), records=records)
+
+
+# --------------------------------------------------------------------------- many episodes
+
+def summarize(episodes: Sequence[LinkedEpisode]) -> dict:
+    """Success, collisions, time to goal (median and p90 over all episodes, failures at their end
+    time; and the median over successes), unverified decisions, link losses, and the episodes that
+    ended inside a dead zone."""
+    n = len(episodes)
+    times = sorted(e.time_s for e in episodes)
+    won = sorted(e.time_s for e in episodes if e.success)
+    return {
+        "episodes": n,
+        "success_rate": sum(e.success for e in episodes) / n if n else 0.0,
+        "collisions": sum(e.collisions for e in episodes),
+        "time_median_s": statistics.median(times) if times else None,
+        "time_p90_s": _percentile(times, 90) if times else None,
+        "success_time_median_s": statistics.median(won) if won else None,
+        "decisions": sum(e.decisions for e in episodes),
+        "unverified_decisions": sum(e.unverified_decisions for e in episodes),
+        "unverified_by_kind": {k: sum(e.unverified[k] for e in episodes) for k in UNVERIFIED_KINDS},
+        "link_faults": sum(e.link_faults for e in episodes),
+        "link_losses": sum(e.link_losses for e in episodes),
+        "ended_in_dead_zone": sum(e.ended_in_dead_zone for e in episodes),
+        "time_capped": sum(e.time_capped for e in episodes),
+    }
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-th percentile, linear between the closest ranks (numpy's default)."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+ALWAYS_UP = "always-up"  # compare_fallbacks' reference row: no cuts, no dead zones
+
+
+def compare_fallbacks(policy, scenarios: Sequence[Scenario], *, link_profile: LinkProfile,
+                      fallbacks: Sequence[str] = LINK_LOSS_ACTIONS, reference: bool = True,
+                      **kwargs) -> dict[str, dict]:
+    """:func:`run_linked_episode` over ``scenarios`` for each fallback in ``fallbacks`` (the other
+    keyword arguments are passed on); returns ``{fallback: summarize(...) + per_scenario}``, led by
+    (``reference``) the ``ALWAYS_UP`` row: the same scenarios and link without dead zones or cuts,
+    what the task takes when nothing fails."""
+    runs = [(fb, link_profile, scenarios) for fb in fallbacks]
+    if reference:
+        runs.insert(0, (ALWAYS_UP, link_profile.without_outages(), [replace(s, dead_zones=()) for s in scenarios]))
+    rows = {}
+    for label, profile, group in runs:
+        fallback = LINK_LOSS_ACTIONS[0] if label == ALWAYS_UP else label  # never applied: the link never fails
+        episodes = [run_linked_episode(policy, s, link_profile=profile, on_link_loss=fallback, **kwargs) for s in group]
+        rows[label] = summarize(episodes) | {"per_scenario": [e.to_dict(with_records=False) for e in episodes]}
+    return rows
+
+
+# --------------------------------------------------------------------------- measured decisions
+
+@contextlib.contextmanager
+def emulated_decoder_policy(draft_path: str, target_path: str, *, link_profile: LinkProfile,
+                            compute: str = "go2-paper", max_new_tokens: int = DEFAULTS.max_new_tokens,
+                            mode: str = DEFAULTS.mode) -> Iterator[tuple[object, MeasuredLatency]]:
+    """A ``DecoderPolicy`` (the draft here, the target in a verifier process with ``compute``
+    emulated, behind a ``LinkProxy`` with the profile's delay and rates) and the ``MeasuredLatency``
+    that reads its decisions' wall times. The profile's cuts are left out of the proxy: the episode
+    applies them on its simulated clock. Decisions are the target's greedy ones (lossless)."""
+    from ..decoding.compute import get_compute
+    from ..decoding.engines import load_model
+    from ..evaluation.policy import DecoderPolicy
+    from ..processes import verifier_process
+    from ..robot.decoder import DecodeConfig, EdgeDecoder
+    from ..wire.client import RemoteVerifier
+    from ..wire.link import LinkProxy
+
+    steady = link_profile.without_outages()
+    draft_lm = load_model(draft_path)
+    with verifier_process(target_path, compute) as port, LinkProxy(steady, "127.0.0.1", port) as proxy:
+        verifier = RemoteVerifier(proxy.url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
+                                  link_profile=steady, timeout_s=60.0, policy_memory=draft_lm.memory)
+        with verifier:
+            decoder = EdgeDecoder(draft_lm, verifier, draft_compute=get_compute(compute))
+            try:
+                policy = DecoderPolicy(decoder, DecodeConfig(mode=mode, max_new_tokens=max_new_tokens))
+                yield policy, MeasuredLatency(policy, f"mode {mode}, compute {compute}, link {steady.describe()}")
+            finally:
+                decoder.close()
