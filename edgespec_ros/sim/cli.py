@@ -253,7 +253,9 @@ def _cmd_eval_linked(args: argparse.Namespace) -> int:
     with _linked_policies(args, need_draft=fallback == "draft_only") as (profile, policy, latency, draft, dlat):
         kwargs = _link_kwargs(args, profile, latency, draft, dlat)
         _print_link_conditions(profile, latency, dlat, draft is not None, kwargs)
-        episodes = [run_linked_episode(policy, s, on_link_loss=fallback, **kwargs) for s in scenarios]
+        from tqdm import tqdm
+        episodes = [run_linked_episode(policy, s, on_link_loss=fallback, **kwargs)
+                    for s in tqdm(scenarios, desc=f"episodes ({fallback})", unit="ep")]
     summary = summarize(episodes)
     for ep in episodes:
         print(f"  {ep.scenario:<32} {'success' if ep.success else 'FAIL   '} {ep.time_s:7.1f} s "

@@ -384,11 +384,18 @@ def compare_fallbacks(policy, scenarios: Sequence[Scenario], *, link_profile: Li
     runs = [(fb, link_profile, scenarios) for fb in fallbacks]
     if reference:
         runs.insert(0, (ALWAYS_UP, link_profile.without_outages(), [replace(s, dead_zones=()) for s in scenarios]))
+    from tqdm import tqdm
     rows = {}
+    bar = tqdm(total=sum(len(group) for _, _, group in runs), desc="fallbacks", unit="ep")
     for label, profile, group in runs:
         fallback = LINK_LOSS_ACTIONS[0] if label == ALWAYS_UP else label  # never applied: the link never fails
-        episodes = [run_linked_episode(policy, s, link_profile=profile, on_link_loss=fallback, **kwargs) for s in group]
+        bar.set_postfix_str(label)
+        episodes = []
+        for s in group:
+            episodes.append(run_linked_episode(policy, s, link_profile=profile, on_link_loss=fallback, **kwargs))
+            bar.update(1)
         rows[label] = summarize(episodes) | {"per_scenario": [e.to_dict(with_records=False) for e in episodes]}
+    bar.close()
     return rows
 
 

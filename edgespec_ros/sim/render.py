@@ -391,8 +391,8 @@ def _hit_sphere(sp: _Sphere, ox, oy, oz, dx, dy, dz):
 def render_topdown(scenario: Scenario, pose: Pose | None = None,
                    trajectory: Sequence[Pose] | None = None, size_px: int = 480,
                    camera: CameraConfig | None = DEFAULT_CAMERA, labels: bool = True) -> np.ndarray:
-    """A top-down map (size_px x size_px x 3 uint8): room, objects (colour + shape hint + id),
-    the goal radius, the trajectory polyline and the robot at ``pose`` (default: its start) with
+    """A top-down map (size_px x size_px x 3 uint8): room, dead zones (hatched: no link there),
+    objects (colour + shape hint + id), the goal radius, the trajectory polyline and the robot at ``pose`` (default: its start) with
     its camera's field of view. +x points right and +y up."""
     from PIL import Image, ImageDraw
 
@@ -418,6 +418,16 @@ def render_topdown(scenario: Scenario, pose: Pose | None = None,
         draw.line([px(gx, 0), px(gx, room.depth_m)], fill=(138, 104, 70), width=ss)
     for gy in range(1, int(math.ceil(room.depth_m))):
         draw.line([px(0, gy), px(room.width_m, gy)], fill=(138, 104, 70), width=ss)
+
+    for zone in scenario.dead_zones:  # where the link drops (hatched grey: no verifier there)
+        zx, zy = px(zone.x, zone.y)
+        zr = zone.radius_m * scale
+        draw.ellipse([zx - zr, zy - zr, zx + zr, zy + zr], fill=(112, 104, 100), outline=(200, 60, 60), width=2 * ss)
+        for k in range(-3, 4):  # diagonal hatching, each line a chord of the circle
+            d = k * zr / 4
+            half = math.sqrt(zr * zr - d * d) / math.sqrt(2)
+            cx, cy = zx + d / math.sqrt(2), zy + d / math.sqrt(2)
+            draw.line([(cx - half, cy + half), (cx + half, cy - half)], fill=(200, 60, 60), width=ss)
 
     goal = scenario.goal_object
     gx, gy = px(goal.x, goal.y)
