@@ -7,8 +7,9 @@ per row: the pending token and ``block - 1`` drafts) and reports per rows count,
 the passes:
 
 - ``whole_s``: the pass (``verify_batch``), ``forward_s``: the model's forward inside it (both
-  device-synchronised), ``host_share`` = 1 - forward / whole: stacking the KV caches, the logits,
-  the rule;
+  device-synchronised), ``host_share`` = 1 - forward / whole: the pass's inputs and bookkeeping
+  around the forward, the logits, the rule (the KV slots' per-layer gather and in-place writes,
+  ``cloud.batch.feed_batch``, run inside the forward and count as forward);
 - ``host_bytes``: the bytes of every tensor converted to host Python or numpy during the pass
   (``.tolist()``, ``.item()``, ``.numpy()``, ``.cpu()``, ``float/int/bool/index`` of a tensor) outside
   the model's own forward, as counted by ``HostConversions``, whatever the code path; on an

@@ -4,17 +4,25 @@ blocks).
 
 ``feed_batch(seqs, token_lists)`` does for every sequence what ``Sequence.feed`` does for one (feed
 its tokens on top of its cache, at its own M-RoPE positions; returns the logits [n_i, V]) in one
-forward pass: the caches are left-padded to the longest and stacked, the new tokens right-padded,
-and a per-row attention mask hides every pad; positions are explicit per row. Afterwards each
-sequence's cache holds exactly its own new keys and values, as if it had been fed alone. The logits
-stay on the model's device: ``verify_batch`` runs the verification rule there for every row at once
+forward pass. Every sequence's cache is a slot of the model's ``KVPool`` (``decoding.engines``: a
+verifier's sequences are made there; any other is adopted into a slot on its first batched pass,
+copied once): per layer one preallocated [slots, kv_heads, capacity, head_dim] tensor. In the
+pass each layer reads the rows' slots up to the longest cache in ONE gather (a view when the rows
+are a run of consecutive slots), appends the new keys and values after it, and writes each row's
+new ones in place at its own positions [L_i, L_i + n) of its slot in ONE scatter; nothing is
+stacked, split or rebuilt per row, and a row's cache afterwards holds exactly its own new keys and
+values (its length moves by its own count), as if it had been fed alone. The attention mask is 1
+on each row's own cache [0, L_i) and its own new tokens [past, past + n_i) (the holes between are
+other rows' lengths: masked); positions are explicit per row. The logits stay on the model's
+device: ``verify_batch`` runs the verification rule there for every row at once
 (``decoding.verify.verify_rows``) and brings back one small int tensor per pass.
 
-Exactness: masked pads contribute exact zeros to attention, but a batched matmul may reduce in a
-different order than a single-row one, so logits agree with the unbatched ones to float rounding
-(~1e-6 relative on CPU), not bit for bit (as in vLLM without batch-invariant kernels). Verification
-decisions are taken on those logits with position-keyed randomness, so a token differs between
-batched and alone only when a uniform draw or a greedy tie falls within that rounding.
+Exactness: masked positions contribute exact zeros to attention, but a batched matmul may reduce
+in a different order than a single-row one, so logits agree with the unbatched ones to float
+rounding (~1e-6 relative on CPU), not bit for bit (as in vLLM without batch-invariant kernels).
+Verification decisions are taken on those logits with position-keyed randomness, so a token
+differs between batched and alone only when a uniform draw or a greedy tie falls within that
+rounding.
 """
 from __future__ import annotations
 
@@ -24,8 +32,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Union
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
-from ..decoding.engines import _TRANSFORMERS_MAJOR, Sequence
+from ..decoding.engines import KVPool, Sequence, SlotCache
 from ..decoding.verify import verify_rows
 
 if TYPE_CHECKING:
@@ -34,25 +43,68 @@ if TYPE_CHECKING:
     from .target import TargetSession
 
 
-def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, [1, heads, length, dim] each (transformers 4.x and 5.x caches)."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
+class _PassRows:
+    """What every layer of one batched pass shares: the rows' slots and lengths on the device."""
+
+    def __init__(self, pool: KVPool, slots: list[int], slot_ids: torch.Tensor, lengths: torch.Tensor, past: int,
+                 new: int):
+        self.pool, self.past, self.new = pool, past, new
+        b = len(slots)
+        # a run of consecutive slots is read as a view of the pool, others are gathered
+        self.run = slots[0] if slots == list(range(slots[0], slots[0] + b)) else None
+        self.slots = slot_ids  # [B] on the device
+        self.slot_col = slot_ids.view(b, 1)
+        self.at = lengths.view(b, 1) + torch.arange(new, device=lengths.device)  # [B, new]: row i's new positions
 
 
-def _new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-    cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
-    return cache
+class _PassLayer(DynamicLayer):
+    """One layer of the batched pass's cache: ``update`` returns [B, heads, past + new, dim]
+    (each row's slot up to the longest cache, then the new keys) and writes each row's new keys
+    and values in place at [slot_i, :, L_i:L_i + new] (a row's pads land past its own new length,
+    where nothing is read)."""
+
+    def __init__(self, rows: _PassRows, idx: int):  # noqa: D107 - nothing is kept but the pool's tensors
+        self.rows, self.idx = rows, idx
+        self.is_initialized = True
+        self.keys = self.values = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        r = self.rows
+        past = r.past
+        with r.pool.lock:
+            kp, vp = r.pool.layer(self.idx, key_states, value_states, past + r.new)
+            if r.run is not None:
+                old_k, old_v = kp[r.run:r.run + len(r.slots), :, :past], vp[r.run:r.run + len(r.slots), :, :past]
+            else:
+                old_k, old_v = kp[:, :, :past].index_select(0, r.slots), vp[:, :, :past].index_select(0, r.slots)
+            keys, values = torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+            kp[r.slot_col, :, r.at] = key_states.transpose(1, 2)  # [B, new, heads, dim] at (slot_i, L_i + j)
+            vp[r.slot_col, :, r.at] = value_states.transpose(1, 2)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.rows.past
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows.past + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def _pass_cache(rows: _PassRows) -> Cache:
+    return Cache(layers=[_PassLayer(rows, i) for i in range(rows.pool.num_layers)])
 
 
 @torch.inference_mode()
 def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch.Tensor]:
     """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each,
-    on the model's device (a lone sequence's where its ``device_logits`` says)."""
+    on the model's device (a lone sequence's where its ``device_logits`` says). Each cache is
+    written in place in its slot of the model's ``KVPool`` (a sequence whose cache is elsewhere is
+    adopted into one first)."""
     if len(seqs) != len(token_lists) or not seqs:
         raise ValueError("feed_batch needs one token list per sequence, and at least one")
     if len(seqs) == 1:
@@ -62,46 +114,40 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
         raise ValueError("feed_batch: every sequence must be on the same model")
     if any(s.cache is None for s in seqs) or any(not t for t in token_lists):
         raise ValueError("feed_batch: every sequence must be prefilled and get at least one token")
+    pool = lm.kv_pool()
+    for s in seqs:
+        if isinstance(s.cache, SlotCache) and s.cache.released:
+            raise RuntimeError("feed_batch: a sequence's KV slot was released")
+        if not (isinstance(s.cache, SlotCache) and s.cache.pool is pool):
+            s.cache = SlotCache.adopt(pool, s.cache)  # once: in place from now on
+        if s.cache.get_seq_length() != s.fed:
+            raise RuntimeError(f"feed_batch: a cache holds {s.cache.get_seq_length()} positions, its sequence "
+                               f"says {s.fed}")
     b = len(seqs)
+    slots = [s.cache.slot for s in seqs]
+    if len(set(slots)) != b:
+        raise ValueError("feed_batch: two rows share one KV cache (a sequence twice?)")
     lengths = [s.fed for s in seqs]
     counts = [len(t) for t in token_lists]
     past, new = max(lengths), max(counts)
-    # The stacked cache: row i = [zeros (past - L_i) | its own cache (L_i)].
-    per_seq = [_layers(s.cache) for s in seqs]
-    stacked = []
-    for layer in range(len(per_seq[0])):
-        ks, vs = [], []
-        for i in range(b):
-            k, v = per_seq[i][layer]
-            pad = past - lengths[i]
-            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-        stacked.append((torch.cat(ks), torch.cat(vs)))
-    cache = _new_cache(lm.model, stacked)
     device = lm.device
-    ids = torch.zeros(b, new, dtype=torch.long, device=device)
-    mask = torch.zeros(b, past + new, dtype=torch.long, device=device)
-    rows = []
-    for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
-        n = counts[i]
-        ids[i, :n] = torch.tensor(tokens, dtype=torch.long, device=device)
-        mask[i, past - lengths[i]:past + n] = 1
-        pos = torch.arange(s.fed, s.fed + new, device=device) + s.rope_delta  # pads: positions past the row's end (masked)
-        rows.append(pos)
-    pos = torch.stack(rows)  # [B, new]
+    # the pass's inputs in two host -> device copies: per row (L_i, n_i, rope delta, slot), and the tokens
+    meta = torch.tensor([[L, n, s.rope_delta, slot] for L, n, s, slot in zip(lengths, counts, seqs, slots)],
+                        dtype=torch.long, device=device)
+    ids = torch.tensor([list(t) + [0] * (new - len(t)) for t in token_lists], dtype=torch.long, device=device)
+    own, count, delta = meta[:, 0:1], meta[:, 1:2], meta[:, 2:3]
+    kv = torch.arange(past + new, device=device)
+    mask = ((kv < own) | ((kv >= past) & (kv < past + count))).long()  # [B, past + new]
+    pos = own + delta + torch.arange(new, device=device)  # [B, new]; pads: past the row's end (masked)
     position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
-    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+    rows = _PassRows(pool, slots, meta[:, 3], meta[:, 0], past, new)
+    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=_pass_cache(rows),
                    use_cache=True)
     logits = out.logits.float()  # stays on the device
-    merged = _layers(cache)
     results = []
     for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
         n = counts[i]
-        own = _layers(s.cache)
-        grown = [(torch.cat([k, mk[i:i + 1, :, past:past + n]], dim=2),
-                  torch.cat([v, mv[i:i + 1, :, past:past + n]], dim=2))
-                 for (k, v), (mk, mv) in zip(own, merged)]
-        s.cache = _new_cache(lm.model, grown)
+        s.cache.set_length(lengths[i] + n)  # its new keys and values are in its slot already
         s.fed += n
         s.fed_tokens.extend(int(t) for t in tokens)
         row = logits[i, :n]
