@@ -182,3 +182,77 @@ def test_tree_rounds_commit_the_targets_greedy_output(vlm_draft, vlm_target, ima
         row = tree_rounds(vlm_draft, vlm_target, prompts, shape, max_new_tokens=12)
         assert row["tokens"] == want
         assert row["rounds"] >= -(-row["tokens"] // (shape.depth + 1)) and row["draft_forwards"] <= 3 * row["rounds"]
+
+
+def _tree_decision(draft, target, prompt, inputs, params, shape, seed, max_new_tokens):
+    """One decision of tree rounds in process: the draft drafts a tree, the target verifies it in
+    one pass (its cache a KV slot: nodes dropped in place), both keep the accepted path."""
+    from edgespec_ros.cloud.target import TargetSession
+    from edgespec_ros.decoding.tree import compact, draft_tree
+    from edgespec_ros.decoding.verify import VerifySettings
+    session = TargetSession(target)
+    session.start(prompt, VerifySettings(params=params, seed=seed))
+    seq = draft.new_sequence()
+    seq.prefill(inputs)
+    out, rounds = [], 0
+    while len(out) < max_new_tokens:
+        drafted = draft_tree(seq, shape, params, seed=seed, first_position=len(out))
+        verdict, _ = session.verify_tree(drafted.tree, None if params.greedy else drafted.q)
+        compact(seq, drafted, verdict.path)
+        new = verdict.committed_tokens(drafted.tree)
+        out += new
+        rounds += 1
+        seq.pending = [verdict.next_token]
+        if any(t in target.eos_token_ids for t in new):
+            break
+    for i, t in enumerate(out):
+        if t in target.eos_token_ids:
+            return out[:i + 1], rounds
+    return out[:max_new_tokens], rounds
+
+
+@pytest.mark.parametrize("widths", [(2, 2, 2), (2, 4, 3, 1), (1, 1, 1, 1)])
+def test_greedy_tree_decisions_are_the_targets_own_tokens(vlm_draft, vlm_target, image, widths):
+    """Trees verified by the target in one pass (tree mask, positions by depth, the path kept in
+    its KV slot): the committed tokens are the target's greedy output, token for token."""
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.cloud.target import target_generate
+    from edgespec_ros.decoding.tree import TreeShape
+    from edgespec_ros.decoding.verify import VerifySettings
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    decoder = EdgeDecoder(vlm_draft, LocalVerifier(vlm_target))
+    shape = TreeShape(widths, branch=max(widths[0], 2))
+    for text in ("find the chair", "go to the red box", "turn around"):
+        prompt, inputs = decoder.make_prompt(text, image)
+        want = target_generate(vlm_target, inputs, VerifySettings(), 16)
+        got, rounds = _tree_decision(vlm_draft, vlm_target, prompt, inputs, SamplingParams(), shape, 0, 16)
+        assert got == want, (text, widths)
+        assert rounds <= len(want)
+
+
+@pytest.mark.slow
+def test_sampled_tree_decisions_follow_the_targets_law(small_lm_pair):
+    """Sampled trees (siblings drawn without replacement, recursive rejection sampling in the
+    target's one pass): the first two tokens follow the target's exact law (chi-square), and
+    clearly not the draft's."""
+    import numpy as np
+
+    from stats_helpers import P_VALUE_MIN, chi_square_pvalue
+    from test_verify import PROMPT_IDS, SMALL_EOS, T1, _exact_two_token_law, _FixedPromptDecoder
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.decoding.tree import TreeShape
+    target, draft = small_lm_pair
+    law = _exact_two_token_law(target, T1)
+    outcomes = list(law)
+    index = {o: i for i, o in enumerate(outcomes)}
+    prompt, inputs = _FixedPromptDecoder(draft, LocalVerifier(target)).make_prompt("")
+    shape = TreeShape((2, 2), branch=2)
+    counts = np.zeros(len(outcomes))
+    for seed in range(1500):
+        tokens, _ = _tree_decision(draft, target, prompt, inputs, T1, shape, seed, 3)
+        counts[index[(SMALL_EOS,) if tokens[0] == SMALL_EOS else tuple(tokens[:2])]] += 1
+    probs = np.array([law[o] for o in outcomes])
+    assert chi_square_pvalue(counts, probs) > P_VALUE_MIN
+    draft_law = _exact_two_token_law(draft, T1)
+    assert chi_square_pvalue(counts, np.array([draft_law[o] for o in outcomes])) < 1e-6
+    assert PROMPT_IDS

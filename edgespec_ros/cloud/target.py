@@ -211,6 +211,36 @@ class TargetSession:
         self._record(start_position, draft_ids, logits, result)
         return result
 
+    def verify_tree(self, tree, q: torch.Tensor | None) -> tuple[object, float]:
+        """One token tree verified alone (``decoding.tree``): the committed tokens not yet fed and
+        every node in one forward with the tree's ancestor mask, the tree rule on the logits, the
+        accepted path kept in the cache (every other node dropped in place) and committed with the
+        next token. Returns (``decoding.tree.TreeVerdict``, seconds)."""
+        from ..decoding.engines import keep_positions
+        from ..decoding.tree import feed_tree, verify_tree
+        t0 = time.perf_counter()
+        start = self.begin_round()
+        seq = self.seq
+        if not len(tree):
+            raise ValueError("a token tree needs at least one node")
+        pending = seq.take_pending()
+        if not pending and seq.last_logits is None:
+            raise RuntimeError("target has no next-token logits")
+        root = None if pending else seq.last_logits
+        base = seq.fed + len(pending)
+        fed = feed_tree(seq, tree, range(len(tree)), base, prefix=pending)
+        rows = fed[len(pending) - 1:] if pending else torch.cat([root.view(1, -1).to(fed.device), fed])
+        verdict = verify_tree(tree, q, rows, self.settings.params, seed=self.settings.seed, first_position=start)
+        keep_positions(seq.cache, base, [base + i for i in verdict.path])
+        del seq.fed_tokens[len(seq.fed_tokens) - len(tree):]
+        path_tokens = [tree.tokens[i] for i in verdict.path]
+        seq.fed_tokens.extend(path_tokens)
+        seq.fed = base + len(verdict.path)
+        seq.last_logits = seq.last_hidden = None
+        seq.pending = [int(verdict.next_token)]
+        seq.generated.extend(path_tokens + [int(verdict.next_token)])
+        return verdict, time.perf_counter() - t0
+
     def _commit(self, draft_ids: list[int], result: VerifyResult, chained: bool, next_token: int) -> None:
         """Commit a verified round (every rule ends here): a chained block accepted in full commits
         no bonus token, the robot's next block follows (``result.next_token`` becomes NO_TOKEN);

@@ -319,6 +319,32 @@ def crop_cache(cache, keep: int) -> None:
     cache.crop(keep - current if _TRANSFORMERS_MAJOR >= 5 else keep)
 
 
+@torch.inference_mode()
+def keep_positions(cache, base: int, extra: list[int]) -> None:
+    """Keep the first ``base`` cached positions and then ``extra`` (ascending positions >= base),
+    dropping every other: a token tree's accepted path (``decoding.tree``). In place in a slot
+    (``SlotCache``: the kept rows move down, the length follows), or by selecting a DynamicCache's."""
+    if any(p < base for p in extra) or extra != sorted(extra):
+        raise ValueError(f"keep_positions: extra positions must be ascending and >= base {base}, got {extra}")
+    if isinstance(cache, SlotCache):
+        with cache.pool.lock:
+            for layer in cache.layers:
+                if layer.released:
+                    raise RuntimeError("this SlotCache was released: its slot may be another sequence's now")
+                for store in (cache.pool.keys, cache.pool.values):
+                    t = store[layer.idx]
+                    if t is not None and extra:
+                        idx = torch.tensor(extra, dtype=torch.long, device=t.device)
+                        t[layer.slot, :, base:base + len(extra)] = t[layer.slot, :, :].index_select(1, idx)
+                layer.length = base + len(extra)
+        return
+    device = cache.layers[0].keys.device
+    idx = torch.tensor(list(range(base)) + list(extra), dtype=torch.long, device=device)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(2, idx)
+        layer.values = layer.values.index_select(2, idx)
+
+
 # --- per-session KV slots: the verifier's caches ---------------------------------------------------
 
 KV_POOL_SLOTS = 8  # slots a model's KVPool starts with (doubled whenever every one is taken)

@@ -268,20 +268,43 @@ class DraftedTree:
     root_logits: torch.Tensor | None = None  # the draft's logits before the tree (the root's children's)
 
 
-def _tree_mask(dtype, device, base: int, parents: list[int], new: range) -> torch.Tensor:
-    """Additive float mask [1, 1, len(new), base + len(parents)]: each new node sees the prefix, its
-    ancestors and itself (0), nothing else (-inf)."""
-    n = len(parents)
-    see = torch.zeros(len(new), base + n, dtype=torch.bool)
-    see[:, :base] = True
-    for row, i in enumerate(new):
+@torch.inference_mode()
+def feed_tree(seq, tree: TokenTree, new: range, base: int, prefix: list[int] = ()) -> torch.Tensor:
+    """One forward over ``prefix`` (committed tokens not yet fed, causal) and then the tree's nodes
+    ``new``, on ``seq``'s cache, where node j sits at cache position ``base + j`` (the nodes before
+    ``new`` are cached already; with a prefix, ``new`` is the whole tree and ``base`` follows it).
+    Each node attends to everything before the tree, its ancestors and itself; it is at position
+    base + depth - 1 (siblings share one; M-RoPE text positions for a VLM). Returns the logits
+    [len(prefix) + len(new), V] on the model's device, and ``seq``'s ``fed`` and ``fed_tokens``
+    move on by what was fed."""
+    lm = seq.lm
+    fed0 = seq.fed
+    if prefix and (new.start != 0 or base != fed0 + len(prefix)):
+        raise ValueError("feed_tree: a prefix comes with the whole tree, right after it")
+    if not prefix and base + new.start != fed0:
+        raise ValueError(f"feed_tree: nodes before {new.start} must be cached at {base}.., the cache holds {fed0}")
+    rows = len(prefix) + len(new)
+    see = torch.zeros(rows, fed0 + rows, dtype=torch.bool)
+    for r in range(len(prefix)):
+        see[r, :fed0 + r + 1] = True
+    depths = tree.depths()
+    for row, i in enumerate(new, start=len(prefix)):
+        see[row, :base] = True
         node = i
         while node != ROOT:
             see[row, base + node] = True
-            node = parents[node]
-    mask = torch.zeros(see.shape, dtype=dtype)
-    mask.masked_fill_(~see, torch.finfo(dtype).min)
-    return mask.view(1, 1, *see.shape).to(device)
+            node = tree.parents[node]
+    dtype = next(lm.model.parameters()).dtype
+    mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, torch.finfo(dtype).min)
+    positions = [fed0 + r for r in range(len(prefix))] + [base + depths[i] - 1 for i in new]
+    pos = torch.tensor(positions, dtype=torch.long, device=lm.device) + seq.rope_delta
+    position_ids = pos.view(1, 1, -1).expand(3, 1, -1) if lm.is_vlm else pos.view(1, -1)
+    ids = torch.tensor([list(prefix) + [tree.tokens[i] for i in new]], dtype=torch.long, device=lm.device)
+    out = lm.model(input_ids=ids, attention_mask=mask.view(1, 1, *see.shape).to(lm.device), position_ids=position_ids,
+                   past_key_values=seq.cache, use_cache=True)
+    seq.fed += rows
+    seq.fed_tokens.extend(int(t) for t in ids[0].tolist())
+    return out.logits[0].float()
 
 
 @torch.inference_mode()
@@ -294,7 +317,6 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     nodes are appended to ``seq``'s cache; ``compact`` keeps the accepted path."""
     if seq.pending:
         seq.next_logits()
-    lm = seq.lm
     base = seq.fed
     vocab = seq.last_logits.shape[-1]
     root_logits = seq.last_logits
@@ -306,7 +328,6 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     scores: dict[int, float] = {ROOT: 1.0}
     logits_after: list[torch.Tensor] = []
     frontier = [ROOT]
-    dtype = next(lm.model.parameters()).dtype
     forwards = 0
     for depth, width in enumerate(shape.widths, start=1):
         level: list[tuple[int, int]] = []  # (parent, token)
@@ -329,15 +350,9 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
             tokens.append(token)
             parents.append(parent)
         new = range(start, len(tokens))
-        ids = torch.tensor([[t for _, t in level]], dtype=torch.long, device=lm.device)
-        pos = torch.full((len(level),), base + depth - 1, dtype=torch.long, device=lm.device) + seq.rope_delta
-        position_ids = pos.view(1, 1, -1).expand(3, 1, -1) if lm.is_vlm else pos.view(1, -1)
-        out = lm.model(input_ids=ids, attention_mask=_tree_mask(dtype, lm.device, base, parents, new),
-                       position_ids=position_ids, past_key_values=seq.cache, use_cache=True)
+        out_logits = feed_tree(seq, TokenTree(tuple(tokens), tuple(parents)), new, base)
         forwards += 1
-        seq.fed += len(level)
-        seq.fed_tokens.extend(t for _, t in level)
-        rows = out.logits[0].float().cpu()
+        rows = out_logits.cpu()
         frontier = []
         for row, i in enumerate(new):
             logits_after.append(rows[row])
@@ -356,13 +371,10 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
 def compact(seq, drafted: DraftedTree, path: tuple[int, ...]) -> None:
     """Keep the committed prefix and the accepted ``path`` in ``seq``'s cache (drop every other
     node), as if the path alone had been fed: ``fed``, ``fed_tokens`` and ``last_logits`` follow."""
-    keep = list(range(drafted.base)) + [drafted.base + i for i in path]
-    index = torch.tensor(keep, dtype=torch.long, device=seq.lm.device)
-    for layer in seq.cache.layers:
-        layer.keys = layer.keys.index_select(2, index)
-        layer.values = layer.values.index_select(2, index)
+    from .engines import keep_positions
+    keep_positions(seq.cache, drafted.base, [drafted.base + i for i in path])
     n_tree = len(drafted.tree)
     del seq.fed_tokens[len(seq.fed_tokens) - n_tree:]
     seq.fed_tokens.extend(drafted.tree.tokens[i] for i in path)
-    seq.fed = len(keep)
+    seq.fed = drafted.base + len(path)
     seq.last_logits = drafted.logits_after[path[-1]] if path else drafted.root_logits
