@@ -214,8 +214,8 @@ def test_through_a_real_link_a_cut_flips_to_draft_only_and_a_restore_back_to_ver
     with ServerThread(VerifierServer(server_copy(pair.target))) as st, \
             LinkProxy(get_profile("lan"), "127.0.0.1", st.port) as proxy:
         rv = RemoteVerifier(proxy.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, timeout_s=30.0,
-                            connect_timeout_s=0.5)
-        settings = DrafterSettings(mode="sd", deadline_s=0.6, retry_interval_s=0.05, max_new_tokens=16,
+                            connect_timeout_s=2.0)
+        settings = DrafterSettings(mode="sd", deadline_s=3.0, retry_interval_s=0.05, max_new_tokens=16,
                                    wait_for_motion=False, on_link_loss="draft_only", link_loss_faults=2,
                                    reconnect_backoff_s=0.1, reconnect_backoff_max_s=0.4)
         core = DrafterCore(EdgeDecoder(pair.draft, rv), settings, time.monotonic_ns)
@@ -263,3 +263,79 @@ def test_through_a_real_link_a_cut_flips_to_draft_only_and_a_restore_back_to_ver
         assert back.tokens > 0 and back.mode == "sd"
         rv.abort()
     assert all(o.fault or o.fallback or o.mode == "sd" for o in published)
+
+
+def test_one_reconnect_at_a_time_and_no_decision_meanwhile():
+    """The node's decision timer may run ticks side by side: a second probe while one connects does
+    nothing, and no decision starts until the reconnect ends."""
+    import threading
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=1, wait_for_motion=False)
+    core.set_command("go")
+    _lose(core, clock, link, faults=1)
+    clock.advance(2.0)
+    core.set_frame(frame(clock))
+    entered, release = threading.Event(), threading.Event()
+    connect = decoder.verifier.connect
+
+    def slow_connect():
+        entered.set()
+        release.wait(5)
+        connect()
+    decoder.verifier.connect = slow_connect
+    link.up = True
+    first = threading.Thread(target=core.probe_link)
+    first.start()
+    assert entered.wait(5)
+    assert core.probe_link() is None  # one at a time
+    assert core.why_not_ready(clock()) == "reconnecting to the verifier" and core.begin() is None
+    release.set()
+    first.join(5)
+    assert not core.link.lost and decoder.verifier.connects == 1
+
+
+def test_after_the_link_comes_back_a_second_loss_retraces_again():
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="retrace", link_loss_faults=1, wait_for_motion=True,
+                       motion_wait_timeout_s=0.5)
+    core.set_command("go")
+    _lose(core, clock, link, faults=1)
+    step = _step(core, clock)
+    core.note_motion("idle", step.stamp_ns, clock(), RETRACE_DONE)
+    assert core.retrace_done
+    link.up = True
+    clock.advance(10)
+    _step(core, clock)  # reconnects: a verified decision
+    assert not core.link.lost and not core.retrace_done
+    link.up = False
+    _step(core, clock)  # the decision's motion wait times out, then a fault: lost again
+    out = [_step(core, clock) for _ in range(3)]
+    assert any(o is not None and o.fallback == RETRACE for o in out), out
+
+
+def test_a_refused_reconnect_stops_the_fallback_and_a_draft_only_stop_does_not_end_the_command():
+    from edgespec_ros.wire.client import VerifierRefused
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=1, wait_for_motion=False)
+    core.set_command("go")
+    _lose(core, clock, link, faults=1)
+
+    def refuse():
+        raise VerifierRefused(4401, "bad token")
+    decoder.verifier.connect = refuse
+    clock.advance(1.0)
+    assert core.probe_link() is False
+    clock.advance(0.1)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()).startswith("link lost and the verifier refused the reconnect")
+    # a draft-only "stop" stops the robot but the command goes on (it was never verified)
+    core2, clock2 = make(decoder=FlakyDecoder(link), on_link_loss="draft_only", link_loss_faults=1,
+                         wait_for_motion=False)
+    core2.decoder.decide_draft_only = lambda *a, **k: Decision([1], "Action: stop.", DecisionMetrics(mode=DRAFT_ONLY))
+    core2.set_command("go")
+    _lose(core2, clock2, link, faults=1)
+    out = _step(core2, clock2)
+    assert out.action == "stop" and out.fallback == DRAFT_ONLY and core2.status().active

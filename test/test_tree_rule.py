@@ -103,8 +103,6 @@ def test_sampled_trees_give_the_targets_distribution():
     # the noise floor of 25 outcomes at n draws: E[TV] ~ sum sqrt(p (1 - p) / n) / 2 * sqrt(2 / pi)
     floor = 0.5 * sum((v * (1 - v) / n) ** 0.5 for v in exact.values()) * (2 / 3.14159) ** 0.5
     assert tv < 2.5 * floor, (tv, floor)
-    # and the tree did accept more than a chain would: both siblings were tried
-    assert counts
 
 
 def test_siblings_are_drawn_without_replacement():
@@ -238,7 +236,7 @@ def test_sampled_tree_decisions_follow_the_targets_law(small_lm_pair):
     import numpy as np
 
     from stats_helpers import P_VALUE_MIN, chi_square_pvalue
-    from test_verify import PROMPT_IDS, SMALL_EOS, T1, _exact_two_token_law, _FixedPromptDecoder
+    from test_verify import SMALL_EOS, T1, _exact_two_token_law, _FixedPromptDecoder
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.decoding.tree import TreeShape
     target, draft = small_lm_pair
@@ -255,4 +253,3 @@ def test_sampled_tree_decisions_follow_the_targets_law(small_lm_pair):
     assert chi_square_pvalue(counts, probs) > P_VALUE_MIN
     draft_law = _exact_two_token_law(draft, T1)
     assert chi_square_pvalue(counts, np.array([draft_law[o] for o in outcomes])) < 1e-6
-    assert PROMPT_IDS

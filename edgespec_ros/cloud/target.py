@@ -221,6 +221,9 @@ class TargetSession:
         t0 = time.perf_counter()
         start = self.begin_round()
         seq = self.seq
+        if self.settings.verify_mode not in ("rejection", "greedy"):
+            raise ValueError(f"token trees are verified losslessly only (verify mode {self.settings.verify_mode!r} "
+                             "is chain-only)")
         if not len(tree):
             raise ValueError("a token tree needs at least one node")
         pending = seq.take_pending()

@@ -324,8 +324,10 @@ def keep_positions(cache, base: int, extra: list[int]) -> None:
     """Keep the first ``base`` cached positions and then ``extra`` (ascending positions >= base),
     dropping every other: a token tree's accepted path (``decoding.tree``). In place in a slot
     (``SlotCache``: the kept rows move down, the length follows), or by selecting a DynamicCache's."""
-    if any(p < base for p in extra) or extra != sorted(extra):
-        raise ValueError(f"keep_positions: extra positions must be ascending and >= base {base}, got {extra}")
+    length = cache.get_seq_length()
+    if any(p < base or p >= length for p in extra) or extra != sorted(extra) or base > length:
+        raise ValueError(f"keep_positions: extra positions must be ascending, >= base {base} and cached "
+                         f"(< {length}), got {extra}")
     if isinstance(cache, SlotCache):
         with cache.pool.lock:
             for layer in cache.layers:

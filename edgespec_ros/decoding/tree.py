@@ -43,7 +43,7 @@ from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESAMPLE, SamplingPara
     sample_from
 
 ROOT = -1
-STREAM_SIBLING = 4  # accept coins and draft draws of the second and later children at a position
+STREAM_SIBLING = 4  # accept coins (4) and draft draws (5) of the second and later children at a position
 _SIBLING_KEY = 0x9E3779B97F4A7C15  # odd: sibling j's key is seed + j * this
 _TOL = 1e-12
 
@@ -134,10 +134,12 @@ class TreeVerdict:
 
 def sibling_uniform(seed: int, position: int, sibling: int, stream: int) -> float:
     """The uniform of the ``sibling``-th child (0 first) at ``position`` for ``stream``
-    (STREAM_ACCEPT or STREAM_DRAFT): the chain's own for the first child."""
+    (STREAM_ACCEPT or STREAM_DRAFT): the chain's own for the first child; later siblings key a
+    seed of their own (``seed + sibling * odd``) and streams of their own (STREAM_SIBLING, + 1 for
+    draft draws), within keyed_uniform's eight streams per position."""
     if sibling == 0:
         return keyed_uniform(seed, position, stream)
-    return keyed_uniform(seed + sibling * _SIBLING_KEY, position, STREAM_SIBLING * 2 + (stream == STREAM_DRAFT))
+    return keyed_uniform(seed + sibling * _SIBLING_KEY, position, STREAM_SIBLING + (stream == STREAM_DRAFT))
 
 
 def draw_siblings(q: torch.Tensor, k: int, *, seed: int, position: int) -> list[int]:
@@ -184,7 +186,7 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
             path.append(node)
             continue
         p = probs_from_logits(logits, params)
-        qk = q[node + 1].to(torch.float64).clone()
+        qk = q[node + 1].to(device=p.device, dtype=torch.float64).clone()
         accepted = None
         for j, c in enumerate(kids):
             x = tree.tokens[c]
@@ -378,3 +380,4 @@ def compact(seq, drafted: DraftedTree, path: tuple[int, ...]) -> None:
     seq.fed_tokens.extend(drafted.tree.tokens[i] for i in path)
     seq.fed = drafted.base + len(path)
     seq.last_logits = drafted.logits_after[path[-1]] if path else drafted.root_logits
+    seq.last_hidden = seq.fed_hidden = None  # (trees carry no hidden rows: WISV is chain-only)

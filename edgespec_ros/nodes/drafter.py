@@ -441,6 +441,7 @@ def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
     msg.temperature = float(outcome.temperature)
     msg.fault = outcome.fault
     msg.fallback = outcome.fallback
+    msg.command_id = max(outcome.generation, 0)
     return msg
 
 

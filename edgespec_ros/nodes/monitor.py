@@ -39,8 +39,12 @@ def decision_caption(msg) -> tuple[str, list[str]]:
     """(title, lines) describing a VerifiedAction for an annotated frame."""
     if msg.fault:
         title = f"STOP - {msg.fault}"
+    elif msg.fallback == msg.FALLBACK_RETRACE:
+        title = "RETRACE: link lost, one move back towards the command's start"
     elif not msg.parsed:
         title = "no motion: unparseable answer"
+    elif msg.fallback == msg.FALLBACK_DRAFT_ONLY:
+        title = f"DRAFT-ONLY (LOSSY, unverified): {msg.action} (degraded motion)"
     else:
         title = f"action: {msg.action}"
     lines = []
@@ -213,7 +217,7 @@ class MonitorNode(Node):
             drafter.level, drafter.message = DiagnosticStatus.STALE, "no decision yet"
         elif decision.fault:
             drafter.level, drafter.message = DiagnosticStatus.ERROR, f"stopped: {decision.fault}"
-        elif decision.fallback == "draft-only":
+        elif decision.fallback == decision.FALLBACK_DRAFT_ONLY:
             drafter.level = DiagnosticStatus.WARN
             drafter.message = f"link lost: draft-only decision (LOSSY, unverified): {decision.action or decision.text}"
         elif decision.fallback:

@@ -17,10 +17,9 @@ While the link to the verifier is lost the drafter sends stand-ins for verified 
   odometry it refuses (outcome REJECTED).
 
 The way back holds the pose before every move executed for the current command (verified and
-draft-only decisions; never retrace steps). The current command is the decisions' ``instruction``
-text: a decision with another instruction starts a new way back. A fault stop for a cancelled
-command ends it too (the drafter stamps that stop with the cancelled command's instruction, so a
-command given again with the same text starts afresh). A move that starts without fresh odometry
+draft-only decisions; never retrace steps). The current command is the decisions' ``command_id``
+(the drafter's command; a command given again with the same text has a new one) and instruction:
+a decision of another command starts a new way back, and a fault stop for a cancelled command ends it. A move that starts without fresh odometry
 cuts the way back (its start is unknown): it then leads only to the poses recorded since.
 """
 from __future__ import annotations
@@ -74,7 +73,7 @@ class NavigatorNode(LifecycleNode):
         self.executor_: MotionExecutor | None = None
         self.degraded: DegradedProfile | None = None
         self.retrace = RetracePath()      # the way back along the current command's moves
-        self._retrace_instruction = ""    # ... the command it belongs to (the decisions' instruction)
+        self._retrace_command: tuple = ()  # ... the command it belongs to: (command_id, instruction)
         self._retrace_cut = False         # ... a move started without odometry: the start is not on it
         self.backend = None
         self.state_pub = None
@@ -116,7 +115,7 @@ class NavigatorNode(LifecycleNode):
             self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                             p["stall_timeout_s"])
             self.degraded = degraded
-            self._new_way_back("")
+            self._new_way_back(())
             self._apply_estop(self._now_s())  # what the e-stop topic said (or has not yet) before configure
             self.backend = backend
             self.state_pub = self.create_publisher(MotionState, topics.MOTION_STATE, LATCHED_QOS)
@@ -288,12 +287,13 @@ class NavigatorNode(LifecycleNode):
     def _follow_command(self, msg) -> None:
         """The way back belongs to one command (lock held): another instruction starts a new one,
         and a fault stop for a cancelled command ends it."""
-        if msg.instruction != self._retrace_instruction or msg.fault.startswith(COMMAND_CANCELLED_FAULT):
-            self._new_way_back(msg.instruction)
+        command = (msg.command_id, msg.instruction)
+        if command != self._retrace_command or msg.fault.startswith(COMMAND_CANCELLED_FAULT):
+            self._new_way_back(command)
 
-    def _new_way_back(self, instruction: str) -> None:
+    def _new_way_back(self, command: tuple) -> None:
         self.retrace.reset()
-        self._retrace_instruction, self._retrace_cut = instruction, False
+        self._retrace_command, self._retrace_cut = command, False
 
     def _record_move(self, pose: Pose2D | None, action: Action) -> None:
         """A verified or draft-only ``action`` started executing at ``pose`` (None: no fresh

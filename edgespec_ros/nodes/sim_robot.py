@@ -73,8 +73,8 @@ class SimRobotNode(Node):
             self._cmd_ns = now_ns(self)
 
     def on_decision(self, msg) -> None:
-        if msg.fault:
-            return  # a safety stop, not the robot's answer
+        if msg.fault or msg.fallback == msg.FALLBACK_RETRACE:
+            return  # a safety stop, or a step back while the link is lost: not the robot's answer
         with self._lock:
             if self.world.done:
                 return

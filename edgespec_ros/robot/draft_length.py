@@ -327,7 +327,10 @@ class AutoGamma:
                 / _committed(a, pipe_gamma)}
 
     def _t_verify(self) -> float:
-        return self._verify.sums[0] / self._verify.sums[1] if self._verify.count else 0.0
+        """The measured verification seconds per round; before any, an AR step's (``plan``'s assumption)."""
+        if self._verify.count:
+            return self._verify.sums[0] / self._verify.sums[1]
+        return self._ar.sums[0] / self._ar.sums[1] if self._ar.count else 0.0
 
     def _pipe_plan(self, a: float, F: float, t_draft: float, t_tx: float,
                    depth: int | None = None) -> tuple[int, int]:

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, STOPPED
+from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED
 from ..decoding.memory import CommandMemory
 from .decoder import DRAFT_ONLY, DecodeConfig
 from .link_health import LinkHealth, is_link_fault
@@ -171,7 +171,7 @@ class GoalProgress:
             return False
         if outcome.is_fault:
             self.faults += 1
-        else:
+        elif outcome.fallback != RETRACE:  # a retrace step is the navigator's, no decision of the goal's
             self.decisions += 1
             self.tokens += outcome.tokens
         return True
@@ -264,8 +264,10 @@ class DrafterCore:
         # (and, memory or not, the decision whose motion we wait for: memory.awaiting_stamp)
         self.memory = CommandMemory(getattr(getattr(decoder, "draft", None), "memory", 0) or 0)
         self.link = LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
-        self.retrace_done = False  # the navigator reported nothing left to retrace for this command
+        self.retrace_done = False  # the navigator reported nothing left to retrace (or refused to) since the loss
         self.reconnects = 0  # reconnects that ended a link loss
+        self._probing = False  # a reconnect is under way (probe_link): no decision starts meanwhile
+        self.refused = ""  # the verifier refused the last reconnect (a configuration error): no fallback runs
 
     # ------------------------------------------------------------------ inputs
 
@@ -311,9 +313,9 @@ class DrafterCore:
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
         (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample)."""
         with self._lock:
-            if (outcome == RETRACE_DONE and self.memory.awaiting_stamp == decision_stamp_ns
+            if (outcome in (RETRACE_DONE, REJECTED) and self.memory.awaiting_stamp == decision_stamp_ns
                     and self.memory.awaiting_retrace):
-                self.retrace_done = True
+                self.retrace_done = True  # back at the start, or the navigator cannot retrace (no odometry)
             ended = self.memory.motion_reported(decision_stamp_ns, state, outcome)
             if ended is not None:
                 self.motion_idle_since_ns = state_stamp_ns
@@ -331,6 +333,10 @@ class DrafterCore:
             return "a decision is in flight"
         if now_ns < self.retry_after_ns:
             return "backing off after a fault"
+        if self._probing:
+            return "reconnecting to the verifier"
+        if self.link.lost and self.refused:
+            return f"link lost and the verifier refused the reconnect ({self.refused}): standing still"
         if self.link.lost:
             if s.on_link_loss == "stop":
                 return "link lost (on_link_loss stop): standing still until a reconnect succeeds"
@@ -386,6 +392,8 @@ class DrafterCore:
                     on_partial(text)
 
         outcome: DecisionOutcome
+        if ticket.fallback:  # nothing unverified is streamed as partial verified text
+            on_partial = None
         if ticket.fallback == RETRACE:
             return self._finish(ticket, retrace_outcome(instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
                                                         frame_id=ticket.frame.frame_id))
@@ -410,7 +418,7 @@ class DrafterCore:
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
         outcome.predicted = predicted_text(m.predicted_ms_per_token) if s.mode == "auto" and not ticket.fallback else ""
         outcome.fallback = ticket.fallback
-        outcome.temperature = cfg.params.temperature
+        outcome.temperature = 0.0 if ticket.fallback else cfg.params.temperature  # draft-only decides greedily
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
 
@@ -472,13 +480,14 @@ class DrafterCore:
                 self.memory.retracing(outcome.stamp_ns)
                 return outcome
             if not outcome.fallback and self.link.verified(self.steady_ns() / NS):
-                self.stats.link_back()
+                self._link_back()
             self.decisions += 1
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
             self.memory.decided(outcome.action if outcome.parsed else None, outcome.stamp_ns)
-            if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop":
+            if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
+                # (an unverified draft-only stop stops the robot but does not end the command)
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
             elif self.command_max_decisions and self.decisions >= self.command_max_decisions:
                 self.active, self.finish_kind = False, MAX_DECISIONS
@@ -488,26 +497,41 @@ class DrafterCore:
     def probe_link(self) -> bool | None:
         """While the link is lost and a reconnect is due (``LinkHealth``'s backoff): try one, a
         handshake and nothing decided (bounded by the verifier's connect timeout), on the calling
-        thread (the node's decision thread: a decision does not run meanwhile). True: the link is
-        back and the next decision is verified again; False: it failed; None: nothing was due."""
+        thread. Only one runs at a time, and no decision starts while it runs (``why_not_ready``
+        says so). True: the link is back and the next decision is verified again; False: it
+        failed (a refusal also stops the fallback: it is a configuration error, never worked
+        around); None: nothing was due."""
+        from ..decoding.verifier import VerifierRefused
         with self._lock:
-            if not self.link.probe_due(self.steady_ns() / NS) or self.in_flight is not None:
+            if self._probing or self.in_flight is not None or not self.link.probe_due(self.steady_ns() / NS):
                 return None
-        verifier = getattr(self.decoder, "verifier", None)
+            self._probing = True
         try:
-            if getattr(verifier, "ws", None) is not None:
-                verifier.abort()  # a connection left from before the loss may be dead: start afresh
-            verifier.connect()
-        except Exception:  # noqa: BLE001 - any failure to reconnect is a failed probe
-            self._drop_connection()
+            verifier = getattr(self.decoder, "verifier", None)
+            try:
+                if getattr(verifier, "ws", None) is not None:
+                    verifier.abort()  # a connection left from before the loss may be dead: start afresh
+                verifier.connect()
+            except Exception as exc:  # noqa: BLE001 - any failure to reconnect is a failed probe
+                self._drop_connection()
+                with self._lock:
+                    self.link.probe_failed(self.steady_ns() / NS)
+                    self.refused = classify_error(exc) if isinstance(exc, VerifierRefused) else ""
+                return False
             with self._lock:
-                self.link.probe_failed(self.steady_ns() / NS)
-            return False
-        with self._lock:
-            if self.link.verified(self.steady_ns() / NS):
-                self.reconnects += 1
-                self.stats.link_back()
-        return True
+                if self.link.verified(self.steady_ns() / NS):
+                    self.reconnects += 1
+                    self._link_back()
+            return True
+        finally:
+            with self._lock:
+                self._probing = False
+
+    def _link_back(self) -> None:
+        """The link is back (under the lock): the next loss starts afresh."""
+        self.refused = ""
+        self.retrace_done = False
+        self.stats.link_back()
 
     def status(self) -> CommandStatus:
         """The current command, consistently: its generation (changes with every set_command),

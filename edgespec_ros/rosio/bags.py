@@ -143,7 +143,8 @@ KINDS = {"": 0, "stop": 1, "move": 2, "turn": 3}
 
 def decision_message(*, stamp: int, instruction: str, text: str, action=None, parse_error: str = "",
                      reasoning: str = "", mode: str = "", tokens: int = 0, rounds: int = 0, latency_s: float = 0.0,
-                     temperature: float = 0.0, frame_id: str = "camera", fault: str = "", predicted: str = ""):
+                     temperature: float = 0.0, frame_id: str = "camera", fault: str = "", predicted: str = "",
+                     fallback: str = "", command_id: int = 0):
     """An edgespec_ros/VerifiedAction from plain values (``action``: a parsed control.actions.Action
     or None), as the drafter node fills it."""
     store = typestore()
@@ -161,7 +162,7 @@ def decision_message(*, stamp: int, instruction: str, text: str, action=None, pa
         reasoning=reasoning, text=text, mode=mode, predicted=predicted, parsed=action is not None,
         parse_error=parse_error,
         tokens=tokens, rounds=rounds, tau=float(tokens / rounds) if rounds else 0.0, latency_s=float(latency_s),
-        temperature=float(temperature), fault=fault)
+        temperature=float(temperature), fault=fault, fallback=fallback, command_id=int(command_id))
 
 
 def motion_state_message(*, stamp: int, state: str, action: str, outcome: str, decision_stamp: int,
@@ -603,6 +604,7 @@ class RecordedDecision:
     mode: str
     temperature: float | None  # None: recorded by a version without the field
     fault: str
+    fallback: str = ""  # "draft-only": the draft decided alone while the link was lost (LOSSY)
 
 
 @dataclass(frozen=True)
@@ -704,8 +706,12 @@ class BagReplay:
             else:
                 msg = _deserialize(reader, conn, t, raw, path)
                 key = stamp_ns(msg.header.stamp)
+                fallback = getattr(msg, "fallback", "")  # (absent: recorded before on_link_loss)
+                if fallback == "retrace":  # no decision: a step back the navigator took, not remembered
+                    events.append(("retrace", key))
+                    continue
                 decisions[key] = RecordedDecision(msg.text, msg.action, msg.mode,
-                                                  getattr(msg, "temperature", None), msg.fault)
+                                                  getattr(msg, "temperature", None), msg.fault, fallback)
                 decision_instr[key] = msg.instruction
                 if not msg.fault:  # a safety stop leaves the memory as it was (robot.drafter)
                     events.append(("decision", key, msg.action if msg.parsed else None))
@@ -715,7 +721,7 @@ class BagReplay:
             if instr.startswith("\0every\0") or stamp in seen:
                 continue
             rec = decisions.get(stamp)
-            if rec is not None and not rec.fault:
+            if rec is not None and not rec.fault and not rec.fallback:  # the draft's own text is no reference
                 seen.add(stamp)
                 decided.append(ReplayPair(decision_instr[stamp] or instr, t, stamp, rec))
         every = [ReplayPair(instr[len("\0every\0"):], t, stamp, decisions.get(stamp))
@@ -768,6 +774,8 @@ class BagReplay:
                 memory.gave_up_waiting()  # the drafter decides again only once the motion ended or timed out
                 shown[event[1]] = memory.shown()
                 memory.decided(event[2], event[1])
+            elif event[0] == "retrace":
+                memory.retracing(event[1])
             else:
                 memory.motion_reported(event[1], event[2], event[3])
         view = self.first(len(self.pairs))
