@@ -4,7 +4,11 @@ import numpy as np
 import torch
 from scipy import stats
 
+from edgespec_ros.decoding.inputs import Prompt, PromptInputs
 from edgespec_ros.decoding.sampling import STREAM_DRAFT, keyed_uniform, probs_from_logits, sample_from
+from edgespec_ros.robot.decoder import EdgeDecoder
+
+from conftest import SMALL_EOS, SMALL_VOCAB
 
 P_VALUE_MIN = 1e-3  # a correct sampler fails this by chance with probability 1e-3 (fixed seeds: never flaky)
 
@@ -55,3 +59,35 @@ def target_joint(params):
     """The target's joint distribution of the first two tokens (independent by construction)."""
     p = probs_from_logits(TARGET_TABLE[:2], params).numpy()
     return np.outer(p[0], p[1])
+
+
+# --- decode-level exactness on a real (tiny) causal LM -------------------------------------
+
+PROMPT_IDS = [1, 2, 3]
+
+
+class FixedPromptDecoder(EdgeDecoder):
+    """EdgeDecoder over a small-vocabulary LM: the prompt ids are given, not tokenized."""
+
+    def make_prompt(self, instruction, image=None, history=()):
+        ids = torch.tensor([PROMPT_IDS])
+        return Prompt(instruction, None, list(PROMPT_IDS)), PromptInputs(ids, torch.ones_like(ids))
+
+
+def exact_two_token_law(lm, params):
+    """P(first two output tokens) of target-only sampling, from the model's conditionals.
+
+    Outcomes: (eos,) when the first token ends the decision, else (t1, t2)."""
+    def next_probs(ids):
+        seq = lm.new_sequence()
+        t = torch.tensor([ids])
+        return probs_from_logits(seq.prefill(PromptInputs(t, torch.ones_like(t))), params).numpy()
+
+    first = next_probs(PROMPT_IDS)
+    law = {(SMALL_EOS,): float(first[SMALL_EOS])}
+    for t1 in range(SMALL_VOCAB):
+        if t1 != SMALL_EOS:
+            second = next_probs(PROMPT_IDS + [t1])
+            for t2 in range(SMALL_VOCAB):
+                law[(t1, t2)] = float(first[t1] * second[t2])
+    return law

@@ -1,4 +1,4 @@
-"""Links that fail in space and the closed loop with a link (sim.link_loop): dead zones in scenarios,
+"""Links that fail in space and the closed loop with a link (evaluation.link_loop): dead zones in scenarios,
 the coverage gate, the fallback rule on a simulated clock (faults, loss, reconnects, the link back),
 retrace never past the command's start, every unverified decision labelled, and the CLI reporting
 the task's time. Scripted policies for the rules; the embedded models where the shipped dead-zone
@@ -14,16 +14,17 @@ from edgespec_ros.control.motion import MotionLimits
 from edgespec_ros.decoding.compute import get_robot
 from edgespec_ros.evaluation.policy import PolicyOutput
 from edgespec_ros.models import default_model_path, have_default_models
-from edgespec_ros.robot.link_health import LinkHealth
+from edgespec_ros.control.link_health import LinkHealth
 from edgespec_ros.sim.coverage import CoverageGate, dead_zone_variant, write_dead_zone_variants
 from edgespec_ros.sim.expert import run_expert_episode
 from edgespec_ros.sim.link_loop import (ALWAYS_UP, DRAFT_ONLY, LINK_FAULT, PROBE_FAILED, PROBE_OK, RETRACE,
-                                        UNVERIFIED_KINDS, VERIFIED, WAIT, DraftLatency, MeasuredLatency,
+                                        UNVERIFIED_KINDS, VERIFIED, WAIT, DraftLatency,
                                         StatedLatency, compare_fallbacks, degrade, degraded_limits,
                                         run_linked_episode)
 from edgespec_ros.sim.scenario import (DeadZone, ScenarioError, builtin_scenarios, load_scenario,
                                        scenario_from_dict, scenario_to_dict)
-from edgespec_ros.wire.link import LinkProfile, get_profile
+from edgespec_ros.evaluation.linked import MeasuredLatency
+from edgespec_ros.wire.link import LinkProfile, OutageSchedule, get_profile
 
 needs_models = pytest.mark.skipif(not have_default_models(), reason="the embedded models are not built (make models)")
 
@@ -62,10 +63,13 @@ class Cycling(Scripted):
 FAST = StatedLatency(10.0, 0.0)  # 10 tokens: 0.1 s a decision
 
 
-def episode(policy, scenario, profile=LinkProfile("ideal"), fallback="stop", **kw):
+HEALTH = LinkHealth(faults_to_lose=3, backoff_s=0.5, backoff_max_s=8.0)  # the drafter's shipped rule
+
+
+def episode(policy, scenario, profile=LinkProfile("ideal"), fallback="stop", link_seed=0, **kw):
     kw.setdefault("deadline_s", 1.0)
-    kw.setdefault("health", LinkHealth(faults_to_lose=3, backoff_s=0.5, backoff_max_s=8.0))
-    return run_linked_episode(policy, scenario, link_profile=profile, on_link_loss=fallback,
+    kw.setdefault("health", HEALTH)
+    return run_linked_episode(policy, scenario, link=OutageSchedule(profile, link_seed), on_link_loss=fallback,
                               decision_latency=FAST, **kw)
 
 
@@ -242,8 +246,8 @@ def test_retrace_ends_every_shipped_dead_zone_episode_outside_its_dead_zone():
         if not name.startswith("deadzone-"):
             continue
         scenario = load_scenario(path)
-        ep = run_linked_episode(target, scenario, link_profile=get_profile("wifi-poor"), on_link_loss="retrace",
-                                decision_latency=StatedLatency(27.3, 0.05))
+        ep = run_linked_episode(target, scenario, link=OutageSchedule(get_profile("wifi-poor")), on_link_loss="retrace",
+                                decision_latency=StatedLatency(27.3, 0.05), health=HEALTH, deadline_s=8.0)
         assert ep.link_losses >= 1 and not ep.ended_in_dead_zone, name
         for i, rec in enumerate(ep.records):  # each time the link came back, the robot was out of the zone
             if rec.kind == PROBE_OK:
@@ -308,8 +312,9 @@ def test_latency_models_say_what_they_are():
 
 def test_lossless_modes_differ_only_in_time():
     script = ["move forward large", "turn left large", "move forward medium", "stop"]
-    runs = [run_linked_episode(Scripted(script), corridor(), link_profile=LinkProfile("ideal"), on_link_loss="stop",
-                               decision_latency=StatedLatency(ms, 0.02)) for ms in (20.0, 200.0)]
+    runs = [run_linked_episode(Scripted(script), corridor(), link=OutageSchedule(LinkProfile("ideal")),
+                               on_link_loss="stop", decision_latency=StatedLatency(ms, 0.02), health=HEALTH,
+                               deadline_s=8.0) for ms in (20.0, 200.0)]
     fast, slow = runs
     assert [(r.action, r.x, r.y) for r in fast.records] == [(r.action, r.x, r.y) for r in slow.records]
     assert slow.time_s - fast.time_s == pytest.approx(4 * 10 * 0.18)
@@ -318,8 +323,8 @@ def test_lossless_modes_differ_only_in_time():
 def test_compare_fallbacks_leads_with_the_always_up_reference():
     zone = [{"x": 4.5, "y": 3.0, "radius_m": 0.6}]
     rows = compare_fallbacks(Cycling(["move forward large"]), [corridor(dead_zones=zone)],
-                             link_profile=LinkProfile("ideal"), fallbacks=["stop"], decision_latency=FAST,
-                             deadline_s=1.0, time_cap_s=60.0)
+                             link=OutageSchedule(LinkProfile("ideal")), fallbacks=["stop"], decision_latency=FAST,
+                             deadline_s=1.0, time_cap_s=60.0, health=HEALTH)
     assert list(rows) == [ALWAYS_UP, "stop"]
     assert rows[ALWAYS_UP]["link_losses"] == 0 and rows[ALWAYS_UP]["ended_in_dead_zone"] == 0
     assert rows["stop"]["ended_in_dead_zone"] == 1 and rows["stop"]["link_losses"] == 1

@@ -1,5 +1,5 @@
 """``on_link_loss`` in the drafter's decision loop (DrafterCore), on a fake clock and a fake link:
-a cut flips to the fallback after the stated rule (robot.link_health) and back after a reconnect;
+a cut flips to the fallback after the stated rule (control.link_health) and back after a reconnect;
 every decision published while the link is lost says so (draft-only, retrace); stop decides
 nothing until the link is back."""
 from __future__ import annotations

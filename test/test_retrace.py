@@ -1,4 +1,4 @@
-"""The way back (control.retrace) and the link-loss rule (robot.link_health): pure, on poses and
+"""The way back (control.retrace) and the link-loss rule (control.link_health): pure, on poses and
 fake times."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from edgespec_ros.control.actions import Action
 from edgespec_ros.control.motion import Pose2D
 from edgespec_ros.control.retrace import RetracePath
-from edgespec_ros.robot.link_health import LinkHealth, is_link_fault
+from edgespec_ros.control.link_health import LinkHealth, is_link_fault
 
 
 def _apply(pose: Pose2D, action: Action) -> Pose2D:

@@ -235,21 +235,21 @@ def test_sampled_tree_decisions_follow_the_targets_law(small_lm_pair):
     clearly not the draft's."""
     import numpy as np
 
-    from stats_helpers import P_VALUE_MIN, chi_square_pvalue
-    from test_verify import SMALL_EOS, T1, _exact_two_token_law, _FixedPromptDecoder
+    from conftest import SMALL_EOS
+    from stats_helpers import P_VALUE_MIN, FixedPromptDecoder, chi_square_pvalue, exact_two_token_law
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.decoding.tree import TreeShape
     target, draft = small_lm_pair
-    law = _exact_two_token_law(target, T1)
+    law = exact_two_token_law(target, T)
     outcomes = list(law)
     index = {o: i for i, o in enumerate(outcomes)}
-    prompt, inputs = _FixedPromptDecoder(draft, LocalVerifier(target)).make_prompt("")
+    prompt, inputs = FixedPromptDecoder(draft, LocalVerifier(target)).make_prompt("")
     shape = TreeShape((2, 2), branch=2)
     counts = np.zeros(len(outcomes))
     for seed in range(1500):
-        tokens, _ = _tree_decision(draft, target, prompt, inputs, T1, shape, seed, 3)
+        tokens, _ = _tree_decision(draft, target, prompt, inputs, T, shape, seed, 3)
         counts[index[(SMALL_EOS,) if tokens[0] == SMALL_EOS else tuple(tokens[:2])]] += 1
     probs = np.array([law[o] for o in outcomes])
     assert chi_square_pvalue(counts, probs) > P_VALUE_MIN
-    draft_law = _exact_two_token_law(draft, T1)
+    draft_law = exact_two_token_law(draft, T)
     assert chi_square_pvalue(counts, np.array([draft_law[o] for o in outcomes])) < 1e-6

@@ -11,10 +11,8 @@ import pytest
 import torch
 from scipy import stats
 
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding.inputs import Prompt
-from edgespec_ros.decoding.inputs import PromptInputs
 from edgespec_ros.decoding.sampling import (
     STREAM_RESAMPLE,
     SamplingParams,
@@ -25,8 +23,8 @@ from edgespec_ros.decoding.sampling import (
 from edgespec_ros.decoding.verify import DraftDistributionError, VerifyResult, verify
 
 from conftest import SMALL_EOS, SMALL_VOCAB
-from stats_helpers import (DRAFT_TABLE, GAMMA, P_VALUE_MIN, TARGET_TABLE, V_SMALL, chi_square_pvalue, draft_from,
-                           logits_of, target_joint, tv_distance)
+from stats_helpers import (DRAFT_TABLE, GAMMA, P_VALUE_MIN, TARGET_TABLE, V_SMALL, FixedPromptDecoder, chi_square_pvalue,
+                           draft_from, exact_two_token_law, logits_of, target_joint, tv_distance)
 
 T1 = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams(temperature=0.0)
@@ -321,36 +319,6 @@ def test_negative_control_wrong_verifier_is_detected(wrong_verifier, gamma):
 
 # --- decode-level exactness on a real (tiny) causal LM -------------------------------------
 
-PROMPT_IDS = [1, 2, 3]
-
-
-class _FixedPromptDecoder(EdgeDecoder):
-    """EdgeDecoder over a small-vocabulary LM: the prompt ids are given, not tokenized."""
-
-    def make_prompt(self, instruction, image=None, history=()):
-        ids = torch.tensor([PROMPT_IDS])
-        return Prompt(instruction, None, list(PROMPT_IDS)), PromptInputs(ids, torch.ones_like(ids))
-
-
-def _exact_two_token_law(lm, params):
-    """P(first two output tokens) of target-only sampling, from the model's conditionals.
-
-    Outcomes: (eos,) when the first token ends the decision, else (t1, t2)."""
-    def next_probs(ids):
-        seq = lm.new_sequence()
-        t = torch.tensor([ids])
-        return probs_from_logits(seq.prefill(PromptInputs(t, torch.ones_like(t))), params).numpy()
-
-    first = next_probs(PROMPT_IDS)
-    law = {(SMALL_EOS,): float(first[SMALL_EOS])}
-    for t1 in range(SMALL_VOCAB):
-        if t1 != SMALL_EOS:
-            second = next_probs(PROMPT_IDS + [t1])
-            for t2 in range(SMALL_VOCAB):
-                law[(t1, t2)] = float(first[t1] * second[t2])
-    return law
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, gamma, depth", [("sd", 2, 3), ("pipe", 1, 2), ("pipe", 2, 3)],
                          ids=["sd", "pipe-gamma1", "pipe-gamma2"])
@@ -360,10 +328,10 @@ def test_sd_decode_first_two_tokens_match_exact_target_distribution(small_lm_pai
     target, draft = small_lm_pair
     assert target.eos_token_ids == {SMALL_EOS}
     params = T1
-    law = _exact_two_token_law(target, params)
+    law = exact_two_token_law(target, params)
     outcomes = list(law)
     index = {o: i for i, o in enumerate(outcomes)}
-    decoder = _FixedPromptDecoder(draft, LocalVerifier(target))
+    decoder = FixedPromptDecoder(draft, LocalVerifier(target))
     n = 1500
     counts = np.zeros(len(outcomes))
     full_rounds = rejections = multi_round = 0
@@ -388,7 +356,7 @@ def test_sd_decode_first_two_tokens_match_exact_target_distribution(small_lm_pai
     first_probs = np.bincount(first_token, weights=probs, minlength=SMALL_VOCAB)
     assert tv_distance(first_counts, first_probs) < 0.05  # expected about 0.02 at n = 1500
     # Power: the same samples are clearly NOT distributed as the drafter's own law.
-    draft_law = _exact_two_token_law(draft, params)
+    draft_law = exact_two_token_law(draft, params)
     assert chi_square_pvalue(counts, np.array([draft_law[o] for o in outcomes])) < 1e-6
 
 

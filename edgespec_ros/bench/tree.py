@@ -23,6 +23,7 @@ from ..decoding.inputs import build_inputs, jpeg_roundtrip
 from ..decoding.sampling import SamplingParams
 from ..decoding.tree import ROOT, TreeShape, compact, draft_tree
 from ..decoding.verify import VerifySettings
+from ..robot.settings import DEFAULTS
 
 GREEDY = SamplingParams()
 
@@ -40,7 +41,7 @@ def _accepted_path(tree, target: list[int], at: int) -> tuple[int, ...]:
     return tuple(path)
 
 
-def tree_rounds(draft, target, prompts, shape: TreeShape, max_new_tokens: int = 96) -> dict:
+def tree_rounds(draft, target, prompts, shape: TreeShape, max_new_tokens: int = DEFAULTS.max_new_tokens) -> dict:
     """Greedy decisions on ``prompts`` ((instruction, image, history) or pairs) with ``shape``:
     rounds, committed tokens, draft forwards and drafted nodes in all."""
     rounds = committed = forwards = nodes = 0
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", type=int, default=None, help="prompts as a policy with this memory is shown them "
                                                               "(default: the draft model's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     ap.add_argument("--shapes", nargs="+", default=["4", "2,2,2,2", "2,2,2,1", "3,3,3,3", "2,4,4,4"],
                     help="tree shapes: nodes per depth (a single number: the chain of that length)")
     ap.add_argument("--branch", type=int, default=2, help="children per node at most (default 2)")

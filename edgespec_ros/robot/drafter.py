@@ -19,7 +19,7 @@ Safety rules enforced here:
   in its place;
 * a new command (or an empty one) cancels the running decision (its result is discarded) and
   gives a ``stop`` outcome, so the robot never finishes a motion of the old command;
-* once the link is lost (``robot.link_health``: ``link_loss_faults`` link faults in a row) the
+* once the link is lost (``control.link_health``: ``link_loss_faults`` link faults in a row) the
   robot does what ``on_link_loss`` says: ``stop`` decides nothing until a reconnect succeeds;
   ``retrace`` publishes retrace steps (no model: the navigator walks back one move towards the
   command's start, never past it); ``draft_only`` publishes the draft's own greedy decisions,
@@ -42,7 +42,7 @@ from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_A
 from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED
 from ..decoding.memory import CommandMemory
 from .decoder import DRAFT_ONLY, DecodeConfig
-from .link_health import LinkHealth, is_link_fault
+from ..control.link_health import LinkHealth, is_link_fault
 from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
 from ..decoding.metrics import DecisionMetrics, RunSummary
 

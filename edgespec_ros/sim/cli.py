@@ -183,7 +183,8 @@ def _linked_policies(args: argparse.Namespace, need_draft: bool):
     from ..evaluation.policy import VLMPolicy
     from ..models import default_model_path
     from ..wire.link import get_profile
-    from .link_loop import STATED_MS_PER_TOKEN, DraftLatency, StatedLatency, emulated_decoder_policy
+    from ..evaluation.linked import emulated_decoder_policy
+    from .link_loop import STATED_MS_PER_TOKEN, DraftLatency, StatedLatency
 
     profile = get_profile(args.link or "ideal")
     draft_dir = args.draft or default_model_path("draft")
@@ -210,14 +211,18 @@ def _linked_policies(args: argparse.Namespace, need_draft: bool):
 
 
 def _link_kwargs(args: argparse.Namespace, profile, latency, draft, draft_latency) -> dict:
-    """run_linked_episode's keyword arguments from the command line."""
+    """run_linked_episode's keyword arguments from the command line: the link's cut schedule, the
+    drafter's link-loss rule and deadline (its shipped settings unless given)."""
+    from ..control.link_health import LinkHealth
     from ..robot.settings import DEFAULTS
+    from ..wire.link import OutageSchedule
     from .link_loop import DEFAULT_TIME_CAP_S
 
-    return dict(link_profile=profile, decision_latency=latency, draft_policy=draft, draft_latency=draft_latency,
+    return dict(link=OutageSchedule(profile, args.link_seed or 0), decision_latency=latency, draft_policy=draft,
+                draft_latency=draft_latency,
+                health=LinkHealth(DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s),
                 deadline_s=DEFAULTS.deadline_s if args.deadline_s is None else args.deadline_s,
-                time_cap_s=DEFAULT_TIME_CAP_S if args.time_cap_s is None else args.time_cap_s,
-                link_seed=args.link_seed or 0)
+                time_cap_s=DEFAULT_TIME_CAP_S if args.time_cap_s is None else args.time_cap_s)
 
 
 def _print_link_conditions(profile, latency, draft_latency, draft: bool, kwargs: dict) -> None:
@@ -304,7 +309,7 @@ def _add_link_args(parser: argparse.ArgumentParser, default_link: str | None) ->
 def cmd_link_fallbacks(args: argparse.Namespace) -> int:
     """stop vs retrace vs draft_only over the same scenarios and link: one row per fallback."""
     from ..models import default_model_path
-    from ..robot.link_health import LINK_LOSS_ACTIONS
+    from ..control.link_health import LINK_LOSS_ACTIONS
     from .link_loop import ALWAYS_UP, compare_fallbacks
     from .scenario import builtin_scenarios
 
@@ -335,7 +340,7 @@ def cmd_link_fallbacks(args: argparse.Namespace) -> int:
 
 
 def _setup_link_fallbacks(sub) -> None:
-    from ..robot.link_health import LINK_LOSS_ACTIONS
+    from ..control.link_health import LINK_LOSS_ACTIONS
 
     parser = sub.add_parser("link-fallbacks", help="compare on_link_loss stop, retrace and draft_only over "
                             "scenarios with dead zones and a link that fails (one row per fallback)")
@@ -368,7 +373,7 @@ def _setup_deadzones(sub) -> None:
 
 
 def _setup_eval(sub) -> None:
-    from ..robot.link_health import LINK_LOSS_ACTIONS
+    from ..control.link_health import LINK_LOSS_ACTIONS
 
     parser = sub.add_parser("eval", help="closed-loop episodes with a model deciding alone (temperature 0)")
     parser.add_argument("--model", required=True, help="model directory (e.g. edgespec_ros/models/target)")

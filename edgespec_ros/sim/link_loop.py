@@ -2,7 +2,7 @@
 
 A ROS-free episode on a simulated clock (:func:`run_linked_episode`). Each decision happens at a
 simulated time t with the robot standing still. The link is up at t iff the link profile's cut
-schedule (``wire.link.OutageSchedule``, seeded) is up at t AND the scenario covers the robot's
+schedule (a ``Link``: ``wire.link.OutageSchedule``, seeded) is up at t AND the scenario covers the robot's
 pose (``Scenario.covered``: no dead zone).
 
 * Link up: the policy (the target alone, or speculative decoding: every lossless mode decides the
@@ -11,7 +11,7 @@ pose (``Scenario.covered``: no dead zone).
   time (``MotionLimits.duration_s``). The pose before each move is kept for the way back
   (``control.retrace.RetracePath``). A decision slower than ``deadline_s`` is a missed deadline.
 * Link down (or a missed deadline): a link fault. The drafter waits out its deadline with the robot
-  still (the clock advances by ``deadline_s``) and tells ``robot.link_health.LinkHealth``.
+  still (the clock advances by ``deadline_s``) and tells ``control.link_health.LinkHealth``.
 * Once LinkHealth declares the link lost, ``on_link_loss`` applies until a reconnect succeeds. A
   reconnect is tried when ``LinkHealth.probe_due`` (backoff doubling after each failure) and
   succeeds iff the same up-condition holds then:
@@ -29,25 +29,22 @@ The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``t
 Decisions of the policies count towards ``max_steps``; link faults and retrace steps do not (no
 model decided them). Every record of an episode says whether its decision was verified and, if not,
 which fallback made it. All times are simulated seconds, and every latency model here is EMULATED
-(``StatedLatency``: a stated per-token figure; ``MeasuredLatency``: the wall time of a decoder
-against a verifier whose compute and link are emulated): reports name which one they used.
+(``StatedLatency``: a stated per-token figure; ``evaluation.linked.MeasuredLatency``: the wall time
+of a decoder against a verifier whose compute and link are emulated): reports name which one they used.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Protocol, Sequence
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig
 from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.retrace import RetracePath
 from ..decoding.compute import RobotProfile
 from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
-from ..robot.link_health import LINK_LOSS_ACTIONS, LinkHealth
-from ..robot.settings import DEFAULTS
-from ..wire.link import LinkProfile, OutageSchedule
+from ..control.link_health import LINK_LOSS_ACTIONS, LinkHealth
 from .scenario import Scenario
 from .world import SimWorld
 
@@ -56,8 +53,7 @@ VERIFIED, RETRACE, DRAFT_ONLY = "verified", "retrace", "draft_only"
 UNVERIFIED_KINDS = (RETRACE, DRAFT_ONLY)
 LINK_FAULT, PROBE_OK, PROBE_FAILED, WAIT = "link_fault", "probe_ok", "probe_failed", "wait"
 
-# The degraded motion profile of draft-only decisions (LOSSY decisions move less and slower).
-# how a draft-only decision runs: the navigator's degraded profile (its parameters' defaults)
+# How a draft-only decision (LOSSY) runs: the navigator's degraded profile (its parameters' defaults).
 DEGRADED = DegradedProfile()
 
 # A stated per-token decision time for an in-process policy: the README's EMULATED figure for a
@@ -66,6 +62,15 @@ DEGRADED = DegradedProfile()
 STATED_MS_PER_TOKEN = 27.3
 
 DEFAULT_TIME_CAP_S = 600.0
+
+
+class Link(Protocol):
+    """What the loop needs of a link: whether it is up at a simulated time (its cuts; the dead zones
+    are the scenario's) and its round trip (a reconnect's cost). ``wire.link.OutageSchedule`` is one."""
+
+    rtt_s: float
+
+    def up_at(self, t: float) -> bool: ...
 
 
 # --------------------------------------------------------------------------- latency models
@@ -86,23 +91,6 @@ class StatedLatency:
 
     def __call__(self, out) -> float:
         return out.tokens * self.ms_per_token / 1e3 + self.rtt_s
-
-
-class MeasuredLatency:
-    """EMULATED, measured: the wall time of each decision of a ``DecoderPolicy`` whose verifier runs
-    with emulated compute behind an emulated link (:func:`emulated_decoder_policy`)."""
-
-    def __init__(self, policy, what: str = "a decoder against an emulated remote verifier"):
-        if not hasattr(policy, "last"):
-            raise ValueError("measured latency needs a DecoderPolicy (its last decision's metrics)")
-        self.policy, self.what = policy, what
-
-    @property
-    def label(self) -> str:
-        return f"measured wall time of each decision: {self.what} (EMULATED)"
-
-    def __call__(self, out) -> float:
-        return float(self.policy.last.metrics.wall_s)
 
 
 class DraftLatency:
@@ -203,28 +191,25 @@ def _decide(policy, world: SimWorld, scenario: Scenario, memory: PolicyMemory):
     return policy.decide(world.camera_image(), scenario.instruction, **history)
 
 
-def run_linked_episode(policy, scenario: Scenario, *, link_profile: LinkProfile, on_link_loss: str,
-                       decision_latency: Callable[[object], float], draft_policy=None,
+def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: str, health: LinkHealth,
+                       decision_latency: Callable[[object], float], deadline_s: float, draft_policy=None,
                        draft_latency: Callable[[object], float] | None = None,
-                       deadline_s: float = DEFAULTS.deadline_s, link_seed: int = 0,
-                       time_cap_s: float = DEFAULT_TIME_CAP_S, health: LinkHealth | None = None,
+                       time_cap_s: float = DEFAULT_TIME_CAP_S,
                        limits: MotionLimits = MotionLimits(),
                        action_config: ActionConfig = DEFAULT_ACTION_CONFIG) -> LinkedEpisode:
     """Roll ``policy`` (VLMPolicy-like: ``decide(image, instruction[, history=])`` -> ``.action``,
-    ``.tokens``) out in ``scenario`` over a link that fails in time (``link_profile``'s cuts,
-    seeded by ``link_seed``) and in space (the scenario's dead zones), with ``on_link_loss`` (stop,
-    retrace or draft_only: then ``draft_policy`` and ``draft_latency`` are needed) once the link
-    is declared lost by a fresh copy of ``health`` (its settings; default: the drafter's shipped
-    link-loss settings). See the module docstring for the rules. Greedy throughout."""
+    ``.tokens``) out in ``scenario`` over a ``link`` that fails in time (its cuts) and in space
+    (the scenario's dead zones), with ``on_link_loss`` (stop, retrace or draft_only: then
+    ``draft_policy`` and ``draft_latency`` are needed) once the link is declared lost by a fresh
+    copy of ``health`` (its settings: the drafter's, ``DrafterSettings``). See the module
+    docstring for the rules. Greedy throughout."""
     if on_link_loss not in LINK_LOSS_ACTIONS:
         raise ValueError(f"on_link_loss {on_link_loss!r}: choose one of {', '.join(LINK_LOSS_ACTIONS)}")
     if on_link_loss == DRAFT_ONLY and (draft_policy is None or draft_latency is None):
         raise ValueError("on_link_loss draft_only needs a draft_policy and its draft_latency")
     if not deadline_s > 0 or not time_cap_s > 0:
         raise ValueError(f"need deadline_s > 0 and time_cap_s > 0, got {deadline_s}, {time_cap_s}")
-    schedule = OutageSchedule(link_profile, link_seed)
-    health = replace(health) if health is not None else LinkHealth(  # replace: its settings, a fresh state
-        DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s)
+    health = replace(health)  # its settings, a fresh state
     world = SimWorld(scenario, action_config=action_config)
     path = RetracePath(config=action_config)
     slow = degraded_limits(limits)
@@ -235,7 +220,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link_profile: LinkProfile,
     retrace_blocked = False  # a retrace step ran into something: stand still until the link is back
 
     def link_up(at: float) -> bool:
-        return schedule.up_at(at) and scenario.covered(world.pose.x, world.pose.y)
+        return link.up_at(at) and scenario.covered(world.pose.x, world.pose.y)
 
     def record(kind: str, verified: bool = False, **kw) -> StepRecord:
         pose = world.pose
@@ -255,8 +240,8 @@ def run_linked_episode(policy, scenario: Scenario, *, link_profile: LinkProfile,
         if health.lost:
             if health.probe_due(t):
                 if link_up(t):  # a reconnect (a handshake: one round trip) brings the link back
-                    record(PROBE_OK, latency_s=link_profile.rtt_s)
-                    t += link_profile.rtt_s
+                    record(PROBE_OK, latency_s=link.rtt_s)
+                    t += link.rtt_s
                     health.verified(t)
                     retrace_blocked = False
                     continue
@@ -374,58 +359,36 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 ALWAYS_UP = "always-up"  # compare_fallbacks' reference row: no cuts, no dead zones
 
 
-def compare_fallbacks(policy, scenarios: Sequence[Scenario], *, link_profile: LinkProfile,
+class _AlwaysUp:
+    """The reference link: up whenever ``link`` is, cuts left out (its round trip kept)."""
+
+    def __init__(self, link: Link):
+        self.rtt_s = link.rtt_s
+
+    def up_at(self, t: float) -> bool:
+        return True
+
+
+def compare_fallbacks(policy, scenarios: Sequence[Scenario], *, link: Link,
                       fallbacks: Sequence[str] = LINK_LOSS_ACTIONS, reference: bool = True,
                       **kwargs) -> dict[str, dict]:
     """:func:`run_linked_episode` over ``scenarios`` for each fallback in ``fallbacks`` (the other
     keyword arguments are passed on); returns ``{fallback: summarize(...) + per_scenario}``, led by
-    (``reference``) the ``ALWAYS_UP`` row: the same scenarios and link without dead zones or cuts,
-    what the task takes when nothing fails."""
-    runs = [(fb, link_profile, scenarios) for fb in fallbacks]
-    if reference:
-        runs.insert(0, (ALWAYS_UP, link_profile.without_outages(), [replace(s, dead_zones=()) for s in scenarios]))
+    (``reference``) the ``ALWAYS_UP`` row: the same scenarios without dead zones and a link without
+    cuts, what the task takes when nothing fails."""
     from tqdm import tqdm
+    runs = [(fb, link, scenarios) for fb in fallbacks]
+    if reference:
+        runs.insert(0, (ALWAYS_UP, _AlwaysUp(link), [replace(s, dead_zones=()) for s in scenarios]))
     rows = {}
     bar = tqdm(total=sum(len(group) for _, _, group in runs), desc="fallbacks", unit="ep")
-    for label, profile, group in runs:
+    for label, run_link, group in runs:
         fallback = LINK_LOSS_ACTIONS[0] if label == ALWAYS_UP else label  # never applied: the link never fails
         bar.set_postfix_str(label)
         episodes = []
         for s in group:
-            episodes.append(run_linked_episode(policy, s, link_profile=profile, on_link_loss=fallback, **kwargs))
+            episodes.append(run_linked_episode(policy, s, link=run_link, on_link_loss=fallback, **kwargs))
             bar.update(1)
         rows[label] = summarize(episodes) | {"per_scenario": [e.to_dict(with_records=False) for e in episodes]}
     bar.close()
     return rows
-
-
-# --------------------------------------------------------------------------- measured decisions
-
-@contextlib.contextmanager
-def emulated_decoder_policy(draft_path: str, target_path: str, *, link_profile: LinkProfile,
-                            compute: str = "go2-paper", max_new_tokens: int = DEFAULTS.max_new_tokens,
-                            mode: str = DEFAULTS.mode) -> Iterator[tuple[object, MeasuredLatency]]:
-    """A ``DecoderPolicy`` (the draft here, the target in a verifier process with ``compute``
-    emulated, behind a ``LinkProxy`` with the profile's delay and rates) and the ``MeasuredLatency``
-    that reads its decisions' wall times. The profile's cuts are left out of the proxy: the episode
-    applies them on its simulated clock. Decisions are the target's greedy ones (lossless)."""
-    from ..decoding.compute import get_compute
-    from ..decoding.engines import load_model
-    from ..evaluation.policy import DecoderPolicy
-    from ..processes import verifier_process
-    from ..robot.decoder import DecodeConfig, EdgeDecoder
-    from ..wire.client import RemoteVerifier
-    from ..wire.link import LinkProxy
-
-    steady = link_profile.without_outages()
-    draft_lm = load_model(draft_path)
-    with verifier_process(target_path, compute) as port, LinkProxy(steady, "127.0.0.1", port) as proxy:
-        verifier = RemoteVerifier(proxy.url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
-                                  link_profile=steady, timeout_s=60.0, policy_memory=draft_lm.memory)
-        with verifier:
-            decoder = EdgeDecoder(draft_lm, verifier, draft_compute=get_compute(compute))
-            try:
-                policy = DecoderPolicy(decoder, DecodeConfig(mode=mode, max_new_tokens=max_new_tokens))
-                yield policy, MeasuredLatency(policy, f"mode {mode}, compute {compute}, link {steady.describe()}")
-            finally:
-                decoder.close()

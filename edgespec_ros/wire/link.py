@@ -125,6 +125,7 @@ class OutageSchedule:
 
     def __init__(self, profile: LinkProfile, seed: int = 0):
         self.profile = profile
+        self.rtt_s = profile.rtt_s  # (sim.link_loop's Link: a reconnect costs one round trip)
         self._rng = random.Random(f"link-outages:{seed}")
         self._lock = threading.Lock()
         self._starts: list[float] = []  # random cut starts drawn so far, ascending
