@@ -12,7 +12,8 @@ While the link to the verifier is lost the drafter sends stand-ins for verified 
   (``degraded_*`` parameters: shorter moves and turns, lower speeds), with a warning.
 * ``retrace``: no model decided. The navigator walks back one step along this command's moves
   (``control.retrace.RetracePath``, on odometry) towards the command's start, executed as any
-  decision (every stop path and limit holds); at the start it does not move and reports a stop
+  decision (every stop path and limit holds) at the degraded profile's speeds (no model looked at
+  the way back: the path it came by, at the slower speeds); at the start it does not move and reports a stop
   whose reason begins with ``motion.RETRACE_DONE_REASON`` (outcome STOPPED). Without fresh
   odometry it refuses (outcome REJECTED).
 
@@ -259,6 +260,7 @@ class NavigatorNode(LifecycleNode):
                 reason = f"unverified draft-only decision, degraded profile ({self.degraded.describe()})"
             elif fallback == RETRACE and not reason:  # neither a fault nor stale
                 action, reason, step = self._retrace_step(now)
+                speed_scale = self.degraded.speed_scale  # nobody looked at the way back: the slow speeds
             pose = self.executor_.odometry if self.executor_.odometry_fresh(now) else None
             self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal,
                                        speed_scale=speed_scale)

@@ -18,7 +18,7 @@ pose (``Scenario.covered``: no dead zone).
 
   - ``stop``: the robot stands still; time passes to the next reconnect.
   - ``retrace``: the robot walks back along this command's moves (``RetracePath.next_step``, each
-    primitive an UNVERIFIED step with its motion time and the world's collision checks), never
+    primitive an UNVERIFIED step at the degraded speeds, with the world's collision checks), never
     past the command's start; there, or once a step runs into something, it stands still.
   - ``draft_only`` (LOSSY): the draft decides alone, greedy; its latency is its tokens times the
     robot's draft token time plus the robot's draft prefill (``DraftLatency``), its action is
@@ -276,7 +276,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
                 continue
             rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start")
             result = world.execute(step.action)  # motion only: no decision of a policy's
-            rec.motion_s, rec.collided = limits.duration_s(step.action), result.collided
+            rec.motion_s, rec.collided = slow.duration_s(step.action), result.collided  # the navigator retraces slowly
             t += rec.motion_s
             retrace_blocked = result.collided
             continue
