@@ -208,8 +208,10 @@ def run_closed_loop(args) -> int:
             gc.freeze()
             wait_for(lambda: observer.command_pub.get_subscription_count() > 0, 30, "the drafter's command subscription")
             observer.command_pub.publish(String(data=scenario.instruction))
+            commanded = time.monotonic()
             print(f"  command sent: {scenario.instruction!r}\n", flush=True)
             result = _follow(observer, scenario, args.timeout, t0, args.max_faults)
+            result["commanded_s"] = commanded
             try:  # the monitor annotates each decision's frame; give the last one a moment to arrive
                 wait_for(lambda: all(s in observer.frames for s in result["stamps"]), 3.0, "annotated frames")
             except TimeoutError:
@@ -256,6 +258,7 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
         if kind == "episode":
             result["episode"] = payload
             if payload["done"]:
+                result.setdefault("done_s", time.monotonic())
                 result["success"] = payload["success"]
                 result["outcome"] = (f"{payload['outcome']} after {payload['steps']} decisions, "
                                      f"{payload['collisions']} collisions")
@@ -326,6 +329,10 @@ def _metrics_rows(result: dict, stats, profile, wall_s: float) -> list[tuple[str
                  ("tokens per second", f"{stats.tokens_per_second:.1f}"),
                  ("link", f"{profile.describe()}; median round trip {stats.rtt_ms:.0f} ms"),
                  ("uplink / downlink", f"{stats.uplink_bytes / 1e3:.1f} kB / {stats.downlink_bytes / 1e3:.1f} kB")]
+    if result.get("done_s") is not None and result.get("commanded_s") is not None:
+        took = result["done_s"] - result["commanded_s"]
+        rows.append(("time to goal" if result["success"] else "time to the episode's end",
+                     f"{took:.1f} s from the command (decisions and motion; EMULATED link and compute)"))
     rows.append(("wall time", f"{wall_s:.1f} s"))
     return rows
 
