@@ -36,6 +36,7 @@ def test_closed_loop_episode_reaches_the_goal(tmp_path, capsys):
     assert metrics["decisions"].split()[0].isdigit() and int(metrics["decisions"].split()[0]) >= 1, metrics
     assert (code == 0) == (metrics["outcome"] == "success") == ("SUCCESS" in printed), printed
     assert code == 0 and metrics["outcome"] == "success", printed
+    assert 0 < float(metrics["time to goal"].split()[0]) < float(metrics["wall time"].split()[0])  # from the command
     decisions = int(metrics["decisions"].split()[0])
 
     # the recording replays: the frames the robot decided on give the same decisions (SD, greedy)
