@@ -495,10 +495,10 @@ class SlotLayer(DynamicLayer):
     def reset(self) -> None:
         self.length = 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("SlotLayer.crop takes the (negative) number of positions to drop")
-        self.length = max(0, self.length + tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        """As ``DynamicLayer.crop``: keep the first ``max_length`` positions, or drop ``-max_length``."""
+        keep = self.length + max_length if max_length < 0 else max_length
+        self.length = max(0, min(self.length, keep))
 
     def _not_here(self, *args, **kwargs):
         raise NotImplementedError("a SlotCache layer lives in its pool: no offloading, reordering or batch reshaping")
