@@ -218,7 +218,8 @@ class TreeShape:
     """How a tree is drafted: ``widths[d]`` nodes at depth d + 1 (one draft forward per level),
     handed out to the level above in order of path score (the draft's probability of the path so
     far, known before any child is drawn), at most ``branch`` children each. A node's number of
-    children never depends on the children's own values, so the sampled rule stays lossless.
+    children depends on its level's path scores, never on the children's own values, so the
+    sampled rule stays lossless.
     ``TreeShape.chain(g)`` is the chain draft of g tokens."""
 
     widths: tuple[int, ...]

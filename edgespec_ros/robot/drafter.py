@@ -226,7 +226,8 @@ def classify_error(exc: BaseException) -> str:
 
 class DrafterCore:
     """Thread-safe bookkeeping around an ``EdgeDecoder``-like ``decoder`` (``decide(instruction,
-    image, cfg, on_tokens=...)`` and a ``verifier`` with ``close()``).
+    image, cfg, on_tokens=...)``, for ``on_link_loss: draft_only`` ``decide_draft_only`` alike, and a
+    ``verifier`` with ``close()``, and ``connect()``/``abort()`` for the reconnects while the link is lost).
 
     ``clock_ns`` is the clock the frame stamps use (the node's clock: ROS time); ``steady_ns`` the
     one the decision deadline runs on (the node gives the steady clock, so a step of ROS time can
