@@ -125,6 +125,14 @@ class PipelineConfig:
     # <work>/checkpoints/<role> (`--resume` carries on from there)
     loader_workers: int = 1
     checkpoint_every_s: float = 300.0
+    # carrying a run across machines (scripts/gpu_train.sh): each checkpoint also written to
+    # <checkpoint_pieces>/<role> in pieces of at most checkpoint_piece_mib MiB with a manifest
+    # (train.pieces), and with `--resume` joined back from there (verified) when further on than
+    # <work>/checkpoints; pause_after_s > 0 ends the stage after that much training with a
+    # checkpoint (exit status PAUSED_EXIT), to be carried on with `--resume`
+    checkpoint_pieces: str = ""
+    checkpoint_piece_mib: float = 8.0
+    pause_after_s: float = 0.0
 
 
 # `make models-long` (`edgespec-train all --long --resume`): the scaling table's next points
@@ -140,7 +148,9 @@ QUICK = dict(train_scenarios=60, target_budget_s=45.0, draft_steps=30, distill_s
              dagger_scenarios=4, heldout_scenarios=3)
 QUICK_CARD = dict(n_scenarios=6, n_frames=30, draft_scenarios=3, draft_frames=15, n_sd=4, n_demo=2, max_steps=20)
 # options that change how a run is computed, not what it computes (checkpoints and stages.json ignore them)
-HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers")
+HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers", "checkpoint_pieces", "checkpoint_piece_mib",
+                "pause_after_s")
+PAUSED_EXIT = 3  # a model stage ended by --pause-after-s: its checkpoint carries the run on (--resume)
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
 LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": ""}
@@ -307,7 +317,8 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     from tqdm import tqdm
     from ..models import tiny
     from .data import encode_example
-    from .trainer import TrainConfig, train_model
+    from .pieces import PiecesError
+    from .trainer import CheckpointError, TrainConfig, checkpoint_from_pieces, train_model
     tok_dir = os.path.join(work, "tokenizer")
     if not os.path.isdir(tok_dir):
         raise SystemExit(f"edgespec-train: {tok_dir} not found: run `edgespec-train tokenizer` first")
@@ -356,11 +367,25 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
     if not resume and os.path.isdir(checkpoints):
         import shutil
         shutil.rmtree(checkpoints)  # a fresh run: an old run's checkpoint must not be mistaken for this one's
+    pieces = os.path.join(cfg.checkpoint_pieces, role) if cfg.checkpoint_pieces else None
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, seed=cfg.seed, time_budget_s=budget,
                        **({"lr": cfg.target_lr} if role == "target" else {}),
                        aux_weight=aux_weight, dagger_at=dagger_at, device=resolve_device(device),
                        loader_workers=cfg.loader_workers, checkpoint_dir=checkpoints,
-                       checkpoint_every_s=cfg.checkpoint_every_s, run_id=run_id)
+                       checkpoint_every_s=cfg.checkpoint_every_s, run_id=run_id,
+                       checkpoint_pieces=pieces, checkpoint_piece_bytes=max(1, int(cfg.checkpoint_piece_mib * 2**20)),
+                       pause_after_s=cfg.pause_after_s or None)
+    if resume:
+        adopt_stamped_checkpoint(role, work, cfg, spec, vision_init, checkpoints, run_id)
+        try:  # pieces copied from another machine: joined, verified, when further on than the local checkpoint
+            joined = checkpoint_from_pieces(tcfg)
+        except (PiecesError, CheckpointError) as e:
+            raise SystemExit(f"edgespec-train: {e}") from None
+        if joined is not None:
+            print(f"{role}: the checkpoint of step {joined} joined from the pieces in {pieces}")
+    elif pieces and os.path.isdir(pieces) and os.listdir(pieces):
+        raise SystemExit(f"edgespec-train: {pieces} holds a checkpoint in pieces: pass --resume to carry that run "
+                         "on, or remove it to start afresh")
     dagger_log: list[dict] = []
     timing: dict = {}
     aux_init = load_aux_probe(cfg.target_init) if role == "target" and cfg.target_init and aux_weight > 0 else None
@@ -475,18 +500,90 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def run_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, vision_init: str | None) -> str:
-    """What a checkpoint of ``role`` was trained from: the data stage's file, the tokenizer, the
-    model's spec, the tower it started from and every option of the recipe that changes the run.
-    A checkpoint resumes only into the same run."""
+_DIGESTS: dict = {}  # (path, inode, size, mtime_ns, ctime_ns) -> content_digest: within one process only
+
+
+def content_digest(path: str) -> str | None:
+    """The sha256 of what the file at ``path`` holds (None when there is none): for an ``.npz``
+    (the data stage's dataset) its arrays' names and bytes, not the zip's own dates and
+    compression; else the file's bytes. The same on any machine and checkout for the same content,
+    whenever the file was written: a run's identity (``run_fingerprint``)."""
     import hashlib
-    stamp = lambda p: [os.path.getsize(p), os.path.getmtime(p)] if os.path.exists(p) else None  # noqa: E731
+    import zipfile
+    if not os.path.isfile(path):
+        return None
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        if path.endswith(".npz"):
+            with zipfile.ZipFile(path) as z:
+                for name in sorted(z.namelist()):
+                    h.update(name.encode() + b"\0")
+                    with z.open(name) as f:
+                        for block in iter(lambda: f.read(1 << 20), b""):
+                            h.update(block)
+        else:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def _run_ident(role: str, work: str, cfg: PipelineConfig, spec: dict, vision_init: str | None, stamp) -> str:
+    import hashlib
     recipe = recipe_of(cfg)
     ident = {"role": role, "spec": spec, "recipe": recipe, "data": stamp(dataset_path(work)),
              "tokenizer": stamp(os.path.join(work, "tokenizer", "tokenizer.json")),
              "vision": stamp(os.path.join(vision_init, "model.safetensors")) if vision_init else None,
              "init": stamp(os.path.join(cfg.target_init, "model.safetensors")) if cfg.target_init and role == "target" else None}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, vision_init: str | None) -> str:
+    """What a checkpoint of ``role`` was trained from: the content of the data stage's dataset,
+    the tokenizer, the tower and the init target it started from (``content_digest``), the
+    model's spec and every option of the recipe that changes the run; never where the files are
+    or when they were written, so a checkout on another machine that regenerates the data (the
+    data stage is deterministic per option set) or copies the files recognises the run. A
+    checkpoint resumes only into the same run."""
+    return _run_ident(role, work, cfg, spec, vision_init, content_digest)
+
+
+def _stamped_fingerprint(role: str, work: str, cfg: PipelineConfig, spec: dict, vision_init: str | None) -> str:
+    """The fingerprint runs had before ``run_fingerprint`` read the files' content: their sizes
+    and modification times (``adopt_stamped_checkpoint``)."""
+    return _run_ident(role, work, cfg, spec, vision_init,
+                      lambda p: [os.path.getsize(p), os.path.getmtime(p)] if os.path.exists(p) else None)
+
+
+def adopt_stamped_checkpoint(role: str, work: str, cfg: PipelineConfig, spec: dict, vision_init: str | None,
+                             checkpoints: str, run_id: str) -> bool:
+    """A checkpoint of this run written under its earlier, time-stamped fingerprint
+    (``_stamped_fingerprint``) moves to ``checkpoints`` with ``run_id``, so that a run started
+    before fingerprints read the files' content resumes as before; True when one moved."""
+    import shutil
+
+    import torch
+    from .trainer import CHECKPOINT_FILE, TrainConfig, save_checkpoint
+    old_id = _stamped_fingerprint(role, work, cfg, spec, vision_init)
+    old_dir = os.path.join(work, "checkpoints", f"{role}-{old_id}")
+    old = os.path.join(old_dir, CHECKPOINT_FILE)
+    if old_id == run_id or os.path.isfile(os.path.join(checkpoints, CHECKPOINT_FILE)) or not os.path.isfile(old):
+        return False
+    try:
+        state = torch.load(old, map_location="cpu", weights_only=False)
+    except Exception:  # noqa: BLE001 - an unreadable one stays where it is
+        return False
+    if state.get("config", {}).get("run_id") != old_id:
+        return False
+    state["config"]["run_id"] = run_id
+    save_checkpoint(TrainConfig(checkpoint_dir=checkpoints), state)
+    shutil.rmtree(old_dir)
+    print(f"{role}: the checkpoint of step {state.get('step')} in {old_dir} moved to {checkpoints} "
+          "(run fingerprints now read the files' content)")
+    return True
 
 
 def target_vision_dir(work: str, cfg: PipelineConfig) -> str | None:
@@ -892,7 +989,13 @@ def main(argv=None) -> int:
             path = write_card(args.out, {**metrics, "before": before} if before else metrics)
             print(f"card: {path}")
         else:
-            stage_model(stage, args.work, args.out, cfg, args.device, args.resume)
+            from .trainer import TrainingPaused
+            try:
+                stage_model(stage, args.work, args.out, cfg, args.device, args.resume)
+            except TrainingPaused as p:  # --pause-after-s: no model saved, the stage not done
+                where = f" and in pieces in {os.path.join(cfg.checkpoint_pieces, stage)}" if cfg.checkpoint_pieces else ""
+                print(f"{stage}: {p}{where}: carry it on with the same command and --resume")
+                return PAUSED_EXIT
             if args.stage == "all" and stage == "draft":
                 _ENCODED.clear()  # both models are trained: free the encoded frames (~1 GB)
         timings[stage] = round(time.monotonic() - started, 1)

@@ -4,6 +4,12 @@ Long runs checkpoint (``TrainConfig.checkpoint_dir``, every ``checkpoint_every_s
 exactly: the model, the optimizer, the probes, the step, the losses, DAgger's added frames and the
 RNG states are saved, and the batches are a pure function of the seed and the examples, so a run
 stopped and resumed continues bit-identically to one that was never stopped.
+
+Across machines (a GPU machine lent for minutes, whose files come back only in small pieces):
+``checkpoint_pieces`` also writes each checkpoint there split into pieces of at most
+``checkpoint_piece_bytes`` with a manifest (``train.pieces``), ``checkpoint_from_pieces`` joins
+such pieces back (verified) into ``checkpoint_dir`` before a resumption, and ``pause_after_s``
+ends a piece of the run after that much training with a checkpoint (``TrainingPaused``).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .data import aux_targets, collate
+from .pieces import PiecesError, join_pieces, manifest_path, sha256_file, split_file, verify_pieces
 
 
 @dataclass
@@ -46,15 +53,33 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every_s: float = 300.0
     run_id: str = ""  # what the examples and the model are (the caller's fingerprint): checked on resume
+    # also write each checkpoint into this directory in pieces of at most checkpoint_piece_bytes
+    # with a manifest (train.pieces), what a remote machine can give back; checkpoint_from_pieces
+    # joins them back into checkpoint_dir on the next machine (None: off)
+    checkpoint_pieces: str | None = None
+    checkpoint_piece_bytes: int = 8 * 2**20
+    # end this piece of the run after this many seconds of training, with a checkpoint
+    # (train_model raises TrainingPaused; the run carries on when resumed); None: train to the end
+    pause_after_s: float | None = None
 
 
 # fields that may differ between a checkpointed run and its resumption (how, not what, is trained)
-_RESUMABLE_CHANGES = {"device", "loader_workers", "checkpoint_dir", "checkpoint_every_s", "time_budget_s"}
+_RESUMABLE_CHANGES = {"device", "loader_workers", "checkpoint_dir", "checkpoint_every_s", "time_budget_s",
+                      "checkpoint_pieces", "checkpoint_piece_bytes", "pause_after_s"}
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed (another configuration, a damaged file)."""
+
+
+class TrainingPaused(Exception):
+    """``train_model`` stopped after ``TrainConfig.pause_after_s`` with a checkpoint of ``step`` of
+    ``steps`` steps: resuming from ``checkpoint_dir`` (or its pieces) carries the run on."""
+
+    def __init__(self, step: int, steps: int, checkpoint_dir: str):
+        super().__init__(f"paused at step {step} of {steps} (checkpoint in {checkpoint_dir})")
+        self.step, self.steps, self.checkpoint_dir = step, steps, checkpoint_dir
 
 
 def dense_perception_loss(head_out: torch.Tensor, present: torch.Tensor, log_depth: torch.Tensor,
@@ -298,7 +323,49 @@ def save_checkpoint(cfg: TrainConfig, state: dict) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    if cfg.checkpoint_pieces:
+        split_file(path, cfg.checkpoint_pieces, cfg.checkpoint_piece_bytes,
+                   meta={"step": state["step"], "run_id": cfg.run_id})
     return path
+
+
+def _saved_step(path: str) -> int | None:
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False)["step"])
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint: the pieces replace it
+        return None
+
+
+def checkpoint_from_pieces(cfg: TrainConfig) -> int | None:
+    """Join the pieced checkpoint in ``cfg.checkpoint_pieces`` (written by ``save_checkpoint``,
+    perhaps on another machine, and copied here) into ``cfg.checkpoint_dir`` when it is further on
+    than the checkpoint there (or there is none), so that ``train_model`` resumes from it; returns
+    the step it holds, or None when there was nothing to take. A missing or damaged piece or
+    manifest raises ``PiecesError``, pieces of another run ``CheckpointError``: never a silent fresh
+    start."""
+    if not cfg.checkpoint_pieces or not cfg.checkpoint_dir or not os.path.isdir(cfg.checkpoint_pieces):
+        return None
+    manifest_file = manifest_path(cfg.checkpoint_pieces, CHECKPOINT_FILE)
+    if not os.path.isfile(manifest_file):
+        if any(n.startswith(CHECKPOINT_FILE + ".") for n in os.listdir(cfg.checkpoint_pieces)):
+            raise PiecesError(f"{cfg.checkpoint_pieces} holds checkpoint pieces but not their manifest "
+                              f"({os.path.basename(manifest_file)}): copy it too")
+        return None
+    manifest = verify_pieces(manifest_file)
+    meta = manifest.get("meta", {})
+    if meta.get("run_id") != cfg.run_id:
+        raise CheckpointError(f"{manifest_file} holds a checkpoint of another run (run_id {meta.get('run_id')!r}, "
+                              f"this run's {cfg.run_id!r}: other data, tokenizer, tower or options); resume with "
+                              "the same ones or remove the pieces to start afresh")
+    local = os.path.join(cfg.checkpoint_dir, CHECKPOINT_FILE)
+    if os.path.isfile(local):
+        if sha256_file(local) == manifest["sha256"]:
+            return None  # the pieces are this checkpoint
+        step = _saved_step(local)
+        if step is not None and step >= meta.get("step", -1):
+            return None  # the local checkpoint is as far on
+    join_pieces(manifest_file, local)
+    return meta.get("step")
 
 
 def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, desc: str = "train",
@@ -321,6 +388,8 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     continued run passes back as ``aux_state`` so that its probes do not start from random."""
     if cfg.dagger_at and (collect is None or not all(0 < f < 1 for f in cfg.dagger_at)):
         raise ValueError("train_model: dagger_at needs fractions in (0, 1) and a collect function")
+    if cfg.pause_after_s and not cfg.checkpoint_dir:
+        raise ValueError("train_model: pause_after_s needs a checkpoint_dir to carry the run on from")
     device = torch.device(cfg.device)
     examples = list(examples)
     dagger = sorted(cfg.dagger_at)
@@ -398,7 +467,8 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
     # the step each segment's batches start at: 0, then each DAgger round's step (kept in the checkpoint)
     segment_start = [state["segment_start"] if state is not None else 0]
     started = time.monotonic() - elapsed
-    last_checkpoint = time.monotonic()
+    last_checkpoint = piece_started = time.monotonic()
+    paused = False
     batches = loader_from(step)
     bar = tqdm(range(step, cfg.steps), desc=desc, unit="step", dynamic_ncols=True, initial=step, total=cfg.steps)
     fast_vision = EqualImagesAttention(model if one_size else None)
@@ -445,6 +515,9 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
             if cfg.checkpoint_dir and time.monotonic() - last_checkpoint >= cfg.checkpoint_every_s:
                 checkpoint(len(losses))
                 last_checkpoint = time.monotonic()
+            if cfg.pause_after_s and time.monotonic() - piece_started >= cfg.pause_after_s and step + 1 < cfg.steps:
+                paused = True  # checkpointed below; the next piece resumes at the next step
+                break
         if cfg.checkpoint_dir:  # the run's end: a resumption of it has nothing left to do
             checkpoint(len(losses))
     finally:
@@ -454,6 +527,8 @@ def train_model(model, examples, tokenizer, image_processor, cfg: TrainConfig, d
         if aux is not None:
             aux.remove()
     model.eval()
+    if paused:
+        raise TrainingPaused(len(losses), cfg.steps, cfg.checkpoint_dir)
     if report is not None:
         report.update(train_seconds=round(time.monotonic() - started, 1), resumed_at_step=resumed_at)
         if aux is not None:
