@@ -237,6 +237,22 @@ def test_retrace_leaves_a_dead_zone_that_stop_stays_in():
     assert left.records[-1].kind == VERIFIED and left.records[-1].action == "stop"
 
 
+def test_a_command_whose_last_decision_walks_into_a_dead_zone_is_retraced_after_it():
+    """Three decisions allowed, the third walks into the zone: nothing is decided after it, so the
+    drafter's link check (a handshake) finds the link gone, the rule declares it lost after the
+    stated faults, and retrace walks back out; stop stays inside."""
+    zone = [{"x": 4.5, "y": 3.0, "radius_m": 0.6}]
+    scenario = corridor(dead_zones=zone, max_steps=3)
+    script = ["move forward large"] * 3
+    stayed = episode(Scripted(script), scenario, fallback="stop", time_cap_s=120.0)
+    assert stayed.ended_in_dead_zone and stayed.outcome.startswith("max_steps")
+    left = episode(Scripted(script), scenario, fallback="retrace", time_cap_s=120.0)
+    assert not left.ended_in_dead_zone and left.outcome.startswith("max_steps") and left.verified_decisions == 3
+    after = left.records[[r.kind for r in left.records].index(VERIFIED, 2) + 1:]
+    assert [r.kind for r in after][:3] == [LINK_FAULT] * 3  # the stated rule: 3 unanswered checks
+    assert left.unverified[RETRACE] >= 1 and left.link_losses == 1
+
+
 @needs_models
 def test_retrace_ends_every_shipped_dead_zone_episode_outside_its_dead_zone():
     from edgespec_ros.decoding.engines import load_model

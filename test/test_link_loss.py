@@ -339,3 +339,31 @@ def test_a_refused_reconnect_stops_the_fallback_and_a_draft_only_stop_does_not_e
     _lose(core2, clock2, link, faults=1)
     out = _step(core2, clock2)
     assert out.action == "stop" and out.fallback == DRAFT_ONLY and core2.status().active
+
+
+def test_a_command_that_ran_out_of_decisions_is_checked_and_retraced_after_it():
+    """max_decisions 2, retrace: the last decision's move may have left the link behind. Once its
+    motion is over the drafter checks the link; the stated number of unanswered checks declares it
+    lost, and retrace steps follow for the ended command until a check is answered."""
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="retrace", link_loss_faults=2, max_decisions=2,
+                       wait_for_motion=False, retry_interval_s=1.0, reconnect_backoff_s=0.5)
+    core.set_command("go")
+    assert not _step(core, clock).fallback and not _step(core, clock).fallback
+    assert not core.status().active  # max_decisions reached
+    link.up = False  # the last move went into a shadow
+    assert _step(core, clock) is None and not core.link.lost  # one unanswered check
+    step = _step(core, clock)  # two: lost (the stated rule), and the first step back at once
+    assert core.link.lost and step is not None and step.fallback == RETRACE and not core.status().active
+    link.up = True
+    clock.advance(10)
+    assert core.probe_link() is True and not core.link.lost
+    assert core.begin() is None  # the link answers: nothing more for the ended command
+    # with stop, the end of a command is not checked at all
+    other, clock2 = make(decoder=FlakyDecoder(link), on_link_loss="stop", max_decisions=1, wait_for_motion=False)
+    other.set_command("go")
+    _step(other, clock2)
+    connects = other.decoder.verifier.connects
+    _step(other, clock2)
+    assert other.decoder.verifier.connects == connects

@@ -268,6 +268,8 @@ class DrafterCore:
         self.retrace_done = False  # the navigator reported nothing left to retrace (or refused to) since the loss
         self.reconnects = 0  # reconnects that ended a link loss
         self._probing = False  # a reconnect is under way (probe_link): no decision starts meanwhile
+        self._end_check = False  # retrace: the command ran out of decisions; its link is to be checked
+        self._next_end_check_s = 0.0
         self.refused = ""  # the verifier refused the last reconnect (a configuration error): no fallback runs
 
     # ------------------------------------------------------------------ inputs
@@ -295,6 +297,7 @@ class DrafterCore:
             self.resample_next = False
             self.memory.reset()  # and no motion awaited
             self.retrace_done = False
+            self._end_check = False
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -328,7 +331,8 @@ class DrafterCore:
     def why_not_ready(self, now_ns: int) -> str:
         """'' when a decision may start now, else the reason it may not."""
         s = self.settings
-        if not self.active:
+        if not self.active and not (self._end_check and self.link.lost and s.on_link_loss == "retrace"
+                                    and not self.retrace_done):
             return f"no active command ({self.finished_reason or 'waiting for one'})"
         if self.in_flight is not None:
             return "a decision is in flight"
@@ -493,18 +497,33 @@ class DrafterCore:
             elif self.command_max_decisions and self.decisions >= self.command_max_decisions:
                 self.active, self.finish_kind = False, MAX_DECISIONS
                 self.finished_reason = f"max_decisions ({self.command_max_decisions}) reached"
+                # its last move may have left the link behind, and nothing decided will find out:
+                # with retrace the drafter checks the link once the motion is over (probe_link)
+                self._end_check = self.settings.on_link_loss == "retrace"
             return outcome
 
     def probe_link(self) -> bool | None:
         """While the link is lost and a reconnect is due (``LinkHealth``'s backoff): try one, a
         handshake and nothing decided (bounded by the verifier's connect timeout), on the calling
         thread. Only one runs at a time, and no decision starts while it runs (``why_not_ready``
-        says so). True: the link is back and the next decision is verified again; False: it
-        failed (a refusal also stops the fallback: it is a configuration error, never worked
-        around); None: nothing was due."""
+        says so). With ``retrace``, a command that ran out of decisions is checked the same way once
+        its last motion is over (every ``retry_interval_s``; an unanswered check is a link fault, so
+        the stated rule can declare the link lost and retrace steps follow for the ended command:
+        its last move may have left the link behind, and nothing decided would find out). True:
+        the link answers (the next decision is verified again); False: it failed (a refusal also
+        stops the fallback: it is a configuration error, never worked around); None: nothing was due."""
         from ..decoding.verifier import VerifierRefused
         with self._lock:
-            if self._probing or self.in_flight is not None or not self.link.probe_due(self.steady_ns() / NS):
+            now_s = self.steady_ns() / NS
+            # after a command that ran out of decisions (retrace): once its last motion is over, a
+            # handshake every retry_interval_s; unanswered ones are link faults, as decisions' would be
+            s, now_ns = self.settings, self.clock_ns()
+            motion_over = (not s.wait_for_motion or self.memory.awaiting_stamp is None
+                           or (self.last_outcome_ns is not None
+                               and now_ns - self.last_outcome_ns > s.motion_wait_timeout_s * NS))
+            end_check = (self._end_check and not self.active and not self.link.lost and motion_over
+                         and now_s >= self._next_end_check_s)
+            if self._probing or self.in_flight is not None or not (self.link.probe_due(now_s) or end_check):
                 return None
             self._probing = True
         try:
@@ -516,10 +535,17 @@ class DrafterCore:
             except Exception as exc:  # noqa: BLE001 - any failure to reconnect is a failed probe
                 self._drop_connection()
                 with self._lock:
-                    self.link.probe_failed(self.steady_ns() / NS)
+                    now_s = self.steady_ns() / NS
+                    if end_check and not isinstance(exc, VerifierRefused):
+                        self._next_end_check_s = now_s + self.settings.retry_interval_s
+                        if self.link.link_fault(now_s):
+                            self.stats.link_lost(self.settings.on_link_loss)
+                    else:
+                        self.link.probe_failed(now_s)
                     self.refused = classify_error(exc) if isinstance(exc, VerifierRefused) else ""
                 return False
             with self._lock:
+                self._end_check = False  # the link answers: nothing more to do for the ended command
                 if self.link.verified(self.steady_ns() / NS):
                     self.reconnects += 1
                     self._link_back()

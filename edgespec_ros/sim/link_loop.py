@@ -25,7 +25,10 @@ pose (``Scenario.covered``: no dead zone).
     clamped to the degraded motion profile (moves at most small, turns at most medium, at half
     speed), and it is counted UNVERIFIED.
 
-The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``time_cap_s``.
+The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``time_cap_s``; with
+``retrace``, a command that ran out of decisions is followed by the drafter's link check (a
+handshake; unanswered ones count as link faults) and, once the link is declared lost, by retrace
+steps until it answers (``_after_the_command``: nothing decided can find the link gone then).
 Decisions of the policies count towards ``max_steps``; link faults and retrace steps do not (no
 model decided them). Every record of an episode says whether its decision was verified and, if not,
 which fallback made it. All times are simulated seconds, and every latency model here is EMULATED
@@ -309,6 +312,9 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
             if m is not None:
                 _remember(m, out.action, collided)
 
+    if on_link_loss == RETRACE and world.done and not world.success:
+        t = _after_the_command(world, path, health, link_up, record, slow, deadline_s, t, time_cap_s)
+
     decisions = [r for r in records if r.kind in (VERIFIED, *UNVERIFIED_KINDS)]
     pose = world.pose
     capped = not world.done
@@ -321,6 +327,41 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
         link_faults=sum(r.kind == LINK_FAULT for r in records), link_losses=health.losses,
         ended_in_dead_zone=not scenario.covered(pose.x, pose.y), time_capped=capped,
         final_goal_distance_m=round(world.goal_distance(), 3), records=records)
+
+
+def _after_the_command(world: SimWorld, path: RetracePath, health: LinkHealth, link_up, record, slow: MotionLimits,
+                       deadline_s: float, t: float, time_cap_s: float) -> float:
+    """``retrace`` after a command ran out of decisions: nothing is decided any more, so no decision
+    can find the link gone; the drafter checks it with a handshake instead (each unanswered one a
+    link fault, waited out for ``deadline_s``), and once the rule declares it lost walks back as
+    during a command, until a reconnect answers, the start is reached or a step runs into
+    something. Returns the clock at the end."""
+    while t < time_cap_s:
+        if link_up(t):  # the link answers: nothing to do (recorded only when it had been lost)
+            if health.lost:
+                record(PROBE_OK, latency_s=0.0, note="the link answers after the command")
+            health.verified(t)
+            return t
+        if not health.lost:
+            record(LINK_FAULT, latency_s=deadline_s, note="no answer to the link check after the command")
+            t += deadline_s
+            health.link_fault(t)
+            continue
+        if health.probe_due(t):
+            record(PROBE_FAILED)
+            health.probe_failed(t)
+        step = path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
+        if step is None:
+            record(WAIT, note="back at the command's start after the command")
+            return t
+        rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start (after "
+                                                            "the command)")
+        result = world.execute(step.action)
+        rec.motion_s, rec.collided = slow.duration_s(step.action), result.collided
+        t += rec.motion_s
+        if result.collided:
+            return t
+    return t
 
 
 # --------------------------------------------------------------------------- many episodes
