@@ -388,3 +388,19 @@ def test_link_fallbacks_prints_one_row_per_fallback(capsys):
     rows = [line.split()[0] for line in lines if line.split() and line.split()[0] in
             (ALWAYS_UP, "stop", "retrace", "draft_only")]
     assert rows == [ALWAYS_UP, "stop", "retrace", "draft_only"]
+
+
+def test_the_demo_cuts_its_link_in_a_scenarios_dead_zones():
+    """edgespec-bringup with a dead-zone scenario: the link proxy runs in process behind a
+    CoverageGate that the simulated robot's pose drives (the graph's pose topic calls update)."""
+    from edgespec_ros.bringup.closed_loop import _link
+    scenario = load_scenario(builtin_scenarios()["deadzone-red-chair"])
+    zone = scenario.dead_zones[0]
+    with _link("lan", 9, scenario) as (url, gate):  # nothing listens on port 9: the proxy starts anyway
+        assert url.startswith("ws://127.0.0.1:") and gate is not None
+        assert gate.update(scenario.robot.x, scenario.robot.y) and gate.entries == 0
+        assert not gate.update(zone.x, zone.y) and gate.entries == 1  # blackholed
+        assert not gate.proxy._open.is_set()
+        assert gate.update(scenario.robot.x, scenario.robot.y) and gate.proxy._open.is_set()  # restored
+    with _link("lan", 9, corridor()) as (url, gate):  # no dead zones: the proxy's own process, no gate
+        assert gate is None and url.startswith("ws://")

@@ -55,6 +55,7 @@ class Observer:
         self.stats = None
         self.episode = None
         self.pose = None
+        self.gate = None  # sim.coverage.CoverageGate over the link proxy (scenarios with dead zones)
         self._lock = threading.Lock()
         self.command_pub = self.node.create_publisher(String, "command", RELIABLE_QOS)
         group = ReentrantCallbackGroup()  # state behind self._lock
@@ -85,6 +86,8 @@ class Observer:
 
     def _on_pose(self, msg) -> None:
         self.pose = (msg.pose.position.x, msg.pose.position.y)
+        if self.gate is not None:  # the scenario's dead zones: cut the link while the robot is in one
+            self.gate.update(*self.pose)
 
     def _on_annotated(self, msg) -> None:
         from ..nodes.common import image_to_rgb, time_to_ns
@@ -158,7 +161,7 @@ def run_closed_loop(args) -> int:
     from std_msgs.msg import String
 
     from ..models import resolve_models
-    from ..processes import env_threads, link_proxy_process, verifier_process
+    from ..processes import env_threads, verifier_process
     from ..sim.scenario import resolve_scenario
     from ..sim.render import compose_side_by_side, render_topdown
     from ..wire.link import get_profile
@@ -180,7 +183,7 @@ def run_closed_loop(args) -> int:
     t0 = time.monotonic()
     print("  starting the verifier process ...", flush=True)
     with verifier_process(pair.target_path, args.compute) as port, \
-            link_proxy_process(args.link, port) as url:
+            _link(args.link, port, scenario) as (url, gate):
         print(f"  verifier ready ({time.monotonic() - t0:.1f} s); starting nodes: {', '.join(NODE_ROLES)}", flush=True)
         drafter_overrides = {"model_path": pair.draft_path, "server_url": url, "mode": mode,
                              "link_name": args.link}
@@ -196,6 +199,7 @@ def run_closed_loop(args) -> int:
         bag = None
         with graph, contextlib.ExitStack() as recording:
             observer = Observer(graph.context, scenario)
+            observer.gate = gate
             graph.add_node(observer.node)
             if args.record:
                 from ..rosio.bags import BagWriter
@@ -241,6 +245,24 @@ def run_closed_loop(args) -> int:
     if bag is not None:
         print(f"  recorded {out}/bag: " + ", ".join(f"{t} {n}" for t, n in bag.counts.items()))
     return 0 if result["success"] else 1
+
+
+@contextlib.contextmanager
+def _link(link: str, port: int, scenario):
+    """The emulated link to the verifier: (its URL, a CoverageGate or None). A scenario with dead
+    zones gets the link proxy in this process, cut by the gate while the simulated robot is in a
+    zone (its pose comes from the graph); otherwise the proxy runs in a process of its own."""
+    from ..processes import link_proxy_process
+    if not scenario.dead_zones:
+        with link_proxy_process(link, port) as url:
+            yield url, None
+        return
+    from ..sim.coverage import CoverageGate
+    from ..wire.link import LinkProxy, get_profile
+    with LinkProxy(get_profile(link), "127.0.0.1", port) as proxy:
+        print(f"  link   : dead zones at {', '.join(f'({z.x:g}, {z.y:g}) r {z.radius_m:g} m' for z in scenario.dead_zones)}: "
+              "the link is cut while the robot is in one", flush=True)
+        yield proxy.url, CoverageGate(scenario, proxy)
 
 
 def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_faults: int) -> dict:
