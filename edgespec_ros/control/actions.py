@@ -45,6 +45,18 @@ class ActionParseError(ValueError):
             super().__init__(f"{reason} (in {shown!r})")
 
 
+def check_positive_fields(config) -> None:
+    """Every field of the dataclass ``config`` is a positive finite number (not a bool), or
+    ValueError naming the class and the field."""
+    name = type(config).__name__
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}.{f.name}: expected a number, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}.{f.name}: must be a positive finite number, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ActionConfig:
     """What the sizes mean in metres and degrees, and the largest metric action accepted."""
@@ -59,12 +71,7 @@ class ActionConfig:
     max_turn_deg: float = 180.0
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"ActionConfig.{f.name}: expected a number, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"ActionConfig.{f.name}: must be a positive finite number, got {value!r}")
+        check_positive_fields(self)
         for unit, limit in (("m", "max_move_m"), ("deg", "max_turn_deg")):
             prefix = "move" if unit == "m" else "turn"
             small, medium, large = (getattr(self, f"{prefix}_{s}_{unit}") for s in SIZES)

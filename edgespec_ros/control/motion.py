@@ -28,10 +28,10 @@ None) so that a multiplexer (twist_mux) can hand control to a joystick.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .actions import Action
+from .actions import Action, check_positive_fields
 
 # Why a closed-loop primitive was given up, in words (MotionState.reason; programs read the outcome).
 BLOCKED_BY_CONTACT_REASON = "blocked: no progress on odometry"  # odometry fresh, robot not moving
@@ -76,11 +76,7 @@ class MotionLimits:
     angle_tolerance_rad: float = math.radians(1.0)
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"MotionLimits.{f.name}: must be a positive finite number, got {value!r}")
+        check_positive_fields(self)
         if self.min_linear_mps > self.max_linear_mps:
             raise ValueError(f"MotionLimits: min_linear_mps {self.min_linear_mps} exceeds max_linear_mps "
                              f"{self.max_linear_mps}")
@@ -121,11 +117,7 @@ class DegradedProfile:
     speed_scale: float = 0.5
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"DegradedProfile.{f.name}: must be a positive finite number, got {value!r}")
+        check_positive_fields(self)
         if self.speed_scale > 1.0:
             raise ValueError(f"DegradedProfile.speed_scale: must be at most 1, got {self.speed_scale!r}")
 
