@@ -150,6 +150,20 @@ def expect_error_then_close(ws, code: int, *fragments: str) -> P.Error:
     return reply
 
 
+def send_until_closed(ws, frames) -> int:
+    """Send a flood of frames, stopping where the server has already refused and closed (it may
+    do so before the last one is sent); returns how many were sent. Read the refusal after."""
+    from websockets.exceptions import ConnectionClosed
+    sent = 0
+    for frame in frames:
+        try:
+            ws.send(frame)
+        except ConnectionClosed:
+            break
+        sent += 1
+    return sent
+
+
 def wait_until(predicate, timeout: float = DEADLINE_S, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
