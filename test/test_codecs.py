@@ -228,7 +228,8 @@ def paper_bits(codec, vocab, support):
 @pytest.mark.parametrize("vocab", [300, QWEN_VOCAB])
 def test_frame_sizes_match_the_paper_formulas(spec, vocab):
     """Payload = ceil(sum of per-token bits / 8); the VERIFY frame adds a fixed framing overhead of
-    12 (header) + 4 (decision) + 4 (round) + 4 (id count) + 4 gamma (ids) + 4 (blob length) bytes."""
+    12 (header) + 4 (decision) + 4 (round) + 4 (id count) + 4 gamma (ids) + 4 (blob length) + flags, edge
+    token, epoch, condition and tree-parent counts: 45 + 4 gamma bytes in all."""
     gamma = 2 if vocab == QWEN_VOCAB and spec.startswith("dense") else 4
     codec = get_codec(spec)
     q_hat = codec.prepare(random_q(vocab, gamma, seed=vocab, scale=4.0))
@@ -243,7 +244,7 @@ def test_frame_sizes_match_the_paper_formulas(spec, vocab):
     assert sum(codec.formula_bits(vocab, k) for k in supports) == bits
     assert len(payload) == math.ceil(bits / 8), (spec, len(payload), bits)
     frame = P.encode(P.Verify(1, 1, ids, payload))
-    assert len(frame) == len(payload) + 41 + 4 * gamma
+    assert len(frame) == len(payload) + 45 + 4 * gamma
     if vocab == QWEN_VOCAB and codec.name == "dense16":
         assert 300_000 < len(payload) / gamma < 305_000  # "about 300 KB per token"
 

@@ -53,13 +53,13 @@ class Recording:
 
 
 def expected_frame_bytes(codec, vocab, q_rows) -> int:
-    """VERIFY frame = ceil(sum of the per-token formula bits / 8) + 41 + 4 gamma bytes of framing."""
+    """VERIFY frame = ceil(sum of the per-token formula bits / 8) + 45 + 4 gamma bytes of framing."""
     if codec.name == "csqs":
         bits = sum(bits_for(vocab) + bits_for(math.comb(vocab, k)) + bits_for(compositions(k, codec.l))
                    for k in (int((row > 0).sum()) for row in q_rows))
     else:
         bits = len(q_rows) * codec.formula_bits(vocab)
-    return math.ceil(bits / 8) + 41 + 4 * len(q_rows)
+    return math.ceil(bits / 8) + 45 + 4 * len(q_rows)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -100,7 +100,7 @@ def test_a_csqs_bit_budget_sets_each_rounds_draft_length_over_the_wire(pair, ver
     lengths = [len(ids) for ids, _, _ in recording.rounds]
     assert max(lengths) < cfg.gamma and len(set(lengths)) > 1, lengths
     for ids, q, reply in recording.rounds:
-        assert reply.uplink_bytes - 41 - 4 * len(ids) <= math.ceil(budget / 8)
+        assert reply.uplink_bytes - 45 - 4 * len(ids) <= math.ceil(budget / 8)
         assert reply.uplink_bytes == expected_frame_bytes(get_codec(spec), pair.vocab, q)
 
 

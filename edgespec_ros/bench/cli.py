@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shlex
@@ -83,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pipe-depth", type=depth_arg, default=DEFAULTS.pipe_depth,
                     help="pipe, pipe+fsd: blocks in flight 1..8, or auto (covers a block's round trip with "
                          f"drafting; with --gamma auto) (default {DEFAULTS.pipe_depth})")
+    ap.add_argument("--tree", nargs="+", default=[DEFAULTS.tree], metavar="SHAPE",
+                    help="sd: draft token trees (docs/trees.md): none (chains), auto (grown where the draft is "
+                         "unsure, --gamma levels, at most --tree-nodes nodes) or the nodes per depth, e.g. 2,2,2,1; "
+                         f"several: one sd row each, side by side (default {DEFAULTS.tree})")
+    ap.add_argument("--tree-nodes", type=int, default=DEFAULTS.tree_nodes,
+                    help=f"--tree auto: the most nodes a tree holds (default {DEFAULTS.tree_nodes})")
     ap.add_argument("--no-truncate", dest="pipe_truncate", action="store_false",
                     help="pipe, pipe+fsd: never cut a block short when the verifier is idle (to measure what "
                          "latency-aware truncation, i.e. verifying the sub-block drafted so far, gains)")
@@ -326,10 +333,14 @@ def bench(args) -> int:
         return 2
     try:
         for mode in modes:
-            DecodeConfig(mode=mode, gamma="auto" if mode == "auto" else args.gamma, codec=args.codec, workers=args.workers,
-                         pipe_depth=args.pipe_depth)
+            for tree in (args.tree if mode == "sd" else [DEFAULTS.tree]):
+                DecodeConfig(mode=mode, gamma="auto" if mode == "auto" else args.gamma, codec=args.codec,
+                             workers=args.workers, pipe_depth=args.pipe_depth, tree=tree, tree_nodes=args.tree_nodes)
     except ValueError as exc:
-        print(f"edgespec-bench: bad decoding settings (--gamma, --workers, --pipe-depth): {exc}", file=sys.stderr)
+        print(f"edgespec-bench: bad decoding settings (--gamma, --workers, --pipe-depth, --tree): {exc}", file=sys.stderr)
+        return 2
+    if args.tree != [DEFAULTS.tree] and "sd" not in modes:
+        print("edgespec-bench: --tree drafts trees in mode sd: add sd to --modes", file=sys.stderr)
         return 2
     env_threads()
     compute = get_compute(args.compute).with_robot(args.robot)
@@ -345,8 +356,9 @@ def bench(args) -> int:
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
                         metrics_out=args.metrics_out,
                         verifier_args=() if args.prefix_reuse else ("--no-prefix-reuse",)) as (draft_lm, url):
-        bar = tqdm(total=len(modes) * len(prompts), desc="decisions", unit="dec")
-        texts: dict[str, list[str]] = {m: [] for m in modes}
+        runs = len(modes) + ("sd" in modes) * (len(args.tree) - 1)
+        bar = tqdm(total=runs * len(prompts), desc="decisions", unit="dec")
+        texts: dict[str, list[str]] = collections.defaultdict(list)
 
         def on_decision(mode, _i, _instruction, decision):
             texts[mode].append(decision.text)
@@ -356,14 +368,15 @@ def bench(args) -> int:
                               max_new_tokens=args.max_new_tokens, params=params, seed=args.seed, codec=args.codec,
                               on_decision=on_decision, workers=args.workers,
                               client_queue=args.client_queue, pipe_depth=args.pipe_depth,
-                              pipe_truncate=args.pipe_truncate, pipe_fill_rows=args.pipe_fill_rows)
+                              pipe_truncate=args.pipe_truncate, pipe_fill_rows=args.pipe_fill_rows,
+                              trees=tuple(args.tree), tree_nodes=args.tree_nodes)
         bar.close()
     fsd_settings = {"workers": args.workers, "client_queue": args.client_queue, "server_queue": args.server_queue}
     rows = pipe.annotate(add_speedups([summaries[m].row() | {"codec": args.codec, "temperature": args.temperature}
                                        | (fsd_settings if m in ("fsd", "pipe+fsd") else {})
                                        | ({"pipe_truncate": args.pipe_truncate, "pipe_fill_rows": args.pipe_fill_rows}
                                           if m.startswith("pipe") else {})
-                                       for m in modes]))
+                                       for m in summaries]))
     if args.replay is not None:
         for r in rows:
             r["source"] = f"bag:{args.replay}"

@@ -56,8 +56,10 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
               codec: str = DEFAULTS.codec, token: str = "", on_decision=None, warmup: int = 0,
               workers: int = DEFAULTS.predraft_workers, client_queue: str = DEFAULTS.client_queue,
               pipe_depth: int | str = DEFAULTS.pipe_depth,
-              pipe_truncate: bool = True, pipe_fill_rows: bool = True) -> dict[str, RunSummary]:
-    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode.
+              pipe_truncate: bool = True, pipe_fill_rows: bool = True,
+              trees: tuple[str, ...] = ("none",), tree_nodes: int = DEFAULTS.tree_nodes) -> dict[str, RunSummary]:
+    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode (sd once per
+    entry of ``trees``: "none" is chains, labelled ``sd``; a tree shape is labelled ``sd tree=SHAPE``).
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
     (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
@@ -66,8 +68,9 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
     feeds no pending token."""
     profile = get_profile(link)
     summaries = {}
-    for mode in modes:
-        summary = RunSummary(mode=mode, link=link, compute=compute.name)
+    for mode, tree in [(m, t) for m in modes for t in (trees if m == "sd" else ("none",))]:
+        label = mode if tree == "none" else f"{mode} tree={tree}"
+        summary = RunSummary(mode=label, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                   token=token, codec=codec, link_profile=profile, timeout_s=60.0,
                                   policy_memory=draft_lm.memory)
@@ -79,14 +82,14 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
                 cfg = DecodeConfig(mode=mode, gamma="auto" if auto else gamma, max_new_tokens=max_new_tokens, params=params,
                                    seed=seed + i, codec=codec, workers=workers, client_queue=client_queue,
                                    pipe_depth="auto" if auto else pipe_depth, pipe_truncate=pipe_truncate,
-                                   pipe_fill_rows=pipe_fill_rows)
+                                   pipe_fill_rows=pipe_fill_rows, tree=tree, tree_nodes=tree_nodes)
                 decision = decoder.decide(instruction, image, cfg, history=history)
                 if i >= warmup:
                     summary.add(decision.metrics)
                 if on_decision:
-                    on_decision(mode, i, instruction, decision)
+                    on_decision(label, i, instruction, decision)
             decoder.close()
-        summaries[mode] = summary
+        summaries[label] = summary
     return summaries
 
 

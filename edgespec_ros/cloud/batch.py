@@ -99,16 +99,47 @@ def _pass_cache(rows: _PassRows) -> Cache:
     return Cache(layers=[_PassLayer(rows, i) for i in range(rows.pool.num_layers)])
 
 
+@dataclass(frozen=True)
+class TreeRows:
+    """How a row of a batched pass is a token tree (``decoding.tree``): its first ``head`` tokens
+    are committed ones (causal), the rest the tree's nodes (each sees the head, its ancestors and
+    itself, at position head + depth - 1)."""
+    tree: object  # decoding.tree.TokenTree
+    head: int
+
+    def visible(self) -> torch.Tensor:
+        """bool [head + n, head + n]: which of the row's new tokens each of them attends to."""
+        h, n = self.head, len(self.tree)
+        see = torch.zeros(h + n, h + n, dtype=torch.bool)
+        see[:h, :h] = torch.ones(h, h, dtype=torch.bool).tril()
+        see[h:, :h] = True
+        see[h:, h:] = self.tree.attention_mask()
+        return see
+
+    def offsets(self) -> list[int]:
+        """Each new token's position after the row's cache."""
+        return list(range(self.head)) + [self.head + d - 1 for d in self.tree.depths()]
+
+
 @torch.inference_mode()
-def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch.Tensor]:
+def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
+               trees: list[TreeRows | None] | None = None) -> list[torch.Tensor]:
     """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each,
     on the model's device (a lone sequence's where its ``device_logits`` says). Each cache is
     written in place in its slot of the model's ``KVPool`` (a sequence whose cache is elsewhere is
-    adopted into one first)."""
-    if len(seqs) != len(token_lists) or not seqs:
+    adopted into one first). ``trees[i]``: row i's tokens are a token tree after a committed head
+    (its nodes attend to their ancestors only, siblings share a position); None: causal."""
+    if len(seqs) != len(token_lists) or not seqs or (trees is not None and len(trees) != len(seqs)):
         raise ValueError("feed_batch needs one token list per sequence, and at least one")
+    if trees is not None and not any(trees):
+        trees = None
     if len(seqs) == 1:
-        return [seqs[0].feed(token_lists[0])]
+        if trees is None:
+            return [seqs[0].feed(token_lists[0])]
+        from ..decoding.tree import feed_tree
+        seq, t = seqs[0], trees[0]
+        head = list(token_lists[0][:t.head])
+        return [feed_tree(seq, t.tree, range(len(t.tree)), seq.fed + t.head, prefix=head)]
     lm = seqs[0].lm
     if any(s.lm is not lm for s in seqs):
         raise ValueError("feed_batch: every sequence must be on the same model")
@@ -137,8 +168,11 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
     ids = torch.tensor([list(t) + [0] * (new - len(t)) for t in token_lists], dtype=torch.long, device=device)
     own, count, delta = meta[:, 0:1], meta[:, 1:2], meta[:, 2:3]
     kv = torch.arange(past + new, device=device)
-    mask = ((kv < own) | ((kv >= past) & (kv < past + count))).long()  # [B, past + new]
-    pos = own + delta + torch.arange(new, device=device)  # [B, new]; pads: past the row's end (masked)
+    if trees is None:
+        mask = ((kv < own) | ((kv >= past) & (kv < past + count))).long()  # [B, past + new]
+        pos = own + delta + torch.arange(new, device=device)  # [B, new]; pads: past the row's end (masked)
+    else:
+        mask, pos = _tree_mask(lm, trees, lengths, counts, past, new, meta)
     position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
     rows = _PassRows(pool, slots, meta[:, 3], meta[:, 0], past, new)
     out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=_pass_cache(rows),
@@ -154,6 +188,32 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]]) -> list[torch
         s.last_logits = row[-1].clone()  # a copy: a view would keep the whole pass's logits alive
         results.append(row)
     return results
+
+
+def _tree_mask(lm, trees: list[TreeRows | None], lengths: list[int], counts: list[int], past: int, new: int,
+               meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pass with tree rows: the additive 4-D mask [B, 1, new, past + new] (each row's own cache,
+    then its new tokens as its structure says: causal, or a tree's ancestors) and the positions
+    [B, new] (a tree's siblings share one); pads see their own cache and themselves."""
+    b = len(trees)
+    see = torch.zeros(b, new, past + new, dtype=torch.bool)
+    offsets = torch.zeros(b, new, dtype=torch.long)
+    for i, (t, length, n) in enumerate(zip(trees, lengths, counts)):
+        see[i, :, :length] = True
+        if t is None:
+            see[i, :n, past:past + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            offsets[i, :n] = torch.arange(n)
+        else:
+            see[i, :n, past:past + n] = t.visible()
+            offsets[i, :n] = torch.tensor(t.offsets(), dtype=torch.long)
+        pads = torch.arange(n, new)
+        see[i, pads, past + pads] = True
+        offsets[i, n:] = pads
+    dtype = next(lm.model.parameters()).dtype
+    mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, torch.finfo(dtype).min)
+    device = meta.device
+    pos = meta[:, 0:1] + meta[:, 2:3] + offsets.to(device)
+    return mask.view(b, 1, new, past + new).to(device), pos
 
 
 @dataclass
@@ -172,6 +232,16 @@ class ArStep:
     its pending token is fed in the batch's forward pass and the next token sampled as
     ``TargetSession.ar_step`` does alone."""
     session: TargetSession
+
+
+@dataclass
+class TreeRound:
+    """One session's token-tree round (``decoding.tree``), for ``verify_batch``: its pending tokens
+    and every node fed in the shared pass with the tree's mask, the tree rule on its rows (on the
+    host: a walk down the tree), the accepted path kept in place in its KV slot."""
+    session: TargetSession
+    tree: object  # decoding.tree.TokenTree
+    q: torch.Tensor | None  # [n + 1, V] (decoding.tree.rows_to_tree_q); None: greedy
 
 
 RowValue = Union["VerifyResult", "tuple[int, float]"]  # a Round's result; an ArStep's (token, compute seconds)
@@ -219,12 +289,16 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
         raise ValueError("verify_batch: one item per session (a session's next step needs this one's result)")
     values: list[RowValue | None] = [None] * len(rounds)
     errors: list[Exception | None] = [None] * len(rounds)
-    live, starts, tokens, exits = [], {}, {}, {}
+    live, starts, tokens, exits, trees = [], {}, {}, {}, {}
     for i, (s, r) in enumerate(zip(sessions, rounds)):
         try:
             if isinstance(r, ArStep):
                 s._require_started()
                 tokens[i] = s.seq.take_pending()
+            elif isinstance(r, TreeRound):
+                starts[i], head = s.begin_tree(r.tree)
+                tokens[i] = head + list(r.tree.tokens)
+                trees[i] = TreeRows(r.tree, len(head))
             else:
                 starts[i] = s.begin_round()
                 if r.on_exit is not None and s.lm.exits is not None:
@@ -238,8 +312,14 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
     failed: dict[int, Exception] = {}  # rows whose early exits raised inside the pass: their own error
     if fed_rows:  # (AR steps right after the prefill have nothing to feed)
         with _exit_hooks(sessions, fed_rows, tokens, exits, failed):
-            fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows],
-                                                [tokens[i] for i in fed_rows])))
+            try:
+                fed = dict(zip(fed_rows, feed_batch([sessions[i].seq for i in fed_rows],
+                                                    [tokens[i] for i in fed_rows],
+                                                    [trees.get(i) for i in fed_rows] if trees else None)))
+            except BaseException:
+                for i in trees:  # their pending tokens and nodes are not half-committed
+                    sessions[i].abort_tree()
+                raise
     rows, owners, logits = [], [], {}
     for i in live:
         s, r = sessions[i], rounds[i]
@@ -247,6 +327,9 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
             errors[i] = failed[i]
             continue
         try:
+            if isinstance(r, TreeRound):  # the tree rule is its own (below); no row of the chain rule
+                logits[i] = s.tree_logits(fed[i])
+                continue
             if isinstance(r, ArStep):
                 rows.append(s.ar_row())  # its pending token was fed above: its last logits
             else:
@@ -255,9 +338,20 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
             owners.append(i)
         except Exception as exc:  # noqa: BLE001 - its own session's error (e.g. a bad q), not the batch's
             errors[i] = exc
+    for i in trees:  # the tree rule (finish_tree undoes its round on an error)
+        if i not in live:
+            continue
+        if i not in logits:
+            if errors[i] is not None:
+                sessions[i].abort_tree()
+            continue
+        try:
+            values[i] = sessions[i].finish_tree(rounds[i].tree, rounds[i].q, logits[i], starts[i])
+        except Exception as exc:  # noqa: BLE001 - its own session's error (its q), not the batch's
+            errors[i] = exc
     t0 = time.perf_counter()
     try:
-        results = verify_rows(rows)
+        results = verify_rows(rows) if rows else []
     except Exception as exc:  # noqa: BLE001 - the rule failed for the pass (e.g. out of memory): each row's error
         for i in owners:
             errors[i] = exc

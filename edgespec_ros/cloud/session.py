@@ -35,7 +35,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..codecs import CodecError, get_codec
-from .batch import ArStep, Round
+from .batch import ArStep, Round, TreeRound
 from .target import TargetSession
 from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Dispatch, Done, EndRound, HostWork,  # noqa: F401
                    LonePass, OnExit, Open, PrefillWork, RoundPass, RoundTiming, SendFrame,
@@ -329,6 +329,7 @@ class VerifierSession:
         if msg.flags & ~P.VERIFY_FLAGS:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"unknown VERIFY flags {msg.flags:#x}")
         condition = self._condition(msg)
+        tree = self._tree(msg)
         try:
             admitted = self.gate.admit(msg.epoch, condition)
         except ValueError as exc:
@@ -353,7 +354,10 @@ class VerifierSession:
         if wisv and msg.q_payload:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "a wisv block carries a draft distribution: send none "
                                                         "(protocol 7)")
-        return Step(msg, WISV if wisv else DENSE, chained, self.target.rows(n), exits)
+        if tree is not None and wisv:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "token trees are verified losslessly only: a wisv decision "
+                                                        "drafts chains")
+        return Step(msg, WISV if wisv else DENSE, chained, self.target.rows(n), exits, tree=tree)
 
     def decode_steps(self, step: Step):
         """Host work as preemptible steps (a generator whose value is q, kept on the step): the
@@ -371,6 +375,16 @@ class VerifierSession:
                                                             "draft distribution: send none (protocol 7)")
             step.q = None
             return None
+        if step.tree is not None:  # one row per node with children, coded with its first child
+            from ..decoding.tree import check_tree_q, first_children, rows_to_tree_q
+            with self.refusing(what, errors):
+                rows = yield from self.codec.decode_steps(step.msg.q_payload, first_children(step.tree), self.vocab)
+                step.q = rows_to_tree_q(step.tree, torch.as_tensor(rows))
+                if self.target.settings.params.greedy:  # the argmax path: q (one-hot rows) is not read
+                    step.q = None
+                else:
+                    check_tree_q(step.tree, step.q)
+            return step.q
         with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)
             if step.path != SPLIT and step.q is not None and acceptance == "rejection":
@@ -390,6 +404,8 @@ class VerifierSession:
     def dense_round(self, step: Step, on_exit=None) -> Round:
         """The dense step's item for ``cloud.batch.verify_batch`` (alone or with other sessions'),
         its early exits to ``on_exit`` from inside the pass."""
+        if step.tree is not None:
+            return TreeRound(self.target, step.tree, step.q)
         return Round(self.target, list(step.msg.draft_ids), step.q, step.chained, on_exit if step.exits else None)
 
     def split_verify(self, step: Step):
@@ -417,7 +433,8 @@ class VerifierSession:
         exit_layer = 0 if step.path == SPLIT else self.target.last_exit_layer
         relaxed = len(self.target.last_relaxed) if step.path == WISV else 0
         return P.Verdict(msg.decision, msg.round, result.accepted, next_token, max(0.0, verify_s) * 1e3,
-                         len(msg.draft_ids), exit_layer, exits_sent, p_payload, msg.epoch, queue_s * 1e3, relaxed)
+                         len(msg.draft_ids), exit_layer, exits_sent, p_payload, msg.epoch, queue_s * 1e3, relaxed,
+                         list(getattr(result, "path", ())))
 
     # --- WISV (LOSSY): the decision head needs the drafter's hidden rows -------------------------
 
@@ -501,6 +518,27 @@ class VerifierSession:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "VERIFY/GENERATE before PREFILL")
         if got != self.decision:
             raise SessionError(P.ErrorCode.BAD_REQUEST, f"frame for decision {got}, current decision is {self.decision}")
+
+    def _tree(self, msg: P.Verify):
+        """A VERIFY's token tree (``decoding.tree.TokenTree``), checked; None for a chain. A tree is
+        verified by the lossless rules alone, in one unchained, unconditional round without early
+        exits (those speak of a chain's verdict)."""
+        if not msg.parents:
+            return None
+        from ..decoding.tree import TokenTree
+        if len(msg.parents) != len(msg.draft_ids):
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"a token tree needs one parent per draft, got "
+                                                        f"{len(msg.parents)} parents for {len(msg.draft_ids)} drafts")
+        if self.codec.separate:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "token trees are not valid with the split codec (the robot "
+                                                        "resamples a chain's rejection): draft chains with it")
+        if msg.flags & (P.VERIFY_CHAINED | P.VERIFY_STREAM_EXITS) or msg.condition:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "a token tree is verified in one unchained, unconditional "
+                                                        "round without early exits (pipe and fsd draft chains)")
+        try:
+            return TokenTree(tuple(msg.draft_ids), tuple(msg.parents))
+        except ValueError as exc:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, f"bad token tree: {exc}") from None
 
     def _condition(self, msg: P.Verify) -> Condition | None:
         if not msg.condition:

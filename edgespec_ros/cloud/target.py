@@ -211,29 +211,59 @@ class TargetSession:
         self._record(start_position, draft_ids, logits, result)
         return result
 
-    def verify_tree(self, tree, q: torch.Tensor | None) -> tuple[object, float]:
+    def verify_tree(self, tree, q: torch.Tensor | None) -> tuple[VerifyResult, float]:
         """One token tree verified alone (``decoding.tree``): the committed tokens not yet fed and
         every node in one forward with the tree's ancestor mask, the tree rule on the logits, the
         accepted path kept in the cache (every other node dropped in place) and committed with the
-        next token. Returns (``decoding.tree.TreeVerdict``, seconds)."""
-        from ..decoding.engines import keep_positions
-        from ..decoding.tree import feed_tree, verify_tree
+        next token. A batched pass does the same for each tree row (``cloud.batch.TreeRound``).
+        Returns (the result: ``path`` the accepted nodes, ``accepted`` their count; seconds)."""
+        from ..decoding.tree import feed_tree
         t0 = time.perf_counter()
+        start, pending = self.begin_tree(tree)
+        try:
+            fed = feed_tree(self.seq, tree, range(len(tree)), self.seq.fed + len(pending), prefix=pending)
+        except BaseException:
+            self.abort_tree()
+            raise
+        return self.finish_tree(tree, q, self.tree_logits(fed), start), time.perf_counter() - t0
+
+    def begin_tree(self, tree) -> tuple[int, list[int]]:
+        """Checks before a tree round: (its start position, the committed tokens to feed before
+        the nodes). Then the nodes' logits, alone or in a batched pass, ``tree_logits`` and
+        ``finish_tree``."""
         start = self.begin_round()
-        seq = self.seq
         if self.settings.verify_mode not in ("rejection", "greedy"):
             raise ValueError(f"token trees are verified losslessly only (verify mode {self.settings.verify_mode!r} "
                              "is chain-only)")
         if not len(tree):
             raise ValueError("a token tree needs at least one node")
-        pending = seq.take_pending()
-        if not pending and seq.last_logits is None:
+        seq = self.seq
+        if not seq.pending and seq.last_logits is None:
             raise RuntimeError("target has no next-token logits")
-        root = None if pending else seq.last_logits
-        base = seq.fed + len(pending)
-        fed = feed_tree(seq, tree, range(len(tree)), base, prefix=pending)
-        rows = fed[len(pending) - 1:] if pending else torch.cat([root.view(1, -1).to(fed.device), fed])
-        verdict = verify_tree(tree, q, rows, self.settings.params, seed=self.settings.seed, first_position=start)
+        pending = seq.take_pending()
+        self._tree_first = None if pending else seq.last_logits
+        self._tree_head = len(pending)
+        self._tree_base = seq.fed + len(pending)
+        return start, pending
+
+    def tree_logits(self, fed: torch.Tensor) -> torch.Tensor:
+        """The rule's rows [n + 1, V] (row 0 after the committed prefix, row i + 1 after node i)
+        from the logits of the pending tokens and the nodes ``begin_tree`` had fed."""
+        head = self._tree_head
+        return fed[head - 1:] if head else torch.cat([self._tree_first.view(1, -1).to(fed.device), fed])
+
+    def finish_tree(self, tree, q: torch.Tensor | None, rows: torch.Tensor, start: int) -> VerifyResult:
+        """The tree rule on the round's rows, then the commit: the accepted path kept in the cache
+        (in place in the session's KV slot), the path and the next token committed. On a rule
+        error the round is undone (``abort_tree``) and the error raised."""
+        from ..decoding.engines import keep_positions
+        from ..decoding.tree import verify_tree
+        try:
+            verdict = verify_tree(tree, q, rows, self.settings.params, seed=self.settings.seed, first_position=start)
+        except BaseException:
+            self.abort_tree()
+            raise
+        seq, base = self.seq, self._tree_base
         keep_positions(seq.cache, base, [base + i for i in verdict.path])
         del seq.fed_tokens[len(seq.fed_tokens) - len(tree):]
         path_tokens = [tree.tokens[i] for i in verdict.path]
@@ -242,7 +272,26 @@ class TargetSession:
         seq.last_logits = seq.last_hidden = None
         seq.pending = [int(verdict.next_token)]
         seq.generated.extend(path_tokens + [int(verdict.next_token)])
-        return verdict, time.perf_counter() - t0
+        path = set(verdict.path)
+        return VerifyResult(len(verdict.path), int(verdict.next_token), [i in path for i in range(len(tree))],
+                            verdict.resampled, path=tuple(verdict.path))
+
+    def abort_tree(self) -> None:
+        """Undo a tree round that will not be committed (a failed pass or rule): the nodes and the
+        pending tokens fed before them leave the cache (whatever a failed forward wrote too), the
+        pending tokens and next-token logits are as before."""
+        from ..decoding.engines import crop_cache
+        seq, head = self.seq, self._tree_head
+        keep = self._tree_base - head
+        extra = seq.fed - keep
+        crop_cache(seq.cache, keep)
+        if extra > 0:
+            del seq.fed_tokens[len(seq.fed_tokens) - extra:]
+        seq.fed = keep
+        if head:
+            seq.pending = list(seq.generated[-head:])
+        else:
+            seq.last_logits = self._tree_first
 
     def _commit(self, draft_ids: list[int], result: VerifyResult, chained: bool, next_token: int) -> None:
         """Commit a verified round (every rule ends here): a chained block accepted in full commits

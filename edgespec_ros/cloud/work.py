@@ -61,6 +61,7 @@ class Step:
     q: torch.Tensor | None = None  # the draft distribution, once decoded
     csi: object = None  # wisv: the link as the robot measured it (decoding.wisv.Csi)
     hidden: torch.Tensor | None = None  # wisv, full upload: the drafter's hidden rows [n, d]
+    tree: object = None  # a token tree's round (decoding.tree.TokenTree; dense path only)
 
 
 @dataclass

@@ -404,6 +404,20 @@ def compute_arg(text: str) -> str:
     return text
 
 
+# What one draft forward over w tree nodes (a level of a token tree) costs the robot, in draft-token
+# times: a memory-bound device reads the weights once for the whole level. (width, factor) points,
+# linear between them and on the last segment's slope past the last. Source: the FSD paper's Table 9, a Jetson Orin drafting
+# Qwen2-VL-2B at batch 16 costs 1.37x batch 1 (the points between are this project's interpolation).
+DRAFT_LEVEL_COST = ((1, 1.0), (16, 1.37))
+
+
+def level_cost(width: int, table=DRAFT_LEVEL_COST) -> float:
+    """A draft level of ``width`` nodes, in draft-token times (``DRAFT_LEVEL_COST``)."""
+    if width < 1:
+        raise ValueError(f"a draft level has at least one node, got {width}")
+    return _lin([w for w, _ in table], [f for _, f in table], width)
+
+
 def pad_to(started: float, target_s: float) -> float:
     """Sleep until target_s has passed since `started` (perf_counter); returns the elapsed time."""
     remaining = target_s - (time.perf_counter() - started)
@@ -476,6 +490,11 @@ class EdgeDevice:
 
     def main_token(self):
         return self.token(True)
+
+    def level(self, width: int):
+        """Hold a main slot for one draft forward over a tree level of ``width`` nodes: one token's
+        time scaled by ``level_cost`` (never ``width`` tokens, nor two levels at once)."""
+        return self.hold(self.draft_token_s * level_cost(width), True, tokens=width)
 
     def background_token(self):
         return self.token(False)

@@ -24,6 +24,7 @@ class DecisionMetrics:
     downlink_bytes: int = 0
     draft_uplink_bytes: int = 0  # the VERIFY frames alone: draft ids + encoded q + framing
     resampled: int = 0  # rounds that ended in a rejection (a token resampled by the cloud)
+    tree_nodes: int = 0  # token trees: nodes sent (``drafted`` counts their depth, as a chain's tokens)
     t_draft: float = 0.0
     t_uplink: float = 0.0
     t_verify: float = 0.0
@@ -166,6 +167,7 @@ class RunSummary:
     downlink_bytes: int = 0
     draft_uplink_bytes: int = 0
     resampled: int = 0
+    tree_nodes: int = 0  # token trees: nodes sent (``drafted`` counts their depth)
     wall_s: float = 0.0
     t_draft: float = 0.0
     t_uplink: float = 0.0
@@ -206,7 +208,7 @@ class RunSummary:
         self.gamma = m.gamma
         self.decision_modes.append(m.mode)
         self.gamma_per_round += m.gamma_per_round
-        for name in ("tokens", "rounds", "drafted", "accepted", "uplink_bytes", "downlink_bytes",
+        for name in ("tokens", "rounds", "drafted", "tree_nodes", "accepted", "uplink_bytes", "downlink_bytes",
                      "draft_uplink_bytes", "resampled", "wall_s", "t_draft", "t_uplink", "t_verify", "t_downlink",
                      "predraft_hits", "predraft_misses", "exit_rounds", "exit_layer_sum", "exits_received", "fork_s", "hit_wait_s",
                      "pipe_flushes", "pipe_voided_blocks", "pipe_truncations", "pipe_stall_s", "queue_s",
@@ -238,6 +240,7 @@ class RunSummary:
             "tokens": self.tokens,
             "rounds": self.rounds,
             "drafted": self.drafted,
+            "tree_nodes": self.tree_nodes,
             "tau": self.tokens / self.rounds if self.rounds else 0.0,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "acceptance_per_position": per_pos,

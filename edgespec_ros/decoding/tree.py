@@ -35,6 +35,7 @@ draw never depends on how many siblings were drafted elsewhere.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +212,46 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
         path.append(node)
 
 
+def expanded(tree: TokenTree) -> list[int]:
+    """The nodes that have children (``ROOT`` first when it has any), in node order: the rows of q a
+    tree's VERIFY carries (a leaf's q is never read, and siblings share their parent's)."""
+    return sorted(set(tree.parents))
+
+
+def first_children(tree: TokenTree) -> list[int]:
+    """The token of each expanded node's first child, in ``expanded`` order: what the uplink codec
+    is given as the row's draft token (a row the drafter's siblings were all drawn from)."""
+    first: dict[int, int] = {}
+    for token, parent in zip(tree.tokens, tree.parents):
+        first.setdefault(parent, token)
+    return [first[node] for node in expanded(tree)]
+
+
+def wire_rows(tree: TokenTree, q: torch.Tensor) -> torch.Tensor:
+    """The rows of a drafted tree's q ([n + 1, V]: row 0 the root's, row i + 1 after node i) that the
+    wire carries: one per expanded node (``expanded``)."""
+    return q[[node + 1 for node in expanded(tree)]]
+
+
+def rows_to_tree_q(tree: TokenTree, rows: torch.Tensor) -> torch.Tensor:
+    """The verifier's side of ``wire_rows``: q [n + 1, V] with each expanded node's row in place
+    (zeros at the leaves, which the rule never reads)."""
+    nodes = expanded(tree)
+    if rows.shape[0] != len(nodes):
+        raise ValueError(f"a tree with {len(nodes)} expanded nodes needs {len(nodes)} q rows, got {rows.shape[0]}")
+    q = torch.zeros(len(tree) + 1, rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    q[[node + 1 for node in nodes]] = rows
+    return q
+
+
+def check_tree_q(tree: TokenTree, q: torch.Tensor) -> None:
+    """Every node's token has mass under its parent's row (ValueError otherwise): the sampled rule's
+    ratio p(x) / q(x) needs it, and the drafter drew it from there."""
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        if not float(q[parent + 1, token]) > 0:
+            raise ValueError(f"tree node {i}: token {token} has no mass under its parent's draft distribution")
+
+
 # --- drafting a tree on the robot ---------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -224,6 +265,11 @@ class TreeShape:
 
     widths: tuple[int, ...]
     branch: int = 2
+    # dynamic (``TreeShape.dynamic``, EAGLE-2's expansion): ``widths`` are each level's caps, the
+    # tree holds at most ``budget`` nodes, and a level takes only the candidate children whose
+    # expected path probability reaches ``min_score`` (always its best one)
+    budget: int = 0  # 0: static (every level filled to its width)
+    min_score: float = 0.0
 
     def __post_init__(self):
         if not self.widths or any(w < 1 for w in self.widths) or self.branch < 1:
@@ -232,19 +278,44 @@ class TreeShape:
         if self.widths[0] > self.branch:
             raise ValueError(f"tree shape: the root has at most branch={self.branch} children, widths[0]="
                              f"{self.widths[0]}")
+        if self.budget and self.budget < len(self.widths):
+            raise ValueError(f"tree shape: a node budget of {self.budget} cannot reach depth {len(self.widths)}")
+        if not 0.0 <= self.min_score < 1.0:
+            raise ValueError(f"tree shape: min_score must be in [0, 1), got {self.min_score}")
 
     @classmethod
     def chain(cls, gamma: int) -> "TreeShape":
         return cls((1,) * gamma, 1)
 
     @classmethod
-    def parse(cls, text: str, branch: int = 2) -> "TreeShape":
-        """"2,2,2,1" -> widths (2, 2, 2, 1); a single number g is the chain of g tokens."""
+    def dynamic(cls, depth: int, budget: int, branch: int = 2, min_score: float = 0.05) -> "TreeShape":
+        """A tree grown where the draft is unsure (EAGLE-2): at each of ``depth`` levels the
+        candidate children (the j-th likeliest token under a frontier node's q, j < branch) are
+        ranked by their expected path probability (the node's path score x that token's draft
+        probability, both known before any child is drawn) and taken best first while they reach
+        ``min_score``, within ``budget`` nodes (one kept for each level below)."""
+        if depth < 1 or budget < depth:
+            raise ValueError(f"a dynamic tree needs depth >= 1 and a node budget >= its depth, got depth {depth}, "
+                             f"budget {budget}")
+        return cls((branch,) + (branch * budget,) * (depth - 1), branch, budget, min_score)
+
+    @classmethod
+    def parse(cls, text: str, branch: int = 2, depth: int = 4, budget: int = 10) -> "TreeShape | None":
+        """"none" -> None (chain drafts); "auto" -> the dynamic tree of ``depth`` levels under
+        ``budget`` nodes; "2,2,2,1" -> widths (2, 2, 2, 1); a single number g is the chain of g tokens."""
+        if text == "none":
+            return None
+        if text == "auto":
+            return cls.dynamic(depth, budget, branch)
         try:
             widths = tuple(int(w) for w in text.split(","))
         except ValueError:
-            raise ValueError(f"tree shape {text!r}: give the nodes per depth, e.g. 2,2,2,1") from None
-        return cls.chain(widths[0]) if len(widths) == 1 else cls(widths, branch)
+            raise ValueError(f"tree shape {text!r}: give none, auto, or the nodes per depth, e.g. 2,2,2,1") from None
+        return cls.chain(widths[0]) if len(widths) == 1 else cls(widths, max(branch, widths[0]))
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.budget > 0
 
     @property
     def depth(self) -> int:
@@ -252,9 +323,12 @@ class TreeShape:
 
     @property
     def nodes(self) -> int:
-        return sum(self.widths)
+        """The most nodes a tree of this shape holds."""
+        return min(self.budget, sum(self.widths)) if self.budget else sum(self.widths)
 
     def label(self) -> str:
+        if self.is_dynamic:
+            return f"auto(depth {self.depth}, {self.budget} nodes)"
         return "chain" if self.branch == 1 and set(self.widths) == {1} else ",".join(map(str, self.widths))
 
 
@@ -311,58 +385,76 @@ def feed_tree(seq, tree: TokenTree, new: range, base: int, prefix: list[int] = (
 
 
 @torch.inference_mode()
-def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_position: int) -> DraftedTree:
+def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_position: int, *, prepare=None,
+               pace=None, feed_last: bool = True) -> DraftedTree:
     """Draft a tree of ``shape`` on ``seq`` (a drafter's ``decoding.engines.Sequence`` whose pending
     tokens are fed and whose ``last_logits`` predict the root's children), one forward per level
     with the tree's attention mask, every node of a level at its depth's position (M-RoPE text
     positions for a VLM). Greedy (temperature 0): a node's children are the draft's top tokens
     there; sampled: draws without replacement (``draw_siblings``), as the rule requires. The
-    nodes are appended to ``seq``'s cache; ``compact`` keeps the accepted path."""
+    nodes are appended to ``seq``'s cache; ``compact`` keeps the accepted path.
+
+    ``prepare``: the uplink codec's quantizer, applied to every row the children are drawn from
+    (the draft samples from what the wire carries, as a chain does). ``pace(width)``: a context
+    manager around each level's compute (the emulated robot accelerator: a level of w nodes is one
+    forward of width w, ``compute.EdgeDevice.level``); level 1 is paced as one token, its forward
+    being the pending tokens'. ``feed_last=False`` leaves the deepest level unfed (a verdict always
+    brings a next token, fed with it): its nodes have no ``logits_after`` rows."""
     if seq.pending:
         seq.next_logits()
     base = seq.fed
     vocab = seq.last_logits.shape[-1]
     root_logits = seq.last_logits
+
+    def q_of(logits):
+        q = probs_from_logits(logits, params)
+        if prepare is not None:
+            q = prepare(q)
+            if q is None:
+                raise ValueError("this uplink codec has no room for a tree's rows (a per-round bit budget): "
+                                 "draft chains with it")
+        return q
+
     tokens: list[int] = []
     parents: list[int] = []
-    q_rows: dict[int, torch.Tensor] = {ROOT: probs_from_logits(seq.last_logits, params)}
+    q_rows: dict[int, torch.Tensor] = {ROOT: q_of(seq.last_logits)}
     # what paths are ranked by: q itself when sampling; greedy q is one-hot, so the draft's softmax
     rank: dict[int, torch.Tensor] = {ROOT: q_rows[ROOT] if not params.greedy else torch.softmax(seq.last_logits.double(), -1)}
     scores: dict[int, float] = {ROOT: 1.0}
     logits_after: list[torch.Tensor] = []
     frontier = [ROOT]
     forwards = 0
+    fed_width = 1  # the forward that made this level's rows (level 1: the pending tokens')
     for depth, width in enumerate(shape.widths, start=1):
-        level: list[tuple[int, int]] = []  # (parent, token)
-        left = width
-        for parent in sorted(frontier, key=lambda node: -scores[node]):
-            if left == 0:
+        with pace(fed_width) if pace is not None else contextlib.nullcontext():
+            counts = _children_per_node(shape, frontier, scores, rank, width, len(tokens), depth)
+            level: list[tuple[int, int]] = []  # (parent, token)
+            for parent, k in counts:
+                if params.greedy:  # the draft's k likeliest tokens (its argmax first: the chain's token)
+                    kids = [int(t) for t in torch.topk(rank[parent], k).indices]
+                else:
+                    kids = draw_siblings(q_rows[parent], k, seed=seed, position=first_position + depth - 1)
+                level += [(parent, t) for t in kids]
+            if not level:
                 break
-            k = min(shape.branch, left)
-            q = q_rows[parent]
-            if params.greedy:  # the draft's k likeliest tokens (its argmax first: the chain's token)
-                kids = [int(t) for t in torch.topk(rank[parent], k).indices]
-            else:
-                kids = draw_siblings(q, k, seed=seed, position=first_position + depth - 1)
-            level += [(parent, t) for t in kids]
-            left -= len(kids)
-        if not level:
-            break
-        start = len(tokens)
-        for parent, token in level:
-            tokens.append(token)
-            parents.append(parent)
-        new = range(start, len(tokens))
-        out_logits = feed_tree(seq, TokenTree(tuple(tokens), tuple(parents)), new, base)
-        forwards += 1
-        rows = out_logits.cpu()
-        frontier = []
-        for row, i in enumerate(new):
-            logits_after.append(rows[row])
-            q_rows[i] = probs_from_logits(rows[row], params)
-            rank[i] = q_rows[i] if not params.greedy else torch.softmax(rows[row].double(), -1)
-            scores[i] = scores[parents[i]] * float(rank[parents[i]][tokens[i]])
-            frontier.append(i)
+            start = len(tokens)
+            for parent, token in level:
+                tokens.append(token)
+                parents.append(parent)
+            new = range(start, len(tokens))
+            frontier = list(new)
+            for i in new:
+                scores[i] = scores[parents[i]] * float(rank[parents[i]][tokens[i]])
+            if depth == shape.depth and not feed_last:
+                break
+            out_logits = feed_tree(seq, TokenTree(tuple(tokens), tuple(parents)), new, base)
+            forwards += 1
+            fed_width = len(new)
+            rows = out_logits.cpu()
+            for row, i in enumerate(new):
+                logits_after.append(rows[row])
+                q_rows[i] = q_of(rows[row])
+                rank[i] = q_rows[i] if not params.greedy else torch.softmax(rows[row].double(), -1)
     tree = TokenTree(tuple(tokens), tuple(parents))
     q = torch.zeros(len(tree) + 1, vocab, dtype=torch.float64)
     for node, row in q_rows.items():
@@ -371,14 +463,56 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
                        root_logits)
 
 
+def _children_per_node(shape: TreeShape, frontier: list[int], scores: dict, rank: dict, width: int, used: int,
+                       depth: int) -> list[tuple[int, int]]:
+    """How many children each frontier node gets at this level, from what is known before any of
+    them is drawn (path scores and the frontier's own draft rows), so the sampled rule stays
+    lossless. Static: ``width`` handed out best path first, at most ``branch`` each. Dynamic: the
+    candidates (node, j-th likeliest token) ranked by path score x that token's draft probability,
+    taken while they reach ``min_score`` (the best always), within the node budget."""
+    ordered = sorted(frontier, key=lambda node: -scores[node])
+    if not shape.is_dynamic:
+        out, left = [], width
+        for node in ordered:
+            if left == 0:
+                break
+            k = min(shape.branch, left)
+            out.append((node, k))
+            left -= k
+        return out
+    room = min(width, shape.budget - used - (shape.depth - depth))  # one node kept for each level below
+    candidates = []
+    for node in ordered:
+        top = torch.topk(rank[node], min(shape.branch, rank[node].shape[-1])).values.tolist()
+        candidates += [(scores[node] * p, node) for p in top if p > 0]
+    candidates.sort(key=lambda c: -c[0])
+    taken: dict[int, int] = {}
+    for n, (value, node) in enumerate(candidates):
+        if n >= max(room, 1) or (n and value < shape.min_score):
+            break
+        taken[node] = taken.get(node, 0) + 1
+    return [(node, taken[node]) for node in ordered if node in taken]
+
+
 def compact(seq, drafted: DraftedTree, path: tuple[int, ...]) -> None:
     """Keep the committed prefix and the accepted ``path`` in ``seq``'s cache (drop every other
     node), as if the path alone had been fed: ``fed``, ``fed_tokens`` and ``last_logits`` follow."""
     from .engines import keep_positions
+    n_fed = len(drafted.logits_after)  # the nodes in the cache (all but an unfed deepest level)
+    if any(i >= n_fed for i in path):
+        raise ValueError("compact: the path runs through nodes that were never fed (commit_tree keeps the cached part)")
     keep_positions(seq.cache, drafted.base, [drafted.base + i for i in path])
-    n_tree = len(drafted.tree)
-    del seq.fed_tokens[len(seq.fed_tokens) - n_tree:]
+    del seq.fed_tokens[len(seq.fed_tokens) - n_fed:]
     seq.fed_tokens.extend(drafted.tree.tokens[i] for i in path)
     seq.fed = drafted.base + len(path)
     seq.last_logits = drafted.logits_after[path[-1]] if path else drafted.root_logits
     seq.last_hidden = seq.fed_hidden = None  # (trees carry no hidden rows: WISV is chain-only)
+
+
+def commit_tree(seq, drafted: DraftedTree, path: tuple[int, ...], next_token: int) -> None:
+    """The drafter's side of a tree verdict: keep the accepted path's cached nodes (a deepest level
+    drafted with ``feed_last=False`` is not cached), then commit the path and ``next_token`` as a
+    chain verdict does (``Sequence.reset_to``: whatever is not cached is left pending)."""
+    cached = tuple(i for i in path if i < len(drafted.logits_after))
+    compact(seq, drafted, cached)
+    seq.reset_to(list(seq.generated) + [drafted.tree.tokens[i] for i in path] + [int(next_token)])

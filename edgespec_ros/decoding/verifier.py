@@ -146,6 +146,17 @@ class Block:
     hidden: torch.Tensor | None = None
     csi: object = None  # decoding.wisv.Csi
     upload: str = "full"
+    # a token tree (decoding.tree): each draft's parent (-1: the root), topologically ordered; q is
+    # then the tree's [n + 1, V] (row 0 the root's, row i + 1 after node i). None: a chain
+    parents: list[int] | None = None
+
+    @property
+    def tree(self):
+        """The block's ``decoding.tree.TokenTree`` (None: a chain)."""
+        if self.parents is None:
+            return None
+        from .tree import TokenTree
+        return TokenTree(tuple(self.draft_ids), tuple(self.parents))
 
 
 @dataclass
@@ -167,6 +178,13 @@ class VerifyReply:
     relaxed: int = 0  # wisv: mismatches the decision head kept (LOSSY)
     hidden_rows: int = 0  # wisv: drafter hidden rows uploaded for this round
     hidden_exchanges: int = 0  # wisv selective upload: extra round trips to fetch rows (0 or 1)
+    path: tuple = ()  # a tree block: the accepted nodes, root down (``accepted`` is their count)
+
+    def committed_drafts(self, block: "Block") -> list[int]:
+        """The block's drafts this verdict accepted: a chain's first ``accepted``, a tree's path."""
+        if block.parents is not None:
+            return [int(block.draft_ids[i]) for i in self.path]
+        return [int(t) for t in block.draft_ids[: self.accepted]]
 
     @property
     def ends_epoch(self) -> bool:

@@ -138,10 +138,14 @@ class VerifyResult:
     # the host; only its top p_top entries (zeros elsewhere) where the row asked for them alone
     target_p: torch.Tensor | None = None
     confidence: float | None = None  # asked for (early exits, Eq. 4): max softmax of the logits at the verdict row
+    path: tuple = ()  # a token tree's round (decoding.tree): the accepted nodes, root down (accepted = their count)
 
     def committed_tokens(self, draft_ids) -> list[int]:
-        """The tokens this round commits: the accepted draft prefix, then next_token."""
-        return [int(t) for t in list(draft_ids)[: self.accepted]] + [int(self.next_token)]
+        """The tokens this round commits: the accepted draft prefix (a tree's: its accepted path;
+        ``draft_ids`` may be the ``TokenTree``), then next_token."""
+        ids = list(getattr(draft_ids, "tokens", draft_ids))
+        kept = [ids[i] for i in self.path] if self.path else ids[: self.accepted]
+        return [int(t) for t in kept] + [int(self.next_token)]
 
 
 def check_draft_probs(draft_ids: torch.Tensor, draft_probs: torch.Tensor, vocab_size: int) -> None:

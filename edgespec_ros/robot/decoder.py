@@ -33,7 +33,7 @@ from ..decoding.verifier import Verifier
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
 from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDrafted, StopAndWait,
-                     Strategy, truncate_at_stop)
+                     Strategy, TreeDrafted, truncate_at_stop)
 
 __all__ = ["DECODING_MODES", "DRAFT_ONLY", "Decision", "DecodeConfig", "EdgeDecoder"]
 
@@ -86,7 +86,8 @@ class EdgeDecoder:
     def strategy(self, cfg: DecodeConfig) -> Strategy:
         """The strategy object for cfg's mode, kept across decisions (its threads and estimates)."""
         fsd = cfg.mode in ("fsd", "pipe+fsd")
-        key = (cfg.mode, cfg.gamma == "auto") + ((cfg.workers, cfg.client_queue) if fsd else ())
+        shape = cfg.tree_shape()
+        key = (cfg.mode, cfg.gamma == "auto", shape) + ((cfg.workers, cfg.client_queue) if fsd else ())
         strategy = self._strategies.get(key)
         if strategy is None:
             for old_key in [k for k in self._strategies if k[0] == cfg.mode]:  # new pre-draft settings
@@ -95,7 +96,9 @@ class EdgeDecoder:
             if fsd:
                 from .predraft import PreDrafter
                 predrafter = PreDrafter(cfg.workers, cfg.client_queue, self.device, seed=cfg.seed)
-            if cfg.mode == "sd":
+            if cfg.mode == "sd" and shape is not None:
+                strategy = StopAndWait(TreeDrafted(shape))
+            elif cfg.mode == "sd":
                 strategy = StopAndWait(Drafted(self._auto(cfg)))
             elif cfg.mode == "fsd":
                 strategy = StopAndWait(PreDrafted(predrafter))

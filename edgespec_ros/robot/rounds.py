@@ -6,13 +6,14 @@ A strategy keeps its own state across decisions (AutoGamma's estimates, the pre-
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from ..codecs import get_codec
 from ..decoding.inputs import PromptInputs
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
-from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
+from ..decoding.verifier import Block, Condition, Verifier, VerifyReply, mask_of
 from ..decoding.verify import WISV, resample_separate
 from .draft_length import AutoGamma
 from .settings import DECODING_MODES, PIPE_DEPTH_MAX, DecodeConfig  # noqa: F401 - the decoder's names
@@ -64,11 +65,12 @@ class DecisionState:
         self._last_epoch += 1
         return self._last_epoch
 
-    def block(self, ids: list[int], q: torch.Tensor, *, chained: bool = False, stream_exits: bool = False) -> Block:
-        """The next round's block (of the drafts ``self.seq`` just drafted); carries the split
-        codec's owed token (then owed no more)."""
+    def block(self, ids: list[int], q: torch.Tensor, *, chained: bool = False, stream_exits: bool = False,
+              parents: list[int] | None = None) -> Block:
+        """The next round's block (of the drafts ``self.seq`` just drafted; ``parents``: a token
+        tree's); carries the split codec's owed token (then owed no more)."""
         self.round += 1
-        block = Block(self.round, self.epoch, list(ids), q, chained, stream_exits, self.edge_token)
+        block = Block(self.round, self.epoch, list(ids), q, chained, stream_exits, self.edge_token, parents=parents)
         self.edge_token = None
         return self._with_hidden(block, self.seq)
 
@@ -175,10 +177,17 @@ class Proposer:
 
     name = ""
     exits = False  # ask the verifier to stream its early exits
+    parents: list[int] | None = None  # the last proposal's tree (None: a chain)
 
     def propose(self, d: "DecisionState") -> tuple[list[int], torch.Tensor, str]:
         """(drafts, their q rows, the timeline's cause: what the cloud waited for)."""
         raise NotImplementedError
+
+    def commit(self, d: "DecisionState", block: Block, reply: VerifyReply, token: int) -> None:
+        """The draft state after a verdict this proposer did not adopt: the accepted drafts and
+        ``token`` committed, everything after them rolled back."""
+        d.codec.feedback(reply.accepted, len(block.draft_ids))
+        d.seq.commit_draft(block.draft_ids, reply.accepted, token)
 
     def sent(self, d: "DecisionState", block: Block):
         """The block is on its way: the on_exit callback for its early exits, or None."""
@@ -216,22 +225,26 @@ class StopAndWait(Strategy):
         try:
             while True:
                 ids, q, cause = pro.propose(d)
-                block = d.block(ids, q, stream_exits=pro.exits)
+                block = d.block(ids, q, stream_exits=pro.exits, parents=pro.parents)
                 on_exit = pro.sent(d, block)
                 reply = d.verifier.verify(block, on_exit=on_exit)
-                m.record_round(reply, len(ids))
+                if block.parents is None:
+                    m.record_round(reply, len(ids))
+                else:  # a tree counts as a chain of its depth (per-depth acceptance), its nodes apart
+                    depth = max(block.tree.depths())
+                    m.record_round(replace(reply, accepted_mask=mask_of(reply.accepted, depth)), depth)
+                    m.tree_nodes += len(ids)
                 m.record_exits(reply)
                 d.timeline.verdict(reply, "fill" if block.round == 1 else cause, time.perf_counter())
                 pro.heard(d, block, reply)
                 token = d.next_token(block, reply)
-                new = ids[: reply.accepted] + [token]
+                new = reply.committed_drafts(block) + [token]
                 if d.ends_decision(new):
                     pro.abort(d)
                     d.commit(new)
                     return
                 if not pro.adopt(d, reply.accepted, token):
-                    d.codec.feedback(reply.accepted, len(ids))
-                    d.seq.commit_draft(ids, reply.accepted, token)
+                    pro.commit(d, block, reply, token)
                 d.commit(new)
         except BaseException:
             pro.abort(d)
@@ -261,6 +274,34 @@ class Drafted(Proposer):
         useful = next((i + 1 for i, t in enumerate(ids) if t in d.eos_ids), len(ids))
         self.auto.observe_round(len(ids), reply.accepted, self._draft_s, reply.uplink_s + reply.downlink_s,
                                 reply.verify_s, useful=useful)
+
+
+class TreeDrafted(Proposer):
+    """SD with token trees (``decoding.tree``): each block is a tree of ``shape`` drafted one level
+    per draft forward (the robot's accelerator charged one level's cost, ``EdgeDevice.level``),
+    verified in one pass; the draft keeps the accepted path. Lossless as the chain is (greedy: the
+    target's argmax path; sampled: recursive rejection sampling over siblings drawn without
+    replacement)."""
+
+    name = "sd"
+
+    def __init__(self, shape):
+        self.shape = shape  # decoding.tree.TreeShape
+        self._drafted = None
+
+    def propose(self, d: DecisionState):
+        from ..decoding.tree import draft_tree
+        t0 = time.perf_counter()
+        drafted = draft_tree(d.seq, self.shape, d.cfg.params, d.cfg.seed, len(d.seq.generated),
+                             prepare=d.codec.prepare, pace=d.device.level, feed_last=False)
+        d.m.t_draft += time.perf_counter() - t0
+        self._drafted, self.parents = drafted, list(drafted.tree.parents)
+        return list(drafted.tree.tokens), drafted.q, "drafted"
+
+    def commit(self, d: DecisionState, block: Block, reply: VerifyReply, token: int) -> None:
+        from ..decoding.tree import commit_tree
+        d.codec.feedback(reply.accepted, self.shape.depth)
+        commit_tree(d.seq, self._drafted, reply.path, token)
 
 
 class PreDrafted(Proposer):

@@ -53,6 +53,11 @@ class DrafterSettings:
                "pipe_depth) are then ignored")
     pipe_depth: int = setting(3, "pipe, pipe+fsd: blocks in flight (drafted and sent before the earlier ones' "
                                  "verdicts)", min_value=1, max_value=PIPE_DEPTH_MAX)
+    tree: str = setting(
+        "none", "sd: draft token trees instead of chains (lossless; docs/trees.md): none (chains), auto (grown "
+                "where the draft is unsure, gamma levels deep, at most tree_nodes nodes) or the nodes per depth, "
+                "e.g. 2,2,2,1; not with the split codec, csqs or wisv")
+    tree_nodes: int = setting(10, "sd with tree auto: the most nodes a tree holds", min_value=1, max_value=64)
     max_new_tokens: int = setting(96, "token budget of one decision", min_value=1, max_value=4096)
     temperature: float = setting(0.0, "sampling temperature (0 = greedy)", min_value=0.0)
     # After an unparseable decision the robot has not moved, so the next frame is the same and a
@@ -167,7 +172,7 @@ class DrafterSettings:
                             params=SamplingParams(temperature), seed=self.seed + decision_index,
                             codec=self.codec, workers=self.predraft_workers, client_queue=self.client_queue,
                             pipe_depth=None if mode_auto else "auto" if self.auto_gamma and self.mode in ("pipe", "pipe+fsd")
-                            else self.pipe_depth)
+                            else self.pipe_depth, tree=self.tree, tree_nodes=self.tree_nodes)
 
 
 def described_fields(cls=DrafterSettings):
@@ -206,6 +211,8 @@ class DecodeConfig:
     # carries gamma + 1 drafts, so its pass computes the same gamma + 1 rows as a block after a
     # verdict (and as SD's); off only to measure it
     pipe_fill_rows: bool = True
+    tree: str = _D.tree  # sd: "none" (chains), "auto" or widths per depth "2,2,1" (decoding.tree.TreeShape)
+    tree_nodes: int = _D.tree_nodes  # tree "auto": the node budget
 
     def __post_init__(self):
         if self.mode not in DECODING_MODES:
@@ -240,6 +247,34 @@ class DecodeConfig:
         if self.verify_mode == WISV and get_codec(self.codec).separate:
             raise ValueError("verify mode wisv decides at the verifier: not with the split codec")
         self.verify_settings()  # raises on a bad verify mode, threshold, or wisv at temperature > 0
+        self.tree_shape()  # raises on a bad tree, or one these settings cannot draft
+
+    def tree_shape(self):
+        """The decision's ``decoding.tree.TreeShape`` (None: chains); ValueError naming what a tree
+        cannot be drafted with."""
+        if self.tree == "none":
+            return None
+        from ..decoding.tree import TreeShape
+        depth = self.gamma if isinstance(self.gamma, int) and not isinstance(self.gamma, bool) else _D.gamma
+        try:
+            shape = TreeShape.parse(self.tree, depth=depth, budget=max(self.tree_nodes, depth))
+        except ValueError as exc:
+            raise ValueError(f"tree {self.tree!r}: {exc}") from None
+        if self.mode != "sd":
+            raise ValueError(f"tree drafts run in mode sd (mode {self.mode}: pipe, fsd and mode auto draft chains); "
+                             "set tree none or mode sd")
+        if self.gamma == "auto":
+            raise ValueError("tree drafts take a fixed shape (tree auto: gamma levels deep): give an integer gamma "
+                             "(auto_gamma off)")
+        codec = get_codec(self.codec)
+        if codec.separate or codec.name == "csqs":
+            raise ValueError(f"tree drafts are not valid with codec {codec.spec} (the split codec resamples a chain's "
+                             "rejection; csqs budgets bits per chain): use a chain or another codec")
+        if self.verify_mode == WISV:
+            raise ValueError("tree drafts are verified losslessly: not with verify mode wisv")
+        if shape.nodes > 64:
+            raise ValueError(f"tree {self.tree!r} has {shape.nodes} nodes; a block holds at most 64")
+        return shape
 
     def verify_settings(self) -> VerifySettings:
         wisv = self.verify_mode == WISV

@@ -56,9 +56,19 @@ def verify_frame(decision: int, block: Block, codec, exits: bool, send_q: bool =
         if block.upload == "full":
             flags |= P.VERIFY_HIDDEN
             hidden = encode_hidden(block.hidden)
-    q = codec.encode(block.draft_ids, block.q) if send_q else b""
+    tree = block.tree
+    if tree is not None:  # one q row per node with children, coded with its first child
+        from ..decoding.tree import first_children, wire_rows
+        if codec.separate or block.hidden is not None or block.chained or cond is not None:
+            raise ValueError("a token tree is sent in one unchained, unconditional round, not with the split codec "
+                             "or wisv")
+        flags &= ~P.VERIFY_STREAM_EXITS
+        q = codec.encode(first_children(tree), wire_rows(tree, torch.as_tensor(block.q))) if send_q else b""
+    else:
+        q = codec.encode(block.draft_ids, block.q) if send_q else b""
     return P.Verify(decision, block.round, list(block.draft_ids), q, flags,
-                    edge, block.epoch, [] if cond is None else [cond.round, cond.accepted, cond.token], csi, hidden)
+                    edge, block.epoch, [] if cond is None else [cond.round, cond.accepted, cond.token], csi, hidden,
+                    list(block.parents or ()))
 
 
 def hidden_frame(request: P.HiddenRequest, block: Block | None) -> P.Hidden:
@@ -79,6 +89,10 @@ def verdict_reply(verdict: P.Verdict, block: Block, codec, vocab_size: int) -> V
     verdict; link times are the caller's). VerifierError for a verdict the robot cannot have
     asked for: out of range, a continuation of a block that was not chained or not accepted in
     full, a target distribution without a split-codec rejection (or the reverse)."""
+    if block.parents is not None:
+        return _tree_reply(verdict, block, vocab_size)
+    if verdict.path:
+        raise VerifierError("verdict names a tree path for a chain block: the verifier speaks another protocol")
     n = len(block.draft_ids)
     target_p = _target_p(verdict, n, codec, vocab_size) if verdict.p_payload else None
     continued = verdict.next_token == P.NO_TOKEN and target_p is None
@@ -89,6 +103,24 @@ def verdict_reply(verdict: P.Verdict, block: Block, codec, vocab_size: int) -> V
     return VerifyReply(verdict.accepted, next_token, mask_of(verdict.accepted, n), verify_s=verdict.verify_ms / 1e3,
                        exit_layer=verdict.exit_layer, round=block.round, epoch=block.epoch, target_p=target_p,
                        queue_s=verdict.queue_ms / 1e3, relaxed=verdict.relaxed)
+
+
+def _tree_reply(verdict: P.Verdict, block: Block, vocab_size: int) -> VerifyReply:
+    """A tree block's VERDICT: its path must run from the root down through the block's tree, and
+    a next token must follow it (a tree round is never chained)."""
+    path = [int(i) for i in verdict.path]
+    parents = block.parents
+    ok = len(path) == verdict.accepted and not verdict.p_payload and verdict.next_token < vocab_size
+    above = -1
+    for node in path:
+        ok = ok and 0 <= node < len(parents) and parents[node] == above
+        above = node
+    if not ok:
+        raise VerifierError("verdict out of range for the tree sent: the verifier speaks another model or protocol")
+    accepted = set(path)
+    return VerifyReply(len(path), int(verdict.next_token), [i in accepted for i in range(len(parents))],
+                       verify_s=verdict.verify_ms / 1e3, exit_layer=verdict.exit_layer, round=block.round,
+                       epoch=block.epoch, queue_s=verdict.queue_ms / 1e3, path=tuple(path))
 
 
 def _target_p(verdict: P.Verdict, n: int, codec, vocab_size: int) -> torch.Tensor:

@@ -23,8 +23,9 @@ MAGIC = b"ESPD"
 # condition (conditional blocks), WISV's PREFILL threshold, VERIFY CSI and hidden rows, HIDDEN_REQUEST/HIDDEN
 # and the relaxed VERDICT; a HELLO that names the draft (content hash) and how many earlier decisions the
 # robot's prompts show (a memory mismatch is refused like a tokenizer mismatch); greedy and WISV blocks carry
-# no draft distribution. What each version added: CHANGELOG.md.
-PROTOCOL_VERSION = 9
+# no draft distribution. Version 10: token trees (a VERIFY's node parents, a VERDICT's accepted path).
+# What each version added: CHANGELOG.md.
+PROTOCOL_VERSION = 10
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -237,6 +238,10 @@ class Verify:
     # (decoding.wisv.encode_hidden)
     csi: tuple = (0.0, 0.0, 0.0, 0.0)
     hidden: bytes = b""
+    # a token tree (decoding.tree): each draft's parent (-1, sent as NO_TOKEN: the root), in
+    # topological order; q_payload then carries one row per node with children (decoding.tree.
+    # expanded), coded with its first child as the row's draft. Empty: a chain.
+    parents: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -254,6 +259,7 @@ class Verdict:
     queue_ms: float = 0.0  # time the block waited at the verifier: behind this session's earlier blocks, and in
     # the compute queue behind other sessions' work (verify_ms is then the round's own compute)
     relaxed: int = 0  # wisv (LOSSY): mismatches the decision head kept in this round
+    path: list[int] = field(default_factory=list)  # a tree's round: the accepted nodes, root down (empty: a chain)
 
 
 @dataclass
@@ -308,6 +314,14 @@ class Close:
     reason: str = ""
 
 
+def _wire_parent(parent: int) -> int:
+    return NO_TOKEN if parent == -1 else parent
+
+
+def _parents(wire: list[int]) -> list[int]:
+    return [-1 if p == NO_TOKEN else p for p in wire]
+
+
 _ENCODERS = {
     Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)
             .str(m.draft).u16(m.memory)),
@@ -318,10 +332,11 @@ _ENCODERS = {
               .u64(m.seed).f32(m.temperature).u32(m.top_k).f32(m.top_p).str(m.verify_mode).f32(m.wisv_threshold)),
     PrefillOk: (FrameType.PREFILL_OK, lambda m, w: w.u32(m.decision).f32(m.prefill_ms)),
     Verify: (FrameType.VERIFY, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.draft_ids).blob(m.q_payload)
-             .u8(m.flags).u32(m.edge_token).u32(m.epoch).ids(m.condition).wisv(m)),
+             .u8(m.flags).u32(m.edge_token).u32(m.epoch).ids(m.condition).ids([_wire_parent(p) for p in m.parents])
+             .wisv(m)),
     Verdict: (FrameType.VERDICT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.accepted).u32(m.next_token)
               .f32(m.verify_ms).u16(m.n_drafted).u16(m.exit_layer).u16(m.exits_sent).blob(m.p_payload)
-              .u32(m.epoch).f32(m.queue_ms).u16(m.relaxed)),
+              .u32(m.epoch).f32(m.queue_ms).u16(m.relaxed).ids(m.path)),
     Exit: (FrameType.EXIT, lambda m, w: w.u32(m.decision).u32(m.round).u16(m.layer).u16(m.accepted)
            .u32(m.next_token).f32(m.confidence).f32(m.at_ms)),
     HiddenRequest: (FrameType.HIDDEN_REQUEST, lambda m, w: w.u32(m.decision).u32(m.round).ids(m.positions)),
@@ -344,11 +359,11 @@ _DECODERS = {
     FrameType.PREFILL_OK: lambda r: PrefillOk(r.u32("decision"), r.f32("prefill_ms")),
     FrameType.VERIFY: lambda r: r.wisv(Verify(r.u32("decision"), r.u32("round"), r.ids("draft_ids"),
                                               r.blob("q_payload"), r.u8("flags"), r.u32("edge_token"), r.u32("epoch"),
-                                              r.ids("condition"))),
+                                              r.ids("condition"), parents=_parents(r.ids("parents")))),
     FrameType.VERDICT: lambda r: Verdict(r.u32("decision"), r.u32("round"), r.u16("accepted"), r.u32("next_token"),
                                          r.f32("verify_ms"), r.u16("n_drafted"), r.u16("exit_layer"),
                                          r.u16("exits_sent"), r.blob("p_payload"), r.u32("epoch"), r.f32("queue_ms"),
-                                         r.u16("relaxed")),
+                                         r.u16("relaxed"), r.ids("path")),
     FrameType.EXIT: lambda r: Exit(r.u32("decision"), r.u32("round"), r.u16("layer"), r.u16("accepted"),
                                    r.u32("next_token"), r.f32("confidence"), r.f32("at_ms")),
     FrameType.HIDDEN_REQUEST: lambda r: HiddenRequest(r.u32("decision"), r.u32("round"), r.ids("positions")),
