@@ -26,12 +26,13 @@ T = SamplingParams(temperature=1.0)
 COMMANDS = ("find the chair", "go to the red box", "turn around")
 
 
-@pytest.mark.parametrize("tree", ["2,2,2", "2,4,3,1", "auto"])
-def test_greedy_tree_decisions_are_the_targets_own_tokens(vlm_draft, vlm_target, image, tree):
-    """sd with trees, through the verifier session (the frames, the batched pass): the committed
-    tokens are the target's greedy output; the rounds are fewer than the tokens."""
-    decoder = EdgeDecoder(vlm_draft, LocalVerifier(vlm_target))
-    cfg = DecodeConfig(mode="sd", gamma=3, tree=tree, tree_nodes=8, max_new_tokens=16)
+@pytest.mark.parametrize("mode, tree", [("sd", "2,2,2"), ("sd", "2,4,3,1"), ("sd", "auto"), ("pipe", "2,2,2"),
+                                        ("pipe", "auto")])
+def test_greedy_tree_decisions_are_the_targets_own_tokens(vlm_draft, vlm_target, image, mode, tree):
+    """sd and pipe with trees, through the verifier session (the frames, the batched pass): the
+    committed tokens are the target's greedy output, whichever branch each verdict takes."""
+    decoder = EdgeDecoder(vlm_draft, LocalVerifier(vlm_target, eager=mode == "pipe"))
+    cfg = DecodeConfig(mode=mode, gamma=3, tree=tree, tree_nodes=8, max_new_tokens=16)
     for text in COMMANDS:
         prompt, inputs = decoder.make_prompt(text, image)
         want = target_generate(vlm_target, inputs, VerifySettings(), 16)
@@ -40,6 +41,24 @@ def test_greedy_tree_decisions_are_the_targets_own_tokens(vlm_draft, vlm_target,
         m = decision.metrics
         assert m.rounds <= len(want) and m.tree_nodes >= m.drafted  # random fixture models: few accepted
         assert len(m.drafted_per_position) <= 4  # per depth, not per node
+
+
+@pytest.mark.parametrize("mode, gamma", [("auto", "auto"), ("sd", "auto"), ("pipe", "auto")])
+def test_planned_draft_lengths_draft_dynamic_trees_as_deep_as_planned(pair, mode, gamma):
+    """tree auto with gamma auto or mode auto: the controller plans the depth of each tree (ODLD,
+    the pipeline's plan) and learns from the trees' rounds; the tokens stay the target's own."""
+    from wire_helpers import INSTRUCTIONS
+    decoder = EdgeDecoder(pair.draft, LocalVerifier(pair.target, eager=mode != "sd"))
+    cfg = DecodeConfig(mode=mode, gamma=gamma, tree="auto", tree_nodes=8, max_new_tokens=24)
+    modes, trees = set(), 0
+    for text in INSTRUCTIONS[:2] * 2:
+        decision = decoder.decide(text, pair.image, cfg)
+        assert decision.tokens == pair.reference(text, cfg)
+        modes.add(decision.metrics.mode)
+        trees += decision.metrics.tree_nodes > decision.metrics.drafted  # some level branched
+        assert all(1 <= g <= 64 for g in decision.metrics.gamma_per_round)
+    assert trees > 0 or modes == {"ar"}, modes
+    assert decoder.auto_gamma is not None
 
 
 def test_a_tree_is_drafted_one_level_per_forward_and_each_level_costs_the_table(vlm_draft, image):
@@ -158,25 +177,29 @@ def test_what_a_tree_cannot_be_drafted_with_is_refused_clearly():
     assert ok.tree_shape().widths == (2, 2, 1)
     assert DecodeConfig(mode="sd", gamma=4, tree="auto").tree_shape().is_dynamic
     assert DecodeConfig(mode="sd").tree_shape() is None
-    for kwargs, fragment in [(dict(mode="pipe"), "mode sd"), (dict(mode="fsd"), "mode sd"),
-                             (dict(mode="auto"), "mode sd"), (dict(mode="sd", codec="split:k=8"), "split"),
+    assert DecodeConfig(mode="pipe", gamma=4, tree="auto").tree_shape().is_dynamic
+    assert DecodeConfig(mode="auto", tree="auto").tree_shape().is_dynamic  # as deep as auto plans
+    for kwargs, fragment in [(dict(mode="pipe+fsd"), "modes sd, pipe and auto"), (dict(mode="fsd"), "modes sd, pipe"),
+                             (dict(mode="auto"), "fixed shape"), (dict(mode="sd", codec="split:k=8"), "split"),
                              (dict(mode="sd", codec="csqs"), "csqs"), (dict(mode="sd", gamma="auto"), "integer gamma"),
                              (dict(mode="sd", tree="2,x"), "nodes per depth"),
                              (dict(mode="sd", tree="8,8,8,8,8,8,8,8,8"), "at most 64")]:
         kwargs.setdefault("tree", "2,2")
         with pytest.raises(ValueError, match=fragment):
             DecodeConfig(**kwargs)
-    with pytest.raises(ValueError, match="mode sd"):
-        DrafterSettings(tree="auto")  # the drafter's default mode is auto
-    assert DrafterSettings(mode="sd", tree="auto").decode_config(0).tree_shape().budget == 10
+    with pytest.raises(ValueError, match="fixed shape"):
+        DrafterSettings(tree="2,2,1")  # the drafter's default mode is auto: it plans the depth
+    assert DrafterSettings(tree="auto").decode_config(0).tree_shape().budget == 10
+    assert DrafterSettings(mode="sd", tree="auto").decode_config(0).tree_shape().depth == 4
 
 
 def test_the_verifier_refuses_trees_it_cannot_verify(vlm_draft, vlm_target, image):
-    """A tree chained, with early exits, with a bad parent list, or in a split-codec session: an
-    ERROR naming the problem, the session left usable where the gate allows."""
+    """A tree asking for early exits or sent conditionally, with a bad parent list, or in a
+    split-codec session: an ERROR naming the problem."""
     decoder = EdgeDecoder(vlm_draft, None)
     prompt, _ = decoder.make_prompt("find the chair", image)
-    cases = [(dict(flags=P.VERIFY_CHAINED), "unchained"), (dict(parents=[-1, 5]), "parent"),
+    cases = [(dict(flags=P.VERIFY_STREAM_EXITS), "without early exits"), (dict(condition=[0, 0, 1]), "unconditional"),
+             (dict(parents=[-1, 5]), "parent"),
              (dict(parents=[-1]), "one parent per draft"), (dict(parents=[-1, -1], draft_ids=[4, 4]), "twice")]
     for fields, fragment in cases:
         lv = LocalVerifier(vlm_target)
@@ -199,10 +222,14 @@ def _run():
 
 
 @pytest.mark.slow
-def test_sampled_tree_decisions_through_the_verifier_follow_the_targets_law(small_lm_pair):
-    """sd with a 2-wide tree at temperature 1 through the verifier session (q rows coded per node
-    with children, the tree rule in the batched pass): the first two tokens follow the target's
-    exact law (chi-square), and clearly not the draft's."""
+@pytest.mark.parametrize("mode, shape", [("sd", TreeShape((2, 2))), ("pipe", TreeShape((3,), branch=3))],
+                         ids=["sd-2,2", "pipe-one-level"])
+def test_sampled_tree_decisions_through_the_verifier_follow_the_targets_law(small_lm_pair, mode, shape):
+    """Trees at temperature 1 through the verifier session (q rows coded per node with children,
+    the tree rule in the batched pass): the first two tokens follow the target's exact law
+    (chi-square), and clearly not the draft's. pipe with one level of three siblings: the second
+    token is often the next block's first, verified after the first block's main path was
+    accepted with no token sampled between (a chained tree continued)."""
     from stats_helpers import P_VALUE_MIN, FixedPromptDecoder, chi_square_pvalue, exact_two_token_law
     target, draft = small_lm_pair
     law = exact_two_token_law(target, T)
@@ -210,10 +237,15 @@ def test_sampled_tree_decisions_through_the_verifier_follow_the_targets_law(smal
     index = {o: i for i, o in enumerate(outcomes)}
     decoder = FixedPromptDecoder(draft, LocalVerifier(target, codec="topk:k=16"))
     counts = np.zeros(len(outcomes))
+    full = rejected = 0  # rounds whose tree was accepted to its depth (pipe: a chained block continued), or not
     for seed in range(1200):
-        cfg = DecodeConfig(mode="sd", gamma=2, tree="2,2", max_new_tokens=3, params=T, seed=seed, codec="topk:k=16")
-        tokens = decoder.decide("", None, cfg).tokens
+        cfg = DecodeConfig(mode=mode, gamma=2, tree=shape, max_new_tokens=3, params=T, seed=seed, codec="topk:k=16")
+        decision = decoder.decide("", None, cfg)
+        tokens, m = decision.tokens, decision.metrics
+        full += m.accepted_per_position[-1]
+        rejected += m.drafted_per_position[0] - m.accepted_per_position[0]
         counts[index[(SMALL_EOS,) if tokens[0] == SMALL_EOS else tuple(tokens[:2])]] += 1
+    assert full > 100 and rejected > 100, (full, rejected)  # both of the rule's ends were taken often
     probs = np.array([law[o] for o in outcomes])
     assert chi_square_pvalue(counts, probs) > P_VALUE_MIN
     draft_law = exact_two_token_law(draft, T)
@@ -227,10 +259,10 @@ def pair():
 
 
 def test_tree_robots_over_the_websocket_share_passes_and_decide_as_alone(pair):
-    """Three robots on one verifier (batched passes): sd with a static tree (greedy), sd with a
-    dynamic tree (sampled, topk codec) and sd with chains. Each decides over the websocket exactly
-    what it decides in process; the greedy tree robot says the target's own tokens; trees are
-    accepted deeper than one token a round."""
+    """Four robots on one verifier (batched passes): sd with a static tree (greedy), sd with a
+    dynamic tree (sampled, topk codec), sd with chains and pipe with trees (greedy, two blocks in
+    flight). Each decides over the websocket exactly what it decides in process; the greedy tree
+    robots say the target's own tokens; trees are accepted deeper than one token a round."""
     import threading
     from edgespec_ros.cloud.server import VerifierServer
     from edgespec_ros.cloud.thread import ServerThread
@@ -240,14 +272,17 @@ def test_tree_robots_over_the_websocket_share_passes_and_decide_as_alone(pair):
     plans = [DecodeConfig(mode="sd", gamma=4, tree="2,2,2,1", max_new_tokens=24, codec=codec),
              DecodeConfig(mode="sd", gamma=4, tree="auto", tree_nodes=8, max_new_tokens=24, codec=codec, seed=3,
                           params=T),
-             DecodeConfig(mode="sd", gamma=3, max_new_tokens=24, codec=codec)]
+             DecodeConfig(mode="sd", gamma=3, max_new_tokens=24, codec=codec),
+             DecodeConfig(mode="pipe", gamma=3, tree="2,2,1", pipe_depth=2, max_new_tokens=24, codec=codec)]
+    n = len(plans)
     refs = [EdgeDecoder(pair.draft, LocalVerifier(pair.target, codec=codec)).decide(INSTRUCTIONS[0], pair.image, cfg)
             for cfg in plans]
     assert refs[0].tokens == pair.reference(INSTRUCTIONS[0], plans[0])
     assert refs[0].metrics.accepted > refs[0].metrics.rounds  # deeper than one token a round
+    assert refs[3].tokens == pair.reference(INSTRUCTIONS[0], plans[3])
     with ServerThread(VerifierServer(server_copy(pair.target), max_batch=8)) as st:
-        results, errors = [None] * 3, []
-        barrier = threading.Barrier(3)
+        results, errors = [None] * n, []
+        barrier = threading.Barrier(n)
 
         def robot(i):
             try:
@@ -260,7 +295,7 @@ def test_tree_robots_over_the_websocket_share_passes_and_decide_as_alone(pair):
                 rv.close()
             except Exception as exc:  # reported below
                 errors.append(repr(exc))
-        threads = [threading.Thread(target=robot, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=robot, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:

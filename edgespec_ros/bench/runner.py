@@ -50,6 +50,9 @@ def prompt_parts(prompt) -> tuple:
     return instruction, image, (rest[0] if rest else ())
 
 
+TREE_MODES = ("sd", "pipe")  # the modes that draft token trees (DecodeConfig.tree_shape)
+
+
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
               gamma: int | str = DEFAULTS.gamma, max_new_tokens: int = DEFAULTS.max_new_tokens,
               params: SamplingParams = SamplingParams(DEFAULTS.temperature), seed: int = DEFAULTS.seed,
@@ -58,8 +61,8 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
               pipe_depth: int | str = DEFAULTS.pipe_depth,
               pipe_truncate: bool = True, pipe_fill_rows: bool = True,
               trees: tuple[str, ...] = ("none",), tree_nodes: int = DEFAULTS.tree_nodes) -> dict[str, RunSummary]:
-    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode (sd once per
-    entry of ``trees``: "none" is chains, labelled ``sd``; a tree shape is labelled ``sd tree=SHAPE``).
+    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode (sd and pipe once
+    per entry of ``trees``: "none" is chains, labelled by the mode; a tree shape ``MODE tree=SHAPE``).
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
     (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
@@ -68,7 +71,7 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
     feeds no pending token."""
     profile = get_profile(link)
     summaries = {}
-    for mode, tree in [(m, t) for m in modes for t in (trees if m == "sd" else ("none",))]:
+    for mode, tree in [(m, t) for m in modes for t in (trees if m in TREE_MODES else ("none",))]:
         label = mode if tree == "none" else f"{mode} tree={tree}"
         summary = RunSummary(mode=label, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,

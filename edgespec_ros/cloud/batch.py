@@ -183,7 +183,11 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
         n = counts[i]
         s.cache.set_length(lengths[i] + n)  # its new keys and values are in its slot already
         s.fed += n
-        s.fed_tokens.extend(int(t) for t in tokens)
+        if trees is not None and trees[i] is not None:  # a tree's nodes: no token history until compacted
+            from ..decoding.tree import TREE_NODE
+            s.fed_tokens.extend([int(t) for t in tokens[:trees[i].head]] + [TREE_NODE] * (n - trees[i].head))
+        else:
+            s.fed_tokens.extend(int(t) for t in tokens)
         row = logits[i, :n]
         s.last_logits = row[-1].clone()  # a copy: a view would keep the whole pass's logits alive
         results.append(row)
@@ -242,6 +246,7 @@ class TreeRound:
     session: TargetSession
     tree: object  # decoding.tree.TokenTree
     q: torch.Tensor | None  # [n + 1, V] (decoding.tree.rows_to_tree_q); None: greedy
+    chained: bool = False  # the pipeline: its main path accepted in full commits no next token
 
 
 RowValue = Union["VerifyResult", "tuple[int, float]"]  # a Round's result; an ArStep's (token, compute seconds)
@@ -346,7 +351,7 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
                 sessions[i].abort_tree()
             continue
         try:
-            values[i] = sessions[i].finish_tree(rounds[i].tree, rounds[i].q, logits[i], starts[i])
+            values[i] = sessions[i].finish_tree(rounds[i].tree, rounds[i].q, logits[i], starts[i], rounds[i].chained)
         except Exception as exc:  # noqa: BLE001 - its own session's error (its q), not the batch's
             errors[i] = exc
     t0 = time.perf_counter()

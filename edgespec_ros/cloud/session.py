@@ -405,7 +405,7 @@ class VerifierSession:
         """The dense step's item for ``cloud.batch.verify_batch`` (alone or with other sessions'),
         its early exits to ``on_exit`` from inside the pass."""
         if step.tree is not None:
-            return TreeRound(self.target, step.tree, step.q)
+            return TreeRound(self.target, step.tree, step.q, step.chained)
         return Round(self.target, list(step.msg.draft_ids), step.q, step.chained, on_exit if step.exits else None)
 
     def split_verify(self, step: Step):
@@ -521,8 +521,8 @@ class VerifierSession:
 
     def _tree(self, msg: P.Verify):
         """A VERIFY's token tree (``decoding.tree.TokenTree``), checked; None for a chain. A tree is
-        verified by the lossless rules alone, in one unchained, unconditional round without early
-        exits (those speak of a chain's verdict)."""
+        verified by the lossless rules alone, in an unconditional round without early exits (those
+        speak of a chain's verdict); a chained one continues from its ``main_path``."""
         if not msg.parents:
             return None
         from ..decoding.tree import TokenTree
@@ -532,9 +532,9 @@ class VerifierSession:
         if self.codec.separate:
             raise SessionError(P.ErrorCode.BAD_REQUEST, "token trees are not valid with the split codec (the robot "
                                                         "resamples a chain's rejection): draft chains with it")
-        if msg.flags & (P.VERIFY_CHAINED | P.VERIFY_STREAM_EXITS) or msg.condition:
-            raise SessionError(P.ErrorCode.BAD_REQUEST, "a token tree is verified in one unchained, unconditional "
-                                                        "round without early exits (pipe and fsd draft chains)")
+        if msg.flags & P.VERIFY_STREAM_EXITS or msg.condition:
+            raise SessionError(P.ErrorCode.BAD_REQUEST, "a token tree is verified in an unconditional round without "
+                                                        "early exits (fsd and pipe+fsd draft chains)")
         try:
             return TokenTree(tuple(msg.draft_ids), tuple(msg.parents))
         except ValueError as exc:

@@ -252,12 +252,15 @@ class TargetSession:
         head = self._tree_head
         return fed[head - 1:] if head else torch.cat([self._tree_first.view(1, -1).to(fed.device), fed])
 
-    def finish_tree(self, tree, q: torch.Tensor | None, rows: torch.Tensor, start: int) -> VerifyResult:
+    def finish_tree(self, tree, q: torch.Tensor | None, rows: torch.Tensor, start: int,
+                    chained: bool = False) -> VerifyResult:
         """The tree rule on the round's rows, then the commit: the accepted path kept in the cache
-        (in place in the session's KV slot), the path and the next token committed. On a rule
-        error the round is undone (``abort_tree``) and the error raised."""
+        (in place in the session's KV slot), the path and the next token committed. ``chained``
+        (the pipeline): a path that is the tree's ``main_path`` in full commits no next token (the
+        robot's next block continues it, as after a chained chain; ``next_token`` NO_TOKEN). On a
+        rule error the round is undone (``abort_tree``) and the error raised."""
         from ..decoding.engines import keep_positions
-        from ..decoding.tree import verify_tree
+        from ..decoding.tree import main_path, verify_tree
         try:
             verdict = verify_tree(tree, q, rows, self.settings.params, seed=self.settings.seed, first_position=start)
         except BaseException:
@@ -269,12 +272,21 @@ class TargetSession:
         path_tokens = [tree.tokens[i] for i in verdict.path]
         seq.fed_tokens.extend(path_tokens)
         seq.fed = base + len(verdict.path)
-        seq.last_logits = seq.last_hidden = None
-        seq.pending = [int(verdict.next_token)]
-        seq.generated.extend(path_tokens + [int(verdict.next_token)])
+        seq.last_hidden = None
         path = set(verdict.path)
-        return VerifyResult(len(verdict.path), int(verdict.next_token), [i in path for i in range(len(tree))],
-                            verdict.resampled, path=tuple(verdict.path))
+        next_token = int(verdict.next_token)
+        if chained and list(verdict.path) == main_path(tree):  # the next block follows: no next token
+            next_token = NO_TOKEN
+            seq.last_logits, seq.pending = rows[verdict.path[-1] + 1].clone(), []
+            seq.generated.extend(path_tokens)
+        else:
+            seq.last_logits, seq.pending = None, [next_token]
+            seq.generated.extend(path_tokens + [next_token])
+        result = VerifyResult(len(verdict.path), next_token, [i in path for i in range(len(tree))],
+                              verdict.resampled and next_token != NO_TOKEN, path=tuple(verdict.path))
+        # recorded as the chain it committed: the target's rows along the path (cloud.traces)
+        self._record(start, path_tokens, rows[[0] + [i + 1 for i in verdict.path]], result)
+        return result
 
     def abort_tree(self) -> None:
         """Undo a tree round that will not be committed (a failed pass or rule): the nodes and the

@@ -44,6 +44,10 @@ from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESAMPLE, SamplingPara
     sample_from
 
 ROOT = -1
+# What a sequence's ``fed_tokens`` holds at a tree node's cache position until the tree is compacted:
+# no token id, so ``Sequence.reset_to`` (which keeps the cached prefix agreeing with a history) never
+# mistakes a sibling, cached at its depth's position, for the token after its predecessor
+TREE_NODE = -1
 STREAM_SIBLING = 4  # accept coins (4) and draft draws (5) of the second and later children at a position
 _SIBLING_KEY = 0x9E3779B97F4A7C15  # odd: sibling j's key is seed + j * this
 _TOL = 1e-12
@@ -212,6 +216,16 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
         path.append(node)
 
 
+def main_path(tree: TokenTree) -> list[int]:
+    """The path the pipeline drafts on from (its next block assumes the verifier accepts it in
+    full): down to the first node of the deepest level, which the drafter puts there as the best
+    path's child (the chain's own draft where the tree holds it). Both sides compute it from the
+    tree alone."""
+    depths = tree.depths()
+    deepest = max(depths)
+    return tree.path(depths.index(deepest))
+
+
 def expanded(tree: TokenTree) -> list[int]:
     """The nodes that have children (``ROOT`` first when it has any), in node order: the rows of q a
     tree's VERIFY carries (a leaf's q is never read, and siblings share their parent's)."""
@@ -317,6 +331,18 @@ class TreeShape:
     def is_dynamic(self) -> bool:
         return self.budget > 0
 
+    def at_depth(self, depth: int) -> "TreeShape":
+        """A dynamic shape ``depth`` levels deep (its budget at least that): the draft length a
+        controller planned (gamma auto, mode auto). A static shape is its own."""
+        if not self.is_dynamic or depth == self.depth:
+            return self
+        return TreeShape.dynamic(depth, max(self.budget, depth), self.branch, self.min_score)
+
+    def limited(self, depth: int) -> "TreeShape":
+        """This shape cut to at most ``depth`` levels (a decision's last tokens)."""
+        from dataclasses import replace
+        return self if depth >= self.depth else replace(self, widths=self.widths[:max(1, depth)])
+
     @property
     def depth(self) -> int:
         return len(self.widths)
@@ -353,7 +379,7 @@ def feed_tree(seq, tree: TokenTree, new: range, base: int, prefix: list[int] = (
     Each node attends to everything before the tree, its ancestors and itself; it is at position
     base + depth - 1 (siblings share one; M-RoPE text positions for a VLM). Returns the logits
     [len(prefix) + len(new), V] on the model's device, and ``seq``'s ``fed`` and ``fed_tokens``
-    move on by what was fed."""
+    move on by what was fed (``TREE_NODE`` for each node, until ``compact``)."""
     lm = seq.lm
     fed0 = seq.fed
     if prefix and (new.start != 0 or base != fed0 + len(prefix)):
@@ -380,13 +406,13 @@ def feed_tree(seq, tree: TokenTree, new: range, base: int, prefix: list[int] = (
     out = lm.model(input_ids=ids, attention_mask=mask.view(1, 1, *see.shape).to(lm.device), position_ids=position_ids,
                    past_key_values=seq.cache, use_cache=True)
     seq.fed += rows
-    seq.fed_tokens.extend(int(t) for t in ids[0].tolist())
+    seq.fed_tokens.extend(list(prefix) + [TREE_NODE] * len(new))
     return out.logits[0].float()
 
 
 @torch.inference_mode()
 def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_position: int, *, prepare=None,
-               pace=None, feed_last: bool = True) -> DraftedTree:
+               pace=None, feed_last: bool = True, stop=None) -> DraftedTree:
     """Draft a tree of ``shape`` on ``seq`` (a drafter's ``decoding.engines.Sequence`` whose pending
     tokens are fed and whose ``last_logits`` predict the root's children), one forward per level
     with the tree's attention mask, every node of a level at its depth's position (M-RoPE text
@@ -399,7 +425,9 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     manager around each level's compute (the emulated robot accelerator: a level of w nodes is one
     forward of width w, ``compute.EdgeDevice.level``); level 1 is paced as one token, its forward
     being the pending tokens'. ``feed_last=False`` leaves the deepest level unfed (a verdict always
-    brings a next token, fed with it): its nodes have no ``logits_after`` rows."""
+    brings a next token, fed with it): its nodes have no ``logits_after`` rows. ``stop(depth)`` is
+    polled before each level below the first (a pipeline's interrupt or truncation): True ends the
+    tree there, its deepest level drawn and not fed."""
     if seq.pending:
         seq.next_logits()
     base = seq.fed
@@ -426,6 +454,8 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     forwards = 0
     fed_width = 1  # the forward that made this level's rows (level 1: the pending tokens')
     for depth, width in enumerate(shape.widths, start=1):
+        if depth > 1 and stop is not None and stop(depth - 1):
+            break
         with pace(fed_width) if pace is not None else contextlib.nullcontext():
             counts = _children_per_node(shape, frontier, scores, rank, width, len(tokens), depth)
             level: list[tuple[int, int]] = []  # (parent, token)

@@ -97,7 +97,7 @@ class EdgeDecoder:
                 from .predraft import PreDrafter
                 predrafter = PreDrafter(cfg.workers, cfg.client_queue, self.device, seed=cfg.seed)
             if cfg.mode == "sd" and shape is not None:
-                strategy = StopAndWait(TreeDrafted(shape))
+                strategy = StopAndWait(TreeDrafted(shape, self._auto(cfg)))
             elif cfg.mode == "sd":
                 strategy = StopAndWait(Drafted(self._auto(cfg)))
             elif cfg.mode == "fsd":
@@ -105,7 +105,7 @@ class EdgeDecoder:
             elif cfg.mode == "ar":  # AS2's AR decisions (gamma "auto") report to its controller
                 strategy = ArStrategy(self._auto(cfg))
             else:
-                strategy = PipeStrategy(predrafter, self._auto(cfg))
+                strategy = PipeStrategy(predrafter, self._auto(cfg), shape)
             self._strategies[key] = strategy
         return strategy
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..decoding.verifier import Block, Condition, VerifierTimeout, VerifyReply
+from ..decoding.verifier import Block, Condition, VerifierTimeout, VerifyReply, mask_of
 from .draft_length import AutoGamma
 from .rounds import DecisionState, DecodeConfig, Strategy
 from .settings import DEFAULTS
@@ -25,6 +25,7 @@ class _InFlight:
     codec_after: object  # the codec state right after this block's rows were prepared
     sent_at: float = 0.0
     cause: str = "chained"  # what the cloud waits for before its pass (metrics.PASS_CAUSES)
+    continues: list[int] | None = None  # a tree block: its main path's tokens (what a chained block continues)
 
 
 class PipeStrategy(Strategy):
@@ -41,9 +42,12 @@ class PipeStrategy(Strategy):
     and sent (latency-aware truncation).
     """
 
-    def __init__(self, predrafter=None, auto: AutoGamma | None = None):
+    def __init__(self, predrafter=None, auto: AutoGamma | None = None, shape=None):
+        if shape is not None and predrafter is not None:
+            raise ValueError("pipe+fsd drafts chains (conditional blocks and pre-drafts continue a chain's verdict)")
         self.pre = predrafter
         self.auto = auto
+        self.shape = shape  # decoding.tree.TreeShape: each block a token tree, continued from its main path
         self.name = "pipe+fsd" if predrafter is not None else "pipe"
 
     def close(self) -> None:
@@ -138,25 +142,32 @@ class _Pipeline:
         if reply.round != block.round or reply.epoch != block.epoch:
             raise RuntimeError(f"verdict for round {reply.round} (epoch {reply.epoch}), expected round "
                                f"{block.round} (epoch {block.epoch})")
-        m.record_round(reply, len(block.draft_ids))
+        if block.parents is None:
+            m.record_round(reply, len(block.draft_ids))
+        else:  # per depth, as a chain of the tree's depth; its nodes apart
+            depth = max(block.tree.depths())
+            m.record_round(replace(reply, accepted_mask=mask_of(reply.accepted, depth)), depth)
+            m.tree_nodes += len(block.draft_ids)
         m.record_exits(reply)
         d.timeline.verdict(reply, head.cause, received_at)
         if self.s.auto is not None:
-            m.gamma_per_round.append(len(block.draft_ids))
-            self.s.auto.observe_round(len(block.draft_ids), reply.accepted, len(block.draft_ids) * self._token_s(),
+            n = len(block.draft_ids) if block.parents is None else max(block.tree.depths())  # a tree: its depth
+            m.gamma_per_round.append(n)
+            self.s.auto.observe_round(n, reply.accepted, n * self._token_s(),
                                       max(0.0, time.perf_counter() - head.sent_at - reply.verify_s - reply.queue_s),
-                                      reply.verify_s, useful=len(block.draft_ids))
+                                      reply.verify_s, useful=n)
         conds, self.conds = self.conds, []  # conditional blocks sent on guesses of this verdict
+        full = list(block.draft_ids) if head.continues is None else head.continues
         if not reply.ends_epoch:  # a chained block accepted in full
-            if not block.chained or reply.accepted != len(block.draft_ids):
+            if not block.chained or reply.committed_drafts(block) != full:
                 raise RuntimeError("the verifier continued a block that was not chained or not accepted in full")
             self._end_predraft(None)
-            if d.commit(list(block.draft_ids)):
+            if d.commit(full):
                 self.finished = True
             self._begin_predraft()
             return
         token = d.next_token(block, reply)
-        new = list(block.draft_ids[: reply.accepted]) + [token]
+        new = reply.committed_drafts(block) + [token]
         voided = len(self.inflight)
         if voided or not self.drafting_done:
             m.pipe_flushes += 1
@@ -322,6 +333,41 @@ class _Pipeline:
         self.m.max_in_flight = max(self.m.max_in_flight, len(self.inflight))
         self._begin_predraft()
 
+    def _draft_tree(self, room: int):
+        """A tree block of the strategy's shape (cut to ``room`` levels), one level per draft forward,
+        interrupted or truncated between levels as a chain is between tokens."""
+        from ..decoding.tree import draft_tree
+        d = self.d
+        t0 = time.perf_counter()
+        shape = self.s.shape.at_depth(self.gamma).limited(room)  # tree auto: as deep as the planned gamma
+        drafted = draft_tree(d.seq, shape, d.cfg.params, d.cfg.seed, len(d.seq.generated),
+                             prepare=d.codec.prepare, pace=d.device.level, feed_last=False, stop=self._stop)
+        d.m.t_draft += time.perf_counter() - t0
+        return drafted
+
+    def _send_tree(self, drafted) -> None:
+        """Send a tree block; the draft goes on from its main path (the next block assumes the
+        verifier accepts that path in full, as a chained chain's)."""
+        from ..decoding.tree import commit_tree, main_path
+        d = self.d
+        tree = drafted.tree
+        history = list(d.seq.generated)
+        main = main_path(tree)
+        tokens = [tree.tokens[i] for i in main]
+        chained = not d.ends_decision(history[len(d.out):] + tokens)
+        block = d.block(list(tree.tokens), drafted.q, chained=chained, parents=list(tree.parents))
+        cause = "fill" if block.round == 1 else "chained" if self.sent_in_epoch else "drafted"
+        codec_after = copy.deepcopy(d.codec)
+        if chained:  # draft on from the main path: its last node left pending
+            d.codec.feedback(len(main), len(main))
+            commit_tree(d.seq, drafted, tuple(main[:-1]), tokens[-1])
+        else:
+            self.drafting_done = True
+        self.inflight.append(_InFlight(block, history, codec_after, time.perf_counter(), cause, tokens))
+        self.sent_in_epoch += 1
+        d.verifier.submit(block)
+        self.m.max_in_flight = max(self.m.max_in_flight, len(self.inflight))
+
     def run(self) -> None:
         d = self.d
         wait_started = None
@@ -339,6 +385,11 @@ class _Pipeline:
                         self.m.pipe_stall_s += time.perf_counter() - wait_started
                         wait_started = None
                     room = d.cfg.max_new_tokens - len(d.seq.generated)  # never draft past the token limit
+                    if self.s.shape is not None:
+                        drafted = self._draft_tree(max(1, room))
+                        if not (self.finished or self.interrupted or not len(drafted.tree)):
+                            self._send_tree(drafted)
+                        continue
                     ids, q, _ = d.draft(max(1, min(self._block_length(), room)), stop=self._stop)
                     if self.finished or self.interrupted or not ids:
                         continue

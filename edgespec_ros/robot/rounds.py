@@ -285,18 +285,30 @@ class TreeDrafted(Proposer):
 
     name = "sd"
 
-    def __init__(self, shape):
+    def __init__(self, shape, auto: AutoGamma | None = None):
         self.shape = shape  # decoding.tree.TreeShape
+        self.auto = auto  # gamma auto (tree auto): each tree as deep as ODLD's gamma, its rounds fed back
         self._drafted = None
+        self._draft_s = 0.0
 
     def propose(self, d: DecisionState):
         from ..decoding.tree import draft_tree
+        shape = self.shape if self.auto is None else self.shape.at_depth(self.auto.next_gamma())
         t0 = time.perf_counter()
-        drafted = draft_tree(d.seq, self.shape, d.cfg.params, d.cfg.seed, len(d.seq.generated),
+        drafted = draft_tree(d.seq, shape, d.cfg.params, d.cfg.seed, len(d.seq.generated),
                              prepare=d.codec.prepare, pace=d.device.level, feed_last=False)
-        d.m.t_draft += time.perf_counter() - t0
+        self._draft_s = time.perf_counter() - t0
+        d.m.t_draft += self._draft_s
         self._drafted, self.parents = drafted, list(drafted.tree.parents)
         return list(drafted.tree.tokens), drafted.q, "drafted"
+
+    def heard(self, d: DecisionState, block: Block, reply: VerifyReply) -> None:
+        if self.auto is None:
+            return
+        depth = max(block.tree.depths())
+        d.m.gamma_per_round.append(depth)
+        self.auto.observe_round(depth, reply.accepted, self._draft_s, reply.uplink_s + reply.downlink_s,
+                                reply.verify_s)
 
     def commit(self, d: DecisionState, block: Block, reply: VerifyReply, token: int) -> None:
         from ..decoding.tree import commit_tree

@@ -54,10 +54,12 @@ class DrafterSettings:
     pipe_depth: int = setting(3, "pipe, pipe+fsd: blocks in flight (drafted and sent before the earlier ones' "
                                  "verdicts)", min_value=1, max_value=PIPE_DEPTH_MAX)
     tree: str = setting(
-        "none", "sd: draft token trees instead of chains (lossless; docs/trees.md): none (chains), auto (grown "
-                "where the draft is unsure, gamma levels deep, at most tree_nodes nodes) or the nodes per depth, "
-                "e.g. 2,2,2,1; not with the split codec, csqs or wisv")
-    tree_nodes: int = setting(10, "sd with tree auto: the most nodes a tree holds", min_value=1, max_value=64)
+        "none", "sd, pipe, auto: draft token trees instead of chains (lossless; docs/trees.md): none (chains), "
+                "auto (grown where the draft is unsure, gamma levels deep, at most tree_nodes nodes; with auto_gamma "
+                "or mode auto as deep as the planned draft length) or the nodes per depth, e.g. 2,2,2,1 (sd, pipe "
+                "with a fixed gamma); pipe drafts on from each tree's most probable path; not with the split codec, "
+                "csqs or wisv")
+    tree_nodes: int = setting(10, "tree auto: the most nodes a tree holds", min_value=1, max_value=64)
     max_new_tokens: int = setting(96, "token budget of one decision", min_value=1, max_value=4096)
     temperature: float = setting(0.0, "sampling temperature (0 = greedy)", min_value=0.0)
     # After an unparseable decision the robot has not moved, so the next frame is the same and a
@@ -211,7 +213,8 @@ class DecodeConfig:
     # carries gamma + 1 drafts, so its pass computes the same gamma + 1 rows as a block after a
     # verdict (and as SD's); off only to measure it
     pipe_fill_rows: bool = True
-    tree: str = _D.tree  # sd: "none" (chains), "auto" or widths per depth "2,2,1" (decoding.tree.TreeShape)
+    # sd, pipe: "none" (chains), "auto" or widths per depth "2,2,1"; in process also a decoding.tree.TreeShape
+    tree: object = _D.tree
     tree_nodes: int = _D.tree_nodes  # tree "auto": the node budget
 
     def __post_init__(self):
@@ -252,20 +255,23 @@ class DecodeConfig:
     def tree_shape(self):
         """The decision's ``decoding.tree.TreeShape`` (None: chains); ValueError naming what a tree
         cannot be drafted with."""
-        if self.tree == "none":
+        if self.tree == "none" or self.mode == "ar":  # ar drafts nothing (as it ignores gamma)
             return None
         from ..decoding.tree import TreeShape
         depth = self.gamma if isinstance(self.gamma, int) and not isinstance(self.gamma, bool) else _D.gamma
-        try:
-            shape = TreeShape.parse(self.tree, depth=depth, budget=max(self.tree_nodes, depth))
-        except ValueError as exc:
-            raise ValueError(f"tree {self.tree!r}: {exc}") from None
-        if self.mode != "sd":
-            raise ValueError(f"tree drafts run in mode sd (mode {self.mode}: pipe, fsd and mode auto draft chains); "
-                             "set tree none or mode sd")
-        if self.gamma == "auto":
-            raise ValueError("tree drafts take a fixed shape (tree auto: gamma levels deep): give an integer gamma "
-                             "(auto_gamma off)")
+        if isinstance(self.tree, TreeShape):  # in process: any shape (e.g. one level of siblings)
+            shape = self.tree
+        else:
+            try:
+                shape = TreeShape.parse(self.tree, depth=depth, budget=max(self.tree_nodes, depth))
+            except ValueError as exc:
+                raise ValueError(f"tree {self.tree!r}: {exc}") from None
+        if self.mode not in ("sd", "pipe", "auto"):
+            raise ValueError(f"tree drafts run in modes sd, pipe and auto (mode {self.mode} pre-drafts on a chain's "
+                             "verdict); set tree none, or another mode")
+        if self.gamma == "auto" and not shape.is_dynamic:
+            raise ValueError(f"tree {self.tree!r} is a fixed shape: give an integer gamma, or with gamma auto (and in "
+                             "mode auto) tree auto, whose depth is the planned draft length")
         codec = get_codec(self.codec)
         if codec.separate or codec.name == "csqs":
             raise ValueError(f"tree drafts are not valid with codec {codec.spec} (the split codec resamples a chain's "

@@ -59,9 +59,8 @@ def verify_frame(decision: int, block: Block, codec, exits: bool, send_q: bool =
     tree = block.tree
     if tree is not None:  # one q row per node with children, coded with its first child
         from ..decoding.tree import first_children, wire_rows
-        if codec.separate or block.hidden is not None or block.chained or cond is not None:
-            raise ValueError("a token tree is sent in one unchained, unconditional round, not with the split codec "
-                             "or wisv")
+        if codec.separate or block.hidden is not None or cond is not None:
+            raise ValueError("a token tree is sent in an unconditional round, not with the split codec or wisv")
         flags &= ~P.VERIFY_STREAM_EXITS
         q = codec.encode(first_children(tree), wire_rows(tree, torch.as_tensor(block.q))) if send_q else b""
     else:
@@ -107,10 +106,13 @@ def verdict_reply(verdict: P.Verdict, block: Block, codec, vocab_size: int) -> V
 
 def _tree_reply(verdict: P.Verdict, block: Block, vocab_size: int) -> VerifyReply:
     """A tree block's VERDICT: its path must run from the root down through the block's tree, and
-    a next token must follow it (a tree round is never chained)."""
+    a next token must follow it, unless the block was chained and the path is its main path."""
+    from ..decoding.tree import main_path
     path = [int(i) for i in verdict.path]
     parents = block.parents
-    ok = len(path) == verdict.accepted and not verdict.p_payload and verdict.next_token < vocab_size
+    continued = verdict.next_token == P.NO_TOKEN  # a chained tree's main path, accepted in full
+    ok = len(path) == verdict.accepted and not verdict.p_payload and (
+        verdict.next_token < vocab_size or (continued and block.chained and path == main_path(block.tree)))
     above = -1
     for node in path:
         ok = ok and 0 <= node < len(parents) and parents[node] == above
@@ -118,7 +120,8 @@ def _tree_reply(verdict: P.Verdict, block: Block, vocab_size: int) -> VerifyRepl
     if not ok:
         raise VerifierError("verdict out of range for the tree sent: the verifier speaks another model or protocol")
     accepted = set(path)
-    return VerifyReply(len(path), int(verdict.next_token), [i in accepted for i in range(len(parents))],
+    return VerifyReply(len(path), NO_TOKEN if continued else int(verdict.next_token),
+                       [i in accepted for i in range(len(parents))],
                        verify_s=verdict.verify_ms / 1e3, exit_layer=verdict.exit_layer, round=block.round,
                        epoch=block.epoch, queue_s=verdict.queue_ms / 1e3, path=tuple(path))
 
