@@ -118,3 +118,29 @@ def test_the_regime_and_capacity_sweeps_measure_end_to_end(tmp_path):
     assert "robots: speculative" in SWEEPS["capacity"].table(rows)
     SWEEPS["capacity"].plot(rows, str(tmp_path / "capacity.png"))
     assert (tmp_path / "capacity.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_the_tree_sweep_measures_trees_against_chains_end_to_end(tmp_path):
+    """--sweep trees: AR once, then sd and pipe with the chain and every tree shape of the gamma,
+    each row with its speedups over AR and over its chain; the decisions are the target's own
+    tokens (greedy), so every row commits as many; checkpointed, table and plot."""
+    pair = resolve_models(None, None)
+    opts = SweepOptions(pair, decisions=1, max_new_tokens=10, clouds=["a100-fsd-table9"], robot="orin-nano-trt-int4",
+                        links=["lan"], gammas=[3], json=str(tmp_path / "t.json"))
+    rows = SWEEPS["trees"].run(opts, quiet)
+    from edgespec_ros.bench.tree_sweep import shapes_for
+    assert shapes_for(3) == ("none", "2,2,1", "2,4,4", "auto")
+    assert [(r["mode"], r["tree"]) for r in rows] == [("ar", "-")] + [
+        (m, t) for m in ("sd", "pipe") for t in shapes_for(3)]
+    assert len({r["tokens"] for r in rows}) == 1
+    for r in rows[1:]:
+        assert r["vs_ar"] > 0 and r["gamma_set"] == 3
+        if r["tree"] == "none":
+            assert r["vs_chain"] == 1.0 and r["tau_vs_chain"] == 1.0
+        assert (r["tree_nodes"] > 0) == (r["tree"] != "none")
+    assert (tmp_path / "t.json.partial").exists()
+    table = SWEEPS["trees"].table(rows)
+    assert "EMULATED" in table and "2,4,4" in table
+    SWEEPS["trees"].plot(rows, str(tmp_path / "trees.png"))
+    assert (tmp_path / "trees.png").read_bytes()[:8] == PNG_MAGIC

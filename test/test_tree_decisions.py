@@ -85,6 +85,27 @@ def test_a_tree_is_drafted_one_level_per_forward_and_each_level_costs_the_table(
     assert device.tokens == 7
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), T], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("shape", [TreeShape((2, 2, 2, 1)), TreeShape((2, 4, 4, 4)), TreeShape.dynamic(4, 6)],
+                         ids=["2,2,2,1", "2,4,4,4", "auto"])
+def test_the_spine_of_a_tree_is_the_chain_the_draft_drafts_alone(vlm_draft, image, params, shape):
+    """Every tree holds, as its main path (each node's first child from the root), exactly the
+    chain the draft would draft alone with the same seed: its argmax chain, or its own draws. The
+    pipeline continues from it, so a tree only adds siblings to what a chain would send."""
+    from edgespec_ros.decoding.tree import main_path
+    decoder = EdgeDecoder(vlm_draft, None)
+    _, inputs = decoder.make_prompt("go to the red box", image)
+    for seed in range(3):
+        chain_seq, tree_seq = vlm_draft.new_sequence(), vlm_draft.new_sequence()
+        chain_seq.prefill(inputs)
+        tree_seq.prefill(inputs)
+        ids, _ = chain_seq.draft(4, params, seed)
+        drafted = draft_tree(tree_seq, shape, params, seed, 0)
+        spine = main_path(drafted.tree)
+        assert [drafted.tree.tokens[i] for i in spine] == ids[:len(spine)] and len(spine) == 4
+        assert sorted(drafted.tree.depths()).count(4) >= 1
+
+
 def test_a_dynamic_tree_branches_where_the_draft_is_unsure_within_its_budget(vlm_draft, image):
     decoder = EdgeDecoder(vlm_draft, None)
     _, inputs = decoder.make_prompt("go to the red box", image)

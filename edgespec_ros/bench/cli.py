@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "Ray Serve behind the edge, needs pip install .[fleet])")
     sweep.add_argument("--clouds", nargs="+", type=compute_arg, default=None,
                        help="regimes sweep: cloud compute profiles (default go2-paper, the measured H200 profile in "
-                            "docs/profiles and that H200 under load, PROFILE:load=16)")
+                            "docs/profiles and that H200 under load, PROFILE:load=16); trees sweep: (default "
+                            "go2-paper and the measured H200)")
     sweep.add_argument("--robot-profiles", nargs="+", type=robot_arg, default=None,
                        help=f"regimes sweep: the robots' draft speeds (default {' '.join(ROBOT_PROFILES)})")
     sweep.add_argument("--decision-interval", type=float, default=None,

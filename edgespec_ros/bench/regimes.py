@@ -49,20 +49,21 @@ def _settings(opts, clouds, robots, links) -> dict:
             "gamma": (opts.gammas or [DEFAULTS.gamma])[0], "pair": opts.pair.label}
 
 
-def _load_checkpoint(path: str, settings: dict) -> list[dict]:
+def load_checkpoint(path: str, settings: dict, name: str = "regimes") -> list[dict]:
+    """The rows a stopped run with the same ``settings`` left at ``path`` (none otherwise)."""
     try:
         with open(path) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return []
     if saved.get("settings") != settings:
-        print(f"regimes: {path} holds another run's settings: starting afresh")
+        print(f"{name}: {path} holds another run's settings: starting afresh")
         return []
-    print(f"regimes: resuming from {path} ({len(saved['rows'])} rows measured)")
+    print(f"{name}: resuming from {path} ({len(saved['rows'])} rows measured)")
     return saved["rows"]
 
 
-def _save_checkpoint(path: str, settings: dict, rows: list[dict]) -> None:
+def save_checkpoint(path: str, settings: dict, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -76,7 +77,7 @@ def run_regimes(opts, progress) -> list[dict]:
     links = opts.links or list(REGIME_LINKS)
     settings = _settings(opts, clouds, robots, links)
     path = checkpoint_path(opts)
-    rows = _load_checkpoint(path, settings)
+    rows = load_checkpoint(path, settings)
     done = {(r["cloud"], r["link"]) for r in rows}
     every = opts.prompts(settings["decisions"] + AUTO_WARMUP)
     prompts, warmup = every[:settings["decisions"]], every[settings["decisions"]:]
@@ -88,7 +89,7 @@ def run_regimes(opts, progress) -> list[dict]:
             if (cloud, link) in done:
                 continue
             rows += _measure_cloud_link(opts, cloud, link, robots, prompts, warmup, settings["gamma"], bar)
-            _save_checkpoint(path, settings, rows)
+            save_checkpoint(path, settings, rows)
     bar.close()
     return summarize(rows)
 
@@ -155,7 +156,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _short(cloud_name: str) -> str:
+def short_cloud(cloud_name: str) -> str:
     return cloud_name.replace("h200-qwen2-vl-7b-bfloat16", "h200").replace(LOAD_SUFFIX, "+load")
 
 
@@ -163,12 +164,12 @@ def table_regimes(rows: list[dict]) -> str:
     cells = [r for r in rows if r.get("kind") == "cell"]
     head = ["cloud", "robot", "draft ms", "link", "ar", *SPECULATIVE, "auto", "best spec", "best/AR", "auto/AR",
             "auto/best", "auto's paths", "winner"]
-    lines = [[_short(c["cloud_name"]), c["robot"], f"{c['draft_ms']:.1f}", c["link"], f"{c['ar_ms']:.1f}",
+    lines = [[short_cloud(c["cloud_name"]), c["robot"], f"{c['draft_ms']:.1f}", c["link"], f"{c['ar_ms']:.1f}",
               *(_fmt(c["ms_per_token"].get(m), ".1f") for m in SPECULATIVE), _fmt(c["auto_ms"], ".1f"),
               c["best_mode"], f"{c['best_vs_ar']:.2f}x", _fmt(c["auto_vs_ar"], ".2f") + "x",
               _fmt(c["auto_vs_best"], ".2f"), " ".join(f"{m}:{n}" for m, n in sorted(c["auto_paths"].items())) or "-",
               c["winner"]] for c in cells]
-    sources = sorted({(_short(c["cloud_name"]), c["cloud_source"]) for c in cells})
+    sources = sorted({(short_cloud(c["cloud_name"]), c["cloud_source"]) for c in cells})
     robots = sorted({(c["robot"], c["robot_source"]) for c in cells})
     notes = ["ms per token, EMULATED: each cloud's pass and AR step from its profile, each robot's draft time from its "
              "robot profile, the link from the proxy. best/AR, auto/AR: AR's ms/token over theirs (> 1: faster than "
@@ -186,7 +187,7 @@ def headline_rows(rows: list[dict], link: str = HEADLINE_LINK) -> list[list[str]
     """The README's headline table from the map's cells on ``link`` (a test holds the README to it)."""
     out = []
     for c in (r for r in rows if r.get("kind") == "cell" and r["link"] == link):
-        out.append([_short(c["cloud_name"]), f"{c['robot']} ({c['draft_ms']:.1f})", f"{c['ar_ms']:.1f}",
+        out.append([short_cloud(c["cloud_name"]), f"{c['robot']} ({c['draft_ms']:.1f})", f"{c['ar_ms']:.1f}",
                     f"{c['best_mode']} {c['best_ms']:.1f} ({c['best_vs_ar']:.2f}x)",
                     f"{c['auto_ms']:.1f} ({c['auto_vs_ar']:.2f}x)", c["winner"]])
     return out
@@ -230,7 +231,7 @@ def plot_regimes(rows: list[dict], path: str) -> None:
         ax.legend(fontsize=7, loc="lower right")
     axes[0][0].set_ylabel("cloud AR (ms per token, measured)")
     fig.colorbar(sc, ax=axes[0].tolist(), label="best speculative mode / AR (speedup)")
-    clouds = ", ".join(dict.fromkeys(_short(c["cloud_name"]) for c in cells))
+    clouds = ", ".join(dict.fromkeys(short_cloud(c["cloud_name"]) for c in cells))
     fig.suptitle(f"Where speculation pays: best speculative mode and auto vs cloud AR\nEMULATED clouds: {clouds}; "
                  "drafting can win only above the dashed line", fontsize=9)
     _save(fig, path)

@@ -426,7 +426,7 @@ SWEEPS: dict[str, Sweep] = {s.name: s for s in [
 
 def _register_fsd_sweeps() -> None:
     """The FSD ablations (bench/fsd.py): Fig. 4a, Fig. 4b, Table 7 and link profiles."""
-    from . import capacity, fleet, fsd, hostile, pipe, regimes, split_tv, wisv
+    from . import capacity, fleet, fsd, hostile, pipe, regimes, split_tv, tree_sweep, wisv
     for s in [
         Sweep("fsd-workers", "FSD pre-draft workers 1..16: cache miss rate and SD->FSD speedup (paper Fig. 4a)",
               fsd.sweep_workers, fsd.table_workers, fsd.plot_workers),
@@ -442,6 +442,10 @@ def _register_fsd_sweeps() -> None:
               "draft speed (72, ~29, ~17 ms a token) x link: ms/token of ar, sd, pipe and auto, the map of best "
               "speculative / AR with the break-even line (--clouds, --robot-profiles, --links; checkpoints and resumes)",
               regimes.run_regimes, regimes.table_regimes, regimes.plot_regimes),
+        Sweep("trees", "token trees vs chains: cloud (go2-paper, the measured H200) x link x shape (chain, 2,2,2,1, "
+              "2,4,4,4, auto) x gamma (--gammas): tau, tokens per draft level, ms/token of sd and pipe and of ar "
+              "(--clouds, --robot, --links; checkpoints and resumes)",
+              tree_sweep.run_trees, tree_sweep.table_trees, tree_sweep.plot_trees),
         Sweep("capacity", "robots per GPU at a p99 decision-latency SLO: N robots deciding at Poisson times on the "
               "measured H200 profile, the speculative fleet (replayed SD rounds, --draft-ms) vs batched cloud AR "
               "(--robots, --decision-interval, --compute)", capacity.run_capacity, capacity.table_capacity,

@@ -217,13 +217,20 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
 
 
 def main_path(tree: TokenTree) -> list[int]:
-    """The path the pipeline drafts on from (its next block assumes the verifier accepts it in
-    full): down to the first node of the deepest level, which the drafter puts there as the best
-    path's child (the chain's own draft where the tree holds it). Both sides compute it from the
-    tree alone."""
-    depths = tree.depths()
-    deepest = max(depths)
-    return tree.path(depths.index(deepest))
+    """The tree's spine: from the root, each node's first child, down to a node without children.
+    The drafter always gives the spine's node a child at every level (``draft_tree``), so the spine
+    is the chain the draft would have drafted alone (its argmax chain under greedy; its first draws
+    when sampling) and reaches the tree's depth; the siblings are what the tree adds. The pipeline
+    drafts its next block on from it (assuming the verifier accepts it in full). Both sides compute
+    it from the tree alone."""
+    first: dict[int, int] = {}
+    for i, parent in enumerate(tree.parents):
+        first.setdefault(parent, i)
+    path, node = [], ROOT
+    while node in first:
+        node = first[node]
+        path.append(node)
+    return path
 
 
 def expanded(tree: TokenTree) -> list[int]:
@@ -338,6 +345,16 @@ class TreeShape:
             return self
         return TreeShape.dynamic(depth, max(self.budget, depth), self.branch, self.min_score)
 
+    def deeper(self, depth: int) -> "TreeShape":
+        """This shape ``depth`` levels deep at least: a dynamic one planned deeper, a static one
+        with levels of one node (the spine's) added below."""
+        if depth <= self.depth:
+            return self
+        if self.is_dynamic:
+            return self.at_depth(depth)
+        from dataclasses import replace
+        return replace(self, widths=self.widths + (1,) * (depth - self.depth))
+
     def limited(self, depth: int) -> "TreeShape":
         """This shape cut to at most ``depth`` levels (a decision's last tokens)."""
         from dataclasses import replace
@@ -451,13 +468,14 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     scores: dict[int, float] = {ROOT: 1.0}
     logits_after: list[torch.Tensor] = []
     frontier = [ROOT]
+    spine = ROOT  # the chain the draft would draft alone: every level gives it a child first (main_path)
     forwards = 0
     fed_width = 1  # the forward that made this level's rows (level 1: the pending tokens')
     for depth, width in enumerate(shape.widths, start=1):
         if depth > 1 and stop is not None and stop(depth - 1):
             break
         with pace(fed_width) if pace is not None else contextlib.nullcontext():
-            counts = _children_per_node(shape, frontier, scores, rank, width, len(tokens), depth)
+            counts = _children_per_node(shape, frontier, spine, scores, rank, width, len(tokens), depth)
             level: list[tuple[int, int]] = []  # (parent, token)
             for parent, k in counts:
                 if params.greedy:  # the draft's k likeliest tokens (its argmax first: the chain's token)
@@ -473,6 +491,7 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
                 parents.append(parent)
             new = range(start, len(tokens))
             frontier = list(new)
+            spine = next((i for i in new if parents[i] == spine), spine)  # its first child
             for i in new:
                 scores[i] = scores[parents[i]] * float(rank[parents[i]][tokens[i]])
             if depth == shape.depth and not feed_last:
@@ -493,35 +512,37 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
                        root_logits)
 
 
-def _children_per_node(shape: TreeShape, frontier: list[int], scores: dict, rank: dict, width: int, used: int,
-                       depth: int) -> list[tuple[int, int]]:
+def _children_per_node(shape: TreeShape, frontier: list[int], spine: int, scores: dict, rank: dict, width: int,
+                       used: int, depth: int) -> list[tuple[int, int]]:
     """How many children each frontier node gets at this level, from what is known before any of
     them is drawn (path scores and the frontier's own draft rows), so the sampled rule stays
-    lossless. Static: ``width`` handed out best path first, at most ``branch`` each. Dynamic: the
-    candidates (node, j-th likeliest token) ranked by path score x that token's draft probability,
-    taken while they reach ``min_score`` (the best always), within the node budget."""
+    lossless. The spine's node (the chain the draft would draft alone) always gets one first.
+    Static: the rest of ``width`` handed out best path first, at most ``branch`` each. Dynamic:
+    the other candidates (node, j-th likeliest token) ranked by path score x that token's draft
+    probability, taken while they reach ``min_score``, within the node budget."""
     ordered = sorted(frontier, key=lambda node: -scores[node])
+    counts = {spine: 1} if spine in frontier else {}
     if not shape.is_dynamic:
-        out, left = [], width
+        left = width - len(counts)
         for node in ordered:
-            if left == 0:
+            if left <= 0:
                 break
-            k = min(shape.branch, left)
-            out.append((node, k))
-            left -= k
-        return out
-    room = min(width, shape.budget - used - (shape.depth - depth))  # one node kept for each level below
+            k = min(shape.branch - counts.get(node, 0), left)
+            if k > 0:
+                counts[node] = counts.get(node, 0) + k
+                left -= k
+        return [(node, counts[node]) for node in ordered if node in counts]
+    room = min(width, shape.budget - used - (shape.depth - depth)) - len(counts)  # one kept for each level below
     candidates = []
     for node in ordered:
         top = torch.topk(rank[node], min(shape.branch, rank[node].shape[-1])).values.tolist()
-        candidates += [(scores[node] * p, node) for p in top if p > 0]
+        candidates += [(scores[node] * p, node) for j, p in enumerate(top) if p > 0 and (j or node != spine)]
     candidates.sort(key=lambda c: -c[0])
-    taken: dict[int, int] = {}
     for n, (value, node) in enumerate(candidates):
-        if n >= max(room, 1) or (n and value < shape.min_score):
+        if n >= room or value < shape.min_score:
             break
-        taken[node] = taken.get(node, 0) + 1
-    return [(node, taken[node]) for node in ordered if node in taken]
+        counts[node] = counts.get(node, 0) + 1
+    return [(node, counts[node]) for node in ordered if node in counts]
 
 
 def compact(seq, drafted: DraftedTree, path: tuple[int, ...]) -> None:

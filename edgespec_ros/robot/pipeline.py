@@ -339,7 +339,9 @@ class _Pipeline:
         from ..decoding.tree import draft_tree
         d = self.d
         t0 = time.perf_counter()
-        shape = self.s.shape.at_depth(self.gamma).limited(room)  # tree auto: as deep as the planned gamma
+        shape = self.s.shape.at_depth(self.gamma)  # tree auto: as deep as the planned gamma
+        # a block continuing a chained one goes one level deeper, as a chain's block gets gamma + 1
+        shape = shape.deeper(shape.depth + self._block_length() - self.gamma).limited(room)
         drafted = draft_tree(d.seq, shape, d.cfg.params, d.cfg.seed, len(d.seq.generated),
                              prepare=d.codec.prepare, pace=d.device.level, feed_last=False, stop=self._stop)
         d.m.t_draft += time.perf_counter() - t0
