@@ -285,3 +285,41 @@ def test_feed_batch_refuses_one_cache_twice(pair):
     seq = _verifier_seq(lm, _inputs(_ids(lm, 30, 80)))
     with pytest.raises(ValueError, match="share one KV cache"):
         feed_batch([seq, seq], [[5], [6]])
+
+
+def test_a_sessions_slot_comes_back_when_it_ends_even_while_it_is_still_referenced(pair, monkeypatch):
+    """The verifier releases a session's KV slot when the session ends (on the compute thread,
+    between passes), not when the garbage collector finds it: here every session object is kept
+    alive, and the pool still empties. In process, ``LocalVerifier.close`` does the same, and the
+    verifier can start again afterwards."""
+    from edgespec_ros.cloud import session as session_module
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.thread import ServerThread
+    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.wire.client import RemoteVerifier
+    from wire_helpers import INSTRUCTIONS, server_copy, wait_until
+    kept = []
+    real_init = session_module.VerifierSession.__init__
+
+    def keep(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        kept.append(self)
+    monkeypatch.setattr(session_module.VerifierSession, "__init__", keep)
+    target = server_copy(pair.target)
+    cfg = DecodeConfig(mode="sd", gamma=3, max_new_tokens=8)
+    with ServerThread(VerifierServer(target, max_batch=4)) as st:
+        for _ in range(3):
+            rv = RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, timeout_s=30)
+            with rv:
+                EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, cfg)
+        pool = target.kv_pool()
+        wait_until(lambda: pool.in_use == 0, what="every ended session's slot back in the pool")
+        assert len(kept) == 3 and all(s.target.seq.cache is None for s in kept)
+    local = LocalVerifier(pair.target)
+    decoder = EdgeDecoder(pair.draft, local)
+    first = decoder.decide(INSTRUCTIONS[0], pair.image, cfg).tokens
+    in_use = pair.target.kv_pool().in_use
+    local.close()
+    assert pair.target.kv_pool().in_use == in_use - 1
+    assert decoder.decide(INSTRUCTIONS[0], pair.image, cfg).tokens == first  # usable again: prefilled afresh

@@ -32,13 +32,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
 import statistics
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 HOLD_MIN_S = 1e-3  # a hold for decodes already queued: they run first, then the hold is judged again
 HOLD_GAPS = 5  # a session's last gaps between a verdict and its next round (their median predicts the next)
+_BETWEEN = object()  # what ``_next`` returns when tasks wait to run between jobs (``between_jobs``)
+log = logging.getLogger(__name__)
 
 
 class SessionGone(Exception):
@@ -115,6 +119,7 @@ class FairCompute:
         self.batches = 0  # runs of batchable jobs ...
         self.batched_jobs = 0  # ... and the jobs they carried (mean batch = batched_jobs / batches)
         self.running_key = self.running_flow = None
+        self._between: list[Callable[[], None]] = []  # run on the compute thread before its next job
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -203,6 +208,23 @@ class FairCompute:
             job.loop.call_soon_threadsafe(_cancel, job.future)
         return len(jobs)
 
+    def between_jobs(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the compute thread once the job it runs now (if any) has finished and before
+        it starts another: a closed session's KV slot goes back to the pool there, never under a
+        pass that may still write into it. Not run once the thread has stopped."""
+        with self._cond:
+            self._between.append(fn)
+            self._cond.notify()
+
+    def _run_between(self) -> None:
+        with self._cond:
+            todo, self._between = self._between, []
+        for fn in todo:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a release that failed must not stop the compute thread
+                log.exception("compute thread: a task between jobs failed")
+
     def take_wait(self, key) -> float:
         """Seconds the session's jobs waited in the queue (behind other sessions' work and its
         own) since the last call: the queueing delay a VERDICT reports."""
@@ -240,8 +262,10 @@ class FairCompute:
     def _next(self) -> _Job | None:
         with self._cond:
             while True:
-                while not self._queued and not self._stopping:
+                while not self._queued and not self._stopping and not self._between:
                     self._cond.wait()
+                if self._between:
+                    return _BETWEEN
                 if self._stopping and not self._queued:
                     return None
                 now = time.perf_counter()
@@ -405,7 +429,11 @@ class FairCompute:
     def _work(self) -> None:
         while True:
             job = self._next()
+            if job is _BETWEEN:
+                self._run_between()
+                continue
             if job is None:
+                self._run_between()
                 return
             while job.batch and job.future.cancelled() and job.companions:
                 # its own round is gone, not the rounds riding in it (their preludes ran in its

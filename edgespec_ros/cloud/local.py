@@ -210,7 +210,8 @@ class LocalVerifier:
                 yield run.ar_step
 
     def close(self) -> None:
-        pass
+        """The session is over: its KV slot goes back to the pool (a later ``start`` prefills again)."""
+        self.verifier_session.release()
 
 
 def _host(work: HostWork):

@@ -80,6 +80,7 @@ class _Conn:
     exit_hits: int = 0
     frame_cap: int = PREAUTH_MAX_FRAME  # the largest frame it may send (set at HELLO)
     lossy_said: set = field(default_factory=set)  # the LOSSY kinds its log lines have named
+    session: object = None  # its VerifierSession, once HELLO was read (its KV slot is released at the end)
 
     @property
     def flow(self):
@@ -211,6 +212,8 @@ class VerifierServer:
         finally:
             self.connections.pop(key, None)
             self.fair.close(key)
+            if conn.session is not None:  # its KV slot back to the pool once no pass can write there
+                self.fair.between_jobs(conn.session.release)
             last = self.doorman.leave(key)
             self.fair.forget(key, conn.flow if last else None)
             self.sessions_served += 1
@@ -282,7 +285,7 @@ class VerifierServer:
         if conn.reclaimed:  # its slot went to a newer connection meanwhile
             raise SessionError(P.ErrorCode.BUSY, "handshake too slow: HELLO must follow the connection at once "
                                                  "while the verifier is busy")
-        session = VerifierSession(self.lm, self.limits, self.welcome_identity())
+        session = conn.session = VerifierSession(self.lm, self.limits, self.welcome_identity())
         await self._open(conn, session, hello)
         log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64),
                  session.codec.label(), clean(hello.draft, 64) or "unnamed",

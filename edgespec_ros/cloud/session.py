@@ -156,6 +156,12 @@ class VerifierSession:
 
     # --- the dispatch: a frame's work items, in order (cloud.work) ---------------------------
 
+    def release(self) -> None:
+        """The session is over: its KV slot goes back to the model's pool now (not when it is
+        garbage-collected). Call it where no pass can be using the session (the server: between
+        the compute thread's jobs)."""
+        self.target.release()
+
     def handle(self, msg) -> Dispatch:
         """A decoded frame from the robot (HELLO first, then PREFILL, VERIFY, GENERATE): its work,
         item by item. Any other frame raises BAD_FRAME at the first ``next_work``."""

@@ -60,6 +60,12 @@ class TargetSession:
         self.last_relaxed: list[int] = []  # wisv: the mismatch positions the last round kept
         self.trace = None  # cloud.traces.SessionTrace: every verified round is recorded (None: off)
 
+    def release(self) -> None:
+        """Drop the session's KV cache now (its slot back to the model's pool); a later
+        ``start`` prefills again."""
+        self.wisv_round = None
+        self.seq.release()
+
     def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
         """Rebuild model inputs from the prompt ids the edge sent (never re-tokenized text)."""
         ids = torch.tensor([prompt.prompt_ids], dtype=torch.long)
