@@ -237,6 +237,38 @@ def test_the_verifier_refuses_trees_it_cannot_verify(vlm_draft, vlm_target, imag
         list(split._drive(P.Verify(split.decision, 1, [4, 5], b"", parents=[-1, 0]), _run()))
 
 
+def test_a_tree_whose_q_the_rule_cannot_use_is_refused_as_a_bad_request(vlm_draft, vlm_target, image):
+    """Sampled: a sibling with no mass under its parent's row, or a row that is no distribution
+    (NaN, negative), is the client's mistake (BAD_REQUEST naming it), not the verifier's."""
+    from edgespec_ros.cloud.session import SessionError
+    from edgespec_ros.codecs import get_codec
+    decoder = EdgeDecoder(vlm_draft, None)
+    prompt, _ = decoder.make_prompt("find the chair", image)
+    codec = get_codec("dense32")
+    vocab = vlm_target.vocab_size
+    good = torch.zeros(vocab, dtype=torch.float64)
+    good[4] = good[5] = 0.5
+    no_mass = good.clone()
+    no_mass[5], no_mass[6] = 0.0, 0.5  # sibling 5 drawn from a row without it
+    nan = good.clone()
+    nan[7] = float("nan")
+    for row, fragment in [(no_mass, "no mass"), (nan, "finite")]:
+        lv = LocalVerifier(vlm_target, codec="dense32")
+        lv.start(prompt, VerifySettings(SamplingParams(1.0)))
+        payload = codec.encode([4], row.view(1, -1)) if fragment == "no mass" else _dense32_bytes(row)
+        frame = P.Verify(lv.decision, 1, [4, 5], payload, parents=[-1, -1])
+        with pytest.raises(SessionError, match=fragment) as err:
+            list(lv._drive(frame, _run()))
+        assert err.value.code == P.ErrorCode.BAD_REQUEST
+
+
+def _dense32_bytes(row: torch.Tensor) -> bytes:
+    """A dense32 payload of one row as it is, unchecked (the encoder refuses a q that is no
+    distribution: a hostile client need not use it)."""
+    import numpy as np
+    return np.asarray(row.numpy(), dtype="<f4").tobytes()
+
+
 def _run():
     from edgespec_ros.cloud.local import _Run
     return _Run(None, None)

@@ -43,14 +43,13 @@ from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Dispatch, Do
 from ..decoding.verify import VERIFY_MODES, WISV, VerifySettings
 from ..decoding.inputs import Prompt
 from ..decoding.sampling import SamplingParams
-from ..decoding.verifier import Condition, EpochGate
-from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs_once
+from ..decoding.verifier import MAX_BLOCK, Condition, EpochGate  # noqa: F401 - MAX_BLOCK: the session's bound
+from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs, check_draft_probs_once
 from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
 
 DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification paths (Step.path)
 DENSE_ERRORS = (CodecError, DraftDistributionError)  # a dense round's errors a client's q can cause
-MAX_BLOCK = 64  # drafts per VERIFY
 AWAITING_HELLO, OPEN = "awaiting HELLO", "open"  # VerifierSession.state
 
 
@@ -385,11 +384,14 @@ class VerifierSession:
             from ..decoding.tree import check_tree_q, first_children, rows_to_tree_q
             with self.refusing(what, errors):
                 rows = yield from self.codec.decode_steps(step.msg.q_payload, first_children(step.tree), self.vocab)
-                step.q = rows_to_tree_q(step.tree, torch.as_tensor(rows))
+                rows = torch.as_tensor(rows)
+                # each row a distribution with its first child's token in it (checked as a chain's)
+                check_draft_probs(torch.as_tensor(first_children(step.tree), dtype=torch.long), rows, self.vocab)
+                step.q = rows_to_tree_q(step.tree, rows)
                 if self.target.settings.params.greedy:  # the argmax path: q (one-hot rows) is not read
                     step.q = None
                 else:
-                    check_tree_q(step.tree, step.q)
+                    check_tree_q(step.tree, step.q)  # and every sibling's
             return step.q
         with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)

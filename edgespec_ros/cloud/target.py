@@ -248,6 +248,7 @@ class TargetSession:
             raise RuntimeError("target has no next-token logits")
         pending = seq.take_pending()
         self._tree_first = None if pending else seq.last_logits
+        self._tree_pending = list(pending)  # what abort_tree puts back
         self._tree_head = len(pending)
         self._tree_base = seq.fed + len(pending)
         return start, pending
@@ -307,7 +308,7 @@ class TargetSession:
             del seq.fed_tokens[len(seq.fed_tokens) - extra:]
         seq.fed = keep
         if head:
-            seq.pending = list(seq.generated[-head:])
+            seq.pending = list(self._tree_pending)
         else:
             seq.last_logits = self._tree_first
 

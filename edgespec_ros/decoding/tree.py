@@ -266,11 +266,14 @@ def rows_to_tree_q(tree: TokenTree, rows: torch.Tensor) -> torch.Tensor:
 
 
 def check_tree_q(tree: TokenTree, q: torch.Tensor) -> None:
-    """Every node's token has mass under its parent's row (ValueError otherwise): the sampled rule's
+    """Every node's token has mass under its parent's row (DraftDistributionError, a ValueError,
+    otherwise): the sampled rule's
     ratio p(x) / q(x) needs it, and the drafter drew it from there."""
+    from .verify import DraftDistributionError
     for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
         if not float(q[parent + 1, token]) > 0:
-            raise ValueError(f"tree node {i}: token {token} has no mass under its parent's draft distribution")
+            raise DraftDistributionError(f"tree node {i}: token {token} has no mass under its parent's draft "
+                                         "distribution")
 
 
 # --- drafting a tree on the robot ---------------------------------------------------------------
@@ -440,11 +443,12 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     ``prepare``: the uplink codec's quantizer, applied to every row the children are drawn from
     (the draft samples from what the wire carries, as a chain does). ``pace(width)``: a context
     manager around each level's compute (the emulated robot accelerator: a level of w nodes is one
-    forward of width w, ``compute.EdgeDevice.level``); level 1 is paced as one token, its forward
-    being the pending tokens'. ``feed_last=False`` leaves the deepest level unfed (a verdict always
-    brings a next token, fed with it): its nodes have no ``logits_after`` rows. ``stop(depth)`` is
-    polled before each level below the first (a pipeline's interrupt or truncation): True ends the
-    tree there, its deepest level drawn and not fed."""
+    forward of width w, ``compute.EdgeDevice.level``): each paced step feeds the level above (level
+    1's step as one token: its forward is the pending tokens') and draws the next.
+    ``feed_last=False`` leaves the deepest level unfed (a verdict always brings a next token, fed
+    with it): its nodes have no ``logits_after`` rows. ``stop(depth)`` is polled before each level
+    below the first (a pipeline's interrupt or truncation): True ends the tree there, its deepest
+    level drawn and not fed."""
     if seq.pending:
         seq.next_logits()
     base = seq.fed
@@ -470,11 +474,25 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
     frontier = [ROOT]
     spine = ROOT  # the chain the draft would draft alone: every level gives it a child first (main_path)
     forwards = 0
-    fed_width = 1  # the forward that made this level's rows (level 1: the pending tokens')
+    unfed: range = range(0)  # the level drawn last, not fed yet
+
+    def feed(level: range) -> None:
+        nonlocal forwards
+        rows = feed_tree(seq, TokenTree(tuple(tokens), tuple(parents)), level, base).cpu()
+        forwards += 1
+        for row, i in enumerate(level):
+            logits_after.append(rows[row])
+            q_rows[i] = q_of(rows[row])
+            rank[i] = q_rows[i] if not params.greedy else torch.softmax(rows[row].double(), -1)
+
+    # Each paced step feeds the level drawn before (one forward of its width; level 1's forward is
+    # the pending tokens', before the tree) and draws the next from the rows it gave.
     for depth, width in enumerate(shape.widths, start=1):
         if depth > 1 and stop is not None and stop(depth - 1):
-            break
-        with pace(fed_width) if pace is not None else contextlib.nullcontext():
+            break  # the deepest level stays drawn and unfed
+        with pace(max(1, len(unfed))) if pace is not None else contextlib.nullcontext():
+            if unfed:
+                feed(unfed)
             counts = _children_per_node(shape, frontier, spine, scores, rank, width, len(tokens), depth)
             level: list[tuple[int, int]] = []  # (parent, token)
             for parent, k in counts:
@@ -484,26 +502,20 @@ def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_p
                     kids = draw_siblings(q_rows[parent], k, seed=seed, position=first_position + depth - 1)
                 level += [(parent, t) for t in kids]
             if not level:
+                unfed = range(0)
                 break
             start = len(tokens)
             for parent, token in level:
                 tokens.append(token)
                 parents.append(parent)
-            new = range(start, len(tokens))
-            frontier = list(new)
-            spine = next((i for i in new if parents[i] == spine), spine)  # its first child
-            for i in new:
+            unfed = range(start, len(tokens))
+            frontier = list(unfed)
+            spine = next((i for i in unfed if parents[i] == spine), spine)  # its first child
+            for i in unfed:
                 scores[i] = scores[parents[i]] * float(rank[parents[i]][tokens[i]])
-            if depth == shape.depth and not feed_last:
-                break
-            out_logits = feed_tree(seq, TokenTree(tuple(tokens), tuple(parents)), new, base)
-            forwards += 1
-            fed_width = len(new)
-            rows = out_logits.cpu()
-            for row, i in enumerate(new):
-                logits_after.append(rows[row])
-                q_rows[i] = q_of(rows[row])
-                rank[i] = q_rows[i] if not params.greedy else torch.softmax(rows[row].double(), -1)
+    if feed_last and unfed:
+        with pace(len(unfed)) if pace is not None else contextlib.nullcontext():
+            feed(unfed)
     tree = TokenTree(tuple(tokens), tuple(parents))
     q = torch.zeros(len(tree) + 1, vocab, dtype=torch.float64)
     for node, row in q_rows.items():

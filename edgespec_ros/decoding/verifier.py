@@ -64,6 +64,7 @@ class Condition:
         return round_ == self.round and ends_epoch and (accepted, token) == (self.accepted, self.token)
 
 
+MAX_BLOCK = 64  # drafts (chain tokens or tree nodes) one block may carry: the verifier refuses more
 MAX_VOID_EPOCHS = 64  # refuted conditional epochs a session may have pending (memory bound)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..decoding.verifier import Block, Condition, VerifierTimeout, VerifyReply, mask_of
+from ..decoding.verifier import MAX_BLOCK, Block, Condition, VerifierTimeout, VerifyReply, mask_of
 from .draft_length import AutoGamma
 from .rounds import DecisionState, DecodeConfig, Strategy
 from .settings import DEFAULTS
@@ -279,7 +279,7 @@ class _Pipeline:
         epoch. The verifier then feeds no pending token, so the pass computes gamma + 1 rows, as
         after a verdict. (The decision's first block feeds none either, but the cloud waits for it:
         one more draft there would cost a draft token of idle cloud for a token of a later pass.)"""
-        return self.gamma + int(self.d.cfg.pipe_fill_rows and self.sent_in_epoch > 0)
+        return min(MAX_BLOCK, self.gamma + int(self.d.cfg.pipe_fill_rows and self.sent_in_epoch > 0))
 
     def _token_s(self) -> float:
         return self.d.device.draft_token_s or (self.m.t_draft / max(1, self.m.drafted))
@@ -341,7 +341,10 @@ class _Pipeline:
         t0 = time.perf_counter()
         shape = self.s.shape.at_depth(self.gamma)  # tree auto: as deep as the planned gamma
         # a block continuing a chained one goes one level deeper, as a chain's block gets gamma + 1
-        shape = shape.deeper(shape.depth + self._block_length() - self.gamma).limited(room)
+        # (where the block has room for one more node)
+        if self._block_length() > self.gamma and shape.nodes < MAX_BLOCK:
+            shape = shape.deeper(shape.depth + 1)
+        shape = shape.limited(room)
         drafted = draft_tree(d.seq, shape, d.cfg.params, d.cfg.seed, len(d.seq.generated),
                              prepare=d.codec.prepare, pace=d.device.level, feed_last=False, stop=self._stop)
         d.m.t_draft += time.perf_counter() - t0

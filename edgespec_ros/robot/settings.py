@@ -278,8 +278,9 @@ class DecodeConfig:
                              "rejection; csqs budgets bits per chain): use a chain or another codec")
         if self.verify_mode == WISV:
             raise ValueError("tree drafts are verified losslessly: not with verify mode wisv")
-        if shape.nodes > 64:
-            raise ValueError(f"tree {self.tree!r} has {shape.nodes} nodes; a block holds at most 64")
+        from ..decoding.verifier import MAX_BLOCK
+        if shape.nodes > MAX_BLOCK:
+            raise ValueError(f"tree {self.tree!r} has {shape.nodes} nodes; a block holds at most {MAX_BLOCK}")
         return shape
 
     def verify_settings(self) -> VerifySettings:
