@@ -357,3 +357,20 @@ def test_tree_robots_over_the_websocket_share_passes_and_decide_as_alone(pair):
         for got, ref in zip(results, refs):
             assert got == [ref.tokens, ref.tokens]
         assert st.server.fair.batches > 0
+
+
+def test_the_bench_runs_each_mode_with_the_trees_it_takes_and_refuses_the_others(capsys):
+    """edgespec-bench --tree: sd and pipe take every shape, auto only none and auto (it plans the
+    depth), the others none; a shape no mode can take, or --tree without such a mode, is refused
+    before any model loads."""
+    from edgespec_ros.bench import cli
+    from edgespec_ros.bench.runner import trees_for
+    assert trees_for("sd", ["none", "2,2,1", "auto"]) == ("none", "2,2,1", "auto")
+    assert trees_for("auto", ["none", "2,2,1", "auto"]) == ("none", "auto")
+    assert trees_for("auto", ["2,2,1"]) == ("none",) and trees_for("ar", ["auto"]) == ("none",)
+    assert cli.main(["--modes", "sd", "--tree", "2,x"]) == 2
+    assert "nodes per depth" in capsys.readouterr().err
+    assert cli.main(["--modes", "ar", "--tree", "auto"]) == 2
+    assert "add one to --modes" in capsys.readouterr().err
+    assert cli.main(["--modes", "pipe", "--codec", "split", "--tree", "2,2"]) == 2
+    assert "split" in capsys.readouterr().err

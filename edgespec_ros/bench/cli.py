@@ -21,7 +21,7 @@ from .sweeps import SWEEPS, SweepOptions
 from .hostile import KINDS as HOSTILE_KINDS
 from ..models import resolve_models
 from ..processes import env_threads
-from .runner import TREE_MODES, add_speedups, bench_prompts, emulated_setup, format_table, run_modes
+from .runner import TREE_MODES, add_speedups, bench_prompts, emulated_setup, format_table, run_modes, trees_for
 from ..rosio.bags import PICKS, BagError, BagReplay
 from ..decoding.memory import saved_memory
 from ..rosio import topics
@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pipe, pipe+fsd: blocks in flight 1..8, or auto (covers a block's round trip with "
                          f"drafting; with --gamma auto) (default {DEFAULTS.pipe_depth})")
     ap.add_argument("--tree", nargs="+", default=[DEFAULTS.tree], metavar="SHAPE",
-                    help="sd, pipe: draft token trees (docs/trees.md): none (chains), auto (grown where the draft is "
+                    help="sd, pipe (and auto, with none or auto): draft token trees (docs/trees.md): none (chains), auto (grown where the draft is "
                          "unsure, --gamma levels, at most --tree-nodes nodes) or the nodes per depth, e.g. 2,2,2,1; "
-                         f"several: one row each for sd and pipe, side by side (default {DEFAULTS.tree})")
+                         f"several: one row each, side by side (default {DEFAULTS.tree})")
     ap.add_argument("--tree-nodes", type=int, default=DEFAULTS.tree_nodes,
                     help=f"--tree auto: the most nodes a tree holds (default {DEFAULTS.tree_nodes})")
     ap.add_argument("--no-truncate", dest="pipe_truncate", action="store_false",
@@ -334,14 +334,14 @@ def bench(args) -> int:
         return 2
     try:
         for mode in modes:
-            for tree in (args.tree if mode in TREE_MODES else [DEFAULTS.tree]):
+            for tree in trees_for(mode, args.tree):
                 DecodeConfig(mode=mode, gamma="auto" if mode == "auto" else args.gamma, codec=args.codec,
                              workers=args.workers, pipe_depth=args.pipe_depth, tree=tree, tree_nodes=args.tree_nodes)
     except ValueError as exc:
         print(f"edgespec-bench: bad decoding settings (--gamma, --workers, --pipe-depth, --tree): {exc}", file=sys.stderr)
         return 2
     if args.tree != [DEFAULTS.tree] and not set(TREE_MODES) & set(modes):
-        print(f"edgespec-bench: --tree drafts trees in modes {' and '.join(TREE_MODES)}: add one to --modes",
+        print(f"edgespec-bench: --tree drafts trees in modes {', '.join(TREE_MODES)}: add one to --modes",
               file=sys.stderr)
         return 2
     env_threads()
@@ -358,7 +358,7 @@ def bench(args) -> int:
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,
                         metrics_out=args.metrics_out,
                         verifier_args=() if args.prefix_reuse else ("--no-prefix-reuse",)) as (draft_lm, url):
-        runs = len(modes) + len(set(TREE_MODES) & set(modes)) * (len(args.tree) - 1)
+        runs = sum(len(trees_for(m, args.tree)) for m in modes)
         bar = tqdm(total=runs * len(prompts), desc="decisions", unit="dec")
         texts: dict[str, list[str]] = collections.defaultdict(list)
 

@@ -50,7 +50,15 @@ def prompt_parts(prompt) -> tuple:
     return instruction, image, (rest[0] if rest else ())
 
 
-TREE_MODES = ("sd", "pipe")  # the modes that draft token trees (DecodeConfig.tree_shape)
+TREE_MODES = ("sd", "pipe", "auto")  # the modes that draft token trees (DecodeConfig.tree_shape)
+
+
+def trees_for(mode: str, trees) -> tuple[str, ...]:
+    """The tree settings a mode is run with: sd and pipe every one; auto (which plans the depth)
+    "none" and "auto" among them; the others none."""
+    if mode == "auto":
+        return tuple(t for t in trees if t in ("none", "auto")) or ("none",)
+    return tuple(trees) if mode in TREE_MODES else ("none",)
 
 
 def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, link: str, compute: ComputeProfile,
@@ -61,8 +69,9 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
               pipe_depth: int | str = DEFAULTS.pipe_depth,
               pipe_truncate: bool = True, pipe_fill_rows: bool = True,
               trees: tuple[str, ...] = ("none",), tree_nodes: int = DEFAULTS.tree_nodes) -> dict[str, RunSummary]:
-    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode (sd and pipe once
-    per entry of ``trees``: "none" is chains, labelled by the mode; a tree shape ``MODE tree=SHAPE``).
+    """Decode every prompt in every mode (same seeds); returns a RunSummary per mode (once per tree
+    setting the mode takes, ``trees_for``: "none" is chains, labelled by the mode; a tree shape
+    ``MODE tree=SHAPE``).
 
     The first ``warmup`` prompts of each mode are decoded on the same decoder but not summarized
     (gamma "auto" learns its estimates; on_decision still sees them, with their index i < warmup).
@@ -71,7 +80,7 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
     feeds no pending token."""
     profile = get_profile(link)
     summaries = {}
-    for mode, tree in [(m, t) for m in modes for t in (trees if m in TREE_MODES else ("none",))]:
+    for mode, tree in [(m, t) for m in modes for t in trees_for(m, trees)]:
         label = mode if tree == "none" else f"{mode} tree={tree}"
         summary = RunSummary(mode=label, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
