@@ -105,23 +105,28 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def table_trees(rows: list[dict]) -> str:
     head = ["cloud", "link", "mode", "gamma", "tree", "nodes/round", "tau", "tau vs chain", "tok/level", "ms/token",
-            "vs chain", "vs AR"]
+            "cloud passes", "cloud idle", "vs chain", "vs AR"]
     lines = []
     for r in rows:
+        passes = _fmt(r.get("passes_ms_per_token"), ".1f")
+        idle = _fmt(sum((r.get("idle_ms_per_token") or {}).values()) if r.get("idle_ms_per_token") else None, ".1f")
         if r["mode"] == "ar":
             lines.append([short_cloud(r["cloud_name"]), r["link"], "ar", "-", "-", "-", "1.00", "-", "-",
-                          f"{r['ms_per_token']:.1f}", "-", "1.00x"])
+                          f"{r['ms_per_token']:.1f}", passes, idle, "-", "1.00x"])
             continue
         nodes = r["tree_nodes"] / r["rounds"] if r.get("tree_nodes") and r["rounds"] else r["gamma"]
         lines.append([short_cloud(r["cloud_name"]), r["link"], r["mode"], str(r["gamma_set"]),
                       "chain" if r["tree"] == "none" else r["tree"], _fmt(nodes, ".1f"), f"{r['tau']:.2f}",
                       _fmt(r["tau_vs_chain"], ".2f") + "x", _fmt(r["tokens_per_level"], ".2f"),
-                      f"{r['ms_per_token']:.1f}", _fmt(r["vs_chain"], ".2f") + "x", _fmt(r["vs_ar"], ".2f") + "x"])
+                      f"{r['ms_per_token']:.1f}", passes, idle, _fmt(r["vs_chain"], ".2f") + "x",
+                      _fmt(r["vs_ar"], ".2f") + "x"])
     robots = sorted({(r["robot"], r["robot_source"]) for r in rows})
     clouds = sorted({(short_cloud(r["cloud_name"]), r["cloud_source"]) for r in rows})
     notes = ["ms per token, EMULATED (cloud profile, robot profile, link proxy; a tree level of w nodes costs the "
              "robot level_cost(w) token times). tau: tokens committed per verification pass; tok/level: committed "
-             "tokens per draft level; vs chain: the chain's ms/token (same mode, gamma, cloud, link) over the tree's."]
+             "tokens per draft level; cloud passes / cloud idle: where the ms of a token went at the verifier (its "
+             "passes, and its idle time waiting for the robot and the link); vs chain: the chain's ms/token (same "
+             "mode, gamma, cloud, link) over the tree's."]
     notes += [f"  cloud {n}: {s}" for n, s in clouds] + [f"  robot {n}: {s}" for n, s in robots]
     return fixed_width(head, lines) + "\n" + "\n".join(notes)
 
