@@ -71,6 +71,18 @@ def save_checkpoint(path: str, settings: dict, rows: list[dict]) -> None:
     os.replace(tmp, path)  # a run stopped mid-write leaves the last whole checkpoint
 
 
+def measure_each(clouds, links, rows: list[dict], path: str, settings: dict, measure) -> list[dict]:
+    """``rows`` (resumed) plus ``measure(cloud, link)``'s rows for every cloud and link not in
+    them yet, each written to the checkpoint at ``path`` as soon as it is measured."""
+    done = {(r["cloud"], r["link"]) for r in rows}
+    for cloud in clouds:
+        for link in links:
+            if (cloud, link) not in done:
+                rows += measure(cloud, link)
+                save_checkpoint(path, settings, rows)
+    return rows
+
+
 def run_regimes(opts, progress) -> list[dict]:
     clouds = opts.clouds or ([opts.compute] if opts.compute else default_clouds())
     robots = opts.robot_profiles or ([opts.robot] if opts.robot else list(REGIME_ROBOTS))
@@ -84,12 +96,8 @@ def run_regimes(opts, progress) -> list[dict]:
     per_pair = len(prompts) * (1 + len(robots) * (len(SPECULATIVE) + 1)) + len(robots) * len(warmup)
     bar = progress(per_pair * len(clouds) * len(links))
     bar.update(per_pair * len(done))
-    for cloud in clouds:
-        for link in links:
-            if (cloud, link) in done:
-                continue
-            rows += _measure_cloud_link(opts, cloud, link, robots, prompts, warmup, settings["gamma"], bar)
-            save_checkpoint(path, settings, rows)
+    rows = measure_each(clouds, links, rows, path, settings, lambda cloud, link: _measure_cloud_link(
+        opts, cloud, link, robots, prompts, warmup, settings["gamma"], bar))
     bar.close()
     return summarize(rows)
 

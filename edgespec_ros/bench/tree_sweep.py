@@ -15,7 +15,7 @@ import os
 
 from ..decoding.compute import get_compute
 from ..robot.settings import DEFAULTS
-from .regimes import REGIME_LINKS, default_clouds, load_checkpoint, save_checkpoint, short_cloud
+from .regimes import REGIME_LINKS, default_clouds, load_checkpoint, measure_each, short_cloud
 from .report import _fmt, _pyplot, _save, fixed_width
 from .runner import emulated_setup, run_modes
 
@@ -53,12 +53,8 @@ def run_trees(opts, progress) -> list[dict]:
     per_pair = len(prompts) * (1 + len(TREE_SWEEP_MODES) * sum(len(shapes_for(g)) for g in gammas))
     bar = progress(per_pair * len(clouds) * len(links))
     bar.update(per_pair * len(done))
-    for cloud in clouds:
-        for link in links:
-            if (cloud, link) in done:
-                continue
-            rows += _measure(opts, cloud, robot, link, gammas, prompts, bar)
-            save_checkpoint(path, settings, rows)
+    rows = measure_each(clouds, links, rows, path, settings,
+                        lambda cloud, link: _measure(opts, cloud, robot, link, gammas, prompts, bar))
     bar.close()
     return summarize(rows)
 
