@@ -59,16 +59,23 @@ def pipe_model(t: dict) -> dict:
     return {"eq9_s_per_token": eq9, "bound_s_per_token": bound, "fill_s_per_token": fill}
 
 
+def add_timeline(r: dict) -> dict:
+    """Where a row's ms per token went at the verifier: its passes, its idle time, and the idle
+    time by what the next pass waited for (``decoding.metrics.CloudTimeline``)."""
+    split = r.get("time_split_s") or {}
+    if r.get("tokens") and "wall" in split:
+        r["cloud_idle_ms_per_token"] = 1000 * max(0.0, split["wall"] - split["verify"]) / r["tokens"]
+        r["passes_ms_per_token"] = 1000 * split["verify"] / r["tokens"]
+    if r.get("tokens") and r.get("cloud_idle_s"):
+        r["idle_ms_per_token"] = {c: 1000 * s / r["tokens"] for c, s in r["cloud_idle_s"].items()}
+    return r
+
+
 def annotate(rows: list[dict]) -> list[dict]:
     """Add to every pipe row its terms, Eq. 9, the bound and the fraction of the bound reached
     (bound / measured ms per token); and to every row the cloud's idle time per token."""
     for r in rows:
-        split = r.get("time_split_s") or {}
-        if r.get("tokens") and "wall" in split:
-            r["cloud_idle_ms_per_token"] = 1000 * max(0.0, split["wall"] - split["verify"]) / r["tokens"]
-            r["passes_ms_per_token"] = 1000 * split["verify"] / r["tokens"]
-        if r.get("tokens") and r.get("cloud_idle_s"):
-            r["idle_ms_per_token"] = {c: 1000 * s / r["tokens"] for c, s in r["cloud_idle_s"].items()}
+        add_timeline(r)
         if r["mode"] not in PIPE_MODES:
             continue
         t = pipe_terms(r, rows)

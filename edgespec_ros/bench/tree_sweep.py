@@ -16,6 +16,7 @@ import os
 from ..decoding.compute import get_compute
 from ..robot.settings import DEFAULTS
 from .regimes import REGIME_LINKS, default_clouds, load_checkpoint, measure_each, short_cloud
+from .pipe import add_timeline
 from .report import _fmt, _pyplot, _save, fixed_width
 from .runner import emulated_setup, run_modes
 
@@ -88,6 +89,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     ar = {(r["cloud"], r["link"]): r["ms_per_token"] for r in measured if r["mode"] == "ar"}
     chain = {(r["cloud"], r["link"], r["mode"], r["gamma_set"]): r for r in measured if r.get("tree") == "none"}
     for r in measured:
+        add_timeline(r)
         if r["mode"] == "ar":
             continue
         base = chain.get((r["cloud"], r["link"], r["mode"], r["gamma_set"]))
@@ -105,7 +107,7 @@ def table_trees(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         passes = _fmt(r.get("passes_ms_per_token"), ".1f")
-        idle = _fmt(sum((r.get("idle_ms_per_token") or {}).values()) if r.get("idle_ms_per_token") else None, ".1f")
+        idle = _fmt(r.get("cloud_idle_ms_per_token"), ".1f")
         if r["mode"] == "ar":
             lines.append([short_cloud(r["cloud_name"]), r["link"], "ar", "-", "-", "-", "1.00", "-", "-",
                           f"{r['ms_per_token']:.1f}", passes, idle, "-", "1.00x"])
