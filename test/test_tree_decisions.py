@@ -188,6 +188,8 @@ def test_the_wire_carries_a_tree_and_its_path():
     for bad in ([1, 2], [2], [0, 3]):  # not a path from the root down
         with pytest.raises(VerifierError, match="tree"):
             verdict_reply(P.Verdict(7, 1, len(bad), 5, 1.0, 4, path=bad), block, codec, vocab)
+    greedy = Block(1, 0, list(tree.tokens), None, parents=list(tree.parents))
+    assert verify_frame(7, greedy, codec, exits=False).q_payload == b""  # the argmax path reads no q
     chain = Block(1, 0, [3, 1], q[:2])
     with pytest.raises(VerifierError, match="tree path"):
         verdict_reply(P.Verdict(7, 1, 1, 5, 1.0, 2, path=[0]), chain, codec, vocab)

@@ -382,16 +382,16 @@ class VerifierSession:
             return None
         if step.tree is not None:  # one row per node with children, coded with its first child
             from ..decoding.tree import check_tree_q, first_children, rows_to_tree_q
+            if self.target.settings.params.greedy:  # the argmax path: no q is read (the robot sends none)
+                step.q = None
+                return None
             with self.refusing(what, errors):
                 rows = yield from self.codec.decode_steps(step.msg.q_payload, first_children(step.tree), self.vocab)
                 rows = torch.as_tensor(rows)
                 # each row a distribution with its first child's token in it (checked as a chain's)
                 check_draft_probs(torch.as_tensor(first_children(step.tree), dtype=torch.long), rows, self.vocab)
                 step.q = rows_to_tree_q(step.tree, rows)
-                if self.target.settings.params.greedy:  # the argmax path: q (one-hot rows) is not read
-                    step.q = None
-                else:
-                    check_tree_q(step.tree, step.q)  # and every sibling's
+                check_tree_q(step.tree, step.q)  # and every sibling's
             return step.q
         with self.refusing(what, errors):
             step.q = yield from self.codec.decode_steps(step.msg.q_payload, step.msg.draft_ids, self.vocab)

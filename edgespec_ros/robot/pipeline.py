@@ -360,7 +360,8 @@ class _Pipeline:
         main = main_path(tree)
         tokens = [tree.tokens[i] for i in main]
         chained = not d.ends_decision(history[len(d.out):] + tokens)
-        block = d.block(list(tree.tokens), drafted.q, chained=chained, parents=list(tree.parents))
+        q = None if d.cfg.params.greedy else drafted.q  # greedy: no q is read, none is sent
+        block = d.block(list(tree.tokens), q, chained=chained, parents=list(tree.parents))
         cause = "fill" if block.round == 1 else "chained" if self.sent_in_epoch else "drafted"
         codec_after = copy.deepcopy(d.codec)
         if chained:  # draft on from the main path: its last node left pending

@@ -300,7 +300,8 @@ class TreeDrafted(Proposer):
         self._draft_s = time.perf_counter() - t0
         d.m.t_draft += self._draft_s
         self._drafted, self.parents = drafted, list(drafted.tree.parents)
-        return list(drafted.tree.tokens), drafted.q, "drafted"
+        # greedy: the verifier walks the target's argmax path and reads no q, so none is sent
+        return list(drafted.tree.tokens), None if d.cfg.params.greedy else drafted.q, "drafted"
 
     def heard(self, d: DecisionState, block: Block, reply: VerifyReply) -> None:
         if self.auto is None:

@@ -62,7 +62,9 @@ def verify_frame(decision: int, block: Block, codec, exits: bool, send_q: bool =
         if codec.separate or block.hidden is not None or cond is not None:
             raise ValueError("a token tree is sent in an unconditional round, not with the split codec or wisv")
         flags &= ~P.VERIFY_STREAM_EXITS
-        q = codec.encode(first_children(tree), wire_rows(tree, torch.as_tensor(block.q))) if send_q else b""
+        # a greedy tree (q None) sends no q: the verifier takes the target's argmax path
+        q = (codec.encode(first_children(tree), wire_rows(tree, torch.as_tensor(block.q)))
+             if send_q and block.q is not None else b"")
     else:
         q = codec.encode(block.draft_ids, block.q) if send_q else b""
     return P.Verify(decision, block.round, list(block.draft_ids), q, flags,
