@@ -157,6 +157,8 @@ def plot_trees(rows: list[dict], path: str) -> None:
             ax.set_title(f"cloud {name}, robot {mine[0]['robot'] if mine else '?'}", fontsize=9)
             if row_i == 0:
                 ax.axhline(1.0, color="k", lw=0.8)
-        axes[0][col].legend(fontsize=6, ncol=2)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(8, max(1, len(labels))), fontsize=7)
+    fig.subplots_adjust(bottom=0.12)
     fig.suptitle("token trees vs chains (hatched: trees), sd and pipe; EMULATED compute and links", fontsize=10)
     _save(fig, path)
