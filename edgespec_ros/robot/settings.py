@@ -286,7 +286,11 @@ class DecodeConfig:
     def verify_settings(self) -> VerifySettings:
         wisv = self.verify_mode == WISV
         tolerance = self.action_tolerance if wisv else 0
-        return VerifySettings(self.params, self.seed, self.verify_mode, self.wisv_threshold if wisv else 0.0,
+        # A greedy decision's rejection sampling is the argmax rule exactly (p and q one-hot: a draft
+        # is accepted iff it is the target's argmax, the residual is that argmax): verified as
+        # greedy, its blocks carry no q (a dense32 q of Qwen2-VL's vocabulary is 607 KB a draft).
+        mode = "greedy" if self.verify_mode == "rejection" and self.params.greedy else self.verify_mode
+        return VerifySettings(self.params, self.seed, mode, self.wisv_threshold if wisv else 0.0,
                               tolerance, SIZES if tolerance else ())
 
 
