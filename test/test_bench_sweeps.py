@@ -51,6 +51,13 @@ def test_codecs_sweep_measures_bytes_acceptance_and_time(tmp_path):
     sweep.plot(rows, str(png))
     assert png.read_bytes()[:8] == PNG_MAGIC
     json.dumps(rows)
+    # greedy: verified by the argmax rule, the frames carry no q, and the row says so (no q cost projected)
+    opts = SweepOptions(resolve_models(None, None), decisions=1, max_new_tokens=12, links=["lan"],
+                        temperatures=[0.0], codecs=["dense16"])
+    (greedy,) = sweep.run(opts, quiet_progress)
+    assert greedy["sends_q"] is False and greedy["payload_bits_per_draft_token"] == pytest.approx(0, abs=8)
+    assert greedy["qwen2vl_bytes_per_draft_token"] == 0 == greedy["formula_bytes_per_draft_token"]
+    assert greedy["qwen2vl_ms_per_token_projected"] == pytest.approx(greedy["ms_per_token"])
 
 
 def test_gamma_auto_sweep_through_the_command_line(tmp_path, capsys):

@@ -170,7 +170,7 @@ def test_sd_over_an_emulated_link_is_token_identical_to_local_sd_and_target_ar(p
     assert m.uplink_bytes == recording.start_info["uplink_bytes"] + verify_up
     assert m.downlink_bytes > 0 and all(reply.downlink_bytes > 0 for _, reply in recording.replies)
     per_draft_token = verify_up / drafted
-    # greedy decisions are verified by the argmax rule: ids only, whatever the codec (no q goes up)
+    # greedy decisions are verified by the argmax rule: ids only (no q goes up; these codecs are not split)
     assert per_draft_token <= 16, (codec, per_draft_token, vocab)
     assert wire_up >= m.uplink_bytes and wire_down >= m.downlink_bytes  # websocket framing on top
     # Every round crossed the emulated link both ways: about its RTT of link time per round. The

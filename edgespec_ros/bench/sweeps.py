@@ -158,16 +158,19 @@ def codec_row(summary: RunSummary, spec: str, temperature: float, vocab: int) ->
     row["lossy"] = get_codec(spec).lossy and temperature != 0
     if row["lossy"]:
         row["label"] += " (LOSSY)"
+    # greedy decisions are verified by the argmax rule: no q goes up (but the split codec's q(x) does)
+    sends_q = temperature != 0 or get_codec(spec).separate
+    row["sends_q"] = sends_q
     support = None
     if summary.drafted:
         framing = verify_framing_bytes(summary.rounds, summary.drafted)
         payload_bits = 8 * (summary.draft_uplink_bytes - framing) / summary.drafted  # (+ < 8 bits per frame)
         row["payload_bits_per_draft_token"] = payload_bits
-        if get_codec(spec).name == "csqs":
+        if get_codec(spec).name == "csqs" and sends_q:
             support = csqs_mean_support(spec, vocab, payload_bits)
             row["csqs_mean_support"] = support
-    row["formula_bytes_per_draft_token"] = codec_bits(spec, vocab, support) / 8
-    qwen_bytes = codec_bits(spec, QWEN2_VL_VOCAB, support) / 8
+    row["formula_bytes_per_draft_token"] = codec_bits(spec, vocab, support) / 8 if sends_q else 0.0
+    qwen_bytes = codec_bits(spec, QWEN2_VL_VOCAB, support) / 8 if sends_q else 0.0
     row["qwen2vl_bytes_per_draft_token"] = qwen_bytes
     up_bps = get_profile(summary.link).up_bps
     row["qwen2vl_uplink_ms_per_draft_token"] = 1000 * 8 * qwen_bytes / up_bps if up_bps else 0.0
