@@ -275,3 +275,20 @@ def test_decode_config_gamma_errors_are_clear(kwargs, fragment):
     from edgespec_ros.robot.decoder import DecodeConfig
     with pytest.raises(ValueError, match=fragment):
         DecodeConfig(**kwargs)
+
+
+def test_greedy_and_sampled_blocks_keep_their_own_link_cost_per_draft():
+    """Greedy blocks carry ids only (the argmax rule), sampled ones q too: a resampled decision's
+    slow, heavy rounds must not make the greedy ones' uplink per draft look slow, nor the reverse."""
+    auto = AutoGamma()
+    auto.set_payload(False)
+    for n in (2, 4, 6, 3, 5):  # ids only: 20 ms a round trip, 0.1 ms a draft
+        auto.observe_round(n, n - 1, 0.01 * n, 0.020 + 0.0001 * n, 0.05)
+    greedy = auto.link_line()[1]
+    auto.set_payload(True)
+    for n in (2, 4, 6, 3, 5):  # with q: 30 ms a draft more
+        auto.observe_round(n, n - 1, 0.01 * n, 0.020 + 0.030 * n, 0.05)
+    sampled = auto.link_line()[1]
+    auto.set_payload(False)
+    assert auto.link_line()[1] == pytest.approx(greedy)
+    assert greedy < 0.001 < 0.02 < sampled

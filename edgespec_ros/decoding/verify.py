@@ -128,6 +128,14 @@ class VerifySettings:
         return "greedy" if self.verify_mode == WISV else self.verify_mode
 
 
+def carries_q(settings, codec) -> bool:
+    """Whether a decision's blocks carry the draft distribution q: rejection sampling reads it and
+    the split codec's separate rule does; greedy and WISV verification (argmax against the drafts)
+    never do, so their blocks go up without it (the verifier refuses one that carries q).
+    ``settings``: a VerifySettings or anything with its ``verify_mode``; ``codec``: a ``codecs`` codec."""
+    return getattr(settings, "verify_mode", "rejection") == "rejection" or bool(codec.separate)
+
+
 @dataclass
 class VerifyResult:
     accepted: int  # number of leading draft tokens accepted (0..gamma)

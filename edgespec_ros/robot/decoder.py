@@ -30,6 +30,7 @@ from ..decoding.engines import LoadedModel, eos_token_ids
 from ..decoding.inputs import Prompt, PromptInputs, build_inputs, encode_jpeg, prepare_image
 from ..decoding.metrics import DecisionMetrics
 from ..decoding.verifier import Verifier
+from ..decoding.verify import carries_q
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
 from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDrafted, StopAndWait,
@@ -127,6 +128,8 @@ class EdgeDecoder:
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
         predicted, auto_decision = None, cfg.mode == "auto"
+        if cfg.gamma == "auto":  # the link's cost per draft is that of this decision's kind of block
+            self._auto(cfg).set_payload(carries_q(cfg.verify_settings(), codec or get_codec(cfg.codec)))
         if cfg.mode == "auto":  # the path the estimates predict fastest (AutoGamma.begin_auto_decision)
             auto = self._auto(cfg)
             cfg = replace(cfg, mode=auto.begin_auto_decision())

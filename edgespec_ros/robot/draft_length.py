@@ -190,8 +190,11 @@ class AutoGamma:
         self._accept = self._acceptance_prior(smoothing)  # accepted, attempted positions
         self._draft = _Ew(smoothing, 2)  # draft seconds, drafted tokens
         self._verify = _Ew(smoothing, 2)  # verify seconds, rounds
-        self._link = _Ew(smoothing, 2)  # SD rounds: link seconds, drafted tokens
-        self._slope = _Ew(smoothing, 2)  # consecutive SD rounds: sum dn^2 (dt / dn), sum dn^2
+        # per kind of block (carrying q, a sampled decision's; or ids only, a greedy one's, verified by
+        # the argmax rule): SD rounds' link seconds and drafted tokens, and consecutive rounds' sum
+        # dn^2 (dt / dn), sum dn^2 (``set_payload`` says which the next rounds are)
+        self._links = {q: (_Ew(smoothing, 2), _Ew(smoothing, 2)) for q in (False, True)}
+        self._carries_q = False
         self._last_round: tuple[int, float] | None = None  # (n, link seconds) of this decision's last round
         self._rtt = _Ew(smoothing, 2)  # round-trip seconds, observations
         self._ar = _Ew(smoothing, 2)  # step seconds, steps
@@ -207,6 +210,22 @@ class AutoGamma:
         self.last_prediction: dict[str, float] | None = None  # mode auto: predict() at the last choice
         # mode auto: per path, its last decisions' measured seconds per token over predict()'s (``calibration``)
         self._calibration: dict[str, deque] = {}
+
+    @property
+    def _link(self) -> _Ew:
+        return self._links[self._carries_q][0]
+
+    @property
+    def _slope(self) -> _Ew:
+        return self._links[self._carries_q][1]
+
+    def set_payload(self, carries_q: bool) -> None:
+        """Whether the coming decision's blocks carry q (``wire.frames.carries_q``): a sampled
+        decision's q costs the uplink per draft, a greedy one's ids do not, so each kind keeps its
+        own per-token link time (a resampled decision must not make the greedy ones look slow)."""
+        if bool(carries_q) != self._carries_q:
+            self._carries_q = bool(carries_q)
+            self._last_round = None  # the slope pairs rounds of one kind
 
     @staticmethod
     def _acceptance_prior(rate: float) -> _Ew:

@@ -10,7 +10,7 @@ import torch
 from ..decoding.inputs import Prompt
 from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifierError, VerifyReply, mask_of
-from ..decoding.verify import NO_TOKEN
+from ..decoding.verify import NO_TOKEN, carries_q  # noqa: F401 - carries_q: the frames' rule, re-exported
 from . import protocol as P
 
 
@@ -27,14 +27,6 @@ def prefill_frame(decision: int, prompt: Prompt, settings: VerifySettings) -> P.
     return P.Prefill(decision, prompt.instruction, prompt.jpeg or b"", prompt.prompt_ids, settings.seed,
                      settings.params.temperature, settings.params.top_k, settings.params.top_p,
                      settings.verify_mode, settings.wisv_threshold)
-
-
-def carries_q(settings: VerifySettings, codec) -> bool:
-    """Whether a decision's VERIFY frames carry the draft distribution q: rejection sampling reads
-    it and the split codec's separate rule does; greedy and WISV verification (argmax against the
-    drafts) never do, so their blocks go up without it (the verifier refuses one that carries q)."""
-    # settings: a VerifySettings or a robot config with its fields (verify_mode: rejection | greedy | wisv)
-    return getattr(settings, "verify_mode", "rejection") == "rejection" or bool(codec.separate)
 
 
 def verify_frame(decision: int, block: Block, codec, exits: bool, send_q: bool = True) -> P.Verify:
