@@ -73,6 +73,18 @@ class DecisionMetrics:
         self.uplink_bytes += up
         self.downlink_bytes += down
 
+    def record_block(self, reply, block) -> None:
+        """One verified ``decoding.verifier.Block``: a chain's drafts, or a token tree counted as a
+        chain of its depth (per-depth acceptance), its nodes in ``tree_nodes``."""
+        if block.parents is None:
+            self.record_round(reply, len(block.draft_ids))
+            return
+        from dataclasses import replace
+        from .verifier import mask_of
+        depth = max(block.tree.depths())
+        self.record_round(replace(reply, accepted_mask=mask_of(reply.accepted, depth)), depth)
+        self.tree_nodes += len(block.draft_ids)
+
     def record_round(self, reply, n_drafted: int) -> None:
         """Account one verification round from a VerifyReply."""
         self.rounds += 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from ..decoding.verifier import MAX_BLOCK, Block, Condition, VerifierTimeout, VerifyReply, mask_of
+from ..decoding.verifier import MAX_BLOCK, Block, Condition, VerifierTimeout, VerifyReply
 from .draft_length import AutoGamma
 from .rounds import DecisionState, DecodeConfig, Strategy
 from .settings import DEFAULTS
@@ -142,12 +142,7 @@ class _Pipeline:
         if reply.round != block.round or reply.epoch != block.epoch:
             raise RuntimeError(f"verdict for round {reply.round} (epoch {reply.epoch}), expected round "
                                f"{block.round} (epoch {block.epoch})")
-        if block.parents is None:
-            m.record_round(reply, len(block.draft_ids))
-        else:  # per depth, as a chain of the tree's depth; its nodes apart
-            depth = max(block.tree.depths())
-            m.record_round(replace(reply, accepted_mask=mask_of(reply.accepted, depth)), depth)
-            m.tree_nodes += len(block.draft_ids)
+        m.record_block(reply, block)
         m.record_exits(reply)
         d.timeline.verdict(reply, head.cause, received_at)
         if self.s.auto is not None:

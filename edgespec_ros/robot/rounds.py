@@ -6,14 +6,13 @@ A strategy keeps its own state across decisions (AutoGamma's estimates, the pre-
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
 from ..codecs import get_codec
 from ..decoding.inputs import PromptInputs
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
-from ..decoding.verifier import Block, Condition, Verifier, VerifyReply, mask_of
+from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
 from ..decoding.verify import WISV, resample_separate
 from .draft_length import AutoGamma
 from .settings import DECODING_MODES, PIPE_DEPTH_MAX, DecodeConfig  # noqa: F401 - the decoder's names
@@ -228,12 +227,7 @@ class StopAndWait(Strategy):
                 block = d.block(ids, q, stream_exits=pro.exits, parents=pro.parents)
                 on_exit = pro.sent(d, block)
                 reply = d.verifier.verify(block, on_exit=on_exit)
-                if block.parents is None:
-                    m.record_round(reply, len(ids))
-                else:  # a tree counts as a chain of its depth (per-depth acceptance), its nodes apart
-                    depth = max(block.tree.depths())
-                    m.record_round(replace(reply, accepted_mask=mask_of(reply.accepted, depth)), depth)
-                    m.tree_nodes += len(ids)
+                m.record_block(reply, block)
                 m.record_exits(reply)
                 d.timeline.verdict(reply, "fill" if block.round == 1 else cause, time.perf_counter())
                 pro.heard(d, block, reply)
