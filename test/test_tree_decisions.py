@@ -15,7 +15,7 @@ from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.compute import DRAFT_LEVEL_COST, EdgeDevice, level_cost
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.tree import ROOT, TokenTree, TreeShape, draft_tree, expanded, first_children
-from edgespec_ros.decoding.verifier import Block, VerifierError, VerifierRefused
+from edgespec_ros.decoding.verifier import Block, VerifierError
 from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.robot.decoder import EdgeDecoder
 from edgespec_ros.robot.settings import DecodeConfig, DrafterSettings
