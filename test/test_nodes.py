@@ -436,14 +436,35 @@ def drafter_overrides(draft_dir, **extra):
     return values
 
 
+def _ready_action_client():
+    """rclpy's ActionClient joins its node's wait set before it makes its lock, so an executor
+    spinning in another thread (the graph's) can ask it for its entities first and die of an
+    AttributeError (seen in CI). This one has its lock before it joins, and keeps that one."""
+    import threading
+    from rclpy.action import ActionClient
+
+    class ReadyActionClient(ActionClient):
+        def __init__(self, *args, **kwargs):
+            self.__dict__["_ready_lock"] = threading.Lock()
+            super().__init__(*args, **kwargs)
+
+        @property
+        def _lock(self):
+            return self.__dict__["_ready_lock"]
+
+        @_lock.setter
+        def _lock(self, _lock):  # ActionClient.__init__ makes another one: the first stays
+            pass
+    return ReadyActionClient
+
+
 class InstructClient:
     """An rclpy ActionClient for the drafter's `instruct` action, driven from the test thread."""
 
     def __init__(self, probe: Probe):
-        from rclpy.action import ActionClient
         from edgespec_ros.action import Instruct
         self.Instruct = Instruct
-        self.client = ActionClient(probe.node, Instruct, "instruct", callback_group=probe.group)
+        self.client = _ready_action_client()(probe.node, Instruct, "instruct", callback_group=probe.group)
         wait_until(self.client.server_is_ready, what="the instruct action server")
 
     def send(self, instruction: str, **goal_fields):
