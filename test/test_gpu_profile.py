@@ -324,3 +324,39 @@ def test_bench_compute_label_names_the_profiles_own_source():
                                         "FSD paper Table 8 (Go2 Jetson Orin + A100); prefills are this project's estimates)")
     assert compute_label(get_compute("native")) == "native"
     assert compute_label(ComputeProfile("bare", verify_s=0.1)).endswith("(EMULATED: padded to the profile's timings: no source given)")
+
+
+def test_combine_takes_each_point_from_the_quietest_pass_of_all_runs(tiny_run, tmp_path):
+    out, result, _ = tiny_run
+    grid = result["models"]["tiny"]["grid"]
+    assert all(len(g["pass_s"]) == 1 and g["pass_s"][0] == pytest.approx(gp.point_s(g)) for g in grid)
+    slow = json.loads(json.dumps(result))  # a second run inside a slow phase: every sample 3x, one point 0.5x
+    for g in slow["models"]["tiny"]["grid"]:
+        g["all_s"] = [3 * x for x in g["all_s"]]
+        del g["pass_s"]  # an older file: its passes come from all_s and the plan's reps
+    quick = slow["models"]["tiny"]["grid"][-1]
+    quick["all_s"] = [x / 6 for x in quick["all_s"]]
+    paths = []
+    for name, r in (("a", result), ("b", slow)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(r, f)
+    assert gp.main(["--combine", *paths, "--out", str(tmp_path / "c")]) == 0
+    profile = get_compute(str(tmp_path / "c" / "profile.json"))
+    with open(tmp_path / "c" / "measurements.json") as f:
+        merged = json.load(f)
+    by = {(g["rows"], g["block"]): g for g in grid}
+    for g in merged["models"]["tiny"]["grid"][:-1]:
+        assert len(g["pass_s"]) == 2 and len(g["all_s"]) == 2 * len(by[(g["rows"], g["block"])]["all_s"])
+        assert profile.pass_s(g["rows"], g["block"]) == pytest.approx(by[(g["rows"], g["block"])]["pass_s"][0])
+    last = merged["models"]["tiny"]["grid"][-1]
+    assert profile.pass_s(last["rows"], last["block"]) == pytest.approx(gp.statistics.median(quick["all_s"]))
+    assert [c["name"] for c in merged["combined_from"]] == [f"{tmp_path.name}/a.json", f"{tmp_path.name}/b.json"]
+
+
+def test_combine_refuses_runs_of_another_precision(tiny_run, tmp_path):
+    _, result, _ = tiny_run
+    other = json.loads(json.dumps(result))
+    other["models"]["tiny"]["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match="one device, target and precision"):
+        gp.combine([result, other])

@@ -229,7 +229,14 @@ def measure_grid(lm: LoadedModel, sessions: list[TargetSession], rows_list, bloc
     for s, snap in zip(sessions, snaps):
         s.seq = snap
     return [{"rows": r, "block": b, "s": _med(times[(r, b)]), "forward_s": _med(forward[(r, b)]),
-             "kv_min": kv[(r, b)][0], "kv_max": kv[(r, b)][1], "all_s": times[(r, b)]} for r, b in points]
+             "kv_min": kv[(r, b)][0], "kv_max": kv[(r, b)][1], "all_s": times[(r, b)],
+             "pass_s": pass_medians(times[(r, b)], reps), "pass_forward_s": pass_medians(forward[(r, b)], reps)}
+            for r, b in points]
+
+
+def pass_medians(samples: list[float], reps: int) -> list[float]:
+    """The median of each pass's ``reps`` samples (a grid point's samples are kept pass by pass)."""
+    return [_med(samples[i:i + reps]) for i in range(0, len(samples), reps)]
 
 
 def device_state(device: torch.device) -> dict:

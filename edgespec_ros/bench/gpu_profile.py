@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def compute_profile(result: dict, target_shape: str, draft_shape: str | None) ->
     grid = target["grid"]
     rows = sorted({g["rows"] for g in grid})
     blocks = sorted({g["block"] for g in grid})
-    at = {(g["rows"], g["block"]): g["s"] for g in grid}
+    at = {(g["rows"], g["block"]): point_s(g) for g in grid}
     table = [[at[(r, b)] for b in blocks] for r in rows]
     device_tag = env["device_name"].replace("NVIDIA ", "").split()[0].lower() if env["device"].startswith("cuda") \
         else "cpu"
@@ -232,7 +233,9 @@ def compute_profile(result: dict, target_shape: str, draft_shape: str | None) ->
         "format": PROFILE_FORMAT, "name": name,
         "source": (f"measured by edgespec-profile on {env['device_name']} ({env['device']}), torch {env['torch']}, "
                    f"transformers {env['transformers']}, commit {env['commit'] or '?'}: {target_shape} "
-                   f"(random weights, {target['dtype']}); the robot's terms are the go2-paper Orin figures"),
+                   f"(random weights, {target['dtype']})"
+                   + (f", {len(result['combined_from'])} runs combined (each point its quietest pass)"
+                      if result.get("combined_from") else "") + "; the robot's terms are the go2-paper Orin figures"),
         "verify_s": gamma4, "ar_step_s": at.get((1, 1), table[0][0]),
         "exit_s": target.get("exits", {}).get("exit_s", 0.0),
         "prefill_s": target["prefill"]["s"],
@@ -244,6 +247,64 @@ def compute_profile(result: dict, target_shape: str, draft_shape: str | None) ->
                           "note": "the draft model on the server's device: not a robot figure"}
                          if draft_shape and "draft_token" in result["models"].get(draft_shape, {}) else None),
     }
+
+
+def point_s(g: dict) -> float:
+    """A grid point's figure for the profile: the median of its quietest pass. A slow phase of a
+    shared machine (clocks, a neighbour, the host) slows every point measured inside it, and noise
+    only ever adds time, so the quietest pass is the machine's own cost; ``s`` (the median of every
+    sample) stays in the measurements beside it. Files without per-pass medians give ``s``."""
+    passes = g.get("pass_s") or []
+    return min(passes) if passes else g["s"]
+
+
+def combine(results: list[dict], names: list[str] | None = None) -> dict:
+    """Several runs' measurements (same device, target shape and precision) as one: each grid point
+    keeps every run's passes (``pass_s``; derived from ``all_s`` and the run's reps for older files)
+    and samples, so ``point_s`` takes the quietest pass of all (its forward beside it); the prefill
+    is the quietest run's; exits, invariance, precision cost and the draft's figures come from the
+    first run that has them. Runs of different devices, targets or precisions are refused."""
+    from .gpu_measure import pass_medians
+    if not results:
+        raise ValueError("combine: no measurements")
+    first = results[0]
+    target = first["plan"]["shapes"][-1]
+    key = lambda r: (r["env"]["device_name"], r["plan"]["shapes"][-1], r["models"][target].get("dtype"))  # noqa: E731
+    for r in results[1:]:
+        if target not in r["models"] or key(r) != key(first):
+            raise ValueError(f"combine: {key(r)} is not {key(first)}: runs of one device, target and precision only")
+    merged = json.loads(json.dumps(first))
+    entry = merged["models"][target]
+    points: dict = {}
+    for r in results:
+        reps = r["plan"]["reps"]
+        for g in r["models"][target].get("grid", []):
+            p = points.setdefault((g["rows"], g["block"]), {"rows": g["rows"], "block": g["block"], "all_s": [],
+                                                             "pass_s": [], "pass_forward_s": [], "kv_min": g["kv_min"],
+                                                             "kv_max": g["kv_max"]})
+            passes = g.get("pass_s") or pass_medians(g["all_s"], reps)
+            p["all_s"] += g["all_s"]
+            p["pass_s"] += passes
+            # per pass where the run kept it, else the run's median forward for each of its passes
+            p["pass_forward_s"] += g.get("pass_forward_s") or [g["forward_s"]] * len(passes)
+    entry["grid"] = []
+    for _, p in sorted(points.items()):
+        quiet = min(range(len(p["pass_s"])), key=p["pass_s"].__getitem__)
+        entry["grid"].append({"rows": p["rows"], "block": p["block"], "s": float(statistics.median(p["all_s"])),
+                              "forward_s": p["pass_forward_s"][quiet], "kv_min": p["kv_min"], "kv_max": p["kv_max"],
+                              "all_s": p["all_s"], "pass_s": p["pass_s"], "pass_forward_s": p["pass_forward_s"]})
+    models = [r["models"][target] for r in results]
+    entry["prefill"] = min((m["prefill"] for m in models if "prefill" in m), key=lambda x: x["s"])
+    for k in ("exits", "invariance", "precision_cost"):
+        entry[k] = next((m[k] for m in models if m.get(k)), entry.get(k, {}))
+    for r in results:
+        for name, m in r["models"].items():
+            if name != target and name not in merged["models"]:
+                merged["models"][name] = m
+    merged["env"]["commit"] = ",".join(dict.fromkeys(r["env"].get("commit") or "?" for r in results))
+    merged["combined_from"] = [{"name": n, "commit": r["env"].get("commit"), "plan": r["plan"]}
+                               for n, r in zip(names or [f"run {i + 1}" for i in range(len(results))], results)]
+    return merged
 
 
 def format_report(result: dict) -> str:
@@ -262,14 +323,18 @@ def format_report(result: dict) -> str:
             blocks = sorted({g["block"] for g in m["grid"]})
             rows = sorted({g["rows"] for g in m["grid"]})
             at = {(g["rows"], g["block"]): g for g in m["grid"]}
-            lines.append("verification pass, ms (model forward alone in brackets); block = tokens fed per robot")
+            lines.append("verification pass, ms: the quietest pass's median (model forward alone in brackets); "
+                         "block = tokens fed per robot")
             lines.append("rows \\ block " + "".join(f"{b:>14}" for b in blocks))
             for r in rows:
-                lines.append(f"{r:>12} " + "".join(f"{at[(r, b)]['s'] * 1e3:>7.1f} ({at[(r, b)]['forward_s'] * 1e3:>4.1f})"
-                                                    for b in blocks))
-            one = at[(rows[0], blocks[0])]["s"]
-            lines.append(f"batch of {rows[-1]} at block {blocks[-1]}: {at[(rows[-1], blocks[-1])]['s'] / one:.2f}x "
+                lines.append(f"{r:>12} " + "".join(f"{point_s(at[(r, b)]) * 1e3:>7.1f} "
+                                                    f"({at[(r, b)]['forward_s'] * 1e3:>4.1f})" for b in blocks))
+            one = point_s(at[(rows[0], blocks[0])])
+            lines.append(f"batch of {rows[-1]} at block {blocks[-1]}: {point_s(at[(rows[-1], blocks[-1])]) / one:.2f}x "
                          f"a lone AR step")
+            if (1, 5) in at and (rows[-1], 5) in at:
+                lines.append(f"batch of {rows[-1]} at block 5 (gamma 4): "
+                             f"{point_s(at[(rows[-1], 5)]) / point_s(at[(1, 5)]):.2f}x a lone pass")
         if m.get("exits"):
             e = m["exits"]
             lines.append(f"early exits at layers {e['layers']}: {e['exit_s'] * 1e3:.2f} ms per exit per session "
@@ -330,11 +395,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the batch-invariance check (timing only)")
     ap.add_argument("--out", default="out/gpu-profile", help="folder for profile.json and measurements.json")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few points, few tokens")
+    ap.add_argument("--combine", nargs="+", metavar="MEASUREMENTS",
+                    help="measure nothing: combine these runs' measurements.json (one device, target and "
+                         "precision) into one profile in --out, each grid point from the quietest pass of all")
     return ap
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.combine:
+        return _combine_main(args.combine, args.out)
     from tqdm import tqdm
     shapes = tuple(s for s in args.shapes.split(",") if s)
     if not 1 <= len(shapes) <= 2:
@@ -358,6 +428,29 @@ def main(argv=None) -> int:
         return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, mininterval=2.0)
     result = run(plan, args.out, progress)
     print(format_report(result))
+    return 0
+
+
+
+def _combine_main(paths: list[str], out_dir: str) -> int:
+    results = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"edgespec-profile: cannot read {path}: {e}") from None
+    try:
+        merged = combine(results, [os.path.basename(os.path.dirname(os.path.abspath(p))) + "/" + os.path.basename(p)
+                                   for p in paths])
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"edgespec-profile: {e}") from None
+    os.makedirs(out_dir, exist_ok=True)
+    target = merged["plan"]["shapes"][-1]
+    _write_json(os.path.join(out_dir, "measurements.json"), merged)
+    _write_json(os.path.join(out_dir, "profile.json"), compute_profile(merged, target, draft_key(merged["plan"]["shapes"])))
+    print(format_report(merged))
+    print(f"combined {len(results)} runs into {os.path.join(out_dir, 'profile.json')}")
     return 0
 
 

@@ -22,7 +22,7 @@ from ..robot.settings import DEFAULTS
 from .report import _fmt, _pyplot, _save, fixed_width
 from .runner import emulated_setup, run_modes
 
-H200_PROFILE = os.path.join("docs", "profiles", "h200-qwen2-vl-7b-bf16.json")  # in a checkout, from its root
+H200_PROFILE = os.path.join("docs", "profiles", "h200-qwen2-vl-7b-bf16-slots.json")  # in a checkout, from its root
 REGIME_LOAD = 16  # the loaded cloud: 16 other sessions' rows in every pass (the measured table's last row)
 REGIME_ROBOTS = ("orin-paper", "orin-nano-mlc-int4", "orin-nano-trt-int4")
 REGIME_LINKS = ("go2-paper", "wifi-poor", "cellular")
