@@ -10,7 +10,7 @@ SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) 
 # scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
 MSGS   := $(wildcard msg/*.msg action/*.action) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
-.PHONY: demo test test-fast install msgs models models-memory models-long models-quick clean help
+.PHONY: demo test test-fast install msgs models models-memory models-belief models-long models-quick clean help
 
 help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
@@ -21,6 +21,7 @@ help:
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
 	@echo "make models-memory      the committed pair's recipe: memory 2, the stop gap, 9,507 target steps (~3 h):"
 	@echo "                        resumable, run it again to carry on"
+	@echo "make models-belief      the memory recipe with the search belief (~3 h, resumable) into build/train-belief/models"
 	@echo "make models-long        the long recipe (~4x the target's steps, hours): resumable, run it again to carry on"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
 
@@ -63,6 +64,14 @@ models: install
 models-memory: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \
 		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-memory --resume --out edgespec_ros/models $(ARGS)
+
+# The memory recipe with the search belief (docs/models.md): a candidate to replace the committed pair;
+# trains into build/train-belief and writes build/train-belief/models (not the package) unless OUT says so
+OUT ?= build/train-belief/models
+models-belief: install
+	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
+		--expert stop_gap_m=0.3 --target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-belief \
+		--resume --out $(OUT) $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)

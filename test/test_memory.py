@@ -259,35 +259,49 @@ def test_the_benchmarks_prompt_as_a_policy_with_memory_when_told_and_read_a_pair
 
 
 @pytest.mark.slow
-def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypatch):
-    """A pair trained with --memory 2 is distilled, gets early exits and a WISV head, each stage on
-    the prompts the robot sends (its earlier decisions shown), and a pair that prompts differently
-    is refused."""
+@pytest.mark.parametrize("belief", [False, True], ids=["memory", "memory+belief"])
+def test_every_stage_of_a_memory_pair_prompts_with_the_memory(tmp_path, monkeypatch, belief):
+    """A pair trained with --memory 2 (and --belief true: the search belief on the last turn) is
+    distilled, gets early exits and a WISV head, each stage on the prompts the robot sends (its
+    earlier decisions shown, the belief's line with them), and a pair that prompts differently is
+    refused."""
     import json
     import edgespec_ros.decoding.inputs as inputs
     from edgespec_ros.train import cli as train_cli
-    shown = []
+    shown, lines = [], []
     turns = inputs._turns
-    monkeypatch.setattr(inputs, "_turns", lambda instruction, history: shown.append(len(history)) or turns(instruction, history))
+
+    def watched(instruction, history):
+        shown.append(len(history))
+        lines.append(any(getattr(t, "belief", "") for t in history))
+        return turns(instruction, history)
+    monkeypatch.setattr(inputs, "_turns", watched)
     work, out = tmp_path / "work", tmp_path / "models"
     common = ["--work", str(work), "--out", str(out), "--train-scenarios", "4", "--batch-size", "4",
-              "--tokenizer-vocab", "400", "--memory", "2", "--heldout-scenarios", "2"]
+              "--tokenizer-vocab", "400", "--memory", "2", "--heldout-scenarios", "2", "--belief", str(belief)]
     for stage in (["data"], ["tokenizer"], ["target", "--target-steps", "2", "--target-vision", "none"],
                   ["draft", "--draft-steps", "2"]):
         assert train_cli.main(stage + common) == 0
     assert json.loads((out / "draft" / "config.json").read_text())["policy_memory"] == 2
+    assert json.loads((out / "draft" / "config.json").read_text()).get("policy_belief", False) is belief
+    assert any(lines) is belief
     for stage in (["distill", "--distill-steps", "2", "--distill-prompts", "8", "--distill-heldout", "4",
                    "--distill-sd-decisions", "0"],
                   ["exits", "--exit-steps", "2", "--exit-scenarios", "2"],
                   ["wisv", "--wisv-scenarios", "1", "--wisv-epochs", "1", "--wisv-workers", "1",
                    "--wisv-labels", "executed"]):  # executed-outcome labels: frames with their world state
         shown.clear()
+        lines.clear()
         assert train_cli.main(stage + common) == 0, stage
         assert shown and max(shown) >= 2, (stage[0], shown)  # its prompts showed earlier decisions
+        assert any(lines) is belief, stage[0]  # ... and the belief's line exactly when the pair reads one
     assert json.loads((out / "target" / "wisv" / "wisv_head.json").read_text())["training"]["labels"] == "executed"
     with pytest.raises(SystemExit, match="--wisv-labels must be one of alone, sequential, executed"):
         train_cli.main(["wisv", "--wisv-labels", "oracle"] + common)
     config = json.loads((out / "target" / "config.json").read_text())
+    (out / "target" / "config.json").write_text(json.dumps(dict(config, policy_belief=not belief)))
+    with pytest.raises(SystemExit, match="prompt differently"):
+        train_cli.main(["distill", "--distill-steps", "1"] + common)
     (out / "target" / "config.json").write_text(json.dumps(dict(config, policy_memory=0)))
     with pytest.raises(SystemExit, match="prompt differently"):
         train_cli.main(["distill", "--distill-steps", "1"] + common)

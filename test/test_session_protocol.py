@@ -32,6 +32,7 @@ class ToyModel:
     vocab_size: int = VOCAB
     max_context: int | None = 64
     memory: int = 0
+    belief: bool = False
     num_layers: int = 4
     eos_token_ids: set = field(default_factory=lambda: {EOS})
 
@@ -189,8 +190,12 @@ def test_the_identity_of_a_model_names_it_by_its_directory_and_hashes_its_tokeni
     ({"memory": 2}, {}, P.ErrorCode.MODEL_MISMATCH,
      ["the robot's prompts show 2 earlier decisions", "target toy-target", "showing 0", "policy_memory"]),
     ({"memory": 0}, {"memory": 1}, P.ErrorCode.MODEL_MISMATCH, ["show 0 earlier decisions", "showing 1"]),
+    ({"memory": 2, "belief": True}, {"memory": 2}, P.ErrorCode.MODEL_MISMATCH,
+     ["the robot's prompts carry the search belief", "trained on prompts that carry no search belief",
+      "policy_belief"]),
+    ({}, {"belief": True}, P.ErrorCode.MODEL_MISMATCH, ["prompts carry no search belief", "that carry the search"]),
     ({"codec": "zstd"}, {}, P.ErrorCode.BAD_REQUEST, ["unknown codec 'zstd'", "dense32"]),
-], ids=["fingerprint", "vocab", "memory", "memoryless-robot", "codec"])
+], ids=["fingerprint", "vocab", "memory", "memoryless-robot", "belief", "no-belief-robot", "codec"])
 def test_a_hello_that_does_not_match_the_model_is_refused_after_its_admission(fields, model, code, fragments):
     session = toy_session(**model)
     dispatch = session.handle(hello(**fields))

@@ -23,6 +23,7 @@ from ..models import resolve_models
 from ..processes import env_threads
 from .runner import TREE_MODES, add_speedups, bench_prompts, emulated_setup, format_table, run_modes, trees_for
 from ..rosio.bags import PICKS, BagError, BagReplay
+from ..decoding.memory import saved_belief
 from ..decoding.memory import saved_memory
 from ..rosio import topics
 
@@ -31,6 +32,12 @@ def pair_memory(given: int | None, pair) -> int:
     """--memory, or the pair's own (its draft's config.json ``policy_memory``): a memory pair is
     benchmarked as it is prompted on the robot unless told otherwise."""
     return given if given is not None else saved_memory(pair.draft_path)
+
+
+def pair_belief(memory: int, pair) -> bool:
+    """Whether prompts with ``memory`` carry the search belief: the pair reads one (its draft's
+    ``policy_belief``) and the prompts show earlier decisions (the belief rides on the last)."""
+    return bool(memory) and saved_belief(pair.draft_path)
 
 
 def compute_label(compute) -> str:
@@ -233,7 +240,8 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
-                        action_tolerance=args.action_tolerance, memory=pair_memory(args.memory, pair),
+                        action_tolerance=args.action_tolerance, memory=(memory := pair_memory(args.memory, pair)),
+                        belief=pair_belief(memory, pair),
                         robot=args.robot, clouds=args.clouds, robot_profiles=args.robot_profiles, json=args.json,
                         decision_interval=args.decision_interval)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
@@ -270,7 +278,7 @@ def replay_as_prompted(replay: BagReplay | None, pair) -> BagReplay | None:
     """The replay with the memory the pair prompts with (``BagReplay.with_memory``), so each
     recorded decision is decoded on the prompt the robot built for it; BagError when the bag cannot
     give that memory."""
-    return None if replay is None else replay.with_memory(saved_memory(pair.draft_path))
+    return None if replay is None else replay.with_memory(saved_memory(pair.draft_path), saved_belief(pair.draft_path))
 
 
 def replay_agreement(replay: BagReplay, texts: list[str], temperature: float) -> dict:
@@ -352,7 +360,9 @@ def bench(args) -> int:
     except BagError as exc:
         print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
         return 2
-    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, pair_memory(args.memory, pair))
+    memory = pair_memory(args.memory, pair)
+    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, memory,
+                                                              pair_belief(memory, pair))
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute_label(compute)}")
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,

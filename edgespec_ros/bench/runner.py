@@ -25,11 +25,12 @@ from ..wire.link import LinkProxy, get_profile
 from ..robot.settings import DEFAULTS
 
 
-def bench_prompts(n: int, seed: int = 0, memory: int = 0) -> list[tuple]:
+def bench_prompts(n: int, seed: int = 0, memory: int = 0, belief: bool = False) -> list[tuple]:
     """(instruction, camera image) pairs: first frames of held-out simulated scenarios. ``memory`` > 0:
     (instruction, image, history) triples instead, the consecutive decisions of held-out expert
     rollouts as a policy with that much memory is prompted (``decoding.memory``): each prompt
-    extends the last one of its episode, which the verifier's prefix reuse serves from its cache."""
+    extends the last one of its episode, which the verifier's prefix reuse serves from its cache;
+    ``belief``: their last turns carry the search belief (``control.belief``)."""
     try:
         from ..sim.dataset import expert_frames, heldout_prompts
     except ImportError:  # the simulator is optional for the bench: fall back to plain images
@@ -37,7 +38,7 @@ def bench_prompts(n: int, seed: int = 0, memory: int = 0) -> list[tuple]:
         return [("find the silver bottle", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)) for _ in range(n)]
     if memory:
         from itertools import islice
-        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, memory=memory)
+        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, memory=memory, belief=belief)
         return [(f.scenario.instruction, f.view.rgb, f.history) for f in islice(frames, n)]
     return heldout_prompts(n, seed)
 
@@ -85,7 +86,8 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
         summary = RunSummary(mode=label, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                   token=token, codec=codec, link_profile=profile, timeout_s=60.0,
-                                  policy_memory=draft_lm.memory)
+                                  policy_memory=draft_lm.memory,
+                                  policy_belief=draft_lm.belief)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, prompt in enumerate(prompts):

@@ -61,6 +61,7 @@ class SweepOptions:
     action_tolerance: int = 0  # wisv sweep: also each closed-loop threshold with this size tolerance (in process)
     replay: object | None = None  # bags.BagReplay: decide on a recording's frames instead of simulated ones
     memory: int = 0  # simulated prompts as a policy with this memory prompts (--memory; a replay brings its own)
+    belief: bool = False  # ... and with the search belief on the last turn (the pair's own policy_belief)
     clouds: list[str] | None = None  # regimes sweep: cloud compute profiles
     robot_profiles: list[str] | None = None  # regimes sweep: robot profiles (draft speeds)
     json: str | None = None  # --json: where the rows go (a long sweep checkpoints beside it)
@@ -72,7 +73,7 @@ class SweepOptions:
         replayed bag's (with the memory the pair prompts with: ``BagReplay.with_memory``)."""
         if self.replay is not None:
             return self.replay.first(n)
-        return bench_prompts(n, self.seed, self.memory)
+        return bench_prompts(n, self.seed, self.memory, self.belief)
 
 
 @dataclass(frozen=True)

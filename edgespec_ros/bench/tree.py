@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     memory = draft.memory if args.memory is None else args.memory
-    prompts = bench_prompts(args.prompts, args.seed, memory=memory)
+    prompts = bench_prompts(args.prompts, args.seed, memory=memory, belief=bool(memory) and draft.belief)
     rows = []
     for text in tqdm(args.shapes, desc="shapes", unit="shape"):
         rows.append(tree_rounds(draft, target, prompts, TreeShape.parse(text, args.branch), args.max_new_tokens))

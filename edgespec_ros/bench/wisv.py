@@ -62,7 +62,8 @@ def timed_rows(opts, links, thresholds, prompts, bar) -> list[dict]:
             for threshold, upload in settings:
                 summary = RunSummary(mode="sd", link=link, compute=compute.name)
                 verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
-                                          link_profile=profile, timeout_s=60.0, policy_memory=draft_lm.memory)
+                                          link_profile=profile, timeout_s=60.0, policy_memory=draft_lm.memory,
+                                  policy_belief=draft_lm.belief)
                 with verifier:
                     decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
                     cfg = decode_config(threshold, "full" if upload == "-" else upload, gamma=opts.gammas[0]
@@ -121,9 +122,11 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     from ..evaluation.policy import DecoderPolicy
     from ..train.card import heldout_set, trained_expert
     draft, target = load_model(draft_path), load_model(target_path)
-    if draft.memory != target.memory:
-        raise ValueError(f"the draft prompts with policy_memory {draft.memory}, the target reads {target.memory}")
-    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory, trained_expert(target_path))
+    if (draft.memory, draft.belief) != (target.memory, target.belief):
+        raise ValueError(f"the draft prompts with (policy_memory, policy_belief) {(draft.memory, draft.belief)}, "
+                         f"the target reads {(target.memory, target.belief)}")
+    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory, trained_expert(target_path),
+                                      target.belief)
     attach_wisv(target)
     csi = None if link is None else _profile_csi(link)
     decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))

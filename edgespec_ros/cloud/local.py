@@ -66,9 +66,9 @@ class LocalVerifier:
         self.session = self.verifier_session.target  # the TargetSession
         self.link_csi = csi  # wisv: the channel state this in-process "link" reports (None: a perfect link)
         self.vocab = lm.vocab_size
-        # the robot's HELLO as its client builds it, of a robot sharing the target's tokenizer and memory
+        # the robot's HELLO as its client builds it, of a robot sharing the target's tokenizer and prompt format
         hello = hello_frame(identity.fingerprint, lm.vocab_size, self.codec, client="edgespec-local", draft=draft_hash,
-                            memory=lm.memory)
+                            memory=lm.memory, belief=lm.belief)
         with _refused():
             *_, self.welcome = self._drive(hello, _Run())  # the WELCOME, the HELLO's one reply
         self.exit_layers = list(self.welcome.exit_layers)

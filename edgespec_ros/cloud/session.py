@@ -81,6 +81,9 @@ class TargetModel(Protocol):
     def memory(self) -> int: ...  # earlier decisions its prompts show (decoding.memory)
 
     @property
+    def belief(self) -> bool: ...  # its prompts carry the search belief (control.belief)
+
+    @property
     def num_layers(self) -> int: ...
 
     @property
@@ -264,6 +267,12 @@ class VerifierSession:
                                f"model mismatch: the robot's prompts show {hello.memory} earlier decisions, the "
                                f"target {ident.model} was trained on prompts showing {memory} "
                                "(policy_memory): pair a draft and a target from one training run")
+        if hello.belief != (belief := bool(getattr(self.lm, "belief", False))):
+            said = {True: "carry the search belief", False: "carry no search belief"}
+            raise SessionError(P.ErrorCode.MODEL_MISMATCH,
+                               f"model mismatch: the robot's prompts {said[hello.belief]}, the target {ident.model} "
+                               f"was trained on prompts that {said[belief]} (policy_belief): pair a draft and a "
+                               "target from one training run")
         try:
             return get_codec(hello.codec)
         except ValueError as exc:

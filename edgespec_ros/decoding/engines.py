@@ -82,6 +82,12 @@ class LoadedModel:
         return int(getattr(self.model.config, "policy_memory", 0) or 0)
 
     @property
+    def belief(self) -> bool:
+        """Whether the model was trained to read the search belief's line (``control.belief``;
+        ``policy_belief`` in config.json; False when absent)."""
+        return bool(getattr(self.model.config, "policy_belief", False))
+
+    @property
     def eos_token_ids(self) -> set[int]:
         cfg_eos = getattr(self.model.generation_config, "eos_token_id", None)
         if cfg_eos is None:

@@ -184,7 +184,8 @@ def chat_prompt(instruction: str, has_image: bool, system: str | None = DEFAULT_
 
     ``history`` (``decoding.memory.Turn``s, oldest first; a policy with memory): the instruction
     is a user turn of its own, each earlier decision an assistant turn with its action and a user
-    turn with its outcome, and the current frame comes with the last outcome (:func:`_turns`).
+    turn with its outcome, and the current frame comes with the last outcome (:func:`_turns`); a
+    policy with a search belief (``control.belief``) reads its line after the last outcome.
     """
     parts = [f"<|im_start|>system\n{system}<|im_end|>\n"] if system else []
     vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}" if has_image else ""
@@ -202,7 +203,8 @@ def _turns(instruction: str, history) -> list[tuple[str, str, bool]]:
     turns = [("user", instruction, False)]
     for i, turn in enumerate(history):
         turns.append(("assistant", turn.action or "none", False))
-        turns.append(("user", turn.outcome, i == len(history) - 1))
+        belief = getattr(turn, "belief", "")  # the search belief's line (control.belief), on the last turn
+        turns.append(("user", f"{turn.outcome}\n{belief}" if belief else turn.outcome, i == len(history) - 1))
     return turns
 
 
@@ -227,7 +229,8 @@ def parse_prompt(text: str):
     for (role_a, action), (role_u, outcome) in zip(turns[1::2], turns[2::2]):
         if (role_a, role_u) != ("assistant", "user"):
             return None
-        history.append(Turn("" if action == "none" else action, outcome.removesuffix(vision)))
+        outcome, _, belief = outcome.removesuffix(vision).partition("\n")
+        history.append(Turn("" if action == "none" else action, outcome, belief))
     history = tuple(history)
     for has_image in (True, False):
         if chat_prompt(instruction, has_image, system, history) == text:

@@ -36,10 +36,13 @@ _MOTION_WORDS = {"completed": DONE, "stopped": DONE, "blocked_contact": BLOCKED,
 
 class Turn(NamedTuple):
     """One earlier decision: the action it executed (the grammar's text, e.g. "turn left medium";
-    "" when the text did not parse) and how it ended (one of :data:`OUTCOME_WORDS`)."""
+    "" when the text did not parse) and how it ended (one of :data:`OUTCOME_WORDS`); ``belief``:
+    the search belief's line (``control.belief``) after it, shown with the last turn of a prompt
+    when the policy reads one ("" otherwise)."""
 
     action: str
     outcome: str
+    belief: str = ""
 
 
 def saved_memory(model_dir: str) -> int:
@@ -78,31 +81,62 @@ def shown_turns(turns, k: int) -> tuple[Turn, ...]:
     return turns[len(turns) - m:] if m else ()
 
 
-class PolicyMemory:
-    """The decisions of one command so far (bounded: only what :func:`shown_turns` can show)."""
+def saved_belief(model_dir: str) -> bool:
+    """Whether a saved model reads the search belief (``policy_belief`` in its ``config.json``,
+    ``control.belief``), without loading it. OSError / ValueError when the folder holds no readable
+    config."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return bool(json.load(f).get("policy_belief", False))
 
-    def __init__(self, k: int):
+
+def with_belief(turns: tuple[Turn, ...], line: str) -> tuple[Turn, ...]:
+    """The shown turns with the belief's line on the last one (the prompt's last user turn)."""
+    return turns[:-1] + (turns[-1]._replace(belief=line),) if turns else turns
+
+
+class PolicyMemory:
+    """The decisions of one command so far (bounded: only what :func:`shown_turns` can show) and,
+    for a policy that reads one, the command's search belief ``search`` (a
+    ``control.belief.SearchBelief``: ``reset(instruction)``, ``update(action, outcome, text)``,
+    ``render()``), which needs the command's instruction (the goal it names) and each decision's
+    text. ``control.belief.memory_for`` builds one as a model reads it."""
+
+    def __init__(self, k: int, search=None):
         if k < 0:
             raise ValueError(f"policy memory must be >= 0 decisions, got {k}")
+        if search is not None and not k:
+            raise ValueError("a search belief is shown with the last earlier decision: it needs policy memory >= 1")
         self.k = k
         self._turns: deque[Turn] = deque(maxlen=max(1, 2 * k))
         self._count = 0  # decisions recorded since reset (the window's phase depends on it)
+        self.search = search
 
-    def reset(self) -> None:
-        """A new command: nothing remembered."""
+    @property
+    def belief(self) -> bool:
+        return self.search is not None
+
+    def reset(self, instruction: str = "") -> None:
+        """A new command (``instruction``: what the belief looks for): nothing remembered."""
         self._turns.clear()
         self._count = 0
+        if self.search is not None:
+            self.search.reset(instruction)
 
-    def add(self, action: str | None, outcome: str) -> None:
-        """Record a finished decision (``action`` None or "" when its text did not parse)."""
+    def add(self, action: str | None, outcome: str, text: str = "") -> None:
+        """Record a finished decision (``action`` None or "" when its text did not parse; ``text``
+        its whole answer, which the belief reads for where the goal was)."""
         if self.k:
             self._turns.append(Turn(action or "", outcome_word(outcome)))
             self._count += 1
+        if self.search is not None:
+            self.search.update(action, outcome_word(outcome), text)
 
     def shown(self) -> tuple[Turn, ...]:
-        """What the next prompt shows (:func:`shown_turns` over every decision since reset)."""
+        """What the next prompt shows (:func:`shown_turns` over every decision since reset; the
+        belief's line on the last one)."""
         m = _window(self._count, self.k)
-        return tuple(self._turns)[-m:] if m else ()
+        turns = tuple(self._turns)[-m:] if m else ()
+        return with_belief(turns, self.search.render()) if self.search is not None else turns
 
     def __len__(self) -> int:
         return self._count
@@ -121,30 +155,34 @@ class CommandMemory(PolicyMemory):
     ``awaiting_stamp`` (the frame stamp of the decision whose motion is awaited, or None) is kept
     for a memoryless policy too: the drafter waits for motion either way."""
 
-    def __init__(self, k: int):
-        super().__init__(k)
+    def __init__(self, k: int, search=None):
+        super().__init__(k, search)
         self.awaiting_stamp: int | None = None
         self.awaiting_action = ""
+        self.awaiting_text = ""
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, instruction: str = "") -> None:
+        super().reset(instruction)
         self.awaiting_stamp = None
 
-    def decided(self, action: str | None, stamp_ns: int) -> None:
-        """A verified decision on the frame stamped ``stamp_ns`` (``action`` None: it did not parse)."""
+    def decided(self, action: str | None, stamp_ns: int, text: str = "") -> None:
+        """A verified decision on the frame stamped ``stamp_ns`` (``action`` None: it did not parse;
+        ``text``: its whole answer, for the belief)."""
         if action is None:
-            self.add(None, NO_ACTION)
+            self.add(None, NO_ACTION, text)
         elif action == "stop":
-            self.add("stop", DONE)
+            self.add("stop", DONE, text)
         else:
             self.gave_up_waiting()  # still waiting for the last motion: it was cut short
-            self.awaiting_stamp, self.awaiting_action = stamp_ns, action
+            self.awaiting_stamp, self.awaiting_action, self.awaiting_text = stamp_ns, action, text
 
     def retracing(self, stamp_ns: int) -> None:
         """A retrace step (``on_link_loss: retrace``) on the frame stamped ``stamp_ns``: its motion
-        is awaited like a decision's, but it is no decision of the policy's and is not remembered."""
+        is awaited like a decision's, but it is no decision of the policy's and is not remembered.
+        (The navigator knows the way back, the drafter does not: the belief does not count a
+        retrace step's motion.)"""
         self.gave_up_waiting()
-        self.awaiting_stamp, self.awaiting_action = stamp_ns, ""
+        self.awaiting_stamp, self.awaiting_action, self.awaiting_text = stamp_ns, "", ""
 
     @property
     def awaiting_retrace(self) -> bool:
@@ -163,7 +201,7 @@ class CommandMemory(PolicyMemory):
             outcome = "completed" if state == "idle" else INTERRUPTED
         self.awaiting_stamp = None
         if self.awaiting_action:  # a retrace step is not remembered
-            self.add(self.awaiting_action, outcome)
+            self.add(self.awaiting_action, outcome, self.awaiting_text)
         return outcome
 
     def gave_up_waiting(self) -> None:
@@ -171,4 +209,4 @@ class CommandMemory(PolicyMemory):
         if self.awaiting_stamp is not None:
             self.awaiting_stamp = None
             if self.awaiting_action:
-                self.add(self.awaiting_action, INTERRUPTED)
+                self.add(self.awaiting_action, INTERRUPTED, self.awaiting_text)

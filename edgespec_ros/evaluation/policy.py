@@ -21,12 +21,13 @@ class PolicyOutput:
 
 
 class VLMPolicy:
-    """``memory``: how many earlier decisions the model reads (``LoadedModel.memory``); callers that
-    roll it out pass them as ``history`` (``decoding.memory``)."""
+    """``memory``: how many earlier decisions the model reads (``LoadedModel.memory``), ``belief``:
+    whether it reads the search belief too; callers that roll it out pass them as ``history``
+    (``decoding.memory.memory_for``)."""
 
     def __init__(self, lm: LoadedModel, max_new_tokens: int = DEFAULTS.max_new_tokens):
         self.lm = lm
-        self.memory = lm.memory
+        self.memory, self.belief = lm.memory, lm.belief
         self.cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
 
     def generate_text(self, image, instruction: str, temperature: float = 0.0, seed: int = 0,
@@ -55,7 +56,8 @@ class DecoderPolicy:
 
     def __init__(self, decoder, cfg: DecodeConfig):
         self.decoder, self.cfg = decoder, cfg
-        self.memory = getattr(getattr(decoder, "draft", None), "memory", 0) or 0  # the prompt the draft reads
+        draft = getattr(decoder, "draft", None)  # the prompt the draft reads
+        self.memory, self.belief = getattr(draft, "memory", 0) or 0, bool(getattr(draft, "belief", False))
         self.last = None  # the last decision (robot.decoder.Decision: tokens, text, metrics)
 
     def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0, history=()) -> PolicyOutput:

@@ -40,7 +40,7 @@ import numpy as np
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
 from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED
-from ..decoding.memory import CommandMemory
+from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY, DecodeConfig
 from ..control.link_health import LinkHealth, is_link_fault
 from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
@@ -263,7 +263,8 @@ class DrafterCore:
         # a policy with memory (decoding.memory): the command's decisions and how each ended, as the
         # draft model was trained to read them (0 for a memoryless model: prompts as before)
         # (and, memory or not, the decision whose motion we wait for: memory.awaiting_stamp)
-        self.memory = CommandMemory(getattr(getattr(decoder, "draft", None), "memory", 0) or 0)
+        draft = getattr(decoder, "draft", None)
+        self.memory = memory_for(draft, command=True)
         self.link = LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
         self.retrace_done = False  # the navigator reported nothing left to retrace (or refused to) since the loss
         self.reconnects = 0  # reconnects that ended a link loss
@@ -295,7 +296,7 @@ class DrafterCore:
             self.decisions = 0
             self.retry_after_ns = 0
             self.resample_next = False
-            self.memory.reset()  # and no motion awaited
+            self.memory.reset(text)  # and no motion awaited
             self.retrace_done = False
             self._end_check = False
         if not was_running:
@@ -490,7 +491,7 @@ class DrafterCore:
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
-            self.memory.decided(outcome.action if outcome.parsed else None, outcome.stamp_ns)
+            self.memory.decided(outcome.action if outcome.parsed else None, outcome.stamp_ns, outcome.text)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
                 # (an unverified draft-only stop stops the robot but does not end the command)
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED

@@ -686,7 +686,7 @@ class BagReplay:
                 progress(1)
             if id(conn) in command_ids:
                 instruction, last_taken = _deserialize(reader, conn, t, raw, path).data.strip(), None
-                events.append(("command",))
+                events.append(("command", None, instruction))
             elif id(conn) in motion_ids:
                 msg = _deserialize(reader, conn, t, raw, path)
                 events.append(("motion", stamp_ns(msg.decision_stamp), msg.state, outcome_name(msg.outcome)))
@@ -714,7 +714,7 @@ class BagReplay:
                                                   getattr(msg, "temperature", None), msg.fault, fallback)
                 decision_instr[key] = msg.instruction
                 if not msg.fault:  # a safety stop leaves the memory as it was (robot.drafter)
-                    events.append(("decision", key, msg.action if msg.parsed else None))
+                    events.append(("decision", key, msg.action if msg.parsed else None, msg.text))
         decided = []
         seen = set()
         for t, stamp, instr in frames:
@@ -750,12 +750,14 @@ class BagReplay:
             view.histories = self.histories[:max(0, n)]
         return view
 
-    def with_memory(self, k: int) -> "BagReplay":
+    def with_memory(self, k: int, belief: bool = False) -> "BagReplay":
         """The same replay for a policy with memory ``k`` (``decoding.memory``; 0: itself): each
         recorded decision is replayed with the prompt the drafter node built for it, the command's
         earlier decisions and how each ended (``CommandMemory`` fed with the bag's decisions and
         the navigator's MotionState reports, in bag order). BagError when the bag cannot say that:
-        pairs that are not recorded decisions, or no navigator state topic."""
+        pairs that are not recorded decisions, or no navigator state topic. ``belief``: the prompt's
+        last turn carries the search belief (``control.belief``), kept from the same events and
+        the decisions' recorded text."""
         if not k:
             return self
         if self.pick != "decided":
@@ -765,15 +767,16 @@ class BagReplay:
             raise BagError(f"a policy with memory {k} is told how each earlier move ended, and {self.path} has no "
                            f"navigator state ({self.motion_topic}): record that topic too (the demo's --record does), "
                            "or replay a memoryless pair")
+        from ..control.belief import SearchBelief
         from ..decoding.memory import CommandMemory
-        memory, shown = CommandMemory(k), {}
+        memory, shown = CommandMemory(k, SearchBelief() if belief else None), {}
         for event in self._events:
             if event[0] == "command":
-                memory.reset()
+                memory.reset(event[2])
             elif event[0] == "decision":
                 memory.gave_up_waiting()  # the drafter decides again only once the motion ended or timed out
                 shown[event[1]] = memory.shown()
-                memory.decided(event[2], event[1])
+                memory.decided(event[2], event[1], event[3])
             elif event[0] == "retrace":
                 memory.retracing(event[1])
             else:

@@ -14,7 +14,8 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
-from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, Turn, shown_turns
+from ..control.belief import SearchBelief, memory_for
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
 from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
@@ -190,7 +191,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       with_labels: bool = False, action_noise: float = 0.0,
                       closeups_per_scenario: float = 0.0, family: str | None = None,
                       memory: int = 0, memory_noise: float = 0.0,
-                      memory_dropout: float = 0.0) -> Iterator[Example]:
+                      memory_dropout: float = 0.0, belief: bool = False) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -214,13 +215,14 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     ``memory_dropout``: the share of examples shown without their memory (ChauffeurNet's past-motion
     dropout, Bansal et al. 2018): the expert's own history predicts its next action (a stop follows
     its small approach moves), and a policy that copies it stops early (docs/models.md).
+    ``belief``: the memory's last turn carries the search belief (``control.belief``).
     """
 
     for frame in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
             closeups_per_scenario=closeups_per_scenario, family=family, memory=memory, memory_noise=memory_noise,
-            memory_dropout=memory_dropout):
+            memory_dropout=memory_dropout, belief=belief):
         yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
                       dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
 
@@ -233,7 +235,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   action_noise: float = 0.0,
                   closeups_per_scenario: float = 0.0,
                   family: str | None = None, memory: int = 0,
-                  memory_noise: float = 0.0, memory_dropout: float = 0.0) -> Iterator[ExpertFrame]:
+                  memory_noise: float = 0.0, memory_dropout: float = 0.0,
+                  belief: bool = False) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
 
@@ -241,7 +244,9 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     memoryless policy repeats: the opposite of the last turn (a left/right limit
     cycle's step) or ``move forward large`` (which runs into whatever is close ahead). Its
     outcome ("done" or "blocked") is what the next frames' memory shows. Jittered frames share
-    their decision's memory; close-ups have none."""
+    their decision's memory; close-ups have none. ``belief``: the last shown turn carries the
+    search belief's line (``control.belief``: the rollout's turns and moves so far, and where the
+    expert's own words last saw the goal); dropped with the memory."""
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
     if not 0.0 <= memory_noise < 1.0:
@@ -264,12 +269,13 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         dropout_rng = np.random.default_rng([seed, 6])
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
-        turns, last_turn = [], None
+        turns = PolicyMemory(memory, SearchBelief(scenario.instruction) if belief else None)
+        last_turn = None
         while not world.done:
             pose = world.pose
             view = world.camera_view()
             decision = policy.decide(scenario, pose, view)
-            history = shown_turns(turns, memory)
+            history = turns.shown()
             if memory_dropout and history and dropout_rng.random() < memory_dropout:
                 history = ()  # this frame (and its jittered ones) shown without memory
             yield ExpertFrame(scenario, pose, view, decision, history)
@@ -287,8 +293,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
             result = world.step(executed)
             if executed.kind == "turn":
                 last_turn = executed
-            if memory:
-                turns.append(Turn(executed.text, BLOCKED if result.collided else DONE))
+            turns.add(executed.text, BLOCKED if result.collided else DONE, decision.text)
         for _ in range(closeup_rng.poisson(closeups_per_scenario) if closeups_per_scenario > 0 else 0):
             pose = _closeup(scenario, closeup_rng)
             if pose is not None:
@@ -315,7 +320,7 @@ def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
         scenario = scenario_for_seed(seed)
         expert = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
-        memory = PolicyMemory(getattr(policy, "memory", 0))
+        memory = memory_for(policy, scenario.instruction)
         while not world.done:
             pose = world.pose
             view = world.camera_view()
@@ -324,9 +329,9 @@ def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
             out = policy.decide(view.rgb, scenario.instruction, **({"history": history} if memory.k else {}))
             if out.action is None:
                 world.skip_decision(out.error)
-                memory.add(None, NO_ACTION)
+                memory.add(None, NO_ACTION, getattr(out, "text", ""))
             else:
-                memory.add(out.action.text, BLOCKED if world.step(out.action).collided else DONE)
+                memory.add(out.action.text, BLOCKED if world.step(out.action).collided else DONE, getattr(out, "text", ""))
         if outcomes is not None:
             outcomes.append((world.success, world.collisions, world.steps))
 

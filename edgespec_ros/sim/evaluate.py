@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from ..control.actions import parse_action
-from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
+from ..control.belief import memory_for
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION
 from .scenario import Scenario
 from .world import SimWorld
 
@@ -39,7 +40,7 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
     world = SimWorld(scenario)
     unparseable, actions = 0, []
     resample = False
-    memory = PolicyMemory(getattr(policy, "memory", 0))
+    memory = memory_for(policy, scenario.instruction)
     if recording is not None:
         recording.command(scenario.instruction, world.pose)
     while not world.done:
@@ -57,11 +58,11 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
             unparseable += 1
             actions.append(f"<unparseable: {out.error}>")
             world.skip_decision(out.error)
-            memory.add(None, NO_ACTION)
+            memory.add(None, NO_ACTION, getattr(out, "text", ""))
             continue
         actions.append(out.action.text)
         resample = world.step(out.action).collided
-        memory.add(out.action.text, BLOCKED if resample else DONE)
+        memory.add(out.action.text, BLOCKED if resample else DONE, getattr(out, "text", ""))
         if recording is not None:  # how the navigator would report it: what a memory is told next
             recording.moved(world.pose, out.action.text, "blocked_contact" if resample
                             else "stopped" if out.action.kind == "stop" else "completed")

@@ -46,6 +46,7 @@ from ..control.actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig
 from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.retrace import RetracePath
 from ..decoding.compute import RobotProfile
+from ..control.belief import memory_for
 from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
 from ..control.link_health import LINK_LOSS_ACTIONS, LinkHealth
 from .scenario import Scenario
@@ -182,11 +183,11 @@ class LinkedEpisode:
         return d
 
 
-def _remember(memory: PolicyMemory, action: Action | None, collided: bool) -> None:
+def _remember(memory: PolicyMemory, action: Action | None, collided: bool, text: str = "") -> None:
     if action is None:
-        memory.add(None, NO_ACTION)
+        memory.add(None, NO_ACTION, text)
     else:
-        memory.add(action.text, BLOCKED if collided else DONE)
+        memory.add(action.text, BLOCKED if collided else DONE, text)
 
 
 def _decide(policy, world: SimWorld, scenario: Scenario, memory: PolicyMemory):
@@ -216,8 +217,8 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
     world = SimWorld(scenario, action_config=action_config)
     path = RetracePath(config=action_config)
     slow = degraded_limits(limits)
-    memory = PolicyMemory(getattr(policy, "memory", 0))
-    draft_memory = PolicyMemory(getattr(draft_policy, "memory", 0)) if draft_policy is not None else None
+    memory = memory_for(policy, scenario.instruction)
+    draft_memory = memory_for(draft_policy, scenario.instruction) if draft_policy is not None else None
     records: list[StepRecord] = []
     t = 0.0
     retrace_blocked = False  # a retrace step ran into something: stand still until the link is back
@@ -265,7 +266,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
                     rec.collided = collided
                     t += rec.motion_s
                 for m in (memory, draft_memory):
-                    _remember(m, action, collided)
+                    _remember(m, action, collided, getattr(out, "text", ""))
                 continue
             step = None
             if on_link_loss == RETRACE and not retrace_blocked:
@@ -310,7 +311,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
             t += rec.motion_s
         for m in (memory, draft_memory):
             if m is not None:
-                _remember(m, out.action, collided)
+                _remember(m, out.action, collided, getattr(out, "text", ""))
 
     if on_link_loss == RETRACE and world.done and not world.success:
         t = _after_the_command(world, path, health, link_up, record, slow, deadline_s, t, time_cap_s)

@@ -48,7 +48,8 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: int = 0, expert=None):
+def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: int = 0, expert=None,
+                belief: bool = False):
     """The card's held-out scenarios and frames (deterministic: every worker builds the same); for
     a policy with ``memory``, each frame carries the expert rollout's earlier decisions (the same
     frames and answers either way). ``expert``: the ``ExpertConfig`` whose answers label the frames
@@ -56,7 +57,7 @@ def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: in
     from ..sim.expert import ExpertConfig
     scenarios = list(iter_scenarios("heldout", n_scenarios, max_steps=max_steps))
     frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5, memory=memory,
-                                           expert_config=expert or ExpertConfig()), n_frames))
+                                           expert_config=expert or ExpertConfig(), belief=belief), n_frames))
     return scenarios, frames
 
 
@@ -78,7 +79,7 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
     scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps, policy.memory,
-                                    trained_expert(os.path.join(models_dir, role)))
+                                    trained_expert(os.path.join(models_dir, role)), policy.belief)
     scenarios = scenarios[slice(*episodes)]
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     part = {"episodes": loop["per_scenario"], "resampled": resampled_outcomes(policy, scenarios, loop)}
@@ -188,7 +189,7 @@ def _target_job(target_dir: str, kind: str, lo: int, hi: int, n_scenarios: int, 
     if kind == "demo":
         return {"demo": demo_starts(policy, max_steps=max_steps)}
     scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps, policy.memory,
-                                    trained_expert(target_dir))
+                                    trained_expert(target_dir), policy.belief)
     if kind == "episodes":
         return {"episodes": evaluate_closed_loop(policy, scenarios[lo:hi], desc="closed loop")["per_scenario"]}
     agreement = action_agreement(policy, frames[lo:hi], desc="agreement")
@@ -469,6 +470,10 @@ def reproduce_lines(models_dir: str) -> list[str]:
                      "decisions and how each ended, as earlier chat turns; the data rollouts executed a typical "
                      f"mistake in {cfg.get('memory_noise', 0):.0%} of decisions (a reversed turn, a large move into "
                      f"what is ahead) and {cfg.get('memory_dropout', 0):.0%} of frames were shown without their memory.")
+        if cfg.get("belief"):
+            lines.append("The memory's last turn carries the search belief (`control.belief`): how far the robot "
+                         "has turned left and right and moved since the command, and where the goal was last seen "
+                         "relative to the current heading, dead-reckoned from the decisions and their outcomes.")
     command = run.get("command", "edgespec-train all")
     how = ("`make models` (= `edgespec-train all`)" if command == "edgespec-train all"
            else f"`{command}`")

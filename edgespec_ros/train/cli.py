@@ -36,6 +36,7 @@ from itertools import islice
 
 import numpy as np
 
+from ..decoding.memory import saved_belief
 from ..decoding.memory import saved_memory
 from ..models import MODELS_DIR
 
@@ -62,6 +63,9 @@ class PipelineConfig:
     memory: int = 0
     memory_noise: float = 0.0
     memory_dropout: float = 0.0  # the share of examples shown without their memory (copycat remedy: docs/models.md)
+    # the search belief (control.belief) on the memory's last turn: turns and moves since the command and
+    # where the goal was last seen (config.json policy_belief); needs memory >= 1
+    belief: bool = False
     # the expert whose answers the models learn and are scored against: ExpertConfig fields as
     # "KEY=VALUE;KEY=VALUE" (e.g. "stop_gap_m=0.3": stop 0.3 m from touching the goal, inside the
     # goal radius the camera cannot show); empty: the default expert. Recorded in each model's
@@ -194,7 +198,7 @@ def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
                                 expert_config=pipeline_expert(cfg),
                                 closeups_per_scenario=cfg.closeups_per_scenario,
                                 memory=cfg.memory, memory_noise=cfg.memory_noise,
-                                memory_dropout=cfg.memory_dropout):
+                                memory_dropout=cfg.memory_dropout, belief=cfg.belief):
         for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
                            ("present", ex.labels.present), ("log_depth", ex.labels.log_depth),
                            ("goal_class", ex.labels.goal_class),
@@ -238,7 +242,7 @@ def stage_data(work: str, cfg: PipelineConfig, workers: int | None = None) -> st
     np.savez_compressed(path, images=np.stack(rows["images"]), instructions=np.array(rows["instructions"]),
                         texts=np.array(rows["texts"]), present=np.stack(rows["present"]),
                         log_depth=np.stack(rows["log_depth"]), goal_class=np.array(rows["goal_class"], np.int16),
-                        history=np.array(rows["history"]), memory=np.array(cfg.memory),
+                        history=np.array(rows["history"]), memory=np.array(cfg.memory), belief=np.array(cfg.belief),
                         expert=np.array(json.dumps(expert, sort_keys=True)))
     print(f"data: {len(rows['texts'])} examples from {n} training scenarios ({workers} processes) -> {path}")
     return path
@@ -277,6 +281,12 @@ def dataset_memory(work: str) -> int:
     """The ``memory`` the data stage in ``work`` was generated with (0 for older datasets)."""
     d = np.load(dataset_path(work))
     return int(d["memory"]) if "memory" in d else 0
+
+
+def dataset_prompt(work: str) -> tuple[int, bool]:
+    """(memory, belief) the data stage in ``work`` was generated with (older datasets: no belief)."""
+    d = np.load(dataset_path(work))
+    return (int(d["memory"]) if "memory" in d else 0), (bool(d["belief"]) if "belief" in d else False)
 
 
 def dataset_expert(work: str) -> dict:
@@ -341,9 +351,11 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
                          f"--{role}-aux-weight 0)")
     spec = model_spec(role, cfg)
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
-    memory = dataset_memory(work)
+    memory, belief = dataset_prompt(work)
     if memory:  # the prompt layout the model learns: every caller reads it back (LoadedModel.memory)
         model.config.policy_memory = memory
+    if belief:  # ... and LoadedModel.belief
+        model.config.policy_belief = True
     # continued training starts from a whole target: no tower to load first
     vision_init = target_vision_dir(work, cfg) if role == "target" and not cfg.target_init else None
     if vision_init:
@@ -646,27 +658,33 @@ def distill_config(cfg: PipelineConfig):
                          batch_size=cfg.distill_batch, lr=cfg.distill_lr, on_policy=cfg.distill_on_policy, seed=cfg.seed)
 
 
-def pair_memory(stage: str, *model_dirs: str) -> int:
-    """The memory (``policy_memory``, ``decoding.memory``) the models in ``model_dirs`` prompt with,
-    which ``stage`` must prompt with too; SystemExit when they differ (a draft that drafts for
-    other prompts than its target reads would pair with nothing the robot sends)."""
-    memories = {}
+def pair_prompt(stage: str, *model_dirs: str) -> tuple[int, bool]:
+    """The prompt format (memory: ``policy_memory``, ``decoding.memory``; belief: ``policy_belief``,
+    ``control.belief``) the models in ``model_dirs`` read, which ``stage`` must prompt with too;
+    SystemExit when they differ (a draft that drafts for other prompts than its target reads would
+    pair with nothing the robot sends)."""
+    formats = {}
     for d in model_dirs:
         try:
-            memories[d] = saved_memory(d)
+            formats[d] = (saved_memory(d), saved_belief(d))
         except (OSError, ValueError):
             continue
-    if len(set(memories.values())) > 1:
-        raise SystemExit(f"edgespec-train {stage}: the models prompt differently (policy_memory "
-                         + ", ".join(f"{v} in {d}" for d, v in memories.items())
-                         + "): train both from one data stage (--memory)")
-    return next(iter(memories.values()), 0)
+    if len(set(formats.values())) > 1:
+        raise SystemExit(f"edgespec-train {stage}: the models prompt differently (policy_memory, policy_belief "
+                         + ", ".join(f"{v} in {d}" for d, v in formats.items())
+                         + "): train both from one data stage (--memory, --belief)")
+    return next(iter(formats.values()), (0, False))
+
+
+def pair_memory(stage: str, *model_dirs: str) -> int:
+    """The memory of :func:`pair_prompt`."""
+    return pair_prompt(stage, *model_dirs)[0]
 
 
 def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineConfig, device: str = "cpu") -> dict:
     """The draft distilled towards the target on ``cfg.distill_prompts`` of the data stage's
     frames, measured before and after on held-out frames (train.distill); saved to ``out``."""
-    memory = pair_memory("distill", draft, target)
+    memory, belief = pair_prompt("distill", draft, target)
     from ..decoding.inputs import jpeg_roundtrip
     from ..sim.dataset import generate_examples
     from .distill import format_report, run_distill_stage
@@ -674,9 +692,10 @@ def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineCon
         if not os.path.isfile(os.path.join(d, "config.json")):
             raise SystemExit(f"edgespec-train distill: no model in {d}: train it first (edgespec-train "
                              f"{'draft' if d == draft else 'target'}) or pass --draft/--target")
-    if dataset_memory(work) != memory:
-        raise SystemExit(f"edgespec-train distill: the data in {work} was generated with --memory "
-                         f"{dataset_memory(work)}, the models prompt with policy_memory {memory}")
+    if dataset_prompt(work) != (memory, belief):
+        raise SystemExit(f"edgespec-train distill: the data in {work} was generated with (--memory, --belief) "
+                         f"{dataset_prompt(work)}, the models prompt with (policy_memory, policy_belief) "
+                         f"{(memory, belief)}")
     with np.load(dataset_path(work)) as data:  # each key read once: an npz decompresses on every access
         images, instructions = data["images"], data["instructions"]
         histories = dataset_histories(data)
@@ -684,10 +703,10 @@ def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineCon
     # (instruction, image, history): a policy with memory is distilled on the prompts it is sent
     prompts = [(str(instructions[i]), jpeg_roundtrip(images[i]), histories[i]) for i in picked]
     heldout = [(e.instruction, jpeg_roundtrip(e.image), e.history) for e in
-               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5, memory=memory),
-                      cfg.distill_heldout)]
+               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5, memory=memory,
+                                        belief=belief), cfg.distill_heldout)]
     sd_frames = list(islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5,
-                                              memory=memory), cfg.distill_sd_decisions))
+                                              memory=memory, belief=belief), cfg.distill_sd_decisions))
     command = (f"edgespec-train distill --distill-divergence {cfg.distill_divergence} --distill-steps {cfg.distill_steps} "
                f"--distill-on-policy {cfg.distill_on_policy}")
     report = run_distill_stage(draft, target, out, prompts, heldout, sd_frames, distill_config(cfg), device, command)
@@ -728,12 +747,13 @@ def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
 
 
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
-    memory = pair_memory("exits", target)  # the adapters learn on the prompts the verifier is sent
+    memory, belief = pair_prompt("exits", target)  # the adapters learn on the prompts the verifier is sent
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
     from tqdm import tqdm
-    train = list(tqdm(generate_examples("train", cfg.exit_scenarios, memory=memory), desc="exits: data", unit="ex"))
-    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory))
+    train = list(tqdm(generate_examples("train", cfg.exit_scenarios, memory=memory, belief=belief),
+                      desc="exits: data", unit="ex"))
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory, belief=belief))
     ecfg = ExitTrainConfig(steps=cfg.exit_steps, rank=cfg.exit_rank, layers=cfg.exit_layers, seed=cfg.seed)
     return run_exits_stage(target, out, train, heldout, ecfg,
                            command=f"edgespec-train exits --target {os.path.relpath(target)} --exit-steps {cfg.exit_steps} "
@@ -741,14 +761,14 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
 
 
 def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
-    memory = pair_memory("wisv", draft, target)  # traces of the decisions the robot would make
+    memory, belief = pair_prompt("wisv", draft, target)  # traces of the decisions the robot would make
     from ..sim.dataset import generate_examples
     from .wisv import LABELS, HeadTrainConfig, run_wisv_stage, sim_frames
     if cfg.wisv_labels not in LABELS:
         raise SystemExit(f"edgespec-train wisv: --wisv-labels must be one of {', '.join(LABELS)}, got {cfg.wisv_labels!r}")
-    train = (sim_frames("train", cfg.wisv_scenarios, memory=memory) if cfg.wisv_labels == "executed"  # with world state
-             else list(generate_examples("train", cfg.wisv_scenarios, memory=memory)))
-    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory))
+    train = (sim_frames("train", cfg.wisv_scenarios, memory=memory, belief=belief) if cfg.wisv_labels == "executed"
+             else list(generate_examples("train", cfg.wisv_scenarios, memory=memory, belief=belief)))  # (with world state)
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory, belief=belief))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed, labels=cfg.wisv_labels)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs} "
@@ -805,7 +825,7 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 # not the data and the target.
 STAGE_OPTIONS = {
     "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout",
-             "expert", "seed"),
+             "belief", "expert", "seed"),
     "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),
@@ -901,8 +921,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a smoke run of a few minutes: every stage on a sliver of the data (work dir "
                          "build/train-quick; options given explicitly still win)")
     for name, value in asdict(PipelineConfig()).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        ap.add_argument("--" + name.replace("_", "-"), type=_flag if isinstance(value, bool) else type(value),
+                        default=value)
     return ap
+
+
+def _flag(text: str) -> bool:
+    """A yes/no option's value (``--belief true``): bool("false") would be True."""
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
 # OpenMP threads that wait at a barrier spin this many times before they sleep (libgomp's default,
@@ -931,6 +962,9 @@ def main(argv=None) -> int:
     args.out = args.out or (os.path.join(args.work, "models") if args.quick else MODELS_DIR)
     os.makedirs(args.out, exist_ok=True)
     cfg = PipelineConfig(**values)
+    if cfg.belief and not cfg.memory:
+        raise SystemExit("edgespec-train: --belief true needs --memory >= 1 (the belief's line follows the last "
+                         "earlier decision)")
     t0 = time.monotonic()
     stages = ([s for s in ALL_STAGES if s != "vision" or (cfg.target_vision == "auto" and not cfg.target_init)]
               if args.stage == "all"

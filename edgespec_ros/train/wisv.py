@@ -267,11 +267,11 @@ class SimFrame(NamedTuple):
     pose: object      # sim.scenario.Pose
 
 
-def sim_frames(split: str, n_scenarios: int, memory: int = 0) -> list[SimFrame]:
-    """The frames ``generate_examples(split, n_scenarios, memory=memory)`` gives, with their state."""
+def sim_frames(split: str, n_scenarios: int, memory: int = 0, belief: bool = False) -> list[SimFrame]:
+    """The frames ``generate_examples(split, n_scenarios, memory=memory, belief=belief)`` gives, with their state."""
     from ..sim.dataset import expert_frames
     return [SimFrame(f.view.rgb, f.scenario.instruction, f.history, f.scenario, f.pose)
-            for f in expert_frames(split, n_scenarios, memory=memory)]
+            for f in expert_frames(split, n_scenarios, memory=memory, belief=belief)]
 
 
 def _judge(example, labels: str, executed: bool):

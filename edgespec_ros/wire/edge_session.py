@@ -95,7 +95,7 @@ class EdgeSession:
 
     def __init__(self, *, fingerprint: str, vocab_size: int, codec, token: str = "",
                  client_name: str = "edgespec-edge", draft: str = "", policy_memory: int = 0,
-                 max_frame: int = P.DEFAULT_MAX_FRAME, link_model=None, peer: str = "the verifier"):
+                 policy_belief: bool = False, max_frame: int = P.DEFAULT_MAX_FRAME, link_model=None, peer: str = "the verifier"):
         self.fingerprint = fingerprint
         self.vocab_size = vocab_size
         self.codec = codec  # a codecs codec object (its spec goes in HELLO)
@@ -103,6 +103,7 @@ class EdgeSession:
         self.client_name = client_name
         self.draft = draft  # the draft's content hash, named in HELLO (the verifier logs and records it)
         self.policy_memory = policy_memory  # the draft's memory (LoadedModel.memory): the target must read the same
+        self.policy_belief = policy_belief  # ... and its search belief (LoadedModel.belief)
         self.max_frame = max_frame
         self.link_model = link_model  # wire.link.LinkModel of an emulated link, or None
         self.peer = peer  # how errors name the verifier (its URL)
@@ -151,7 +152,7 @@ class EdgeSession:
         """The HELLO opening the connection; the WELCOME is awaited next."""
         self.wait_for(P.Welcome)
         return hello_frame(self.fingerprint, self.vocab_size, self.codec, self.token, self.client_name, self.draft,
-                           self.policy_memory)
+                           self.policy_memory, self.policy_belief)
 
     @staticmethod
     def check_settings(settings: VerifySettings) -> None:

@@ -15,11 +15,11 @@ from . import protocol as P
 
 
 def hello_frame(fingerprint: str, vocab_size: int, codec, token: str = "", client: str = "edgespec-edge",
-                draft: str = "", memory: int = 0) -> P.Hello:
+                draft: str = "", memory: int = 0, belief: bool = False) -> P.Hello:
     """The HELLO opening a session: the robot's tokenizer (fingerprint, vocabulary), its codec (a
     ``codecs`` codec: its spec), auth token, name, draft (content hash) and how many earlier
     decisions its prompts show."""
-    return P.Hello(token, fingerprint, vocab_size, codec.spec, client, draft, memory)
+    return P.Hello(token, fingerprint, vocab_size, codec.spec, client, draft, memory, belief)
 
 
 def prefill_frame(decision: int, prompt: Prompt, settings: VerifySettings) -> P.Prefill:

@@ -24,8 +24,9 @@ MAGIC = b"ESPD"
 # and the relaxed VERDICT; a HELLO that names the draft (content hash) and how many earlier decisions the
 # robot's prompts show (a memory mismatch is refused like a tokenizer mismatch); greedy and WISV blocks carry
 # no draft distribution. Version 10: token trees (a VERIFY's node parents, a VERDICT's accepted path).
+# Version 11: a HELLO says whether the robot's prompts carry the search belief (control.belief).
 # What each version added: CHANGELOG.md.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 HEADER = struct.Struct("<4sHBBI")
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
@@ -177,6 +178,7 @@ class Hello:
     client: str = "edgespec-edge"
     draft: str = ""  # the draft model's content hash (decoding.engines.model_content_hash; "" unknown)
     memory: int = 0  # the robot's prompts show this many earlier decisions (decoding.memory; 0: memoryless)
+    belief: bool = False  # ... and the search belief's line after the last (control.belief)
 
 
 @dataclass
@@ -324,7 +326,7 @@ def _parents(wire: list[int]) -> list[int]:
 
 _ENCODERS = {
     Hello: (FrameType.HELLO, lambda m, w: w.str(m.token).str(m.fingerprint).u32(m.vocab_size).str(m.codec).str(m.client)
-            .str(m.draft).u16(m.memory)),
+            .str(m.draft).u16(m.memory).u8(int(m.belief))),
     Welcome: (FrameType.WELCOME, lambda m, w: w.str(m.fingerprint).u32(m.vocab_size).str(m.model).u32(m.max_frame)
               .str(m.server).u16(m.num_layers).ids(m.exit_layers).u16(m.wisv_dim).f32(m.pass_ms).f32(m.ar_step_ms)),
     Error: (FrameType.ERROR, lambda m, w: w.u16(m.code).str(m.message)),
@@ -348,7 +350,7 @@ _ENCODERS = {
 
 _DECODERS = {
     FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client"),
-                                     r.str("draft"), r.u16("memory")),
+                                     r.str("draft"), r.u16("memory"), bool(r.u8("belief"))),
     FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"),
                                          r.str("server"), r.u16("num_layers"), r.ids("exit_layers"), r.u16("wisv_dim"),
                                          r.f32("pass_ms"), r.f32("ar_step_ms")),
