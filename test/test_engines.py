@@ -88,6 +88,21 @@ def test_greedy_verify_mode_matches_target(vlm_target, vlm_draft, image, draft_i
     assert (decision.metrics.acceptance_rate == 1.0) == draft_is_target
 
 
+@pytest.mark.parametrize("mode", ["sd", "pipe"])
+def test_a_greedy_decisions_rounds_are_not_cut_short_by_a_codecs_bit_budget(vlm_target, image, mode):
+    """A greedy block carries no q, so the uplink codec's quantizer and per-round bit budget (csqs)
+    have nothing to carry: the draft drafts whole rounds of gamma, as with no budget at all."""
+    tight = "csqs:l=16,beta0=0.0,budget=24"  # room for one token a round, were its rows to go up
+    rounds = {}
+    for codec in ("dense32", tight):
+        decoder = EdgeDecoder(vlm_target, LocalVerifier(vlm_target, codec=codec))
+        cfg = DecodeConfig(mode=mode, gamma=4, max_new_tokens=MAX_NEW, params=GREEDY, seed=0, codec=codec)
+        d = decoder.decide(INSTRUCTION, image, cfg)
+        rounds[codec] = (d.tokens, d.metrics.rounds)
+    assert rounds[tight] == rounds["dense32"]
+    assert rounds["dense32"][1] <= -(-MAX_NEW // 5) + 1  # the draft is the target: gamma + 1 a round
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("draft_is_target", [True, False], ids=["same", "unrelated"])
 def test_vlm_sd_stops_at_eos_like_target(vlm_target_with_eos, vlm_draft_with_eos, image, gamma, draft_is_target):

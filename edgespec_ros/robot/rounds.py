@@ -13,7 +13,7 @@ from ..codecs import get_codec
 from ..decoding.inputs import PromptInputs
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
-from ..decoding.verify import WISV, resample_separate
+from ..decoding.verify import WISV, carries_q, resample_separate
 from .draft_length import AutoGamma
 from .settings import DECODING_MODES, PIPE_DEPTH_MAX, DecodeConfig  # noqa: F401 - the decoder's names
 
@@ -42,7 +42,12 @@ class DecisionState:
         self._last_epoch = 0
         if decoder.draft is None:
             raise ValueError(f"{cfg.mode} mode needs a draft model")
-        self.codec = get_codec(cfg.codec)  # fresh per decision: stateful codecs (csqs) start over
+        # fresh per decision: stateful codecs (csqs) start over. A decision whose blocks carry no q
+        # (greedy, WISV: argmax drafts) drafts through the ids codec: a codec's quantizer or bit
+        # budget would only cut its rounds short for nothing that goes up
+        codec = get_codec(cfg.codec)
+        self.codec = (get_codec("ids") if cfg.params.greedy and not carries_q(cfg.verify_settings(), codec)
+                      else codec)
         self.seq = decoder.draft.new_sequence()
         self.seq.keep_hidden = cfg.verify_mode == WISV  # the decision head reads the drafter's hidden states
         t0 = time.perf_counter()
