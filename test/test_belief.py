@@ -205,3 +205,49 @@ def test_the_training_recipe_takes_the_belief_only_with_a_memory(tmp_path):
     with pytest.raises(SystemExit):  # argparse: not a yes/no
         train_cli.main(["data", "--belief", "maybe", "--work", str(tmp_path)])
     assert train_cli.build_parser().parse_args(["data", "--belief", "False"]).belief is False
+
+
+def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_only_moves_degraded(tmp_path):
+    """A bag whose second command came as a goal (no command message): the decisions' command id
+    says where the drafter's memory started over; a draft-only decision is remembered as the
+    degraded profile runs it, as the drafter remembers it."""
+    from edgespec_ros.control.actions import parse_action as parse
+    from edgespec_ros.rosio import topics
+    from edgespec_ros.rosio.bags import (BagReplay, BagWriter, decision_message, image_message,
+                                         motion_state_message, string_message)
+    rgb = np.zeros((8, 8, 3), np.uint8)
+    plan = [(1, "find the red chair", "I see the red chair on my left. Action: turn left large.", ""),
+            (1, "find the red chair", "Action: turn left large.", "draft-only"),
+            (1, "find the red chair", "Action: move forward small.", ""),
+            (2, "go to the blue cone", "The blue cone is straight ahead. Action: move forward large.", ""),
+            (2, "go to the blue cone", "Action: turn right small.", "")]
+    with BagWriter(tmp_path / "bag") as bag:
+        for name, kind in ((topics.COMMAND, "std_msgs/String"), (topics.IMAGE, "sensor_msgs/Image"),
+                           (topics.DECISION, "edgespec_ros/VerifiedAction"),
+                           (topics.MOTION_STATE, "edgespec_ros/MotionState")):
+            bag.add_topic(name, kind)
+        bag.write(topics.COMMAND, 1, string_message("find the red chair"))
+        for i, (cid, instruction, text, fallback) in enumerate(plan):
+            t = (i + 1) * 10**9
+            bag.write(topics.IMAGE, t, image_message(rgb, t))
+            bag.write(topics.DECISION, t + 1, decision_message(stamp=t, instruction=instruction, text=text,
+                                                               action=parse(text), fallback=fallback,
+                                                               command_id=cid))
+            bag.write(topics.MOTION_STATE, t + 2, motion_state_message(stamp=t + 2, state="idle", action="",
+                                                                       outcome="completed", decision_stamp=t))
+    shown = [h for *_rest, h in BagReplay(tmp_path / "bag").with_memory(2, belief=True)]
+    memory = memory_for(Believer(), "find the red chair", command=True)
+    expected = []
+    for i, (cid, instruction, text, fallback) in enumerate(plan):
+        if i and cid != plan[i - 1][0]:
+            memory.reset(instruction)
+        if not fallback:  # a draft-only decision is no reference to replay (but it is remembered)
+            expected.append(memory.shown())
+        action = parse(text).text
+        memory.decided("turn left 30 degrees" if fallback else action, i, text)
+        memory.motion_reported(i, "idle", "completed")
+    assert shown == expected
+    assert len(shown) == 4 and shown[1][-1] == Turn("turn left 30 degrees", DONE, "search: turned left 90, right 0; "
+                                                                             "moved 0.0 m; goal last seen right, 1 "
+                                                                             "decision ago")
+    assert shown[2] == () and shown[3][-1].belief.endswith("goal last seen ahead, in the last decision")

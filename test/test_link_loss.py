@@ -367,3 +367,29 @@ def test_a_command_that_ran_out_of_decisions_is_checked_and_retraced_after_it():
     connects = other.decoder.verifier.connects
     _step(other, clock2)
     assert other.decoder.verifier.connects == connects
+
+
+def test_a_draft_only_decision_is_remembered_as_the_degraded_motion_it_runs():
+    """The memory (and a search belief) remember what the navigator executes of a draft-only
+    decision, its degraded profile's clamp (``turn left large`` runs as 30 degrees), as the
+    simulator's linked loop and a bag's replay do."""
+    class BelievingDraft:
+        memory, belief = 2, True
+
+    class LargeTurns(FlakyDecoder):
+        draft = BelievingDraft()
+
+        def decide_draft_only(self, instruction, image, cfg, on_tokens=None, **kw):
+            self.draft_only_calls += 1
+            return Decision([1, 2, 3], "The red chair is on my left. Action: turn left large.",
+                            DecisionMetrics(mode=DRAFT_ONLY, gamma=0, tokens=3))
+    link = Link()
+    decoder = LargeTurns(link)
+    core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=2, wait_for_motion=False)
+    core.set_command("find the red chair")
+    _lose(core, clock, link, faults=2)
+    out = _step(core, clock)
+    assert out.fallback == DRAFT_ONLY and out.action == "turn left large"  # what the draft said, published
+    assert core.memory.awaiting_action == "turn left 30 degrees"  # what runs, remembered
+    core.memory.motion_reported(out.stamp_ns, "idle", "completed")
+    assert core.memory.shown()[-1].belief.startswith("search: turned left 30, right 0; moved 0.0 m; goal last seen")

@@ -159,7 +159,7 @@ class Load:
     async def _hello(self, ws, token: str, codec: str = DEFAULT_CODEC):
         P = self.P
         await ws.send(P.encode(P.Hello(token, self.info["fingerprint"], self.info["vocab"], codec, "hostile",
-                                       memory=self.info["memory"])))
+                                       memory=self.info["memory"], belief=self.info["belief"])))
         return await self._expect(ws, P.Welcome)
 
     @contextlib.asynccontextmanager
@@ -406,6 +406,7 @@ def _model_info(draft_lm, max_new_tokens: int) -> dict:
     avoid = {int(i) for i in avoid if i is not None and i >= 0}
     context = draft_lm.max_context or 2048
     return {"fingerprint": draft_lm.fingerprint(), "vocab": draft_lm.vocab_size, "memory": draft_lm.memory,
+            "belief": draft_lm.belief,
             "avoid_ids": sorted(avoid),
             "max_prompt": min(8192, context) - 64 * 4,  # room for a few 64-draft rounds
             "max_new_tokens": min(1024, context - 64)}

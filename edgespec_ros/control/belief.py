@@ -97,8 +97,9 @@ def direction_word(relative_deg: float) -> str:
 
 
 def _steps(deg: float) -> str:
-    d = int(round(deg / STEP_DEG)) * STEP_DEG
-    return f"{FULL_CIRCLE_DEG}+" if d >= FULL_CIRCLE_DEG else str(d)
+    if deg >= FULL_CIRCLE_DEG:
+        return f"{FULL_CIRCLE_DEG}+"
+    return str(int(round(deg / STEP_DEG)) * STEP_DEG)
 
 
 class SearchBelief:
@@ -132,8 +133,7 @@ class SearchBelief:
         self.moved(action, outcome)
 
     def moved(self, action: str | None, outcome: str) -> None:
-        """The motion part of :meth:`update` alone: a motion that is no decision of the policy's
-        (a retrace step back along the way it came) turns and moves the robot all the same."""
+        """The motion part of :meth:`update`: the executed turn or move, dead-reckoned."""
         if not action or outcome not in (DONE, BLOCKED):
             return
         try:
@@ -141,7 +141,7 @@ class SearchBelief:
         except ActionParseError:
             return
         if act.kind == "turn":
-            deg = math.degrees(act.angle_rad)
+            deg = round(math.degrees(act.angle_rad), 6)  # the grammar's degrees, not their radians' rounding
             self.heading_deg += deg
             if deg > 0:
                 self.left_deg += deg

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .actions import Action, check_positive_fields
+from .actions import Action, ActionParseError, check_positive_fields, parse_action
 
 # Why a closed-loop primitive was given up, in words (MotionState.reason; programs read the outcome).
 BLOCKED_BY_CONTACT_REASON = "blocked: no progress on odometry"  # odometry fresh, robot not moving
@@ -130,6 +130,15 @@ class DegradedProfile:
             return Action("turn", action.direction, None, 0.0,
                           math.copysign(math.radians(self.max_turn_deg), action.angle_rad))
         return action
+
+    def executed(self, action_text: str) -> str:
+        """The grammar text of what a draft-only decision of ``action_text`` executes (``clamp``):
+        what the memory and the search belief remember it as, on the robot, in a replay and in
+        the simulator alike. Text that does not parse is returned as it is."""
+        try:
+            return self.clamp(parse_action(action_text)).text
+        except ActionParseError:
+            return action_text
 
     def describe(self) -> str:
         return (f"moves <= {self.max_move_m:g} m, turns <= {self.max_turn_deg:g} deg, "

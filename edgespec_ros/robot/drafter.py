@@ -39,7 +39,7 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED
+from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY, DecodeConfig
 from ..control.link_health import LinkHealth, is_link_fault
@@ -491,7 +491,11 @@ class DrafterCore:
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
-            self.memory.decided(outcome.action if outcome.parsed else None, outcome.stamp_ns, outcome.text)
+            # (a draft-only decision is remembered as what the navigator's degraded profile executes of it)
+            action = outcome.action if outcome.parsed else None
+            if action and outcome.fallback == DRAFT_ONLY:
+                action = DegradedProfile().executed(action)
+            self.memory.decided(action, outcome.stamp_ns, outcome.text)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
                 # (an unverified draft-only stop stops the robot but does not end the command)
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED

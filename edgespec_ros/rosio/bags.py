@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..control.motion import OUTCOMES, outcome_name
+from ..control.motion import OUTCOMES, DegradedProfile, outcome_name
 from .imaging import ImageFormatError, raw_from_rgb, rgb_from_compressed, rgb_from_raw
 from . import topics
 
@@ -680,6 +680,7 @@ class BagReplay:
         decision_instr: dict[int, str] = {}
         instruction, checked = "", False
         last_taken = None
+        command_id = None  # the drafter's command of the last decision (VerifiedAction.command_id)
         path = self.path
         for conn, t, raw in _messages(reader, [*camera, *command, *decision, *motion], path):
             if progress is not None:
@@ -713,8 +714,16 @@ class BagReplay:
                 decisions[key] = RecordedDecision(msg.text, msg.action, msg.mode,
                                                   getattr(msg, "temperature", None), msg.fault, fallback)
                 decision_instr[key] = msg.instruction
+                if getattr(msg, "command_id", 0) and msg.command_id != command_id:
+                    # a decision of a new command: the drafter's memory started over there, also for a
+                    # command the command topic did not carry (an Instruct goal)
+                    events.append(("command", None, msg.instruction))
+                    command_id = msg.command_id
                 if not msg.fault:  # a safety stop leaves the memory as it was (robot.drafter)
-                    events.append(("decision", key, msg.action if msg.parsed else None, msg.text))
+                    action = msg.action if msg.parsed else None
+                    if action and fallback == "draft-only":  # remembered as the degraded profile runs it
+                        action = DegradedProfile().executed(action)
+                    events.append(("decision", key, action, msg.text))
         decided = []
         seen = set()
         for t, stamp, instr in frames:

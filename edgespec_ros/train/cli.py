@@ -157,7 +157,7 @@ HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers", "checkpo
 PAUSED_EXIT = 3  # a model stage ended by --pause-after-s: its checkpoint carries the run on (--resume)
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
-LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": ""}
+LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False}
 
 
 def recipe_of(cfg) -> dict:
