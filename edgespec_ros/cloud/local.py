@@ -68,7 +68,7 @@ class LocalVerifier:
         self.vocab = lm.vocab_size
         # the robot's HELLO as its client builds it, of a robot sharing the target's tokenizer and prompt format
         hello = hello_frame(identity.fingerprint, lm.vocab_size, self.codec, client="edgespec-local", draft=draft_hash,
-                            memory=lm.memory, belief=lm.belief)
+                            memory=lm.memory, belief=bool(getattr(lm, "belief", False)))
         with _refused():
             *_, self.welcome = self._drive(hello, _Run())  # the WELCOME, the HELLO's one reply
         self.exit_layers = list(self.welcome.exit_layers)
