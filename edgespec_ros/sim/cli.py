@@ -150,7 +150,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from ..decoding.engines import ModelLoadError, load_model
     from ..evaluation.policy import VLMPolicy
-    from .evaluate import evaluate_closed_loop
+    from .evaluate import classify_failure, evaluate_closed_loop, failure_counts
 
     scenarios = _load_scenarios(args.scenarios)
     try:
@@ -160,17 +160,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = evaluate_closed_loop(policy, scenarios, resample_temperature=args.resample_temperature,
                                   bags_dir=args.bags)
     report["model"] = args.model
+    report["failures"] = failure_counts(report["per_scenario"])
     for ep in report["per_scenario"]:
+        ep["failure"] = classify_failure(ep)
         print(f"  {ep['scenario']:<32} {'success' if ep['success'] else 'FAIL   '} steps {ep['steps']:>3} "
-              f"collisions {ep['collisions']} unparseable {ep['unparseable']}")
+              f"collisions {ep['collisions']} unparseable {ep['unparseable']}"
+              + (f"  ({ep['failure']}, {ep['final_goal_distance_m']:.2f} m from the goal)" if ep["failure"] else ""))
     print(f"success rate {report['success_rate']:.1%} over {report['episodes']} episodes "
           f"(mean steps {report['mean_steps']:.1f}, collisions {report['collisions']}, "
-          f"unparseable decisions {report['unparseable_decisions']})")
+          f"unparseable decisions {report['unparseable_decisions']}); failed: "
+          + ", ".join(f"{kind} {n}" for kind, n in report["failures"].items()))
+    if args.explain:
+        _explain_failures(report["per_scenario"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _explain_failures(episodes: list[dict]) -> None:
+    """Every failed episode decision by decision: the goal's true distance before it, the belief
+    line its prompt showed (a model trained with one) and what the model answered."""
+    for ep in episodes:
+        if not ep.get("failure"):
+            continue
+        print(f"\n{ep['scenario']}: {ep['failure']}, {ep['final_goal_distance_m']:.2f} m from the goal "
+              f"after {ep['steps']} decisions")
+        for i, step in enumerate(ep["trace"], 1):
+            belief = f" [{step['belief']}]" if step["belief"] else ""
+            print(f"  {i:>2}. goal {step['goal_distance_m']:.2f} m{belief}\n      {step['text']}")
 
 
 @contextlib.contextmanager
@@ -250,9 +269,9 @@ def _cmd_eval_linked(args: argparse.Namespace) -> int:
     from ..robot.settings import DEFAULTS
     from .link_loop import run_linked_episode, summarize
 
-    if args.resample_temperature or args.bags:
-        raise ValueError("the linked loop (--link and friends) decides greedily and records no bags: "
-                         "drop --resample-temperature and --bags")
+    if args.resample_temperature or args.bags or args.explain:
+        raise ValueError("the linked loop (--link and friends) decides greedily, records no bags and keeps "
+                         "no decision texts: drop --resample-temperature, --bags and --explain")
     fallback = args.on_link_loss or DEFAULTS.on_link_loss
     scenarios = _load_scenarios(args.scenarios)
     with _linked_policies(args, need_draft=fallback == "draft_only") as (profile, policy, latency, draft, dlat):
@@ -388,6 +407,10 @@ def _setup_eval(sub) -> None:
                         help="write each episode as a rosbag2 bag (MCAP) in this folder, <folder>/<scenario>/: "
                              "command, camera frames, decisions, odometry in simulated time (1 s per decision); "
                              "replay them with edgespec-bench --replay")
+    parser.add_argument("--explain", action="store_true",
+                        help="print every failed episode decision by decision: the goal's true distance, "
+                             "the belief line the prompt showed and the model's answer (also in --json's "
+                             "per-scenario 'trace')")
     link = parser.add_argument_group("a link that fails (any of these: the linked closed loop, sim.link_loop, "
                                      "reporting the task's time)")
     link.add_argument("--on-link-loss", choices=LINK_LOSS_ACTIONS, default=None,

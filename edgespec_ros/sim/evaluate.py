@@ -31,6 +31,9 @@ class EpisodeResult:
     unparseable: int
     final_goal_distance_m: float
     actions: list[str] = field(default_factory=list)
+    # one entry per decision, in order: the goal's distance before it, the belief line its prompt
+    # showed ("" for none) and the model's whole answer (what ``edgespec-sim eval --explain`` prints)
+    trace: list[dict] = field(default_factory=list)
 
 
 def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
@@ -38,7 +41,7 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
     """Roll out `policy` (VLMPolicy-like: decide(image, instruction, temperature, seed) -> .action/.text)
     in one scenario; ``recording`` (a bags.EpisodeRecording) writes it to a bag."""
     world = SimWorld(scenario)
-    unparseable, actions = 0, []
+    unparseable, actions, trace = 0, [], []
     resample = False
     memory = memory_for(policy, scenario.instruction)
     if recording is not None:
@@ -46,13 +49,16 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
     while not world.done:
         image = world.camera_image()
         temperature = resample_temperature if resample and resample_temperature > 0 else 0.0
-        history = {"history": memory.shown()} if memory.k else {}
+        shown = memory.shown() if memory.k else ()
+        history = {"history": shown} if memory.k else {}
         if temperature:
             out = policy.decide(image, scenario.instruction, temperature, world.steps, **history)
         else:
             out = policy.decide(image, scenario.instruction, **history)
         if recording is not None:
             recording.decision(image, scenario.instruction, out, temperature)
+        trace.append({"goal_distance_m": round(world.goal_distance(), 3),
+                      "belief": shown[-1].belief if shown else "", "text": getattr(out, "text", "")})
         resample = out.action is None
         if out.action is None:
             unparseable += 1
@@ -67,7 +73,7 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
             recording.moved(world.pose, out.action.text, "blocked_contact" if resample
                             else "stopped" if out.action.kind == "stop" else "completed")
     return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
-                         round(world.goal_distance(), 3), actions)
+                         round(world.goal_distance(), 3), actions, trace)
 
 
 def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes",
