@@ -65,13 +65,15 @@ models-memory: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \
 		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-memory --resume --out edgespec_ros/models $(ARGS)
 
-# The memory recipe with the search belief (docs/models.md): a candidate to replace the committed pair;
-# trains into build/train-belief and writes build/train-belief/models (not the package) unless OUT says so
+# The memory recipe with the search belief (docs/models.md): the prompt shows the belief, the expert reads it
+# (search_belief: turn back to where the goal was last seen; walk on after a full circle) and half the data
+# rollouts begin with a spin; a candidate to replace the committed pair. Trains into build/train-belief and
+# writes build/train-belief/models (not the package) unless OUT says so
 OUT ?= build/train-belief/models
 models-belief: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
-		--expert stop_gap_m=0.3 --target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-belief \
-		--resume --out $(OUT) $(ARGS)
+		--spin-starts 0.5 --expert "stop_gap_m=0.3;search_belief=true" --target-steps 9507 --target-budget-s 0 \
+		--exit-steps 2000 --work build/train-belief --resume --out $(OUT) $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)

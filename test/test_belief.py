@@ -251,3 +251,89 @@ def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_onl
                                                                              "moved 0.0 m; goal last seen right, 1 "
                                                                              "decision ago")
     assert shown[2] == () and shown[3][-1].belief.endswith("goal last seen ahead, in the last decision")
+
+
+BELIEF_EXPERT = dict(memory=2, memory_noise=0.15, memory_dropout=0.5, belief=True, spin_starts=0.5)
+
+
+def _belief_expert_frames(n: int = 40):
+    from edgespec_ros.sim.expert import ExpertConfig
+    config = ExpertConfig(stop_gap_m=0.3, search_belief=True)
+    return config, list(expert_frames("train", n, expert_config=config, **BELIEF_EXPERT))
+
+
+def test_an_expert_with_the_belief_labels_the_way_out_from_the_line_alone():
+    """The expert with ``search_belief`` over spun, mistaken rollouts: it turns back where the line
+    says the goal was last seen, or walks on after a full circle without it, only on frames whose
+    prompt shows the line, only where nothing of interest is in view (the memoryless expert would
+    search), and its words never read back as a sighting."""
+    from edgespec_ros.sim.expert import ExpertPolicy
+    config, frames = _belief_expert_frames()
+    memoryless = ExpertPolicy(config=config.__class__(stop_gap_m=0.3))
+    kinds = {"recall": 0, "explore-circled": 0}
+    changed = dict(kinds)  # where the memoryless expert would have done otherwise (turned on the spot)
+    for frame in frames:
+        situation = frame.decision.situation
+        line = frame.history[-1].belief if frame.history else ""
+        if situation not in kinds:
+            continue
+        kinds[situation] += 1
+        assert line, frame.decision.text  # a frame shown without the line is labelled memoryless
+        assert seen_bearing(frame.decision.text, goal_phrase(frame.scenario.instruction)) is None, frame.decision.text
+        plain = memoryless.decide(frame.scenario, frame.pose, frame.view)
+        assert plain.situation in ("search", "explore"), (plain.situation, frame.decision.text)
+        action = frame.decision.action
+        changed[situation] += plain.action != action
+        if situation == "recall":
+            where = line.split("goal last seen ")[1].split(",")[0]
+            assert where != "ahead" and action.kind == "turn"
+            assert action.text.split()[1] == ("right" if where.endswith("right") else "left"), (line, action.text)
+            ago = line.rsplit(", ", 1)[1]
+            assert ago == "in the last decision" or int(ago.split()[0]) <= config.recall_decisions
+        else:
+            assert line.endswith("goal not seen yet") and action.kind == "move", (line, action.text)
+            left, right = (int(w.rstrip("+,")) for w in line.split("turned left ")[1].split("; ")[0].split(", right "))
+            assert left + right >= 360, line
+    assert kinds["recall"] >= 5 and kinds["explore-circled"] >= 5, kinds
+    assert changed["recall"] >= 1 and changed["explore-circled"] >= 1, changed
+
+
+def test_spun_rollouts_begin_with_a_full_circle_and_no_spin_leaves_the_data_as_it_was():
+    from edgespec_ros.sim.expert import ExpertConfig
+    config, frames = _belief_expert_frames(12)
+    starts = [f for f in frames if not f.history]
+    spun = 0
+    for frame in frames:  # the sixth decision's memory shows the spin's last turns, done or blocked
+        if frame.history and "turned left 300, right 0" in frame.history[-1].belief:
+            spun += 1
+            assert all(t.action == "turn left large" for t in frame.history), frame.history
+    assert spun and starts
+    kwargs = dict(memory=2, memory_noise=0.15, belief=True, expert_config=ExpertConfig(stop_gap_m=0.3))
+    plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 6, **kwargs)]
+    assert plain == [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 6, spin_starts=0.0, **kwargs)]
+    with pytest.raises(ValueError, match="spin_starts"):
+        next(expert_frames("train", 1, spin_starts=1.5))
+
+
+def test_the_expert_with_the_belief_still_reaches_every_goal_it_reached():
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, run_expert_episode
+    for scenario in iter_scenarios("heldout", 12, max_steps=40):
+        plain = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3)))
+        recalling = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3, search_belief=True)))
+        assert recalling.success or not plain.success, scenario.name
+
+
+def test_the_belief_expert_is_set_by_name_and_only_with_the_belief(tmp_path):
+    from edgespec_ros.sim.expert import expert_config_from_pairs, expert_from_overrides, expert_overrides
+    from edgespec_ros.train import cli as train_cli
+    config = expert_config_from_pairs(["stop_gap_m=0.3", "search_belief=true"])
+    assert config.search_belief is True and expert_config_from_pairs(["search_belief=False"]).search_belief is False
+    assert expert_from_overrides(expert_overrides(config)) == config
+    with pytest.raises(ValueError, match="search_belief"):
+        expert_config_from_pairs(["search_belief=yes please"])
+    with pytest.raises(SystemExit, match="only --belief true shows"):
+        train_cli.main(["data", "--memory", "2", "--expert", "search_belief=true", "--work", str(tmp_path),
+                        "--out", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match="--spin-starts must be in"):
+        train_cli.main(["data", "--memory", "2", "--belief", "true", "--spin-starts", "2", "--work", str(tmp_path),
+                        "--out", str(tmp_path / "m")])

@@ -150,6 +150,18 @@ class SearchBelief:
         elif act.kind == "move" and outcome == DONE:
             self.moved_m += act.distance_m
 
+    def last_seen(self) -> str | None:
+        """Where the goal was last seen, as the line says it (one of :func:`direction_word`'s six
+        directions from the current heading), or None before any decision saw it."""
+        if self.goal_heading_deg is None:
+            return None
+        return direction_word(self.goal_heading_deg - self.heading_deg)
+
+    def turned_deg(self) -> int:
+        """Left and right turns since the command together, as the line counts them (15-degree
+        steps, each side capped at a full circle)."""
+        return sum(min(FULL_CIRCLE_DEG, int(round(d / STEP_DEG)) * STEP_DEG) for d in (self.left_deg, self.right_deg))
+
     def render(self) -> str:
         """The prompt's line, e.g. "search: turned left 90, right 30; moved 1.5 m; goal last seen
         behind left, 3 decisions ago"."""

@@ -191,7 +191,8 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       with_labels: bool = False, action_noise: float = 0.0,
                       closeups_per_scenario: float = 0.0, family: str | None = None,
                       memory: int = 0, memory_noise: float = 0.0,
-                      memory_dropout: float = 0.0, belief: bool = False) -> Iterator[Example]:
+                      memory_dropout: float = 0.0, belief: bool = False,
+                      spin_starts: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -215,14 +216,15 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     ``memory_dropout``: the share of examples shown without their memory (ChauffeurNet's past-motion
     dropout, Bansal et al. 2018): the expert's own history predicts its next action (a stop follows
     its small approach moves), and a policy that copies it stops early (docs/models.md).
-    ``belief``: the memory's last turn carries the search belief (``control.belief``).
+    ``belief``: the memory's last turn carries the search belief (``control.belief``);
+    ``spin_starts``: the share of rollouts that begin with a learned policy's spin (:func:`expert_frames`).
     """
 
     for frame in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
             closeups_per_scenario=closeups_per_scenario, family=family, memory=memory, memory_noise=memory_noise,
-            memory_dropout=memory_dropout, belief=belief):
+            memory_dropout=memory_dropout, belief=belief, spin_starts=spin_starts):
         yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
                       dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
 
@@ -236,7 +238,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   closeups_per_scenario: float = 0.0,
                   family: str | None = None, memory: int = 0,
                   memory_noise: float = 0.0, memory_dropout: float = 0.0,
-                  belief: bool = False) -> Iterator[ExpertFrame]:
+                  belief: bool = False, spin_starts: float = 0.0) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
 
@@ -246,7 +248,13 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     outcome ("done" or "blocked") is what the next frames' memory shows. Jittered frames share
     their decision's memory; close-ups have none. ``belief``: the last shown turn carries the
     search belief's line (``control.belief``: the rollout's turns and moves so far, and where the
-    expert's own words last saw the goal); dropped with the memory."""
+    expert's own words last saw the goal); dropped with the memory.
+
+    ``spin_starts``: with that probability a rollout begins with the spin a learned policy falls
+    into: the expert's search turn executed a full circle's worth of times, whatever the expert
+    says (each frame keeps its answer). An expert with ``search_belief`` then labels what a spin
+    leaves behind: the goal glimpsed and turned away from (turn back to it) and a full circle
+    without it (walk on)."""
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
     if not 0.0 <= memory_noise < 1.0:
@@ -255,11 +263,15 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         raise ValueError(f"generate_examples: memory_dropout must be in [0, 1), got {memory_dropout}")
     if memory < 0:
         raise ValueError(f"generate_examples: memory must be >= 0 decisions, got {memory}")
+    if not 0.0 <= spin_starts <= 1.0:
+        raise ValueError(f"generate_examples: spin_starts must be in [0, 1], got {spin_starts}")
     if closeups_per_scenario < 0:
         raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
         Action.turn(direction, size, action_config) for direction in ("left", "right") for size in SIZES]
     shape = scenario_family(family)
+    spin_turn = Action.turn("left", expert_config.search_turn, action_config)
+    spin_length = math.ceil(360.0 / action_config.turn_angle_deg(expert_config.search_turn) - 1e-9)
     for seed in split_seeds(split, n_scenarios, start):
         scenario = scenario_for_seed(seed, **shape)
         rng = np.random.default_rng([seed, 1])
@@ -267,6 +279,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         closeup_rng = np.random.default_rng([seed, 3])
         mistake_rng = np.random.default_rng([seed, 5])
         dropout_rng = np.random.default_rng([seed, 6])
+        spin = spin_length if spin_starts and np.random.default_rng([seed, 7]).random() < spin_starts else 0
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
         turns = PolicyMemory(memory, SearchBelief(scenario.instruction) if belief else None)
@@ -274,22 +287,25 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         while not world.done:
             pose = world.pose
             view = world.camera_view()
-            decision = policy.decide(scenario, pose, view)
             history = turns.shown()
             if memory_dropout and history and dropout_rng.random() < memory_dropout:
                 history = ()  # this frame (and its jittered ones) shown without memory
+            shown = _shown_belief(turns, history)
+            decision = policy.decide(scenario, pose, view, shown)
             yield ExpertFrame(scenario, pose, view, decision, history)
             for _ in range(rng.poisson(perturbations_per_step)):
                 jittered = _perturb(scenario, pose, rng)
                 if jittered is not None:
                     jittered_view = render_view(scenario, jittered, camera)
                     yield ExpertFrame(scenario, jittered, jittered_view,
-                                      policy.decide(scenario, jittered, jittered_view), history)
+                                      policy.decide(scenario, jittered, jittered_view, shown), history)
             executed = decision.action
             if action_noise and noise_rng.random() < action_noise:
                 executed = noise_actions[int(noise_rng.integers(len(noise_actions)))]
             if memory_noise and executed.kind != "stop" and mistake_rng.random() < memory_noise:
                 executed = _mistake(last_turn, forward_clearance(scenario, pose)[0], mistake_rng, action_config)
+            if spin:
+                executed, spin = spin_turn, spin - 1
             result = world.step(executed)
             if executed.kind == "turn":
                 last_turn = executed
@@ -299,6 +315,12 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
             if pose is not None:
                 view = render_view(scenario, pose, camera)
                 yield ExpertFrame(scenario, pose, view, policy.decide(scenario, pose, view))
+
+
+def _shown_belief(memory: PolicyMemory, history) -> SearchBelief | None:
+    """The search belief a frame's prompt shows (its last shown turn carries the line), for the
+    expert's label: None when the frame is shown without it."""
+    return memory.search if history and history[-1].belief else None
 
 
 def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
@@ -325,7 +347,8 @@ def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
             pose = world.pose
             view = world.camera_view()
             history = memory.shown()
-            yield ExpertFrame(scenario, pose, view, expert.decide(scenario, pose, view), history)
+            yield ExpertFrame(scenario, pose, view, expert.decide(scenario, pose, view, _shown_belief(memory, history)),
+                              history)
             out = policy.decide(view.rgb, scenario.instruction, **({"history": history} if memory.k else {}))
             if out.action is None:
                 world.skip_decision(out.error)

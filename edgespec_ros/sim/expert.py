@@ -2,7 +2,9 @@
 
 The expert knows the true state only to work out what the camera shows (which objects have
 pixels in the frame, their bearing and distance); its decision depends on nothing else, so the
-action can be inferred from the image and the instruction alone. It is memoryless, like the VLM.
+action can be inferred from the image and the instruction alone. It is memoryless, like the VLM,
+unless ``search_belief`` is set: then step 3 also reads the search belief the prompt shows
+(``control.belief``), the one thing beside the image a model with the belief is told.
 
 Perception model (what a 112 px camera lets one tell):
 - an object with at least ``min_pixels`` pixels in the frame is *seen*; its colour is known;
@@ -16,7 +18,10 @@ Policy, in order (all geometry from the seen objects and the walls only):
 2. Something with the goal's colour is seen but too far to identify: approach the nearest such
    object the same way, to have a closer look (the goal itself, or a look-alike distractor).
 3. Nothing of interest is seen: walk ahead if the floor ahead is open for at least
-   ``explore_clearance_m``, otherwise turn left (``search_turn``) to look around.
+   ``explore_clearance_m``, otherwise turn left (``search_turn``) to look around. With
+   ``search_belief``: first turn back to where the belief says the goal was last seen (not ahead,
+   at most ``recall_decisions`` ago); after a full circle without ever seeing it, walk on where
+   the floor is open ``circled_clearance_m``.
 
 Obstacles: when a seen object blocks the straight line to the target, the robot goes around
 it on the target's side. A memoryless robot forgets whatever leaves the frame, so detours keep
@@ -35,6 +40,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
+from ..control.belief import FULL_CIRCLE_DEG, SearchBelief
+from ..decoding.memory import BLOCKED, DONE
 from ..control.motion import wrap_angle
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
@@ -75,6 +82,17 @@ class ExpertConfig:
     # The forward moves an approach may use, longest first among those that fit: fewer sizes put
     # fewer distance boundaries where a small misjudgement of range changes the answer.
     approach_moves: tuple[str, ...] = SIZES
+    # A searcher with a memory, for a model that reads the search belief (``control.belief``): while
+    # nothing of interest is in view, turn back towards where the goal was last seen (at most
+    # ``recall_decisions`` decisions ago, and not ahead), and once it has turned a full circle
+    # without ever seeing the goal, walk on wherever the floor is open ``circled_clearance_m``
+    # (stopping ``circled_stop_short_m`` short) rather than turning on the spot. It reads the belief
+    # only as its prompt line says it, so a model shown the line can learn the same rule; a frame
+    # shown without the line is labelled memoryless. False: memoryless throughout.
+    search_belief: bool = False
+    recall_decisions: int = 3
+    circled_clearance_m: float = 1.5
+    circled_stop_short_m: float = 0.5
 
     def __post_init__(self):
         if self.approach_turn is not None and self.approach_turn not in SIZES:
@@ -85,6 +103,9 @@ class ExpertConfig:
             raise ValueError(f"ExpertConfig.search_turn: {self.search_turn!r} is not one of {SIZES}")
         if self.identify_range_m <= 0 or self.min_pixels < 1 or self.aim_tolerance_deg <= 0:
             raise ValueError("ExpertConfig: identify_range_m, min_pixels and aim_tolerance_deg must be positive")
+        if self.recall_decisions < 0 or not 0 <= self.circled_stop_short_m < self.circled_clearance_m:
+            raise ValueError("ExpertConfig: recall_decisions must be >= 0 and 0 <= circled_stop_short_m < "
+                             "circled_clearance_m")
 
 
 def expert_config_from_pairs(pairs: Sequence[str]) -> ExpertConfig:
@@ -101,6 +122,10 @@ def expert_config_from_pairs(pairs: Sequence[str]) -> ExpertConfig:
         try:
             if text == "None" and "None" in kind:
                 values[key] = None
+            elif kind == "bool":
+                if text.lower() not in ("true", "false"):
+                    raise ValueError(text)
+                values[key] = text.lower() == "true"
             elif "tuple" in kind:
                 values[key] = tuple(part for part in text.split(",") if part)
             elif "float" in kind:
@@ -199,8 +224,11 @@ class ExpertPolicy:
 
     # ------------------------------------------------------------------ policy
 
-    def decide(self, scenario: Scenario, pose: Pose, view: CameraView | None = None) -> ExpertDecision:
-        """The expert's decision for the frame seen from ``pose``; pass ``view`` if already rendered."""
+    def decide(self, scenario: Scenario, pose: Pose, view: CameraView | None = None,
+               belief=None) -> ExpertDecision:
+        """The expert's decision for the frame seen from ``pose``; pass ``view`` if already rendered.
+        ``belief``: the command's search belief (a ``control.belief.SearchBelief``) as the frame's
+        prompt shows it, or None for a frame shown without one; read only with ``search_belief``."""
         seen = self.observe(scenario, pose, view)
         goal = scenario.goal_object
         visible = [s for s in seen if s.pixels >= self.config.min_pixels]
@@ -217,15 +245,30 @@ class ExpertPolicy:
             action, situation, blocker = self._approach(scenario, pose, target, seen, final=False)
             return self._decision(action, words.inspect(target, action, situation, blocker),
                                   "inspect-" + situation, seen)
-        explore = self._explore_move(scenario, pose, seen)
+        circled = False
+        if belief is not None and self.config.search_belief:
+            last_seen = belief.last_seen()
+            if last_seen not in (None, "ahead") and belief.since_seen <= self.config.recall_decisions:
+                direction = "right" if last_seen.endswith("right") else "left"
+                action = Action.turn(direction, self.config.search_turn, self.action_config)
+                return self._decision(action, words.recall(last_seen, direction), "recall", seen)
+            circled = last_seen is None and belief.turned_deg() >= FULL_CIRCLE_DEG
+        explore = (self._explore_move(scenario, pose, seen, self.config.circled_clearance_m,
+                                      self.config.circled_stop_short_m) if circled else
+                   self._explore_move(scenario, pose, seen))
         if explore is not None:
-            return self._decision(explore, words.explore(), "explore", seen)
+            return self._decision(explore, words.explore(circled), "explore-circled" if circled else "explore", seen)
         action = Action.turn("left", self.config.search_turn, self.action_config)
         return self._decision(action, words.search(), "search", seen)
 
-    def _explore_move(self, scenario: Scenario, pose: Pose, seen: Sequence[SeenObject]) -> Action | None:
-        """A forward move into open floor when nothing of interest is seen, or None to turn instead."""
-        threshold = self.config.explore_clearance_m
+    def _explore_move(self, scenario: Scenario, pose: Pose, seen: Sequence[SeenObject],
+                      threshold: float | None = None, stop_short_m: float | None = None) -> Action | None:
+        """A forward move into open floor when nothing of interest is seen, or None to turn instead
+        (``threshold``, ``stop_short_m``: the config's ``explore_*`` unless given)."""
+        if threshold is None:
+            threshold = self.config.explore_clearance_m
+        if stop_short_m is None:
+            stop_short_m = self.config.explore_stop_short_m
         if threshold is None:
             return None
         clearance, _ = forward_clearance(scenario, pose, [s.object for s in seen])
@@ -235,7 +278,7 @@ class ExpertPolicy:
         for size in reversed(SIZES):
             distance = self.action_config.move_distance_m(size)
             ex, ey = pose.x + distance * c, pose.y + distance * s_
-            if (distance <= clearance - self.config.explore_stop_short_m
+            if (distance <= clearance - stop_short_m
                     and not any(self._too_close(ex, ey, o.object) for o in seen)):
                 return Action.move_forward(size, self.action_config)
         return None
@@ -399,15 +442,19 @@ class ExpertPolicy:
 def run_expert_episode(scenario: Scenario, policy: ExpertPolicy | None = None,
                        world: SimWorld | None = None) -> ExpertEpisode:
     """Roll the expert out in ``scenario`` until the episode ends; returns the outcome and every
-    decision (pose, decision, step result)."""
+    decision (pose, decision, step result). An expert with ``search_belief`` keeps the command's
+    belief as it goes."""
     policy = ExpertPolicy() if policy is None else policy
     world = SimWorld(scenario, policy.camera, policy.action_config) if world is None else world
+    belief = SearchBelief(scenario.instruction) if policy.config.search_belief else None
     decisions = []
     while not world.done:
         pose = world.pose
-        decision = policy.decide(scenario, pose, world.camera_view())
+        decision = policy.decide(scenario, pose, world.camera_view(), belief)
         result = world.step(decision.action)
         decisions.append((pose, decision, result))
+        if belief is not None:
+            belief.update(decision.action.text, BLOCKED if result.collided else DONE, decision.text)
     return ExpertEpisode(scenario, world.success, world.steps, world.collisions, world.outcome,
                          list(world.trajectory), decisions)
 
@@ -584,19 +631,38 @@ class _Words:
             f"Something {color} is {where}, too far to make out, and it might be {self.target}")
         return self.join(self.distractor(), f"{main}; {plan}")
 
-    def explore(self) -> str:
+    def explore(self, circled: bool = False) -> str:
+        """Walking on into open floor; ``circled``: after a full circle without seeing the goal."""
         others = self.others()
         context = (self.pick(f"I see {others}, but no {self.goal.description}.",
                              f"Only {others} here, not {self.target}.") if others else None)
+        lead = self.distractor() or context
+        if circled:
+            main = self.pick(
+                f"I have turned all the way around without finding {self.target}, so I will walk on and "
+                "search elsewhere.",
+                f"A full circle here and no {self.goal.description}; I will move on to look further.")
+            return self.join(lead, main)
         main = self.pick(
             f"I don't see {self.target}, and the way ahead is open, so I will move forward to explore.",
             f"{_cap(self.target)} is not in view. The floor ahead is clear; I will walk on and look further.",
             f"No {self.goal.description} in sight. I will go forward into the open space to search.")
-        lead = self.distractor() or context
         if lead:
             main = self.pick("The way ahead is open, so I will move forward to explore.",
                              "I will walk forward into the open space and keep looking.")
         return self.join(lead, main)
+
+    def recall(self, last_seen: str, direction: str) -> str:
+        """Turning back towards where the goal was last seen (``last_seen``: a belief direction).
+        The place is said in a sentence without the goal's name, so it is never read back as a
+        sighting (``control.belief.seen_bearing``)."""
+        where = {"left": "on my left", "right": "on my right", "behind left": "behind me on the left",
+                 "behind right": "behind me on the right"}.get(last_seen, "behind me")
+        main = self.pick(
+            f"{_cap(self.target)} is not in view. I last saw it {where}, so I will turn {direction} to "
+            "find it again.",
+            f"I no longer see {self.target}. It was {where} before; turning {direction} back towards it.")
+        return self.join(self.distractor(), main)
 
     def search(self) -> str:
         turn = "turn left"

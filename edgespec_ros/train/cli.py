@@ -66,6 +66,9 @@ class PipelineConfig:
     # the search belief (control.belief) on the memory's last turn: turns and moves since the command and
     # where the goal was last seen (config.json policy_belief); needs memory >= 1
     belief: bool = False
+    # the share of data rollouts that begin with a learned policy's spin (a full circle of search turns
+    # whatever the expert says; sim.dataset.expert_frames), so an expert with search_belief shows the way out
+    spin_starts: float = 0.0
     # the expert whose answers the models learn and are scored against: ExpertConfig fields as
     # "KEY=VALUE;KEY=VALUE" (e.g. "stop_gap_m=0.3": stop 0.3 m from touching the goal, inside the
     # goal radius the camera cannot show); empty: the default expert. Recorded in each model's
@@ -157,7 +160,7 @@ HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers", "checkpo
 PAUSED_EXIT = 3  # a model stage ended by --pause-after-s: its checkpoint carries the run on (--resume)
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
-LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False}
+LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False, "spin_starts": 0.0}
 
 
 def recipe_of(cfg) -> dict:
@@ -198,7 +201,8 @@ def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
                                 expert_config=pipeline_expert(cfg),
                                 closeups_per_scenario=cfg.closeups_per_scenario,
                                 memory=cfg.memory, memory_noise=cfg.memory_noise,
-                                memory_dropout=cfg.memory_dropout, belief=cfg.belief):
+                                memory_dropout=cfg.memory_dropout, belief=cfg.belief,
+                                spin_starts=cfg.spin_starts):
         for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
                            ("present", ex.labels.present), ("log_depth", ex.labels.log_depth),
                            ("goal_class", ex.labels.goal_class),
@@ -825,7 +829,7 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 # not the data and the target.
 STAGE_OPTIONS = {
     "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout",
-             "belief", "expert", "seed"),
+             "belief", "spin_starts", "expert", "seed"),
     "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),
@@ -965,6 +969,11 @@ def main(argv=None) -> int:
     if cfg.belief and not cfg.memory:
         raise SystemExit("edgespec-train: --belief true needs --memory >= 1 (the belief's line follows the last "
                          "earlier decision)")
+    if pipeline_expert(cfg).search_belief and not cfg.belief:
+        raise SystemExit("edgespec-train: --expert search_belief=true labels frames from the belief's line, which "
+                         "only --belief true shows: add --belief true")
+    if not 0.0 <= cfg.spin_starts <= 1.0:
+        raise SystemExit(f"edgespec-train: --spin-starts must be in [0, 1], got {cfg.spin_starts}")
     t0 = time.monotonic()
     stages = ([s for s in ALL_STAGES if s != "vision" or (cfg.target_vision == "auto" and not cfg.target_init)]
               if args.stage == "all"
