@@ -96,10 +96,14 @@ def direction_word(relative_deg: float) -> str:
     return "behind"
 
 
+def _binned(deg: float) -> int:
+    return int(round(deg / STEP_DEG)) * STEP_DEG
+
+
 def _steps(deg: float) -> str:
     if deg >= FULL_CIRCLE_DEG:
         return f"{FULL_CIRCLE_DEG}+"
-    return str(int(round(deg / STEP_DEG)) * STEP_DEG)
+    return str(_binned(deg))
 
 
 class SearchBelief:
@@ -160,7 +164,7 @@ class SearchBelief:
     def turned_deg(self) -> int:
         """Left and right turns since the command together, as the line counts them (15-degree
         steps, each side capped at a full circle)."""
-        return sum(min(FULL_CIRCLE_DEG, int(round(d / STEP_DEG)) * STEP_DEG) for d in (self.left_deg, self.right_deg))
+        return sum(min(FULL_CIRCLE_DEG, _binned(d)) for d in (self.left_deg, self.right_deg))
 
     def render(self) -> str:
         """The prompt's line, e.g. "search: turned left 90, right 30; moved 1.5 m; goal last seen
