@@ -21,7 +21,8 @@ help:
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
 	@echo "make models-memory      the committed pair's recipe: memory 2, the stop gap, 9,507 target steps (~3 h):"
 	@echo "                        resumable, run it again to carry on"
-	@echo "make models-belief      the memory recipe with the search belief (~3 h, resumable) into build/train-belief/models"
+	@echo "make models-belief      the memory recipe with the search belief and the blocked-move expert (~80 min, resumable)"
+	@echo "                        into build/train-push/models"
 	@echo "make models-long        the long recipe (~4x the target's steps, hours): resumable, run it again to carry on"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
 
@@ -67,13 +68,15 @@ models-memory: install
 
 # The memory recipe with the search belief (docs/models.md): the prompt shows the belief, the expert reads it
 # (search_belief: turn back to where the goal was last seen; walk on after a full circle) and half the data
-# rollouts begin with a spin; a candidate to replace the committed pair. Trains into build/train-belief and
-# writes build/train-belief/models (not the package) unless OUT says so
-OUT ?= build/train-belief/models
+# rollouts begin with a spin; the expert reads the memory's blocked moves too (blocked_memory: turn away, then
+# walk past, never push again) and a blocked move is pushed again half the time. A candidate to replace the
+# committed pair. Trains into build/train-push and writes build/train-push/models (not the package) unless
+# OUT says so
+OUT ?= build/train-push/models
 models-belief: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
-		--spin-starts 0.5 --expert "stop_gap_m=0.3;search_belief=true" --target-steps 9507 --target-budget-s 0 \
-		--exit-steps 2000 --work build/train-belief --resume --out $(OUT) $(ARGS)
+		--spin-starts 0.5 --push-repeats 0.5 --expert "stop_gap_m=0.3;search_belief=true;blocked_memory=true" \
+		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-push --resume --out $(OUT) $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)

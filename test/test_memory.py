@@ -351,3 +351,78 @@ def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and
         assert kept == [0, 0, 0]
     for share, seconds in zip(kept, charged):  # the emulated prefill: 0.2 s for the positions computed
         assert seconds == pytest.approx(0.2 * (1 - share), abs=0.02)
+
+
+PUSHES = dict(memory=2, memory_noise=0.15, memory_dropout=0.5, push_repeats=0.5)
+
+
+def _blocked_move(turn: Turn) -> bool:
+    return turn.outcome == BLOCKED and turn.action.startswith("move")
+
+
+def test_an_expert_that_reads_blocked_turns_away_then_walks_past_and_never_pushes_again():
+    """``blocked_memory`` over mistaken rollouts with repeated pushes: no frame whose memory shows a
+    blocked forward move asks for another one; where the memoryless expert would (it no longer sees
+    what stopped it, and a learner copies the push) it turns to the more open side; right after
+    that turn away it walks on, touching nothing, instead of turning back; every other label, and
+    every frame shown without memory, is the memoryless expert's."""
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy
+    from edgespec_ros.sim.scenario import Pose
+    from edgespec_ros.sim.world import forward_clearance
+    config = ExpertConfig(stop_gap_m=0.3, blocked_memory=True)
+    memoryless = ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3))
+    frames = (list(expert_frames("train", 4, 16, expert_config=config, **PUSHES))
+              + list(expert_frames("train", 11, 160, expert_config=config, **PUSHES)))
+    situations = {"unblock": 0, "sidestep": 0}
+    for frame in frames:
+        plain = memoryless.decide(frame.scenario, frame.pose, frame.view)
+        action, situation = frame.decision.action, frame.decision.situation
+        if frame.history and _blocked_move(frame.history[-1]):
+            assert action.kind != "move", frame.decision.text
+        if situation not in situations:
+            assert action == plain.action, (situation, frame.decision.text, plain.text)
+            continue
+        situations[situation] += 1
+        assert frame.history, frame.decision.text  # never on a frame shown without memory
+        pose, scenario = frame.pose, frame.scenario
+        if situation == "unblock":
+            assert _blocked_move(frame.history[-1]) and plain.action.kind == "move" and action.kind == "turn"
+            open_m = [forward_clearance(scenario, Pose(pose.x, pose.y, pose.yaw_rad + s * action.angle_rad))[0]
+                      for s in (1.0, -1.0)]  # the side turned to, the other side
+            assert open_m[0] >= open_m[1] - 0.05, (open_m, frame.decision.text)  # the more open side
+        else:
+            assert _blocked_move(frame.history[-2]) and frame.history[-1].action.startswith("turn")
+            assert plain.action.kind == "turn" and plain.action.direction not in frame.history[-1].action
+            assert action.kind == "move" and action.distance_m < forward_clearance(scenario, pose)[0]
+        assert "Action:" not in frame.decision.reasoning
+    assert situations["unblock"] >= 2 and situations["sidestep"] >= 2, situations
+
+
+def test_pushes_repeat_a_blocked_move_and_leave_the_rollout_as_it_was_until_then():
+    kwargs = dict(memory=2, memory_noise=0.15, perturbations_per_step=0)
+    plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 30, **kwargs)]
+    pushed = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 30, push_repeats=0.5, **kwargs)]
+    twice = [h for _, _, h in pushed if len(h) >= 2 and _blocked_move(h[-1]) and _blocked_move(h[-2])]
+    assert twice and all(h[-1].action == h[-2].action for h in twice)
+    first = next(i for i, (_, _, h) in enumerate(plain) if h and _blocked_move(h[-1]))
+    assert pushed[:first + 1] == plain[:first + 1]  # the pushes draw from their own stream
+    with pytest.raises(ValueError, match="push_repeats"):
+        next(expert_frames("train", 1, push_repeats=1.0))
+
+
+def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp_path):
+    from edgespec_ros.sim.dataset import iter_scenarios
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, expert_config_from_pairs, run_expert_episode
+    from edgespec_ros.train import cli as train_cli
+    for scenario in iter_scenarios("heldout", 12, max_steps=40):
+        plain = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3)))
+        reading = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3, blocked_memory=True)))
+        assert reading.success or not plain.success, scenario.name
+    assert expert_config_from_pairs(["blocked_memory=true"]).blocked_memory is True
+    with pytest.raises(ValueError, match="unblock_turn"):
+        ExpertConfig(unblock_turn="huge")
+    with pytest.raises(SystemExit, match="only --memory >= 1 shows"):
+        train_cli.main(["data", "--expert", "blocked_memory=true", "--work", str(tmp_path), "--out", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match="--push-repeats must be in"):
+        train_cli.main(["data", "--memory", "2", "--push-repeats", "1", "--work", str(tmp_path),
+                        "--out", str(tmp_path / "m")])

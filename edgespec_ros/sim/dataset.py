@@ -192,7 +192,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       closeups_per_scenario: float = 0.0, family: str | None = None,
                       memory: int = 0, memory_noise: float = 0.0,
                       memory_dropout: float = 0.0, belief: bool = False,
-                      spin_starts: float = 0.0) -> Iterator[Example]:
+                      spin_starts: float = 0.0, push_repeats: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -217,14 +217,15 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     dropout, Bansal et al. 2018): the expert's own history predicts its next action (a stop follows
     its small approach moves), and a policy that copies it stops early (docs/models.md).
     ``belief``: the memory's last turn carries the search belief (``control.belief``);
-    ``spin_starts``: the share of rollouts that begin with a learned policy's spin (:func:`expert_frames`).
+    ``spin_starts``: the share of rollouts that begin with a learned policy's spin (:func:`expert_frames`);
+    ``push_repeats``: the chance a blocked forward move is pushed again (:func:`expert_frames`).
     """
 
     for frame in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
             closeups_per_scenario=closeups_per_scenario, family=family, memory=memory, memory_noise=memory_noise,
-            memory_dropout=memory_dropout, belief=belief, spin_starts=spin_starts):
+            memory_dropout=memory_dropout, belief=belief, spin_starts=spin_starts, push_repeats=push_repeats):
         yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
                       dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
 
@@ -238,7 +239,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   closeups_per_scenario: float = 0.0,
                   family: str | None = None, memory: int = 0,
                   memory_noise: float = 0.0, memory_dropout: float = 0.0,
-                  belief: bool = False, spin_starts: float = 0.0) -> Iterator[ExpertFrame]:
+                  belief: bool = False, spin_starts: float = 0.0,
+                  push_repeats: float = 0.0) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
 
@@ -254,7 +256,12 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     into: the expert's search turn executed a full circle's worth of times, whatever the expert
     says (each frame keeps its answer). An expert with ``search_belief`` then labels what a spin
     leaves behind: the goal glimpsed and turned away from (turn back to it) and a full circle
-    without it (walk on)."""
+    without it (walk on).
+
+    ``push_repeats``: with that probability a forward move that ended blocked is executed again at
+    the next decision (and again after that, each time with the same chance), whatever the expert
+    says: the push a learned policy falls into when its camera no longer shows what stopped it. The
+    memory then shows the push, and an expert with ``blocked_memory`` labels the way out."""
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
     if not 0.0 <= memory_noise < 1.0:
@@ -265,6 +272,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         raise ValueError(f"generate_examples: memory must be >= 0 decisions, got {memory}")
     if not 0.0 <= spin_starts <= 1.0:
         raise ValueError(f"generate_examples: spin_starts must be in [0, 1], got {spin_starts}")
+    if not 0.0 <= push_repeats < 1.0:
+        raise ValueError(f"generate_examples: push_repeats must be in [0, 1), got {push_repeats}")
     if closeups_per_scenario < 0:
         raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
@@ -280,6 +289,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         mistake_rng = np.random.default_rng([seed, 5])
         dropout_rng = np.random.default_rng([seed, 6])
         spin = spin_length if spin_starts and np.random.default_rng([seed, 7]).random() < spin_starts else 0
+        push_rng = np.random.default_rng([seed, 8])
+        pushed = None  # the forward move that just ended blocked, while a learner would push it again
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
         turns = PolicyMemory(memory, SearchBelief(scenario.instruction) if belief else None)
@@ -291,14 +302,14 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
             if memory_dropout and history and dropout_rng.random() < memory_dropout:
                 history = ()  # this frame (and its jittered ones) shown without memory
             shown = _shown_belief(turns, history)
-            decision = policy.decide(scenario, pose, view, shown)
+            decision = policy.decide(scenario, pose, view, shown, history)
             yield ExpertFrame(scenario, pose, view, decision, history)
             for _ in range(rng.poisson(perturbations_per_step)):
                 jittered = _perturb(scenario, pose, rng)
                 if jittered is not None:
                     jittered_view = render_view(scenario, jittered, camera)
                     yield ExpertFrame(scenario, jittered, jittered_view,
-                                      policy.decide(scenario, jittered, jittered_view, shown), history)
+                                      policy.decide(scenario, jittered, jittered_view, shown, history), history)
             executed = decision.action
             if action_noise and noise_rng.random() < action_noise:
                 executed = noise_actions[int(noise_rng.integers(len(noise_actions)))]
@@ -306,9 +317,13 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                 executed = _mistake(last_turn, forward_clearance(scenario, pose)[0], mistake_rng, action_config)
             if spin:
                 executed, spin = spin_turn, spin - 1
+            elif pushed is not None and decision.action.kind != "stop":
+                executed = pushed
             result = world.step(executed)
             if executed.kind == "turn":
                 last_turn = executed
+            pushed = (executed if push_repeats and executed.kind == "move" and result.collided
+                      and push_rng.random() < push_repeats else None)
             turns.add(executed.text, BLOCKED if result.collided else DONE, decision.text)
         for _ in range(closeup_rng.poisson(closeups_per_scenario) if closeups_per_scenario > 0 else 0):
             pose = _closeup(scenario, closeup_rng)
@@ -347,8 +362,8 @@ def learner_frames(policy, split: str, n_scenarios: int, start: int = 0, *,
             pose = world.pose
             view = world.camera_view()
             history = memory.shown()
-            yield ExpertFrame(scenario, pose, view, expert.decide(scenario, pose, view, _shown_belief(memory, history)),
-                              history)
+            yield ExpertFrame(scenario, pose, view,
+                              expert.decide(scenario, pose, view, _shown_belief(memory, history), history), history)
             out = policy.decide(view.rgb, scenario.instruction, **({"history": history} if memory.k else {}))
             if out.action is None:
                 world.skip_decision(out.error)

@@ -4,7 +4,8 @@ The expert knows the true state only to work out what the camera shows (which ob
 pixels in the frame, their bearing and distance); its decision depends on nothing else, so the
 action can be inferred from the image and the instruction alone. It is memoryless, like the VLM,
 unless ``search_belief`` is set: then step 3 also reads the search belief the prompt shows
-(``control.belief``), the one thing beside the image a model with the belief is told.
+(``control.belief``), the one thing beside the image a model with the belief is told; with
+``blocked_memory`` step 4 reads the last outcome the prompt's memory shows (``decoding.memory``).
 
 Perception model (what a 112 px camera lets one tell):
 - an object with at least ``min_pixels`` pixels in the frame is *seen*; its colour is known;
@@ -22,6 +23,9 @@ Policy, in order (all geometry from the seen objects and the walls only):
    ``search_belief``: first turn back to where the belief says the goal was last seen (not ahead,
    at most ``recall_decisions`` ago); after a full circle without ever seeing it, walk on where
    the floor is open ``circled_clearance_m``.
+4. With ``blocked_memory``, a forward move chosen above right after the prompt showed a forward
+   move end ``blocked`` becomes a turn towards the more open side (``unblock_turn``); a turn back
+   right after that turn away becomes a walk on past the obstacle where the floor is open.
 
 Obstacles: when a seen object blocks the straight line to the target, the robot goes around
 it on the target's side. A memoryless robot forgets whatever leaves the frame, so detours keep
@@ -41,7 +45,7 @@ from typing import Sequence
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
 from ..control.belief import FULL_CIRCLE_DEG, SearchBelief
-from ..decoding.memory import BLOCKED, DONE
+from ..decoding.memory import BLOCKED, DONE, Turn
 from ..control.motion import wrap_angle
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
@@ -93,14 +97,25 @@ class ExpertConfig:
     recall_decisions: int = 3
     circled_clearance_m: float = 1.5
     circled_stop_short_m: float = 0.5
+    # An expert that reads the memory's last outcome, for a model with memory (``decoding.memory``):
+    # when the prompt shows that the last decision, a forward move, ended ``blocked``, it never
+    # answers another forward move (a memoryless expert repeats one into an obstacle its camera no
+    # longer shows, and a learner copies the push) but turns by ``unblock_turn`` towards the side
+    # whose floor is more open (on a tie, the target's side, else left); and right after that turn
+    # it walks on past the obstacle where the floor is open instead of turning straight back into
+    # it. It reads the outcomes only as the prompt shows them; a frame shown without its memory is
+    # labelled memoryless.
+    blocked_memory: bool = False
+    unblock_turn: str = "medium"
 
     def __post_init__(self):
         if self.approach_turn is not None and self.approach_turn not in SIZES:
             raise ValueError(f"ExpertConfig.approach_turn: {self.approach_turn!r} is not None or one of {SIZES}")
         if not self.approach_moves or any(s not in SIZES for s in self.approach_moves):
             raise ValueError(f"ExpertConfig.approach_moves: {self.approach_moves!r} must name sizes from {SIZES}")
-        if self.search_turn not in SIZES:
-            raise ValueError(f"ExpertConfig.search_turn: {self.search_turn!r} is not one of {SIZES}")
+        for name in ("search_turn", "unblock_turn"):
+            if getattr(self, name) not in SIZES:
+                raise ValueError(f"ExpertConfig.{name}: {getattr(self, name)!r} is not one of {SIZES}")
         if self.identify_range_m <= 0 or self.min_pixels < 1 or self.aim_tolerance_deg <= 0:
             raise ValueError("ExpertConfig: identify_range_m, min_pixels and aim_tolerance_deg must be positive")
         if self.recall_decisions < 0 or not 0 <= self.circled_stop_short_m < self.circled_clearance_m:
@@ -225,10 +240,72 @@ class ExpertPolicy:
     # ------------------------------------------------------------------ policy
 
     def decide(self, scenario: Scenario, pose: Pose, view: CameraView | None = None,
-               belief=None) -> ExpertDecision:
+               belief=None, history: Sequence = ()) -> ExpertDecision:
         """The expert's decision for the frame seen from ``pose``; pass ``view`` if already rendered.
         ``belief``: the command's search belief (a ``control.belief.SearchBelief``) as the frame's
-        prompt shows it, or None for a frame shown without one; read only with ``search_belief``."""
+        prompt shows it, or None for a frame shown without one; read only with ``search_belief``.
+        ``history``: the earlier decisions the frame's prompt shows (``decoding.memory.Turn``s,
+        oldest first; empty when shown without memory); read only with ``blocked_memory``."""
+        decision = self._decide(scenario, pose, view, belief)
+        if not self.config.blocked_memory or not history or decision.action.kind == "stop":
+            return decision
+        if decision.action.kind == "move" and _blocked_move(history[-1]):
+            return self._unblock(scenario, pose, decision)
+        if (decision.action.kind == "turn" and len(history) >= 2 and _blocked_move(history[-2])
+                and history[-1].outcome == DONE and history[-1].action.startswith("turn")
+                and decision.action.direction not in history[-1].action.split()):
+            return self._sidestep(scenario, pose, decision)
+        return decision
+
+    def _unblock(self, scenario: Scenario, pose: Pose, decision: ExpertDecision) -> ExpertDecision:
+        """Instead of ``decision`` (a forward move) right after a forward move that ended blocked:
+        turn by ``unblock_turn`` towards the side whose floor is more open once turned (walls and
+        every object: the body is touching something the camera may no longer show)."""
+        angle = math.radians(self.action_config.turn_angle_deg(self.config.unblock_turn))
+        open_m = {side: forward_clearance(scenario, Pose(pose.x, pose.y, pose.yaw_rad + sign * angle))[0]
+                  for side, sign in (("left", 1.0), ("right", -1.0))}
+        target, words = self._target_words(scenario, decision)
+        if abs(open_m["left"] - open_m["right"]) > 0.05:
+            direction = max(open_m, key=open_m.get)
+        elif target is not None:
+            direction = "left" if target.bearing_rad >= 0 else "right"
+        else:
+            direction = "left"
+        action = Action.turn(direction, self.config.unblock_turn, self.action_config)
+        plan = words.pick(f"my last move was blocked, so I will turn {direction} to get around what is in the way.",
+                          f"something stopped my last move, so I am turning {direction} to find a way past it.")
+        return self._decision(action, words.unblock(target, plan), "unblock", decision.seen)
+
+    def _sidestep(self, scenario: Scenario, pose: Pose, decision: ExpertDecision) -> ExpertDecision:
+        """Instead of ``decision`` (a turn back) right after turning away from a blocked forward
+        move: walk on the longest move the open floor ahead allows, past what blocked it, before
+        turning back (else the turn back faces the same obstacle again); ``decision`` when not
+        even a small move fits."""
+        clearance, _ = forward_clearance(scenario, pose)
+        fits = [s for s in reversed(SIZES)
+                if self.action_config.move_distance_m(s) <= clearance - self.config.clearance_margin_m]
+        if not fits:
+            return decision
+        target, words = self._target_words(scenario, decision)
+        plan = words.pick("I have turned away from what stopped me and the floor ahead is open, so I will walk on "
+                          "past it.",
+                          "the way ahead is clear now that I have turned away from the obstacle; walking on to get "
+                          "around it.")
+        action = Action.move_forward(fits[0], self.action_config)
+        return self._decision(action, words.unblock(target, plan), "sidestep", decision.seen)
+
+    def _target_words(self, scenario: Scenario, decision: ExpertDecision) -> tuple[SeenObject | None, "_Words"]:
+        """What ``decision``'s frame shows of interest (the identified goal, else the nearest
+        look-alike of its colour, else None) and the wording for the frame."""
+        goal = scenario.goal_object
+        visible = [s for s in decision.seen if s.pixels >= self.config.min_pixels]
+        target = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
+        candidates = [s for s in visible if not s.identified and s.object.color == goal.color]
+        if target is None and candidates:
+            target = min(candidates, key=lambda s: s.distance_m)
+        return target, _Words(self._rng, goal, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
+
+    def _decide(self, scenario: Scenario, pose: Pose, view: CameraView | None, belief) -> ExpertDecision:
         seen = self.observe(scenario, pose, view)
         goal = scenario.goal_object
         visible = [s for s in seen if s.pixels >= self.config.min_pixels]
@@ -439,22 +516,30 @@ class ExpertPolicy:
         return Action.turn(direction, degrees, self.action_config)
 
 
+def _blocked_move(turn) -> bool:
+    """Did this remembered decision (a ``decoding.memory.Turn``) move forward and end blocked?"""
+    return turn.outcome == BLOCKED and turn.action.startswith("move")
+
+
 def run_expert_episode(scenario: Scenario, policy: ExpertPolicy | None = None,
                        world: SimWorld | None = None) -> ExpertEpisode:
     """Roll the expert out in ``scenario`` until the episode ends; returns the outcome and every
     decision (pose, decision, step result). An expert with ``search_belief`` keeps the command's
-    belief as it goes."""
+    belief as it goes, one with ``blocked_memory`` its last two decisions and their outcomes."""
     policy = ExpertPolicy() if policy is None else policy
     world = SimWorld(scenario, policy.camera, policy.action_config) if world is None else world
     belief = SearchBelief(scenario.instruction) if policy.config.search_belief else None
     decisions = []
+    last: tuple[Turn, ...] = ()  # what an expert with ``blocked_memory`` reads: the last two decisions
     while not world.done:
         pose = world.pose
-        decision = policy.decide(scenario, pose, world.camera_view(), belief)
+        decision = policy.decide(scenario, pose, world.camera_view(), belief, last)
         result = world.step(decision.action)
         decisions.append((pose, decision, result))
+        outcome = BLOCKED if result.collided else DONE
+        last = (last + (Turn(decision.action.text, outcome),))[-2:]
         if belief is not None:
-            belief.update(decision.action.text, BLOCKED if result.collided else DONE, decision.text)
+            belief.update(decision.action.text, outcome, decision.text)
     return ExpertEpisode(scenario, world.success, world.steps, world.collisions, world.outcome,
                          list(world.trajectory), decisions)
 
@@ -663,6 +748,18 @@ class _Words:
             "find it again.",
             f"I no longer see {self.target}. It was {where} before; turning {direction} back towards it.")
         return self.join(self.distractor(), main)
+
+    def unblock(self, target: SeenObject | None, plan: str) -> str:
+        """Getting past what blocked a forward move (``plan``: a clause in lower case); ``target``:
+        the goal (identified) or the look-alike being approached, said where it is as the approach
+        says it."""
+        if target is None:
+            return self.join(self.distractor(), _cap(self.target) + " is not in view, and " + plan)
+        if target.identified:
+            where = f"{_cap(self.target)} is {self.where(target)}, {self.how_far(target)}"
+        else:
+            where = f"Something {self.goal.color} is {self.where(target)}, too far to make out"
+        return self.join(self.distractor(), f"{where}, but {plan}")
 
     def search(self) -> str:
         turn = "turn left"

@@ -69,6 +69,10 @@ class PipelineConfig:
     # the share of data rollouts that begin with a learned policy's spin (a full circle of search turns
     # whatever the expert says; sim.dataset.expert_frames), so an expert with search_belief shows the way out
     spin_starts: float = 0.0
+    # the chance that a data rollout's forward move that ended blocked is repeated next decision, as a
+    # learned policy pushes (whatever the expert says; sim.dataset.expert_frames), so the memory shows
+    # a push and an expert with blocked_memory shows the way out
+    push_repeats: float = 0.0
     # the expert whose answers the models learn and are scored against: ExpertConfig fields as
     # "KEY=VALUE;KEY=VALUE" (e.g. "stop_gap_m=0.3": stop 0.3 m from touching the goal, inside the
     # goal radius the camera cannot show); empty: the default expert. Recorded in each model's
@@ -160,7 +164,8 @@ HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers", "checkpo
 PAUSED_EXIT = 3  # a model stage ended by --pause-after-s: its checkpoint carries the run on (--resume)
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
-LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False, "spin_starts": 0.0}
+LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False, "spin_starts": 0.0,
+                 "push_repeats": 0.0}
 
 
 def recipe_of(cfg) -> dict:
@@ -202,7 +207,7 @@ def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
                                 closeups_per_scenario=cfg.closeups_per_scenario,
                                 memory=cfg.memory, memory_noise=cfg.memory_noise,
                                 memory_dropout=cfg.memory_dropout, belief=cfg.belief,
-                                spin_starts=cfg.spin_starts):
+                                spin_starts=cfg.spin_starts, push_repeats=cfg.push_repeats):
         for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
                            ("present", ex.labels.present), ("log_depth", ex.labels.log_depth),
                            ("goal_class", ex.labels.goal_class),
@@ -829,7 +834,7 @@ def stage_vision(work: str, cfg: PipelineConfig, baselines: bool = True) -> dict
 # not the data and the target.
 STAGE_OPTIONS = {
     "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout",
-             "belief", "spin_starts", "expert", "seed"),
+             "belief", "spin_starts", "push_repeats", "expert", "seed"),
     "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),
@@ -974,6 +979,11 @@ def main(argv=None) -> int:
                          "only --belief true shows: add --belief true")
     if not 0.0 <= cfg.spin_starts <= 1.0:
         raise SystemExit(f"edgespec-train: --spin-starts must be in [0, 1], got {cfg.spin_starts}")
+    if not 0.0 <= cfg.push_repeats < 1.0:
+        raise SystemExit(f"edgespec-train: --push-repeats must be in [0, 1), got {cfg.push_repeats}")
+    if pipeline_expert(cfg).blocked_memory and not cfg.memory:
+        raise SystemExit("edgespec-train: --expert blocked_memory=true labels frames from the memory's last outcome, "
+                         "which only --memory >= 1 shows")
     t0 = time.monotonic()
     stages = ([s for s in ALL_STAGES if s != "vision" or (cfg.target_vision == "auto" and not cfg.target_init)]
               if args.stage == "all"
