@@ -161,13 +161,13 @@ def test_a_sweep_replays_a_memory_pairs_decisions_with_the_memory_they_were_prom
     from edgespec_ros.robot.decoder import EdgeDecoder
     path, bare, policy, _result = memory_bag
 
-    def pair_with(memory):  # the committed models, told to prompt with that memory
+    def pair_with(memory):  # the committed models, told to prompt with that memory (no belief, as MemoryPolicy)
         args = []
         for role in ("draft", "target"):
             folder = tmp_path / f"{role}-{memory}"
             shutil.copytree(default_model_path(role), folder)
             config = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps(dict(config, policy_memory=memory)))
+            (folder / "config.json").write_text(json.dumps(dict(config, policy_memory=memory, policy_belief=False)))
             args += [f"--{role}", str(folder)]
         return args
     shown = []

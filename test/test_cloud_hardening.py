@@ -51,7 +51,7 @@ def _server(pair, **kw) -> ServerThread:
 
 
 def _hello(pair, token="", codec="dense32", client="test"):
-    return P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, codec, client, memory=pair.target.memory))
+    return P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, codec, client, memory=pair.target.memory, belief=pair.target.belief))
 
 
 def _connect_from(url: str, source: str):
@@ -699,7 +699,7 @@ def test_sigterm_closes_sessions_with_a_reason_and_exits_cleanly(pair):
                 assert time.monotonic() < deadline, "verifier did not start"
                 time.sleep(0.2)
         ws.send(P.encode(P.Hello("", target.fingerprint(), target.vocab_size, "dense32", "test",
-                                 memory=target.memory)))
+                                 memory=target.memory, belief=target.belief)))
         _welcomed(ws)
         proc.send_signal(signal.SIGTERM)
         from websockets.exceptions import ConnectionClosed
@@ -735,7 +735,7 @@ def test_the_edge_client_over_tls_checks_the_certificate(pair):
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
         def client(ca):
             return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S, policy_memory=pair.draft.memory)
+                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S, **pair.draft.prompt_format)
         rv = client(os.path.join(TLS_DIR, "server.crt"))
         decision = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                       DecodeConfig(max_new_tokens=8))
@@ -1185,7 +1185,7 @@ def test_slowloris_upgrades_are_capped_per_address_and_closed_at_the_header_time
         status = st.server.status()
         assert status["half_open"] <= 4 and status["connections"] <= 4
         with RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                            policy_memory=pair.draft.memory) as rv:
+                            **pair.draft.prompt_format) as rv:
             got = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                      DecodeConfig(mode="sd", gamma=3, max_new_tokens=6))
         assert got.tokens

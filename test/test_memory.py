@@ -333,7 +333,7 @@ def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and
     local_decoder = EdgeDecoder(draft, local)
     with ServerThread(server) as st:
         with RemoteVerifier(st.url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
-                            policy_memory=draft.memory) as rv:
+                            **draft.prompt_format) as rv:
             decoder = EdgeDecoder(draft, rv)
             for i in range(3):
                 shown = shown_turns(history[:i], 2)

@@ -168,7 +168,7 @@ def test_the_edge_sends_its_secret_beside_the_robots_address(pair):
         with ServerThread(relay) as edge:
             ws = raw_connect(edge.url)
             ws.send(P.encode(P.Hello(TOKEN, pair.draft.fingerprint(), pair.vocab, "dense32", "test",
-                                     memory=pair.draft.memory)))
+                                     memory=pair.draft.memory, belief=pair.draft.belief)))
             wait_until(lambda: seen, what="the backend connection")
             ws.close()
         fake_backend.shutdown()

@@ -143,7 +143,7 @@ def hello(**fields) -> P.Hello:
 
 def opened(**model) -> VerifierSession:
     session = toy_session(**model)
-    drive(session, hello(memory=session.lm.memory))
+    drive(session, hello(memory=session.lm.memory, belief=session.lm.belief))
     assert session.state == OPEN
     return session
 

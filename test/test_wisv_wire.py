@@ -68,7 +68,7 @@ class FixedCsi(RemoteVerifier):
 
 def remote(url, target, cls=RemoteVerifier):
     rv = cls(url, fingerprint=target.fingerprint(), vocab_size=target.vocab_size, timeout_s=DEADLINE_S,
-             policy_memory=target.memory)
+             **target.prompt_format)
     rv.connect()
     return rv
 
@@ -211,7 +211,7 @@ def test_a_head_that_keeps_everything_still_yields_the_targets_action_clause(mod
 
 def _wisv_session(url, target, prompt):
     ws = raw_connect(url)
-    ws.send(P.encode(P.Hello("", target.fingerprint(), target.vocab_size, "dense32", memory=target.memory)))
+    ws.send(P.encode(P.Hello("", target.fingerprint(), target.vocab_size, "dense32", memory=target.memory, belief=target.belief)))
     welcome = P.decode(ws.recv(timeout=DEADLINE_S))
     assert welcome.wisv_dim == target.wisv.config.draft_dim
     ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg, prompt.prompt_ids, 0, 0.0, 0, 1.0, "wisv", 1.0)))
@@ -293,12 +293,12 @@ def test_hidden_rows_in_a_lossless_decision_and_wisv_without_a_head_are_refused(
             rv.start(prompt, VerifySettings(GREEDY, 0, "wisv", 0.1))
         rv.close()
         ws = raw_connect(thread.url)
-        ws.send(P.encode(P.Hello("", bare.fingerprint(), bare.vocab_size, "dense32", memory=bare.memory)))
+        ws.send(P.encode(P.Hello("", bare.fingerprint(), bare.vocab_size, "dense32", memory=bare.memory, belief=bare.belief)))
         P.decode(ws.recv(timeout=DEADLINE_S))
         ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg, prompt.prompt_ids, 0, 0.0, 0, 1.0, "wisv", 0.1)))
         expect_error_then_close(ws, P.ErrorCode.BAD_REQUEST, "no WISV decision head")
         ws = raw_connect(thread.url)
-        ws.send(P.encode(P.Hello("", bare.fingerprint(), bare.vocab_size, "dense32", memory=bare.memory)))
+        ws.send(P.encode(P.Hello("", bare.fingerprint(), bare.vocab_size, "dense32", memory=bare.memory, belief=bare.belief)))
         P.decode(ws.recv(timeout=DEADLINE_S))
         ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg, prompt.prompt_ids, 0, 0.0, 0, 1.0, "greedy")))
         P.decode(ws.recv(timeout=DEADLINE_S))

@@ -93,7 +93,7 @@ def open_session(lm, codec: str = "dense32", limits: ServerLimits | None = None,
     from edgespec_ros.codecs import get_codec
     from edgespec_ros.wire.frames import hello_frame
     s = VerifierSession(lm, limits, **session)
-    d = s.handle(hello_frame(s.identity.fingerprint, lm.vocab_size, get_codec(codec), memory=lm.memory))
+    d = s.handle(hello_frame(s.identity.fingerprint, lm.vocab_size, get_codec(codec), memory=lm.memory, belief=lm.belief))
     assert isinstance(d.next_work(), Authenticate) and isinstance(d.next_work(None), Open)
     assert isinstance(d.next_work(None).frame, P.Welcome) and d.next_work() == Done()
     return s
@@ -121,7 +121,7 @@ def raw_session(url: str, pair: ModelPair, *, prefill: bool = True, token: str =
     cfg = cfg or DecodeConfig()
     prompt = pair.prompt(instruction)  # before connecting: servers with short idle timeouts
     ws = raw_connect(url)
-    ws.send(P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, cfg.codec, memory=pair.target.memory)))
+    ws.send(P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, cfg.codec, memory=pair.target.memory, belief=pair.target.belief)))
     assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.Welcome)
     if prefill:
         ws.send(P.encode(P.Prefill(1, prompt.instruction, prompt.jpeg, prompt.prompt_ids, cfg.seed,

@@ -86,8 +86,7 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
         summary = RunSummary(mode=label, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                   token=token, codec=codec, link_profile=profile, timeout_s=60.0,
-                                  policy_memory=draft_lm.memory,
-                                  policy_belief=draft_lm.belief)
+                                  **draft_lm.prompt_format)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, prompt in enumerate(prompts):

@@ -88,6 +88,13 @@ class LoadedModel:
         return bool(getattr(self.model.config, "policy_belief", False))
 
     @property
+    def prompt_format(self) -> dict:
+        """How the model's prompts read, as a verifier session's handshake says it: the keyword
+        arguments ``policy_memory`` and ``policy_belief`` of ``wire.client.RemoteVerifier`` (a
+        target trained otherwise refuses the session)."""
+        return dict(policy_memory=self.memory, policy_belief=self.belief)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         cfg_eos = getattr(self.model.generation_config, "eos_token_id", None)
         if cfg_eos is None:

@@ -228,8 +228,7 @@ class DrafterNode(LifecycleNode):
                               token=self.token, codec=self.settings.codec, timeout_s=timeout,
                               connect_timeout_s=timeout, client_name="edgespec-drafter",
                               ca_file=self.p["tls_ca_file"] or None, draft=draft_lm.content_hash,
-                              policy_memory=draft_lm.memory,
-                                  policy_belief=draft_lm.belief)
+                              **draft_lm.prompt_format)
 
     # ------------------------------------------------------------------ inputs
 
