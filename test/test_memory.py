@@ -422,7 +422,8 @@ def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp
     with pytest.raises(ValueError, match="unblock_turn"):
         ExpertConfig(unblock_turn="huge")
     with pytest.raises(SystemExit, match="only --memory >= 1 shows"):
-        train_cli.main(["data", "--expert", "blocked_memory=true", "--work", str(tmp_path), "--out", str(tmp_path / "m")])
+        train_cli.main(["data", "--expert", "blocked_memory=true", "--work", str(tmp_path),
+                        "--out", str(tmp_path / "m")])
     with pytest.raises(SystemExit, match="--push-repeats must be in"):
         train_cli.main(["data", "--memory", "2", "--push-repeats", "1", "--work", str(tmp_path),
                         "--out", str(tmp_path / "m")])
