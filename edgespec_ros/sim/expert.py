@@ -294,31 +294,31 @@ class ExpertPolicy:
         action = Action.move_forward(fits[0], self.action_config)
         return self._decision(action, words.unblock(target, plan), "sidestep", decision.seen)
 
+    def _of_interest(self, scenario: Scenario, seen: Sequence[SeenObject]):
+        """What a frame shows: the objects seen well enough to talk about, the goal among them if
+        identified (else None), and the nearest not yet identified object of its colour (else None)."""
+        visible = [s for s in seen if s.pixels >= self.config.min_pixels]
+        goal_seen = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
+        candidates = [s for s in visible if not s.identified and s.object.color == scenario.goal_object.color]
+        return visible, goal_seen, min(candidates, key=lambda s: s.distance_m) if candidates else None
+
     def _target_words(self, scenario: Scenario, decision: ExpertDecision) -> tuple[SeenObject | None, "_Words"]:
         """What ``decision``'s frame shows of interest (the identified goal, else the nearest
         look-alike of its colour, else None) and the wording for the frame."""
-        goal = scenario.goal_object
-        visible = [s for s in decision.seen if s.pixels >= self.config.min_pixels]
-        target = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
-        candidates = [s for s in visible if not s.identified and s.object.color == goal.color]
-        if target is None and candidates:
-            target = min(candidates, key=lambda s: s.distance_m)
-        return target, _Words(self._rng, goal, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
+        visible, goal_seen, candidate = self._of_interest(scenario, decision.seen)
+        words = _Words(self._rng, scenario.goal_object, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
+        return goal_seen or candidate, words
 
     def _decide(self, scenario: Scenario, pose: Pose, view: CameraView | None, belief) -> ExpertDecision:
         seen = self.observe(scenario, pose, view)
-        goal = scenario.goal_object
-        visible = [s for s in seen if s.pixels >= self.config.min_pixels]
-        goal_seen = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
-        words = _Words(self._rng, goal, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
+        visible, goal_seen, target = self._of_interest(scenario, seen)
+        words = _Words(self._rng, scenario.goal_object, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
         if goal_seen is not None:
             if goal_seen.distance_m <= self.stop_distance(scenario):
                 return self._decision(Action.stop(), words.reached(goal_seen), "stop", seen)
             action, situation, blocker = self._approach(scenario, pose, goal_seen, seen, final=True)
             return self._decision(action, words.approach(goal_seen, action, situation, blocker), situation, seen)
-        candidates = [s for s in visible if not s.identified and s.object.color == goal.color]
-        if candidates:
-            target = min(candidates, key=lambda s: s.distance_m)
+        if target is not None:
             action, situation, blocker = self._approach(scenario, pose, target, seen, final=False)
             return self._decision(action, words.inspect(target, action, situation, blocker),
                                   "inspect-" + situation, seen)
