@@ -19,10 +19,10 @@ help:
 	@echo "make test               run the test suite on every core (what CI runs; TEST_WORKERS=1 runs it serially)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
 	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
-	@echo "make models-memory      the committed pair's recipe: memory 2, the stop gap, 9,507 target steps (~3 h):"
-	@echo "                        resumable, run it again to carry on"
-	@echo "make models-belief      the memory recipe with the search belief and the blocked-move expert (~80 min, resumable)"
-	@echo "                        into build/train-push/models"
+	@echo "make models-belief      the committed pair's recipe: memory 2, the search belief, the blocked-move expert,"
+	@echo "                        19,014 target steps (~3 h): resumable, run it again to carry on"
+	@echo "make models-memory      the memory pair's recipe (committed before the belief; ~2 h, resumable)"
+	@echo "                        into build/train-memory/models"
 	@echo "make models-long        the long recipe (~4x the target's steps, hours): resumable, run it again to carry on"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
 
@@ -61,22 +61,23 @@ test-fast: install
 models: install
 	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)
 
-# The committed pair's recipe (docs/models.md: "The stop gap, committed"): twice make models' CPU
+# The memory pair's recipe (docs/models.md: "The stop gap, committed"), committed before the search belief;
+# writes build/train-memory/models (not the package) unless OUT says so
 models-memory: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \
-		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-memory --resume --out edgespec_ros/models $(ARGS)
+		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-memory --resume \
+		--out $(or $(OUT),build/train-memory/models) $(ARGS)
 
-# The memory recipe with the search belief (docs/models.md): the prompt shows the belief, the expert reads it
-# (search_belief: turn back to where the goal was last seen; walk on after a full circle) and half the data
-# rollouts begin with a spin; the expert reads the memory's blocked moves too (blocked_memory: turn away, then
-# walk past, never push again) and a blocked move is pushed again half the time. A candidate to replace the
-# committed pair. Trains into build/train-push and writes build/train-push/models (not the package) unless
-# OUT says so
-OUT ?= build/train-push/models
+# The committed pair's recipe (docs/models.md: "The search belief"): the memory recipe, and the prompt shows
+# the search belief, which the expert reads (search_belief: turn back to where the goal was last seen; walk
+# on after a full circle) while half the data rollouts begin with a spin; the expert reads the memory's
+# blocked moves too (blocked_memory: turn away, then walk past, never push again) and a blocked move is
+# pushed again half the time; 19,014 target steps. Writes the package's models unless OUT says otherwise
 models-belief: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
 		--spin-starts 0.5 --push-repeats 0.5 --expert "stop_gap_m=0.3;search_belief=true;blocked_memory=true" \
-		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-push --resume --out $(OUT) $(ARGS)
+		--target-steps 19014 --target-budget-s 0 --exit-steps 2000 --work build/train-belief --resume \
+		--out $(or $(OUT),edgespec_ros/models) $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)

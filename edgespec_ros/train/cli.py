@@ -59,7 +59,7 @@ class PipelineConfig:
     # decisions and how each ended; memory_noise: the share of data-rollout decisions that execute
     # a typical mistake (a reversed turn, a large move into what is ahead) so the memory shows them.
     # Both models read the same prompt (config.json policy_memory); 0: memoryless (`make models`; the
-    # committed pair, `make models-memory`, has 2)
+    # committed pair, `make models-belief`, has 2)
     memory: int = 0
     memory_noise: float = 0.0
     memory_dropout: float = 0.0  # the share of examples shown without their memory (copycat remedy: docs/models.md)
