@@ -62,22 +62,22 @@ models: install
 	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)
 
 # The memory pair's recipe (docs/models.md: "The stop gap, committed"), committed before the search belief;
-# writes build/train-memory/models (not the package) unless OUT says so
+# writes build/train-memory/models (not the package) unless MODELS_OUT says so
 models-memory: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \
 		--target-steps 9507 --target-budget-s 0 --exit-steps 2000 --work build/train-memory --resume \
-		--out $(or $(OUT),build/train-memory/models) $(ARGS)
+		--out $(or $(MODELS_OUT),build/train-memory/models) $(ARGS)
 
 # The committed pair's recipe (docs/models.md: "The search belief"): the memory recipe, and the prompt shows
 # the search belief, which the expert reads (search_belief: turn back to where the goal was last seen; walk
 # on after a full circle) while half the data rollouts begin with a spin; the expert reads the memory's
 # blocked moves too (blocked_memory: turn away, then walk past, never push again) and a blocked move is
-# pushed again half the time; 19,014 target steps. Writes the package's models unless OUT says otherwise
+# pushed again half the time; 19,014 target steps. Writes the package's models unless MODELS_OUT says otherwise
 models-belief: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
 		--spin-starts 0.5 --push-repeats 0.5 --expert "stop_gap_m=0.3;search_belief=true;blocked_memory=true" \
 		--target-steps 19014 --target-budget-s 0 --exit-steps 2000 --work build/train-belief --resume \
-		--out $(or $(OUT),edgespec_ros/models) $(ARGS)
+		--out $(or $(MODELS_OUT),edgespec_ros/models) $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)
