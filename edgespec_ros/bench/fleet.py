@@ -38,6 +38,7 @@ class Recorded:
     """One decision's PREFILL and its rounds as the real drafter sent them (and their verdicts)."""
     prompt: object
     settings: object
+    index: int = 0  # its place in the recording: the lone robot's latency for it is the fleet's reference
     blocks: list = field(default_factory=list)  # (draft_ids, q)
     verdicts: list = field(default_factory=list)  # (accepted, next_token)
 
@@ -50,7 +51,7 @@ class RecordingVerifier(LocalVerifier):
         self.decisions: list[Recorded] = []
 
     def start(self, prompt, settings, wait: bool = True) -> dict:
-        self.decisions.append(Recorded(prompt, settings))
+        self.decisions.append(Recorded(prompt, settings, len(self.decisions)))
         return super().start(prompt, settings, wait)
 
     def submit(self, block: Block) -> None:
@@ -101,6 +102,7 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
                     out["desync"] += 1
                     break
             out["latencies"].append(time.perf_counter() - t0)
+            out["by_decision"].append((d.index, out["latencies"][-1]))
     except VerifierError as exc:
         out["errors"].append(str(exc))
     finally:
@@ -110,7 +112,7 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
 def _drive(url: str, n: int, mine: list, fingerprint: str, vocab: int, draft_s: float,
            memory: int = 0, belief: bool = False) -> tuple[list, float]:
     """n robots at once, each replaying its decisions against url; their results and the wall time."""
-    outs = [{"tokens": 0, "desync": 0, "latencies": [], "errors": []} for _ in range(n)]
+    outs = [{"tokens": 0, "desync": 0, "latencies": [], "by_decision": [], "errors": []} for _ in range(n)]
     threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r], memory, belief),
                                 daemon=True)
                for r in range(n)]
@@ -132,6 +134,7 @@ def _row(verifier: str, n: int, outs: list, wall: float, stats: dict, draft_s: f
             "p99_ms": float(np.percentile(lat, 99)) if lat else None,
             "mean_batch": (stats["batched_jobs"] / stats["batches"] if stats.get("batches")
                            else 1.0 if "batches" in stats else None),  # None: the replicas' status was not read
+            "by_decision": [[i, 1e3 * x] for o in outs for i, x in o["by_decision"]],  # (recorded index, ms)
             "desync": sum(o["desync"] for o in outs), "draft_ms": draft_s * 1e3,
             "errors": [e for o in outs for e in o["errors"]],
             "compute_busy": (stats["compute_busy_s"] / wall / stats.get("replicas", 1)
@@ -191,12 +194,18 @@ def run_fleet(opts, progress) -> list[dict]:
     prompts = opts.prompts(max(8, per_robot))
     decisions = record(draft_lm, target_lm, prompts, (opts.gammas or [DEFAULTS.gamma])[0], opts.max_new_tokens)
     compute = get_compute(opts.compute or "native")
-    bar = progress(len(verifiers) * sum(robots_list) * per_robot)
-    fingerprint, vocab = draft_lm.fingerprint(), draft_lm.vocab_size
-    rows = []
+    lone_count = min(len(decisions), max(robots_list) - 1 + per_robot)
 
     def mine(n):
+        if n == 1:  # the lone robot replays every decision a fleet does: each one's reference latency
+            return [[decisions[k % len(decisions)] for k in range(lone_count)]]
         return [[decisions[(r + k) % len(decisions)] for k in range(per_robot)] for r in range(n)]
+
+    def count(n):
+        return lone_count if n == 1 else n * per_robot
+    bar = progress(len(verifiers) * sum(count(n) for n in robots_list))
+    fingerprint, vocab = draft_lm.fingerprint(), draft_lm.vocab_size
+    rows = []
     for verifier in [v for v in verifiers if v != "ray"]:
         for n in robots_list:
             server = VerifierServer(load_model(opts.pair.target_path), max_batch=1 if verifier == "sequential" else 8,
@@ -207,18 +216,34 @@ def run_fleet(opts, progress) -> list[dict]:
                 stats = {"batches": fair.batches, "batched_jobs": fair.batched_jobs, "compute_busy_s": fair.busy_s,
                          "holds": fair.holds, "hold_s": fair.hold_s}
                 rows.append(_row(verifier, n, outs, wall, stats, draft_s, compute.name))
-            bar.update(n * per_robot)
+            bar.update(count(n))
     if "ray" in verifiers:
         rows += _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, opts.compute or "native", bar,
-                         per_robot, draft_lm.memory, draft_lm.belief)
+                         count, draft_lm.memory, draft_lm.belief)
     bar.close()
     base = {r["robots"]: r for r in rows if r["verifier"] == "sequential"}
     lone = next((r for r in rows if r["verifier"] == "batched" and r["robots"] == 1), None)
     for r in rows:
         seq = base.get(r["robots"])
         r["throughput_vs_sequential"] = r["tokens_per_s"] / seq["tokens_per_s"] if seq else None
-        r["p99_vs_lone"] = r["p99_ms"] / lone["p99_ms"] if lone and lone["p99_ms"] else None
+        r.update(against_lone(r, lone))
     return rows
+
+
+def against_lone(row: dict, lone: dict | None) -> dict:
+    """A row's decision latencies against the lone robot's for the same recorded decisions (a fleet
+    replays decisions of unequal length: its longest is compared with itself alone, not with
+    whichever decisions the lone robot happened to replay). ``p99_vs_lone``: the row's p99 over
+    the p99 of the lone latencies of the same decisions, weighted as the row replayed them;
+    ``slowdown_p99``: the p99 of each decision's latency over its own lone latency. None where the
+    lone robot did not replay one of the row's decisions."""
+    alone = {i: ms for i, ms in lone["by_decision"]} if lone else {}
+    if not row["by_decision"] or any(i not in alone for i, _ in row["by_decision"]):
+        return {"p99_vs_lone": None, "slowdown_p99": None}
+    reference = [alone[i] for i, _ in row["by_decision"]]
+    slowdown = [ms / alone[i] for i, ms in row["by_decision"]]
+    return {"p99_vs_lone": row["p99_ms"] / float(np.percentile(reference, 99)),
+            "slowdown_p99": float(np.percentile(slowdown, 99))}
 
 
 def ray_available() -> bool:
@@ -230,7 +255,7 @@ def ray_available() -> bool:
     return True
 
 
-def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str, bar, per_robot: int,
+def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str, bar, count,
              memory: int = 0, belief: bool = False) -> list[dict]:
     """The same robots through RAY_REPLICAS batched replicas on a local Ray instance (one CPU
     each; with an emulated profile, each replica emulates its own accelerator, as each would
@@ -262,7 +287,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
             stats = _delta(_fleet_status(url, RAY_REPLICAS), before)
             stats["replicas"] = RAY_REPLICAS
             rows.append(_row("ray", n, outs, wall, stats, draft_s, label))
-            bar.update(n * per_robot)
+            bar.update(count(n))
     finally:
         ray_serve.stop_edge()
         serve.shutdown()
@@ -273,11 +298,11 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
 def table_fleet(rows: list[dict]) -> str:
     from .report import _fmt, fixed_width
     head = ["verifier", "robots", "decisions", "tokens/s", "x vs sequential", "ms/token per robot", "p50 ms",
-            "p99 ms", "p99 vs lone", "mean batch", "held ms/pass", "cloud busy", "desync"]
+            "p99 ms", "p99 vs lone", "slowdown p99", "mean batch", "held ms/pass", "cloud busy", "desync"]
     lines = [[r["verifier"] + (f" x{r['replicas']}" if r.get("replicas", 1) > 1 else ""), str(r["robots"]), str(r["decisions"]), _fmt(r["tokens_per_s"], ".1f"),
               _fmt(r["throughput_vs_sequential"], ".2f") + "x", _fmt(r["ms_per_token"], ".1f"),
               _fmt(r["p50_ms"], ".0f"), _fmt(r["p99_ms"], ".0f"), _fmt(r["p99_vs_lone"], ".2f") + "x",
-              _fmt(r["mean_batch"], ".2f"), _fmt(r.get("hold_ms_per_pass"), ".0f"),
+              _fmt(r.get("slowdown_p99"), ".2f") + "x", _fmt(r["mean_batch"], ".2f"), _fmt(r.get("hold_ms_per_pass"), ".0f"),
               _fmt(None if r["compute_busy"] is None else 100 * r["compute_busy"], ".0f") + "%", str(r["desync"])]
              for r in rows]
     draft = rows[0]["draft_ms"] if rows else 0
@@ -291,7 +316,9 @@ def table_fleet(rows: list[dict]) -> str:
     ray = next((r for r in rows if r["verifier"] == "ray"), None)
     ray_note = (f"; ray: {ray['replicas']} batched replicas on a local Ray Serve instance (one CPU each, behind "
                 "Serve's websocket proxy; cloud busy is the replicas' mean)" if ray else "")
-    return (fixed_width(head, lines) + f"\nrobots replay recorded greedy SD rounds (drafting emulated as a {draft:g} ms "
+    return (fixed_width(head, lines) + "\np99 vs lone: the p99 over the lone robot's p99 for the same recorded decisions "
+            "(the lone robot replays each one); slowdown p99: the p99 of each decision's latency over its own alone"
+            + f"\nrobots replay recorded greedy SD rounds (drafting emulated as a {draft:g} ms "
             f"per token wait, off the CPU); sequential and batched: verifier in-process with the embedded target, "
             f"compute {compute}{emulated}; the robots' client work shares its interpreter{ray_note}"
             + "".join(f"\nERRORS {e}" for e in errors))
