@@ -10,7 +10,7 @@ SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) 
 # scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
 MSGS   := $(wildcard msg/*.msg action/*.action) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
-.PHONY: demo test test-fast install msgs models models-memory models-belief models-long models-quick clean help
+.PHONY: demo test test-fast install msgs models models-memory models-belief models-long models-quick models-install clean help
 
 help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
@@ -18,13 +18,14 @@ help:
 	@echo "           ARGS='--compare'  the one-frame AR vs SD comparison"
 	@echo "make test               run the test suite on every core (what CI runs; TEST_WORKERS=1 runs it serially)"
 	@echo "make test-fast          the unit tests only (-m 'not slow': no ROS graphs, benches, Ray, training)"
-	@echo "make models             retrain the embedded default models (~80 min on 2 CPU cores)"
+	@echo "Training writes under build/ and never touches the committed pair (MODELS_OUT=DIR to choose):"
 	@echo "make models-belief      the committed pair's recipe: memory 2, the search belief, the blocked-move expert,"
-	@echo "                        19,014 target steps (~3 h): resumable, run it again to carry on"
-	@echo "make models-memory      the memory pair's recipe (committed before the belief; ~2 h, resumable)"
-	@echo "                        into build/train-memory/models"
-	@echo "make models-long        the long recipe (~4x the target's steps, hours): resumable, run it again to carry on"
+	@echo "                        19,014 target steps (~3 h; resumable, run it again to carry on): build/train-belief/models"
+	@echo "make models-memory      the memory pair's recipe (~2 h, resumable): build/train-memory/models"
+	@echo "make models             the memoryless recipe (~89 min on 2 CPU cores): build/train/models"
+	@echo "make models-long        the memoryless recipe at ~4x the target's steps (hours, resumable): build/train-long/models"
 	@echo "make models-quick       the same pipeline in a few minutes on a sliver of the data (smoke run)"
+	@echo "make models-install FROM=DIR  install a trained pair as the package's models (replaces the committed pair)"
 
 $(DEPS): requirements/dev.txt requirements/msgs-build.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,8 +59,10 @@ test: install
 test-fast: install
 	$(VENV)/bin/pytest $(XDIST) -m "not slow" $(ARGS)
 
+# Every training target writes under build/ (MODELS_OUT overrides); `make models-install FROM=...` is the one
+# step that puts a trained pair in the package, over the committed one.
 models: install
-	$(VENV)/bin/edgespec-train all --out edgespec_ros/models $(ARGS)
+	$(VENV)/bin/edgespec-train all --work build/train --out $(or $(MODELS_OUT),build/train/models) $(ARGS)
 
 # The memory pair's recipe (docs/models.md: "The stop gap, committed"), committed before the search belief;
 # writes build/train-memory/models (not the package) unless MODELS_OUT says so
@@ -72,15 +75,27 @@ models-memory: install
 # the search belief, which the expert reads (search_belief: turn back to where the goal was last seen; walk
 # on after a full circle) while half the data rollouts begin with a spin; the expert reads the memory's
 # blocked moves too (blocked_memory: turn away, then walk past, never push again) and a blocked move is
-# pushed again half the time; 19,014 target steps. Writes the package's models unless MODELS_OUT says otherwise
+# pushed again half the time; 19,014 target steps. Writes build/train-belief/models unless MODELS_OUT says so
 models-belief: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
 		--spin-starts 0.5 --push-repeats 0.5 --expert "stop_gap_m=0.3;search_belief=true;blocked_memory=true" \
 		--target-steps 19014 --target-budget-s 0 --exit-steps 2000 --work build/train-belief --resume \
-		--out $(or $(MODELS_OUT),edgespec_ros/models) $(ARGS)
+		--out $(or $(MODELS_OUT),build/train-belief/models) $(ARGS)
 
 models-long: install
-	$(VENV)/bin/edgespec-train all --long --resume --out edgespec_ros/models $(ARGS)
+	$(VENV)/bin/edgespec-train all --long --resume --work build/train-long \
+		--out $(or $(MODELS_OUT),build/train-long/models) $(ARGS)
+
+# Install a finished pair (its card written) as the package's models, replacing the committed pair.
+PAIR_FILES := draft/config.json draft/model.safetensors target/config.json target/model.safetensors README.md metrics.json
+models-install:
+	@test -n "$(FROM)" || { echo "usage: make models-install FROM=build/train-belief/models (a trained pair's directory)" >&2; exit 2; }
+	@for f in $(PAIR_FILES); do test -f "$(FROM)/$$f" || { \
+		echo "models-install: $(FROM)/$$f is missing: not a finished pair (edgespec-train all writes it last)" >&2; exit 2; }; done
+	rm -rf edgespec_ros/models/draft edgespec_ros/models/target
+	cp -r "$(FROM)/draft" "$(FROM)/target" edgespec_ros/models/
+	cp "$(FROM)/README.md" "$(FROM)/metrics.json" edgespec_ros/models/
+	if [ -f "$(FROM)/pipeline.json" ]; then cp "$(FROM)/pipeline.json" edgespec_ros/models/; fi
 
 models-quick: install
 	$(VENV)/bin/edgespec-train all --quick $(ARGS)

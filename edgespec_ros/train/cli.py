@@ -924,8 +924,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exits, wisv, distill: the target model dir (default: <out>/target)")
     ap.add_argument("--exits-out", default=None, help="exits: output dir (default: <target>/exits)")
     ap.add_argument("--work", default="build/train", help="work dir for dataset and tokenizer (default build/train)")
-    ap.add_argument("--out", default=None, help="where model dirs go (default: the package models dir; with "
-                                                 "--quick: <work>/models)")
+    ap.add_argument("--out", default=None, help="where model dirs go (default: <work>/models; the package's "
+                                                 "committed pair is replaced only by `make models-install`)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run of a few minutes: every stage on a sliver of the data (work dir "
                          "build/train-quick; options given explicitly still win)")
@@ -933,6 +933,15 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument("--" + name.replace("_", "-"), type=_flag if isinstance(value, bool) else type(value),
                         default=value)
     return ap
+
+
+def output_dir(args) -> str:
+    """Where the pair goes: ``--out``, else ``<work>/models`` (``--quick``: its own work dir). Never the
+    package's models by default: ``make models-install`` is the step that replaces the committed pair."""
+    if args.out:
+        return args.out
+    work = "build/train-quick" if args.quick and args.work == "build/train" else args.work
+    return os.path.join(work, "models")
 
 
 def _flag(text: str) -> bool:
@@ -968,7 +977,7 @@ def main(argv=None) -> int:
         values.update({k: v for k, v in QUICK.items() if values[k] == parser.get_default(k)})
         if args.work == parser.get_default("work"):
             args.work = "build/train-quick"
-    args.out = args.out or (os.path.join(args.work, "models") if args.quick else MODELS_DIR)
+    args.out = output_dir(args)
     os.makedirs(args.out, exist_ok=True)
     cfg = PipelineConfig(**values)
     if cfg.belief and not cfg.memory:
