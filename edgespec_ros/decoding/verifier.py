@@ -61,7 +61,7 @@ class VerifierRefused(VerifierError):
     (``wire.protocol.error_kind``: busy, refused, a configuration or protocol error)."""
 
     def __init__(self, code: int, message: str, kind: FaultKind):
-        super().__init__(f"ERROR {code} from the verifier: {message}", kind)
+        super().__init__(f"{message} (code {code})", kind)
         self.code = code
         self.server_message = message
 
