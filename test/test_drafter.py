@@ -4,6 +4,7 @@ import threading
 import pytest
 
 from edgespec_ros.robot.drafter import DrafterSettings, outcome_from_text
+from edgespec_ros.decoding.faults import FaultKind
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
 from edgespec_ros.control.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED
 
@@ -156,7 +157,9 @@ def test_the_decision_after_a_blocked_move_samples():
     assert decoder.temperatures == [0.0, 0.7, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("error, kind", [(LinkLostError("connection refused"), "verifier unreachable"),
+@pytest.mark.parametrize("error, kind", [(LinkLostError("connection refused", FaultKind.UNREACHABLE),
+                                          "verifier unreachable"),
+                                         (LinkLostError("connection reset"), "link dropped"),
                                          (VerifierTimeout("no reply"), "verifier timeout"),
                                          (RuntimeError("boom"), "decoding error")])
 def test_errors_become_stop_faults_with_backoff(error, kind):
@@ -166,6 +169,7 @@ def test_errors_become_stop_faults_with_backoff(error, kind):
     core.set_frame(frame(clock))
     out = core.run(core.begin())
     assert out.action == "stop" and out.parsed and out.fault.startswith(kind)
+    assert out.fault_kind.value == kind
     assert decoder.verifier.closed == 1  # reconnect next time
     clock.advance(0.1)
     core.set_frame(frame(clock))

@@ -9,6 +9,7 @@ import pytest
 from edgespec_ros.decoding.metrics import DecisionMetrics
 from edgespec_ros.robot.decoder import DRAFT_ONLY, Decision
 from edgespec_ros.robot.drafter import RETRACE, RETRACE_DONE
+from edgespec_ros.decoding.faults import FaultKind
 from edgespec_ros.wire.client import LinkLostError
 
 from drafting_helpers import TEXT, FakeDecoder, frame, make
@@ -28,7 +29,7 @@ class FlakyVerifier:
     def connect(self):
         self.connects += 1
         if not self.link.up:
-            raise LinkLostError("cannot reach the verifier")
+            raise LinkLostError("cannot reach the verifier", FaultKind.UNREACHABLE)
         self.ws = object()
 
     def abort(self):
@@ -70,7 +71,8 @@ def _step(core, clock, seconds=1.1):
 def _lose(core, clock, link, faults=3):
     link.up = False
     outs = [_step(core, clock) for _ in range(faults)]
-    assert all(o is not None and o.fault.startswith("verifier unreachable") for o in outs)
+    assert all(o is not None and o.fault_kind is FaultKind.DROPPED and o.fault.startswith("link dropped")
+               for o in outs)
     return outs
 
 
@@ -149,7 +151,7 @@ def test_retrace_steps_carry_no_action_are_not_remembered_and_end_at_the_command
 
 def test_a_refusing_verifier_is_not_a_lost_link():
     from edgespec_ros.wire.client import VerifierRefused
-    decoder = FakeDecoder(error=VerifierRefused(4401, "bad token"))
+    decoder = FakeDecoder(error=VerifierRefused(401, "bad token", FaultKind.REFUSED))
     core, clock = make(decoder=decoder, on_link_loss="draft_only", link_loss_faults=1)
     core.set_command("go")
     core.set_frame(frame(clock))
@@ -324,13 +326,14 @@ def test_a_refused_reconnect_stops_the_fallback_and_a_draft_only_stop_does_not_e
     _lose(core, clock, link, faults=1)
 
     def refuse():
-        raise VerifierRefused(4401, "bad token")
+        raise VerifierRefused(401, "bad token", FaultKind.REFUSED)
     decoder.verifier.connect = refuse
     clock.advance(1.0)
     assert core.probe_link() is False
     clock.advance(0.1)
     core.set_frame(frame(clock))
-    assert core.why_not_ready(clock()).startswith("link lost and the verifier refused the reconnect")
+    assert core.why_not_ready(clock()).startswith("link lost and the verifier answered the reconnect with "
+                                                  "verifier refused")
     # a draft-only "stop" stops the robot but the command goes on (it was never verified)
     core2, clock2 = make(decoder=FlakyDecoder(link), on_link_loss="draft_only", link_loss_faults=1,
                          wait_for_motion=False)

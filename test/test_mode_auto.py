@@ -215,3 +215,105 @@ def test_a_path_slower_than_its_prediction_is_judged_by_what_it_does():
     before = AutoGamma()
     before.observe_decision("ar", 0.03)  # nothing to compare with before the model predicts
     assert before.calibration("ar") == 1.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_time_that_is_not_finite_is_rejected_and_every_later_choice_succeeds(bad):
+    """One NaN or infinite time, in any observation, is counted and left out: the estimates are
+    what they were and mode auto goes on choosing (it used to fail every later decision with
+    "b must be finite")."""
+    auto = _measured(verify_s=0.6, rtt_s=0.2, draft_s=0.07, ar_s=0.35)
+    before = auto.predict()
+    auto.observe_round(4, 3, 0.28, 0.2, bad)  # verify_s
+    auto.observe_round(4, 3, 0.28, bad, 0.6)  # link_s
+    auto.observe_round(4, 3, bad, 0.2, 0.6)  # draft_s
+    auto.observe_ar(30, bad, 0.2)
+    auto.observe_ar(30, 30 * 0.35, bad)
+    auto.observe_decision("sd", bad)
+    assert auto.rejected_samples == 6 and auto.predict() == before and auto.calibration("sd") == 1.0
+    assert [auto.begin_auto_decision() for _ in range(5)]  # no ValueError
+    with pytest.raises(ValueError, match="ar_step_s must be a finite number"):
+        AutoGamma(ar_step_s=bad)
+
+
+def test_reset_forgets_every_estimate_and_keeps_the_settings():
+    auto = AutoGamma(smoothing=0.2, gamma_max=8, draft_token_s=0.05)
+    auto.observe_ar(30, 30 * 0.35, 0.2)
+    for _ in range(5):
+        auto.observe_round(4, 3, 0.28, 0.2, 0.6)
+    auto.observe_round(4, 3, 0.28, 0.2, math.nan)
+    assert auto.predict() is not None
+    auto.reset(ar_step_s=0.03)
+    assert auto.predict() is None and auto.gamma_max == 8 and auto.draft_prior_s == 0.05
+    assert auto.rejected_samples == 1 and auto.begin_auto_decision() != "ar"  # the AR step is known: not measured
+
+
+def test_a_new_connection_starts_the_estimates_afresh():
+    """The decoder reconnects a dropped verifier before choosing a path, and the estimates measured
+    on the last connection are forgotten on the new one (another verifier, another link)."""
+    from dataclasses import replace
+
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from wire_helpers import INSTRUCTIONS, make_pair
+
+    class Reconnecting(LocalVerifier):
+        ws, connects = "open", 0
+
+        def connect(self):
+            self.connects += 1
+            self.welcome, self.ws = replace(self.welcome), "open"
+
+    pair = make_pair()
+    verifier = Reconnecting(pair.target)
+    decoder = EdgeDecoder(pair.draft, verifier)
+    cfg = DecodeConfig(mode="auto", gamma="auto", max_new_tokens=8)
+    try:
+        for instruction in INSTRUCTIONS:  # AR, then SD: the model predicts
+            decoder.decide(instruction, pair.image, cfg)
+        assert decoder.auto_gamma.predict() is not None
+        decoder.decide(INSTRUCTIONS[0], pair.image, cfg)  # the same connection: kept
+        assert decoder.auto_gamma.predict() is not None and verifier.connects == 0
+        verifier.ws = None  # dropped (a failed decision)
+        got = decoder.decide(INSTRUCTIONS[0], pair.image, cfg)
+        assert verifier.connects == 1 and got.metrics.mode == "ar"  # measured afresh
+        assert decoder.auto_gamma.predict() is None
+    finally:
+        decoder.close()
+
+
+def test_after_a_nan_verdict_every_later_auto_decision_against_the_real_verifier_succeeds():
+    """The real verifier's first VERDICT reaches the robot with verify_ms NaN (a tampering proxy):
+    that decision fails with a protocol error, and every later one of mode auto succeeds."""
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.thread import ServerThread
+    from edgespec_ros.decoding.faults import FaultKind
+    from edgespec_ros.decoding.verifier import VerifierError
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.wire import protocol as P
+    from edgespec_ros.wire.client import RemoteVerifier
+    from wire_helpers import INSTRUCTIONS, SUITE_LIMITS, TamperProxy, make_pair, server_copy
+
+    def first_verdict_nan(msg):
+        if isinstance(msg, P.Verdict) and not proxy.tampered:
+            return P.Verdict(**{**msg.__dict__, "verify_ms": math.nan})
+        return msg
+    pair = make_pair()
+    with ServerThread(VerifierServer(server_copy(pair.target), limits=SUITE_LIMITS)) as st, \
+            TamperProxy(f"ws://127.0.0.1:{st.port}", first_verdict_nan) as proxy:
+        rv = RemoteVerifier(proxy.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab, timeout_s=30.0)
+        decoder = EdgeDecoder(pair.draft, rv)
+        cfg = DecodeConfig(mode="auto", gamma="auto", pipe_depth="auto", max_new_tokens=12)
+        outcomes = []
+        try:
+            for i in range(8):
+                try:
+                    outcomes.append(decoder.decide(INSTRUCTIONS[i % 2], pair.image, cfg).metrics.mode)
+                except VerifierError as exc:
+                    outcomes.append(exc.kind)
+        finally:
+            decoder.close()
+            rv.abort()
+    assert proxy.tampered == 1
+    bad = outcomes.index(FaultKind.PROTOCOL)
+    assert all(mode in ("ar", "sd", "pipe") for mode in outcomes[bad + 1:]) and len(outcomes[bad + 1:]) >= 5, outcomes

@@ -70,11 +70,16 @@ def test_the_link_is_lost_after_the_stated_faults_and_back_on_a_verified_decisio
 
 
 def test_which_faults_are_the_links():
-    assert is_link_fault("deadline missed: no verified decision within 4 s")
-    assert is_link_fault("verifier unreachable: connection refused")
-    assert is_link_fault("verifier timeout: no verdict")
-    assert not is_link_fault("verifier refused: bad token")
-    assert not is_link_fault("command cancelled: 'x' replaced by new command 'y'")
-    assert not is_link_fault("decoding error: ValueError: x")
+    """By kind, never by words: the link's failures and a busy verifier count towards the loss; an
+    auth refusal, a protocol or configuration error and the robot's own errors do not."""
+    from edgespec_ros.control.link_health import FAULT_RULES, stands_still
+    from edgespec_ros.decoding.faults import FaultKind as K
+    links = {K.DEADLINE, K.UNREACHABLE, K.TIMED_OUT, K.DROPPED, K.BUSY}
+    assert set(FAULT_RULES) == set(K)  # every kind has its rule
+    assert {k for k in K if is_link_fault(k)} == links
+    assert {k for k in K if stands_still(k)} == {K.REFUSED, K.PROTOCOL, K.CONFIGURATION}
+    h = LinkHealth(faults_to_lose=1)
+    assert not h.fault(K.REFUSED, 1.0) and not h.fault(K.PROTOCOL, 1.0) and h.faults == 0
+    assert h.fault(K.BUSY, 2.0) and h.lost
     with pytest.raises(ValueError):
         LinkHealth(faults_to_lose=0)

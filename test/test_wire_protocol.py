@@ -13,25 +13,27 @@ U16 = st.integers(0, 0xFFFF)
 U32 = st.integers(0, 0xFFFFFFFF)
 U64 = st.integers(0, 0xFFFFFFFFFFFFFFFF)
 F32 = st.floats(width=32, allow_nan=False)  # NaN != NaN: NaN is covered by its own test
+MS = st.floats(0.0, P.MAX_MS, width=32)  # a time the robot reads: finite, in range (P.F32_RANGES)
+UNIT = st.floats(0.0, 1.0, width=32)
 TEXT = st.text(max_size=40)  # any unicode scalar value (hypothesis leaves out lone surrogates)
 BLOB = st.binary(max_size=64)
 IDS = st.lists(U32, max_size=32)
 
 MESSAGES = st.one_of(
-    st.builds(P.Hello, TEXT, TEXT, U32, TEXT, TEXT, TEXT),
-    st.builds(P.Welcome, TEXT, U32, TEXT, U32, TEXT, U16, st.lists(U32, max_size=40), U16),
+    st.builds(P.Hello, TEXT, TEXT, U32, TEXT, TEXT, TEXT, U16, st.booleans()),
+    st.builds(P.Welcome, TEXT, U32, TEXT, U32, TEXT, U16, st.lists(U32, max_size=40), U16, MS, MS),
     st.builds(P.Error, U16, TEXT),
     st.builds(P.Prefill, U32, TEXT, BLOB, IDS, U64, F32, U32, F32, TEXT, F32),
-    st.builds(P.PrefillOk, U32, F32),
+    st.builds(P.PrefillOk, U32, MS),
     st.builds(P.Verify, U32, U32, IDS, BLOB, st.integers(0, 255).map(lambda f: f & ~P.VERIFY_WISV), U32, U32, IDS),
     st.builds(P.Verify, U32, U32, IDS, BLOB, st.integers(0, 255).map(lambda f: f | P.VERIFY_WISV), U32, U32, IDS,
               st.tuples(F32, F32, F32, F32), BLOB),
-    st.builds(P.Verdict, U32, U32, U16, U32, F32, U16, U16, U16, BLOB, U32, F32, U16),
+    st.builds(P.Verdict, U32, U32, U16, U32, MS, U16, U16, U16, BLOB, U32, MS, U16),
     st.builds(P.HiddenRequest, U32, U32, IDS),
     st.builds(P.Hidden, U32, U32, IDS, BLOB),
-    st.builds(P.Exit, U32, U32, U16, U16, U32, F32, F32),
+    st.builds(P.Exit, U32, U32, U16, U16, U32, UNIT, MS),
     st.builds(P.Generate, U32, U32),
-    st.builds(P.Token, U32, U32, U32, F32, st.booleans()),
+    st.builds(P.Token, U32, U32, U32, MS, st.booleans()),
     st.builds(P.Close, TEXT),
 )
 
@@ -147,7 +149,9 @@ def test_token_ids_round_trip_over_the_whole_u32_range():
     assert P.decode(P.encode(P.Verify(1, 1, ids, b""))).draft_ids == ids
 
 
-def test_special_floats_survive_as_f32():
+def test_special_floats_survive_as_f32_where_the_verifier_judges_them():
+    """PREFILL's numbers cross as they are: the verifier's session refuses them with its own code
+    (BAD_REQUEST); only the numbers the robot reads are checked by the decoder (P.F32_RANGES)."""
     msg = P.decode(P.encode(P.Prefill(1, "", b"", [], 0, float("nan"), 0, float("inf"))))
     assert math.isnan(msg.temperature) and msg.top_p == float("inf")
     assert P.decode(P.encode(P.PrefillOk(1, 0.1))).prefill_ms == struct.unpack("<f", struct.pack("<f", 0.1))[0]
@@ -275,6 +279,63 @@ def test_a_flag_byte_other_than_0_or_1_is_refused():
     frame = P.encode(P.Token(1, 0, 5, 1.0, True))
     with pytest.raises(P.ProtocolError, match="last"):
         P.decode(frame[:-1] + b"\x02")
+
+
+def test_the_hellos_belief_byte_is_a_flag_too():
+    """HELLO.belief: 2..255 is a malformed frame (BAD_FRAME), never read as true."""
+    frame = P.encode(P.Hello("tok", "ab" * 16, 300, belief=True))
+    assert P.decode(frame).belief is True and P.decode(frame[:-1] + b"\x00").belief is False
+    for byte in (2, 0x80, 0xFF):
+        with pytest.raises(P.ProtocolError, match="belief must be 0 or 1") as err:
+            P.decode(frame[:-1] + bytes([byte]))
+        assert err.value.code == P.ErrorCode.BAD_FRAME
+
+
+# Every number the robot reads from the verifier's frames, with its stated range: written out here
+# (not read from P.F32_RANGES), so a field left out of the table fails its own case.
+ROBOT_READS = [
+    (P.Welcome("ab" * 16, 300, "m", 1 << 20), "pass_ms", 0.0, P.MAX_MS),
+    (P.Welcome("ab" * 16, 300, "m", 1 << 20), "ar_step_ms", 0.0, P.MAX_MS),
+    (P.PrefillOk(7, 1.0), "prefill_ms", 0.0, P.MAX_MS),
+    (P.Verdict(7, 3, 2, 5, 4.0), "verify_ms", 0.0, P.MAX_MS),
+    (P.Verdict(7, 3, 2, 5, 4.0), "queue_ms", 0.0, P.MAX_MS),
+    (P.Exit(7, 3, 2, 1, 99, 0.5, 1.0), "confidence", 0.0, 1.0),
+    (P.Exit(7, 3, 2, 1, 99, 0.5, 1.0), "at_ms", 0.0, P.MAX_MS),
+    (P.Token(7, 0, 17, 1.5, False), "step_ms", 0.0, P.MAX_MS),
+]
+
+
+@pytest.mark.parametrize("msg, name, lo, hi", ROBOT_READS, ids=lambda v: v if isinstance(v, str) else None)
+def test_every_number_the_robot_reads_is_finite_and_in_its_range(msg, name, lo, hi):
+    """A NaN, an infinity or a number out of its stated range in a frame the robot reads is a
+    malformed frame naming the field (the robot's fault: a protocol error of that round); the range's
+    ends are numbers like any other."""
+    from dataclasses import replace
+    for good in (lo, hi):
+        assert getattr(P.decode(P.encode(replace(msg, **{name: good}))), name) == good
+    for bad in (math.nan, math.inf, -math.inf, lo - 1.0, hi * 2 + 1.0):
+        with pytest.raises(P.ProtocolError, match=f"{name} must be a finite number in") as err:
+            P.decode(P.encode(replace(msg, **{name: bad})))
+        assert err.value.code == P.ErrorCode.BAD_FRAME
+    assert P.F32_RANGES[TYPE_OF[type(msg)]][name] == (lo, hi)
+
+
+def test_the_range_table_names_only_fields_of_its_frames():
+    names = {(f, n) for f, fields in P.F32_RANGES.items() for n in fields}
+    assert names == {(TYPE_OF[type(m)], n) for m, n, *_ in ROBOT_READS}
+
+
+def test_an_error_code_and_an_http_status_mean_the_same_kind():
+    """What an ERROR frame's code (or the same HTTP status answering the upgrade) means to the
+    robot, whatever the path it came by."""
+    from edgespec_ros.decoding.faults import FaultKind as K
+    E = P.ErrorCode
+    want = {E.BAD_FRAME: K.PROTOCOL, E.UNAUTHORIZED: K.REFUSED, E.VERSION_MISMATCH: K.CONFIGURATION,
+            E.MODEL_MISMATCH: K.CONFIGURATION, E.TOO_LARGE: K.CONFIGURATION, E.BAD_REQUEST: K.CONFIGURATION,
+            E.TOO_MANY: K.REFUSED, E.INTERNAL: K.PROTOCOL, E.BUSY: K.BUSY}
+    assert set(want) == set(E) and {c: P.error_kind(int(c)) for c in E} == want
+    assert P.error_kind(403) is K.REFUSED and P.error_kind(502) is P.error_kind(504) is K.UNREACHABLE
+    assert P.error_kind(404) is K.CONFIGURATION and P.error_kind(599) is K.BUSY
 
 
 def test_protocol_error_is_a_value_error_with_a_default_code():

@@ -174,12 +174,17 @@ def wait_until(predicate, timeout: float = DEADLINE_S, what: str = "condition") 
 
 class FakeVerifier:
     """A websocket server speaking the protocol by script: reply(msg) -> frame bytes/str, or None
-    for silence. For testing the client against servers that misbehave."""
+    for silence. For testing the client against servers that misbehave. ``http_status``: answer
+    every websocket upgrade with that HTTP status instead (a full verifier, a proxy's auth)."""
 
-    def __init__(self, reply):
+    def __init__(self, reply=None, http_status: int | None = None):
         from websockets.sync.server import serve
         self.reply = reply
-        self.server = serve(self._handle, "127.0.0.1", 0, compression=None, max_size=None)
+
+        def answer_upgrade(connection, request):
+            return None if http_status is None else connection.respond(http_status, f"HTTP {http_status}\n")
+        self.server = serve(self._handle, "127.0.0.1", 0, compression=None, max_size=None,
+                            process_request=answer_upgrade)
         self.port = self.server.socket.getsockname()[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -205,6 +210,41 @@ class FakeVerifier:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.thread.join(DEADLINE_S)
+
+
+class TamperProxy(FakeVerifier):
+    """A websocket proxy before a real verifier (``upstream``, a ws:// URL): every frame passes
+    both ways, each of the verifier's through ``tamper(msg) -> msg`` first (re-encoded unchecked:
+    ``P.encode`` writes any number). ``tampered`` counts the frames it changed."""
+
+    def __init__(self, upstream: str, tamper):
+        super().__init__()
+        self.upstream, self.tamper, self.tampered = upstream, tamper, 0
+
+    def _handle(self, ws):
+        from websockets.exceptions import ConnectionClosed
+        up = raw_connect(self.upstream)
+
+        def uplink():
+            try:
+                for raw in ws:
+                    up.send(raw)
+            except ConnectionClosed:
+                pass
+            finally:
+                up.close()
+        threading.Thread(target=uplink, daemon=True).start()
+        try:
+            for raw in up:
+                msg = P.decode(raw)
+                out = self.tamper(msg)
+                if out != msg:
+                    self.tampered += 1
+                ws.send(P.encode(out))
+        except ConnectionClosed:
+            pass
+        finally:
+            ws.close()
 
 
 def half_open_upgrade(port: int, source: str):

@@ -228,5 +228,5 @@ class _refused:
 
     def __exit__(self, kind, exc, tb):
         if isinstance(exc, SessionError):
-            raise VerifierRefused(exc.code, str(exc)) from None
+            raise VerifierRefused(exc.code, str(exc), P.error_kind(exc.code)) from None
         return False

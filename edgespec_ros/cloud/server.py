@@ -425,11 +425,12 @@ class VerifierServer:
             token, _ = await self.fair.run_batched(conn.key, self._verify_batch_on_device,
                                                    PassRow(work.item, work.rows), flow=conn.flow, cost=work.cost,
                                                    rows=work.rows)
-            return token, time.perf_counter() - started - self.fair.take_wait(conn.key)  # its own compute
+            # its own compute (never below 0: a wait taken here may have begun before ``started``)
+            return token, max(0.0, time.perf_counter() - started - self.fair.take_wait(conn.key))
         else:
             raise TypeError(f"verifier: no way to run {type(work).__name__}")
         waited = self.fair.take_wait(conn.key)  # behind other sessions' work: queueing, not verifying
-        clock.compute_s += time.perf_counter() - started - waited
+        clock.compute_s += max(0.0, time.perf_counter() - started - waited)
         clock.queue_s += waited
         return result
 

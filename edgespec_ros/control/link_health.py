@@ -2,27 +2,68 @@
 rule behind ``on_link_loss`` (stop | retrace | draft_only). Pure: times are passed in (seconds on
 a steady clock), no I/O.
 
-The rule. Every decision that fails on the link (its deadline passed, the verifier was
-unreachable, or its connection dropped or timed out) is a link fault; the drafter reconnects on
-the next decision anyway, so each fault after the first is a failed reconnect. After
-``faults_to_lose`` faults in a row the link is LOST. A verifier that refuses (a bad token, a model
-mismatch) is not a link fault: it is a configuration the robot must not work around.
+The rule, by the kind of each fault (``decoding.faults.FaultKind``, carried by the error that made
+it; ``FAULT_RULES``), the same whatever path it arrives on (an ERROR frame, an HTTP status on the
+websocket upgrade, a dropped connection, the drafter's deadline):
 
-While lost, a reconnect (a handshake, nothing decided) is due every ``backoff_s``, doubling after
-each failed one up to ``backoff_max_s``; a successful reconnect, or any verified decision, brings
-the link back: the next decision is verified again.
+- a **link fault** (deadline missed, verifier unreachable, timed out, link dropped) and a **busy**
+  verifier (full or shutting down) count towards losing the link: the decision fails with a stop,
+  and after ``faults_to_lose`` of them in a row the link is LOST and ``on_link_loss`` applies (a
+  running retrace goes on, draft-only decisions go on). A busy verifier is one the robot cannot
+  use now, like one it cannot reach: what a fallback is for.
+- an **auth refusal** (a bad token, a quota) and a **protocol or configuration error** (a frame
+  the robot cannot have asked for, a NaN time, another version, model or memory, an untrusted
+  certificate) are not link faults: the verifier answered, and what it said is not worked around.
+  The decision fails with a stop and nothing is counted towards the loss; while the link is lost a
+  reconnect failing so stops the fallback (no draft-only decision, a running retrace stops) until
+  a reconnect succeeds.
+- a **decoding error** is the robot's own: a stop, and nothing else.
+
+Every decision reconnects after a failed one. While lost, a reconnect (a handshake, nothing
+decided) is due every ``backoff_s``, doubling after each failed one (whatever its kind) up to
+``backoff_max_s``; a successful reconnect, or any verified decision, brings the link back: the
+next decision is verified again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decoding.faults import FaultKind
+
 LINK_LOSS_ACTIONS = ("stop", "retrace", "draft_only")
-LINK_FAULT_PREFIXES = ("deadline missed", "verifier unreachable", "verifier timeout", "verifier error")
 
 
-def is_link_fault(fault: str) -> bool:
-    """True for a decision's fault text (``robot.drafter``) that says the link failed it."""
-    return fault.startswith(LINK_FAULT_PREFIXES)
+@dataclass(frozen=True)
+class FaultRule:
+    """What a fault of one kind does (module docstring)."""
+
+    link_fault: bool  # counts towards declaring the link lost; the fallback runs once it is
+    stands_still: bool  # a reconnect failing so while lost stops the fallback until one succeeds
+
+
+_LINK = FaultRule(link_fault=True, stands_still=False)
+_ANSWERED = FaultRule(link_fault=False, stands_still=True)
+FAULT_RULES = {
+    FaultKind.DEADLINE: _LINK,
+    FaultKind.UNREACHABLE: _LINK,
+    FaultKind.TIMED_OUT: _LINK,
+    FaultKind.DROPPED: _LINK,
+    FaultKind.BUSY: _LINK,
+    FaultKind.REFUSED: _ANSWERED,
+    FaultKind.PROTOCOL: _ANSWERED,
+    FaultKind.CONFIGURATION: _ANSWERED,
+    FaultKind.DECODING: FaultRule(link_fault=False, stands_still=False),
+}
+
+
+def is_link_fault(kind: FaultKind) -> bool:
+    """True for a fault of a kind that counts towards losing the link (``FAULT_RULES``)."""
+    return FAULT_RULES[kind].link_fault
+
+
+def stands_still(kind: FaultKind) -> bool:
+    """True for a fault of a kind that, met by a reconnect while the link is lost, stops the fallback."""
+    return FAULT_RULES[kind].stands_still
 
 
 @dataclass
@@ -43,6 +84,11 @@ class LinkHealth:
         self.losses = 0  # times the link was declared lost
         self._next_probe_s = 0.0
         self._interval_s = self.backoff_s
+
+    def fault(self, kind: FaultKind, now_s: float) -> bool:
+        """A decision (or a link check) failed with a fault of ``kind``; True when this declares
+        the link lost (only link faults count: ``FAULT_RULES``)."""
+        return is_link_fault(kind) and self.link_fault(now_s)
 
     def link_fault(self, now_s: float) -> bool:
         """A decision failed on the link; True when this fault declares the link lost."""

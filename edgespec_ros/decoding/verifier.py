@@ -23,29 +23,45 @@ from typing import Iterator, Protocol
 
 import torch
 
+from .faults import FaultKind
 from .inputs import Prompt
 from .verify import NO_TOKEN, VerifySettings
 
 
-# Why a verifier could not be used: raised by every Verifier (wire.client's over the network); the
-# drafter turns each into a fault stop (robot.drafter.classify_error).
+# Why a verifier could not be used: raised by every Verifier (wire.client's over the network), each
+# carrying its FaultKind (decoding.faults) from where it was made; the drafter turns each into a
+# fault stop (robot.drafter.classify_error) and the link-loss rule reads the kind
+# (control.link_health.FAULT_RULES).
 class VerifierError(RuntimeError):
-    """The cloud verifier cannot be used for this decision; the caller must stop the robot."""
+    """The cloud verifier cannot be used for this decision; the caller must stop the robot.
+    ``kind``: why (by default a protocol error: the verifier's frames make the decision impossible)."""
+
+    kind = FaultKind.PROTOCOL
+
+    def __init__(self, message: str = "", kind: FaultKind | None = None):
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
 
 
 class LinkLostError(VerifierError):
-    """The link to the verifier is gone (refused, reset, cut)."""
+    """The link to the verifier is gone (dropped, or never opened: ``kind`` UNREACHABLE)."""
+
+    kind = FaultKind.DROPPED
 
 
 class VerifierTimeout(VerifierError):
     """No reply within the timeout."""
 
+    kind = FaultKind.TIMED_OUT
+
 
 class VerifierRefused(VerifierError):
-    """The verifier answered with an ERROR frame (busy, bad token, bad request, ...)."""
+    """The verifier answered with an ERROR frame; ``kind`` is what its code means
+    (``wire.protocol.error_kind``: busy, refused, a configuration or protocol error)."""
 
-    def __init__(self, code: int, message: str):
-        super().__init__(f"verifier refused (code {code}): {message}")
+    def __init__(self, code: int, message: str, kind: FaultKind):
+        super().__init__(f"{message} (code {code})", kind)
         self.code = code
         self.server_message = message
 

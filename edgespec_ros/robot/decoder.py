@@ -64,6 +64,7 @@ class EdgeDecoder:
             raise ValueError("EdgeDecoder needs a tokenizer (from the draft model or given)")
         self.eos_ids = draft.eos_token_ids if draft else eos_token_ids(self.tokenizer)
         self.auto_gamma: AutoGamma | None = None  # gamma "auto": the controller, kept across decisions
+        self._welcome = None  # the WELCOME of the connection the controller's estimates were measured on
         self._strategies: dict[tuple, Strategy] = {}
 
     def close(self) -> None:
@@ -76,13 +77,29 @@ class EdgeDecoder:
         if cfg.gamma != "auto":
             return None
         if self.auto_gamma is None:  # an emulated robot knows its draft speed before it drafts
-            # mode auto: the verifier's own AR step time where its WELCOME says it (protocol 9), so
-            # the first decision need not be AR only to measure it
-            welcome = getattr(self.verifier, "welcome", None)
-            ar_step_s = (welcome.ar_step_ms / 1e3 if cfg.mode == "auto" and welcome is not None
-                         and getattr(welcome, "ar_step_ms", 0) > 0 else None)
-            self.auto_gamma = AutoGamma(ar_step_s=ar_step_s, draft_token_s=self.device.draft_token_s or None)
+            self.auto_gamma = AutoGamma(ar_step_s=self._welcome_ar_step_s(cfg),
+                                        draft_token_s=self.device.draft_token_s or None)
         return self.auto_gamma
+
+    def _welcome_ar_step_s(self, cfg: DecodeConfig) -> float | None:
+        """mode auto: the verifier's own AR step time where its WELCOME says it (protocol 9), so
+        the first decision need not be AR only to measure it."""
+        welcome = getattr(self.verifier, "welcome", None)
+        return (welcome.ar_step_ms / 1e3 if cfg.mode == "auto" and welcome is not None
+                and getattr(welcome, "ar_step_ms", 0) > 0 else None)
+
+    def _connect(self, cfg: DecodeConfig) -> None:
+        """Before a decision chooses its path: a verifier whose connection was dropped (after a
+        failed decision, a link loss) reconnects now, and the controller's estimates, measured on
+        the last connection, start afresh on a new one (another verifier, another link)."""
+        if getattr(self.verifier, "ws", False) is None:  # a RemoteVerifier, not connected
+            self.verifier.connect()
+        welcome = getattr(self.verifier, "welcome", None)
+        if welcome is self._welcome:
+            return
+        if self._welcome is not None and self.auto_gamma is not None:
+            self.auto_gamma.reset(self._welcome_ar_step_s(cfg))
+        self._welcome = welcome
 
     def strategy(self, cfg: DecodeConfig) -> Strategy:
         """The strategy object for cfg's mode, kept across decisions (its threads and estimates)."""
@@ -127,6 +144,7 @@ class EdgeDecoder:
         codec = getattr(self.verifier, "codec", None)
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
+        self._connect(cfg)
         predicted, auto_decision = None, cfg.mode == "auto"
         if cfg.gamma == "auto":  # the link's cost per draft is that of this decision's kind of block
             self._auto(cfg).set_payload(carries_q(cfg.verify_settings(), codec or get_codec(cfg.codec)))

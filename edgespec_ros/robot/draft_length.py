@@ -173,6 +173,11 @@ class AutoGamma:
     ``alpha_probe`` would choose SD. (A drafter slower per token than the target's verification
     never gets probed.) A probe starts alpha afresh from its own rounds: the old estimate is the
     one that chose AR, and mixing it in would take several probes to notice a better drafter.
+
+    Samples. A time that is not a finite number (a NaN, an infinity) is no measurement: its
+    observation is rejected whole and counted (``rejected_samples``), never averaged in (one NaN
+    would poison every later estimate, and every choice with it). ``reset`` starts the estimates
+    afresh (the robot does on each new connection to a verifier: another verifier, another link).
     """
 
     def __init__(self, smoothing: float = 0.05, gamma_init: int = 4, gamma_max: int = 16, probe_every: int = 8,
@@ -185,6 +190,12 @@ class AutoGamma:
                              f"got gamma_init={gamma_init}, gamma_max={gamma_max}")
         if probe_every < 1 or probe_max < probe_every:
             raise ValueError(f"auto gamma: need 1 <= probe_every <= probe_max, got {probe_every}, {probe_max}")
+        for name, value in (("ar_step_s", ar_step_s), ("draft_token_s", draft_token_s)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"auto gamma: {name} must be a finite number >= 0, got {value!r}")
+        self._config = dict(smoothing=smoothing, gamma_init=gamma_init, gamma_max=gamma_max, probe_every=probe_every,
+                            probe_max=probe_max, alpha_probe=alpha_probe, draft_token_s=draft_token_s)
+        self.rejected_samples = 0  # observations with a time that is not a finite number (never used)
         self.gamma_init, self.gamma_max = gamma_init, gamma_max
         self.probe_every, self.probe_max, self.alpha_probe = probe_every, probe_max, alpha_probe
         self._accept = self._acceptance_prior(smoothing)  # accepted, attempted positions
@@ -210,6 +221,20 @@ class AutoGamma:
         self.last_prediction: dict[str, float] | None = None  # mode auto: predict() at the last choice
         # mode auto: per path, its last decisions' measured seconds per token over predict()'s (``calibration``)
         self._calibration: dict[str, deque] = {}
+
+    def reset(self, ar_step_s: float | None = None) -> None:
+        """Forget every estimate, as a new controller with the same settings (``ar_step_s``: the
+        new verifier's AR step time where it says it); ``rejected_samples`` carries on."""
+        rejected = self.rejected_samples
+        self.__init__(**self._config, ar_step_s=ar_step_s)
+        self.rejected_samples = rejected
+
+    def _finite(self, *values: float | None) -> bool:
+        """Whether every time of one observation is a finite number (else it is counted and rejected)."""
+        if all(v is None or math.isfinite(v) for v in values):
+            return True
+        self.rejected_samples += 1
+        return False
 
     @property
     def _link(self) -> _Ew:
@@ -246,6 +271,8 @@ class AutoGamma:
         if drafted < 1 or not 0 <= accepted <= drafted:
             raise ValueError(f"auto gamma: a round needs 1 <= drafted and 0 <= accepted <= drafted, "
                              f"got drafted={drafted}, accepted={accepted}")
+        if not self._finite(draft_s, link_s, verify_s):
+            return
         useful = drafted if useful is None else min(max(useful, 1), drafted)
         accepted_useful = min(accepted, useful)
         attempted = accepted_useful + 1 if accepted_useful < useful else useful
@@ -264,6 +291,8 @@ class AutoGamma:
     def observe_ar(self, steps: int, step_s: float, round_trip_s: float | None = None) -> None:
         """One AR decision: steps decoded with step_s target seconds in all, and (where measured)
         the link round trip of its GENERATE request (stream time not spent in target steps)."""
+        if not self._finite(step_s, round_trip_s):
+            return
         if steps >= 1:
             self._ar.add(max(step_s, 0.0), steps)
         if round_trip_s is not None:
@@ -390,6 +419,8 @@ class AutoGamma:
         pipeline's stalls, which differ by path; a path whose decisions run slower than predicted
         is then chosen on what it does, not on the formula, and one odd decision (a short one, a
         stall) does not move it. Nothing is kept before the model can predict."""
+        if not self._finite(seconds_per_token):
+            return
         pred = self.predict()
         if pred is None or path not in pred or pred[path] <= 0 or not seconds_per_token > 0:
             return

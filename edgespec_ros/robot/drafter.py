@@ -42,7 +42,8 @@ from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_A
 from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY, DecodeConfig
-from ..control.link_health import LinkHealth, is_link_fault
+from ..control.link_health import LinkHealth, is_link_fault, stands_still
+from ..decoding.faults import FaultKind
 from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
 from ..decoding.metrics import DecisionMetrics, RunSummary
 
@@ -92,6 +93,7 @@ class DecisionOutcome:
     metrics: DecisionMetrics | None = None
     generation: int = -1          # the command it belongs to (DrafterCore.generation then)
     fallback: str = ""            # the link is lost: DRAFT_ONLY (LOSSY) or RETRACE stands in for a verified decision
+    fault_kind: FaultKind | None = None  # why the verifier could not be used (None: no fault, or a cancellation)
 
     @property
     def is_fault(self) -> bool:
@@ -113,10 +115,10 @@ def outcome_from_text(text: str, *, instruction: str, stamp_ns: int, frame_id: s
 
 
 def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = "", frame_id: str = "",
-                  text: str = "") -> DecisionOutcome:
-    """A safety stop: action ``stop``, ``fault`` says why."""
+                  text: str = "", kind: FaultKind | None = None) -> DecisionOutcome:
+    """A safety stop: action ``stop``, ``fault`` says why (``kind``: of what kind, for the link-loss rule)."""
     return DecisionOutcome(instruction, stamp_ns, frame_id, text=text, action="stop", parsed_action=Action.stop(),
-                           parsed=True, reasoning=fault, mode=mode, fault=fault)
+                           parsed=True, reasoning=fault, mode=mode, fault=fault, fault_kind=kind)
 
 
 RETRACE = "retrace"  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
@@ -210,18 +212,13 @@ class Ticket:
     fallback: str = ""  # the link is lost: DRAFT_ONLY or RETRACE (nothing is sent to the verifier)
 
 
-def classify_error(exc: BaseException) -> str:
-    """A fault text for an exception raised while deciding (names the verifier problem)."""
-    from ..decoding.verifier import LinkLostError, VerifierError, VerifierRefused, VerifierTimeout
-    if isinstance(exc, LinkLostError):
-        return f"verifier unreachable: {exc}"
-    if isinstance(exc, VerifierTimeout):
-        return f"verifier timeout: {exc}"
-    if isinstance(exc, VerifierRefused):
-        return f"verifier refused: {exc}"
+def classify_error(exc: BaseException) -> tuple[FaultKind, str]:
+    """The kind and the fault text of an exception raised while deciding: a verifier error's own
+    kind (set where it was made), any other exception the robot's own (a decoding error)."""
+    from ..decoding.verifier import VerifierError
     if isinstance(exc, VerifierError):
-        return f"verifier error: {exc}"
-    return f"decoding error: {type(exc).__name__}: {exc}"
+        return exc.kind, f"{exc.kind}: {exc}"
+    return FaultKind.DECODING, f"{FaultKind.DECODING}: {type(exc).__name__}: {exc}"
 
 
 class DrafterCore:
@@ -271,7 +268,7 @@ class DrafterCore:
         self._probing = False  # a reconnect is under way (probe_link): no decision starts meanwhile
         self._end_check = False  # retrace: the command ran out of decisions; its link is to be checked
         self._next_end_check_s = 0.0
-        self.refused = ""  # the verifier refused the last reconnect (a configuration error): no fallback runs
+        self.refused = ""  # the verifier answered the last reconnect with a fault never worked around: no fallback runs
 
     # ------------------------------------------------------------------ inputs
 
@@ -342,7 +339,7 @@ class DrafterCore:
         if self._probing:
             return "reconnecting to the verifier"
         if self.link.lost and self.refused:
-            return f"link lost and the verifier refused the reconnect ({self.refused}): standing still"
+            return f"link lost and the verifier answered the reconnect with {self.refused}: standing still"
         if self.link.lost:
             if s.on_link_loss == "stop":
                 return "link lost (on_link_loss stop): standing still until a reconnect succeeds"
@@ -413,8 +410,9 @@ class DrafterCore:
             return self._finish(ticket, None)
         except Exception as exc:  # noqa: BLE001 - any failure must become a stop, never silence
             self._drop_connection()
-            outcome = fault_outcome(classify_error(exc), instruction=ticket.instruction, stamp_ns=self.clock_ns(),
-                                    mode=s.mode, frame_id=ticket.frame.frame_id)
+            kind, fault = classify_error(exc)
+            outcome = fault_outcome(fault, instruction=ticket.instruction, stamp_ns=self.clock_ns(),
+                                    mode=s.mode, frame_id=ticket.frame.frame_id, kind=kind)
             outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
             return self._finish(ticket, outcome)
         m = decision.metrics
@@ -447,18 +445,19 @@ class DrafterCore:
         ticket.abandoned = True
         self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
         self.last_outcome_ns = now
-        outcome = fault_outcome(f"deadline missed: no verified decision within {self.settings.deadline_s:g} s",
+        outcome = fault_outcome(f"{FaultKind.DEADLINE}: no verified decision within {self.settings.deadline_s:g} s",
                                 instruction=ticket.instruction, stamp_ns=now, mode=self.settings.mode,
-                                frame_id=ticket.frame.frame_id)
+                                frame_id=ticket.frame.frame_id, kind=FaultKind.DEADLINE)
         outcome.latency_s = (now - ticket.frame.stamp_ns) / NS
         outcome.generation = ticket.generation
         self.stats.add_fault()
-        self._link_fault(outcome.fault)
+        self._link_fault(outcome.fault_kind)
         return outcome
 
-    def _link_fault(self, fault: str) -> None:
-        """A decision failed (under the lock): a link fault counts towards declaring the link lost."""
-        if is_link_fault(fault) and self.link.link_fault(self.steady_ns() / NS):
+    def _link_fault(self, kind: FaultKind | None) -> None:
+        """A decision failed (under the lock): a link fault counts towards declaring the link lost
+        (``control.link_health.FAULT_RULES``)."""
+        if kind is not None and self.link.fault(kind, self.steady_ns() / NS):
             self.stats.link_lost(self.settings.on_link_loss)
 
     def _finish(self, ticket: Ticket, outcome: DecisionOutcome | None) -> DecisionOutcome | None:
@@ -479,7 +478,7 @@ class DrafterCore:
             if outcome.is_fault:
                 self.retry_after_ns = now + int(self.settings.retry_interval_s * NS)
                 self.stats.add_fault()
-                self._link_fault(outcome.fault)
+                self._link_fault(outcome.fault_kind)
                 return outcome
             if outcome.fallback == RETRACE:  # not a decision of the command: the navigator's step back
                 self.stats.add_unverified()
@@ -515,9 +514,9 @@ class DrafterCore:
         its last motion is over (every ``retry_interval_s``; an unanswered check is a link fault, so
         the stated rule can declare the link lost and retrace steps follow for the ended command:
         its last move may have left the link behind, and nothing decided would find out). True:
-        the link answers (the next decision is verified again); False: it failed (a refusal also
-        stops the fallback: it is a configuration error, never worked around); None: nothing was due."""
-        from ..decoding.verifier import VerifierRefused
+        the link answers (the next decision is verified again); False: it failed (an auth refusal,
+        a protocol or a configuration error also stops the fallback: never worked around,
+        ``control.link_health``); None: nothing was due."""
         with self._lock:
             now_s = self.steady_ns() / NS
             # after a command that ran out of decisions (retrace): once its last motion is over, a
@@ -539,15 +538,17 @@ class DrafterCore:
                 verifier.connect()
             except Exception as exc:  # noqa: BLE001 - any failure to reconnect is a failed probe
                 self._drop_connection()
+                kind, fault = classify_error(exc)
                 with self._lock:
                     now_s = self.steady_ns() / NS
-                    if end_check and not isinstance(exc, VerifierRefused):
+                    if end_check:
                         self._next_end_check_s = now_s + self.settings.retry_interval_s
-                        if self.link.link_fault(now_s):
+                    if end_check and is_link_fault(kind):
+                        if self.link.fault(kind, now_s):
                             self.stats.link_lost(self.settings.on_link_loss)
                     else:
                         self.link.probe_failed(now_s)
-                    self.refused = classify_error(exc) if isinstance(exc, VerifierRefused) else ""
+                    self.refused = fault if self.link.lost and stands_still(kind) else ""
                 return False
             with self._lock:
                 self._end_check = False  # the link answers: nothing more to do for the ended command

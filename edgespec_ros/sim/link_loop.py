@@ -11,7 +11,8 @@ pose (``Scenario.covered``: no dead zone).
   time (``MotionLimits.duration_s``). The pose before each move is kept for the way back
   (``control.retrace.RetracePath``). A decision slower than ``deadline_s`` is a missed deadline.
 * Link down (or a missed deadline): a link fault. The drafter waits out its deadline with the robot
-  still (the clock advances by ``deadline_s``) and tells ``control.link_health.LinkHealth``.
+  still (the clock advances by ``deadline_s``) and tells ``control.link_health.LinkHealth`` a
+  fault of kind ``FaultKind.DEADLINE``, which the same rule as the drafter's counts (``FAULT_RULES``).
 * Once LinkHealth declares the link lost, ``on_link_loss`` applies until a reconnect succeeds. A
   reconnect is tried when ``LinkHealth.probe_due`` (backoff doubling after each failure) and
   succeeds iff the same up-condition holds then:
@@ -49,6 +50,7 @@ from ..decoding.compute import RobotProfile
 from ..control.belief import memory_for
 from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
 from ..control.link_health import LINK_LOSS_ACTIONS, LinkHealth
+from ..decoding.faults import FaultKind
 from .scenario import Scenario
 from .world import SimWorld
 
@@ -287,16 +289,16 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
 
         if not link_up(t):
             why = "a dead zone" if not scenario.covered(world.pose.x, world.pose.y) else "a cut"
-            record(LINK_FAULT, latency_s=deadline_s, note=f"deadline missed: no link ({why})")
+            record(LINK_FAULT, latency_s=deadline_s, note=f"{FaultKind.DEADLINE}: no link ({why})")
             t += deadline_s
-            health.link_fault(t)
+            health.fault(FaultKind.DEADLINE, t)
             continue
         out = _decide(policy, world, scenario, memory)
         latency = decision_latency(out)
         if latency > deadline_s:  # the drafter gives up at its deadline: a link fault like any other
-            record(LINK_FAULT, latency_s=deadline_s, note=f"deadline missed: the decision took {latency:.2f} s")
+            record(LINK_FAULT, latency_s=deadline_s, note=f"{FaultKind.DEADLINE}: the decision took {latency:.2f} s")
             t += deadline_s
-            health.link_fault(t)
+            health.fault(FaultKind.DEADLINE, t)
             continue
         rec = record(VERIFIED, True, latency_s=latency, action=out.action.text if out.action else "",
                      note="" if out.action else f"no action: {out.error}")
@@ -344,9 +346,10 @@ def _after_the_command(world: SimWorld, path: RetracePath, health: LinkHealth, l
             health.verified(t)
             return t
         if not health.lost:
-            record(LINK_FAULT, latency_s=deadline_s, note="no answer to the link check after the command")
+            record(LINK_FAULT, latency_s=deadline_s, note=f"{FaultKind.DEADLINE}: no answer to the link check after "
+                                                          "the command")
             t += deadline_s
-            health.link_fault(t)
+            health.fault(FaultKind.DEADLINE, t)
             continue
         if health.probe_due(t):
             record(PROBE_FAILED)

@@ -2,7 +2,9 @@
 
 Synchronous (the drafter's loop is synchronous torch code) with a timeout on every wait and every
 send: a lost link or a silent server raises ``LinkLostError``/``VerifierTimeout`` instead of
-hanging, and a server-side refusal raises ``VerifierRefused`` with the server's code and message.
+hanging, and a server-side refusal raises ``VerifierRefused`` with the server's code and message
+(an ERROR frame, or an HTTP status answering the upgrade: the same kind, ``P.error_kind``). Every
+error carries its ``FaultKind`` (``decoding.faults``), set here where it is made.
 ``abort()`` tears the connection down at once from any thread (the drafter's deadline stop never
 waits on the socket); ``wss://`` URLs verify the server's certificate (system CAs or ``ca_file``).
 
@@ -21,6 +23,7 @@ import time
 from typing import Iterator
 from urllib.parse import urlsplit
 
+from ..decoding.faults import FaultKind
 from ..decoding.verifier import (LinkLostError, VerifierError, VerifierRefused, VerifierTimeout)  # noqa: F401 - raised here
 from ..codecs import get_codec
 from ..codecs import DEFAULT_CODEC
@@ -111,11 +114,15 @@ class RemoteVerifier:
         except ssl.SSLCertVerificationError as exc:
             raise LinkLostError(f"the verifier at {self.url} presented a certificate this robot does not trust "
                                 f"({exc.verify_message}): give its CA with tls_ca_file (now "
-                                f"{self.ca_file or 'the system CAs'})") from exc
+                                f"{self.ca_file or 'the system CAs'})", FaultKind.CONFIGURATION) from exc
         except (OSError, TimeoutError) as exc:
-            raise LinkLostError(f"cannot reach the verifier at {self.url}: {exc}") from exc
+            raise LinkLostError(f"cannot reach the verifier at {self.url}: {exc}", FaultKind.UNREACHABLE) from exc
         except Exception as exc:  # websockets.InvalidHandshake and friends
-            raise LinkLostError(f"cannot open a websocket to {self.url}: {exc}") from exc
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            if status is not None:  # an HTTP answer instead of the upgrade: it means what its ERROR frame would
+                raise VerifierRefused(int(status), f"HTTP {status} answering the websocket upgrade at {self.url}",
+                                      P.error_kind(int(status))) from exc
+            raise LinkLostError(f"cannot open a websocket to {self.url}: {exc}", FaultKind.UNREACHABLE) from exc
         try:
             _set_send_timeout(self.ws.socket, self.timeout_s)
         except (OSError, AttributeError):  # not a plain TCP socket: sends are still bounded by abort()

@@ -22,13 +22,15 @@ The driver's side of the contract:
   result of the wait: ``P.Welcome``, ``PrefillAck``, a ``VerifyReply`` or a ``GeneratedToken``;
   a wait that ends empty (a poll, a soft timeout) is reported with ``wait_timed_out``;
 - what the verifier or its frames make impossible raises the client's errors (``VerifierRefused``
-  for an ERROR frame, ``VerifierError`` for anything else), as h11 raises on a protocol violation:
-  the driver drops the connection and re-raises.
+  for an ERROR frame, of the kind its code means, ``P.error_kind``; ``VerifierError`` for anything
+  else: a protocol error, or a configuration error for a frame of another version or over the
+  size limit), as h11 raises on a protocol violation: the driver drops the connection and re-raises.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decoding.faults import FaultKind
 from ..decoding.inputs import Prompt
 from ..decoding.verifier import Block, VerifierError, VerifierRefused, VerifyReply, dropped_after
 from ..decoding.verify import VerifySettings
@@ -175,7 +177,7 @@ class EdgeSession:
         self._send_q = carries_q(settings, self.codec)
         if settings.verify_mode == "wisv" and not (self.welcome and self.welcome.wisv_dim):
             raise VerifierRefused(P.ErrorCode.BAD_REQUEST, f"verify mode wisv: the verifier at {self.peer} has no "
-                                                           "WISV decision head")
+                                                           "WISV decision head", FaultKind.CONFIGURATION)
         return prefill_frame(self.decision, prompt, settings)
 
     def prefill_sent(self, nbytes: int, sent_at: float, wait: bool) -> None:
@@ -232,7 +234,7 @@ class EdgeSession:
         try:
             msg = P.decode(raw, self.max_frame)
         except P.ProtocolError as exc:
-            raise VerifierError(f"bad frame from the verifier: {exc}") from exc
+            raise VerifierError(f"bad frame from the verifier: {exc}", P.error_kind(exc.code)) from exc
         return self.receive(msg, len(raw), now)
 
     def receive(self, msg, nbytes: int = 0, now: float = 0.0):
@@ -253,7 +255,7 @@ class EdgeSession:
                 self.last_prefill_s = msg.prefill_ms / 1e3
             return NEED_DATA
         if isinstance(msg, P.Error):
-            raise VerifierRefused(msg.code, msg.message)
+            raise VerifierRefused(msg.code, msg.message, P.error_kind(msg.code))
         if expected is None or not isinstance(msg, expected):
             raise VerifierError(f"expected {getattr(expected, '__name__', 'no frame')}, got {type(msg).__name__}")
         down = nbytes + self._wait_bytes + self._exit_bytes

@@ -13,9 +13,12 @@ import enum
 import struct
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 
 from ..codecs import DEFAULT_CODEC
+from ..decoding.faults import FaultKind
 
 MAGIC = b"ESPD"
 # Both ends must speak exactly this version: a frame of any other is refused (VERSION_MISMATCH). Version 8's
@@ -51,6 +54,34 @@ class ErrorCode(enum.IntEnum):
     BUSY = 503  # the verifier is full (connections, handshakes) or shutting down: retry later
 
 
+# What an ERROR frame's code means to the robot: its fault's kind (``control.link_health.FAULT_RULES``
+# says what each kind does to the fallback). The codes are HTTP's, and an HTTP status answering the
+# websocket upgrade (the verifier's, a load balancer's, a proxy's) means the same: the same kind
+# whatever the path it arrives on. A code not listed: a configuration error below 500, else busy.
+ERROR_KINDS = {
+    ErrorCode.BAD_FRAME: FaultKind.PROTOCOL,
+    ErrorCode.UNAUTHORIZED: FaultKind.REFUSED,
+    403: FaultKind.REFUSED,  # HTTP Forbidden (a proxy's auth)
+    ErrorCode.VERSION_MISMATCH: FaultKind.CONFIGURATION,
+    ErrorCode.MODEL_MISMATCH: FaultKind.CONFIGURATION,
+    ErrorCode.TOO_LARGE: FaultKind.CONFIGURATION,
+    ErrorCode.BAD_REQUEST: FaultKind.CONFIGURATION,
+    ErrorCode.TOO_MANY: FaultKind.REFUSED,  # a token locked out, or past its sessions or blocks
+    ErrorCode.INTERNAL: FaultKind.PROTOCOL,
+    502: FaultKind.UNREACHABLE,  # HTTP Bad Gateway: a gateway that cannot reach the verifier
+    ErrorCode.BUSY: FaultKind.BUSY,
+    504: FaultKind.UNREACHABLE,  # HTTP Gateway Timeout
+}
+
+
+def error_kind(code: int) -> FaultKind:
+    """The fault kind of an ERROR frame's ``code``, or of an HTTP status answering the upgrade (``ERROR_KINDS``)."""
+    kind = ERROR_KINDS.get(int(code))
+    if kind is None:
+        return FaultKind.CONFIGURATION if code < 500 else FaultKind.BUSY
+    return kind
+
+
 class FrameType(enum.IntEnum):
     HELLO = 1
     WELCOME = 2
@@ -66,6 +97,21 @@ class FrameType(enum.IntEnum):
     HIDDEN_REQUEST = 12  # wisv selective upload: the verifier asks for the drafter's rows at the mismatches
     HIDDEN = 13  # the robot's answer: those rows
 
+
+MAX_MS = 600_000.0  # a time on the wire, in ms: ten minutes, far beyond any pass, step, prefill or queue
+# Every number the robot reads from the verifier's frames, as (frame, field): (lowest, highest),
+# both inclusive, and finite. Decoding refuses a frame with one outside (ProtocolError BAD_FRAME;
+# the robot's fault is a protocol error of that round): a NaN or infinite time would otherwise
+# reach the robot's latency and draft-length models. (The numbers the verifier reads, PREFILL's
+# temperature, top_p and wisv_threshold and VERIFY's CSI, are checked by cloud.session with their
+# own codes, BAD_REQUEST.)
+F32_RANGES = {
+    FrameType.WELCOME: {"pass_ms": (0.0, MAX_MS), "ar_step_ms": (0.0, MAX_MS)},
+    FrameType.PREFILL_OK: {"prefill_ms": (0.0, MAX_MS)},
+    FrameType.VERDICT: {"verify_ms": (0.0, MAX_MS), "queue_ms": (0.0, MAX_MS)},
+    FrameType.EXIT: {"confidence": (0.0, 1.0), "at_ms": (0.0, MAX_MS)},
+    FrameType.TOKEN: {"step_ms": (0.0, MAX_MS)},
+}
 
 VERIFY_STREAM_EXITS = 1  # Verify.flags bit: stream this round's early exits (fsd)
 VERIFY_CHAINED = 2  # Verify.flags bit: the next block continues this one (pipe): no bonus token if all are accepted
@@ -119,6 +165,7 @@ class _Writer:
 class _Reader:
     def __init__(self, data, frame: str, max_ids: int | None = None):
         self.data, self.pos, self.frame, self.max_ids = memoryview(data), 0, frame, max_ids
+        self.ranges = F32_RANGES.get(FrameType.__members__.get(frame), {})  # its numbers' limits, by field
 
     def _take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > len(self.data):
@@ -132,7 +179,13 @@ class _Reader:
     def u16(self, w="u16"): return struct.unpack("<H", self._take(2, w))[0]
     def u32(self, w="u32"): return struct.unpack("<I", self._take(4, w))[0]
     def u64(self, w="u64"): return struct.unpack("<Q", self._take(8, w))[0]
-    def f32(self, w="f32"): return struct.unpack("<f", self._take(4, w))[0]
+    def f32(self, w="f32"):
+        value = struct.unpack("<f", self._take(4, w))[0]
+        limits = self.ranges.get(w)
+        if limits is not None and not (math.isfinite(value) and limits[0] <= value <= limits[1]):
+            raise ProtocolError(f"{self.frame} frame: {w} must be a finite number in [{limits[0]:g}, {limits[1]:g}], "
+                                f"got {value!r}")
+        return value
 
     def str(self, w="string"):
         raw = bytes(self._take(self.u16(w + " length"), w))
@@ -350,7 +403,7 @@ _ENCODERS = {
 
 _DECODERS = {
     FrameType.HELLO: lambda r: Hello(r.str("token"), r.str("fingerprint"), r.u32("vocab_size"), r.str("codec"), r.str("client"),
-                                     r.str("draft"), r.u16("memory"), bool(r.u8("belief"))),
+                                     r.str("draft"), r.u16("memory"), r.flag("belief")),
     FrameType.WELCOME: lambda r: Welcome(r.str("fingerprint"), r.u32("vocab_size"), r.str("model"), r.u32("max_frame"),
                                          r.str("server"), r.u16("num_layers"), r.ids("exit_layers"), r.u16("wisv_dim"),
                                          r.f32("pass_ms"), r.f32("ar_step_ms")),
