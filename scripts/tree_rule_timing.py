@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     assert verdict.path == () and verdict.resampled, "the benchmark's siblings are meant to be rejected"
     tree_ms, tree_calls = timed(lambda: verify_tree(tree, q, logits, params, seed=1, first_position=0), args.runs, clock)
     gamma = 4  # a chain round of the robot's usual depth, for scale
-    chain_logits = logits[:gamma + 1]
+    chain_logits = torch.randn(gamma + 1, args.vocab, dtype=torch.float64).to(args.device)
     chain_q = torch.softmax(torch.randn(gamma, args.vocab, dtype=torch.float64), -1).to(args.device)
     ids = [int(t) for t in chain_q.argmax(-1).tolist()]
     chain_ms, chain_calls = timed(lambda: verify(ids, chain_q, chain_logits, params, seed=1, start_position=0),
