@@ -561,3 +561,36 @@ def test_a_raw_frame_over_the_pixel_cap_is_refused_before_it_is_reshaped(tmp_pat
     path = camera_bag(tmp_path / "bag", [msg])
     with pytest.raises(BagError, match=r"a 13000x13000 frame \(169 MP\) is over the 16\.8 MP"):
         BagReplay(path)
+
+
+def test_only_verified_decisions_are_references_whatever_the_pick(tmp_path):
+    """A bag recorded across a link loss: verified decisions, draft-only ones (greedy, LOSSY) and
+    fault stops, each on its own frame. Picked every N seconds or by decision, the replay compares
+    with the verified ones only: a draft-only or fault frame has no recorded reference."""
+    from edgespec_ros.bench.cli import replay_agreement
+    from edgespec_ros.rosio.bags import decision_message
+    path = tmp_path / "lossy"
+    frame = np.zeros((8, 8, 3), np.uint8)
+    kinds = ["verified", "draft-only", "fault", "verified", "draft-only", "verified"]
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.add_topic("decision", "edgespec_ros/VerifiedAction")
+        bag.write("command", 0, string_message("go to the door"))
+        for k, kind in enumerate(kinds, start=1):
+            ns = k * 10**9
+            bag.write("camera/image_raw", ns, image_message(frame, ns))
+            fault = "verifier unreachable: reset" if kind == "fault" else ""
+            text = "Action: stop" if fault else f"{kind} {k}. Action: move forward small"
+            bag.write("decision", ns + 1, decision_message(
+                stamp=ns, instruction="go to the door", text=text, action=parse_action(text), fault=fault,
+                fallback="draft-only" if kind == "draft-only" else "", mode=kind, temperature=0.0))
+    every = BagReplay(path, pick="every", every_s=1.0)
+    assert len(every) == len(kinds)
+    assert [p.recorded.text.split(".")[0] if p.recorded else None for p in every.pairs] == \
+        ["verified 1", None, None, "verified 4", None, "verified 6"]
+    texts = [f"verified {k}. Action: move forward small" for k in range(1, 7)]  # a replay that repeats them
+    assert replay_agreement(every, texts, 0.0) == {"recorded_greedy": 3, "recorded_identical": 3}
+    assert "3 recorded greedy verified decisions to compare" in every.describe()
+    decided = BagReplay(path, pick="decided")
+    assert [p.stamp_ns // 10**9 for p in decided.pairs] == [1, 4, 6]

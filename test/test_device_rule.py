@@ -109,6 +109,24 @@ def test_the_batched_rule_gives_the_row_by_row_reference_verdicts_in_mixed_batch
     assert min(seen.values()) > 20, seen
 
 
+def test_a_shorter_greedy_row_never_accepts_past_its_own_drafts():
+    """Greedy rows of 3 drafts and of 1 in one pass: the shorter row's padding (token 0 against
+    zero logits, whose argmax is 0) must not count as accepted drafts. Both rows' drafts are the
+    target's argmax, and the shorter row's bonus token is 0: it accepts its 1 draft and no more."""
+    vocab = 8
+    long_logits = torch.zeros(4, vocab)
+    long_logits[torch.arange(4), torch.tensor([3, 5, 2, 6])] = 4.0
+    short_logits = torch.zeros(2, vocab)
+    short_logits[0, 7], short_logits[1, 0] = 4.0, 4.0  # its draft 7 is the argmax, then token 0
+    params = SamplingParams(0.0)
+    rows = [rule_row([3, 5, 2], None, long_logits, params, seed=0, start_position=0, mode="greedy"),
+            rule_row([7], None, short_logits, params, seed=0, start_position=0, mode="greedy")]
+    for got in (verify_rows(rows), verify_rows(rows[::-1])[::-1]):
+        assert [(r.accepted, r.next_token) for r in got] == [(3, 6), (1, 0)]
+        assert all(r.accepted <= len(row.draft_ids) for r, row in zip(got, rows))
+        assert got[1].accepted_mask == [True] and not got[1].resampled
+
+
 def test_a_separate_rejection_brings_back_only_the_top_k_of_p():
     """split:k=K: the rule takes p's top-K where p is and brings back K ids and K values; the
     downlink payload is the one the whole p gives."""

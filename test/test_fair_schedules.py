@@ -97,6 +97,7 @@ def test_every_round_of_random_schedules_completes_exactly_once():
         device, rounds, closing, fair = asyncio.run(_schedule(seed))
         seen = device.seen
         assert len(seen) == len(set(seen)), f"schedule {seed}: a round ran in two passes: {sorted(seen)}"
+        assert max(device.passes, default=0) <= fair.max_batch, f"schedule {seed}: passes {device.passes}"
         for round_id, fut in rounds.items():
             session = round_id.split(".")[0]
             if not fut.done():
@@ -322,3 +323,66 @@ def test_where_tenants_are_kept_apart_a_pass_carries_one_tenants_rounds():
 
     assert sorted(run(1)) == [["a1", "a2"], ["b1", "b2"]]
     assert run(None) == [["a1", "a2", "b1", "b2"]]
+
+
+def test_passes_formed_while_the_accelerator_is_busy_never_merge_past_max_batch():
+    """max_batch 3: while the accelerator is busy, two passes form, each a round with a companion
+    (a with x, then b with y). Once it is free, the first pass runs and the other, a group of two,
+    cannot ride in it (2 + 2 > 3): two passes of two, never one of four."""
+    import time
+    fair = FairCompute("t", max_batch=3)
+    passes = []
+
+    def verify(items):
+        passes.append(sorted(items))
+        return [f"verdict {i}" for i in items]
+
+    def busy(on: bool) -> None:  # the emulated accelerator stays busy until released
+        with fair._cond:
+            fair._device_free = time.perf_counter() + 3600 if on else 0.0
+            fair._cond.notify_all()
+
+    async def host_turn(key):
+        """Hold the compute thread while ``queue()`` queues rounds; they run together once it lets go."""
+        hold, running = threading.Event(), threading.Event()
+
+        def blocker():
+            running.set()
+            hold.wait()
+        job = asyncio.ensure_future(fair.run(key, blocker))
+        await asyncio.get_running_loop().run_in_executor(None, running.wait)
+        return hold, job
+
+    async def main():
+        busy(True)
+        futs = []
+        for turn, pair in enumerate((("a", "x"), ("b", "y"))):
+            hold, job = await host_turn(f"hold{turn}")  # also: the pass before has formed (one thread)
+            futs += [asyncio.ensure_future(fair.run_batched(k, verify, lambda q: q, flow=k, prelude=(lambda k=k: k, ())))
+                     for k in pair]
+            await asyncio.sleep(0)
+            hold.set()
+            await job
+        hold, job = await host_turn("hold-last")  # b's pass (with y) has formed too
+        hold.set()
+        await job
+        assert passes == []  # nothing ran on the busy accelerator
+        busy(False)
+        return await asyncio.wait_for(asyncio.gather(*futs), DEADLINE_S)
+
+    try:
+        assert asyncio.run(main()) == ["verdict a", "verdict x", "verdict b", "verdict y"]
+        assert sorted(passes) == [["a", "x"], ["b", "y"]], passes
+    finally:
+        fair.shutdown()
+
+
+def test_each_flow_of_a_shared_pass_is_charged_its_share():
+    """Three rounds, two of tenant A and one of B, share one pass: every second the compute thread
+    ran is charged to exactly one flow (the flows' virtual times sum to its busy time), so the pass
+    is split between the rounds' flows (A two shares, B one), never charged whole to each."""
+    fair = FairCompute("t", max_batch=8)
+    results, passes = _queued_together(fair, [("a1", "A"), ("a2", "A"), ("b1", "B")])
+    assert passes == [["a1", "a2", "b1"]]
+    charged = {flow: fair._vtime[flow] for flow in ("A", "B", "blocker")}
+    assert sum(charged.values()) == pytest.approx(fair.busy_s, rel=1e-9, abs=1e-12)

@@ -396,3 +396,66 @@ def test_a_draft_only_decision_is_remembered_as_the_degraded_motion_it_runs():
     assert core.memory.awaiting_action == "turn left 30 degrees"  # what runs, remembered
     core.memory.motion_reported(out.stamp_ns, "idle", "completed")
     assert core.memory.shown()[-1].belief.startswith("search: turned left 30, right 0; moved 0.0 m; goal last seen")
+
+
+@pytest.mark.parametrize("on_link_loss", ["draft_only", "retrace"])
+def test_an_instruct_goal_counts_verified_draft_only_and_retrace_apart(on_link_loss):
+    """The Instruct result's ``decisions`` and ``tokens`` are the verified ones (as the stats' token
+    count); draft-only decisions and their tokens, and retrace steps, are counted in their own fields."""
+    from edgespec_ros.robot.drafter import GoalProgress
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss=on_link_loss, link_loss_faults=2, wait_for_motion=False,
+                       reconnect_backoff_s=0.5, reconnect_backoff_max_s=4.0)
+    core.set_command("go")
+    goal = GoalProgress(core.status().generation, clock())
+    published = [_step(core, clock)]  # verified: 12 tokens
+    published += _lose(core, clock, link, faults=2)
+    published += [_step(core, clock) for _ in range(3)]  # 3 draft-only decisions (3 tokens each) or retrace steps
+    link.up = True
+    clock.advance(5.0)
+    published.append(_step(core, clock))  # back: verified again
+    assert all(goal.count(o) for o in published if o is not None)
+    counts = goal.result_fields()
+    fallback = on_link_loss == "draft_only"
+    assert counts == {"decisions": 2, "tokens": 24, "faults": 2, "draft_only_decisions": 3 if fallback else 0,
+                      "draft_only_tokens": 9 if fallback else 0, "retrace_steps": 0 if fallback else 3}
+    assert core.stats.snapshot()["tokens"] == counts["tokens"]  # the stats' verified tokens agree
+    # the command ends with every decision published and counted: the goal ends at once, no grace wait
+    from dataclasses import replace
+    ended = replace(core.status(), active=False, finish_kind="max_decisions", finished_reason="max_decisions (5)")
+    assert ended.decisions == 2 + (3 if fallback else 0)
+    assert goal.ended(ended, clock()) == ("max_decisions", "max_decisions (5)")
+
+
+def test_a_second_link_loss_starts_its_reconnect_backoff_afresh():
+    """The first loss's failed reconnects double the backoff up to its cap (0.5, 1, 2, 4 s); after the
+    link came back, a second loss tries its first reconnect 0.5 s after it, not 4 s."""
+    link = Link()
+    decoder = FlakyDecoder(link)
+    core, clock = make(decoder=decoder, on_link_loss="stop", link_loss_faults=1, wait_for_motion=False,
+                       reconnect_backoff_s=0.5, reconnect_backoff_max_s=4.0)
+    core.set_command("go")
+    _lose(core, clock, link, faults=1)
+    waits = []
+    for _ in range(5):  # each failed reconnect is followed by the next one when it is due
+        waited = 0.0
+        while True:
+            clock.advance(0.1)
+            waited += 0.1
+            result = core.probe_link()
+            if result is not None:
+                break
+        assert result is False
+        waits.append(round(waited, 1))
+    assert waits == [0.5, 1.0, 2.0, 4.0, 4.0]
+    link.up = True
+    clock.advance(5.0)
+    assert core.probe_link() is True and not core.link.lost
+    link.up = False
+    out = _step(core, clock)  # the second loss
+    assert out.fault and core.link.lost and core.stats.snapshot()["link_losses"] == 2
+    clock.advance(0.4)
+    assert core.probe_link() is None  # not due yet
+    clock.advance(0.1)
+    assert core.probe_link() is False  # tried 0.5 s after the loss

@@ -253,3 +253,71 @@ def test_sampled_tree_decisions_follow_the_targets_law(small_lm_pair):
     assert chi_square_pvalue(counts, probs) > P_VALUE_MIN
     draft_law = exact_two_token_law(draft, T)
     assert chi_square_pvalue(counts, np.array([draft_law[o] for o in outcomes])) < 1e-6
+
+
+def _host_tree_rule(tree, q, target_logits, params, *, seed, first_position):
+    """The sampled rule as it ran on the host, node by node and sibling by sibling (the reference)."""
+    from edgespec_ros.decoding.sampling import STREAM_ACCEPT, STREAM_RESAMPLE, keyed_uniform, sample_from
+    from edgespec_ros.decoding.tree import sibling_uniform
+    node, path = ROOT, []
+    while True:
+        position = first_position + len(path)
+        kids = tree.children(node)
+        p = probs_from_logits(target_logits[node + 1], params)
+        qk = q[node + 1].to(torch.float64).clone()
+        accepted = None
+        for j, c in enumerate(kids):
+            x = tree.tokens[c]
+            if sibling_uniform(seed, position, j, STREAM_ACCEPT) < min(1.0, float(p[x]) / float(qk[x])):
+                accepted = c
+                break
+            residual = torch.clamp(p - qk, min=0.0)
+            total = float(residual.sum())
+            p = residual / total if total > 1e-12 else p
+            qk[x] = 0.0
+            rest = float(qk.sum())
+            if rest <= 1e-12:
+                break
+            qk /= rest
+        if accepted is None:
+            return tuple(path), sample_from(p, keyed_uniform(seed, position, STREAM_RESAMPLE)), bool(kids)
+        node = accepted
+        path.append(node)
+
+
+@pytest.mark.parametrize("vocab, widths", [(12, (2, 2, 2)), (12, (3, 1)), (40, (24, 2)), (30, (1, 1, 1))])
+def test_the_sampled_tree_rule_on_the_device_gives_the_host_rules_verdicts(vocab, widths):
+    """Drafted trees (siblings without replacement; 24 siblings take the sorted path) against targets
+    near and far from the draft: the same verdict as the rule run sibling by sibling on the host,
+    seed for seed, with at most two crossings to the host (the nodes' verdicts, a leaf's next token)."""
+    from edgespec_ros.decoding.verify import HOST
+    g = torch.Generator().manual_seed(vocab + len(widths))
+    params = SamplingParams(0.9, top_k=vocab - 2) if vocab == 30 else T
+    seen = {"accepted leaf": 0, "rejected": 0}
+    for seed in range(60):
+        tokens, parents, q_rows = [], [], []
+        frontier = [ROOT]
+        q_of = {}
+        for width in widths:
+            level = []
+            for parent in frontier:
+                q_of[parent] = torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 2, -1)
+                for t in draw_siblings(q_of[parent], width, seed=seed, position=len(widths)):
+                    level.append(len(tokens))
+                    tokens.append(t)
+                    parents.append(parent)
+            frontier = level
+        tree = TokenTree(tuple(tokens), tuple(parents))
+        q = torch.zeros(len(tree) + 1, vocab, dtype=torch.float64)
+        for node, row in q_of.items():
+            q[node + 1] = row
+        near = seed % 2 == 0
+        logits = (torch.log(q.clamp(min=1e-9)) if near else torch.zeros_like(q)) \
+            + torch.randn(len(tree) + 1, vocab, generator=g, dtype=torch.float64) * (0.3 if near else 2.0)
+        before = HOST.snapshot()[0]
+        got = verify_tree(tree, q, logits, params, seed=seed, first_position=5)
+        assert HOST.snapshot()[0] - before <= 2
+        want = _host_tree_rule(tree, q, logits, params, seed=seed, first_position=5)
+        assert (got.path, got.next_token, got.resampled) == want, (seed, widths)
+        seen["accepted leaf" if got.path and not tree.children(got.path[-1]) else "rejected"] += 1
+    assert min(seen.values()) > 0, seen

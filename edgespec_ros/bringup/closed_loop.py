@@ -268,8 +268,11 @@ def _link(link: str, port: int, scenario):
 def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_faults: int) -> dict:
     """Print one line per decision until the episode is over (or the timeout, or max_faults fault
     stops in a row)."""
+    # decisions: every one the navigator ran (the episode's steps); verified and draft_only count
+    # each kind apart, and latencies are the verified ones' (draft_only_latencies the others')
     result = {"success": False, "outcome": f"timed out after {timeout_s:g} s", "stamps": [], "labels": [],
-              "latencies": [], "faults": 0, "unparseable": 0, "decisions": 0, "episode": None}
+              "latencies": [], "draft_only_latencies": [], "faults": 0, "unparseable": 0, "decisions": 0,
+              "verified": 0, "draft_only": 0, "retrace": 0, "episode": None}
     deadline = t0 + timeout_s
     steps = faults_in_a_row = 0
     while time.monotonic() < deadline:
@@ -302,13 +305,15 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
             continue
         faults_in_a_row = 0
         if msg.fallback == "retrace":  # a step back while the link is lost: no decision of the policy's
-            result["unverified"] = result.get("unverified", 0) + 1
+            result["retrace"] += 1
             print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
                   "RETRACE (link lost: one move back towards the command's start)", flush=True)
             continue
         steps += 1
         result["decisions"] += 1
-        result["latencies"].append(msg.latency_s)
+        draft_only = msg.fallback == "draft-only"  # LOSSY: the draft's own, unverified
+        result["draft_only" if draft_only else "verified"] += 1
+        result["draft_only_latencies" if draft_only else "latencies"].append(msg.latency_s)
         action = msg.action if msg.parsed else "(unparseable: no motion)"
         result["unparseable"] += 0 if msg.parsed else 1
         result["stamps"].append(stamp)
@@ -317,29 +322,34 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
               f"{observer.goal_distance(pose):5.2f} m to goal  {action:<24} {msg.tokens:>3} tokens "
               f"{msg.rounds:>3} rounds  {msg.latency_s * 1e3:6.0f} ms"
               + (f"  {msg.mode[len('auto:'):]}" if msg.mode.startswith("auto:") else "")
-              + ("  DRAFT-ONLY (LOSSY, unverified: the link is lost)" if msg.fallback == "draft-only" else ""),
+              + ("  DRAFT-ONLY (LOSSY, unverified: the link is lost)" if draft_only else ""),
               flush=True)
-        if msg.fallback:
-            result["unverified"] = result.get("unverified", 0) + 1
         episode = result["episode"]
         if episode and episode["done"] and result["decisions"] >= episode["steps"]:
             return result
     return result
 
 
+def _latency(latencies: list[float], what: str) -> str:
+    lat = sorted(latencies)
+    p90 = lat[min(len(lat) - 1, int(0.9 * len(lat)))]
+    return f"median {statistics.median(lat) * 1e3:.0f} ms, p90 {p90 * 1e3:.0f} ms (frame capture -> {what})"
+
+
 def _metrics_rows(result: dict, stats, profile, wall_s: float) -> list[tuple[str, str]]:
-    lat = sorted(result["latencies"])
     episode = result["episode"] or {}
     rows = [("outcome", "success" if result["success"] else "failure"),
-            ("decisions", f"{result['decisions']} ({result['unparseable']} unparseable, {result['faults']} fault stops)"),
+            ("decisions", f"{result['decisions']} ({result['verified']} verified, {result['draft_only']} draft-only; "
+                          f"{result['unparseable']} unparseable, {result['faults']} fault stops)"),
             ("collisions", str(episode.get("collisions", "-"))),
-            ("unverified decisions", f"{result.get('unverified', 0)} (draft-only, LOSSY, and retrace steps: the link "
-                                     "was lost)"),
+            ("unverified decisions", f"{result['draft_only']} draft-only (LOSSY) and {result['retrace']} retrace "
+                                     "steps (the link was lost)"),
             ("final distance to goal", f"{episode.get('goal_distance_m', float('nan')):.2f} m")]
-    if lat:
-        p90 = lat[min(len(lat) - 1, int(0.9 * len(lat)))]
-        rows.append(("decision latency", f"median {statistics.median(lat) * 1e3:.0f} ms, p90 {p90 * 1e3:.0f} ms "
-                                         "(frame capture -> verified decision)"))
+    if result["latencies"]:
+        rows.append(("decision latency", _latency(result["latencies"], "verified decision")))
+    if result["draft_only_latencies"]:
+        rows.append(("draft-only decision latency", _latency(result["draft_only_latencies"],
+                                                             "draft-only decision, LOSSY")))
     if stats is not None:
         rows += [("mode", stats.mode),
                  ("tokens / rounds", f"{stats.tokens} / {stats.rounds} (tau {stats.tau:.2f} tokens per round)"),

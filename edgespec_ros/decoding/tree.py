@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESAMPLE, SamplingParams, keyed_uniform, probs_from_logits, \
-    sample_from
+    sample_from, sample_rows
 
 ROOT = -1
 # What a sequence's ``fed_tokens`` holds at a tree node's cache position until the tree is compacted:
@@ -51,6 +51,7 @@ TREE_NODE = -1
 STREAM_SIBLING = 4  # accept coins (4) and draft draws (5) of the second and later children at a position
 _SIBLING_KEY = 0x9E3779B97F4A7C15  # odd: sibling j's key is seed + j * this
 _TOL = 1e-12
+SORTED_SIBLINGS = 16  # more siblings at a node than this: the sampled rule sorts its p / q once (_node_verdicts)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,15 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
     ``target_logits`` [n + 1, V]: row 0 after the committed prefix, row i + 1 after node i.
     ``q`` [n + 1, V] likewise (the draft's distributions the children were drawn from; rows of
     leaves are not read); None for greedy verification. ``first_position``: the absolute position of
-    the root's children."""
+    the root's children.
+
+    The rule runs where the logits are, as the chain rule does (``decoding.verify``): greedy, every
+    row's argmax comes back in one ``to_host``; sampled, every expanded node's siblings are judged
+    at once (``_node_verdicts``: what the walk would find at that node, which depends on its depth
+    only), one small int tensor comes back, and the walk down the tree reads it. A walk that
+    accepts a leaf draws the token after it in a second crossing. Each crossing goes through
+    ``to_host`` (counted)."""
+    from .verify import to_host
     n = len(tree)
     if target_logits.shape[0] != n + 1:
         raise ValueError(f"verify_tree: target logits need {n + 1} rows (the root and each node), got "
@@ -177,43 +186,116 @@ def verify_tree(tree: TokenTree, q: torch.Tensor | None, target_logits: torch.Te
     greedy = params.greedy
     if not greedy and (q is None or q.shape != target_logits.shape):
         raise ValueError("verify_tree: sampled verification needs q with one row per target row")
-    node, path = ROOT, []
-    while True:
-        position = first_position + len(path)
-        logits = target_logits[node + 1]
-        kids = tree.children(node)
-        if greedy:
-            t = int(logits.argmax())
-            nxt = next((c for c in kids if tree.tokens[c] == t), None)
+    kids = {node: tree.children(node) for node in [ROOT, *range(n)]}
+    if greedy:
+        top = to_host(target_logits.argmax(dim=-1))  # [n + 1] ints: the target's token after each row
+        node, path = ROOT, []
+        while True:
+            nxt = next((c for c in kids[node] if tree.tokens[c] == top[node + 1]), None)
             if nxt is None:
-                return TreeVerdict(tuple(path), t, False)
+                return TreeVerdict(tuple(path), int(top[node + 1]), False)
             node = nxt
             path.append(node)
-            continue
-        p = probs_from_logits(logits, params)
-        qk = q[node + 1].to(device=p.device, dtype=torch.float64).clone()
-        accepted = None
-        for j, c in enumerate(kids):
-            x = tree.tokens[c]
-            qx = float(qk[x])
-            if qx <= 0:
-                raise ValueError(f"verify_tree: node {c}'s token {x} has no mass under the draft's q there")
-            if sibling_uniform(seed, position, j, STREAM_ACCEPT) < min(1.0, float(p[x]) / qx):
-                accepted = c
-                break
-            residual = torch.clamp(p - qk, min=0.0)
-            total = float(residual.sum())
-            p = residual / total if total > _TOL else p  # p == q: the residual is never drawn from (q sums to 1)
-            qk[x] = 0.0
-            rest = float(qk.sum())
-            if rest <= _TOL:
-                break
-            qk /= rest
-        if accepted is None:
-            token = sample_from(p, keyed_uniform(seed, position, STREAM_RESAMPLE))
-            return TreeVerdict(tuple(path), token, bool(kids))
-        node = accepted
+    nodes = expanded(tree)
+    depths = tree.depths()
+    positions = [first_position + (0 if e == ROOT else depths[e]) for e in nodes]
+    verdicts = dict(zip(nodes, to_host(_node_verdicts(tree, nodes, kids, q, target_logits, params, seed, positions))))
+    node, path = ROOT, []
+    while node in verdicts:
+        j, token, bad = verdicts[node]
+        if bad >= 0:
+            c = kids[node][bad]
+            raise ValueError(f"verify_tree: node {c}'s token {tree.tokens[c]} has no mass under the draft's q there")
+        if j < 0:
+            return TreeVerdict(tuple(path), int(token), True)
+        node = kids[node][j]
         path.append(node)
+    # a leaf accepted: the next token is the target's own draw after it
+    p = probs_from_logits(target_logits[node + 1:node + 2], params)
+    u = torch.tensor([keyed_uniform(seed, first_position + len(path), STREAM_RESAMPLE)], dtype=torch.float64)
+    return TreeVerdict(tuple(path), int(to_host(sample_rows(p, u.to(p.device)))[0]), False)
+
+
+def _node_verdicts(tree: TokenTree, nodes: list[int], kids: dict, q: torch.Tensor, target_logits: torch.Tensor,
+                   params: SamplingParams, seed: int, positions: list[int]) -> torch.Tensor:
+    """The sampled rule at every expanded node at once, on the logits' device: int64 [E, 3] per node
+    (the accepted child's rank among its siblings or -1, the token drawn when none is accepted, the
+    rank of a child with no mass under q or -1).
+
+    Recursive rejection sampling without its vocabulary-sized state. Child j is tried against p_j
+    and q_j; after a rejection p_{j+1} = norm(max(p_j - q_j, 0)) and q_{j+1} = q_j without x_j,
+    renormalised. Every q_j is q_0 / D_j off the removed tokens, so every p_j is
+    max(p_0 - c_j q_0, 0) / N_j off them, for a scalar c_j (c_{j+1} = c_j + N_j / D_j), and a
+    removed token keeps the value it had when it was removed (0 after a rejection's update; its
+    p_j value where the residual vanished and p stayed). So each sibling costs one reduction over
+    the vocabulary (N at the next c), for all nodes together, and nothing is read on the host."""
+    dev = target_logits.device
+    rows = [e + 1 for e in nodes]
+    p0 = probs_from_logits(target_logits[rows], params)  # [E, V] float64
+    q0 = q[rows].to(dev, torch.float64)
+    k_max = max(len(kids[e]) for e in nodes)
+    tokens = torch.tensor([[tree.tokens[c] for c in kids[e]] + [0] * (k_max - len(kids[e])) for e in nodes],
+                          dtype=torch.long).to(dev)
+    counts = torch.tensor([len(kids[e]) for e in nodes], dtype=torch.long).to(dev)
+    u = torch.tensor([[sibling_uniform(seed, pos, j, STREAM_ACCEPT) for j in range(k_max)]
+                      + [keyed_uniform(seed, pos, STREAM_RESAMPLE)] for pos in positions], dtype=torch.float64).to(dev)
+    px, qx = p0.gather(1, tokens), q0.gather(1, tokens)  # [E, K]
+    real = torch.arange(k_max, device=dev) < counts[:, None]
+    bad = _first((qx <= 0) & real)
+    e_n = len(nodes)
+    zero = torch.zeros(e_n, dtype=torch.float64, device=dev)
+    c, norm, d = zero.clone(), torch.ones_like(zero), torch.ones_like(zero)  # p_0 = p, q_0 = q as given
+    total_q = q0.sum(dim=-1)
+    frozen = torch.zeros(e_n, k_max, dtype=torch.float64, device=dev)  # a removed token's value, kept
+    removed = torch.zeros(e_n, k_max, dtype=torch.bool, device=dev)
+    trying = bad < 0
+    accepted = torch.full((e_n,), -1, dtype=torch.long, device=dev)
+
+    if k_max > SORTED_SIBLINGS:  # many siblings: sum(max(p0 - c q0, 0)) from prefix sums over p0 / q0, sorted
+        ratio, order = torch.sort(torch.where(q0 > 0, p0 / q0, torch.where(p0 > 0, torch.inf, 0.0)), dim=-1)
+        tail_p = p0.gather(1, order).flip(-1).cumsum(-1)  # [E, V]: the k largest ratios' p0, q0 summed
+        tail_q = q0.gather(1, order).flip(-1).cumsum(-1)
+        vocab = p0.shape[-1]
+
+    def mass(at: torch.Tensor) -> torch.Tensor:
+        """N at c = ``at``: the residual's total, the removed tokens at their kept values."""
+        if k_max > SORTED_SIBLINGS:
+            above = vocab - torch.searchsorted(ratio, at[:, None], right=True)  # [E, 1]: tokens with p0 > c q0
+            at_k = (above - 1).clamp(min=0)
+            live = torch.where(above > 0, (tail_p.gather(1, at_k) - at[:, None] * tail_q.gather(1, at_k)).clamp(min=0.0),
+                               0.0).view(-1)
+        else:
+            live = (p0 - at[:, None] * q0).clamp_(min=0.0).sum(dim=-1)
+        swap = torch.where(removed, frozen - (px - at[:, None] * qx).clamp(min=0.0), 0.0).sum(dim=-1)
+        return live + swap
+
+    for j in range(k_max):
+        now = trying & (j < counts)
+        p_x = (px[:, j] - c * qx[:, j]).clamp(min=0.0) / norm
+        q_x = qx[:, j] / d
+        take = now & (u[:, j] < torch.clamp(p_x / q_x, max=1.0))
+        accepted = torch.where(take, j, accepted)
+        reject = now & ~take
+        step = c + norm / d
+        next_mass = mass(step)
+        moved = reject & (next_mass / norm > _TOL)  # else p stays (p == q: never drawn from)
+        c, norm = torch.where(moved, step, c), torch.where(moved, next_mass, norm)
+        frozen[:, j] = torch.where(reject, (px[:, j] - c * qx[:, j]).clamp(min=0.0), 0.0)
+        removed[:, j] = reject
+        d_next = total_q - torch.where(removed, qx, 0.0).sum(dim=-1)
+        trying = reject & (d_next / d > _TOL)  # q has no mass left: no child is tried after
+        d = torch.where(reject, d_next, d)
+    residual = (p0 - c[:, None] * q0).clamp_(min=0.0)
+    residual.scatter_(1, tokens, torch.where(removed, frozen, residual.gather(1, tokens)))
+    token = sample_rows(residual, u[:, k_max])
+    return torch.stack([accepted, token, bad], dim=1)
+
+
+def _first(flags: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first true entry, -1 where none."""
+    k = flags.shape[1]
+    idx = torch.where(flags, torch.arange(k, device=flags.device), k).amin(dim=1)
+    return torch.where(idx < k, idx, -1)
 
 
 def main_path(tree: TokenTree) -> list[int]:

@@ -331,9 +331,12 @@ class DrafterNode(LifecycleNode):
                 goal_handle.succeed()
         result = Instruct.Result(outcome=GOAL_OUTCOMES.index(kind), reason=reason)
         if goal is not None:
-            result.decisions, result.faults, result.tokens = goal.decisions, goal.faults, goal.tokens
+            for name, count in goal.result_fields().items():  # verified, draft-only, retrace: each kind apart
+                setattr(result, name, count)
             result.elapsed_s = float((now_ns(self) - goal.started_ns) / 1e9)
-        self.get_logger().info(f"instruct goal ended: {kind} ({reason}), {result.decisions} decisions")
+        self.get_logger().info(f"instruct goal ended: {kind} ({reason}), {result.decisions} verified decisions"
+                               + (f", {goal.draft_only_decisions} draft-only (LOSSY)"
+                                  if goal is not None and goal.draft_only_decisions else ""))
         return result
 
     # ------------------------------------------------------------------ deciding

@@ -162,21 +162,35 @@ class GoalProgress:
     generation: int               # the command started for it
     started_ns: int
     timeout_s: float = 0.0        # 0 = none
-    decisions: int = 0
+    decisions: int = 0            # verified decisions (the target checked each)
     faults: int = 0
-    tokens: int = 0
+    tokens: int = 0               # verified tokens, over the verified decisions
+    draft_only_decisions: int = 0  # the draft's own decisions while the link was lost (LOSSY, unverified)
+    draft_only_tokens: int = 0    # their tokens (the draft's, never verified)
+    retrace_steps: int = 0        # steps back while the link was lost (the navigator's, no decision)
     inactive_since_ns: int | None = None  # when the command was first seen ended with decisions unpublished
 
     def count(self, outcome: DecisionOutcome) -> bool:
-        """Record an outcome if it belongs to this goal's command (True then)."""
+        """Record an outcome if it belongs to this goal's command (True then): each kind apart."""
         if outcome.generation != self.generation:
             return False
         if outcome.is_fault:
             self.faults += 1
-        elif outcome.fallback != RETRACE:  # a retrace step is the navigator's, no decision of the goal's
+        elif outcome.fallback == RETRACE:
+            self.retrace_steps += 1
+        elif outcome.fallback == DRAFT_ONLY:
+            self.draft_only_decisions += 1
+            self.draft_only_tokens += outcome.tokens
+        else:
             self.decisions += 1
             self.tokens += outcome.tokens
         return True
+
+    def result_fields(self) -> dict[str, int]:
+        """The Instruct result's counts (its fields of the same names)."""
+        return {"decisions": self.decisions, "tokens": self.tokens, "draft_only_decisions": self.draft_only_decisions,
+                "draft_only_tokens": self.draft_only_tokens, "retrace_steps": self.retrace_steps,
+                "faults": self.faults}
 
     def ended(self, status: CommandStatus, now_ns: int) -> tuple[str, str] | None:
         """(GOAL_OUTCOMES name, reason) once the goal is over, else None. TIMEOUT and PREEMPTED
@@ -186,7 +200,7 @@ class GoalProgress:
         if not status.active:
             # the core ends the command when its last decision is finished, a moment before that
             # decision is published and counted here: the goal waits for it (at most GOAL_COUNT_GRACE_S)
-            if self.decisions < status.decisions:
+            if self.decisions + self.draft_only_decisions < status.decisions:
                 self.inactive_since_ns = self.inactive_since_ns if self.inactive_since_ns is not None else now_ns
                 if now_ns - self.inactive_since_ns < GOAL_COUNT_GRACE_S * NS:
                     return None

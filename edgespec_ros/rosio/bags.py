@@ -606,6 +606,11 @@ class RecordedDecision:
     fault: str
     fallback: str = ""  # "draft-only": the draft decided alone while the link was lost (LOSSY)
 
+    @property
+    def verified(self) -> bool:
+        """The target checked it: no fault stop, no draft-only decision (the draft's own text)."""
+        return not self.fault and not self.fallback
+
 
 @dataclass(frozen=True)
 class ReplayPair:
@@ -613,7 +618,7 @@ class ReplayPair:
     instruction: str
     log_ns: int        # when the bag received the frame
     stamp_ns: int      # the frame's capture stamp (header)
-    recorded: RecordedDecision | None = None  # the decision the robot took on this frame, if recorded
+    recorded: RecordedDecision | None = None  # the verified decision taken on this frame, if recorded: the reference
 
 
 PICKS = ("auto", "decided", "every")
@@ -726,14 +731,15 @@ class BagReplay:
                     events.append(("decision", key, action, msg.text))
         decided = []
         seen = set()
+        references = {k: rec for k, rec in decisions.items() if rec.verified}  # no fault's, nor the draft's own
         for t, stamp, instr in frames:
             if instr.startswith("\0every\0") or stamp in seen:
                 continue
-            rec = decisions.get(stamp)
-            if rec is not None and not rec.fault and not rec.fallback:  # the draft's own text is no reference
+            rec = references.get(stamp)
+            if rec is not None:
                 seen.add(stamp)
                 decided.append(ReplayPair(decision_instr[stamp] or instr, t, stamp, rec))
-        every = [ReplayPair(instr[len("\0every\0"):], t, stamp, decisions.get(stamp))
+        every = [ReplayPair(instr[len("\0every\0"):], t, stamp, references.get(stamp))
                  for t, stamp, instr in frames if instr.startswith("\0every\0")]
         if pick == "decided" and not decided:
             raise BagError(f"--replay-pick decided: the bag has no decisions on {self.decision_topic} whose camera "
@@ -748,7 +754,8 @@ class BagReplay:
                 else "a frame per interval after each command")
         return (f"{self.path} ({self.size_bytes / 2**20:.1f} MiB, {self.duration_s:.1f} s): {len(self.pairs)} pairs, "
                 f"{what}; camera {self.camera_name}"
-                + (f"; {greedy} recorded greedy decisions to compare" if self.pick == "decided" else ""))
+                + (f"; {greedy} recorded greedy verified decisions to compare" if greedy or self.pick == "decided"
+                   else ""))
 
     def first(self, n: int) -> "BagReplay":
         """The same replay over its first ``n`` pairs (no second scan)."""
