@@ -1,16 +1,16 @@
-"""Per-session KV slots (issue 57): a verifier's sequences keep their KV caches in slots of one
-preallocated pool per model (``decoding.engines.KVPool``/``SlotCache``), and a batched pass
-(``cloud.batch.feed_batch``) writes every row's new keys and values in place: no stacking or
-splitting per pass, rollback by length, slots reused after release, the pool grows past its first
-capacity and slot count, prefix reuse keeps working, and batched greedy decoding is token-identical
-to each session alone."""
+"""Per-session KV caches in blocks: a verifier's sequences keep their KV caches as block tables in
+one pool per model under a byte budget (``decoding.kv_pages.KVPool``/``SlotCache``), and a batched
+pass (``cloud.batch.feed_batch``) writes every row's new keys and values into its blocks: no
+stacking or splitting per pass, rollback gives blocks back, blocks reused after release, prefix
+reuse keeps working, and batched greedy decoding is token-identical to each session alone."""
 import gc
 
 import pytest
 import torch
 
 from edgespec_ros.cloud.batch import feed_batch
-from edgespec_ros.decoding.engines import KVPool, Sequence, SlotCache, wrap_model
+from edgespec_ros.decoding.engines import Sequence, wrap_model
+from edgespec_ros.decoding.kv_pages import KVPool, SlotCache, kv_layout, position_bytes
 from edgespec_ros.decoding.inputs import PromptInputs
 from edgespec_ros.decoding.preempt import run_steps
 from edgespec_ros.evaluation.replay import greedy_continue, greedy_continue_batch
@@ -25,10 +25,10 @@ def pair():
     return make_pair()
 
 
-def _lm(pair, slots=8, capacity=256):
-    """The pair's target under a LoadedModel of its own, with a pool of the given first size."""
+def _lm(pair, positions=4096):
+    """The pair's target under a LoadedModel of its own, with a pool of ``positions``."""
     lm = wrap_model(pair.target.model, pair.target.tokenizer, pair.target.image_processor)
-    lm._kv_pool = KVPool(pair.target.num_layers, slots=slots, capacity=capacity)
+    lm._kv_pool = KVPool.for_model(lm, positions * position_bytes(kv_layout(lm)))
     return lm
 
 
@@ -96,29 +96,29 @@ def test_a_batched_pass_writes_in_place(pair):
             _verifier_seq(lm, _inputs(_ids(lm, 37, 1))),
             _verifier_seq(lm, _inputs(_ids(lm, 20, 2)))]
     alone = [s.fork() for s in seqs]
-    assert len({s.cache.slot for s in seqs + alone}) == 6
+    assert len({id(s.cache.table) for s in seqs + alone}) == 6
+    assert not set(seqs[0].cache.table.blocks) & set(alone[0].cache.table.blocks)
     pool = lm.kv_pool()
     before = [(t, t.untyped_storage().data_ptr()) for t in pool.keys + pool.values]
     lengths = [s.fed for s in seqs]
     tokens = [[5, 6, 7, 8], [9], [10, 11]]
     got = feed_batch(seqs, tokens)
     assert [(t, t.untyped_storage().data_ptr()) for t in pool.keys + pool.values] == before
-    assert pool.growths == {"slots": 0, "capacity": 0}
     ref = [a.feed(t) for a, t in zip(alone, tokens)]
     for s, a, g, r, n, t in zip(seqs, alone, got, ref, lengths, tokens):
         assert s.cache.get_seq_length() == s.fed == n + len(t) and s.fed_tokens == a.fed_tokens
         torch.testing.assert_close(g, r, **TOL)
         torch.testing.assert_close(s.last_logits, a.last_logits, **TOL)
         _assert_same_kv(s, a)
-        k = s.cache.layers[0].keys  # a view of the slot, not a copy
-        assert k.untyped_storage().data_ptr() == pool.keys[0].untyped_storage().data_ptr()
+        # the keys are in the row's own blocks, in position order
+        blocks = pool.keys[0][s.cache.table.blocks].reshape(-1, pool.kv_heads, pool.head_dim)[:s.fed]
+        assert torch.equal(blocks.permute(1, 0, 2).unsqueeze(0), s.cache.layers[0].keys)
 
 
-def test_gathered_and_consecutive_slots_give_the_same_rows(pair):
-    """Rows in a run of consecutive slots are read as a view, others gathered: both as alone."""
+def test_any_rows_in_any_order_give_the_same_rows(pair):
+    """Rows of a pass in any order and grouping (a run of the batch or scattered): each as alone."""
     lm = _lm(pair)
     seqs = [_verifier_seq(lm, _inputs(_ids(lm, 30 + 7 * i, 10 + i))) for i in range(4)]
-    assert [s.cache.slot for s in seqs] == [0, 1, 2, 3]
     for rows in ([1, 2, 3], [0, 2, 3], [3, 1]):
         batch = [seqs[i] for i in rows]
         alone = [s.fork() for s in batch]
@@ -139,6 +139,7 @@ def test_rollback_is_a_length_and_a_rejected_tail_is_overwritten(pair):
     for s in seqs:  # the round rejects everything it fed
         s.crop(s.fed - len(s.fed_tokens))
     assert [s.cache.get_seq_length() for s in seqs] == [f.fed for f in fresh]
+    assert [len(s.cache.table.blocks) for s in seqs] == [pool.blocks_for(f.fed) for f in fresh]
     assert pool.keys[1].untyped_storage().data_ptr() == storage
     got = feed_batch(seqs, [[10], [11, 12]])
     for s, f, g, t in zip(seqs, fresh, got, [[10], [11, 12]]):
@@ -146,59 +147,34 @@ def test_rollback_is_a_length_and_a_rejected_tail_is_overwritten(pair):
         _assert_same_kv(s, f)
 
 
-def test_slots_come_back_when_released_or_dropped_and_are_reused(pair):
+def test_blocks_come_back_when_released_or_dropped_and_are_reused(pair):
     lm = _lm(pair)
     pool = lm.kv_pool()
     a = _verifier_seq(lm, _inputs(_ids(lm, 26, 5)))
     b = _verifier_seq(lm, _inputs(_ids(lm, 26, 6)))
-    assert (a.cache.slot, b.cache.slot, pool.in_use) == (0, 1, 2)
+    assert (pool.in_use, pool.held_blocks) == (2, 4) and a.cache.table.blocks == [0, 1]
     gone = a.cache
     a.release()  # at once
-    assert a.cache is None and pool.in_use == 1 and gone.released
+    assert a.cache is None and pool.in_use == 1 and pool.held_blocks == 2 and gone.released
     with pytest.raises(RuntimeError, match="released"), torch.inference_mode():
-        gone.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)  # the slot may be another's now
+        gone.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), 0)  # its blocks may be another's
     c = _verifier_seq(lm, _inputs(_ids(lm, 26, 7)))
-    assert c.cache.slot == 0
+    assert c.cache.table.blocks == [0, 1]  # the lowest free blocks first
     del b
     gc.collect()
-    assert pool.in_use == 1
-    d = _verifier_seq(lm, _inputs(_ids(lm, 26, 8)))
-    assert d.cache.slot == 1 and pool.slots == 8
-    # a new prompt on a sequence keeps its slot; a fork takes a new one
-    slot = c.cache.slot
+    assert pool.in_use == 1 and pool.held_blocks == 2
+    # a new prompt on a sequence keeps its table; a fork takes new blocks
+    table = c.cache.table
     c.prefill(_inputs(_ids(lm, 40, 9)))
-    assert c.cache.slot == slot and c.cache.get_seq_length() == 40
-    assert c.fork().cache.slot == 2
+    assert c.cache.table is table and c.cache.get_seq_length() == 40 and len(table.blocks) == 3
+    twin = c.fork()
+    assert not set(twin.cache.table.blocks) & set(table.blocks) and pool.held_blocks == 6
+    del twin
     gc.collect()
-    assert pool.in_use == 2
+    assert pool.in_use == 1 and pool.held_blocks == 3
 
 
-def test_the_pool_grows_past_its_first_capacity_and_slots(pair):
-    """A pool of 2 slots x 8 positions: five sessions of prompts longer than 8 (and then more
-    tokens) grow it, data kept; batched decoding still matches each session alone."""
-    lm = _lm(pair, slots=2, capacity=8)
-    pool = lm.kv_pool()
-    prompts = [_ids(lm, 11 + 5 * i, 20 + i) for i in range(5)]
-    seqs = [_verifier_seq(lm, _inputs(p)) for p in prompts]
-    assert pool.slots >= 5 and pool.capacity >= 31
-    assert pool.growths["slots"] >= 2 and pool.growths["capacity"] >= 1
-    alone = [_plain_seq(lm, _inputs(p)) for p in prompts]
-    for s, a in zip(seqs, alone):
-        torch.testing.assert_close(s.last_logits.cpu(), a.last_logits, **TOL)
-        _assert_same_kv(s, a)
-    budgets = [3, 40, 12, 25, 40]  # the longest run outgrows the capacity again mid-batch
-    cap = pool.capacity
-    eos = set()
-    for s, a in zip(seqs, alone):
-        for x in (s, a):
-            x.append_generated(int(x.last_logits.argmax()))
-    got = greedy_continue_batch(seqs, budgets, eos)
-    ref = [greedy_continue(a, n, eos) for a, n in zip(alone, budgets)]
-    assert got == ref
-    assert pool.capacity > cap
-
-
-def test_prefix_reuse_keeps_the_slot_and_its_positions(pair):
+def test_prefix_reuse_keeps_the_table_and_its_positions(pair):
     """A prompt extending the last one (a policy with memory): the shared positions stay in the
     slot, only the rest is computed, and the logits are a fresh prefill's."""
     lm = _lm(pair)
@@ -207,9 +183,9 @@ def test_prefix_reuse_keeps_the_slot_and_its_positions(pair):
     seq = _verifier_seq(lm, _inputs(first))
     seq.append_generated(int(seq.last_logits.argmax()))
     seq.next_logits()
-    slot = seq.cache.slot
+    table = seq.cache.table
     run_steps(seq.prefill_steps(_inputs(second), reuse=True))
-    assert seq.reused == 36 and seq.cache.slot == slot and seq.fed == len(second)
+    assert seq.reused == 36 and seq.cache.table is table and seq.fed == len(second)
     fresh = _plain_seq(lm, _inputs(second))
     torch.testing.assert_close(seq.last_logits.cpu(), fresh.last_logits, **TOL)
     _assert_same_kv(seq, fresh)
@@ -254,7 +230,7 @@ def test_a_fork_is_independent_of_its_source(pair):
     seq = _verifier_seq(lm, _inputs(_ids(lm, 30, 60)))
     keep = [(k.clone(), v.clone()) for k, v in _kv(seq)]
     twin = seq.fork()
-    assert twin.cache.slot != seq.cache.slot
+    assert twin.cache.table is not seq.cache.table
     feed_batch([twin, _verifier_seq(lm, _inputs(_ids(lm, 22, 61)))], [[5, 6, 7], [8]])
     twin.crop(10)
     twin.feed([9, 9])
@@ -287,8 +263,8 @@ def test_feed_batch_refuses_one_cache_twice(pair):
         feed_batch([seq, seq], [[5], [6]])
 
 
-def test_a_sessions_slot_comes_back_when_it_ends_even_while_it_is_still_referenced(pair, monkeypatch):
-    """The verifier releases a session's KV slot when the session ends (on the compute thread,
+def test_a_sessions_blocks_come_back_when_it_ends_even_while_it_is_still_referenced(pair, monkeypatch):
+    """The verifier releases a session's KV blocks when the session ends (on the compute thread,
     between passes), not when the garbage collector finds it: here every session object is kept
     alive, and the pool still empties. In process, ``LocalVerifier.close`` does the same, and the
     verifier can start again afterwards."""
@@ -314,7 +290,8 @@ def test_a_sessions_slot_comes_back_when_it_ends_even_while_it_is_still_referenc
             with rv:
                 EdgeDecoder(pair.draft, rv).decide(INSTRUCTIONS[0], pair.image, cfg)
         pool = target.kv_pool()
-        wait_until(lambda: pool.in_use == 0, what="every ended session's slot back in the pool")
+        wait_until(lambda: pool.in_use == 0 and pool.held_blocks == 0 and pool.free_blocks == pool.blocks,
+                   what="every ended session's blocks and promise back in the pool")
         assert len(kept) == 3 and all(s.target.seq.cache is None for s in kept)
     local = LocalVerifier(pair.target)
     decoder = EdgeDecoder(pair.draft, local)

@@ -4,16 +4,16 @@ blocks).
 
 ``feed_batch(seqs, token_lists)`` does for every sequence what ``Sequence.feed`` does for one (feed
 its tokens on top of its cache, at its own M-RoPE positions; returns the logits [n_i, V]) in one
-forward pass. Every sequence's cache is a slot of the model's ``KVPool`` (``decoding.engines``: a
-verifier's sequences are made there; any other is adopted into a slot on its first batched pass,
-copied once): per layer one preallocated [slots, kv_heads, capacity, head_dim] tensor. In the
-pass each layer reads the rows' slots up to the longest cache in ONE gather (a view when the rows
-are a run of consecutive slots), appends the new keys and values after it, and writes each row's
-new ones in place at its own positions [L_i, L_i + n) of its slot in ONE scatter; nothing is
-stacked, split or rebuilt per row, and a row's cache afterwards holds exactly its own new keys and
-values (its length moves by its own count), as if it had been fed alone. The attention mask is 1
-on each row's own cache [0, L_i) and its own new tokens [past, past + n_i) (the holes between are
-other rows' lengths: masked); positions are explicit per row. The logits stay on the model's
+forward pass. Every sequence's cache is a block table in the model's ``KVPool``
+(``decoding.kv_pages``: a verifier's sequences are made there; any other is adopted on its first
+batched pass, copied once). Before the pass every row takes the blocks its new tokens need; in the
+pass each layer writes every row's new keys and values into its own blocks in ONE scatter, then
+reads the rows' blocks group by group (``kv_pages.pass_groups``: rows of similar length; a row
+reads at most twice its own positions plus one block, so one long row never widens its
+neighbours' reads) and attends each group over its own span (``kv_pages.paged_attention``). A
+row's cache afterwards holds exactly its own new keys and values (its length moves by its own
+count), as if it had been fed alone. The mask of a row covers its own cache [0, L_i) and its own
+new tokens [L_i, L_i + n_i); positions are explicit per row. The logits stay on the model's
 device: ``verify_batch`` runs the verification rule there for every row at once
 (``decoding.verify.verify_rows``) and brings back one small int tensor per pass.
 
@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..decoding.engines import KVPool, Sequence, SlotCache
+from ..decoding.engines import Sequence
+from ..decoding.kv_pages import PagedPass, SlotCache, use_paged_attention
 from ..decoding.verify import verify_rows
 
 if TYPE_CHECKING:
@@ -43,28 +44,13 @@ if TYPE_CHECKING:
     from .target import TargetSession
 
 
-class _PassRows:
-    """What every layer of one batched pass shares: the rows' slots and lengths on the device."""
-
-    def __init__(self, pool: KVPool, slots: list[int], slot_ids: torch.Tensor, lengths: torch.Tensor, past: int,
-                 new: int):
-        self.pool, self.past, self.new = pool, past, new
-        b = len(slots)
-        # a run of consecutive slots is read as a view of the pool, others are gathered
-        self.run = slots[0] if slots == list(range(slots[0], slots[0] + b)) else None
-        self.slots = slot_ids  # [B] on the device
-        self.slot_col = slot_ids.view(b, 1)
-        self.at = lengths.view(b, 1) + torch.arange(new, device=lengths.device)  # [B, new]: row i's new positions
-
-
 class _PassLayer(DynamicLayer):
-    """One layer of the batched pass's cache: ``update`` returns [B, heads, past + new, dim]
-    (each row's slot up to the longest cache, then the new keys) and writes each row's new keys
-    and values in place at [slot_i, :, L_i:L_i + new] (a row's pads land past its own new length,
-    where nothing is read)."""
+    """One layer of the batched pass's cache: ``update`` writes each row's new keys and values into
+    its blocks and hands the attention each group's rows read over the group's span
+    (``kv_pages.PagedPass``: a ``PassKV``, attended by ``kv_pages.paged_attention``)."""
 
-    def __init__(self, rows: _PassRows, idx: int):  # noqa: D107 - nothing is kept but the pool's tensors
-        self.rows, self.idx = rows, idx
+    def __init__(self, paged: PagedPass, idx: int):  # noqa: D107 - nothing is kept but the pool's tensors
+        self.paged, self.idx = paged, idx
         self.is_initialized = True
         self.keys = self.values = None
 
@@ -72,31 +58,21 @@ class _PassLayer(DynamicLayer):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        r = self.rows
-        past = r.past
-        with r.pool.lock:
-            kp, vp = r.pool.layer(self.idx, key_states, value_states, past + r.new)
-            if r.run is not None:
-                old_k, old_v = kp[r.run:r.run + len(r.slots), :, :past], vp[r.run:r.run + len(r.slots), :, :past]
-            else:
-                old_k, old_v = kp[:, :, :past].index_select(0, r.slots), vp[:, :, :past].index_select(0, r.slots)
-            keys, values = torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
-            kp[r.slot_col, :, r.at] = key_states.transpose(1, 2)  # [B, new, heads, dim] at (slot_i, L_i + j)
-            vp[r.slot_col, :, r.at] = value_states.transpose(1, 2)
-        return keys, values
+        kv = self.paged.update(self.idx, key_states, value_states)
+        return kv, kv
 
     def get_seq_length(self) -> int:
-        return self.rows.past
+        return 0  # positions are explicit per row, and the attention's masks are the pass's own
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.rows.past + query_length, 0
+        return query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
 
-def _pass_cache(rows: _PassRows) -> Cache:
-    return Cache(layers=[_PassLayer(rows, i) for i in range(rows.pool.num_layers)])
+def _pass_cache(paged: PagedPass) -> Cache:
+    return Cache(layers=[_PassLayer(paged, i) for i in range(paged.pool.num_layers)])
 
 
 @dataclass(frozen=True)
@@ -126,8 +102,9 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
                trees: list[TreeRows | None] | None = None) -> list[torch.Tensor]:
     """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each,
     on the model's device (a lone sequence's where its ``device_logits`` says). Each cache is
-    written in place in its slot of the model's ``KVPool`` (a sequence whose cache is elsewhere is
-    adopted into one first). ``trees[i]``: row i's tokens are a token tree after a committed head
+    written in place in its blocks of the model's ``KVPool`` (a sequence whose cache is elsewhere is
+    adopted into one first; ``kv_pages.KVFull`` before anything is written when the pool cannot
+    give a row its blocks). ``trees[i]``: row i's tokens are a token tree after a committed head
     (its nodes attend to their ancestors only, siblings share a position); None: causal."""
     if len(seqs) != len(token_lists) or not seqs or (trees is not None and len(trees) != len(seqs)):
         raise ValueError("feed_batch needs one token list per sequence, and at least one")
@@ -148,40 +125,43 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
     pool = lm.kv_pool()
     for s in seqs:
         if isinstance(s.cache, SlotCache) and s.cache.released:
-            raise RuntimeError("feed_batch: a sequence's KV slot was released")
+            raise RuntimeError("feed_batch: a sequence's KV cache was released")
         if not (isinstance(s.cache, SlotCache) and s.cache.pool is pool):
             s.cache = SlotCache.adopt(pool, s.cache)  # once: in place from now on
         if s.cache.get_seq_length() != s.fed:
             raise RuntimeError(f"feed_batch: a cache holds {s.cache.get_seq_length()} positions, its sequence "
                                f"says {s.fed}")
     b = len(seqs)
-    slots = [s.cache.slot for s in seqs]
-    if len(set(slots)) != b:
+    if len({id(s.cache.table) for s in seqs}) != b:
         raise ValueError("feed_batch: two rows share one KV cache (a sequence twice?)")
     lengths = [s.fed for s in seqs]
     counts = [len(t) for t in token_lists]
-    past, new = max(lengths), max(counts)
+    for s, L, n in zip(seqs, lengths, counts):  # every row's blocks before the pass (KVFull: nothing written)
+        s.cache.ensure(L + n)
+    new = max(counts)
     device = lm.device
-    # the pass's inputs in two host -> device copies: per row (L_i, n_i, rope delta, slot), and the tokens
-    meta = torch.tensor([[L, n, s.rope_delta, slot] for L, n, s, slot in zip(lengths, counts, seqs, slots)],
-                        dtype=torch.long, device=device)
     ids = torch.tensor([list(t) + [0] * (new - len(t)) for t in token_lists], dtype=torch.long, device=device)
-    own, count, delta = meta[:, 0:1], meta[:, 1:2], meta[:, 2:3]
-    kv = torch.arange(past + new, device=device)
-    if trees is None:
-        mask = ((kv < own) | ((kv >= past) & (kv < past + count))).long()  # [B, past + new]
-        pos = own + delta + torch.arange(new, device=device)  # [B, new]; pads: past the row's end (masked)
-    else:
-        mask, pos = _tree_mask(lm, trees, lengths, counts, past, new, meta)
+    offsets = torch.zeros(b, new, dtype=torch.long)  # each new token's position after its row's cache
+    see = None
+    for i, n in enumerate(counts):
+        offsets[i, :n] = torch.arange(n)
+        offsets[i, n:] = torch.arange(n, new)  # pads: past the row's end (never read)
+    if trees is not None:
+        see = [None if t is None else t.visible() for t in trees]
+        for i, t in enumerate(trees):
+            if t is not None:
+                offsets[i, :counts[i]] = torch.tensor(t.offsets(), dtype=torch.long)
+    base = torch.tensor([L + s.rope_delta for L, s in zip(lengths, seqs)], dtype=torch.long).view(b, 1)
+    pos = (base + offsets).to(device)
     position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
-    rows = _PassRows(pool, slots, meta[:, 3], meta[:, 0], past, new)
-    out = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=_pass_cache(rows),
-                   use_cache=True)
+    use_paged_attention(lm.model)
+    paged = PagedPass(pool, [s.cache.table for s in seqs], lengths, counts, see)
+    out = lm.model(input_ids=ids, position_ids=position_ids, past_key_values=_pass_cache(paged), use_cache=True)
     logits = out.logits.float()  # stays on the device
     results = []
     for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
         n = counts[i]
-        s.cache.set_length(lengths[i] + n)  # its new keys and values are in its slot already
+        s.cache.set_length(lengths[i] + n)  # its new keys and values are in its blocks already
         s.fed += n
         if trees is not None and trees[i] is not None:  # a tree's nodes: no token history until compacted
             from ..decoding.tree import TREE_NODE
@@ -192,32 +172,6 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
         s.last_logits = row[-1].clone()  # a copy: a view would keep the whole pass's logits alive
         results.append(row)
     return results
-
-
-def _tree_mask(lm, trees: list[TreeRows | None], lengths: list[int], counts: list[int], past: int, new: int,
-               meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pass with tree rows: the additive 4-D mask [B, 1, new, past + new] (each row's own cache,
-    then its new tokens as its structure says: causal, or a tree's ancestors) and the positions
-    [B, new] (a tree's siblings share one); pads see their own cache and themselves."""
-    b = len(trees)
-    see = torch.zeros(b, new, past + new, dtype=torch.bool)
-    offsets = torch.zeros(b, new, dtype=torch.long)
-    for i, (t, length, n) in enumerate(zip(trees, lengths, counts)):
-        see[i, :, :length] = True
-        if t is None:
-            see[i, :n, past:past + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            offsets[i, :n] = torch.arange(n)
-        else:
-            see[i, :n, past:past + n] = t.visible()
-            offsets[i, :n] = torch.tensor(t.offsets(), dtype=torch.long)
-        pads = torch.arange(n, new)
-        see[i, pads, past + pads] = True
-        offsets[i, n:] = pads
-    dtype = next(lm.model.parameters()).dtype
-    mask = torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, torch.finfo(dtype).min)
-    device = meta.device
-    pos = meta[:, 0:1] + meta[:, 2:3] + offsets.to(device)
-    return mask.view(b, 1, new, past + new).to(device), pos
 
 
 @dataclass
@@ -242,7 +196,7 @@ class ArStep:
 class TreeRound:
     """One session's token-tree round (``decoding.tree``), for ``verify_batch``: its pending tokens
     and every node fed in the shared pass with the tree's mask, the tree rule on its rows (on the
-    host: a walk down the tree), the accepted path kept in place in its KV slot."""
+    host: a walk down the tree), the accepted path kept in place in its KV blocks."""
     session: TargetSession
     tree: object  # decoding.tree.TokenTree
     q: torch.Tensor | None  # [n + 1, V] (decoding.tree.rows_to_tree_q); None: greedy
@@ -297,6 +251,7 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
     live, starts, tokens, exits, trees = [], {}, {}, {}, {}
     for i, (s, r) in enumerate(zip(sessions, rounds)):
         try:
+            _hold(s, r)  # its KV blocks first (KVFull: its own error, nothing begun)
             if isinstance(r, ArStep):
                 s._require_started()
                 tokens[i] = s.seq.take_pending()
@@ -372,6 +327,20 @@ def verify_batch(rounds: list[Round | ArStep]) -> BatchResult:
         except Exception as exc:  # noqa: BLE001 - its own session's error, not the batch's
             errors[i] = exc
     return BatchResult(values, errors)
+
+
+def _hold(session: TargetSession, item) -> None:
+    """The blocks the item's tokens will take in the session's KV cache, taken before the pass."""
+    seq = session.seq
+    if not isinstance(getattr(seq, "cache", None), SlotCache):
+        return
+    if isinstance(item, ArStep):
+        n = len(seq.pending)
+    elif isinstance(item, TreeRound):
+        n = len(seq.pending) + len(item.tree)
+    else:
+        n = session.rows(len(item.draft_ids))
+    seq.cache.ensure(seq.fed + n)
 
 
 def _exit_hooks(sessions, fed_rows: list[int], tokens: dict, exits: dict, failed: dict):

@@ -9,6 +9,7 @@ import os
 
 from ..decoding.compute import compute_arg, compute_help, get_compute
 from ..decoding.engines import QUANTIZATIONS, ModelLoadError, load_model
+from ..decoding.kv_pages import BLOCK_SIZE, KV_FREE_SHARE, KVPool, default_budget
 from ..wire import protocol as P
 from .limits import ServerLimits
 from .limits import is_loopback
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         lim.add_argument(option, dest=name, type=kind, default=getattr(d, name), metavar=kind.__name__.upper(),
                          help=f"{text} (default {getattr(d, name)})")
+    ap.add_argument("--kv-budget-gb", type=kv_budget_arg, default="auto", metavar="GIB",
+                    help="memory of the sessions' KV caches, in GiB, allocated at start in blocks of "
+                         f"{BLOCK_SIZE} positions: a PREFILL is refused BUSY ('verifier full') when its prompt and "
+                         "its decision's maximum (--max-new-tokens more) do not fit beside the open sessions' "
+                         f"(default auto: what --max-sessions such decisions need, at most {KV_FREE_SHARE:g} of the "
+                         "device's free memory after the weights are loaded)")
     ap.add_argument("--max-batch", type=int, default=8,
                     help="verification rounds of up to this many sessions run as one batched forward pass "
                          "(rounds streaming early exits are batched too, each exit streamed from its own row); 1 = one at a time (default 8)")
@@ -179,6 +186,39 @@ LIMIT_OPTIONS = [
                                                     "tenant's robots batch only with each other, and a robot's pass "
                                                     "never carries another tenant's rows)"),
 ]
+
+
+def kv_budget_arg(text: str):
+    """--kv-budget-gb: 'auto' or a positive number of GiB."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"give a positive number of GiB or auto, not {text!r}")
+    return value
+
+
+def kv_pool(lm, choice, limits: ServerLimits):
+    """The verifier's KV pool (``decoding.kv_pages.KVPool``) under --kv-budget-gb, made now (its
+    bytes are allocated at once) and set as the model's; SystemExit when it holds no block."""
+    from ..decoding.verifier import MAX_BLOCK
+    if choice == "auto":
+        context = lm.max_context or limits.max_prompt_tokens + limits.max_new_tokens
+        positions = min(min(limits.max_prompt_tokens, context) + limits.max_new_tokens + MAX_BLOCK + 1, context)
+        budget = default_budget(lm, limits.max_sessions, positions)
+    else:
+        budget = int(choice * (1 << 30))
+    try:
+        pool = KVPool.for_model(lm, budget)
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: --kv-budget-gb: {exc}") from None
+    lm.__dict__["_kv_pool"] = pool
+    log.info("KV cache: %.3f GiB in %d blocks of %d positions (%d positions in all; --kv-budget-gb %s)",
+             pool.bytes / (1 << 30), pool.blocks, pool.block_size, pool.blocks * pool.block_size, choice)
+    return pool
 
 
 def threads_arg(text: str) -> str:
@@ -275,6 +315,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
     log.info("early exits: %s", f"layers {exits.layers} of {lm.num_layers} (fsd available)" if exits
              else "none (fsd unavailable: modes ar and sd)")
     log.info("precision: %s", precision_note(next(lm.model.parameters()).dtype))
+    kv_pool(lm, getattr(args, "kv_budget_gb", "auto"), limits)
     server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,

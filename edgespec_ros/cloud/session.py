@@ -42,6 +42,7 @@ from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Dispatch, Do
                    Step)  # Step: the session's rounds (re-exported)
 from ..decoding.verify import VERIFY_MODES, WISV, VerifySettings
 from ..decoding.inputs import Prompt
+from ..decoding.kv_pages import KVFull
 from ..decoding.sampling import SamplingParams
 from ..decoding.verifier import MAX_BLOCK, Condition, EpochGate  # noqa: F401 - MAX_BLOCK: the session's bound
 from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs, check_draft_probs_once
@@ -129,6 +130,10 @@ class VerifierSession:
         self.rounds = 0  # VERIFY frames of this decision, verified or dropped
         self.prompt_len = 0
         self.dropped_blocks = 0  # blocks of a void or ended epoch, dropped unverified
+        # KV admission: each PREFILL is promised its prompt plus the decision's maximum (what
+        # --max-new-tokens lets it commit and a block in flight), or refused as BUSY (kv_pages.KVFull)
+        if getattr(self.target, "seq", None) is not None:
+            self.target.seq.kv_headroom = self.limits.max_new_tokens + MAX_BLOCK + 1
 
     def frame_cap(self, max_frame: int) -> int:
         """The largest frame this session's settings can need (at most ``max_frame``): a PREFILL of
@@ -170,6 +175,15 @@ class VerifierSession:
         return Dispatch(self._work(msg))
 
     def _work(self, msg):
+        """The frame's work; KV memory the pool cannot give (admission at PREFILL: the prompt and
+        the decision's maximum; a decision past that maximum later) refuses it as BUSY."""
+        try:
+            return (yield from self._frame_work(msg))
+        except KVFull as exc:
+            raise SessionError(P.ErrorCode.BUSY, f"verifier full: its KV memory cannot hold this session's decision "
+                                                 f"({exc}); retry later (the operator's --kv-budget-gb)") from None
+
+    def _frame_work(self, msg):
         if self.state == AWAITING_HELLO:
             if not isinstance(msg, P.Hello):
                 raise SessionError(P.ErrorCode.BAD_FRAME, f"expected HELLO first, got {type(msg).__name__}")

@@ -6,27 +6,26 @@ sessions from one model. Positions are always passed explicitly: after image tok
 M-RoPE text positions are not the token count (they are shifted by ``rope_delta``), and the
 model's own cached ``rope_deltas`` attribute is shared module state we must not rely on.
 
-A verifier's sequences (``Sequence.device_logits``) keep their KV caches in slots of one
-preallocated pool per model (``KVPool``, ``SlotCache``): every forward writes its new positions in
-place, alone or in a batched pass of several sessions (``cloud.batch.feed_batch``), and a rollback
-only sets the length. A drafter's sequences keep a transformers ``DynamicCache``.
+A verifier's sequences (``Sequence.device_logits``) keep their KV caches as block tables in one
+pool per model under a byte budget (``decoding.kv_pages``: ``KVPool``, ``SlotCache``): every
+forward writes its new positions into the sequence's blocks, alone or in a batched pass of several
+sessions (``cloud.batch.feed_batch``), and a rollback gives back the blocks past the new length.
+A drafter's sequences keep a transformers ``DynamicCache``.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import hashlib
-import heapq
 import json
 import os
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, DynamicLayer
 
+from .kv_pages import KVPool, SlotCache
 from .verify import NO_TOKEN
 from .preempt import run_steps
 from .inputs import PromptInputs
@@ -118,17 +117,15 @@ class LoadedModel:
         return Sequence(self)
 
     def kv_pool(self) -> "KVPool":
-        """This model's KV slots (``KVPool``), made on first use: a verifier's sequences keep their
+        """This model's KV blocks (``decoding.kv_pages.KVPool``), made on first use with the default
+        budget unless one was set (``kv_pages.KVPool.for_model``): a verifier's sequences keep their
         caches there, and a batched pass (``cloud.batch.feed_batch``) writes every row's in place."""
         pool = self.__dict__.get("_kv_pool")
         if pool is None:
             with _POOL_LOCK:
                 pool = self.__dict__.get("_kv_pool")
                 if pool is None:
-                    cfg = self.model.config
-                    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-                    layers = getattr(text, "num_hidden_layers", None) or self.num_layers
-                    pool = self.__dict__["_kv_pool"] = KVPool(int(layers))
+                    pool = self.__dict__["_kv_pool"] = KVPool.for_model(self)
         return pool
 
 
@@ -335,252 +332,20 @@ def crop_cache(cache, keep: int) -> None:
 @torch.inference_mode()
 def keep_positions(cache, base: int, extra: list[int]) -> None:
     """Keep the first ``base`` cached positions and then ``extra`` (ascending positions >= base),
-    dropping every other: a token tree's accepted path (``decoding.tree``). In place in a slot
-    (``SlotCache``: the kept rows move down, the length follows), or by selecting a DynamicCache's."""
+    dropping every other: a token tree's accepted path (``decoding.tree``). In place in a
+    ``SlotCache``'s blocks (the kept rows move down, the length follows), or by selecting a DynamicCache's."""
     length = cache.get_seq_length()
     if any(p < base or p >= length for p in extra) or extra != sorted(extra) or base > length:
         raise ValueError(f"keep_positions: extra positions must be ascending, >= base {base} and cached "
                          f"(< {length}), got {extra}")
     if isinstance(cache, SlotCache):
-        with cache.pool.lock:
-            for layer in cache.layers:
-                if layer.released:
-                    raise RuntimeError("this SlotCache was released: its slot may be another sequence's now")
-                for store in (cache.pool.keys, cache.pool.values):
-                    t = store[layer.idx]
-                    if t is not None and extra:
-                        idx = torch.tensor(extra, dtype=torch.long, device=t.device)
-                        t[layer.slot, :, base:base + len(extra)] = t[layer.slot, :, :].index_select(1, idx)
-                layer.length = base + len(extra)
+        cache.keep_positions(base, extra)
         return
     device = cache.layers[0].keys.device
     idx = torch.tensor(list(range(base)) + list(extra), dtype=torch.long, device=device)
     for layer in cache.layers:
         layer.keys = layer.keys.index_select(2, idx)
         layer.values = layer.values.index_select(2, idx)
-
-
-# --- per-session KV slots: the verifier's caches ---------------------------------------------------
-
-KV_POOL_SLOTS = 8  # slots a model's KVPool starts with (doubled whenever every one is taken)
-KV_POOL_CAPACITY = 256  # positions per slot it starts with (doubled, at least, when a sequence needs more)
-
-
-class KVPool:
-    """One model's KV slots: per layer one preallocated keys and one values tensor
-    [slots, kv_heads, capacity, head_dim] (on the model's device, in its dtype, made at the layer's
-    first write), in which each verifier sequence owns a slot (``SlotCache``) and every forward
-    writes its new positions in place, alone (``Sequence.feed``, a prefill) or batched with other
-    sequences' rows (``cloud.batch.feed_batch``: one gather and one scatter per layer, no per-row
-    cache copies). A sequence's length lives in its ``SlotCache``: a rollback is a new length, and
-    positions past it are garbage, never read unmasked.
-
-    Slots are handed out lowest first (live sessions stay packed, so a batch's rows are often a run
-    of consecutive slots, read as a view) and come back when their ``SlotCache`` is released or
-    garbage-collected. Out of slots, or a sequence longer than ``capacity``: every layer tensor is
-    reallocated doubled and copied once. ``lock`` guards the tensors' identity: a write, a gather
-    and a growth each run under it, so a growth never loses another thread's write."""
-
-    def __init__(self, num_layers: int, slots: int = KV_POOL_SLOTS, capacity: int = KV_POOL_CAPACITY):
-        if num_layers < 1 or slots < 1 or capacity < 1:
-            raise ValueError("KVPool needs at least one layer, one slot and one position")
-        self.num_layers = num_layers
-        self.slots, self.capacity = slots, capacity
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self._free = list(range(slots))  # a heap: the lowest free slot first
-        self.lock = threading.RLock()
-        self.growths = {"slots": 0, "capacity": 0}  # reallocations so far (each copies the pool once)
-        self._initial = (slots, capacity)
-
-    def __deepcopy__(self, memo):
-        """A copied model (``copy.deepcopy`` of a LoadedModel) gets its own empty pool: sequences
-        hold their own pool, so copies of them stay valid where they are."""
-        return KVPool(self.num_layers, *self._initial)
-
-    def __repr__(self) -> str:
-        return f"KVPool(layers={self.num_layers}, slots={self.slots}, in_use={self.in_use}, capacity={self.capacity})"
-
-    @property
-    def in_use(self) -> int:
-        return self.slots - len(self._free)
-
-    def acquire(self) -> int:
-        """A free slot (the pool doubles its slots when none is left)."""
-        with self.lock:
-            if not self._free:
-                self._grow(slots=2 * self.slots)
-            return heapq.heappop(self._free)
-
-    def release(self, slot: int) -> None:
-        with self.lock:
-            heapq.heappush(self._free, slot)
-
-    def layer(self, idx: int, keys: torch.Tensor, values: torch.Tensor,
-              length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``idx``'s (keys, values) pool tensors, made like ``keys``/``values`` ([b, heads, n,
-        dim]) on first use and grown to hold ``length`` positions. Call it under ``lock``, and
-        write or read the tensors before releasing it."""
-        if length > self.capacity:
-            cap = self.capacity
-            while cap < length:
-                cap *= 2
-            self._grow(capacity=cap)
-        if self.keys[idx] is None:
-            with torch.inference_mode():
-                self.keys[idx] = keys.new_zeros((self.slots, keys.shape[1], self.capacity, keys.shape[3]))
-                self.values[idx] = values.new_zeros((self.slots, values.shape[1], self.capacity, values.shape[3]))
-        return self.keys[idx], self.values[idx]
-
-    def _grow(self, slots: int | None = None, capacity: int | None = None) -> None:
-        with self.lock:
-            new_slots, new_cap = slots or self.slots, capacity or self.capacity
-            with torch.inference_mode():
-                for store in (self.keys, self.values):
-                    for i, t in enumerate(store):
-                        if t is not None:
-                            bigger = t.new_zeros((new_slots, t.shape[1], new_cap, t.shape[3]))
-                            bigger[:self.slots, :, :self.capacity] = t
-                            store[i] = bigger
-            for s in range(self.slots, new_slots):
-                heapq.heappush(self._free, s)
-            self.growths["slots"] += new_slots > self.slots
-            self.growths["capacity"] += new_cap > self.capacity
-            self.slots, self.capacity = new_slots, new_cap
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Positions [0, length) of slot ``src`` into slot ``dst``, every layer."""
-        with self.lock, torch.inference_mode():
-            for store in (self.keys, self.values):
-                for t in store:
-                    if t is not None:
-                        t[dst, :, :length] = t[src, :, :length]
-
-
-class SlotLayer(DynamicLayer):
-    """One layer of a ``SlotCache``: its keys and values are views of its slot in the pool, [1,
-    heads, length, dim]; ``update`` writes the new positions in place at [slot, :, length:] and
-    returns the views up to the new length; ``crop`` only moves the length."""
-
-    def __init__(self, pool: KVPool, slot: int, idx: int):  # noqa: D107 - no super().__init__: keys are views
-        self.pool, self.slot, self.idx = pool, slot, idx
-        self.length = 0
-        self.is_initialized = True
-        self.released = False  # its slot went back to the pool: writing there would hit another sequence
-
-    def _view(self, store: list) -> torch.Tensor | None:
-        t = store[self.idx]
-        return None if t is None else t[self.slot:self.slot + 1, :, :self.length]
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._view(self.pool.keys)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._view(self.pool.values)
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.shape[0] != 1:
-            raise ValueError(f"a SlotCache holds one sequence, not a batch of {key_states.shape[0]}")
-        if self.released:
-            raise RuntimeError("this SlotCache was released: its slot may be another sequence's now")
-        start, n = self.length, key_states.shape[-2]
-        with self.pool.lock:
-            k, v = self.pool.layer(self.idx, key_states, value_states, start + n)
-            k[self.slot, :, start:start + n] = key_states[0]
-            v[self.slot, :, start:start + n] = value_states[0]
-            self.length = start + n
-            return k[self.slot:self.slot + 1, :, :start + n], v[self.slot:self.slot + 1, :, :start + n]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def crop(self, max_length: int) -> None:
-        """As ``DynamicLayer.crop``: keep the first ``max_length`` positions, or drop ``-max_length``."""
-        keep = self.length + max_length if max_length < 0 else max_length
-        self.length = max(0, min(self.length, keep))
-
-    def _not_here(self, *args, **kwargs):
-        raise NotImplementedError("a SlotCache layer lives in its pool: no offloading, reordering or batch reshaping")
-
-    offload = prefetch = reorder_cache = batch_repeat_interleave = batch_select_indices = _not_here
-
-
-class SlotCache(Cache):
-    """A sequence's HF cache in a slot of a ``KVPool`` (the verifier's sequences: ``Sequence.
-    device_logits``): writes go in place, rollback (``crop``) sets the length, ``copy.deepcopy``
-    (``Sequence.fork``) copies the positions into a new slot. The slot goes back to the pool on
-    ``release()`` or when the cache is garbage-collected."""
-
-    def __init__(self, pool: KVPool):
-        slot = pool.acquire()
-        super().__init__(layers=[SlotLayer(pool, slot, i) for i in range(pool.num_layers)])
-        self.pool, self.slot = pool, slot
-        self._finalizer = weakref.finalize(self, pool.release, slot)
-        self._finalizer.atexit = False
-
-    @classmethod
-    def adopt(cls, pool: KVPool, cache) -> "SlotCache":
-        """A SlotCache in ``pool`` holding what ``cache`` (a DynamicCache, or a SlotCache of
-        another pool) holds: copied once, written in place from then on."""
-        if isinstance(cache, SlotCache):
-            if cache.pool is pool:
-                return cache
-        new = cls(pool)
-        try:
-            with torch.inference_mode():
-                for i, layer in enumerate(cache.layers):
-                    k, v = layer.keys, layer.values
-                    if k is not None and k.numel():
-                        new.layers[i].update(k, v)
-        except BaseException:
-            new.release()
-            raise
-        return new
-
-    @property
-    def released(self) -> bool:
-        return not self._finalizer.alive
-
-    def release(self) -> None:
-        """Give the slot back now (idempotent); writing to the cache afterwards raises."""
-        for layer in self.layers:
-            layer.released = True
-        self._finalizer()
-
-    def set_length(self, length: int) -> None:
-        """Every layer's length: a rollback (or the rows a batched pass wrote); nothing is copied."""
-        for layer in self.layers:
-            layer.length = length
-
-    def clone(self) -> "SlotCache":
-        if self.released:
-            raise RuntimeError("this SlotCache was released: nothing to copy")
-        twin = SlotCache(self.pool)
-        self.pool.copy_slot(self.slot, twin.slot, max((layer.length for layer in self.layers), default=0))
-        for a, b in zip(self.layers, twin.layers):
-            b.length = a.length
-        return twin
-
-    def __deepcopy__(self, memo) -> "SlotCache":
-        twin = memo[id(self)] = self.clone()
-        return twin
-
-    def __repr__(self) -> str:
-        return f"SlotCache(slot={self.slot}, length={self.get_seq_length()}, pool={self.pool!r})"
 
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (edgespec_ros.decoding.preempt: one quantum each)
@@ -644,10 +409,13 @@ class Sequence:
     prompt_ids: list[int] = field(default_factory=list)  # the prompt whose positions begin the cache
     reused: int = 0  # prompt positions the last prefill kept from the cache instead of computing
     # the verifier's sequences keep their logits where the model computed them (the rule runs there:
-    # decoding.verify), and their KV cache in a slot of the model's KVPool (a SlotCache: written in
+    # decoding.verify), and their KV cache as blocks of the model's KVPool (a SlotCache: written in
     # place, alone or in a batched pass); a drafter's logits come back to the CPU, where it samples,
     # and its cache is a DynamicCache
     device_logits: bool = False
+    # a slot cache's promise at each prefill (kv_pages.SlotCache.reserve): the prompt plus this many
+    # positions (the verifier: its decision's maximum); None: nothing promised, blocks taken as it grows
+    kv_headroom: int | None = None
 
     def _out(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits kept by the sequence, as float32: on the model's device for a verifier's, else on
@@ -714,11 +482,19 @@ class Sequence:
         elif self.uses_slots:
             pool = self.lm.kv_pool()
             if isinstance(self.cache, SlotCache) and self.cache.pool is pool:
-                self.cache.set_length(0)  # a new prompt in the same slot
+                self.cache.set_length(0)  # a new prompt in the same block table
             else:
                 self.cache = SlotCache(pool)
         else:
             self.cache = DynamicCache(config=model.config) if _TRANSFORMERS_MAJOR >= 5 else DynamicCache()
+        if self.kv_headroom is not None and isinstance(self.cache, SlotCache):
+            ctx = self.lm.max_context  # a decision never holds more than the context
+            try:  # admission: KVFull when the pool cannot promise the whole decision
+                self.cache.reserve(min(n + self.kv_headroom, max(n, ctx)) if ctx else n + self.kv_headroom)
+            except BaseException:
+                self.cache.release()
+                self.cache, self.fed, self.prompt_ids = None, 0, []
+                raise
         self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = keep, rope_delta, [], [], []
         self.prompt_ids, self.reused = ids, keep
         self.last_logits = self.last_hidden = None
@@ -733,6 +509,8 @@ class Sequence:
                     piece.update(pixel_values=kwargs["pixel_values"], image_grid_thw=kwargs["image_grid_thw"],
                                  mm_token_type_ids=kwargs["mm_token_type_ids"][:, a:b])
                 try:
+                    if isinstance(self.cache, SlotCache):
+                        self.cache.ensure(b)
                     out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
                                 use_cache=True)
                 except BaseException:
@@ -753,6 +531,8 @@ class Sequence:
         device = self.lm.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         try:
+            if isinstance(self.cache, SlotCache):
+                self.cache.ensure(self.fed + n)  # KVFull here: nothing written
             with self._hidden_capture() as hidden:
                 mask = torch.ones(1, self.fed + n, dtype=torch.long, device=device)
                 out = self.lm.model(input_ids=ids, attention_mask=mask, position_ids=self._positions(n),
@@ -772,13 +552,13 @@ class Sequence:
 
     @property
     def uses_slots(self) -> bool:
-        """Whether this sequence's KV cache is a slot of its model's ``KVPool`` (a verifier's, or
-        one a batched pass adopted)."""
+        """Whether this sequence's KV cache is a block table in its model's ``KVPool`` (a
+        verifier's, or one a batched pass adopted)."""
         return self.device_logits or isinstance(self.cache, SlotCache)
 
     def release(self) -> None:
-        """Drop the KV cache now (a slot goes back to its pool at once, not when the sequence is
-        garbage-collected); the next use must prefill."""
+        """Drop the KV cache now (a slot cache's blocks go back to its pool at once, not when the
+        sequence is garbage-collected); the next use must prefill."""
         cache, self.cache = self.cache, None
         self.fed, self.prompt_ids, self.fed_tokens = 0, [], []
         self.last_logits = self.last_hidden = None
@@ -786,7 +566,7 @@ class Sequence:
             cache.release()
 
     def fork(self) -> "Sequence":
-        """An independent copy (KV cache cloned; a slot cache into a new slot of its pool):
+        """An independent copy (KV cache cloned; a slot cache into new blocks of its pool):
         pre-drafting on it never touches this one."""
         import copy
         twin = Sequence(self.lm, copy.deepcopy(self.cache), self.fed, self.rope_delta, list(self.pending),
