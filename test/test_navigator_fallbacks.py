@@ -143,13 +143,20 @@ class RecordingBackend:
             return [c for t, c in self.sent if t >= t0]
 
 
+# These tests hand the navigator odometry where each step would have taken the robot, at once: a
+# teleport, which the odometry jump rule would catch (its own test, below, keeps the shipped
+# tolerances); and they drive it by hand, with no robot driver to watch.
+BY_HAND = {"estop_required": False, "driver_timeout_s": 0.0, "odom_jump_m": 100.0, "odom_jump_deg": 180.0}
+
+
 @pytest.fixture
 def navigator():
-    """(navigator node, its backend, the graph) with the shipped config and no e-stop publisher."""
+    """(navigator node, its backend, the graph) with the shipped config, no e-stop publisher, no
+    robot driver and odometry that may teleport (BY_HAND)."""
     from edgespec_ros.bringup.graph import Graph
     from ros_helpers import domain_id, unique_namespace
     backend = RecordingBackend()
-    graph = Graph(("navigator",), overrides={"navigator": {"estop_required": False}},
+    graph = Graph(("navigator",), overrides={"navigator": BY_HAND},
                   node_kwargs={"navigator": {"backend_factory": lambda node, name: backend}},
                   domain_id=domain_id(), namespace=unique_namespace())
     with graph:
