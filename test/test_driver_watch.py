@@ -90,3 +90,26 @@ def test_a_fault_hold_stops_at_once_refuses_decisions_and_sits_below_the_estop()
     ex.on_fault_hold(1.7, "")
     ex.on_estop(1.8, False)
     assert ex.state == IDLE and ex.reason == "e-stop released"
+
+
+def test_the_drafter_decides_nothing_while_the_navigator_holds_a_fault_stop():
+    """The navigator's MotionState says state fault (its reason: the robot driver is silent): the
+    drafter waits, and decides again once a state without the hold comes."""
+    from drafting_helpers import frame, make
+    core, clock = make()
+    core.set_command("go")
+    core.set_frame(frame(clock))
+    out = core.run(core.begin())
+    core.note_motion("moving", out.stamp_ns, clock())
+    clock.advance(0.5)
+    core.note_motion(FAULT_HOLD, out.stamp_ns, clock(), "fault", "robot driver silent: no publisher on /odom")
+    clock.advance(0.05)
+    core.set_frame(frame(clock))
+    why = core.why_not_ready(clock())
+    assert why.startswith("the navigator holds the robot stopped (robot driver silent: no publisher on /odom)")
+    assert core.begin() is None
+    clock.advance(1.0)
+    core.note_motion(IDLE, out.stamp_ns, clock(), "none", "fault cleared (was: robot driver silent: ...)")
+    clock.advance(0.05)
+    core.set_frame(frame(clock))
+    assert core.why_not_ready(clock()) == "" and core.begin() is not None
