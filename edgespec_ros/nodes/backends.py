@@ -105,14 +105,16 @@ class TwistBackend(RobotBackend):
 
 
 class SportBackend(RobotBackend):
-    """unitree_ros2 sport API: Move (1008) streamed at the control rate, StopMove (1003) for zero."""
+    """unitree_ros2 sport API: Move (1008) streamed at the control rate, StopMove (1003) for zero.
+    ``message``: the Request class (default: imported from unitree_api)."""
 
     name = "unitree_sport"
 
-    def __init__(self, node: Node, topic: str):
-        Request = robot_message(self.name, "unitree_api", "Request", "github.com/unitreerobotics/unitree_ros2")
-        self.request_type = Request
-        self.publisher = node.create_publisher(Request, topic, RELIABLE_QOS)
+    def __init__(self, node: Node, topic: str, message=None):
+        if message is None:
+            message = robot_message(self.name, "unitree_api", "Request", "github.com/unitreerobotics/unitree_ros2")
+        self.request_type = message
+        self.publisher = node.create_publisher(message, topic, RELIABLE_QOS)
 
     def send(self, command) -> None:
         api_id, parameter = sport_request(command)
