@@ -198,11 +198,13 @@ def silence_and_recovery(graph: Graph, driver: FakeDriver, commands: Commands) -
     probe.publish_when_matched("decision", go)
     wait_until(lambda: state_for(probe, go, "moving"), what="the move")
     wait_until(lambda: any(commands.since(0.0)), what="a move reaching the robot")
+    assert len(nav.retrace.waypoints) == 1  # tracked on odometry: where it began is on the way back
     t_quiet = time.monotonic()
     driver.talking = False
     held = wait_until(lambda: state_for(probe, go, "fault"), what="the fault stop")
     assert held.outcome == MotionState.OUTCOME_FAULT
     assert held.reason.startswith(f"{DRIVER_SILENT}: no odometry for "), held.reason
+    assert nav.retrace.waypoints == () and nav._retrace_cut == "the robot driver went silent"  # its frame may reset
     sent = wait_until(lambda: commands.since(t_quiet) if not commands.since(t_quiet)[-1] else None,
                       what="the stop reaching the robot")
     t_stop = time.monotonic()
