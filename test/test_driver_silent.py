@@ -192,6 +192,7 @@ def silence_and_recovery(graph: Graph, driver: FakeDriver, commands: Commands) -
     probe.publisher(VerifiedAction, "decision", RELIABLE_QOS)
     wait_until(lambda: {k for k, _ in nav.driver._had} == {"subscriber", "publisher"},
                what="the navigator seeing the driver on the graph")
+    wait_until(lambda: nav.executor_.odometry_fresh(time.monotonic()), what="odometry from the driver")
 
     # 1. the driver stops talking while a move runs: the time rule
     go = decision(probe, "move forward 2 m")

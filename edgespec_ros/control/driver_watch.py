@@ -51,14 +51,14 @@ class DriverWatch:
 
     def update(self, now_s: float, subscribers: Mapping[str, int | None] = {},
                publishers: Mapping[str, int | None] = {}) -> str:
-        """'' while the driver answers, else why it is silent (beginning with ``DRIVER_SILENT``).
+        """'' while the driver answers, else why it is silent (beginning with ``DRIVER_SILENT``; the
+        same words for as long as the same rules hold).
         ``subscribers``: command topic -> its subscriber count; ``publishers``: state topic -> its
         publisher count (None: unknown)."""
         missing = self._graph_gaps("subscriber", subscribers) + self._graph_gaps("publisher", publishers)
         unanswered = self.unanswered_since_s is not None and now_s - self.unanswered_since_s > self.timeout_s
         if unanswered:
-            missing.append(f"no {self.stream} for {now_s - self.unanswered_since_s:.1f} s while commanding motion "
-                           f"(driver_timeout_s {self.timeout_s:g})")
+            missing.append(f"no {self.stream} for {self.timeout_s:g} s (driver_timeout_s) while commanding motion")
         if missing:
             if not self.silent:
                 self.silent_since_s = now_s

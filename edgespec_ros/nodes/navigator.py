@@ -118,8 +118,6 @@ class NavigatorNode(LifecycleNode):
             degraded = DegradedProfile(p["degraded_max_move_m"], p["degraded_max_turn_deg"], p["degraded_speed_scale"])
             continuity = OdometryContinuity(limits.max_linear_mps, limits.max_angular_rps, p["odom_jump_m"],
                                             math.radians(p["odom_jump_deg"]))
-            driver = DriverWatch(p["driver_timeout_s"], "odometry" if p["use_odometry"] else None) \
-                if p["driver_timeout_s"] > 0 else None
             if self._backend_factory is not None:
                 backend = self._backend_factory(self, p["backend"])
             else:
@@ -132,7 +130,7 @@ class NavigatorNode(LifecycleNode):
         with self._lock:
             self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                             p["stall_timeout_s"])
-            self.degraded, self.continuity, self.driver = degraded, continuity, driver
+            self.degraded, self.continuity = degraded, continuity
             self._new_way_back(())
             self._apply_estop(self._now_s())  # what the e-stop topic said (or has not yet) before configure
             self.backend = backend
@@ -162,6 +160,12 @@ class NavigatorNode(LifecycleNode):
                                                       callback_group=control)
             self._entities.append(self._odom_sub)
         with self._lock:
+            # the driver is watched afresh each time motion is enabled
+            self.driver = DriverWatch(self.p["driver_timeout_s"], "odometry" if self.p["use_odometry"] else None) \
+                if self.p["driver_timeout_s"] > 0 else None
+            if self.executor_.hold:  # the last watch's verdict: the new one judges again
+                self.executor_.on_fault_hold(self._now_s(), "")
+                self._publish_state()
             self._active = True
             engaged, reason = self._estop_state()
         if engaged:
@@ -192,6 +196,7 @@ class NavigatorNode(LifecycleNode):
         forget the running decision and disable motion (no subscriptions, no control timer)."""
         with self._lock:
             self._active = False  # from here a late callback can send nothing but a stop
+            self.driver, self._odom_sub = None, None  # nothing is watched while motion is disabled
         for entity in self._entities:
             if hasattr(entity, "cancel"):
                 entity.cancel()
@@ -410,7 +415,7 @@ class NavigatorNode(LifecycleNode):
         counts = self._driver_graph() if self.driver is not None else None
         with self._lock:
             now = self._now_s()
-            if counts is not None and self.executor_ is not None:
+            if counts is not None and self.driver is not None and self.executor_ is not None:
                 self._watch_driver(now, counts)
             self._tick(now)
 
