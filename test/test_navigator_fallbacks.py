@@ -143,22 +143,30 @@ class RecordingBackend:
             return [c for t, c in self.sent if t >= t0]
 
 
+# These tests hand the navigator odometry where each step would have taken the robot, at once: a
+# teleport, which the odometry jump rule would catch (its own test, below, keeps the shipped
+# tolerances); and they drive it by hand, with no robot driver to watch.
+BY_HAND = {"estop_required": False, "driver_timeout_s": 0.0, "odom_jump_m": 100.0, "odom_jump_deg": 180.0}
+
+
 @pytest.fixture
 def navigator():
-    """(navigator node, its backend, the graph) with the shipped config and no e-stop publisher."""
+    """(navigator node, its backend, the graph) with the shipped config, no e-stop publisher, no
+    robot driver and odometry that may teleport (BY_HAND)."""
     from edgespec_ros.bringup.graph import Graph
     from ros_helpers import domain_id, unique_namespace
     backend = RecordingBackend()
-    graph = Graph(("navigator",), overrides={"navigator": {"estop_required": False}},
+    graph = Graph(("navigator",), overrides={"navigator": BY_HAND},
                   node_kwargs={"navigator": {"backend_factory": lambda node, name: backend}},
                   domain_id=domain_id(), namespace=unique_namespace())
     with graph:
         yield graph.nodes["navigator"], backend, graph
 
 
-def odometry(nav, pose: Pose2D) -> None:
+def odometry(nav, pose: Pose2D, frame_id: str = "") -> None:
     """The navigator hears the robot at ``pose`` now (unstamped: its arrival time)."""
     msg = Odometry()
+    msg.header.frame_id = frame_id
     msg.pose.pose.position.x, msg.pose.pose.position.y = pose.x, pose.y
     q = msg.pose.pose.orientation
     q.x, q.y, q.z, q.w = quaternion_from_yaw(pose.yaw_rad)
@@ -338,3 +346,47 @@ def test_retrace_without_fresh_odometry_is_refused_and_a_move_without_it_cuts_th
     decide(nav, "look around", fallback=VerifiedAction.FALLBACK_RETRACE)
     snap, _ = executing(nav)
     assert snap.outcome == STOPPED and snap.reason.startswith(RETRACE_DONE_REASON) and "cut" in snap.reason
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_odometry_that_jumps_ends_the_retrace_with_a_fault_stop_and_drops_the_way_back():
+    """The red team's driver restart: odometry reset mid-retrace. With the shipped tolerances, a
+    reset (a step beyond the speed limit in its interval) stops the retrace step (a fault stop) and
+    the way back is gone; a new frame id does the same to a verified move tracked on odometry."""
+    from edgespec_ros.bringup.graph import Graph
+    from ros_helpers import domain_id, unique_namespace
+    backend = RecordingBackend()
+    graph = Graph(("navigator",), overrides={"navigator": {"estop_required": False, "driver_timeout_s": 0.0}},
+                  node_kwargs={"navigator": {"backend_factory": lambda node, name: backend}},
+                  domain_id=domain_id(), namespace=unique_namespace())
+    with graph:
+        nav, go = graph.nodes["navigator"], "go to the door"
+        odometry(nav, Pose2D(0.0, 0.0, 0.0), "odom")
+        decide(nav, go, parse_action("move forward 1 m"))
+        assert [w.x for w in nav.retrace.waypoints] == [0.0]
+        time.sleep(2.5)  # long enough to walk 1 m within the speed limit (0.5 m/s): no jump to get there
+        odometry(nav, Pose2D(1.0, 0.0, 0.0), "odom")
+        decide(nav, go, fallback=VerifiedAction.FALLBACK_RETRACE)
+        snap, action = executing(nav)
+        assert snap.state == MOVING and snap.closed_loop and action.kind == "turn"  # the way back begins
+        odometry(nav, Pose2D(0.0, 0.0, 0.0), "odom")  # the driver restarted: odometry back at its origin
+        t0 = time.monotonic()
+        snap, _ = executing(nav)
+        assert snap.state == IDLE and snap.outcome == FAULT, snap
+        assert snap.reason.startswith("fault stop: odometry jumped 1.00 m"), snap.reason
+        assert nav.retrace.waypoints == ()
+        time.sleep(0.2)
+        assert all(c.is_zero for c in backend.since(t0)), "motion after the jump"
+        odometry(nav, Pose2D(0.0, 0.0, 0.0), "odom")
+        decide(nav, go, fallback=VerifiedAction.FALLBACK_RETRACE)  # the next step: nothing to walk back to
+        snap, _ = executing(nav)
+        assert snap.outcome == STOPPED and snap.reason.startswith(RETRACE_DONE_REASON)
+        assert "the way back is cut: odometry jumped" in snap.reason
+        # a verified move tracked on odometry, and odometry in another frame (a restarted driver)
+        decide(nav, go, parse_action("move forward 1 m"))
+        assert executing(nav)[0].closed_loop and len(nav.retrace.waypoints) == 1
+        odometry(nav, Pose2D(0.0, 0.0, 0.0), "odom_restarted")
+        snap, _ = executing(nav)
+        assert snap.outcome == FAULT and "changed frame ('odom' -> 'odom_restarted')" in snap.reason
+        assert nav.retrace.waypoints == ()

@@ -40,9 +40,12 @@ def untrained_pair(tmp_path_factory):
 
 def graph(roles, overrides=None, node_kwargs=None) -> Graph:
     """A graph of ``roles``; its navigator, as in the simulated world, has no e-stop publisher to wait
-    for (estop_required false) unless ``overrides`` say otherwise (the e-stop tests)."""
+    for (estop_required false) unless ``overrides`` say otherwise (the e-stop tests). Without
+    sim_robot it has no robot driver either, so nobody watches one (driver_timeout_s 0) unless
+    ``overrides`` say so (the silent-driver tests)."""
     overrides = dict(overrides or {})
-    overrides["navigator"] = {"estop_required": False} | overrides.get("navigator", {})
+    no_driver = {} if "sim_robot" in roles else {"driver_timeout_s": 0.0}
+    overrides["navigator"] = {"estop_required": False} | no_driver | overrides.get("navigator", {})
     return Graph(roles, overrides=overrides, node_kwargs=node_kwargs, domain_id=domain_id(),
                  namespace=unique_namespace())
 

@@ -8,7 +8,7 @@ import pytest
 
 from edgespec_ros.control.actions import Action
 from edgespec_ros.control.motion import Pose2D
-from edgespec_ros.control.retrace import RetracePath
+from edgespec_ros.control.retrace import OdometryContinuity, RetracePath
 from edgespec_ros.control.link_health import LinkHealth, is_link_fault
 
 
@@ -49,6 +49,34 @@ def test_retrace_moves_in_pieces_the_grammar_allows():
     step = path.next_step(pose)
     assert step.action.kind == "move" and step.action.distance_m == pytest.approx(2.0)  # max_move_m
     assert step.left == 2
+
+
+def test_odometry_that_jumps_or_changes_frame_breaks_continuity():
+    """A step further than the speed limits allow over its interval (plus the tolerance), or a new
+    frame id, is a jump: the red team's driver restart reset odometry from (10, 0) to (0, 0)."""
+    c = OdometryContinuity(max_linear_mps=0.5, max_angular_rps=1.0, tolerance_m=0.3, tolerance_rad=math.radians(20))
+    assert c.check(0.0, Pose2D(0.0, 0.0, 0.0), "odom") == ""  # the first sample: nothing to compare
+    # walking at the limit, 20 Hz, and a long gap that covers a long step: continuous
+    t, x = 0.0, 0.0
+    for _ in range(40):
+        t, x = t + 0.05, x + 0.025
+        assert c.check(t, Pose2D(x, 0.0, 0.0), "odom") == ""
+    assert c.check(t + 10.0, Pose2D(x + 5.0, 0.0, 0.0), "odom") == ""  # 5 m in 10 s at 0.5 m/s
+    t, x = t + 10.0, x + 5.0
+    # a reset to the origin 0.05 s later: a jump of 6 m
+    why = c.check(t + 0.05, Pose2D(0.0, 0.0, 0.0), "odom")
+    assert why.startswith("odometry jumped 6.00 m")
+    # just within, and just beyond, what 0.1 s allows: 0.05 m + 0.3 m
+    assert c.check(t + 0.15, Pose2D(0.34, 0.0, 0.0), "odom") == ""
+    assert "jumped" in c.check(t + 0.25, Pose2D(0.34 + 0.36, 0.0, 0.0), "odom")
+    # a turn beyond the angular limit: 90 degrees in 0.05 s
+    assert "jumped 90 deg" in c.check(t + 0.3, Pose2D(0.7, 0.0, math.pi / 2), "odom")
+    assert c.check(t + 2.0, Pose2D(0.7, 0.0, 0.0), "odom") == ""  # 90 degrees back in 1.7 s: within
+    # a new frame id, wherever the pose is
+    assert "changed frame ('odom' -> 'odom_1')" in c.check(t + 2.05, Pose2D(0.7, 0.0, 0.0), "odom_1")
+    assert c.check(t + 2.1, Pose2D(0.7, 0.0, 0.0), "odom_1") == ""
+    with pytest.raises(ValueError, match="OdometryContinuity"):
+        OdometryContinuity(0.5, 1.0, 0.0, 0.1)
 
 
 def test_the_link_is_lost_after_the_stated_faults_and_back_on_a_verified_decision():

@@ -18,6 +18,9 @@ which the executor knows nothing of. The rules:
   pushing against something, or odometry stopped) is given up with an explicit zero ("blocked").
 * The e-stop overrides everything: immediate zero, the primitive is dropped, and decisions are
   refused until it is released.
+* A fault hold (``on_fault_hold``: a fault outside the decisions, such as a robot driver that went
+  silent) stops the same way and refuses decisions (outcome FAULT) until it is lifted; the e-stop
+  stays above it.
 * A decision may run slower than the limits (``on_decision(..., speed_scale=)``, at most 1): the
   degraded profile of a decision nobody verified (:class:`DegradedProfile`, which also clamps the
   primitive). Every rule above holds for it unchanged.
@@ -42,8 +45,8 @@ BLOCKED_NO_ODOMETRY_REASON = "blocked: no odometry"  # odometry stopped coming
 # retrace decision, STOPPED means "back at the start".
 RETRACE_DONE_REASON = "retrace done: nothing left to retrace"
 
-IDLE, MOVING, ESTOP, WATCHDOG = "idle", "moving", "estop", "watchdog"
-STATES = (IDLE, MOVING, ESTOP, WATCHDOG)
+IDLE, MOVING, ESTOP, WATCHDOG, FAULT_HOLD = "idle", "moving", "estop", "watchdog", "fault"
+STATES = (IDLE, MOVING, ESTOP, WATCHDOG, FAULT_HOLD)
 
 # How a decision ended; the index is MotionState's OUTCOME_* constant (a test keeps them in step).
 OUTCOMES = ("none", "completed", "stopped", "blocked_contact", "blocked_no_odometry", "rejected", "stale",
@@ -275,6 +278,7 @@ class MotionExecutor:
         self.decision_id: Any = None
         self.estop = False
         self._estop_reason = "e-stop engaged"
+        self.hold = ""                   # the fault holding the robot stopped ('' when none)
         self._velocity = ZERO            # last command sent (what the robot is assumed to do)
         self._zeros_due = 0
         self._last_decision_s: float | None = None
@@ -321,6 +325,10 @@ class MotionExecutor:
             self._halt(ESTOP, f"{self._estop_reason}; decision refused ({action.text if action else reason})",
                        action.text if action else "", ESTOPPED)
             return
+        if self.hold:
+            self._halt(FAULT_HOLD, f"{self.hold}; decision refused ({action.text if action else reason})",
+                       action.text if action else "", FAULT)
+            return
         if action is None:
             self._halt(IDLE, reason or "no action", "", refusal)
             return
@@ -346,9 +354,24 @@ class MotionExecutor:
             self._halt(ESTOP, reason, self.action_text, ESTOPPED)
         elif not engaged and self.estop:
             self.estop = False
-            self.state, self.reason, self.outcome = IDLE, "e-stop released", NO_OUTCOME
+            self.state, self.reason, self.outcome = (FAULT_HOLD, f"e-stop released; {self.hold}", FAULT) if self.hold \
+                else (IDLE, "e-stop released", NO_OUTCOME)
             # The watchdog restarts: no old decision may resume motion after a release.
             self._last_decision_s = now_s
+
+    def on_fault_hold(self, now_s: float, fault: str) -> None:
+        """Hold the robot stopped for ``fault`` (its reason, in words), or lift the hold (''):
+        engaging stops at once (outcome FAULT) and refuses decisions until lifted; lifting leaves
+        the robot idle, waiting for a new decision. Under the e-stop only the reason is kept."""
+        was, self.hold = self.hold, fault
+        if fault and not self.estop and (not was or self.state == FAULT_HOLD):
+            if was:  # held already: the reason changed
+                self.reason = fault
+            else:
+                self._halt(FAULT_HOLD, fault, self.action_text, FAULT)
+        elif not fault and was and not self.estop:
+            self.state, self.reason, self.outcome = IDLE, f"fault cleared (was: {was})", NO_OUTCOME
+            self._last_decision_s = now_s  # as after an e-stop release: no old decision resumes
 
     # ------------------------------------------------------------------ output
 

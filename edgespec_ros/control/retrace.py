@@ -8,6 +8,11 @@ the next primitive back. A primitive is an ordinary ``Action`` (a turn to face t
 then a move forward to it), so every stop path, the collision monitor and the motion limits apply
 to it as to any decision. It never goes past the command's start: the first waypoint is where the
 command began, and once the robot stands there (within ``reach_m``) there is nothing left.
+
+The waypoints are poses in the odometry's frame, so the way back holds only while that frame does:
+:class:`OdometryContinuity` says when odometry jumped (a step further than the speed limits allow
+in its interval, or a new frame id: a driver restart that reset odometry), and the navigator then
+drops the way back and ends a retrace step with a fault stop.
 """
 from __future__ import annotations
 
@@ -75,6 +80,41 @@ class RetracePath:
         else:
             action = Action.move_forward(min(math.hypot(dx, dy), self.config.max_move_m), self.config)
         return RetraceStep(action, target, len(self._waypoints))
+
+
+class OdometryContinuity:
+    """Whether each odometry sample continues the last one: ``check`` gives '' or why not (a jump).
+    A step is a jump when it is longer than ``max_linear_mps`` over the interval between the
+    samples plus ``tolerance_m``, or turns more than ``max_angular_rps`` over it plus
+    ``tolerance_rad``, or when the frame id changes. Times are seconds on one clock."""
+
+    def __init__(self, max_linear_mps: float, max_angular_rps: float, tolerance_m: float, tolerance_rad: float):
+        if min(max_linear_mps, max_angular_rps, tolerance_m, tolerance_rad) <= 0:
+            raise ValueError("OdometryContinuity: speed limits and tolerances must be > 0, got "
+                             f"{max_linear_mps}, {max_angular_rps}, {tolerance_m}, {tolerance_rad}")
+        self.max_linear_mps, self.max_angular_rps = max_linear_mps, max_angular_rps
+        self.tolerance_m, self.tolerance_rad = tolerance_m, tolerance_rad
+        self._last: tuple[float, Pose2D, str] | None = None
+
+    def check(self, stamp_s: float, pose: Pose2D, frame_id: str) -> str:
+        """'' when ``pose`` (measured at ``stamp_s`` in ``frame_id``) continues the last sample,
+        else why it does not; either way it becomes the last sample."""
+        last, self._last = self._last, (stamp_s, pose, frame_id)
+        if last is None:
+            return ""
+        t0, before, frame0 = last
+        if frame_id != frame0:
+            return f"odometry changed frame ({frame0!r} -> {frame_id!r})"
+        dt = max(stamp_s - t0, 0.0)
+        step = _distance(before, pose)
+        if step > self.max_linear_mps * dt + self.tolerance_m:
+            return (f"odometry jumped {step:.2f} m in {dt:.2f} s (at most {self.max_linear_mps:g} m/s "
+                    f"+ {self.tolerance_m:g} m)")
+        turn = abs(wrap_angle(pose.yaw_rad - before.yaw_rad))
+        if turn > self.max_angular_rps * dt + self.tolerance_rad:
+            return (f"odometry jumped {math.degrees(turn):.0f} deg in {dt:.2f} s (at most "
+                    f"{self.max_angular_rps:g} rad/s + {math.degrees(self.tolerance_rad):g} deg)")
+        return ""
 
 
 def _distance(a: Pose2D, b: Pose2D) -> float:

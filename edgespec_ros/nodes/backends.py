@@ -70,7 +70,24 @@ def robot_message(backend: str, package: str, name: str, source: str, why: str =
                           f"workspace and source it), or use backend 'twist'{why}") from exc
 
 
-class TwistBackend:
+class RobotBackend:
+    """What every backend shares: its one publisher to the robot, and who listens on it (the
+    navigator's silent-driver watch, ``control.driver_watch``, counts them)."""
+
+    name = ""
+    publisher = None
+
+    @property
+    def command_topic(self) -> str:
+        """The command topic's resolved name (namespace and remapping applied)."""
+        return self.publisher.topic_name
+
+    def subscribers(self) -> int:
+        """Subscribers of the command topic: the robot's driver, a multiplexer, a recorder."""
+        return self.publisher.get_subscription_count()
+
+
+class TwistBackend(RobotBackend):
     """geometry_msgs/Twist on cmd_vel (twist_mux, nav2, simulators). Not for go2_ros2_sdk: its cmd_vel
     path drops an all-zero Twist, so a stop never reaches the robot, which keeps its last velocity
     until the stream's own timeout; use ``go2_webrtc`` there."""
@@ -87,15 +104,17 @@ class TwistBackend:
         self.publisher.publish(msg)
 
 
-class SportBackend:
-    """unitree_ros2 sport API: Move (1008) streamed at the control rate, StopMove (1003) for zero."""
+class SportBackend(RobotBackend):
+    """unitree_ros2 sport API: Move (1008) streamed at the control rate, StopMove (1003) for zero.
+    ``message``: the Request class (default: imported from unitree_api)."""
 
     name = "unitree_sport"
 
-    def __init__(self, node: Node, topic: str):
-        Request = robot_message(self.name, "unitree_api", "Request", "github.com/unitreerobotics/unitree_ros2")
-        self.request_type = Request
-        self.publisher = node.create_publisher(Request, topic, RELIABLE_QOS)
+    def __init__(self, node: Node, topic: str, message=None):
+        if message is None:
+            message = robot_message(self.name, "unitree_api", "Request", "github.com/unitreerobotics/unitree_ros2")
+        self.request_type = message
+        self.publisher = node.create_publisher(message, topic, RELIABLE_QOS)
 
     def send(self, command) -> None:
         api_id, parameter = sport_request(command)
@@ -105,7 +124,7 @@ class SportBackend:
         self.publisher.publish(msg)
 
 
-class Go2WebRtcBackend:
+class Go2WebRtcBackend(RobotBackend):
     """go2_ros2_sdk's own request topic: go2_interfaces/msg/WebRtcReq on ``webrtc_req``, the sport API
     over its WebRTC link: Move (1008) streamed at the control rate, StopMove (1003, priority) for zero,
     so every stop (e-stop, watchdog, fault, a refused decision, shutdown) reaches the robot.

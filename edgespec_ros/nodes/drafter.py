@@ -258,7 +258,7 @@ class DrafterNode(LifecycleNode):
         core = self.core
         if core is not None:
             core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp),
-                             outcome_name(msg.outcome))
+                             outcome_name(msg.outcome), msg.reason)
 
     # ------------------------------------------------------------------ the instruct action
 

@@ -7,7 +7,8 @@
   latency and mode. One per decision, annotating the very frame the decision used (matched by its
   capture stamp), plus live frames at ``annotated_rate_hz``.
 * ``/diagnostics`` (diagnostic_msgs/DiagnosticArray): link round-trip time, tau, acceptance,
-  cache miss rate, tokens per second; the drafter's last fault; the navigator's state.
+  cache miss rate, tokens per second; the drafter's last fault; the navigator's state (ERROR while
+  it holds a fault stop: the robot driver is silent).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from visualization_msgs.msg import Marker, MarkerArray
 
 from ..control.actions import ActionParseError
 from ..rosio.imaging import ImageFormatError, annotate
-from ..control.motion import Pose2D, motion_preview, yaw_from_quaternion
+from ..control.motion import ESTOP, FAULT_HOLD, WATCHDOG, Pose2D, motion_preview, yaw_from_quaternion
 from ..msg import DecodingStats, MotionState, VerifiedAction
 from ..rosio import topics
 from . import params
@@ -233,7 +234,9 @@ class MonitorNode(Node):
         if motion is None:
             navigator.level, navigator.message = DiagnosticStatus.STALE, "no navigator state yet"
         else:
-            navigator.level = DiagnosticStatus.WARN if motion.state in ("estop", "watchdog") else DiagnosticStatus.OK
+            # a fault hold (the robot driver is silent) is an ERROR; the e-stop and the watchdog a WARN
+            navigator.level = DiagnosticStatus.ERROR if motion.state == FAULT_HOLD else \
+                DiagnosticStatus.WARN if motion.state in (ESTOP, WATCHDOG) else DiagnosticStatus.OK
             navigator.message = f"{motion.state}: {motion.reason}"
         array.status = [link, drafter, navigator]
         self.diagnostics_pub.publish(array)

@@ -21,7 +21,16 @@ The way back holds the pose before every move executed for the current command (
 draft-only decisions; never retrace steps). The current command is the decisions' ``command_id``
 (the drafter's command; a command given again with the same text has a new one) and instruction:
 a decision of another command starts a new way back, and a fault stop for a cancelled command ends it. A move that starts without fresh odometry
-cuts the way back (its start is unknown): it then leads only to the poses recorded since.
+cuts the way back (its start is unknown): it then leads only to the poses recorded since. So does
+odometry that jumps (``control.retrace.OdometryContinuity``: a step beyond the speed limits, a new
+frame id), which also ends a primitive tracked on it with a fault stop, and a robot driver that
+goes silent (its odometry may come back in another frame).
+
+The robot's driver is watched (``control.driver_watch.DriverWatch``, ``driver_timeout_s``): motion
+commanded and no odometry for that long, the backend's command topic without a subscriber or
+``odom`` without a publisher (once they had one) is a fault stop that holds (MotionState state
+"fault", outcome FAULT, reason "robot driver silent: ..."; the drafter stops deciding, /diagnostics
+says ERROR) until the driver answers again.
 """
 from __future__ import annotations
 
@@ -35,7 +44,8 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from std_msgs.msg import Bool
 
 from ..control.actions import Action, ActionParseError, parse_action
-from ..control.retrace import RetracePath
+from ..control.driver_watch import DriverWatch
+from ..control.retrace import OdometryContinuity, RetracePath
 from ..msg import MotionState, VerifiedAction
 from ..control.motion import (COMPLETED, FAULT, MOVING, REJECTED, RETRACE_DONE_REASON, STALE, ZERO, DegradedProfile,
                               MotionExecutor, MotionLimits, Pose2D, outcome_code, yaw_from_quaternion)
@@ -75,7 +85,10 @@ class NavigatorNode(LifecycleNode):
         self.degraded: DegradedProfile | None = None
         self.retrace = RetracePath()      # the way back along the current command's moves
         self._retrace_command: tuple = ()  # ... the command it belongs to: (command_id, instruction)
-        self._retrace_cut = False         # ... a move started without odometry: the start is not on it
+        self._retrace_cut = ""            # ... why it no longer reaches the command's start ('' when it does)
+        self.continuity: OdometryContinuity | None = None  # odometry jumps (set at configure)
+        self.driver: DriverWatch | None = None  # the robot driver's silence (None: not watched)
+        self._odom_sub = None
         self.backend = None
         self.state_pub = None
         self._entities: list = []
@@ -103,6 +116,8 @@ class NavigatorNode(LifecycleNode):
                                   p["max_angular_accel_rps2"], p["min_linear_mps"], p["min_angular_rps"],
                                   p["position_tolerance_m"], math.radians(p["angle_tolerance_deg"]))
             degraded = DegradedProfile(p["degraded_max_move_m"], p["degraded_max_turn_deg"], p["degraded_speed_scale"])
+            continuity = OdometryContinuity(limits.max_linear_mps, limits.max_angular_rps, p["odom_jump_m"],
+                                            math.radians(p["odom_jump_deg"]))
             if self._backend_factory is not None:
                 backend = self._backend_factory(self, p["backend"])
             else:
@@ -115,7 +130,7 @@ class NavigatorNode(LifecycleNode):
         with self._lock:
             self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                             p["stall_timeout_s"])
-            self.degraded = degraded
+            self.degraded, self.continuity = degraded, continuity
             self._new_way_back(())
             self._apply_estop(self._now_s())  # what the e-stop topic said (or has not yet) before configure
             self.backend = backend
@@ -141,9 +156,16 @@ class NavigatorNode(LifecycleNode):
             self.create_timer(1.0 / self.p["control_rate_hz"], self.on_control, callback_group=safety),
         ]
         if self.p["use_odometry"]:
-            self._entities.append(self.create_subscription(Odometry, topics.ODOM, self.on_odometry,
-                                                           SENSOR_STREAM_QOS, callback_group=control))
+            self._odom_sub = self.create_subscription(Odometry, topics.ODOM, self.on_odometry, SENSOR_STREAM_QOS,
+                                                      callback_group=control)
+            self._entities.append(self._odom_sub)
         with self._lock:
+            # the driver is watched afresh each time motion is enabled
+            self.driver = DriverWatch(self.p["driver_timeout_s"], "odometry" if self.p["use_odometry"] else None) \
+                if self.p["driver_timeout_s"] > 0 else None
+            if self.executor_.hold:  # the last watch's verdict: the new one judges again
+                self.executor_.on_fault_hold(self._now_s(), "")
+                self._publish_state()
             self._active = True
             engaged, reason = self._estop_state()
         if engaged:
@@ -174,6 +196,7 @@ class NavigatorNode(LifecycleNode):
         forget the running decision and disable motion (no subscriptions, no control timer)."""
         with self._lock:
             self._active = False  # from here a late callback can send nothing but a stop
+            self.driver, self._odom_sub = None, None  # nothing is watched while motion is disabled
         for entity in self._entities:
             if hasattr(entity, "cancel"):
                 entity.cancel()
@@ -295,7 +318,12 @@ class NavigatorNode(LifecycleNode):
 
     def _new_way_back(self, command: tuple) -> None:
         self.retrace.reset()
-        self._retrace_command, self._retrace_cut = command, False
+        self._retrace_command, self._retrace_cut = command, ""
+
+    def _cut_way_back(self, why: str) -> None:
+        """The poses recorded so far lead nowhere the robot can walk back to (lock held)."""
+        self.retrace.reset()
+        self._retrace_cut = why
 
     def _record_move(self, pose: Pose2D | None, action: Action) -> None:
         """A verified or draft-only ``action`` started executing at ``pose`` (None: no fresh
@@ -303,8 +331,7 @@ class NavigatorNode(LifecycleNode):
         if action.kind != "move":
             return
         if pose is None:  # where this move began is unknown: the way back ends here
-            self.retrace.reset()
-            self._retrace_cut = True
+            self._cut_way_back("a move started without odometry")
             if self.p["use_odometry"]:  # without odometry there is never a way back: nothing to say
                 self.get_logger().warning("way back cut: a move started without fresh odometry")
             return
@@ -317,8 +344,7 @@ class NavigatorNode(LifecycleNode):
             return None, "retrace refused: no fresh odometry to find the way back on", None
         step = self.retrace.next_step(self.executor_.odometry)
         if step is None:
-            where = "the way back is cut where a move started without odometry" if self._retrace_cut else \
-                "at the command's start"
+            where = f"the way back is cut: {self._retrace_cut}" if self._retrace_cut else "at the command's start"
             return Action.stop(), f"{RETRACE_DONE_REASON} ({where})", None
         return step.action, f"retrace: {step.left} waypoint(s) back to the command's start", step
 
@@ -365,12 +391,54 @@ class NavigatorNode(LifecycleNode):
         age = self._ros_now_s() - time_to_ns(msg.header.stamp) * NS
         stamp = now - age if 0.0 <= age <= self.p["odom_timeout_s"] * 10 else now
         with self._lock:
-            if self.executor_ is not None:
-                self.executor_.on_odometry(stamp, pose)
+            if self.executor_ is None:
+                return
+            if self.driver is not None:
+                self.driver.heard(now)
+            jump = self.continuity.check(stamp, pose, msg.header.frame_id)
+            if jump:  # before the executor hears the new pose: nothing is tracked across the jump
+                self._odometry_jumped(now, jump)
+            self.executor_.on_odometry(stamp, pose)
+
+    def _odometry_jumped(self, now: float, why: str) -> None:
+        """Odometry no longer continues the frame the way back and the running primitive were
+        measured in (lock held): drop the way back, and stop a primitive tracked on it."""
+        self._cut_way_back(why)
+        ex = self.executor_
+        stopped = ex.state == MOVING and ex.snapshot().closed_loop
+        if stopped:
+            ex.on_decision(now, None, decision_id=ex.decision_id, reason=f"fault stop: {why}", refusal=FAULT)
+            self._tick(now)
+        self.get_logger().error(f"{why}: the way back is dropped" + (f"; {ex.action_text} stopped" if stopped else ""))
 
     def on_control(self) -> None:
+        counts = self._driver_graph() if self.driver is not None else None
         with self._lock:
-            self._tick(self._now_s())
+            now = self._now_s()
+            if counts is not None and self.driver is not None and self.executor_ is not None:
+                self._watch_driver(now, counts)
+            self._tick(now)
+
+    def _driver_graph(self) -> tuple[dict, dict]:
+        """(subscribers of the command topic, publishers of odom) on the ROS graph now."""
+        backend, odom = self.backend, self._odom_sub
+        subscribers = {backend.command_topic: backend.subscribers()} if backend is not None else {}
+        publishers = {odom.topic_name: self.count_publishers(odom.topic_name)} if odom is not None else {}
+        return subscribers, publishers
+
+    def _watch_driver(self, now: float, counts: tuple[dict, dict]) -> None:
+        """Hold the robot stopped while its driver is silent, and lift the hold when it answers
+        again (lock held)."""
+        before = self.driver.reason
+        reason = self.driver.update(now, *counts)
+        if reason == before:
+            return
+        self.executor_.on_fault_hold(now, reason)
+        if reason and not before:
+            self._cut_way_back("the robot driver went silent")
+            self.get_logger().error(f"fault stop: {reason}; no motion until it answers again")
+        elif not reason:
+            self.get_logger().warning(f"the robot driver answers again (was: {before}): motion allowed")
 
     def _tick(self, now: float) -> None:
         """One control step: send what the executor wants, publish state changes (lock held).
@@ -378,6 +446,8 @@ class NavigatorNode(LifecycleNode):
         command = self.executor_.update(now)
         if command is not None and (self._active or command == ZERO):
             self.backend.send(command)
+            if self.driver is not None and command != ZERO:
+                self.driver.commanded(now)
         self._publish_state()
 
     def _publish_state(self) -> None:

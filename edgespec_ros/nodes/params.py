@@ -110,6 +110,15 @@ NAVIGATOR = (
                               "says true (the simulated world)"),
     P("stall_timeout_s", 1.0, "a closed-loop primitive without odometry progress for this long is given up "
                               "(blocked)", min_value=0.05),
+    P("driver_timeout_s", 2.0, "the robot driver is silent (a fault stop that holds until it answers again) when "
+                               "motion was commanded and no odometry came for this long, or when the command "
+                               "topic lost its last subscriber or odom its last publisher; 0: not watched (no "
+                               "robot driver, as when tests drive the navigator by hand)", min_value=0.0),
+    P("odom_jump_m", 0.3, "odometry jumped (the way back is dropped, a primitive tracked on it ends with a fault "
+                          "stop) when a step is longer than max_linear_mps over its interval plus this, or when "
+                          "its frame id changes", min_value=0.01),
+    P("odom_jump_deg", 20.0, "odometry jumped when a step turns more than max_angular_rps over its interval plus "
+                             "this (180: never on turns)", min_value=1.0, max_value=180.0),
     P("degraded_max_move_m", 0.25, "the degraded motion profile of an unverified decision (VerifiedAction.fallback "
                                    "draft-only: the draft model deciding alone while the link to the verifier is "
                                    "lost): its moves are shortened to at most this", min_value=0.01, max_value=2.0),

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
+from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY, DecodeConfig
 from ..control.link_health import LinkHealth, is_link_fault, stands_still
@@ -278,6 +278,7 @@ class DrafterCore:
         self.memory = memory_for(draft, command=True)
         self.link = LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
         self.retrace_done = False  # the navigator reported nothing left to retrace (or refused to) since the loss
+        self.robot_held = ""  # the navigator holds a fault stop (the robot driver is silent): its reason
         self.reconnects = 0  # reconnects that ended a link loss
         self._probing = False  # a reconnect is under way (probe_link): no decision starts meanwhile
         self._end_check = False  # retrace: the command ran out of decisions; its link is to be checked
@@ -324,11 +325,14 @@ class DrafterCore:
             if self.frame is None or frame.stamp_ns >= self.frame.stamp_ns:
                 self.frame = frame
 
-    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, outcome: str = NO_OUTCOME) -> None:
-        """The navigator reported ``state`` (idle|moving|estop|watchdog) for the decision whose
+    def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, outcome: str = NO_OUTCOME,
+                    reason: str = "") -> None:
+        """The navigator reported ``state`` (idle|moving|estop|watchdog|fault) for the decision whose
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
-        (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample)."""
+        (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample).
+        While it holds a fault stop (state fault, ``reason`` why) no decision starts."""
         with self._lock:
+            self.robot_held = (reason or "fault stop") if state == FAULT_HOLD else ""
             if (outcome in (RETRACE_DONE, REJECTED) and self.memory.awaiting_stamp == decision_stamp_ns
                     and self.memory.awaiting_retrace):
                 self.retrace_done = True  # back at the start, or the navigator cannot retrace (no odometry)
@@ -348,6 +352,8 @@ class DrafterCore:
             return f"no active command ({self.finished_reason or 'waiting for one'})"
         if self.in_flight is not None:
             return "a decision is in flight"
+        if self.robot_held:
+            return f"the navigator holds the robot stopped ({self.robot_held}): waiting for it to clear"
         if now_ns < self.retry_after_ns:
             return "backing off after a fault"
         if self._probing:
