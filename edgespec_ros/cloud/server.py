@@ -141,8 +141,7 @@ class VerifierServer:
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
         self.doorman = Doorman(self.limits, self.tokens)  # admission: handshakes, auth, session quotas
         self.gate = self.doorman.gate
-        self.door = FrontDoor(self.limits.max_connections, self.limits.max_handshakes_per_address,
-                              self.limits.header_timeout_s)
+        self.door = FrontDoor.for_gate(self.limits, self.gate)  # TCP admission, before the upgrade is read
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
         # With an emulated profile a pass's cost is known, so a pass may wait for rounds about to
@@ -596,7 +595,7 @@ class VerifierServer:
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          process_request=self._http_request,
                          ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
-                         ssl=self.ssl_context, create_connection=self.door.connection_class()) as server:
+                         ssl=self.ssl_context, **self.door.server_options()) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
             scheme = "wss" if self.ssl_context is not None else "ws"
             log.info("edgespec-verifier listening on %s://%s:%d (model %s, vocab %d, compute %s, auth %s)",
