@@ -112,11 +112,11 @@ def test_a_robot_that_authenticated_before_gets_in_while_strangers_hold_every_ot
             s.close()
 
 
-def _session_from(url: str, pair, source: str):
+def _session_from(url: str, pair, source: str, token: str = ""):
     from websockets.sync.client import connect
     ws = connect(url, open_timeout=5, close_timeout=2, compression=None, max_size=None,
                  source_address=(source, 0)).__enter__()
-    ws.send(P.encode(P.Hello("", pair.target.fingerprint(), pair.vocab, "dense32", "robot",
+    ws.send(P.encode(P.Hello(token, pair.target.fingerprint(), pair.vocab, "dense32", "robot",
                              memory=pair.target.memory, belief=pair.target.belief)))
     assert isinstance(P.decode(ws.recv(timeout=DEADLINE_S)), P.Welcome)
     return ws
@@ -186,3 +186,44 @@ def _probe(port: int) -> bool:
             return s.recv(1) == b""
         except ConnectionResetError:
             return True
+
+
+# --- log lines about authenticated sessions: a budget per token ---------------------------------
+
+TOKEN_A = "tenant-a-token-0123456789"
+TOKEN_B = "tenant-b-token-9876543210"
+
+
+def test_each_token_has_its_own_log_line_budget(caplog):
+    from edgespec_ros.cloud.front_door import TenantLogBudgets
+    clock = [0.0]
+    budgets = TenantLogBudgets(per_second=2, clock=lambda: clock[0])
+    assert [budgets.allow(0) for _ in range(4)] == [True, True, False, False]
+    assert budgets.allow(1) and budgets.allow(None)  # another token's (and the anonymous) budget is its own
+    assert budgets.suppressed == 2
+    caplog.set_level("WARNING", logger="edgespec.verifier")
+    clock[0] = 1.0
+    assert budgets.allow(0)
+    assert "2 log line(s) about the sessions of token #0 not written" in caplog.text
+
+
+def test_a_token_churning_sessions_from_8_addresses_writes_at_most_its_line_budget(pair, caplog):
+    """One token opens and closes sessions from 8 addresses as fast as it can: every session is
+    served, and the verifier writes at most the token's budget of lines a second about them (and
+    says how many it did not write)."""
+    import logging
+    import time
+    caplog.set_level(logging.INFO, logger="edgespec.verifier")
+    limits = ServerLimits(connect_rate=1000)
+    with ServerThread(VerifierServer(server_copy(pair.target), token=[TOKEN_A, TOKEN_B], limits=limits)) as st:
+        st.server.session_lines.per_second = 2
+        started = time.monotonic()
+        for i in range(60):
+            ws = _session_from(st.url, pair, f"127.0.0.{2 + i % 8}", token=TOKEN_A)
+            ws.send(P.encode(P.Close("churn")))
+            ws.close()
+        wait_until(lambda: st.server.sessions_served == 60, what="every session ended")
+        seconds = time.monotonic() - started
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("session ")]
+    assert len(lines) <= 2 * (seconds + 2), (len(lines), seconds)
+    assert st.server.session_lines.suppressed > 0

@@ -59,10 +59,10 @@ class LogBudget:
     """At most ``per_second`` log lines a second in all, whoever causes them: lines about
     connections that never authenticated cost a client nothing to cause (8 addresses at the
     connect rate wrote ~50,000 lines a minute). The rest are counted, and the next line allowed
-    says how many were not written."""
+    says how many were not written (``about``: whose lines they were)."""
 
-    def __init__(self, per_second: int = 10, clock=time.monotonic):
-        self.per_second, self.clock = per_second, clock
+    def __init__(self, per_second: int = 10, clock=time.monotonic, about: str = "unauthenticated connections"):
+        self.per_second, self.clock, self.about = per_second, clock, about
         self._window_at, self._in_window, self.suppressed, self._unsaid = -1e9, 0, 0, 0
 
     def allow(self) -> bool:
@@ -70,8 +70,8 @@ class LogBudget:
         if now - self._window_at >= 1.0:
             self._window_at, self._in_window = now, 0
             if self._unsaid:
-                log.warning("%d log line(s) about unauthenticated connections not written in the last "
-                            "second(s) (at most %d a second)", self._unsaid, self.per_second)
+                log.warning("%d log line(s) about %s not written in the last second(s) (at most %d a second)",
+                            self._unsaid, self.about, self.per_second)
                 self._unsaid = 0
         if self._in_window < self.per_second:
             self._in_window += 1
@@ -79,6 +79,31 @@ class LogBudget:
         self.suppressed += 1
         self._unsaid += 1
         return False
+
+
+SESSION_LINES_PER_SECOND = 5  # log lines a second about one token's sessions (opened, closed, refused)
+
+
+class TenantLogBudgets:
+    """Lines about authenticated sessions: a ``LogBudget`` per token (tenant; all sessions without
+    auth share one), so a token churning sessions, from however many addresses, writes at most
+    ``per_second`` lines a second (one token on 8 addresses wrote 20,542 a minute) and never
+    spends another token's budget. Bounded: one budget per token of the token file."""
+
+    def __init__(self, per_second: int = SESSION_LINES_PER_SECOND, clock=time.monotonic):
+        self.per_second, self.clock = per_second, clock
+        self.budgets: dict[int | None, LogBudget] = {}
+
+    def allow(self, tenant: int | None) -> bool:
+        budget = self.budgets.get(tenant)
+        if budget is None:
+            about = "sessions without auth" if tenant is None else f"the sessions of token #{tenant}"
+            budget = self.budgets[tenant] = LogBudget(self.per_second, self.clock, about)
+        return budget.allow()
+
+    @property
+    def suppressed(self) -> int:
+        return sum(b.suppressed for b in self.budgets.values())
 
 
 class FrontDoor:

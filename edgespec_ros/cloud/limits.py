@@ -12,12 +12,15 @@ import asyncio
 import functools
 import hashlib
 import ipaddress
+import logging
 import struct
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from ..wire.protocol import is_loopback  # noqa: F401 - re-exported: the cloud's checks use it from here
+
+log = logging.getLogger("edgespec.verifier")
 
 # HELLO carries a token, a fingerprint, a codec spec and a client name: a few hundred bytes. Until
 # a client has authenticated, no frame may be larger (the websocket layer cuts it before it is
@@ -304,6 +307,22 @@ def clean(text, limit: int = 120) -> str:
 
 class InsecureConfig(Exception):
     """Serving on a network address without auth, without --insecure-no-auth."""
+
+
+def check_exposure(host: str, auth: bool, insecure_no_auth: bool, tls: bool) -> None:
+    """Auth is required on any non-loopback address unless explicitly waived (loudly)."""
+    if is_loopback(host):
+        return
+    if not auth:
+        if not insecure_no_auth:
+            raise InsecureConfig(f"refusing to serve on {host or 'all interfaces'} without auth: anyone who can "
+                                 "reach this port could use the model. Give --token-file (and --tls-cert/--tls-key), "
+                                 "or --insecure-no-auth to accept that risk")
+        log.warning("!!! serving on %s WITHOUT AUTH (--insecure-no-auth): anyone who can reach this port can "
+                    "use the model and its compute !!!", host or "all interfaces")
+    if not tls:
+        log.warning("serving on %s without TLS: the auth token and the robot's camera frames cross the network "
+                    "in clear (give --tls-cert/--tls-key)", host or "all interfaces")
 
 
 class InboxBudget:
