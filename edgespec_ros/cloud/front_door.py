@@ -151,7 +151,8 @@ class FrontDoor:
 
     def stats(self) -> dict:
         return {"connections": self.open, "half_open": self.half_open, "refused_at_accept": self.refused_at_accept,
-                "admitted_on_reserve": self.admitted_on_reserve, "slow_headers_closed": self.slow_headers_closed, "accept_errors": self.accept_errors}
+                "admitted_on_reserve": self.admitted_on_reserve, "slow_headers_closed": self.slow_headers_closed,
+                "accept_errors": self.accept_errors}
 
     # --- called by the guarded connection ------------------------------------------------------
 

@@ -34,8 +34,8 @@ class ServerLimits:
 
     Admission has two pools: handshakes (connections without an accepted HELLO) and sessions. A
     connection without a valid token can only ever hold a handshake slot, and a full handshake pool
-    evicts from the address holding the most of them, so clients without a token cannot keep a
-    robot with one out; sessions are capped in all and per token (tenant), never per address (a
+    evicts a stranger's (an address that has not authenticated lately) from the address holding the
+    most of them, so clients without a token cannot keep a robot with one out; sessions are capped in all and per token (tenant), never per address (a
     fleet behind one NAT shares an address)."""
 
     max_sessions: int = 64  # authenticated sessions, all tenants
