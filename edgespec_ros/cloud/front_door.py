@@ -38,7 +38,8 @@ log = logging.getLogger("edgespec.verifier")
 FD_OWN = 64  # descriptors kept for the process's own files (models, traces, logs, the event loop)
 # The listening socket's backlog (asyncio's default, named): asyncio's accept loop takes up to this
 # many sockets per loop iteration, each judged by the door one iteration later and, if refused,
-# closed one after that, so up to ACCEPT_BATCHES_IN_FLIGHT batches are open beyond the count.
+# closed one after that, so up to ACCEPT_BATCHES_IN_FLIGHT batches are open beyond the count (per
+# listening socket: a --host that names one address listens on one).
 ACCEPT_BACKLOG = 100
 ACCEPT_BATCHES_IN_FLIGHT = 3
 FD_RESERVE = FD_OWN + ACCEPT_BATCHES_IN_FLIGHT * ACCEPT_BACKLOG  # descriptors the connection cap leaves free
