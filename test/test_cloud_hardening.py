@@ -1205,7 +1205,7 @@ def test_the_connection_cap_sits_below_the_file_limit_and_holds():
     from edgespec_ros.cloud.front_door import FD_RESERVE, FrontDoor, file_limit
     door = FrontDoor(max_connections=10_000, max_half_open_per_address=100, header_timeout_s=1.0,
                      fd_limit=FD_RESERVE + 5)
-    assert door.max_connections == 5 and "file limit 69" in door.describe()
+    assert door.max_connections == 5 and f"file limit {FD_RESERVE + 5}" in door.describe()
     assert [door.admit(f"10.0.0.{i}") for i in range(6)] == [True] * 5 + [False]
     assert door.refused_at_accept == 1 and door.open == 5 and door.half_open == 5
     door.request_read("10.0.0.0")

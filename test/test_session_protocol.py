@@ -296,3 +296,23 @@ def test_generate_steps_the_target_with_a_token_frame_each_until_eos():
     with pytest.raises(SessionError, match=r"max_new_tokens 0 not in 1\.\.1024") as info:
         drive(session, P.Generate(1, 0))
     assert info.value.code == P.ErrorCode.TOO_LARGE
+
+
+def test_a_token_tree_at_temperature_0_carrying_q_is_refused_and_one_without_is_read_as_none():
+    """In a rejection decision at temperature 0 a tree is verified on the target's argmax path, so
+    its q would never be decoded or checked: a tree block carrying one is refused (as a greedy
+    decision's chain with q is), and one without q goes on with none."""
+    for payload, refused in ((b"\0" * 4 * VOCAB, True), (b"", False)):
+        session = opened()
+        drive(session, P.Prefill(1, "go", b"", [1, 2, 3], temperature=0.0))  # verify mode rejection
+        dispatch = session.handle(P.Verify(1, 1, [4, 9], payload, parents=[-1, -1]))
+        begin = dispatch.next_work()
+        assert isinstance(begin, BeginRound) and begin.step.tree is not None
+        work = dispatch.next_work(None)
+        assert isinstance(work, RoundPass)
+        if refused:
+            with pytest.raises(SessionError, match="a token tree at temperature 0 carries a draft distribution") as info:
+                execute(session, work.prelude, None)
+            assert info.value.code == P.ErrorCode.BAD_REQUEST == 422
+        else:
+            assert execute(session, work.prelude, None) is None and begin.step.q is None

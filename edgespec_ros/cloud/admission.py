@@ -3,7 +3,8 @@ server and by the edge in front of Ray Serve's proxy (``cloud.ray_edge``).
 
 ``Doorman`` holds the connection gate (handshake pool, per-address connect rate), the auth
 throttle, the tokens, and the session quotas: per token (tenant), or per address when auth is off
-(then the address is the only identity). A connection is ``admit``-ted as a handshake, its HELLO's
+(then the address is the only identity). Addresses are counted by ``limits.address_key`` (an
+IPv6 client by its /64, an IPv4-mapped one as IPv4). A connection is ``admit``-ted as a handshake, its HELLO's
 token ``authenticate``-d, then it ``enter``-s the session pool, and ``leave``-s whatever it held.
 Every refusal is a ``SessionError`` with the code and the option that sets the limit.
 """
@@ -15,7 +16,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from ..wire import protocol as P
-from .limits import AuthThrottle, ConnectionGate, ServerLimits
+from .limits import AuthThrottle, ConnectionGate, ServerLimits, address_key
 from .session import SessionError
 
 
@@ -38,6 +39,7 @@ class Doorman:
         off (then the address's quota is checked)."""
         lim = self.limits
         if not self.tokens:
+            address = address_key(address)
             if self.address_sessions[address] >= lim.max_sessions_per_token:
                 raise SessionError(P.ErrorCode.TOO_MANY,
                                    f"this address already has {self.address_sessions[address]} sessions open "
@@ -72,6 +74,7 @@ class Doorman:
             self.tenant_sessions[tenant] += 1
             self._held[key] = ("tenant", tenant)
         else:
+            address = address_key(address)
             self.address_sessions[address] += 1
             self._held[key] = ("address", address)
         self.gate.trust(address)

@@ -155,13 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
 LIMIT_OPTIONS = [
     ("max_sessions", "--max-sessions", int, "authenticated sessions, all tenants"),
     ("max_handshakes", "--max-handshakes", int, "connections that have not yet sent an accepted HELLO (when full, "
-                                                "one from the address holding the most is closed for a new one)"),
+                                                "one from a stranger's address holding the most is closed for a new one)"),
     ("max_handshakes_per_address", "--max-handshakes-per-address", int,
-     "of those, from one IP address (sessions are not counted per address: a fleet behind one NAT)"),
+     "of those, from one IP address (an IPv6 client: its /64; sessions are not counted per "
+     "address: a fleet behind one NAT)"),
     ("connect_rate", "--connect-rate", float, "new connections per second from one IP address (bursts of twice that)"),
     ("max_connections", "--max-connections", int, "TCP connections open at once, all addresses (at most the "
-                                                  "process's file limit less 64, read at start-up and logged): "
-                                                  "past it a connection is closed as it is accepted"),
+                                                  "process's file limit less 364, read at start-up and logged): "
+                                                  "past it a connection is closed as it is accepted; "
+                                                  "--max-sessions of them (at most a quarter) are kept for "
+                                                  "addresses that authenticated in the last hour"),
     ("header_timeout_s", "--header-timeout", float, "seconds a connection has to send its whole HTTP upgrade "
                                                     "request (a slow one is closed; far below --handshake-timeout)"),
     ("auth_failures", "--auth-failures", int, "failed HELLOs with one token guess from one address that refuse "

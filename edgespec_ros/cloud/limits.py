@@ -9,13 +9,18 @@ Qwen2-VL-7B serving a few robots; all are `edgespec-verifier` options.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import ipaddress
+import logging
 import struct
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from ..wire.protocol import is_loopback  # noqa: F401 - re-exported: the cloud's checks use it from here
+
+log = logging.getLogger("edgespec.verifier")
 
 # HELLO carries a token, a fingerprint, a codec spec and a client name: a few hundred bytes. Until
 # a client has authenticated, no frame may be larger (the websocket layer cuts it before it is
@@ -29,8 +34,8 @@ class ServerLimits:
 
     Admission has two pools: handshakes (connections without an accepted HELLO) and sessions. A
     connection without a valid token can only ever hold a handshake slot, and a full handshake pool
-    evicts from the address holding the most of them, so clients without a token cannot keep a
-    robot with one out; sessions are capped in all and per token (tenant), never per address (a
+    evicts a stranger's (an address that has not authenticated lately) from the address holding the
+    most of them, so clients without a token cannot keep a robot with one out; sessions are capped in all and per token (tenant), never per address (a
     fleet behind one NAT shares an address)."""
 
     max_sessions: int = 64  # authenticated sessions, all tenants
@@ -70,6 +75,23 @@ class LimitError(Exception):
     """A request beyond a limit (the server turns it into an ERROR frame naming the limit)."""
 
 
+@functools.lru_cache(maxsize=4096)
+def address_key(address: str) -> str:
+    """What a client's per-address caps, connect rate, trust and auth failures are counted under:
+    an IPv4 address itself (an IPv4-mapped IPv6 address as that IPv4 address), an IPv6 address by
+    its /64 (one subscriber's prefix: a host given a /64 has 2^64 addresses to connect from), and
+    anything that is not an address (a test's name, '?') as it is. Idempotent: a key is its own key."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0].strip("[]"))  # no zone index
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 TRUSTED_FOR_S = 3600.0  # an address that authenticated this recently is evicted last from the handshake pool
 MAX_TRACKED_ADDRESSES = 65536  # per-address state (trust, connect rate, auth failures) stays bounded under a scan
 
@@ -83,11 +105,12 @@ class ConnectionGate:
     so a flood from a few addresses only ever churns its own slots. ``authenticated(key)`` moves a
     handshake into the session pool (a refusal text when the pool is full); ``release(key)`` frees
     whatever the connection held. A robot's HELLO arrives one round trip after it connects; the
-    connect rate bounds how fast a flood can churn the pool around it."""
+    connect rate bounds how fast a flood can churn the pool around it. Addresses are counted by
+    ``address_key`` (an IPv6 client by its /64)."""
 
     def __init__(self, limits: ServerLimits, clock=time.monotonic):
         self.limits, self.clock = limits, clock
-        self.handshakes: dict[object, tuple[str, float]] = {}  # key -> (address, when admitted)
+        self.handshakes: dict[object, tuple[str, float]] = {}  # key -> (address key, when admitted)
         self.per_address: dict[str, int] = defaultdict(int)  # handshakes per address
         self.sessions: set = set()
         self.trusted: dict[str, float] = {}  # address -> when it last completed a HELLO
@@ -98,10 +121,12 @@ class ConnectionGate:
         return len(self.handshakes)
 
     def is_trusted(self, address: str) -> bool:
-        when = self.trusted.get(address)
+        """Whether a client from ``address`` (its key) completed a HELLO within TRUSTED_FOR_S."""
+        when = self.trusted.get(address_key(address))
         return when is not None and self.clock() - when < TRUSTED_FOR_S
 
     def trust(self, address: str) -> None:
+        address = address_key(address)
         self.trusted.pop(address, None)
         self.trusted[address] = self.clock()
         if len(self.trusted) > MAX_TRACKED_ADDRESSES:  # bounded: forget the oldest
@@ -119,13 +144,15 @@ class ConnectionGate:
         return ok
 
     def _victim(self):
-        """The handshake to evict: from the address holding the most, untrusted before trusted,
-        the oldest among those."""
-        return min(self.handshakes, key=lambda k: (-self.per_address[self.handshakes[k][0]],
-                                                   self.is_trusted(self.handshakes[k][0]), self.handshakes[k][1]))
+        """The handshake to evict: an untrusted address's before any trusted one's (a robot that
+        authenticated before keeps its handshake while strangers fill the pool), then from the
+        address holding the most, the oldest among those."""
+        return min(self.handshakes, key=lambda k: (self.is_trusted(self.handshakes[k][0]),
+                                                   -self.per_address[self.handshakes[k][0]], self.handshakes[k][1]))
 
     def admit(self, key, address: str) -> tuple[str, object]:
         lim = self.limits
+        address = address_key(address)
         if not self._rate_ok(address):
             return (f"connecting too fast from this address (--connect-rate {lim.connect_rate:g} per second)", None)
         if self.per_address[address] >= lim.max_handshakes_per_address:
@@ -175,7 +202,7 @@ class AuthThrottle:
 
     @staticmethod
     def _key(address: str, guess: str) -> tuple[str, bytes]:
-        return address, hashlib.blake2b(guess.encode(), digest_size=16).digest()
+        return address_key(address), hashlib.blake2b(guess.encode(), digest_size=16).digest()
 
     def _recent(self, key) -> deque:
         q = self.failures.get(key)
@@ -280,6 +307,22 @@ def clean(text, limit: int = 120) -> str:
 
 class InsecureConfig(Exception):
     """Serving on a network address without auth, without --insecure-no-auth."""
+
+
+def check_exposure(host: str, auth: bool, insecure_no_auth: bool, tls: bool) -> None:
+    """Auth is required on any non-loopback address unless explicitly waived (loudly)."""
+    if is_loopback(host):
+        return
+    if not auth:
+        if not insecure_no_auth:
+            raise InsecureConfig(f"refusing to serve on {host or 'all interfaces'} without auth: anyone who can "
+                                 "reach this port could use the model. Give --token-file (and --tls-cert/--tls-key), "
+                                 "or --insecure-no-auth to accept that risk")
+        log.warning("!!! serving on %s WITHOUT AUTH (--insecure-no-auth): anyone who can reach this port can "
+                    "use the model and its compute !!!", host or "all interfaces")
+    if not tls:
+        log.warning("serving on %s without TLS: the auth token and the robot's camera frames cross the network "
+                    "in clear (give --tls-cert/--tls-key)", host or "all interfaces")
 
 
 class InboxBudget:

@@ -39,6 +39,8 @@ STATUS_METRICS = {
     "half_open": ("half_open_connections", "gauge", "connections whose HTTP upgrade request is not yet read"),
     "refused_at_accept": ("refused_at_accept", "counter",
                           "connections closed as accepted: the connection cap, or too many half-open from one address"),
+    "admitted_on_reserve": ("connections_on_reserve", "counter",
+                            "connections let in on the share of the cap kept for addresses that authenticated before"),
     "slow_headers_closed": ("slow_headers_closed", "counter",
                             "connections closed for not sending their upgrade request within --header-timeout"),
     "accept_errors": ("accept_errors", "counter", "failed accept() calls (out of file descriptors)"),

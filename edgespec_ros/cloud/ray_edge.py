@@ -57,8 +57,7 @@ class EdgeRelay:
         self.edge_secret = edge_secret  # sent beside X-Forwarded-For (EDGE_SECRET)
         self.limits = limits or ServerLimits()
         self.doorman = Doorman(self.limits, [t.encode() for t in tokens or []])
-        self.door = FrontDoor(self.limits.max_connections, self.limits.max_handshakes_per_address,
-                              self.limits.header_timeout_s)
+        self.door = FrontDoor.for_gate(self.limits, self.doorman.gate)
         self.ssl_context = ssl_context
         self.max_frame = max_frame
         self.handshake_timeout_s = handshake_timeout_s
@@ -78,7 +77,7 @@ class EdgeRelay:
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          process_request=self._http_request, ping_interval=20, ping_timeout=20,
                          open_timeout=self.handshake_timeout_s, ssl=self.ssl_context,
-                         create_connection=self.door.connection_class()) as server:
+                         **self.door.server_options()) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
             log.info("edge on %s://%s:%d in front of %s", "wss" if self.ssl_context else "ws", host, self.port,
                      self.backend)

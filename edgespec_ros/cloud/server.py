@@ -29,8 +29,8 @@ from .exit_stream import EXIT_QUEUE_POLICIES, ExitSender
 from .fair import FairCompute, Occupy, SessionGone
 from .metrics import VerifierMetrics
 from .admission import Doorman, refuse
-from .front_door import FrontDoor, LogBudget
-from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, InsecureConfig, ServerLimits, clean, is_loopback
+from .front_door import FrontDoor, LogBudget, TenantLogBudgets
+from .limits import PREAUTH_MAX_FRAME, Inbox, InboxBudget, ServerLimits, check_exposure, clean, is_loopback
 from .session import Identity, SessionError, Step, VerifierSession
 from .work import (ArStepPass, AskHidden, Authenticate, BeginRound, Done, EndRound, HostWork, LonePass, Open, PassRow,
                    PrefillWork, RoundPass, RoundTiming, SendFrame, Work)
@@ -141,8 +141,7 @@ class VerifierServer:
         self.status_interval_s = status_interval_s  # the operator's status log line (0: none)
         self.doorman = Doorman(self.limits, self.tokens)  # admission: handshakes, auth, session quotas
         self.gate = self.doorman.gate
-        self.door = FrontDoor(self.limits.max_connections, self.limits.max_handshakes_per_address,
-                              self.limits.header_timeout_s)
+        self.door = FrontDoor.for_gate(self.limits, self.gate)  # TCP admission, before the upgrade is read
         # Every session's model and codec work, fairly shared; dense rounds of up to max_batch
         # sessions run as one forward pass (cloud.batch.verify_batch).
         # With an emulated profile a pass's cost is known, so a pass may wait for rounds about to
@@ -165,6 +164,7 @@ class VerifierServer:
         # lines about connections that never authenticated (refusals, failed HELLOs, hang-ups): a
         # budget in all, not per address, so no set of clients can fill the disk
         self.line_budget = LogBudget(per_second=1)
+        self.session_lines = TenantLogBudgets()  # lines about authenticated sessions: a budget per token
         # Prometheus (GET /metrics); the Ray front end labels its replica
         self.metrics = VerifierMetrics(self.model_name, self.status, metrics_labels)
 
@@ -190,17 +190,17 @@ class VerifierServer:
         try:
             await self._session(conn)
         except SessionError as exc:
-            if conn.accepted or self.line_budget.allow():
+            if self._may_log(conn):
                 log.warning("session %s: %s (code %d)", conn.peer, clean(exc, 300), exc.code)
             self.errors.append(str(exc))
             await self._refuse(ws, exc.code, str(exc), 1008 if exc.code < 500 else 1011)
         except SessionGone:
-            if conn.accepted or self.line_budget.allow():
+            if self._may_log(conn):
                 log.info("session %s: client closed the connection; its queued work was cancelled", conn.peer)
         except Exception as exc:  # the client vanished, or a bug: log it, keep serving others
             from websockets.exceptions import ConnectionClosed
             if isinstance(exc, ConnectionClosed):
-                if conn.accepted or self.line_budget.allow():
+                if self._may_log(conn):
                     log.info("session %s: client closed the connection (%s)", conn.peer, clean(exc))
             else:
                 incident = secrets.token_hex(4)
@@ -233,6 +233,11 @@ class VerifierServer:
             log.info("session %s: no HELLO yet while the handshake slots are full: closed", conn.peer)
         asyncio.ensure_future(self._refuse(conn.ws, P.ErrorCode.BUSY, "handshake too slow: HELLO must follow "
                                            "the connection at once while the verifier is busy", 1013))
+
+    def _may_log(self, conn: _Conn) -> bool:
+        """Whether a line about ``conn`` is within its budget: its token's once it authenticated
+        (``TenantLogBudgets``), else the one budget of all unauthenticated connections."""
+        return self.session_lines.allow(conn.tenant) if conn.accepted else self.line_budget.allow()
 
     def _log_refusal(self, peer: str, refusal: str) -> None:
         """A refused connection's log line, within the line budget: a flood must not fill the disk."""
@@ -287,9 +292,10 @@ class VerifierServer:
                                                  "while the verifier is busy")
         session = conn.session = VerifierSession(self.lm, self.limits, self.welcome_identity())
         await self._open(conn, session, hello)
-        log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64),
-                 session.codec.label(), clean(hello.draft, 64) or "unnamed",
-                 "" if conn.tenant is None else f", token #{conn.tenant}")
+        if self._may_log(conn):
+            log.info("session %s: open (client %s, codec %s, draft %s%s)", conn.peer, clean(hello.client, 64),
+                     session.codec.label(), clean(hello.draft, 64) or "unnamed",
+                     "" if conn.tenant is None else f", token #{conn.tenant}")
         live: list[ExitSender] = []  # this session's exit sender while a round streams
         inbox = Inbox(16, max(conn.frame_cap, 1 << 20), self._tenant_bytes, conn.flow or ("session", conn.key),
                       self.limits.max_tenant_inbox_bytes)
@@ -297,7 +303,8 @@ class VerifierServer:
         try:
             await self._serve_frames(conn, session, live, inbox)
         except ClientClosed as closed:  # a CLOSE where a round waited for a reply (HIDDEN)
-            log.info("session %s: closed by client (%s)", conn.peer, clean(closed.reason))
+            if self._may_log(conn):
+                log.info("session %s: closed by client (%s)", conn.peer, clean(closed.reason))
             await ws.close()
         finally:
             reader.cancel()
@@ -353,7 +360,8 @@ class VerifierServer:
             msg, arrived = stash.popleft() if stash else await self._recv(ws, idle_left, inbox, conn.frame_cap,
                                                                            timeout_text=self.idle_timeout_s)
             if isinstance(msg, P.Close):
-                log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
+                if self._may_log(conn):
+                    log.info("session %s: closed by client (%s)", conn.peer, clean(msg.reason))
                 await ws.close()
                 return
             clock: _RoundClock | None = None  # the round this frame's work verifies, once begun
@@ -461,16 +469,16 @@ class VerifierServer:
             self.verified_tokens += 1
             conn.decision_tokens += 1
 
-    @staticmethod
-    def _log_lossy(conn: _Conn, session: VerifierSession, settings: VerifySettings, decision: int) -> None:
-        """Say once per session and kind when its decisions stop being the target's own (LOSSY)."""
+    def _log_lossy(self, conn: _Conn, session: VerifierSession, settings: VerifySettings, decision: int) -> None:
+        """Say once per session and kind (within its token's line budget) when its decisions stop
+        being the target's own (LOSSY)."""
         kinds = []
         if settings.verify_mode == WISV:
             kinds.append("verify mode wisv (semantic acceptance)")
         if session.codec.lossy and settings.params.temperature != 0:
             kinds.append(f"sampling through codec {session.codec.label(settings.params.temperature)}")
         for kind in kinds:
-            if kind not in conn.lossy_said:
+            if kind not in conn.lossy_said and self._may_log(conn):
                 conn.lossy_said.add(kind)
                 log.info("session %s: decision %d on: LOSSY, %s", conn.peer, decision, kind)
 
@@ -567,19 +575,7 @@ class VerifierServer:
         return Occupy(max(spent, target), target - spent) if target else spent
 
     def check_exposure(self, host: str) -> None:
-        """Auth is required on any non-loopback address unless explicitly waived (loudly)."""
-        if is_loopback(host):
-            return
-        if not self.tokens:
-            if not self.insecure_no_auth:
-                raise InsecureConfig(f"refusing to serve on {host or 'all interfaces'} without auth: anyone who can "
-                                     "reach this port could use the model. Give --token-file (and --tls-cert/--tls-key), "
-                                     "or --insecure-no-auth to accept that risk")
-            log.warning("!!! serving on %s WITHOUT AUTH (--insecure-no-auth): anyone who can reach this port can "
-                        "use the model and its compute !!!", host or "all interfaces")
-        if self.ssl_context is None:
-            log.warning("serving on %s without TLS: the auth token and the robot's camera frames cross the network "
-                        "in clear (give --tls-cert/--tls-key)", host or "all interfaces")
+        check_exposure(host, bool(self.tokens), self.insecure_no_auth, self.ssl_context is not None)
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
         """Serve until ``stop`` is set, then shut down gracefully: stop accepting, cancel the
@@ -597,7 +593,7 @@ class VerifierServer:
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          process_request=self._http_request,
                          ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
-                         ssl=self.ssl_context, create_connection=self.door.connection_class()) as server:
+                         ssl=self.ssl_context, **self.door.server_options()) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
             scheme = "wss" if self.ssl_context is not None else "ws"
             log.info("edgespec-verifier listening on %s://%s:%d (model %s, vocab %d, compute %s, auth %s)",

@@ -405,7 +405,11 @@ class VerifierSession:
             return None
         if step.tree is not None:  # one row per node with children, coded with its first child
             from ..decoding.tree import check_tree_q, first_children, rows_to_tree_q
-            if self.target.settings.params.greedy:  # the argmax path: no q is read (the robot sends none)
+            if self.target.settings.params.greedy:  # the argmax path: no q is read, so none may be sent
+                if step.msg.q_payload:
+                    raise SessionError(P.ErrorCode.BAD_REQUEST, "a token tree at temperature 0 carries a draft "
+                                                                "distribution: the verifier walks the target's argmax "
+                                                                "path and reads none, so send none")
                 step.q = None
                 return None
             with self.refusing(what, errors):
