@@ -44,7 +44,7 @@ setup(
             "edgespec-bench = edgespec_ros.bench.cli:main",
             "edgespec-profile = edgespec_ros.bench.gpu_profile:main",
             "edgespec-demo = edgespec_ros.bringup.demo:main",
-            "edgespec-sim = edgespec_ros.sim.cli:main",
+            "edgespec-sim = edgespec_ros.evaluation.cli:main",
             "edgespec-train = edgespec_ros.train.cli:main",
             "edgespec-bringup = edgespec_ros.bringup.closed_loop:main",
             # the ROS 2 nodes (colcon installs the same entry points as lib/edgespec_ros/<node>)

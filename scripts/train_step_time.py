@@ -24,15 +24,16 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from edgespec_ros.models import tiny
-    from edgespec_ros.train import cli
+    from edgespec_ros.train.dataset import load_dataset
+    from edgespec_ros.train.recipe import MODEL_SPECS
     from edgespec_ros.train.data import collate, encode_example
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(os.path.join(args.work, "tokenizer"))
     ip = tiny.image_processor()
-    examples = cli.load_dataset(args.work)[:32]
+    examples = load_dataset(args.work)[:32]
     batch = collate([encode_example(tok, ip, e.image, e.instruction, e.text, None, e.history) for e in examples],
                     tok, ip)
-    model = tiny.tiny_qwen2vl(tok, seed=0, **cli.MODEL_SPECS["target"])
+    model = tiny.tiny_qwen2vl(tok, seed=0, **MODEL_SPECS["target"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
 

@@ -94,43 +94,47 @@ def test_all_runs_the_vision_stage_first_and_quick_keeps_the_committed_models(tm
     quick sizes (explicit options win) and where quick models go (never the package's)."""
     from edgespec_ros.train import card as card_mod
     from edgespec_ros.train import cli
+    from edgespec_ros.train import recipe as train_recipe
+    from edgespec_ros.train import stages as train_stages
     calls = []
-    monkeypatch.setattr(cli, "stage_data", lambda work, cfg: calls.append(("data", work, cfg)))
-    monkeypatch.setattr(cli, "stage_tokenizer", lambda work, cfg: calls.append(("tokenizer", work, cfg)))
-    monkeypatch.setattr(cli, "stage_vision", lambda work, cfg, baselines=True: calls.append(("vision", baselines, cfg)))
-    monkeypatch.setattr(cli, "stage_model", lambda role, work, out, cfg, device="cpu", resume=False:
+    monkeypatch.setattr(train_stages, "stage_data", lambda work, cfg: calls.append(("data", work, cfg)))
+    monkeypatch.setattr(train_stages, "stage_tokenizer", lambda work, cfg: calls.append(("tokenizer", work, cfg)))
+    monkeypatch.setattr(train_stages, "stage_vision",
+                        lambda work, cfg, baselines=True: calls.append(("vision", baselines, cfg)))
+    monkeypatch.setattr(train_stages, "stage_model", lambda role, work, out, cfg, device="cpu", resume=False:
                         calls.append((role, out, cfg)))
-    monkeypatch.setattr(cli, "stage_distill", lambda work, draft, target, out, cfg, device="cpu":
+    monkeypatch.setattr(train_stages, "stage_distill", lambda work, draft, target, out, cfg, device="cpu":
                         calls.append(("distill", (draft, target, out), cfg)))
-    monkeypatch.setattr(cli, "stage_exits", lambda target, out, cfg: calls.append(("exits", target, cfg)))
-    monkeypatch.setattr(cli, "stage_wisv", lambda draft, target, cfg: calls.append(("wisv", target, cfg)))
+    monkeypatch.setattr(train_stages, "stage_exits", lambda target, out, cfg: calls.append(("exits", target, cfg)))
+    monkeypatch.setattr(train_stages, "stage_wisv", lambda draft, target, cfg: calls.append(("wisv", target, cfg)))
     monkeypatch.setattr(card_mod, "measure", lambda out, **kw: calls.append(("card", out, kw)) or {})
     monkeypatch.setattr(card_mod, "write_card", lambda out, metrics: os.path.join(out, "README.md"))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["all", "--quick", "--train-scenarios", "9", "--target-vision", "auto"]) == 0
-    assert [c[0] for c in calls] == list(cli.ALL_STAGES)
+    assert [c[0] for c in calls] == list(train_recipe.ALL_STAGES)
     by = {c[0]: c for c in calls}
     assert by["vision"][1] is False  # no comparison arms inside `all`
     target_cfg = by["target"][2]
-    assert cli.target_vision_dir("build/train-quick", target_cfg) == os.path.join("build/train-quick", "vision")
-    assert target_cfg.train_scenarios == 9 and target_cfg.target_budget_s == cli.QUICK["target_budget_s"]
+    assert train_recipe.target_vision_dir("build/train-quick", target_cfg) == os.path.join("build/train-quick",
+                                                                                          "vision")
+    assert target_cfg.train_scenarios == 9 and target_cfg.target_budget_s == train_recipe.QUICK["target_budget_s"]
     assert by["target"][1] == os.path.join("build/train-quick", "models")
-    assert by["card"][2] == cli.QUICK_CARD
+    assert by["card"][2] == train_recipe.QUICK_CARD
     quick_models = os.path.join("build/train-quick", "models")  # the draft distilled in place there
     assert by["distill"][1] == (os.path.join(quick_models, "draft"), os.path.join(quick_models, "target"),
                                 os.path.join(quick_models, "draft"))
-    assert by["distill"][2].distill_steps == cli.QUICK["distill_steps"]
+    assert by["distill"][2].distill_steps == train_recipe.QUICK["distill_steps"]
     assert json.load(open(tmp_path / "build/train-quick/models/pipeline.json"))["command"] == \
         "edgespec-train all --quick --train-scenarios 9"  # the explicit option beside what --quick implies
     calls.clear()
     assert cli.main(["all", "--out", str(tmp_path / "m")]) == 0  # the committed recipe: the vision stage first
-    assert [c[0] for c in calls] == list(cli.ALL_STAGES)
+    assert [c[0] for c in calls] == list(train_recipe.ALL_STAGES)
     full = [c for c in calls if c[0] == "target"][0][2]
-    assert cli.target_vision_dir("w", full) == os.path.join("w", "vision")
-    assert full.target_budget_s == cli.PipelineConfig.target_budget_s
+    assert train_recipe.target_vision_dir("w", full) == os.path.join("w", "vision")
+    assert full.target_budget_s == train_recipe.PipelineConfig.target_budget_s
     calls.clear()
     assert cli.main(["all", "--out", str(tmp_path / "m"), "--target-vision", "none"]) == 0  # a random tower
     assert "vision" not in [c[0] for c in calls]
-    assert cli.target_vision_dir("w", [c for c in calls if c[0] == "target"][0][2]) is None
+    assert train_recipe.target_vision_dir("w", [c for c in calls if c[0] == "target"][0][2]) is None
     with pytest.raises(SystemExit, match="fractions"):
-        cli.parse_fractions("0.5,2")
+        train_recipe.parse_fractions("0.5,2")

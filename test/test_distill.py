@@ -22,6 +22,8 @@ from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.cloud.traces import TraceRecorder, read_traces
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.train import cli
+from edgespec_ros.train import recipe as train_recipe
+from edgespec_ros.train import stages as train_stages
 from edgespec_ros.train.distill import (DIVERGENCES, DistillConfig, DistillExample, adapt_from_traces, agreement,
                                         batch_logits, dense_logprobs, distill, divergence, generate,
                                         trace_examples, vision_token_ids)
@@ -217,14 +219,14 @@ def test_make_models_distills_after_the_draft_and_before_the_exits_and_wisv_head
     draft the draft stage wrote, against the target (every stage recorded, none run)."""
     from edgespec_ros.train import card
     ran = []
-    monkeypatch.setattr(cli, "stage_data", lambda work, cfg, *a, **k: ran.append("data"))
-    monkeypatch.setattr(cli, "stage_tokenizer", lambda work, cfg: ran.append("tokenizer"))
-    monkeypatch.setattr(cli, "stage_vision", lambda work, cfg, baselines=True: ran.append("vision"))
-    monkeypatch.setattr(cli, "stage_model", lambda role, work, out, cfg, *a: ran.append(role))
-    monkeypatch.setattr(cli, "stage_distill", lambda work, draft, target, out, cfg, device: ran.append(
+    monkeypatch.setattr(train_stages, "stage_data", lambda work, cfg, *a, **k: ran.append("data"))
+    monkeypatch.setattr(train_stages, "stage_tokenizer", lambda work, cfg: ran.append("tokenizer"))
+    monkeypatch.setattr(train_stages, "stage_vision", lambda work, cfg, baselines=True: ran.append("vision"))
+    monkeypatch.setattr(train_stages, "stage_model", lambda role, work, out, cfg, *a: ran.append(role))
+    monkeypatch.setattr(train_stages, "stage_distill", lambda work, draft, target, out, cfg, device: ran.append(
         ("distill", os.path.relpath(draft, out), os.path.relpath(target, os.path.dirname(draft)))))
-    monkeypatch.setattr(cli, "stage_exits", lambda target, out, cfg: ran.append("exits"))
-    monkeypatch.setattr(cli, "stage_wisv", lambda draft, target, cfg: ran.append("wisv"))
+    monkeypatch.setattr(train_stages, "stage_exits", lambda target, out, cfg: ran.append("exits"))
+    monkeypatch.setattr(train_stages, "stage_wisv", lambda draft, target, cfg: ran.append("wisv"))
     monkeypatch.setattr(card, "before_figures", lambda *a: None)
     monkeypatch.setattr(card, "measure", lambda *a, **k: ran.append("card") or {})
     monkeypatch.setattr(card, "write_card", lambda *a: "card.md")
@@ -233,7 +235,7 @@ def test_make_models_distills_after_the_draft_and_before_the_exits_and_wisv_head
     # distill: the draft written over in place ("."), against the target beside it
     assert ran == ["data", "tokenizer", "vision", "target", "draft", ("distill", ".", "target"), "exits", "wisv",
                    "card"]
-    cfg = cli.distill_config(cli.PipelineConfig())
+    cfg = train_recipe.distill_config(train_recipe.PipelineConfig())
     assert cfg.divergence in DIVERGENCES and cfg.steps > 0
 
 

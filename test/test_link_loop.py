@@ -354,7 +354,7 @@ def test_compare_fallbacks_leads_with_the_always_up_reference():
 
 @needs_models
 def test_eval_with_a_link_reports_the_tasks_time(tmp_path, capsys):
-    from edgespec_ros.sim.cli import main
+    from edgespec_ros.evaluation.cli import main
     out = tmp_path / "linked.json"
     scenario = builtin_scenarios()["deadzone-silver-bottle"]
     assert main(["eval", "--model", default_model_path("target"), "--scenarios", str(scenario),
@@ -375,7 +375,7 @@ def test_eval_with_a_link_reports_the_tasks_time(tmp_path, capsys):
 
 @needs_models
 def test_eval_without_link_options_is_unchanged(tmp_path, capsys):
-    from edgespec_ros.sim.cli import main
+    from edgespec_ros.evaluation.cli import main
     out = tmp_path / "plain.json"
     assert main(["eval", "--model", default_model_path("target"), "--scenarios",
                  str(builtin_scenarios()["red-chair"]), "--json", str(out)]) == 0
@@ -387,7 +387,7 @@ def test_eval_without_link_options_is_unchanged(tmp_path, capsys):
 
 @needs_models
 def test_link_fallbacks_prints_one_row_per_fallback(capsys):
-    from edgespec_ros.sim.cli import main
+    from edgespec_ros.evaluation.cli import main
     assert main(["link-fallbacks", "--scenarios", str(builtin_scenarios()["deadzone-blue-cone"]),
                  "--time-cap-s", "120"]) == 0
     lines = capsys.readouterr().out.splitlines()

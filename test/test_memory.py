@@ -125,7 +125,9 @@ def test_a_rollout_shows_a_policy_with_memory_its_decisions_and_how_they_ended()
 
 
 def test_the_data_stage_is_the_same_on_one_process_or_two(tmp_path):
-    from edgespec_ros.train.cli import PipelineConfig, load_dataset, stage_data
+    from edgespec_ros.train.dataset import load_dataset
+    from edgespec_ros.train.recipe import PipelineConfig
+    from edgespec_ros.train.stages import stage_data
     cfg = PipelineConfig(train_scenarios=4, memory=2, memory_noise=0.2, memory_dropout=0.5)
     one = load_dataset(stage_data(str(tmp_path / "one"), cfg, workers=1).rsplit("/", 1)[0])
     two = load_dataset(stage_data(str(tmp_path / "two"), cfg, workers=2).rsplit("/", 1)[0])

@@ -4,7 +4,7 @@ import numpy as np
 from PIL import Image
 
 from edgespec_ros.control.actions import parse_action
-from edgespec_ros.sim.cli import main
+from edgespec_ros.evaluation.cli import main
 from edgespec_ros.sim.scenario import builtin_scenarios
 
 

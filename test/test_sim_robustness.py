@@ -6,7 +6,7 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from edgespec_ros.sim.cli import main
+from edgespec_ros.evaluation.cli import main
 from edgespec_ros.sim.dataset import expert_frames, generate_examples, iter_scenarios
 from edgespec_ros.sim.expert import ExpertConfig, expert_config_from_pairs, run_expert_episode
 from edgespec_ros.sim.robustness import (PerceptionNoise, noisy_agreement, noisy_closed_loop,

@@ -15,7 +15,11 @@ from edgespec_ros.sim.dataset import generate_examples, iter_scenarios
 from edgespec_ros.sim.evaluate import action_agreement, run_episode
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.inputs import build_inputs
+from edgespec_ros.train import checkpoints as train_checkpoints
 from edgespec_ros.train import cli as train_cli
+from edgespec_ros.train import dataset as train_dataset
+from edgespec_ros.train import recipe as train_recipe
+from edgespec_ros.train import stages as train_stages
 from edgespec_ros.train.data import IGNORE, collate, encode_example
 from edgespec_ros.evaluation.policy import VLMPolicy
 from edgespec_ros.models.tokenizer import SPECIAL_TOKENS
@@ -119,7 +123,7 @@ def test_training_reduces_loss_on_a_fixed_batch(pipeline):
     ip = tiny.image_processor()
     examples = [encode_example(tok, ip, e.image, e.instruction, e.text)
                 for e in list(generate_examples("train", 1))[:4]]
-    model = tiny.tiny_qwen2vl(tok, seed=SEED, **train_cli.MODEL_SPECS["draft"])
+    model = tiny.tiny_qwen2vl(tok, seed=SEED, **train_recipe.MODEL_SPECS["draft"])
     losses = train_model(model, examples, tok, ip, TrainConfig(steps=25, batch_size=4, warmup=2, lr=3e-3, seed=SEED))
     assert measured("train.loss_last3/first3", np.mean(losses[-3:]) / np.mean(losses[:3])) < 0.7
 
@@ -271,7 +275,7 @@ def _labelled_draft_setup(pipeline):
     ip = tiny.image_processor()
     examples = [encode_example(tok, ip, e.image, e.instruction, e.text, e.labels)
                 for e in list(generate_examples("train", 2, with_labels=True))[:8]]
-    return tok, ip, examples, tiny.tiny_qwen2vl(tok, seed=SEED, **train_cli.MODEL_SPECS["draft"])
+    return tok, ip, examples, tiny.tiny_qwen2vl(tok, seed=SEED, **train_recipe.MODEL_SPECS["draft"])
 
 
 @pytest.mark.numeric
@@ -302,7 +306,7 @@ def test_image_token_columns_get_rotary_frequencies_that_tell_them_apart(role, t
     from transformers import Qwen2VLConfig
     from edgespec_ros.models import tiny
     tok = tiny.train_tokenizer_cached()
-    cfg = tiny.qwen2vl_config(tok, **train_cli.MODEL_SPECS[role])
+    cfg = tiny.qwen2vl_config(tok, **train_recipe.MODEL_SPECS[role])
     cfg.save_pretrained(tmp_path)
     rope = Qwen2VLConfig.from_pretrained(tmp_path).text_config.rope_parameters
     head_dim = cfg.text_config.hidden_size // cfg.text_config.num_attention_heads
@@ -435,7 +439,7 @@ def test_one_run_encodes_the_dataset_once_for_both_models(pipeline, monkeypatch,
     calls = []
     original = data.encode_example
     monkeypatch.setattr(data, "encode_example", lambda *a, **k: calls.append(1) or original(*a, **k))
-    monkeypatch.setattr(train_cli, "_ENCODED", {})
+    monkeypatch.setattr(train_stages, "_ENCODED", {})
     args = ["draft", "--draft-steps", "1", "--batch-size", "4", "--work", str(work), "--out", str(tmp_path)]
     n = len(np.load(os.path.join(work, "dataset.npz"))["texts"])
     assert train_cli.main(args) == 0 and len(calls) == n
@@ -511,16 +515,16 @@ def test_card_says_the_command_and_the_memory_of_the_run_it_describes(tmp_path):
     every option is the default), and a memory pair says how it prompts and how it was taught."""
     from dataclasses import asdict, replace
     from edgespec_ros.train.card import recipe_lines, reproduce_lines
-    cfg = train_cli.PipelineConfig()
-    assert train_cli.run_command(cfg) == "edgespec-train all"
-    assert train_cli.run_command(replace(cfg, **train_cli.LONG), long=True) == "edgespec-train all --long"
+    cfg = train_recipe.PipelineConfig()
+    assert train_recipe.run_command(cfg) == "edgespec-train all"
+    assert train_recipe.run_command(replace(cfg, **train_recipe.LONG), long=True) == "edgespec-train all --long"
     record = {"stage_seconds": {"target": 60.0}, "total_seconds_before_card": 60.0, "threads": 2,
-              "config": asdict(cfg), "command": train_cli.run_command(cfg)}
+              "config": asdict(cfg), "command": train_recipe.run_command(cfg)}
     (tmp_path / "pipeline.json").write_text(json.dumps(record))
     assert "`make models` (= `edgespec-train all`)" in reproduce_lines(str(tmp_path))[-1]
     cfg = replace(cfg, memory=2, memory_noise=0.15, memory_dropout=0.5, target_init="edgespec_ros/models/target",
                   target_lr=1e-3, target_steps=3600, target_budget_s=0.0, loader_workers=3)
-    command = train_cli.run_command(cfg)
+    command = train_recipe.run_command(cfg)
     assert command == ("edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --target-steps 3600 "
                        "--target-budget-s 0 --target-init edgespec_ros/models/target --target-lr 0.001")
     assert "loader-workers" not in command  # how a run ran is not what it computed
@@ -577,7 +581,7 @@ def _resume_setup(pipeline):
 
     def run(cfg, stop_after=None, report=None):
         """Train a fresh draft-shaped model; ``stop_after``: the run dies in that forward pass."""
-        model = tiny.tiny_qwen2vl(tok, seed=0, **train_cli.MODEL_SPECS["draft"])
+        model = tiny.tiny_qwen2vl(tok, seed=0, **train_recipe.MODEL_SPECS["draft"])
         calls = [0]
 
         def die(*_):
@@ -636,22 +640,23 @@ def test_a_checkpoint_of_another_run_is_refused_with_what_differs(pipeline, tmp_
 
 
 def test_resume_skips_the_stages_done_with_the_same_options_and_reruns_the_rest(tmp_path):
-    cfg = train_cli.PipelineConfig()
-    done = train_cli.StagesDone(str(tmp_path), cfg)
+    cfg = train_recipe.PipelineConfig()
+    done = train_checkpoints.StagesDone(str(tmp_path), cfg)
     for stage in ("data", "tokenizer", "vision", "target"):
         done.mark(stage)
-    again = train_cli.StagesDone(str(tmp_path), cfg)
-    assert [s for s in train_cli.ALL_STAGES if again.has(s)] == ["data", "tokenizer", "vision", "target"]
+    again = train_checkpoints.StagesDone(str(tmp_path), cfg)
+    assert [s for s in train_recipe.ALL_STAGES if again.has(s)] == ["data", "tokenizer", "vision", "target"]
     again.mark("tokenizer")  # a stage run again: what read its output is no longer done
-    assert [s for s in train_cli.ALL_STAGES if again.has(s)] == ["data", "tokenizer"]
-    other = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(target_steps=5))
+    assert [s for s in train_recipe.ALL_STAGES if again.has(s)] == ["data", "tokenizer"]
+    other = train_checkpoints.StagesDone(str(tmp_path), train_recipe.PipelineConfig(target_steps=5))
     assert other.has("data") and other.has("tokenizer")  # a target option: the stages before it stay done
-    full = train_cli.StagesDone(str(tmp_path), cfg)
+    full = train_checkpoints.StagesDone(str(tmp_path), cfg)
     full.mark("target")
-    assert not train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(target_steps=5)).has("target")
-    assert not train_cli.StagesDone(str(tmp_path), cfg, out=str(tmp_path / "elsewhere")).has("target")
-    assert train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(wisv_epochs=3)).has("target")
-    workers_only = train_cli.StagesDone(str(tmp_path), train_cli.PipelineConfig(loader_workers=3, wisv_workers=1))
+    assert not train_checkpoints.StagesDone(str(tmp_path), train_recipe.PipelineConfig(target_steps=5)).has("target")
+    assert not train_checkpoints.StagesDone(str(tmp_path), cfg, out=str(tmp_path / "elsewhere")).has("target")
+    assert train_checkpoints.StagesDone(str(tmp_path), train_recipe.PipelineConfig(wisv_epochs=3)).has("target")
+    workers_only = train_checkpoints.StagesDone(str(tmp_path),
+                                                train_recipe.PipelineConfig(loader_workers=3, wisv_workers=1))
     assert workers_only.has("data") and workers_only.has("target")  # how it runs is not what it computes
 
 
@@ -661,19 +666,20 @@ def test_the_expert_of_a_run_labels_its_data_and_the_cards_frames(tmp_path):
     expert leaves the stages' keys as they were; a bad setting is refused before any rollout."""
     from edgespec_ros.sim.expert import ExpertConfig
     from edgespec_ros.train.card import heldout_set, trained_expert
-    cfg = train_cli.PipelineConfig(train_scenarios=2, expert="stop_gap_m=0.3")
-    train_cli.stage_data(str(tmp_path), cfg, workers=1)
-    assert train_cli.dataset_expert(str(tmp_path)) == {"stop_gap_m": 0.3}
-    assert train_cli.run_command(cfg).endswith("--train-scenarios 2 --expert stop_gap_m=0.3")
-    assert "--expert 'stop_gap_m=0.3;approach_turn=medium'" in train_cli.run_command(
-        train_cli.PipelineConfig(expert="stop_gap_m=0.3;approach_turn=medium"))
+    cfg = train_recipe.PipelineConfig(train_scenarios=2, expert="stop_gap_m=0.3")
+    train_stages.stage_data(str(tmp_path), cfg, workers=1)
+    assert train_dataset.dataset_expert(str(tmp_path)) == {"stop_gap_m": 0.3}
+    assert train_recipe.run_command(cfg).endswith("--train-scenarios 2 --expert stop_gap_m=0.3")
+    assert "--expert 'stop_gap_m=0.3;approach_turn=medium'" in train_recipe.run_command(
+        train_recipe.PipelineConfig(expert="stop_gap_m=0.3;approach_turn=medium"))
     with pytest.raises(SystemExit, match="stop_gap"):
-        train_cli.stage_data(str(tmp_path / "bad"), train_cli.PipelineConfig(train_scenarios=2, expert="stop_gap=0.3"))
+        train_stages.stage_data(str(tmp_path / "bad"),
+                                train_recipe.PipelineConfig(train_scenarios=2, expert="stop_gap=0.3"))
     assert not (tmp_path / "bad" / "dataset.npz").exists()
-    default, gap = train_cli.PipelineConfig(), train_cli.PipelineConfig(expert="stop_gap_m=0.3")
-    assert train_cli.recipe_of(default) == train_cli.recipe_of(train_cli.PipelineConfig(expert=""))
-    assert "expert" not in train_cli.recipe_of(default)  # runs started before the option resume as they were
-    keys = lambda c: train_cli.StagesDone(str(tmp_path), c).keys  # noqa: E731
+    default, gap = train_recipe.PipelineConfig(), train_recipe.PipelineConfig(expert="stop_gap_m=0.3")
+    assert train_recipe.recipe_of(default) == train_recipe.recipe_of(train_recipe.PipelineConfig(expert=""))
+    assert "expert" not in train_recipe.recipe_of(default)  # runs started before the option resume as they were
+    keys = lambda c: train_checkpoints.StagesDone(str(tmp_path), c).keys  # noqa: E731
     assert keys(default)["data"] != keys(gap)["data"] and keys(default)["draft"] == keys(gap)["draft"]
     (tmp_path / "target").mkdir()
     assert trained_expert(str(tmp_path / "target")) == ExpertConfig()  # no training.json: the default
@@ -687,12 +693,12 @@ def test_the_expert_of_a_run_labels_its_data_and_the_cards_frames(tmp_path):
 
 
 def test_target_spec_overrides_the_shape_and_rejects_nonsense():
-    cfg = train_cli.PipelineConfig(target_spec="layers=8,hidden=192")
-    assert train_cli.model_spec("target", cfg)["layers"] == 8
-    assert train_cli.model_spec("target", cfg)["hidden"] == 192
-    assert train_cli.model_spec("draft", cfg) == train_cli.MODEL_SPECS["draft"]
+    cfg = train_recipe.PipelineConfig(target_spec="layers=8,hidden=192")
+    assert train_recipe.model_spec("target", cfg)["layers"] == 8
+    assert train_recipe.model_spec("target", cfg)["hidden"] == 192
+    assert train_recipe.model_spec("draft", cfg) == train_recipe.MODEL_SPECS["draft"]
     with pytest.raises(SystemExit, match="KEY=INT"):
-        train_cli.model_spec("target", train_cli.PipelineConfig(target_spec="depth=8"))
+        train_recipe.model_spec("target", train_recipe.PipelineConfig(target_spec="depth=8"))
 
 
 def test_failed_episodes_are_classified_as_the_hidden_scenarios_showed():
@@ -732,13 +738,13 @@ def test_continued_training_starts_from_the_given_targets_weights_and_refuses_an
     assert before.keys() == after.keys()
     assert all(torch.allclose(before[k], after[k], atol=1e-5) for k in before)  # lr 1e-9: it stayed where it started
     # the perception probes continue too (a random probe's first gradients would disturb the target)
-    probes = [load_file(str(d / "target" / train_cli.AUX_PROBE_FILE)) for d in (first, cont)]
+    probes = [load_file(str(d / "target" / train_checkpoints.AUX_PROBE_FILE)) for d in (first, cont)]
     assert probes[0] and probes[0].keys() == probes[1].keys()
     assert all(torch.allclose(probes[0][k], probes[1][k], atol=1e-5) for k in probes[0])
     assert train_cli.main(["target", "--out", str(tmp_path / "fresh"), "--target-lr", "1e-9"] + common) == 0
     fresh = json.loads((tmp_path / "fresh" / "target" / "training.json").read_text())
     assert measured("train.fresh-continued_loss", fresh["final_loss"] - info["final_loss"]) > 0.5  # it starts where the first run ended, not from scratch
-    (first / "target" / train_cli.AUX_PROBE_FILE).unlink()  # a target saved before the probes were
+    (first / "target" / train_checkpoints.AUX_PROBE_FILE).unlink()  # a target saved before the probes were
     assert train_cli.main(["target", "--out", str(tmp_path / "noprobe"), "--target-init", str(first / "target")]
                           + common) == 0
     assert "the perception probes start from random" in capsys.readouterr().out
@@ -767,6 +773,6 @@ def test_a_memoryless_target_continues_on_memory_data_with_its_own_tokenizer(pip
     config = json.loads((tmp_path / "m" / "target" / "config.json").read_text())
     assert config["policy_memory"] == 2
     assert json.loads((tmp_path / "m" / "target" / "training.json").read_text())["init"] == str(init)
-    assert not train_cli.StagesDone(str(mem), train_cli.PipelineConfig()).has("tokenizer")  # another tokenizer
+    assert not train_checkpoints.StagesDone(str(mem), train_recipe.PipelineConfig()).has("tokenizer")  # another tokenizer
     with pytest.raises(SystemExit, match="no tokenizer.json"):
         train_cli.main(["tokenizer", "--work", str(mem), "--target-init", str(tmp_path)])

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from edgespec_ros.models import MODELS_DIR
+from edgespec_ros.train import checkpoints as train_checkpoints
 from edgespec_ros.train import cli as train_cli
+from edgespec_ros.train import recipe as train_recipe
+from edgespec_ros.train import stages as train_stages
 from edgespec_ros.train.pieces import (MANIFEST_SUFFIX, PiecesError, copy_pieces, join_pieces, main as pieces_main,
                                        read_manifest, split_file, verify_pieces)
 
@@ -81,15 +84,15 @@ def test_the_run_fingerprint_reads_content_and_options_not_times_or_place(tmp_pa
     images = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
     work = str(tmp_path / "work")
     _fake_work(work, images)
-    cfg = train_cli.PipelineConfig()
-    spec = train_cli.model_spec("target", cfg)
-    fp = lambda w=work, c=cfg: train_cli.run_fingerprint("target", w, c, spec, None)  # noqa: E731
-    first, stamped = fp(), train_cli._stamped_fingerprint("target", work, cfg, spec, None)
+    cfg = train_recipe.PipelineConfig()
+    spec = train_recipe.model_spec("target", cfg)
+    fp = lambda w=work, c=cfg: train_checkpoints.run_fingerprint("target", w, c, spec, None)  # noqa: E731
+    first, stamped = fp(), train_checkpoints._stamped_fingerprint("target", work, cfg, spec, None)
     # touched: new modification times, the same content
     for path in (os.path.join(work, "dataset.npz"), os.path.join(work, "tokenizer", "tokenizer.json")):
         os.utime(path, (1_000_000_000, 1_000_000_000))
     assert fp() == first
-    assert train_cli._stamped_fingerprint("target", work, cfg, spec, None) != stamped  # what it used to read
+    assert train_checkpoints._stamped_fingerprint("target", work, cfg, spec, None) != stamped  # what it used to read
     # another checkout: the data regenerated (uncompressed this time: another zip), the tokenizer copied
     other = str(tmp_path / "elsewhere")
     os.makedirs(os.path.join(other, "tokenizer"))
@@ -103,7 +106,7 @@ def test_the_run_fingerprint_reads_content_and_options_not_times_or_place(tmp_pa
     assert fp(c=same) == first
     assert fp(c=dataclasses.replace(cfg, batch_size=64)) != first
     assert fp(c=dataclasses.replace(cfg, seed=1)) != first
-    assert train_cli.run_fingerprint("draft", work, cfg, spec, None) != first
+    assert train_checkpoints.run_fingerprint("draft", work, cfg, spec, None) != first
     # other data or another tokenizer
     images[0, 0, 0, 0] ^= 1
     np.savez_compressed(os.path.join(other, "dataset.npz"), images=images, texts=np.array(["a", "b"]))
@@ -118,19 +121,19 @@ def test_a_checkpoint_under_the_time_stamped_fingerprint_is_adopted(tmp_path):
     from edgespec_ros.train.trainer import CHECKPOINT_FILE, TrainConfig, _what_is_trained, load_checkpoint
     work = str(tmp_path / "work")
     _fake_work(work, np.zeros((2, 4, 4, 3), np.uint8))
-    cfg = train_cli.PipelineConfig()
-    spec = train_cli.model_spec("target", cfg)
-    old_id = train_cli._stamped_fingerprint("target", work, cfg, spec, None)
-    new_id = train_cli.run_fingerprint("target", work, cfg, spec, None)
+    cfg = train_recipe.PipelineConfig()
+    spec = train_recipe.model_spec("target", cfg)
+    old_id = train_checkpoints._stamped_fingerprint("target", work, cfg, spec, None)
+    new_id = train_checkpoints.run_fingerprint("target", work, cfg, spec, None)
     tcfg = TrainConfig(steps=5, run_id=new_id, checkpoint_dir=os.path.join(work, "checkpoints", f"target-{new_id}"))
     old_dir = os.path.join(work, "checkpoints", f"target-{old_id}")
     os.makedirs(old_dir)
     torch.save({"config": dict(_what_is_trained(tcfg), run_id=old_id), "step": 4},
                os.path.join(old_dir, CHECKPOINT_FILE))
-    assert train_cli.adopt_stamped_checkpoint("target", work, cfg, spec, None, tcfg.checkpoint_dir, new_id)
+    assert train_checkpoints.adopt_stamped_checkpoint("target", work, cfg, spec, None, tcfg.checkpoint_dir, new_id)
     assert not os.path.exists(old_dir)
     assert load_checkpoint(tcfg)["step"] == 4  # this run's now: its configuration matches
-    assert not train_cli.adopt_stamped_checkpoint("target", work, cfg, spec, None, tcfg.checkpoint_dir, new_id)
+    assert not train_checkpoints.adopt_stamped_checkpoint("target", work, cfg, spec, None, tcfg.checkpoint_dir, new_id)
 
 
 def _tiny_run():
@@ -145,7 +148,7 @@ def _tiny_run():
                 for e in list(generate_examples("train", 2, with_labels=True))[:12]]
 
     def run(cfg, report=None):
-        model = tiny.tiny_qwen2vl(tok, seed=0, **train_cli.MODEL_SPECS["draft"])
+        model = tiny.tiny_qwen2vl(tok, seed=0, **train_recipe.MODEL_SPECS["draft"])
         losses = train_model(model, examples, tok, ip, cfg, num_classes=NUM_OBJECT_CLASSES, report=report)
         return losses, model
     return run
@@ -204,7 +207,7 @@ def _machine(root):
     """A bare machine's work dir: the data stage run there (deterministic per option set) and the
     committed tokenizer copied, as scripts/gpu_train.sh does."""
     work = os.path.join(root, "work")
-    train_cli.stage_data(work, train_cli.PipelineConfig(train_scenarios=2), workers=1)
+    train_stages.stage_data(work, train_recipe.PipelineConfig(train_scenarios=2), workers=1)
     os.makedirs(os.path.join(work, "tokenizer"))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if os.path.exists(os.path.join(COMMITTED_TOKENIZER, name)):

@@ -15,6 +15,7 @@ from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import NUM_OBJECT_CLASSES, vision_frames
 from edgespec_ros.train import cli as train_cli
+from edgespec_ros.train import recipe as train_recipe
 from edgespec_ros.models.tiny import image_processor, tiny_vision_tower
 from edgespec_ros.train.vision import (VisionConfig, constant_depth_mae, evaluate_vision, frames_of,
                                        pretrain_vision)
@@ -22,7 +23,7 @@ from edgespec_ros.train.vision import (VisionConfig, constant_depth_mae, evaluat
 
 
 def _target_tower_kw():
-    spec = train_cli.MODEL_SPECS["target"]
+    spec = train_recipe.MODEL_SPECS["target"]
     return dict(hidden=spec["hidden"], vision_depth=spec["vision_depth"], vision_dim=spec["vision_dim"])
 
 
@@ -99,7 +100,7 @@ def test_the_target_starts_from_a_pretrained_tower_and_trains_what_the_mode_says
         assert all(p.requires_grad for p in model.model.language_model.parameters())
     with pytest.raises(ValueError, match="vision mode"):
         load_pretrained_tower(model, str(tmp_path / "tower"), "thaw")
-    spec = train_cli.MODEL_SPECS["draft"]
+    spec = train_recipe.MODEL_SPECS["draft"]
     tiny_vision_tower(hidden=spec["hidden"], vision_depth=spec["vision_depth"],
                       vision_dim=spec["vision_dim"]).save_pretrained(str(tmp_path / "small"))
     with pytest.raises(ValueError, match="does not fit"):

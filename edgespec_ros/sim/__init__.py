@@ -5,7 +5,8 @@
     world.py     SimWorld: unicycle motion, collisions, episodes (success = stop near the goal)
     expert.py    the expert policy that writes "<reasoning> Action: <action>." per frame
     dataset.py   random scenarios with train/held-out seed splits, expert-labelled examples
-    cli.py       edgespec-sim render | expert | heldout
+    commands.py  edgespec-sim render | expert | heldout | deadzones | expert-noise (the command line
+                 itself, with eval and link-fallbacks, is evaluation/cli.py)
 
 Only numpy is needed, plus Pillow for the top-down map and PNG output.
 """

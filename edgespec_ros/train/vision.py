@@ -185,7 +185,7 @@ def load_pretrained_tower(model, directory: str, mode: str = "finetune") -> None
 def run_vision_stage(work: str, spec: dict, cfg: VisionConfig, train_scenarios: int, heldout_scenarios: int = 20,
                      heldout_per_scenario: int = 12, compare_target: str | None = None,
                      baselines: bool = True) -> dict:
-    """Render frames, pretrain a tower of the target's spec (``cli.MODEL_SPECS``), measure it on
+    """Render frames, pretrain a tower of the target's spec (``recipe.MODEL_SPECS``), measure it on
     held-out frames against the same probe trained for the same budget on a frozen random tower
     (what the probe alone can read) and, with ``compare_target`` (a trained target's dir), on that
     target's frozen tower (what the language stage taught it); save the tower to ``<work>/vision``
