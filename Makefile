@@ -64,7 +64,7 @@ test-fast: install
 models: install
 	$(VENV)/bin/edgespec-train all --work build/train --out $(or $(MODELS_OUT),build/train/models) $(ARGS)
 
-# The memory pair's recipe (docs/models.md: "The stop gap, committed"), committed before the search belief;
+# The memory pair's recipe (docs/models.md: "The policy memory"), committed before the search belief;
 # writes build/train-memory/models (not the package) unless MODELS_OUT says so
 models-memory: install
 	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --expert stop_gap_m=0.3 \

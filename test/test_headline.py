@@ -1,6 +1,9 @@
 """The README's headline table is the committed regime sweep's output (docs/results/regimes.json),
 cell for cell, with the commit and command it names; docs/pipeline.md's modes table is the
-committed modes sweep's (docs/results/modes.json): the figures cannot drift from what was measured."""
+committed modes sweep's (docs/results/modes.json); the ranges and counts quoted in prose (README,
+docs/regimes.md, docs/gpu-profile.md, docs/pipeline.md) are computed from the regime map's rows, and
+the card's figures quoted in README, docs/models.md and docs/robot.md from edgespec_ros/models/metrics.json
+and the card; relative links between the pages resolve: the figures cannot drift from what was measured."""
 from __future__ import annotations
 
 import json
@@ -50,3 +53,166 @@ def test_the_pipeline_pages_modes_table_is_the_committed_modes_sweep():
         assert float(ms) == round(by[(link, mode)]["ms_per_token"], 1), (link, mode)
         seen.add((link, mode))
     assert seen == set(by)
+
+
+# ---- the numbers quoted in prose, held to the files they come from ----------------------------------
+
+def _cells() -> list[dict]:
+    rows = json.loads((ROOT / "docs" / "results" / "regimes.json").read_text())["rows"]
+    return [r for r in rows if r.get("kind") == "cell"]
+
+
+def _range(values, fmt: str = ".2f") -> str:
+    """'lo-hi' as the prose writes a range (each end rounded once, the same way everywhere)."""
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
+def _quoted(page: str, pattern: str) -> str:
+    """The one group ``pattern`` (a regex anchored on the prose around the number) finds in ``page``."""
+    import re
+    text = (ROOT / page).read_text()
+    found = re.findall(pattern, text, flags=re.S)
+    assert found, f"{page}: no {pattern!r}: the prose moved; update the test with it"
+    assert len(set(found)) == 1, f"{page}: {pattern!r} quotes {found}"
+    return found[0]
+
+
+def _h200(cells, loaded: bool) -> list[dict]:
+    return [c for c in cells if c["cloud_name"].startswith("h200") and ("load=" in c["cloud_name"]) == loaded]
+
+
+def test_the_h200s_ar_over_the_orins_drafting_is_the_regime_maps_range_everywhere():
+    """'cloud-only AR is ~4x faster (X-Yx ...) than every edge-drafted mode': AR's ms/token over the
+    best fixed speculative mode's, the Orin's 72 ms draft, on the measured H200 idle and loaded."""
+    cells = [c for c in _cells() if c["robot"] == "orin-paper"]
+    idle = _range([1 / c["best_vs_ar"] for c in _h200(cells, False)], ".1f")
+    loaded = _range([1 / c["best_vs_ar"] for c in _h200(cells, True)], ".1f")
+    for page in ("README.md", "docs/gpu-profile.md"):
+        assert _quoted(page, r"AR is ~4x\s+faster[^(]*\(([\d.]+-[\d.]+)x on the three links") == idle, page
+    assert _quoted("README.md", r"on the three links; ([\d.]+-[\d.]+)x with 16 other") == loaded
+    assert _quoted("docs/gpu-profile.md", r"on the three links, ([\d.]+-[\d.]+)x with 16 other") == loaded
+
+
+def test_auto_against_the_slow_cloud_is_the_regime_maps_range_everywhere():
+    go2 = [c for c in _cells() if c["cloud_name"] == "go2-paper"]
+    orin = _range([c["auto_vs_ar"] for c in go2 if c["robot"] == "orin-paper"])
+    fast = _range([c["auto_vs_ar"] for c in go2 if c["robot"] != "orin-paper"])
+    pipe = _range([c["best_vs_ar"] for c in go2 if c["robot"] == "orin-paper"])
+    assert _quoted("README.md", r"every link: ([\d.]+-[\d.]+)x AR with the Orin") == orin
+    assert _quoted("README.md", r"the Orin's 72 ms draft, ([\d.]+-[\d.]+)x with a fast robot") == fast
+    assert _quoted("docs/regimes.md", r"nine cells: ([\d.]+-[\d.]+)x cloud AR with the Orin") == orin
+    assert _quoted("docs/regimes.md", r"the fixed `pipe`: ([\d.]+-[\d.]+)x\), and") == pipe
+    assert _quoted("docs/regimes.md", r"and\s+([\d.]+-[\d.]+)x with a faster robot") == fast
+    assert _quoted("docs/pipeline.md", r"in all nine cells \(([\d.]+-[\d.]+)x cloud AR with the Orin") == orin
+
+
+def test_the_fast_clouds_ranges_in_the_readme_and_regimes_page_are_the_maps():
+    h200 = [c for c in _cells() if c["cloud_name"].startswith("h200")]
+    ar_wins = _range([1 / c["best_vs_ar"] for c in h200], ".1f")
+    assert _quoted("README.md", r"cloud AR wins by ([\d.]+-[\d.]+)x whatever") == ar_wins
+    spec = _range([c["best_vs_ar"] for c in h200])
+    assert _quoted("docs/regimes.md", r"\(speculation ([\d.]+-[\d.]+)x AR, even with") == spec
+    headline = [c for c in h200 if c["link"] == "wifi-poor"]
+    assert _quoted("README.md", r"\(([\d.]+-[\d.]+)x AR here;") == _range([c["auto_vs_ar"] for c in headline])
+
+
+def test_auto_within_five_percent_of_the_best_is_counted_from_the_map():
+    cells = _cells()
+    met = sum(round(c["auto_vs_best"], 2) >= 0.95 for c in cells)
+    misses = [c["auto_vs_best"] for c in cells if round(c["auto_vs_best"], 2) < 0.95]
+    assert _quoted("docs/regimes.md", r"in \*\*(\d+ of \d+)\*\* cells") == f"{met} of {len(cells)}"
+    assert _quoted("docs/regimes.md", r"AR\s+is fastest \(([\d.]+-[\d.]+), ") == _range(misses)
+
+
+def test_the_regimes_pages_table_is_the_committed_map():
+    from edgespec_ros.bench.regimes import table_regimes
+    results = json.loads((ROOT / "docs" / "results" / "regimes.json").read_text())
+    page = (ROOT / "docs" / "regimes.md").read_text()
+    assert results["commit"] in page and results["command"] in page
+    assert table_regimes(results["rows"]) in page, "docs/regimes.md's table is not the committed sweep's"
+
+
+def _card() -> dict:
+    return json.loads((ROOT / "edgespec_ros" / "models" / "metrics.json").read_text())["metrics"]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _se(rate: float, n: int) -> str:
+    return f"{100 * (rate * (1 - rate) / n) ** 0.5:.1f}"
+
+
+def test_the_cards_figures_quoted_in_the_readme_and_models_page_are_the_cards():
+    card = _card()
+    t, d = card["target"], card["draft"]
+    sd = {row["temperature"]: row for row in card["sd"] if row["gamma"] == 4}
+    success = f"{_pct(t['success_rate'])} ± {_se(t['success_rate'], t['episodes'])}%"
+    assert _quoted("README.md", r"\*\*([\d.]+ ± [\d.]+%)\*\* closed-loop success") == success
+    # docs/models.md: the committed rows of the recipes table
+    target_row = _quoted("docs/models.md", r"\| \*\*target, `make models-belief` \(committed\)\*\* \|([^\n]+)")
+    cells = [c.strip().strip("*") for c in target_row.split("|")]
+    assert cells[0].startswith(success), cells
+    assert cells[1] == f"{_pct(t['action_agreement'])}%"
+    assert cells[2].startswith(f"{_pct(t['kind_direction_agreement'])}%")
+    assert cells[3].startswith(f"{100 * t['demo']['success_rate']:.0f}%")
+    assert cells[4] == str(t["collisions"])
+    draft_row = _quoted("docs/models.md", r"\| draft, `make models-belief` \(distilled\) \|([^\n]+)")
+    cells = [c.strip().strip("*") for c in draft_row.split("|")]
+    assert cells[0] == f"{_pct(d['success_rate'])} ± {_se(d['success_rate'], d['episodes'])}%"
+    assert cells[1] == f"{_pct(d['action_agreement'])}%" and cells[2] == f"{_pct(d['kind_direction_agreement'])}%"
+    assert cells[4] == str(d["collisions"])
+    acc = f"{sd[0.0]['acceptance_rate']:.3f} / {sd[0.0]['tau']:.2f}, {sd[1.0]['acceptance_rate']:.3f} / {sd[1.0]['tau']:.2f}"
+    assert cells[5].startswith(acc), (cells[5], acc)
+    # the committed pair's line of models.md's distillation table, and its kept-apart set
+    row = _quoted("docs/models.md", r"\| belief pair \(committed\): [^|]+\|([^\n]+)")
+    assert [c.strip().strip("*") for c in row.split("|")][:2] == [
+        f"{sd[0.0]['acceptance_rate']:.3f} / {sd[0.0]['tau']:.2f}", f"{sd[1.0]['acceptance_rate']:.3f} / {sd[1.0]['tau']:.2f}"]
+    apart = json.loads((ROOT / "docs" / "results" / "belief" / "apart-push-2x.json").read_text())
+    assert _quoted("docs/models.md", r"collisions, and ([\d.]+)% on 30 scenarios kept apart") == _pct(apart["success_rate"])
+    assert apart["episodes"] == 30
+
+
+def test_the_drafts_closed_loop_success_quoted_on_the_robot_page_is_the_cards():
+    d = _card()["draft"]
+    assert _quoted("docs/robot.md", r"The embedded draft is a poor policy alone \(([\d.]+)%") == _pct(d["success_rate"])
+    assert _quoted("docs/robot.md", r"the committed draft: ([\d.]+)%\)") == _pct(d["success_rate"])
+
+
+def test_the_cards_distillation_figures_quoted_in_models_page_are_the_cards():
+    """models.md: 'the distillation moved acceptance A -> B at T=0 and C -> D at T=1' is the card's gamma-4 rows."""
+    import re
+    card = (ROOT / "edgespec_ros" / "models" / "README.md").read_text()
+    rows = dict(re.findall(r"^\| 4 \| ([01]) \| ([\d.]+ -> [\d.]+) \|", card, flags=re.M))
+    assert _quoted("docs/models.md", r"moved acceptance ([\d.]+ -> [\d.]+) at T=0") == rows["0"]
+    assert _quoted("docs/models.md", r"at T=0 and ([\d.]+ -> [\d.]+) at\s+T=1") == rows["1"]
+
+
+def test_relative_links_between_pages_resolve_to_a_file_and_heading():
+    """Every relative markdown link in README.md and docs/*.md names a file that exists, and its
+    #anchor (if any) a heading of that file (GitHub's anchor rule)."""
+    import re
+
+    def anchors(path: Path) -> set[str]:
+        out = set()
+        for line in path.read_text().splitlines():
+            if line.startswith("#"):
+                title = line.lstrip("#").strip().lower()
+                title = re.sub(r"[^\w\- ]", "", title)
+                out.add(title.replace(" ", "-"))
+        return out
+
+    bad = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, bad
