@@ -14,6 +14,7 @@ from edgespec_ros.decoding.engines import wrap_model
 from edgespec_ros.decoding.inputs import Prompt, PromptInputs
 from edgespec_ros.decoding.kv_pages import BLOCK_SIZE, KVFull, KVPool, kv_layout, pass_groups, position_bytes
 from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.sequence import VerifierSequence
 from edgespec_ros.decoding.verifier import VerifierRefused
 from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.wire import protocol as P
@@ -40,8 +41,7 @@ def _ids(n, seed):
 
 
 def _seq(lm, n, seed):
-    seq = lm.new_sequence()
-    seq.device_logits = True
+    seq = VerifierSequence(lm)
     t = torch.tensor([_ids(n, seed)])
     seq.prefill(PromptInputs(input_ids=t, attention_mask=torch.ones_like(t)))
     return seq

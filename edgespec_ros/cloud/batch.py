@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..decoding.engines import Sequence
+from ..decoding.sequence import Sequence
 from ..decoding.kv_pages import PagedPass, SlotCache, use_paged_attention
 from ..decoding.verify import verify_rows
 
@@ -101,7 +101,7 @@ class TreeRows:
 def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
                trees: list[TreeRows | None] | None = None) -> list[torch.Tensor]:
     """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each,
-    on the model's device (a lone sequence's where its ``device_logits`` says). Each cache is
+    on the model's device (a lone sequence's where its class keeps them: ``decoding.sequence``). Each cache is
     written in place in its blocks of the model's ``KVPool`` (a sequence whose cache is elsewhere is
     adopted into one first; ``kv_pages.KVFull`` before anything is written when the pool cannot
     give a row its blocks). ``trees[i]``: row i's tokens are a token tree after a committed head

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding.preempt import run_steps
-from ..decoding.engines import PREFILL_CHUNK, LoadedModel
+from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.inputs import Prompt
+from ..decoding.sequence import PREFILL_CHUNK, VerifierSequence
 from ..decoding.verify import (NO_TOKEN, SEPARATE, WISV, RuleRow, VerifyResult, VerifySettings, rule_row, to_host,
                                verify_rows)
 
@@ -48,8 +49,7 @@ class TargetSession:
     def __init__(self, lm: LoadedModel):
         self._tolerance = None  # the decisions' SizeTolerance (wisv action_tolerance), built on first use
         self.lm = lm
-        self.seq = lm.new_sequence()
-        self.seq.device_logits = True  # the rule runs where the logits are (decoding.verify.verify_rows)
+        self.seq = VerifierSequence(lm)  # in the KV pages, its logits where the rule runs (decoding.verify)
         self.settings: VerifySettings | None = None
         self._exit_last: dict[int, torch.Tensor] = {}
         self.awaiting_edge_token = False  # split codec: the robot owes the token after a rejection
@@ -266,7 +266,7 @@ class TargetSession:
         (the pipeline): a path that is the tree's ``main_path`` in full commits no next token (the
         robot's next block continues it, as after a chained chain; ``next_token`` NO_TOKEN). On a
         rule error the round is undone (``abort_tree``) and the error raised."""
-        from ..decoding.engines import keep_positions
+        from ..decoding.sequence import keep_positions
         from ..decoding.tree import main_path, verify_tree
         try:
             verdict = verify_tree(tree, q, rows, self.settings.params, seed=self.settings.seed, first_position=start)
@@ -299,7 +299,7 @@ class TargetSession:
         """Undo a tree round that will not be committed (a failed pass or rule): the nodes and the
         pending tokens fed before them leave the cache (whatever a failed forward wrote too), the
         pending tokens and next-token logits are as before."""
-        from ..decoding.engines import crop_cache
+        from ..decoding.sequence import crop_cache
         seq, head = self.seq, self._tree_head
         keep = self._tree_base - head
         extra = seq.fed - keep

@@ -346,7 +346,7 @@ class SlotLayer(DynamicLayer):
 
 class SlotCache(Cache):
     """A sequence's HF cache as a block table in a ``KVPool`` (the verifier's sequences:
-    ``Sequence.device_logits``): writes go into its blocks, a rollback (``crop``, ``set_length``)
+    ``decoding.sequence.VerifierSequence``): writes go into its blocks, a rollback (``crop``, ``set_length``)
     moves the length and gives back the blocks past it, ``copy.deepcopy`` (``Sequence.fork``)
     copies its blocks into new ones. Everything goes back to the pool on ``release()`` or when the
     cache is garbage-collected."""
