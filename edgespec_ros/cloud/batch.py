@@ -40,6 +40,7 @@ from ..decoding.verify import verify_rows
 
 if TYPE_CHECKING:
     from ..decoding.exits import ExitResult
+    from ..decoding.tree import TokenTree
     from ..decoding.verify import VerifyResult
     from .target import TargetSession
 
@@ -80,7 +81,7 @@ class TreeRows:
     """How a row of a batched pass is a token tree (``decoding.tree``): its first ``head`` tokens
     are committed ones (causal), the rest the tree's nodes (each sees the head, its ancestors and
     itself, at position head + depth - 1)."""
-    tree: object  # decoding.tree.TokenTree
+    tree: TokenTree
     head: int
 
     def visible(self) -> torch.Tensor:
@@ -198,7 +199,7 @@ class TreeRound:
     and every node fed in the shared pass with the tree's mask, the tree rule on its rows (on the
     host: a walk down the tree), the accepted path kept in place in its KV blocks."""
     session: TargetSession
-    tree: object  # decoding.tree.TokenTree
+    tree: TokenTree
     q: torch.Tensor | None  # [n + 1, V] (decoding.tree.rows_to_tree_q); None: greedy
     chained: bool = False  # the pipeline: its main path accepted in full commits no next token
 

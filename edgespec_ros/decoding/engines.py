@@ -15,10 +15,15 @@ import json
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .kv_pages import KVPool
+
+if TYPE_CHECKING:
+    from .exits import EarlyExits
+    from .wisv import DecisionHead
 
 
 class ModelLoadError(RuntimeError):
@@ -32,8 +37,8 @@ class LoadedModel:
     image_processor: object | None
     path: str
     is_vlm: bool
-    exits: object = None  # decoding.exits.EarlyExits on a target serving FSD, else None
-    wisv: object = None  # decoding.wisv.DecisionHead on a target serving WISV, else None
+    exits: EarlyExits | None = None  # on a target serving FSD
+    wisv: DecisionHead | None = None  # on a target serving WISV
     processor: object = None  # Qwen2VLProcessor where torchvision lets it be built (inputs.ecosystem_processor)
 
     @property
