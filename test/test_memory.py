@@ -413,7 +413,8 @@ def test_pushes_repeat_a_blocked_move_and_leave_the_rollout_as_it_was_until_then
 
 def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp_path):
     from edgespec_ros.sim.dataset import iter_scenarios
-    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, expert_config_from_pairs, run_expert_episode
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, expert_config_from_pairs
+    from edgespec_ros.sim.expert_rollout import run_expert_episode
     from edgespec_ros.train import cli as train_cli
     for scenario in iter_scenarios("heldout", 12, max_steps=40):
         plain = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3)))
