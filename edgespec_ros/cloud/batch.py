@@ -8,9 +8,9 @@ forward pass. Every sequence's cache is a block table in the model's ``KVPool``
 (``decoding.kv_pages``: a verifier's sequences are made there; any other is adopted on its first
 batched pass, copied once). Before the pass every row takes the blocks its new tokens need; in the
 pass each layer writes every row's new keys and values into its own blocks in ONE scatter, then
-reads the rows' blocks group by group (``kv_pages.pass_groups``: rows of similar length; a row
+reads the rows' blocks group by group (``paged_pass.pass_groups``: rows of similar length; a row
 reads at most twice its own positions plus one block, so one long row never widens its
-neighbours' reads) and attends each group over its own span (``kv_pages.paged_attention``). A
+neighbours' reads) and attends each group over its own span (``paged_pass.paged_attention``). A
 row's cache afterwards holds exactly its own new keys and values (its length moves by its own
 count), as if it had been fed alone. The mask of a row covers its own cache [0, L_i) and its own
 new tokens [L_i, L_i + n_i); positions are explicit per row. The logits stay on the model's
@@ -35,7 +35,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..decoding.sequence import Sequence
-from ..decoding.kv_pages import PagedPass, SlotCache, use_paged_attention
+from ..decoding.kv_pages import SlotCache
+from .paged_pass import PagedPass, use_paged_attention
 from ..decoding.verify import verify_rows
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 class _PassLayer(DynamicLayer):
     """One layer of the batched pass's cache: ``update`` writes each row's new keys and values into
     its blocks and hands the attention each group's rows read over the group's span
-    (``kv_pages.PagedPass``: a ``PassKV``, attended by ``kv_pages.paged_attention``)."""
+    (``paged_pass.PagedPass``: a ``PassKV``, attended by ``paged_pass.paged_attention``)."""
 
     def __init__(self, paged: PagedPass, idx: int):  # noqa: D107 - nothing is kept but the pool's tensors
         self.paged, self.idx = paged, idx
