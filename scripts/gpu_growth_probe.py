@@ -10,6 +10,7 @@ import time
 import torch
 
 from edgespec_ros.bench import gpu_measure as gp
+from edgespec_ros.decoding.sequence import Sequence
 
 
 def probe(name: str, device: torch.device, steps: int = 40) -> dict:
@@ -17,7 +18,7 @@ def probe(name: str, device: torch.device, steps: int = 40) -> dict:
     lm = gp.build_lm(shape, device, torch.bfloat16, 0)
     cfg = lm.model.config
     prompt = gp.synthetic_prompt(cfg, 1)
-    seq = lm.new_sequence()
+    seq = Sequence(lm)
     seq.prefill(prompt)
     seq.feed([5])
     gp.warm_device(device, 3.0)

@@ -67,11 +67,11 @@ def memory(lm, budget_mb: float | None) -> bool:
 def pass_times(lm, runs: int) -> float:
     from edgespec_ros.cloud.batch import feed_batch
     from edgespec_ros.decoding.inputs import PromptInputs
+    from edgespec_ros.decoding.sequence import VerifierSequence
 
     def seq(n, seed):
         ids = torch.randint(10, 700, (1, n), generator=torch.Generator().manual_seed(seed))
-        s = lm.new_sequence()
-        s.device_logits = True
+        s = VerifierSequence(lm)
         s.prefill(PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids)))
         return s
     shorts = [seq(60 + 3 * i, i) for i in range(8)]

@@ -5,6 +5,7 @@ import torch
 from scipy import stats
 
 from edgespec_ros.decoding.inputs import Prompt, PromptInputs
+from edgespec_ros.decoding.sequence import Sequence
 from edgespec_ros.decoding.sampling import STREAM_DRAFT, keyed_uniform, probs_from_logits, sample_from
 from edgespec_ros.robot.decoder import EdgeDecoder
 
@@ -79,7 +80,7 @@ def exact_two_token_law(lm, params):
 
     Outcomes: (eos,) when the first token ends the decision, else (t1, t2)."""
     def next_probs(ids):
-        seq = lm.new_sequence()
+        seq = Sequence(lm)
         t = torch.tensor([ids])
         return probs_from_logits(seq.prefill(PromptInputs(t, torch.ones_like(t))), params).numpy()
 

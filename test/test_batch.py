@@ -9,7 +9,7 @@ import torch
 
 from edgespec_ros.cloud.batch import feed_batch
 from edgespec_ros.robot.decoder import EdgeDecoder
-from edgespec_ros.decoding.engines import Sequence
+from edgespec_ros.decoding.sequence import Sequence
 from edgespec_ros.cloud.local import LocalVerifier
 
 from wire_helpers import make_pair, server_copy

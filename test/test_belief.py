@@ -316,7 +316,8 @@ def test_spun_rollouts_begin_with_a_full_circle_and_no_spin_leaves_the_data_as_i
 
 
 def test_the_expert_with_the_belief_still_reaches_every_goal_it_reached():
-    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, run_expert_episode
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy
+    from edgespec_ros.sim.expert_rollout import run_expert_episode
     for scenario in iter_scenarios("heldout", 12, max_steps=40):
         plain = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3)))
         recalling = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3, search_belief=True)))

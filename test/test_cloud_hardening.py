@@ -842,7 +842,7 @@ def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image):
     prompt's positions: the next-token logits match a one-shot prefill to float tolerance, and
     the cache holds the whole prompt."""
     import torch
-    from edgespec_ros.decoding.engines import Sequence
+    from edgespec_ros.decoding.sequence import Sequence
     from edgespec_ros.robot.decoder import EdgeDecoder
     from edgespec_ros.cloud.local import LocalVerifier
     prompt_text = "find the silver bottle " * 12  # text before the image (the chat template's order)
@@ -872,7 +872,7 @@ def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image):
 
 
 def test_prefill_pieces_keep_an_image_whole():
-    from edgespec_ros.decoding.engines import _prefill_pieces
+    from edgespec_ros.decoding.sequence import _prefill_pieces
     assert _prefill_pieces(10, 16, None) == [(0, 10)]
     assert _prefill_pieces(40, 16, None) == [(0, 16), (16, 32), (32, 40)]
     assert _prefill_pieces(100, 16, (20, 90)) == [(0, 16), (16, 20), (20, 90), (90, 100)]

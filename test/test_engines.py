@@ -15,6 +15,7 @@ from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.engines import ModelLoadError, load_model
+from edgespec_ros.decoding.sequence import DraftSequence, Sequence, TargetSequence
 from edgespec_ros.decoding.inputs import IMAGE_PAD, VISION_END, VISION_START, PromptInputs, build_inputs, chat_prompt
 from edgespec_ros.decoding.sampling import (
     STREAM_DRAFT,
@@ -46,7 +47,7 @@ def _extend(inputs: PromptInputs, tokens: list[int]) -> PromptInputs:
 
 
 def _fresh_logits(lm, inputs: PromptInputs, tokens: list[int]) -> torch.Tensor:
-    return lm.new_sequence().prefill(_extend(inputs, tokens))
+    return Sequence(lm).prefill(_extend(inputs, tokens))
 
 
 # --- greedy SD == target greedy AR ---------------------------------------------------------
@@ -143,7 +144,7 @@ def test_sampled_sd_with_target_as_draft_follows_the_keyed_streams(causal_target
     cfg = DecodeConfig(mode="sd", gamma=gamma, max_new_tokens=max_new, params=params, seed=seed)
     decision = decoder.decide(INSTRUCTION, None, cfg)
     assert decision.metrics.acceptance_rate == 1.0
-    seq = causal_target.new_sequence()
+    seq = Sequence(causal_target)
     seq.prefill(decoder.make_prompt(INSTRUCTION)[1])
     expected = []
     for t in range(max_new):
@@ -189,7 +190,7 @@ def test_cached_decode_equals_full_recompute(request, tokenizer, image_processor
     steps = 12
     cached_tokens = target_generate(lm, inputs, DecodeConfig(mode="ar", max_new_tokens=steps, params=GREEDY))
     model = lm.model
-    seq = lm.new_sequence()
+    seq = Sequence(lm)
     logits = seq.prefill(inputs)
     # 16 image tokens on a 4x4 merged grid take 4 positions: text after the image is shifted.
     assert seq.rope_delta == (-12 if with_image else 0)
@@ -212,7 +213,7 @@ def test_wrong_mrope_offset_is_detectable(vlm_target, tokenizer, image_processor
     """Guard for the guard: forgetting the M-RoPE offset (plain cache-index positions after an
     image) changes the logits far beyond the tolerance used above."""
     inputs = build_inputs(tokenizer, INSTRUCTION, image, image_processor)
-    right, wrong = vlm_target.new_sequence(), vlm_target.new_sequence()
+    right, wrong = Sequence(vlm_target), Sequence(vlm_target)
     right.prefill(inputs)
     wrong.prefill(inputs)
     wrong.rope_delta = 0
@@ -227,7 +228,7 @@ def test_wrong_mrope_offset_is_detectable(vlm_target, tokenizer, image_processor
 def test_draft_rollback_equals_fresh_prefill(vlm_draft, tokenizer, image_processor, image, accepted):
     gamma = 3
     inputs = build_inputs(tokenizer, INSTRUCTION, image, image_processor)
-    seq = vlm_draft.new_sequence()
+    seq = DraftSequence(vlm_draft)
     seq.prefill(inputs)
     committed: list[int] = []
     for round_ in range(2):
@@ -248,7 +249,7 @@ def test_draft_rollback_equals_fresh_prefill(vlm_draft, tokenizer, image_process
 def test_target_rollback_equals_fresh_prefill(vlm_target, tokenizer, image_processor, image, accepted):
     gamma = 3
     inputs = build_inputs(tokenizer, INSTRUCTION, image, image_processor)
-    seq = vlm_target.new_sequence()
+    seq = TargetSequence(vlm_target)
     seq.prefill(inputs)
     committed: list[int] = []
     for round_ in range(2):
@@ -265,7 +266,7 @@ def test_target_rollback_equals_fresh_prefill(vlm_target, tokenizer, image_proce
 
 
 def test_sequence_misuse_raises(vlm_draft):
-    seq = vlm_draft.new_sequence()
+    seq = Sequence(vlm_draft)
     with pytest.raises(RuntimeError, match="before prefill"):
         seq.feed([1])
     ids = torch.tensor([[10, 11, 12]])
@@ -317,7 +318,7 @@ def test_saved_vlm_loads_back_with_identical_logits(tmp_path, vlm_target, tokeni
     # Where torchvision exists the reloaded processor is its backend (a Qwen2VLProcessor's), whose
     # normalisation rounds differently from the PIL one's by ~1e-7; here both are PIL and equal.
     torch.testing.assert_close(inputs.pixel_values, reloaded.pixel_values, rtol=0, atol=1e-6)
-    torch.testing.assert_close(vlm_target.new_sequence().prefill(inputs), loaded.new_sequence().prefill(reloaded),
+    torch.testing.assert_close(Sequence(vlm_target).prefill(inputs), Sequence(loaded).prefill(reloaded),
                                rtol=0, atol=1e-4)
 
 
@@ -328,7 +329,7 @@ def test_saved_causal_lm_loads_back_with_identical_logits(tmp_path, causal_targe
     loaded = load_model(path)
     assert not loaded.is_vlm and loaded.image_processor is None
     inputs = build_inputs(tokenizer, INSTRUCTION)
-    assert torch.equal(causal_target.new_sequence().prefill(inputs), loaded.new_sequence().prefill(inputs))
+    assert torch.equal(Sequence(causal_target).prefill(inputs), Sequence(loaded).prefill(inputs))
 
 
 # --- build_inputs --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from edgespec_ros.decoding.exits import (EXITS_CONFIG, EarlyExits, ExitHooks, Ex
                                      default_exits_dir)
 from edgespec_ros.robot.predraft import PreDrafter
 from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.sequence import DraftSequence
 from edgespec_ros.decoding.verify import verify
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import RemoteVerifier
@@ -144,7 +145,7 @@ def test_each_exit_verifies_the_draft_with_its_own_logits_and_never_changes_the_
     a, b = TargetSession(target), TargetSession(plain)
     a.start(prompt, cfg.verify_settings())
     b.start(prompt, cfg.verify_settings())
-    dseq = draft.new_sequence()
+    dseq = DraftSequence(draft)
     dseq.prefill(inputs)
     context = list(prompt.prompt_ids)
     for _round in range(4):
@@ -244,7 +245,7 @@ def _state(seq):
 def test_pre_drafting_never_touches_the_main_draft_state(pair):
     dec = EdgeDecoder(pair.draft, LocalVerifier(pair.target))
     _, inputs = dec.make_prompt(INSTRUCTIONS[0], pair.image)
-    seq = pair.draft.new_sequence()
+    seq = DraftSequence(pair.draft)
     seq.prefill(inputs)
     ids, q = seq.draft(4, GREEDY, 0)
     before = _state(seq)

@@ -9,11 +9,13 @@ import torch
 from edgespec_ros.cloud.batch import feed_batch
 from edgespec_ros.cloud.limits import ServerLimits
 from edgespec_ros.cloud.local import LocalVerifier
-from edgespec_ros.decoding import kv_pages
 from edgespec_ros.decoding.engines import wrap_model
 from edgespec_ros.decoding.inputs import Prompt, PromptInputs
-from edgespec_ros.decoding.kv_pages import BLOCK_SIZE, KVFull, KVPool, kv_layout, pass_groups, position_bytes
+from edgespec_ros.decoding.kv_pages import BLOCK_SIZE, KVFull, KVPool, kv_layout, position_bytes
+from edgespec_ros.cloud import paged_pass
+from edgespec_ros.cloud.paged_pass import pass_groups
 from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.sequence import VerifierSequence
 from edgespec_ros.decoding.verifier import VerifierRefused
 from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.wire import protocol as P
@@ -40,8 +42,7 @@ def _ids(n, seed):
 
 
 def _seq(lm, n, seed):
-    seq = lm.new_sequence()
-    seq.device_logits = True
+    seq = VerifierSequence(lm)
     t = torch.tensor([_ids(n, seed)])
     seq.prefill(PromptInputs(input_ids=t, attention_mask=torch.ones_like(t)))
     return seq
@@ -142,12 +143,12 @@ def test_a_long_row_does_not_widen_its_neighbours_attention(pair, monkeypatch):
     over its own; and every row's logits are those of feeding it alone."""
     lm = _lm(pair, blocks=256)
     calls = []
-    real = kv_pages.F.scaled_dot_product_attention
+    real = paged_pass.F.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         calls.append((q.shape[0], k.shape[-2]))
         return real(q, k, v, **kwargs)
-    monkeypatch.setattr(kv_pages.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(paged_pass.F, "scaled_dot_product_attention", spy)
     shorts = [_seq(lm, 60 + 3 * i, 10 + i) for i in range(8)]
     long = _seq(lm, 1200, 30)
     tokens = [[5, 6, 7, 8]] * 9

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from edgespec_ros.cloud.batch import feed_batch
-from edgespec_ros.decoding.engines import Sequence, wrap_model
+from edgespec_ros.decoding.engines import wrap_model
 from edgespec_ros.decoding.kv_pages import KVPool, SlotCache, kv_layout, position_bytes
 from edgespec_ros.decoding.inputs import PromptInputs
 from edgespec_ros.decoding.preempt import run_steps
+from edgespec_ros.decoding.sequence import Sequence, VerifierSequence
 from edgespec_ros.evaluation.replay import greedy_continue, greedy_continue_batch
 
 from wire_helpers import make_pair
@@ -52,14 +53,13 @@ def _image_inputs(pair, lm, instruction):
 
 
 def _verifier_seq(lm, inputs) -> Sequence:
-    seq = lm.new_sequence()
-    seq.device_logits = True  # as TargetSession makes it
+    seq = VerifierSequence(lm)  # as TargetSession makes it
     seq.prefill(inputs)
     return seq
 
 
 def _plain_seq(lm, inputs) -> Sequence:
-    seq = lm.new_sequence()
+    seq = Sequence(lm)
     seq.prefill(inputs)
     return seq
 

@@ -16,7 +16,7 @@ from edgespec_ros.evaluation.policy import PolicyOutput
 from edgespec_ros.models import default_model_path, have_default_models
 from edgespec_ros.control.link_health import LinkHealth
 from edgespec_ros.sim.coverage import CoverageGate, dead_zone_variant, write_dead_zone_variants
-from edgespec_ros.sim.expert import run_expert_episode
+from edgespec_ros.sim.expert_rollout import run_expert_episode
 from edgespec_ros.sim.link_loop import (ALWAYS_UP, DRAFT_ONLY, LINK_FAULT, PROBE_FAILED, PROBE_OK, RETRACE,
                                         UNVERIFIED_KINDS, VERIFIED, WAIT, DraftLatency,
                                         StatedLatency, compare_fallbacks, degrade, degraded_limits,

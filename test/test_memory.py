@@ -7,6 +7,7 @@ import pytest
 
 from edgespec_ros.control.actions import ActionParseError, parse_action
 from edgespec_ros.decoding.engines import load_model
+from edgespec_ros.decoding.sequence import Sequence
 from edgespec_ros.decoding.inputs import IMAGE_PAD, build_inputs, chat_prompt
 from edgespec_ros.decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, Turn, outcome_word, shown_turns
 from edgespec_ros.models import default_model_path
@@ -138,7 +139,7 @@ def test_the_data_stage_is_the_same_on_one_process_or_two(tmp_path):
 
 
 def test_the_reusable_prefix_stops_at_the_first_difference_the_image_and_the_last_token():
-    from edgespec_ros.decoding.engines import reusable_prefix
+    from edgespec_ros.decoding.sequence import reusable_prefix
     assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], None, minimum=1) == 4
     assert reusable_prefix([1, 2, 9, 4], [1, 2, 3, 4, 5, 6], None, minimum=1) == 2
     assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], image_start=3, minimum=1) == 3  # never into an image
@@ -163,9 +164,9 @@ def test_a_prompt_that_extends_the_last_one_reuses_its_cache_and_decodes_the_sam
     history = [Turn("turn left small", DONE), Turn("move forward large", BLOCKED)]
     prompts = [build_inputs(lm.tokenizer, "go to the red ball", frames[i], lm.image_processor,
                             history=shown_turns(history[:i], 2)) for i in range(3)]
-    from edgespec_ros.decoding.engines import MIN_PREFIX_REUSE
+    from edgespec_ros.decoding.sequence import MIN_PREFIX_REUSE
     from edgespec_ros.decoding.preempt import run_steps
-    kept, reused = lm.new_sequence(), []
+    kept, reused = Sequence(lm), []
     for i, inputs in enumerate(prompts):
         run_steps(kept.prefill_steps(inputs, reuse=True))
         if i:  # everything before this decision's first difference from the last one is reused
@@ -174,17 +175,17 @@ def test_a_prompt_that_extends_the_last_one_reuses_its_cache_and_decodes_the_sam
             common = next(k for k, (a, b) in enumerate(zip(before, now)) if a != b)
             assert kept.reused == (common if common >= MIN_PREFIX_REUSE else 0)
             reused.append(kept.reused)
-        fresh = lm.new_sequence()
+        fresh = Sequence(lm)
         fresh.prefill(inputs)
         assert fresh.reused == 0
         assert torch.allclose(kept.last_logits, fresh.last_logits, atol=1e-4)
         assert _greedy(kept, 12) == _greedy(fresh, 12)  # token-identical, then the cache holds drafts too
     assert reused[-1] > 0  # the third prompt extends the second past the system turn and instruction
     run_steps(kept.prefill_steps(prompts[0], reuse=True))  # a memoryless prompt: the shared head is too short
-    fresh = lm.new_sequence()
+    fresh = Sequence(lm)
     fresh.prefill(prompts[0])
     assert kept.reused == 0 and torch.equal(kept.last_logits, fresh.last_logits)
-    no_reuse = lm.new_sequence()
+    no_reuse = Sequence(lm)
     no_reuse.prefill(prompts[1])
     no_reuse.prefill(prompts[2])  # plain prefill() never reuses (profiles time it)
     assert no_reuse.reused == 0
@@ -194,7 +195,7 @@ def test_a_prefill_that_fails_half_way_leaves_no_cache_to_reuse():
     lm = load_model(default_model_path("target"))
     frame = np.zeros((112, 112, 3), np.uint8)
     history = (Turn("turn left small", DONE), Turn("move forward large", BLOCKED), Turn("turn right small", DONE))
-    seq = lm.new_sequence()
+    seq = Sequence(lm)
     from edgespec_ros.decoding.preempt import run_steps
     run_steps(seq.prefill_steps(build_inputs(lm.tokenizer, "go", frame, lm.image_processor, history=history[:2]),
                                 reuse=True))
@@ -215,7 +216,7 @@ def test_a_prefill_that_fails_half_way_leaves_no_cache_to_reuse():
     assert calls and seq.cache is None and seq.fed == 0
     inputs = build_inputs(lm.tokenizer, "go", frame, lm.image_processor, history=history)
     run_steps(seq.prefill_steps(inputs, reuse=True))
-    fresh = lm.new_sequence()
+    fresh = Sequence(lm)
     fresh.prefill(inputs)
     assert seq.reused == 0 and torch.equal(seq.last_logits, fresh.last_logits)
 
@@ -414,7 +415,8 @@ def test_pushes_repeat_a_blocked_move_and_leave_the_rollout_as_it_was_until_then
 
 def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp_path):
     from edgespec_ros.sim.dataset import iter_scenarios
-    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, expert_config_from_pairs, run_expert_episode
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, expert_config_from_pairs
+    from edgespec_ros.sim.expert_rollout import run_expert_episode
     from edgespec_ros.train import cli as train_cli
     for scenario in iter_scenarios("heldout", 12, max_steps=40):
         plain = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3)))

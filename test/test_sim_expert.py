@@ -8,7 +8,8 @@ import pytest
 from edgespec_ros.control.actions import Action, parse_action, split_reasoning_action
 from edgespec_ros.sim.dataset import (SPLIT_SIZE, generate_examples, iter_scenarios, random_scenario,
                                       scenario_for_seed, seed_split, split_seeds, write_heldout_scenarios)
-from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, run_expert_episode
+from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy
+from edgespec_ros.sim.expert_rollout import run_expert_episode
 from edgespec_ros.sim.world import SimWorld
 from edgespec_ros.sim.scenario import ROBOT_RADIUS_M, Pose, builtin_scenarios, load_scenario, scenario_from_dict
 
@@ -347,7 +348,7 @@ def test_a_steps_executed_outcome_counts_collisions_and_the_experts_decisions_to
     step touches nothing the other's did not and the expert, carrying on, reaches the goal in no
     more decisions."""
     from edgespec_ros.sim.dataset import expert_frames
-    from edgespec_ros.sim.expert import ExecutedOutcome, step_outcome
+    from edgespec_ros.sim.expert_rollout import ExecutedOutcome, step_outcome
     from edgespec_ros.sim.world import forward_clearance
     large = Action.move_forward("large")
     frames = list(expert_frames("train", 6))

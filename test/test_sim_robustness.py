@@ -8,7 +8,8 @@ import pytest
 
 from edgespec_ros.evaluation.cli import main
 from edgespec_ros.sim.dataset import expert_frames, generate_examples, iter_scenarios
-from edgespec_ros.sim.expert import ExpertConfig, expert_config_from_pairs, run_expert_episode
+from edgespec_ros.sim.expert import ExpertConfig, expert_config_from_pairs
+from edgespec_ros.sim.expert_rollout import run_expert_episode
 from edgespec_ros.sim.robustness import (PerceptionNoise, noisy_agreement, noisy_closed_loop,
                                          perceived_scenario)
 from edgespec_ros.sim.scenario import Pose

@@ -19,6 +19,7 @@ from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import model_content_hash
 from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.sequence import Sequence
 from edgespec_ros.cloud.traces import (FORMAT, NO_TOKEN, VERSION, TraceFormatError, TraceRecorder, read_traces,
                                        tenant_id, trace_shards)
 from edgespec_ros.cloud.local import LocalVerifier
@@ -75,7 +76,7 @@ def assert_topk_is_the_targets(target, record, jpeg: bytes | None = None) -> Non
     alone (and the decision's JPEG, when the record was made without images)."""
     prompt = Prompt(record.instruction, record.jpeg if jpeg is None else jpeg, record.prompt_ids)
     inputs = TargetSession(target).build_prompt_inputs(prompt)
-    seq = target.new_sequence()
+    seq = Sequence(target)
     first = seq.prefill(inputs)
     fed = seq.feed(record.context_ids + record.draft_ids)
     logits = torch.cat([first.view(1, -1), fed])[len(record.context_ids):len(record.context_ids) + len(record.draft_ids) + 1]

@@ -14,6 +14,7 @@ from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.compute import DRAFT_LEVEL_COST, EdgeDevice, level_cost
 from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.sequence import DraftSequence
 from edgespec_ros.decoding.tree import ROOT, TokenTree, TreeShape, draft_tree, expanded, first_children
 from edgespec_ros.decoding.verifier import Block, VerifierError
 from edgespec_ros.decoding.verify import VerifySettings
@@ -76,7 +77,7 @@ def test_a_tree_is_drafted_one_level_per_forward_and_each_level_costs_the_table(
 
     decoder = EdgeDecoder(vlm_draft, None)
     _, inputs = decoder.make_prompt("find the chair", image)
-    seq = vlm_draft.new_sequence()
+    seq = DraftSequence(vlm_draft)
     seq.prefill(inputs)
     device = Recorder()
     drafted = draft_tree(seq, TreeShape((2, 4, 3)), SamplingParams(), 0, 0, pace=device.level, feed_last=False)
@@ -96,7 +97,7 @@ def test_the_spine_of_a_tree_is_the_chain_the_draft_drafts_alone(vlm_draft, imag
     decoder = EdgeDecoder(vlm_draft, None)
     _, inputs = decoder.make_prompt("go to the red box", image)
     for seed in range(3):
-        chain_seq, tree_seq = vlm_draft.new_sequence(), vlm_draft.new_sequence()
+        chain_seq, tree_seq = DraftSequence(vlm_draft), DraftSequence(vlm_draft)
         chain_seq.prefill(inputs)
         tree_seq.prefill(inputs)
         ids, _ = chain_seq.draft(4, params, seed)
@@ -110,7 +111,7 @@ def test_a_dynamic_tree_branches_where_the_draft_is_unsure_within_its_budget(vlm
     decoder = EdgeDecoder(vlm_draft, None)
     _, inputs = decoder.make_prompt("go to the red box", image)
     for budget in (4, 6, 10):
-        seq = vlm_draft.new_sequence()
+        seq = DraftSequence(vlm_draft)
         seq.prefill(inputs)
         shape = TreeShape.dynamic(4, budget)
         drafted = draft_tree(seq, shape, SamplingParams(), 0, 0)

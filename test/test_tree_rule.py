@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edgespec_ros.decoding.sampling import SamplingParams, probs_from_logits
+from edgespec_ros.decoding.sequence import DraftSequence
 from edgespec_ros.decoding.tree import ROOT, TokenTree, draw_siblings, verify_tree
 from edgespec_ros.decoding.verify import verify
 
@@ -142,7 +143,7 @@ def test_a_drafted_tree_sees_only_its_ancestors_and_compacts_to_the_path_alone(v
     from edgespec_ros.decoding.inputs import build_inputs
     from edgespec_ros.decoding.tree import TreeShape, compact, draft_tree
     inputs = build_inputs(vlm_draft.tokenizer, "find the chair", image, vlm_draft.image_processor)
-    seq = vlm_draft.new_sequence()
+    seq = DraftSequence(vlm_draft)
     seq.prefill(inputs)
     alone = seq.fork()
     shape = TreeShape((2, 3, 2), branch=2)
@@ -190,7 +191,7 @@ def _tree_decision(draft, target, prompt, inputs, params, shape, seed, max_new_t
     from edgespec_ros.decoding.verify import VerifySettings
     session = TargetSession(target)
     session.start(prompt, VerifySettings(params=params, seed=seed))
-    seq = draft.new_sequence()
+    seq = DraftSequence(draft)
     seq.prefill(inputs)
     out, rounds = [], 0
     while len(out) < max_new_tokens:

@@ -112,7 +112,7 @@ class FakeTarget:
 def fake_lm(wisv: bool = False, exits: bool = False):
     head = SimpleNamespace(config=SimpleNamespace(draft_dim=DIM)) if wisv else None
     return SimpleNamespace(vocab_size=VOCAB, max_context=None, wisv=head, eos_token_ids={EOS}, memory=0, belief=False,
-                           num_layers=2, exits=SimpleNamespace(layers=[1]) if exits else None, new_sequence=FakeSeq,
+                           num_layers=2, exits=SimpleNamespace(layers=[1]) if exits else None,
                            fingerprint=lambda: "fake", path="fake")
 
 

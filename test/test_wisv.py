@@ -363,7 +363,7 @@ def test_executed_labels_relabel_only_changed_actions_the_judge_calls_as_good():
     from the frame's simulated state, keeps every critical mismatch a changed action."""
     from edgespec_ros.decoding.engines import load_model
     from edgespec_ros.models import default_model_path
-    from edgespec_ros.sim.expert import ExecutedOutcome
+    from edgespec_ros.sim.expert_rollout import ExecutedOutcome
     from edgespec_ros.train.wisv import episode_traces, sim_frames
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     changed = checked = 0

@@ -16,6 +16,7 @@ from edgespec_ros.decoding.verify import VerifySettings
 from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
+from edgespec_ros.decoding.sequence import DraftSequence
 from edgespec_ros.decoding.verifier import VerifierRefused
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.evaluation.replay import action_of_tokens, final_rows, prompt_pair
@@ -79,7 +80,7 @@ def test_hidden_rows_sit_beside_the_logits_they_produced(models, frames):
     draft, target = models
     instruction, image = frames[0]
     d_inputs, t_inputs = prompt_pair(draft, target, instruction, image)
-    seq = draft.new_sequence()
+    seq = DraftSequence(draft)
     seq.keep_hidden = True
     seq.prefill(d_inputs)
     session = TargetSession(target)

@@ -18,6 +18,7 @@ from ..decoding.verify import VerifySettings
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.sampling import SamplingParams
+from ..decoding.sequence import Sequence
 
 SHAPES_DIR = os.path.join(os.path.dirname(__file__), "shapes")
 GREEDY = VerifySettings(SamplingParams(0.0), seed=0, verify_mode="greedy")
@@ -184,7 +185,7 @@ def _med(xs: list[float]) -> float:
 
 
 def measure_prefill(lm: LoadedModel, prompt: PromptInputs, reps: int) -> dict:
-    seq = lm.new_sequence()
+    seq = Sequence(lm)
     times = timed(lambda: seq.prefill(prompt), lm.device, reps)
     return {"tokens": prompt.num_tokens, "image_tokens": int(prompt.mm_token_type_ids.sum()),
             "s": _med(times), "all_s": times}
@@ -328,7 +329,7 @@ def measure_drafting(lm: LoadedModel, prompt: PromptInputs, tokens: int, seed: i
     """Per-token drafting (one token fed per forward, KV cached) after a prefill."""
     rng = random.Random(seed)
     high = text_id_range(lm.model.config)
-    seq = lm.new_sequence()
+    seq = Sequence(lm)
     seq.prefill(prompt)
     seq.feed([rng.randrange(high)])
     times = timed(lambda: seq.feed([rng.randrange(high)]), lm.device, tokens, warmup=2)

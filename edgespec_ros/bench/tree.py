@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ..cloud.target import target_generate
 from ..decoding.inputs import build_inputs, jpeg_roundtrip
 from ..decoding.sampling import SamplingParams
+from ..decoding.sequence import DraftSequence
 from ..decoding.tree import ROOT, TreeShape, compact, draft_tree
 from ..decoding.verify import VerifySettings
 from ..robot.settings import DEFAULTS
@@ -52,7 +53,7 @@ def tree_rounds(draft, target, prompts, shape: TreeShape, max_new_tokens: int = 
         inputs = build_inputs(target.tokenizer, instruction, image, target.image_processor, history=history)
         want = target_generate(target, inputs, VerifySettings(GREEDY), max_new_tokens=max_new_tokens)
         d_inputs = build_inputs(draft.tokenizer, instruction, image, draft.image_processor, history=history)
-        seq = draft.new_sequence()
+        seq = DraftSequence(draft)
         seq.prefill(d_inputs)
         done = 0
         while done < len(want):

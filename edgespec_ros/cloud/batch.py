@@ -8,9 +8,9 @@ forward pass. Every sequence's cache is a block table in the model's ``KVPool``
 (``decoding.kv_pages``: a verifier's sequences are made there; any other is adopted on its first
 batched pass, copied once). Before the pass every row takes the blocks its new tokens need; in the
 pass each layer writes every row's new keys and values into its own blocks in ONE scatter, then
-reads the rows' blocks group by group (``kv_pages.pass_groups``: rows of similar length; a row
+reads the rows' blocks group by group (``paged_pass.pass_groups``: rows of similar length; a row
 reads at most twice its own positions plus one block, so one long row never widens its
-neighbours' reads) and attends each group over its own span (``kv_pages.paged_attention``). A
+neighbours' reads) and attends each group over its own span (``paged_pass.paged_attention``). A
 row's cache afterwards holds exactly its own new keys and values (its length moves by its own
 count), as if it had been fed alone. The mask of a row covers its own cache [0, L_i) and its own
 new tokens [L_i, L_i + n_i); positions are explicit per row. The logits stay on the model's
@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..decoding.engines import Sequence
-from ..decoding.kv_pages import PagedPass, SlotCache, use_paged_attention
+from ..decoding.sequence import Sequence
+from ..decoding.kv_pages import SlotCache
+from .paged_pass import PagedPass, use_paged_attention
 from ..decoding.verify import verify_rows
 
 if TYPE_CHECKING:
     from ..decoding.exits import ExitResult
+    from ..decoding.tree import TokenTree
     from ..decoding.verify import VerifyResult
     from .target import TargetSession
 
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 class _PassLayer(DynamicLayer):
     """One layer of the batched pass's cache: ``update`` writes each row's new keys and values into
     its blocks and hands the attention each group's rows read over the group's span
-    (``kv_pages.PagedPass``: a ``PassKV``, attended by ``kv_pages.paged_attention``)."""
+    (``paged_pass.PagedPass``: a ``PassKV``, attended by ``paged_pass.paged_attention``)."""
 
     def __init__(self, paged: PagedPass, idx: int):  # noqa: D107 - nothing is kept but the pool's tensors
         self.paged, self.idx = paged, idx
@@ -80,7 +82,7 @@ class TreeRows:
     """How a row of a batched pass is a token tree (``decoding.tree``): its first ``head`` tokens
     are committed ones (causal), the rest the tree's nodes (each sees the head, its ancestors and
     itself, at position head + depth - 1)."""
-    tree: object  # decoding.tree.TokenTree
+    tree: TokenTree
     head: int
 
     def visible(self) -> torch.Tensor:
@@ -101,7 +103,7 @@ class TreeRows:
 def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
                trees: list[TreeRows | None] | None = None) -> list[torch.Tensor]:
     """Feed token_lists[i] to seqs[i] (all on one model) in one forward; the logits [n_i, V] each,
-    on the model's device (a lone sequence's where its ``device_logits`` says). Each cache is
+    on the model's device (a lone sequence's where its class keeps them: ``decoding.sequence``). Each cache is
     written in place in its blocks of the model's ``KVPool`` (a sequence whose cache is elsewhere is
     adopted into one first; ``kv_pages.KVFull`` before anything is written when the pool cannot
     give a row its blocks). ``trees[i]``: row i's tokens are a token tree after a committed head
@@ -198,7 +200,7 @@ class TreeRound:
     and every node fed in the shared pass with the tree's mask, the tree rule on its rows (on the
     host: a walk down the tree), the accepted path kept in place in its KV blocks."""
     session: TargetSession
-    tree: object  # decoding.tree.TokenTree
+    tree: TokenTree
     q: torch.Tensor | None  # [n + 1, V] (decoding.tree.rows_to_tree_q); None: greedy
     chained: bool = False  # the pipeline: its main path accepted in full commits no next token
 

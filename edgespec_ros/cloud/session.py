@@ -30,7 +30,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -48,6 +48,10 @@ from ..decoding.verifier import MAX_BLOCK, Condition, EpochGate  # noqa: F401 - 
 from ..decoding.verify import NO_TOKEN, DraftDistributionError, check_draft_probs, check_draft_probs_once
 from ..wire import protocol as P
 from .limits import LimitError, ServerLimits, check_image
+
+if TYPE_CHECKING:
+    from ..decoding.exits import EarlyExits
+    from ..decoding.wisv import DecisionHead
 
 DENSE, SPLIT = "dense", "split"  # and WISV ("wisv"): the three verification paths (Step.path)
 DENSE_ERRORS = (CodecError, DraftDistributionError)  # a dense round's errors a client's q can cause
@@ -69,8 +73,8 @@ class TargetModel(Protocol):
     ``TargetSession``'s (the session's ``new_target``)."""
 
     path: str  # the WELCOME names its last component, never the path
-    exits: object  # decoding.exits.EarlyExits (its ``layers``), or None: no early exits
-    wisv: object  # decoding.wisv.DecisionHead (its ``config.draft_dim``), or None: no WISV
+    exits: EarlyExits | None  # its ``layers`` are read; None: no early exits
+    wisv: DecisionHead | None  # its ``config.draft_dim`` is read; None: no WISV
 
     @property
     def vocab_size(self) -> int: ...

@@ -15,17 +15,39 @@ from __future__ import annotations
 import contextlib
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..decoding.preempt import run_steps
-from ..decoding.engines import PREFILL_CHUNK, LoadedModel
+from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.inputs import Prompt
+from ..decoding.sequence import PREFILL_CHUNK, VerifierSequence
 from ..decoding.verify import (NO_TOKEN, SEPARATE, WISV, RuleRow, VerifyResult, VerifySettings, rule_row, to_host,
                                verify_rows)
 
+if TYPE_CHECKING:
+    from ..decoding.wisv import ActionMarkerScan, SizeTolerance
+
+
+@dataclass
+class SplitState:
+    """The split codec's state across a decision's rounds (``TargetSession.verify_separate``)."""
+
+    awaiting_edge_token: bool = False  # the robot owes the token it resampled after a rejection
+
+
+@dataclass
+class TreeState:
+    """One token-tree round between ``TargetSession.begin_tree`` and its ``finish_tree`` or
+    ``abort_tree``: where its nodes begin in the cache and what undoing it puts back."""
+
+    first: torch.Tensor | None  # row 0 of the rule when nothing was pending: the last forward's logits
+    pending: list[int]  # the committed tokens fed before the nodes (abort_tree puts them back)
+    head: int  # how many those are
+    base: int  # the cache length where the nodes begin
 
 
 @dataclass
@@ -42,28 +64,45 @@ class WisvRound:
     topk: tuple | None = None  # recording on: the target's top-k of the round (traces.target_topk)
 
 
+@dataclass
+class WisvState:
+    """WISV's state in a session (``TargetSession.wisv_begin`` and ``wisv_finish``)."""
+
+    round: WisvRound | None = None  # a round waiting for drafter hidden states
+    marker_scan: ActionMarkerScan | None = None  # the decision's, made at its first round
+    tolerance: SizeTolerance | None = None  # the decisions' (wisv action_tolerance), built on first use
+    last_relaxed: list[int] = field(default_factory=list)  # the mismatch positions the last round kept
+
+
 class TargetSession:
     """The cloud side of one decision: prefill, verify rounds (chained or not), or AR generation."""
 
     def __init__(self, lm: LoadedModel):
-        self._tolerance = None  # the decisions' SizeTolerance (wisv action_tolerance), built on first use
         self.lm = lm
-        self.seq = lm.new_sequence()
-        self.seq.device_logits = True  # the rule runs where the logits are (decoding.verify.verify_rows)
+        self.seq = VerifierSequence(lm)  # in the KV pages, its logits where the rule runs (decoding.verify)
         self.settings: VerifySettings | None = None
         self._exit_last: dict[int, torch.Tensor] = {}
-        self.awaiting_edge_token = False  # split codec: the robot owes the token after a rejection
         self.last_exits: list = []
         self.last_exit_layer = 0
-        self.wisv_round: WisvRound | None = None  # a WISV round waiting for drafter hidden states
-        self._marker_scan = None  # wisv: the decision's decoding.wisv.ActionMarkerScan
-        self.last_relaxed: list[int] = []  # wisv: the mismatch positions the last round kept
+        self.split_state = SplitState()
+        self.wisv_state = WisvState()
+        self.tree_state: TreeState | None = None  # the tree round begun, once one was
         self.trace = None  # cloud.traces.SessionTrace: every verified round is recorded (None: off)
+
+    @property
+    def wisv_round(self) -> WisvRound | None:
+        """The WISV round waiting for drafter hidden states (None: none is)."""
+        return self.wisv_state.round
+
+    @property
+    def last_relaxed(self) -> list[int]:
+        """wisv: the mismatch positions the last round kept."""
+        return self.wisv_state.last_relaxed
 
     def release(self) -> None:
         """Drop the session's KV cache now (its slot back to the model's pool); a later
         ``start`` prefills again."""
-        self.wisv_round = None
+        self.wisv_state.round = None
         self.seq.release()
 
     def build_prompt_inputs(self, prompt: Prompt) -> PromptInputs:
@@ -112,9 +151,9 @@ class TargetSession:
         self.settings = settings
         if self.trace is not None:
             self.trace.begin(prompt, settings)
-        self.awaiting_edge_token = False
-        self.wisv_round = None
-        self._marker_scan = None  # wisv: the decision's ActionMarkerScan, made at its first round
+        self.split_state.awaiting_edge_token = False
+        self.wisv_state.round = None
+        self.wisv_state.marker_scan = None  # made at the decision's first round
         self.seq.keep_hidden = settings.verify_mode == WISV
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
@@ -188,9 +227,9 @@ class TargetSession:
         logits for the round, alone (``verify``) or batched with other sessions
         (``cloud.batch.verify_batch``), and ``finish_round``."""
         self._require_started()
-        if self.wisv_round is not None:
+        if self.wisv_state.round is not None:
             raise ValueError("a WISV round is waiting for the drafter's hidden states")
-        if self.awaiting_edge_token:
+        if self.split_state.awaiting_edge_token:
             raise ValueError("the last round ended in a split-codec rejection: the next round must be a split one")
         self.last_exits, self.last_exit_layer = [], 0
         return self.position
@@ -247,17 +286,15 @@ class TargetSession:
         if not seq.pending and seq.last_logits is None:
             raise RuntimeError("target has no next-token logits")
         pending = seq.take_pending()
-        self._tree_first = None if pending else seq.last_logits
-        self._tree_pending = list(pending)  # what abort_tree puts back
-        self._tree_head = len(pending)
-        self._tree_base = seq.fed + len(pending)
+        self.tree_state = TreeState(None if pending else seq.last_logits, list(pending), len(pending),
+                                    seq.fed + len(pending))
         return start, pending
 
     def tree_logits(self, fed: torch.Tensor) -> torch.Tensor:
         """The rule's rows [n + 1, V] (row 0 after the committed prefix, row i + 1 after node i)
         from the logits of the pending tokens and the nodes ``begin_tree`` had fed."""
-        head = self._tree_head
-        return fed[head - 1:] if head else torch.cat([self._tree_first.view(1, -1).to(fed.device), fed])
+        tree = self.tree_state
+        return fed[tree.head - 1:] if tree.head else torch.cat([tree.first.view(1, -1).to(fed.device), fed])
 
     def finish_tree(self, tree, q: torch.Tensor | None, rows: torch.Tensor, start: int,
                     chained: bool = False) -> VerifyResult:
@@ -266,14 +303,14 @@ class TargetSession:
         (the pipeline): a path that is the tree's ``main_path`` in full commits no next token (the
         robot's next block continues it, as after a chained chain; ``next_token`` NO_TOKEN). On a
         rule error the round is undone (``abort_tree``) and the error raised."""
-        from ..decoding.engines import keep_positions
+        from ..decoding.sequence import keep_positions
         from ..decoding.tree import main_path, verify_tree
         try:
             verdict = verify_tree(tree, q, rows, self.settings.params, seed=self.settings.seed, first_position=start)
         except BaseException:
             self.abort_tree()
             raise
-        seq, base = self.seq, self._tree_base
+        seq, base = self.seq, self.tree_state.base
         keep_positions(seq.cache, base, [base + i for i in verdict.path])
         del seq.fed_tokens[len(seq.fed_tokens) - len(tree):]
         path_tokens = [tree.tokens[i] for i in verdict.path]
@@ -299,18 +336,18 @@ class TargetSession:
         """Undo a tree round that will not be committed (a failed pass or rule): the nodes and the
         pending tokens fed before them leave the cache (whatever a failed forward wrote too), the
         pending tokens and next-token logits are as before."""
-        from ..decoding.engines import crop_cache
-        seq, head = self.seq, self._tree_head
-        keep = self._tree_base - head
+        from ..decoding.sequence import crop_cache
+        seq, tree = self.seq, self.tree_state
+        keep = tree.base - tree.head
         extra = seq.fed - keep
         crop_cache(seq.cache, keep)
         if extra > 0:
             del seq.fed_tokens[len(seq.fed_tokens) - extra:]
         seq.fed = keep
-        if head:
-            seq.pending = list(self._tree_pending)
+        if tree.head:
+            seq.pending = list(tree.pending)
         else:
-            seq.last_logits = self._tree_first
+            seq.last_logits = tree.first
 
     def _commit(self, draft_ids: list[int], result: VerifyResult, chained: bool, next_token: int) -> None:
         """Commit a verified round (every rule ends here): a chained block accepted in full commits
@@ -342,23 +379,24 @@ class TargetSession:
         result.target_p = p there: only its top ``p_top`` entries come to the host when the
         downlink carries only those), which sends it as ``edge_token`` with the next round."""
         settings = self._require_started()
-        if self.awaiting_edge_token and edge_token is None:
+        split = self.split_state
+        if split.awaiting_edge_token and edge_token is None:
             raise ValueError("split codec: this VERIFY lacks the token the robot resampled after the last rejection")
-        if not self.awaiting_edge_token and edge_token is not None:
+        if not split.awaiting_edge_token and edge_token is not None:
             raise ValueError("split codec: an edge token came but the last round did not end in a rejection")
         t0 = time.perf_counter()
         if edge_token is not None:
             if not 0 <= edge_token < self.lm.vocab_size:
                 raise ValueError(f"edge token {edge_token} out of range (vocab {self.lm.vocab_size})")
             self.seq.append_generated(edge_token)
-            self.awaiting_edge_token = False
+            split.awaiting_edge_token = False
         start_position = self.position
         logits = self.seq.target_logits(draft_ids)
         result = verify_rows([rule_row(draft_ids, q_at_draft, logits, settings.params, seed=settings.seed,
                                        start_position=start_position, mode=SEPARATE, p_top=p_top)])[0]
         rejected = result.target_p is not None
         self._commit(draft_ids, result, chained, result.next_token)
-        self.awaiting_edge_token = rejected
+        split.awaiting_edge_token = rejected
         self._record(start_position, draft_ids, logits, result)
         return result, time.perf_counter() - t0
 
@@ -394,9 +432,10 @@ class TargetSession:
         eos = self.lm.eos_token_ids
         protected, asked = set(), []
         if settings.wisv_threshold > 0:  # at 0 nothing is kept: greedy SD, no text to decode
-            if self._marker_scan is None:
-                self._marker_scan = ActionMarkerScan(self.lm.tokenizer)
-            protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos, self._marker_scan)
+            state = self.wisv_state
+            if state.marker_scan is None:
+                state.marker_scan = ActionMarkerScan(self.lm.tokenizer)
+            protected = (protected_positions(self.lm.tokenizer, self.seq.generated, draft_ids, eos, state.marker_scan)
                          | protect_target_eos(argmax, len(draft_ids), eos))
             tolerated = self._size_tolerance(settings)
             for i in mismatches(draft_ids, argmax):
@@ -405,8 +444,8 @@ class TargetSession:
                 if i in protected:
                     break  # rejected whatever the head says: rows after it cannot matter
                 asked.append(i)
-        self.wisv_round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained,
-                                    self.trace.topk(logits) if self.trace is not None else None)
+        self.wisv_state.round = WisvRound(list(draft_ids), argmax, self.seq.round_hidden, protected, asked, chained,
+                                          self.trace.topk(logits) if self.trace is not None else None)
         return list(asked)
 
     def _size_tolerance(self, settings):
@@ -414,16 +453,17 @@ class TargetSession:
         from ..decoding.wisv import SizeTolerance
         if not settings.action_tolerance:
             return None
-        if self._tolerance is None or (self._tolerance.classes, self._tolerance.sizes) != (
+        state = self.wisv_state
+        if state.tolerance is None or (state.tolerance.classes, state.tolerance.sizes) != (
                 settings.action_tolerance, settings.action_sizes):
-            self._tolerance = SizeTolerance(self.lm.tokenizer, settings.action_tolerance, settings.action_sizes)
-        return self._tolerance
+            state.tolerance = SizeTolerance(self.lm.tokenizer, settings.action_tolerance, settings.action_sizes)
+        return state.tolerance
 
     def wisv_abort(self) -> None:
         """Abandon the WISV round waiting for hidden states (its caller failed between the two
         halves): nothing of it is kept and the session verifies the next round from where it was."""
-        if self.wisv_round is not None:
-            self.wisv_round = None
+        if self.wisv_state.round is not None:
+            self.wisv_state.round = None
             self.seq.abort_target()
 
     def wisv_finish(self, draft_hidden, csi) -> VerifyResult:
@@ -431,7 +471,7 @@ class TargetSession:
         maps those positions, or more, to the drafter's rows), the decision, the commit (chained
         blocks as in ``finish_round``). ``last_relaxed`` lists the mismatches kept."""
         from ..decoding.wisv import decide, token_pair_features
-        r = self.wisv_round
+        r = self.wisv_state.round
         if r is None:
             raise ValueError("no WISV round is waiting for hidden states")
         missing = [i for i in r.asked if i not in draft_hidden]
@@ -449,11 +489,11 @@ class TargetSession:
                 tokens = token_pair_features(self.lm, [r.draft_ids[i] for i in r.asked], [r.argmax[i] for i in r.asked])
             reject = head.reject_prob(rows, r.target_hidden[r.asked], csi.features(), tokens)
             probs = dict(zip(r.asked, to_host(reject)))
-        self.wisv_round = None
+        self.wisv_state.round = None
         start = self.position
         tolerated = self._size_tolerance(self.settings) if self.settings.wisv_threshold > 0 else None
-        result, self.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold, r.protected,
-                                           tolerated)
+        result, self.wisv_state.last_relaxed = decide(r.draft_ids, r.argmax, probs, self.settings.wisv_threshold,
+                                                      r.protected, tolerated)
         self._score_exits(result)
         self._commit(r.draft_ids, result, r.chained, result.next_token)
         self._record(start, r.draft_ids, r.topk, result)

@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING, Callable, Generator, Union
 if TYPE_CHECKING:
     from ..decoding.exits import ExitResult
     from ..decoding.inputs import Prompt
+    from ..decoding.tree import TokenTree
     from ..decoding.verify import VerifySettings
+    from ..decoding.wisv import Csi
     from .batch import ArStep, Round
     import torch
 
@@ -59,9 +61,9 @@ class Step:
     exits: bool  # early exits stream from its pass
     edge_token: int | None = None  # split: the token the robot resampled after the last rejection
     q: torch.Tensor | None = None  # the draft distribution, once decoded
-    csi: object = None  # wisv: the link as the robot measured it (decoding.wisv.Csi)
+    csi: Csi | None = None  # wisv: the link as the robot measured it
     hidden: torch.Tensor | None = None  # wisv, full upload: the drafter's hidden rows [n, d]
-    tree: object = None  # a token tree's round (decoding.tree.TokenTree; dense path only)
+    tree: TokenTree | None = None  # a token tree's round (dense path only)
 
 
 @dataclass
@@ -91,7 +93,7 @@ class Open:
     """The HELLO is accepted: the driver admits the session as ``tenant`` and takes frames of up
     to ``max_frame`` bytes from it from now on (before the WELCOME goes out)."""
     hello: P.Hello
-    tenant: object
+    tenant: int | None  # the driver's (the server: its auth token's index; None: auth off or in process)
     max_frame: int
 
 
@@ -141,7 +143,7 @@ class ArStepPass:
 
 @dataclass
 class AskHidden:
-    request: object  # wire.protocol.HiddenRequest
+    request: P.HiddenRequest
 
 
 @dataclass
@@ -160,7 +162,7 @@ class RoundTiming:
 
 @dataclass
 class SendFrame:
-    frame: object  # a wire.protocol frame
+    frame: P.Welcome | P.PrefillOk | P.Verdict | P.Token
     round: Step | None = None
 
 

@@ -36,7 +36,7 @@ from .actions import DEFAULT_ACTION_CONFIG, ActionParseError, parse_action
 BELIEF_PREFIX = "search:"
 STEP_DEG = 15  # turns are summed and said in steps of this
 FULL_CIRCLE_DEG = 360  # "left 360+": at least a full circle
-# the simulator expert's bearing words (sim.expert._Words.where): ahead within 15 degrees, "slightly"
+# the simulator expert's bearing words (sim.expert_words.ExpertWords.where): ahead within 15 degrees, "slightly"
 # within 22.5, else to the side (up to the camera's half field of view, 45 degrees): each read back
 # as the middle of its band
 _AHEAD_DEG, _SLIGHT_DEG, _SIDE_DEG = 0.0, 19.0, 34.0

@@ -12,30 +12,23 @@ not; the pool never hands out a block that would break a promise, so a sequence 
 reservation without fail, and past it only into blocks nobody holds or was promised. Taking or
 promising more than the pool can hold raises ``KVFull`` (the verifier's "verifier full").
 
-A batched pass (``PagedPass``; ``cloud.batch.feed_batch`` drives it) writes each row's new keys and
-values into its blocks and gathers, per group of rows of similar length (``pass_groups``), their
-blocks up to the group's longest row; ``paged_attention`` then attends each group on its own. A
-row never reads past its group's span (at most twice its own positions, plus one block), so a long
-row costs its own group, not its neighbours'. Lone forwards (a prefill, ``Sequence.feed``) read the
-sequence's blocks and go to the model's own attention.
+A batched pass (``cloud.paged_pass``; ``cloud.batch.feed_batch`` drives it) writes each row's new
+keys and values into its blocks and attends each row over its own. Lone forwards (a prefill,
+``Sequence.feed``) read the sequence's blocks and go to the model's own attention.
 """
 from __future__ import annotations
 
 import heapq
 import threading
 import weakref
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 BLOCK_SIZE = 16  # positions per block (vLLM's default)
 KV_FREE_SHARE = 0.5  # share of the device's free memory a default budget may take
 DEFAULT_SESSIONS = 64  # sequences a default budget holds at the model's full context, at most
 DEFAULT_CONTEXT = 8192 + 1024  # positions per sequence assumed when the model does not say its context
-GROUP_SPREAD = 2  # a pass's row joins a group while the group's span is at most this times its own, plus a block
-PAGED_ATTENTION = "edgespec_paged"  # the attention implementation name a paged pass runs under
 
 
 class KVFull(RuntimeError):
@@ -84,7 +77,7 @@ def default_budget(lm, sessions: int = DEFAULT_SESSIONS, positions: int | None =
     return max(BLOCK_SIZE * position_bytes(layout), min(need, int(KV_FREE_SHARE * free_memory(layout["device"]))))
 
 
-class _Table:
+class BlockTable:
     """One sequence's blocks (in position order) and reservation, as the pool keeps them."""
     __slots__ = ("blocks", "reserved", "closed", "_ids", "__weakref__")
 
@@ -166,13 +159,13 @@ class KVPool:
 
     # --- block tables ---------------------------------------------------------------------------
 
-    def open(self) -> _Table:
-        table = _Table()
+    def open(self) -> BlockTable:
+        table = BlockTable()
         with self.lock:
             self._tables.add(table)
         return table
 
-    def _commit(self, table: _Table, reserved: int, held: int, positions: int) -> None:
+    def _commit(self, table: BlockTable, reserved: int, held: int, positions: int) -> None:
         """Move ``table`` to (reserved, held) blocks in the promise count, or raise KVFull."""
         before = max(table.reserved, len(table.blocks))
         after = self._committed - before + max(reserved, held)
@@ -182,7 +175,7 @@ class KVPool:
                          f"nor promised to other sequences")
         self._committed = after
 
-    def reserve(self, table: _Table, positions: int) -> None:
+    def reserve(self, table: BlockTable, positions: int) -> None:
         """Promise ``table`` blocks for ``positions`` (replacing its last promise), or KVFull."""
         with self.lock:
             self._check(table)
@@ -190,7 +183,7 @@ class KVPool:
             self._commit(table, want, len(table.blocks), positions)
             table.reserved = want
 
-    def ensure(self, table: _Table, positions: int) -> None:
+    def ensure(self, table: BlockTable, positions: int) -> None:
         """``table`` holds blocks for its first ``positions`` (new ones zeroed), or KVFull."""
         want = self.blocks_for(positions)
         if want <= len(table.blocks):
@@ -207,7 +200,7 @@ class KVPool:
             for store in self.keys + self.values:
                 store.index_fill_(0, idx, 0)
 
-    def shrink(self, table: _Table, positions: int) -> None:
+    def shrink(self, table: BlockTable, positions: int) -> None:
         """``table`` gives back its blocks past its first ``positions``."""
         keep = self.blocks_for(positions)
         if keep >= len(table.blocks):
@@ -221,7 +214,7 @@ class KVPool:
             for b in gone:
                 heapq.heappush(self._free, b)
 
-    def close(self, table: _Table) -> None:
+    def close(self, table: BlockTable) -> None:
         """Every block and promise of ``table`` back to the pool (idempotent)."""
         with self.lock:
             if table.closed:
@@ -231,11 +224,11 @@ class KVPool:
             table.reserved, table.closed = 0, True
 
     @staticmethod
-    def _check(table: _Table) -> None:
+    def _check(table: BlockTable) -> None:
         if table.closed:
             raise RuntimeError("this SlotCache was released: its blocks may be another sequence's now")
 
-    def ids(self, table: _Table) -> torch.Tensor:
+    def ids(self, table: BlockTable) -> torch.Tensor:
         """``table``'s blocks as a long tensor on the pool's device (made once per change)."""
         ids = table._ids
         if ids is None:
@@ -244,17 +237,17 @@ class KVPool:
 
     # --- reads and writes of one sequence -------------------------------------------------------
 
-    def _where(self, table: _Table, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _where(self, table: BlockTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids(table)[positions // self.block_size], positions % self.block_size
 
-    def write(self, table: _Table, idx: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, table: BlockTable, idx: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Layer ``idx``'s keys and values [kv_heads, n, dim] at positions [start, start + n)."""
         pos = torch.arange(start, start + keys.shape[1], device=keys.device)
         blk, off = self._where(table, pos)
         self.keys[idx][blk, off] = keys.transpose(0, 1)
         self.values[idx][blk, off] = values.transpose(0, 1)
 
-    def read(self, table: _Table, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, table: BlockTable, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``idx``'s keys and values of positions [0, length): [1, kv_heads, length, dim] each."""
         nb = self.blocks_for(length)
         ids = self.ids(table)[:nb]
@@ -264,7 +257,7 @@ class KVPool:
             out.append(flat[:length].permute(1, 0, 2).unsqueeze(0))
         return out[0], out[1]
 
-    def move(self, table: _Table, src: list[int], dst: int) -> None:
+    def move(self, table: BlockTable, src: list[int], dst: int) -> None:
         """Every layer: positions ``src`` (ascending) copied to [dst, dst + len(src))."""
         if not src:
             return
@@ -275,7 +268,7 @@ class KVPool:
             for store in self.keys + self.values:
                 store[db, do] = store[sb, so]
 
-    def copy(self, src: _Table, dst: _Table, positions: int) -> None:
+    def copy(self, src: BlockTable, dst: BlockTable, positions: int) -> None:
         """Positions [0, positions) of ``src`` into ``dst`` (which holds blocks for them), every layer."""
         nb = self.blocks_for(positions)
         if not nb:
@@ -291,7 +284,7 @@ class SlotLayer(DynamicLayer):
     and returns its keys and values up to the new length, read from them; ``crop`` moves the
     length (the cache gives back whole blocks past it)."""
 
-    def __init__(self, pool: KVPool, table: _Table, idx: int):  # noqa: D107 - no super().__init__: keys live in the pool
+    def __init__(self, pool: KVPool, table: BlockTable, idx: int):  # noqa: D107 - no super().__init__: keys live in the pool
         self.pool, self.table, self.idx = pool, table, idx
         self.length = 0
         self.is_initialized = True
@@ -346,7 +339,7 @@ class SlotLayer(DynamicLayer):
 
 class SlotCache(Cache):
     """A sequence's HF cache as a block table in a ``KVPool`` (the verifier's sequences:
-    ``Sequence.device_logits``): writes go into its blocks, a rollback (``crop``, ``set_length``)
+    ``decoding.sequence.VerifierSequence``): writes go into its blocks, a rollback (``crop``, ``set_length``)
     moves the length and gives back the blocks past it, ``copy.deepcopy`` (``Sequence.fork``)
     copies its blocks into new ones. Everything goes back to the pool on ``release()`` or when the
     cache is garbage-collected."""
@@ -430,147 +423,3 @@ class SlotCache(Cache):
 
     def __repr__(self) -> str:
         return f"SlotCache(blocks={len(self.table.blocks)}, length={self.length}, pool={self.pool!r})"
-
-
-# --- the batched pass: each row over its own blocks ----------------------------------------------
-
-def pass_groups(spans: list[int], block_size: int = BLOCK_SIZE, spread: int = GROUP_SPREAD) -> list[list[int]]:
-    """Rows (indices into ``spans``, each row's positions after the pass) grouped for attention:
-    shortest first, a row joins the group while the group's longest span stays within ``spread``
-    times the group's shortest plus one block. Every row's group span is at most ``spread`` times
-    its own plus a block, and a row longer than that starts a group of its own: it never widens
-    the groups of shorter rows."""
-    order = sorted(range(len(spans)), key=lambda i: spans[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and spans[i] <= spread * spans[groups[-1][0]] + block_size:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-@dataclass
-class PassGroup:
-    """One group of a pass's rows: their indices, span, block tables and attention mask."""
-    rows: torch.Tensor  # [g] long: the rows' indices in the batch
-    run: slice | None  # the same rows as a slice of the batch when they are consecutive
-    span: int  # positions every row of the group is read over
-    tables: torch.Tensor  # [g, blocks] long
-    mask: torch.Tensor  # [g, 1, new, span] bool: which positions each new token attends to
-    blocks: slice | None = None  # a lone row's blocks when they are consecutive (read as a view)
-
-
-class PassKV:
-    """What a paged pass's cache layer hands its attention: the groups' keys and values."""
-
-    def __init__(self, groups: list[PassGroup], keys: list[torch.Tensor], values: list[torch.Tensor]):
-        self.groups, self.keys, self.values = groups, keys, values
-
-
-class PagedPass:
-    """One batched pass over rows with their own block tables: ``update(layer, keys, values)``
-    writes every row's new tokens (not its pads) into its blocks and returns a ``PassKV`` of each
-    group's keys and values up to the group's span. ``see[i]``: row i's new tokens' visibility
-    among themselves ([n_i, n_i] bool; None: causal); every new token sees the row's cache."""
-
-    def __init__(self, pool: KVPool, tables: list[_Table], lengths: list[int], counts: list[int],
-                 see: list[torch.Tensor | None] | None = None):
-        self.pool = pool
-        device = pool.keys[0].device
-        bs, new = pool.block_size, max(counts)
-        self.new = new
-        spans = [L + n for L, n in zip(lengths, counts)]
-        # the new tokens' cells: (row, token) pairs that are not pads, and the block and offset of each
-        cells = [(i, t, tables[i].blocks[(L + t) // bs], (L + t) % bs)
-                 for i, (L, n) in enumerate(zip(lengths, counts)) for t in range(n)]
-        self.cells = tuple(torch.tensor(c, dtype=torch.long).to(device) for c in zip(*cells))
-        self.groups = []
-        for members in pass_groups(spans, bs):
-            span = max(spans[i] for i in members)
-            nb = pool.blocks_for(span)
-            # a shorter row's table is padded with its own first block (finite, and masked out)
-            table = torch.tensor([t.blocks[:pool.blocks_for(spans[i])] + [t.blocks[0]] * (nb - pool.blocks_for(spans[i]))
-                                  for i, t in ((i, tables[i]) for i in members)], dtype=torch.long)
-            mask = torch.zeros(len(members), new, span, dtype=torch.bool)
-            for g, i in enumerate(members):
-                L, n = lengths[i], counts[i]
-                mask[g, :n, :L] = True
-                own = see[i] if see is not None and see[i] is not None else torch.ones(n, n, dtype=torch.bool).tril()
-                mask[g, :n, L:L + n] = own
-                mask[g, n:, 0] = True  # pads see one position (their output is never read)
-            ordered = sorted(members)
-            run = slice(ordered[0], ordered[-1] + 1) if members == list(range(ordered[0], ordered[-1] + 1)) else None
-            lone = table[0].tolist() if len(members) == 1 else None
-            blocks = slice(lone[0], lone[0] + nb) if lone and lone == list(range(lone[0], lone[0] + nb)) else None
-            self.groups.append(PassGroup(torch.tensor(members, dtype=torch.long, device=device), run, span,
-                                         table.to(device), mask.view(len(members), 1, new, span).to(device), blocks))
-
-    def update(self, idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> PassKV:
-        pool = self.pool
-        rows, toks, blk, off = self.cells
-        kp, vp = pool.keys[idx], pool.values[idx]
-        kp[blk, off] = key_states[rows, :, toks]  # [cells, kv_heads, dim]
-        vp[blk, off] = value_states[rows, :, toks]
-        keys, values = [], []
-        for g in self.groups:
-            shape = (g.tables.shape[0], g.tables.shape[1] * pool.block_size, pool.kv_heads, pool.head_dim)
-            for store, out in ((kp, keys), (vp, values)):
-                if g.blocks is not None:  # one row on a run of consecutive blocks: a view
-                    read = store[g.blocks].reshape(shape)
-                else:
-                    read = store.index_select(0, g.tables.view(-1)).view(shape)
-                out.append(read[:, :g.span].transpose(1, 2))
-        return PassKV(self.groups, keys, values)
-
-
-_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-
-
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention of a model whose verifier passes are paged: a ``PassKV`` (a paged pass) is
-    attended group by group, each over its own span; anything else goes to the model's own
-    attention implementation (the name after ``PAGED_ATTENTION + "_"`` in its config)."""
-    if not isinstance(key, PassKV):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        inner = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation.removeprefix(PAGED_ATTENTION + "_")]
-        return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    b, heads, new, dim = query.shape
-    out = query.new_empty(b, new, heads, dim)
-    for g, k, v in zip(key.groups, key.keys, key.values):
-        q = query[g.run] if g.run is not None else query.index_select(0, g.rows)
-        groups = heads // k.shape[1]
-        if groups > 1 and not _GQA:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        extra = {"enable_gqa": True} if groups > 1 and _GQA else {}
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, **extra).transpose(1, 2)
-        if g.run is not None:
-            out[g.run] = o
-        else:
-            out.index_copy_(0, g.rows, o)
-    return out, None
-
-
-_REGISTER_LOCK = threading.Lock()
-
-
-def use_paged_attention(model) -> None:
-    """Run ``model``'s text attention through ``paged_attention`` (idempotent): a paged pass is
-    attended per group, every other forward exactly as before by the model's own implementation
-    (its masks too), registered as ``PAGED_ATTENTION + "_" + <its name>``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    cfg = model.config
-    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    with _REGISTER_LOCK:
-        inner = text._attn_implementation or "sdpa"
-        if inner.startswith(PAGED_ATTENTION):
-            return
-        if inner not in ALL_ATTENTION_FUNCTIONS or inner not in ALL_MASK_ATTENTION_FUNCTIONS:
-            raise ValueError(f"a batched verifier pass needs a registered attention implementation (sdpa, "
-                             f"flash_attention_2, ...); this model uses {inner!r}: load it with attn_implementation='sdpa'")
-        name = f"{PAGED_ATTENTION}_{inner}"
-        AttentionInterface.register(name, paged_attention)
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
-        text._attn_implementation = name

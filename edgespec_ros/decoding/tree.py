@@ -515,7 +515,7 @@ def feed_tree(seq, tree: TokenTree, new: range, base: int, prefix: list[int] = (
 @torch.inference_mode()
 def draft_tree(seq, shape: TreeShape, params: SamplingParams, seed: int, first_position: int, *, prepare=None,
                pace=None, feed_last: bool = True, stop=None) -> DraftedTree:
-    """Draft a tree of ``shape`` on ``seq`` (a drafter's ``decoding.engines.Sequence`` whose pending
+    """Draft a tree of ``shape`` on ``seq`` (a drafter's ``decoding.sequence.DraftSequence`` whose pending
     tokens are fed and whose ``last_logits`` predict the root's children), one forward per level
     with the tree's attention mask, every node of a level at its depth's position (M-RoPE text
     positions for a VLM). Greedy (temperature 0): a node's children are the draft's top tokens
@@ -642,7 +642,7 @@ def _children_per_node(shape: TreeShape, frontier: list[int], spine: int, scores
 def compact(seq, drafted: DraftedTree, path: tuple[int, ...]) -> None:
     """Keep the committed prefix and the accepted ``path`` in ``seq``'s cache (drop every other
     node), as if the path alone had been fed: ``fed``, ``fed_tokens`` and ``last_logits`` follow."""
-    from .engines import keep_positions
+    from .sequence import keep_positions
     n_fed = len(drafted.logits_after)  # the nodes in the cache (all but an unfed deepest level)
     if any(i >= n_fed for i in path):
         raise ValueError("compact: the path runs through nodes that were never fed (commit_tree keeps the cached part)")

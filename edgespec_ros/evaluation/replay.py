@@ -19,6 +19,7 @@ from ..control.actions import ActionParseError, parse_action
 from ..cloud.target import TargetSession
 from ..robot.decoder import EdgeDecoder
 from ..decoding.sampling import SamplingParams
+from ..decoding.sequence import DraftSequence, Sequence, TargetSequence
 from ..cloud.local import LocalVerifier
 from ..decoding.wisv import (Csi, DecisionHead, decide, final_hidden, mismatches, protect_target_eos, protected_positions,
                    token_pair_features)
@@ -52,7 +53,7 @@ class SdRound:
 def final_rows(lm, inputs, tokens) -> torch.Tensor:
     """Final-norm hidden states [n, d] of prompt + tokens, from one fresh forward (no cache state)."""
     with final_hidden(lm) as outputs:
-        lm.new_sequence().prefill(inputs.extended(tokens) if tokens else inputs)
+        Sequence(lm).prefill(inputs.extended(tokens) if tokens else inputs)
     return torch.cat([o[0] for o in outputs], dim=0)
 
 
@@ -104,7 +105,7 @@ def replay_rounds(draft, target, d_inputs, t_inputs, choose, gamma: int = DEFAUL
     the target's argmax there. Returns (the tokens, accepted drafts per round)."""
     greedy = SamplingParams(temperature=0.0)
     tokenizer, eos = target.tokenizer, target.eos_token_ids
-    dseq, tseq = draft.new_sequence(), target.new_sequence()
+    dseq, tseq = DraftSequence(draft), TargetSequence(target)
     dseq.keep_hidden = tseq.keep_hidden = True  # the rows the decision head reads, as at run time
     with torch.inference_mode():
         dseq.prefill(d_inputs)

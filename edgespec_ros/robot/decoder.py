@@ -29,6 +29,7 @@ from ..decoding.compute import ComputeProfile, EdgeDevice
 from ..decoding.engines import LoadedModel, eos_token_ids
 from ..decoding.inputs import Prompt, PromptInputs, build_inputs, encode_jpeg, prepare_image
 from ..decoding.metrics import DecisionMetrics
+from ..decoding.sequence import DraftSequence
 from ..decoding.verifier import Verifier
 from ..decoding.verify import carries_q
 from .draft_length import AutoGamma
@@ -184,7 +185,7 @@ class EdgeDecoder:
         m = DecisionMetrics(mode=DRAFT_ONLY, gamma=0)
         t_start = time.perf_counter()
         _, inputs = self.make_prompt(instruction, image, history)
-        seq = self.draft.new_sequence()
+        seq = DraftSequence(self.draft)
         with self.device.prefill():
             logits = seq.prefill(inputs)
         out: list[int] = []

@@ -39,7 +39,7 @@ class CacheEntry:
     layer: int
     ids: list[int]
     q: torch.Tensor
-    seq: object  # the forked engines.Sequence, drafted
+    seq: object  # the forked sequence.DraftSequence, drafted
     codec: object  # the forked codec, after feedback and prepare
     ready_at: float = 0.0
     confidence: float = 0.0  # the early exit's confidence in its guess

@@ -12,6 +12,7 @@ import torch
 from ..codecs import get_codec
 from ..decoding.inputs import PromptInputs
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
+from ..decoding.sequence import DraftSequence
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
 from ..decoding.verify import WISV, carries_q, resample_separate
 from .draft_length import AutoGamma
@@ -48,7 +49,7 @@ class DecisionState:
         codec = get_codec(cfg.codec)
         self.codec = (get_codec("ids") if cfg.params.greedy and not carries_q(cfg.verify_settings(), codec)
                       else codec)
-        self.seq = decoder.draft.new_sequence()
+        self.seq = DraftSequence(decoder.draft)
         self.seq.keep_hidden = cfg.verify_mode == WISV  # the decision head reads the drafter's hidden states
         t0 = time.perf_counter()
         with self.device.prefill():  # on the robot's one accelerator (emulated: the profile's edge_prefill_s)

@@ -15,7 +15,8 @@ from .scenario import (COLORS, OBJECT_TYPES, Goal, Pose, Room, Scenario, Scenari
                        write_scenario)
 from .render import CameraConfig, CameraView, render_camera, render_topdown, render_view
 from .world import SimWorld, StepResult
-from .expert import ExpertConfig, ExpertDecision, ExpertPolicy, run_expert_episode
+from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
+from .expert_rollout import run_expert_episode
 from .dataset import (Example, generate_examples, random_scenario, split_seeds,
                       write_heldout_scenarios)
 

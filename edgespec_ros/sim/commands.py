@@ -43,7 +43,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_expert(args: argparse.Namespace) -> int:
     """Roll out the expert; one line per decision, then the result."""
-    from .expert import ExpertPolicy, run_expert_episode
+    from .expert import ExpertPolicy
+    from .expert_rollout import run_expert_episode
 
     scenario = resolve_scenario(args.scenario)
     camera = _camera_from_args(args)

@@ -63,7 +63,7 @@ def dead_zone_variant(scenario: Scenario, seed: int, radius_m: tuple[float, floa
     """``scenario`` with one dead zone (seeded) centred on a pose the expert passes through on its
     way to the goal, away from the start and clear of the goal region (the robot can say stop where
     it succeeds); None when the expert fails there or no such zone fits."""
-    from .expert import run_expert_episode
+    from .expert_rollout import run_expert_episode
 
     episode = run_expert_episode(scenario)
     if not episode.success:

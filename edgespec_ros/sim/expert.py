@@ -35,6 +35,10 @@ the way from outside the frame. Moves end ``personal_space_m`` clear of seen obj
 
 The wording varies with a seeded rng (several templates); the action is a pure function of the
 state. Reasoning never contains the ``Action:`` marker, so every text parses.
+
+This module holds the expert's settings (``ExpertConfig``) and its decision rules
+(``ExpertPolicy``); what a frame shows it is ``sim.expert_view``, its wording
+``sim.expert_words``, its rollouts in a world ``sim.expert_rollout``.
 """
 from __future__ import annotations
 
@@ -44,12 +48,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
-from ..control.belief import FULL_CIRCLE_DEG, SearchBelief
-from ..decoding.memory import BLOCKED, DONE, Turn
+from ..control.belief import FULL_CIRCLE_DEG
+from ..decoding.memory import BLOCKED, DONE
 from ..control.motion import wrap_angle
+from .expert_view import SeenObject, of_interest, seen_objects
+from .expert_words import ExpertWords
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
-from .world import SimWorld, StepResult, forward_clearance
+from .world import forward_clearance
 
 
 @dataclass(frozen=True)
@@ -170,18 +176,6 @@ def expert_from_overrides(overrides: dict | None) -> ExpertConfig:
 
 
 @dataclass(frozen=True)
-class SeenObject:
-    """An object with pixels in the frame: where it is relative to the robot and what can be told."""
-
-    index: int
-    object: SceneObject
-    pixels: int
-    bearing_rad: float
-    distance_m: float
-    identified: bool
-
-
-@dataclass(frozen=True)
 class ExpertDecision:
     """The expert's answer for one frame: ``text`` is ``"<reasoning> Action: <action>."``."""
 
@@ -194,19 +188,6 @@ class ExpertDecision:
     def text(self) -> str:
         """The full answer a VLM should produce."""
         return f"{self.reasoning} Action: {self.action.text}."
-
-
-@dataclass
-class ExpertEpisode:
-    """One expert rollout: the outcome and, per decision, the pose it was made at and its result."""
-
-    scenario: Scenario
-    success: bool
-    steps: int
-    collisions: int
-    outcome: str
-    trajectory: list[Pose]
-    decisions: list[tuple[Pose, ExpertDecision, StepResult]]
 
 
 class ExpertPolicy:
@@ -225,17 +206,7 @@ class ExpertPolicy:
     def observe(self, scenario: Scenario, pose: Pose, view: CameraView | None = None) -> tuple[SeenObject, ...]:
         """Objects with at least one pixel in the frame from ``pose`` (rendered if ``view`` is None)."""
         view = render_view(scenario, pose, self.camera) if view is None else view
-        counts = view.pixel_counts(len(scenario.objects))
-        seen = []
-        for i, obj in enumerate(scenario.objects):
-            if counts[i] == 0:
-                continue
-            dx, dy = obj.x - pose.x, obj.y - pose.y
-            distance = math.hypot(dx, dy)
-            bearing = wrap_angle(math.atan2(dy, dx) - pose.yaw_rad)
-            identified = distance <= self.config.identify_range_m and counts[i] >= self.config.min_pixels
-            seen.append(SeenObject(i, obj, int(counts[i]), bearing, distance, identified))
-        return tuple(seen)
+        return seen_objects(scenario, pose, view, self.config.identify_range_m, self.config.min_pixels)
 
     # ------------------------------------------------------------------ policy
 
@@ -294,25 +265,17 @@ class ExpertPolicy:
         action = Action.move_forward(fits[0], self.action_config)
         return self._decision(action, words.unblock(target, plan), "sidestep", decision.seen)
 
-    def _of_interest(self, scenario: Scenario, seen: Sequence[SeenObject]):
-        """What a frame shows: the objects seen well enough to talk about, the goal among them if
-        identified (else None), and the nearest not yet identified object of its colour (else None)."""
-        visible = [s for s in seen if s.pixels >= self.config.min_pixels]
-        goal_seen = next((s for s in visible if s.index == scenario.goal_index and s.identified), None)
-        candidates = [s for s in visible if not s.identified and s.object.color == scenario.goal_object.color]
-        return visible, goal_seen, min(candidates, key=lambda s: s.distance_m) if candidates else None
-
-    def _target_words(self, scenario: Scenario, decision: ExpertDecision) -> tuple[SeenObject | None, "_Words"]:
+    def _target_words(self, scenario: Scenario, decision: ExpertDecision) -> tuple[SeenObject | None, ExpertWords]:
         """What ``decision``'s frame shows of interest (the identified goal, else the nearest
         look-alike of its colour, else None) and the wording for the frame."""
-        visible, goal_seen, candidate = self._of_interest(scenario, decision.seen)
-        words = _Words(self._rng, scenario.goal_object, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
+        visible, goal_seen, candidate = of_interest(scenario, decision.seen, self.config.min_pixels)
+        words = ExpertWords(self._rng, scenario.goal_object, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
         return goal_seen or candidate, words
 
     def _decide(self, scenario: Scenario, pose: Pose, view: CameraView | None, belief) -> ExpertDecision:
         seen = self.observe(scenario, pose, view)
-        visible, goal_seen, target = self._of_interest(scenario, seen)
-        words = _Words(self._rng, scenario.goal_object, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
+        visible, goal_seen, target = of_interest(scenario, seen, self.config.min_pixels)
+        words = ExpertWords(self._rng, scenario.goal_object, visible, self.config.aim_tolerance_deg, self.config.slight_deg)
         if goal_seen is not None:
             if goal_seen.distance_m <= self.stop_distance(scenario):
                 return self._decision(Action.stop(), words.reached(goal_seen), "stop", seen)
@@ -519,269 +482,3 @@ class ExpertPolicy:
 def _blocked_move(turn) -> bool:
     """Did this remembered decision (a ``decoding.memory.Turn``) move forward and end blocked?"""
     return turn.outcome == BLOCKED and turn.action.startswith("move")
-
-
-def run_expert_episode(scenario: Scenario, policy: ExpertPolicy | None = None,
-                       world: SimWorld | None = None) -> ExpertEpisode:
-    """Roll the expert out in ``scenario`` until the episode ends; returns the outcome and every
-    decision (pose, decision, step result). An expert with ``search_belief`` keeps the command's
-    belief as it goes, one with ``blocked_memory`` its last two decisions and their outcomes."""
-    policy = ExpertPolicy() if policy is None else policy
-    world = SimWorld(scenario, policy.camera, policy.action_config) if world is None else world
-    belief = SearchBelief(scenario.instruction) if policy.config.search_belief else None
-    decisions = []
-    last: tuple[Turn, ...] = ()  # what an expert with ``blocked_memory`` reads: the last two decisions
-    while not world.done:
-        pose = world.pose
-        decision = policy.decide(scenario, pose, world.camera_view(), belief, last)
-        result = world.step(decision.action)
-        decisions.append((pose, decision, result))
-        outcome = BLOCKED if result.collided else DONE
-        last = (last + (Turn(decision.action.text, outcome),))[-2:]
-        if belief is not None:
-            belief.update(decision.action.text, outcome, decision.text)
-    return ExpertEpisode(scenario, world.success, world.steps, world.collisions, world.outcome,
-                         list(world.trajectory), decisions)
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What executing one decision from a state leads to: whether that step touched something, and
-    how many decisions reach the goal when the expert carries on after it (the step included; inf
-    when the episode then fails, e.g. a stop outside the goal radius)."""
-
-    collided: bool
-    decisions_to_goal: float
-
-
-def step_outcome(scenario: Scenario, pose: Pose, action: Action | str, policy: ExpertPolicy | None = None,
-                 horizon: int | None = None) -> StepOutcome:
-    """Execute ``action`` from ``pose`` in a fresh world, then roll the expert out for at most
-    ``horizon`` decisions in all (default: the scenario's ``max_steps``): the closed-loop result of
-    that one step, the way a counterfactual label judges it."""
-    policy = ExpertPolicy() if policy is None else policy
-    limit = scenario.max_steps if horizon is None else horizon
-    world = SimWorld(scenario, policy.camera, policy.action_config)
-    world.set_pose(pose)
-    first = world.step(action)
-    while not world.done and world.steps < limit:
-        world.step(policy.decide(scenario, world.pose, world.camera_view()).action)
-    return StepOutcome(first.collided, float(world.steps) if world.success else math.inf)
-
-
-class ExecutedOutcome:
-    """Is an action as good as another *executed* from one state? The executed-outcome label of a
-    WISV mismatch: a draft token that changes the parsed action is still harmless when
-    the step it leads to touches nothing the reference step did not, and the expert reaches the
-    goal from there in no more decisions than from the reference step. Where either text does not
-    parse, only identical text is as good. Each action's outcome is simulated once."""
-
-    def __init__(self, scenario: Scenario, pose: Pose, policy: ExpertPolicy | None = None,
-                 horizon: int | None = None):
-        self.scenario, self.pose, self.horizon = scenario, pose, horizon
-        self.policy = ExpertPolicy() if policy is None else policy
-        self._outcomes: dict[str, StepOutcome] = {}
-
-    def outcome(self, action_text: str) -> StepOutcome:
-        if action_text not in self._outcomes:
-            self._outcomes[action_text] = step_outcome(self.scenario, self.pose, action_text, self.policy,
-                                                       self.horizon)
-        return self._outcomes[action_text]
-
-    def as_good(self, candidate: str | None, reference: str | None) -> bool:
-        """True when executing ``candidate`` (canonical action text, None: unparseable) does no
-        worse than executing ``reference``."""
-        if candidate == reference:
-            return True
-        if candidate is None or reference is None:
-            return False  # one of them does not parse: the label stays the parsed action's
-        c, r = self.outcome(candidate), self.outcome(reference)
-        return (r.collided or not c.collided) and c.decisions_to_goal <= r.decisions_to_goal
-
-
-# ---------------------------------------------------------------------- wording
-
-class _Words:
-    """Sentence templates grounded in what is seen; the rng only picks among equivalent wordings."""
-
-    def __init__(self, rng: random.Random, goal: SceneObject, visible: Sequence[SeenObject],
-                 ahead_deg: float = 15.0, slight_deg: float = 22.5):
-        self.ahead_deg, self.slight_deg = ahead_deg, slight_deg
-        self.rng = rng
-        self.goal = goal
-        self.visible = visible
-        self.target = f"the {goal.description}"
-
-    def pick(self, *options: str) -> str:
-        return self.rng.choice(options)
-
-    def where(self, seen: SeenObject) -> str:
-        degrees = math.degrees(seen.bearing_rad)
-        if abs(degrees) <= self.ahead_deg:
-            return self.pick("straight ahead", "ahead", "in front of me")
-        side = "left" if degrees > 0 else "right"
-        if abs(degrees) <= self.slight_deg:
-            return self.pick(f"slightly to the {side}", f"a little to the {side}")
-        return self.pick(f"on the {side}", f"to my {side}", f"on my {side}")
-
-    def how_far(self, seen: SeenObject) -> str:
-        d = seen.distance_m
-        if d <= 1.2:
-            return self.pick("very close", "close by", "just a short step away")
-        if d <= 2.5:
-            return self.pick("nearby", "a couple of metres away", "not far away")
-        if d <= 4.0:
-            return self.pick("a few metres away", "some distance away")
-        return self.pick("far away", "in the distance", "far off")
-
-    def distractor(self) -> str | None:
-        """A sentence about the first identified look-alike in view (same colour or same type)."""
-        goal = self.goal
-        for seen in self.visible:
-            obj = seen.object
-            if not seen.identified or obj.id == goal.id:
-                continue
-            if obj.color == goal.color and obj.type != goal.type:
-                return self.pick(
-                    f"I see {_a(obj.description)} {self.where(seen)}, but that is not {_a(goal.type)}.",
-                    f"There is {_a(obj.description)} {self.where(seen)}; it is {obj.color} too, "
-                    f"but it is {_a(obj.type)}, not {_a(goal.type)}.",
-                    f"The {obj.color} object {self.where(seen)} is {_a(obj.type)}, not the {goal.type} I want.")
-            if obj.type == goal.type and obj.color != goal.color:
-                return self.pick(
-                    f"I see {_a(obj.description)} {self.where(seen)}, but it is {obj.color}, not {goal.color}.",
-                    f"The {obj.type} {self.where(seen)} is {obj.color}, so it is not the one I am looking for.",
-                    f"There is {_a(obj.description)} {self.where(seen)}, but I need the {goal.color} one.")
-        return None
-
-    def others(self) -> str | None:
-        """A clause listing up to two other identified objects in view."""
-        named = [s for s in self.visible if s.object.id != self.goal.id and s.identified][:2]
-        if not named:
-            return None
-        return " and ".join(f"{_a(s.object.description)} {self.where(s)}" for s in named)
-
-    def join(self, *sentences: str | None) -> str:
-        return " ".join(s for s in sentences if s)
-
-    def detour_plan(self, target: SeenObject, blocker: SeenObject, action: Action) -> str:
-        """What the detour step does, e.g. 'turn right to pass it on the right'."""
-        side = "left" if wrap_angle(target.bearing_rad - blocker.bearing_rad) >= 0 else "right"
-        if action.kind == "turn":
-            return f"turn {action.direction} to pass it on the {side}"
-        return self.pick(f"keep going and pass it on the {side}", f"walk on and go around it on the {side}")
-
-    def reached(self, goal: SeenObject) -> str:
-        main = self.pick(
-            f"I have reached {self.target}; it is {self.where(goal)} and very close.",
-            f"{_cap(self.target)} is right here, {self.where(goal)}, close enough to stop.",
-            f"I am next to {self.target} now, so the task is done.")
-        return self.join(self.distractor(), main)
-
-    def approach(self, goal: SeenObject, action: Action, situation: str, blocker: SeenObject | None) -> str:
-        where, far = self.where(goal), self.how_far(goal)
-        if situation == "turn":
-            turn = action.direction
-            main = self.pick(
-                f"I see {self.target} {where}, {far}, so I will turn {turn} to face it.",
-                f"{_cap(self.target)} is {where}, {far}, so I am turning {turn} to line up with it.",
-                f"There is {self.target}, {where} and {far}; I need to turn {turn} towards it.")
-        elif situation == "move":
-            main = self.pick(
-                f"{_cap(self.target)} is {where}, {far}, so I will move forward towards it.",
-                f"I can see {self.target} {where}, {far}; moving closer.",
-                f"{_cap(self.target)} is {far}, {where}, and I will walk towards it.")
-        else:
-            assert blocker is not None
-            obstacle = f"the {blocker.object.description}"
-            go = self.detour_plan(goal, blocker, action)
-            main = self.pick(
-                f"{_cap(self.target)} is {where}, but {obstacle} is in the way, so I will {go}.",
-                f"{_cap(obstacle)} blocks the path to {self.target}; I will {go}.",
-                f"I see {self.target} {where}, {far}, with {obstacle} in between; I will {go}.")
-        return self.join(self.distractor(), main)
-
-    def inspect(self, candidate: SeenObject, action: Action, situation: str, blocker: SeenObject | None) -> str:
-        color, where, goal = self.goal.color, self.where(candidate), self.goal.type
-        if blocker is not None:
-            plan = f"the {blocker.object.description} is in the way, so I will {self.detour_plan(candidate, blocker, action)}."
-        elif action.kind == "turn":
-            plan = self.pick(f"I will turn {action.direction} towards it.",
-                             f"turning {action.direction} to face it.")
-        else:
-            plan = self.pick("I will move closer to check.", "moving forward to get a better look.")
-        main = self.pick(
-            f"There is something {color} {where}, far away, and it could be {self.target}",
-            f"I see {_a(color)} object {where} in the distance but cannot tell yet if it is the {goal}",
-            f"Something {color} is {where}, too far to make out, and it might be {self.target}")
-        return self.join(self.distractor(), f"{main}; {plan}")
-
-    def explore(self, circled: bool = False) -> str:
-        """Walking on into open floor; ``circled``: after a full circle without seeing the goal."""
-        others = self.others()
-        context = (self.pick(f"I see {others}, but no {self.goal.description}.",
-                             f"Only {others} here, not {self.target}.") if others else None)
-        lead = self.distractor() or context
-        if circled:
-            main = self.pick(
-                f"I have turned all the way around without finding {self.target}, so I will walk on and "
-                "search elsewhere.",
-                f"A full circle here and no {self.goal.description}; I will move on to look further.")
-            return self.join(lead, main)
-        main = self.pick(
-            f"I don't see {self.target}, and the way ahead is open, so I will move forward to explore.",
-            f"{_cap(self.target)} is not in view. The floor ahead is clear; I will walk on and look further.",
-            f"No {self.goal.description} in sight. I will go forward into the open space to search.")
-        if lead:
-            main = self.pick("The way ahead is open, so I will move forward to explore.",
-                             "I will walk forward into the open space and keep looking.")
-        return self.join(lead, main)
-
-    def recall(self, last_seen: str, direction: str) -> str:
-        """Turning back towards where the goal was last seen (``last_seen``: a belief direction).
-        The place is said in a sentence without the goal's name, so it is never read back as a
-        sighting (``control.belief.seen_bearing``)."""
-        where = {"left": "on my left", "right": "on my right", "behind left": "behind me on the left",
-                 "behind right": "behind me on the right"}.get(last_seen, "behind me")
-        main = self.pick(
-            f"{_cap(self.target)} is not in view. I last saw it {where}, so I will turn {direction} to "
-            "find it again.",
-            f"I no longer see {self.target}. It was {where} before; turning {direction} back towards it.")
-        return self.join(self.distractor(), main)
-
-    def unblock(self, target: SeenObject | None, plan: str) -> str:
-        """Getting past what blocked a forward move (``plan``: a clause in lower case); ``target``:
-        the goal (identified) or the look-alike being approached, said where it is as the approach
-        says it."""
-        if target is None:
-            return self.join(self.distractor(), _cap(self.target) + " is not in view, and " + plan)
-        if target.identified:
-            where = f"{_cap(self.target)} is {self.where(target)}, {self.how_far(target)}"
-        else:
-            where = f"Something {self.goal.color} is {self.where(target)}, too far to make out"
-        return self.join(self.distractor(), f"{where}, but {plan}")
-
-    def search(self) -> str:
-        turn = "turn left"
-        distractor = self.distractor()
-        others = self.others()
-        if distractor is None and others is not None:
-            distractor = self.pick(f"I see {others}, but no {self.goal.description}.",
-                                   f"There is {others} here, but not {self.target}.")
-        main = self.pick(
-            f"I don't see {self.target}, so I will {turn} to look around.",
-            f"{_cap(self.target)} is not in view; I will {turn} to search for it.",
-            f"No {self.goal.description} in sight yet. I will {turn} and keep looking.")
-        if distractor is not None:
-            main = self.pick(f"I will {turn} to keep searching for {self.target}.",
-                             f"I need to {turn} and keep looking for {self.target}.")
-        return self.join(distractor, main)
-
-
-def _cap(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
-def _a(noun_phrase: str) -> str:
-    """The noun phrase with its indefinite article: 'a red box', 'an orange cone'."""
-    return ("an " if noun_phrase[:1] in "aeiou" else "a ") + noun_phrase

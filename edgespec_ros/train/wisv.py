@@ -99,7 +99,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = DEFAULTS
     so every label is taken in the context a head that keeps what is harmless would meet (the
     decision keeps several mismatches, not one). The oracle's decision ends in the target's action.
     "executed" is "sequential" where a changed action is critical only when its *execution* is
-    worse: ``judge`` (``sim.expert.ExecutedOutcome`` of the frame's world state) says whether the
+    worse: ``judge`` (``sim.expert_rollout.ExecutedOutcome`` of the frame's world state) says whether the
     changed action, executed and carried on by the expert, touches nothing more and reaches the
     goal in no more decisions than the target's (then the oracle's decision may end in that action).
     A ``judge`` given with the other labels relabels the same way.
@@ -108,7 +108,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = DEFAULTS
         raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
     if labels == "executed" and judge is None:
         raise ValueError("executed-outcome labels need the frame's world state: give a judge "
-                         "(sim.expert.ExecutedOutcome)")
+                         "(sim.expert_rollout.ExecutedOutcome)")
     sequential = labels in ("sequential", "executed")
     if sequential and policy is not None:
         raise ValueError(f"{labels} labels follow the oracle: give no policy")
@@ -279,7 +279,7 @@ def _judge(example, labels: str, executed: bool):
         return None
     if not hasattr(example, "scenario"):
         raise ValueError("executed-outcome labels need each frame's world state: give SimFrames (sim_frames)")
-    from ..sim.expert import ExecutedOutcome
+    from ..sim.expert_rollout import ExecutedOutcome
     return ExecutedOutcome(example.scenario, example.pose)
 
 
