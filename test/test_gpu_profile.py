@@ -301,7 +301,8 @@ def test_committed_profiles_load_and_keep_their_pass_times():
         with open(path) as f:
             if json.load(f).get("format") == PROFILE_FORMAT:
                 loaded.append(get_compute(path))
-    assert loaded and all(p.verify_table for p in loaded)
+    # measured profiles carry their table; a production engine's published figure (LITERATURE) has none
+    assert loaded and all(bool(p.verify_table) != p.cloud_only for p in loaded)
     p = get_compute(os.path.join(root, "h200-qwen2-vl-7b-bf16.json"))
     before = {(1, 5): 0.024319348500000615, (1, 1): 0.02221159600000533, (3, 7): 0.03370965400000614,
               (8, 5): 0.050068025999998156, (10, 10): 0.09402511750000109, (16, 16): 0.1721374189999949,

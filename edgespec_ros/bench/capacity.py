@@ -12,6 +12,12 @@ measured profile: each pass waits out the profile's time for its rows and block)
 - ``ar``: each robot sends the same prompt and the verifier generates (its AR steps of all robots
   ride one pass: continuous batching, as a vLLM or SGLang server serves them).
 
+- ``ar@ENGINE``: the same AR fleet on a production engine's published per-token time (a LITERATURE
+  profile: ``--clouds``, by default the ``docs/profiles/literature-*.json`` of this checkout), each
+  pass charged that time whatever its rows (no source publishes the engine's batch curve: its
+  capacity here is an upper bound on that count). With ``--compute`` a LITERATURE profile, only
+  the engines' paths run (such an engine verifies no robot's drafts).
+
 Per N: p50 and p99 decision latency, the accelerator's busy fraction, the mean batch; then, per
 SLO, the most robots each path served within it. The robots' client work shares this process's
 interpreter with the verifier (labelled): the figures are an emulation on this machine's CPU,
@@ -26,6 +32,7 @@ import numpy as np
 
 from ..decoding.compute import LOAD_SUFFIX, get_compute
 from ..robot.settings import DEFAULTS
+from .baselines import literature_clouds, literature_fields
 from .fleet import _limits, record
 from .regimes import default_clouds
 
@@ -33,6 +40,7 @@ ROBOTS_DEFAULT = (1, 4, 8, 16, 24, 32)
 INTERVAL_S_DEFAULT = 6.0  # mean seconds between a robot's decisions (Poisson)
 SLOS_S = (2.0, 4.0, 6.0, 8.0)  # p99 decision-latency objectives the capacity is read at
 PATHS = ("speculative", "ar")
+ENGINE_PREFIX = "ar@"  # a path of cloud AR on a production engine's LITERATURE profile: ar@<its name>
 
 
 def _speculative(rv, d, draft_s: float, max_new_tokens: int, out: dict) -> None:
@@ -67,7 +75,7 @@ def robot(url: str, path: str, fingerprint: str, vocab: int, decisions: list, ar
             wait = t0 + at - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
-            if path == "speculative":
+            if path == "speculative":  # any other path (ar, ar@ENGINE) asks the cloud to generate
                 _speculative(rv, d, draft_s, max_new_tokens, out)
             else:
                 _ar(rv, d, max_new_tokens, out)
@@ -83,10 +91,17 @@ def run_capacity(opts, progress) -> list[dict]:
     from ..cloud.server import VerifierServer
     from ..cloud.thread import ServerThread
     from ..decoding.engines import load_model
-    cloud = opts.compute or next((c for c in default_clouds() if c != "go2-paper" and LOAD_SUFFIX not in c), None)
+    cloud = opts.compute or next((c for c in default_clouds() if c != "go2-paper" and LOAD_SUFFIX not in c
+                                  and not get_compute(c).cloud_only), None)
     if cloud is None:
         raise SystemExit("capacity: no measured cloud profile here (docs/profiles/...): give --compute FILE")
     compute = get_compute(cloud)
+    engines = [c for c in (opts.clouds if opts.clouds is not None else literature_clouds()) if c != cloud]
+    if any(not get_compute(c).cloud_only for c in engines):
+        raise SystemExit("capacity: --clouds names production engines' LITERATURE profiles (docs/profiles/literature-*)")
+    # (path, its compute spec): the speculative fleet and AR on the verifier, then AR on each engine
+    paths = [] if compute.cloud_only else [(p, cloud) for p in PATHS]
+    paths += [(ENGINE_PREFIX + get_compute(c).name, c) for c in ([cloud] if compute.cloud_only else []) + engines]
     robots_list = sorted(opts.robots or ROBOTS_DEFAULT)
     per_robot = opts.decisions or 6
     interval = opts.decision_interval or INTERVAL_S_DEFAULT
@@ -94,18 +109,19 @@ def run_capacity(opts, progress) -> list[dict]:
     draft_lm, target_lm = load_model(opts.pair.draft_path), load_model(opts.pair.target_path)
     decisions = record(draft_lm, target_lm, opts.prompts(8), (opts.gammas or [DEFAULTS.gamma])[0],
                        opts.max_new_tokens)
-    bar = progress(len(PATHS) * sum(robots_list) * per_robot)
+    bar = progress(len(paths) * sum(robots_list) * per_robot)
     lock = threading.Lock()
 
     def tick():
         with lock:
             bar.update(1)
     rows = []
-    for path in PATHS:
+    for path, spec in paths:
+        on = get_compute(spec)
         for n in robots_list:
             rng = np.random.default_rng(opts.seed + 1000 * n)
             server = VerifierServer(load_model(opts.pair.target_path), max_batch=min(64, max(robots_list)),
-                                    status_interval_s=0, compute=compute, limits=_limits(robots_list))
+                                    status_interval_s=0, compute=on, limits=_limits(robots_list))
             outs = [{"tokens": 0, "desync": 0, "latencies": [], "errors": [], "progress": tick} for _ in range(n)]
             with ServerThread(server) as st:
                 t0 = time.perf_counter() + 0.5
@@ -130,24 +146,32 @@ def run_capacity(opts, progress) -> list[dict]:
                     "p99_s": float(np.percentile(lat, 99)) if lat else None,
                     "busy": fair.busy_s / wall, "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 1.0,
                     "desync": sum(o["desync"] for o in outs), "errors": [e for o in outs for e in o["errors"]],
-                    "wall_s": wall, "compute": compute.name, "compute_spec": cloud, "compute_source": compute.source,
-                    "draft_ms": 1e3 * draft_s, "interval_s": interval})
+                    "wall_s": wall, "compute": on.name, "compute_spec": spec, "compute_source": on.source,
+                    "draft_ms": 1e3 * draft_s, "interval_s": interval,
+                    **(literature_fields(on) if on.cloud_only else {})})
     bar.close()
     return rows + capacity_rows(rows)
 
 
 def capacity_rows(rows: list[dict], slos=SLOS_S) -> list[dict]:
     """Per SLO, the most robots each path served with p99 within it (every decision done, no
-    desync, no error); speculative over AR."""
+    desync, no error); speculative over AR, and over each production engine's AR (``vs_engines``)."""
     out = []
+    ran = {r["path"] for r in rows if r.get("kind") == "run"}
+    paths = [p for p in PATHS if p in ran] + list(dict.fromkeys(
+        r["path"] for r in rows if r.get("kind") == "run" and r["path"].startswith(ENGINE_PREFIX)))
     for slo in slos:
         served = {}
-        for path in PATHS:
+        for path in paths:
             ok = [r["robots"] for r in rows if r.get("kind") == "run" and r["path"] == path and r["p99_s"] is not None
                   and r["p99_s"] <= slo and not r["errors"] and not r["desync"]]
             served[path] = max(ok, default=0)
-        ratio = served["speculative"] / served["ar"] if served["ar"] else None
+        spec = served.get("speculative")
+        ratio = spec / served["ar"] if spec is not None and served.get("ar") else None
+        engines = {p: spec / served[p] if spec is not None and served[p] else None for p in paths
+                   if p.startswith(ENGINE_PREFIX)}
         out.append({"kind": "capacity", "slo_s": slo, "robots": served, "speculative_vs_ar": ratio,
+                    "vs_engines": engines,
                     "measured_up_to": max((r["robots"] for r in rows if r.get("kind") == "run"), default=0)})
     return out
 
@@ -172,11 +196,17 @@ def table_capacity(rows: list[dict]) -> str:
     out = fixed_width(head, lines)
     if caps:
         top = caps[0]["measured_up_to"]
+        paths = list(caps[0]["robots"])
+        engines = list(caps[0].get("vs_engines", {}))
         out += "\n\n" + fixed_width(
-            ["p99 SLO s", "robots: speculative", "robots: ar", "speculative / ar"],
-            [[f"{c['slo_s']:g}", f"{c['robots']['speculative']}" + ("+" if c["robots"]["speculative"] == top else ""),
-              f"{c['robots']['ar']}" + ("+" if c["robots"]["ar"] == top else ""),
-              _fmt(c["speculative_vs_ar"], ".2f") + ("x" if c["speculative_vs_ar"] else "")] for c in caps])
+            ["p99 SLO s", *[f"robots: {p}" for p in paths], "speculative / ar",
+             *[f"speculative / {p}" for p in engines]],
+            [[f"{c['slo_s']:g}", *[f"{c['robots'][p]}" + ("+" if c["robots"][p] == top else "") for p in paths],
+              _fmt(c["speculative_vs_ar"], ".2f") + ("x" if c["speculative_vs_ar"] is not None else ""),
+              *[_fmt(c["vs_engines"][p], ".2f") + ("x" if c["vs_engines"][p] is not None else "") for p in engines]]
+             for c in caps])
+        sources = {r["path"]: r["compute_source"] for r in runs if r["path"].startswith(ENGINE_PREFIX)}
+        out += "".join(f"\n  {p}: {src}" for p, src in sources.items())
     if runs:
         r = runs[0]
         compute = get_compute_quiet(r.get("compute_spec", r["compute"]))
@@ -205,7 +235,9 @@ def plot_capacity(rows: list[dict], path: str) -> None:
     plt = _pyplot()
     runs = [r for r in rows if r.get("kind") == "run"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9.5, 3.6))
-    for p, style, colour in (("speculative", "s-", "C0"), ("ar", "o--", "C3")):
+    engines = list(dict.fromkeys(r["path"] for r in runs if r["path"].startswith(ENGINE_PREFIX)))
+    for p, style, colour in (("speculative", "s-", "C0"), ("ar", "o--", "C3"),
+                             *((e, "^:", f"C{4 + k}") for k, e in enumerate(engines))):
         data = sorted((r for r in runs if r["path"] == p), key=lambda r: r["robots"])
         if not data:
             continue

@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "Ray Serve behind the edge, needs pip install .[fleet])")
     sweep.add_argument("--clouds", nargs="+", type=compute_arg, default=None,
                        help="regimes sweep: cloud compute profiles (default go2-paper, the measured H200 profile in "
-                            "docs/profiles and that H200 under load, PROFILE:load=16); trees sweep: (default "
+                            "docs/profiles, that H200 under load, PROFILE:load=16, and the production engines' LITERATURE "
+                            "profiles docs/profiles/literature-*.json); capacity sweep: the LITERATURE engines whose "
+                            "cloud AR runs beside the verifier's paths (default those files); trees sweep: (default "
                             "go2-paper and the measured H200)")
     sweep.add_argument("--robot-profiles", nargs="+", type=robot_arg, default=None,
                        help=f"regimes sweep: the robots' draft speeds (default {' '.join(ROBOT_PROFILES)})")

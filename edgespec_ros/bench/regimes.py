@@ -1,6 +1,8 @@
 """``edgespec-bench --sweep regimes``: where speculation pays. Cloud profile x robot draft speed x
 link: ms/token of cloud-only ``ar``, of each fixed speculative mode and of ``auto``, on the same
-prompts and seeds; the map of best-speculative / AR with the break-even line.
+prompts and seeds; the map of best-speculative / AR with the break-even line. Beside them, cloud-only
+AR on each production engine's published per-token time (a LITERATURE profile, ``baselines``):
+such an engine verifies no robot's drafts, so only AR runs on it, once per link.
 
 Every cell is EMULATED: the cloud's pass and AR step times are its profile's (go2-paper, a measured
 GPU file, that GPU under load: ``PROFILE:load=N``), the robot's draft time its robot profile's
@@ -19,6 +21,7 @@ from collections import Counter
 
 from ..decoding.compute import LOAD_SUFFIX, get_compute
 from ..robot.settings import DEFAULTS
+from .baselines import engine_rows, literature_clouds, literature_fields, table_engines
 from .report import _fmt, _pyplot, _save, fixed_width
 from .runner import emulated_setup, run_modes
 
@@ -31,11 +34,12 @@ AUTO_WARMUP = 2  # auto's unmeasured first decisions (it measures AR and a specu
 
 
 def default_clouds() -> list[str]:
-    """go2-paper's slow cloud, the measured H200 (when its profile file is in this checkout), and
-    that H200 under load."""
+    """go2-paper's slow cloud, the measured H200 (when its profile file is in this checkout), that
+    H200 under load, and the production engines' LITERATURE profiles in this checkout."""
     here = os.path.join(os.path.dirname(__file__), "..", "..", H200_PROFILE)
     h200 = H200_PROFILE if os.path.isfile(H200_PROFILE) else os.path.normpath(here)
-    return ["go2-paper"] + ([h200, f"{h200}{LOAD_SUFFIX}{REGIME_LOAD}"] if os.path.isfile(h200) else [])
+    return (["go2-paper"] + ([h200, f"{h200}{LOAD_SUFFIX}{REGIME_LOAD}"] if os.path.isfile(h200) else [])
+            + literature_clouds())
 
 
 def checkpoint_path(opts) -> str:
@@ -94,8 +98,11 @@ def run_regimes(opts, progress) -> list[dict]:
     every = opts.prompts(settings["decisions"] + AUTO_WARMUP)
     prompts, warmup = every[:settings["decisions"]], every[settings["decisions"]:]
     per_pair = len(prompts) * (1 + len(robots) * (len(SPECULATIVE) + 1)) + len(robots) * len(warmup)
-    bar = progress(per_pair * len(clouds) * len(links))
-    bar.update(per_pair * len(done))
+
+    def cost(cloud):  # a cloud-only engine runs AR alone
+        return len(prompts) if get_compute(cloud).cloud_only else per_pair
+    bar = progress(sum(cost(c) for c in clouds) * len(links))
+    bar.update(sum(cost(c) for c, _ in done))
     rows = measure_each(clouds, links, rows, path, settings, lambda cloud, link: _measure_cloud_link(
         opts, cloud, link, robots, prompts, warmup, settings["gamma"], bar))
     bar.close()
@@ -117,6 +124,11 @@ def _measure_cloud_link(opts, cloud: str, link: str, robots, prompts, warmup, ga
                   pipe_depth=opts.pipe_depth, on_decision=seen)
     with emulated_setup(opts.pair, link, cloud, exits=opts.exits) as (draft_lm, url):
         ar = run_modes(draft_lm, url, ["ar"], prompts, compute=base, **common)["ar"].row()
+        if base.cloud_only:  # a production engine's published figure: it verifies no robot's drafts
+            ar.update(cloud=cloud, cloud_name=base.name, robot="-", cloud_source=base.source,
+                      pass_ms=1e3 * base.pass_s(1), ar_step_ms=1e3 * base.pass_s(1, 1, ar=True), method="run",
+                      **literature_fields(base))
+            return [ar]
         for robot in robots:
             compute = base.with_robot(robot)
             paths.clear()
@@ -138,7 +150,7 @@ def _measure_cloud_link(opts, cloud: str, link: str, robots, prompts, warmup, ga
 def summarize(rows: list[dict]) -> list[dict]:
     """The measured rows, then one ``kind: cell`` row per cloud x robot x link: AR, the best fixed
     speculative mode, auto, and their ratios (speedup = AR ms/token over the mode's)."""
-    measured = [r for r in rows if r.get("kind") != "cell"]
+    measured = [r for r in rows if r.get("kind") is None]
     cells = {}
     for r in measured:
         cells.setdefault((r["cloud"], r["robot"], r["link"]), {})[r["mode"]] = r
@@ -161,7 +173,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             auto_vs_best=min(ms["ar"], best["ms_per_token"]) / ms["auto"] if ms.get("auto") else None,
             auto_paths=auto.get("auto_paths", {}) if auto else {}, winner=min(ms, key=ms.get),
             cloud_source=best["cloud_source"], robot_source=best["robot_source"]))
-    return out
+    return out + engine_rows(out)
 
 
 def short_cloud(cloud_name: str) -> str:
@@ -183,7 +195,8 @@ def table_regimes(rows: list[dict]) -> str:
              "robot profile, the link from the proxy. best/AR, auto/AR: AR's ms/token over theirs (> 1: faster than "
              "cloud AR); auto/best: the faster of AR and the best fixed mode over auto (1.00: as fast as the best)."]
     notes += [f"  cloud {name}: {src}" for name, src in sources] + [f"  robot {name}: {src}" for name, src in robots]
-    return fixed_width(head, lines) + "\n" + "\n".join(notes)
+    engines = table_engines(rows, short_cloud)
+    return fixed_width(head, lines) + "\n" + "\n".join(notes) + (f"\n\n{engines}" if engines else "")
 
 
 HEADLINE_LINK = "wifi-poor"  # the README's summary of the map: one link, every cloud and robot
@@ -209,14 +222,19 @@ def plot_regimes(rows: list[dict], path: str) -> None:
     from matplotlib.colors import LogNorm
     plt = _pyplot()
     cells = [r for r in rows if r.get("kind") == "cell"]
+    if not cells:  # production engines alone (cloud AR only): nothing to map against
+        print(f"regimes: no speculative cell to plot; {path} not written")
+        return
     links = list(dict.fromkeys(c["link"] for c in cells))
     fig, axes = plt.subplots(1, len(links), figsize=(4.6 * len(links), 4.6), squeeze=False, sharey=True,
                              layout="constrained")
     norm = LogNorm(vmin=0.2, vmax=5.0)
+    engines = [r for r in rows if r.get("kind") == "engine"]
     slope = float(np.median([c["drafted_per_token"] for c in cells]))
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
     xs = np.array([min(c["draft_ms"] for c in cells) * 0.6, max(c["draft_ms"] for c in cells) * 1.6])
-    ys = (min(min(c["ar_ms"] for c in cells), xs[0] * slope) * 0.6, max(c["ar_ms"] for c in cells) * 1.6)
+    ys = (min(min(c["ar_ms"] for c in cells), xs[0] * slope, *(e["ms_per_token"] for e in engines)) * 0.6,
+          max(c["ar_ms"] for c in cells) * 1.6)
     for ax, link in zip(axes[0], links):
         mine = [c for c in cells if c["link"] == link]
         sc = ax.scatter([c["draft_ms"] for c in mine], [c["ar_ms"] for c in mine], c=[c["best_vs_ar"] for c in mine],
@@ -225,11 +243,14 @@ def plot_regimes(rows: list[dict], path: str) -> None:
             ax.annotate(f"{c['best_mode']} {c['best_vs_ar']:.2f}x\nauto {_fmt(c['auto_vs_ar'], '.2f')}x",
                         (c["draft_ms"], c["ar_ms"]), fontsize=6.5, ha="center", va="center")
         ax.plot(xs, xs * slope, "k--", lw=1, label=f"break-even: AR = draft x {slope:.2f} drafted/token")
+        for k, e in enumerate(e for e in engines if e["link"] == link):
+            ax.axhline(e["ms_per_token"], color=f"C{k}", ls=":", lw=1.2,
+                       label=f"LITERATURE {e['literature']['engine'].split(' (')[0]}: {e['ms_per_token']:.1f} ms/token")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(*xs)
         ax.set_ylim(*ys)
-        for axis, ticks in ((ax.xaxis, (10, 15, 20, 30, 50, 70, 100)), (ax.yaxis, (10, 20, 50, 100, 200, 500, 1000))):
+        for axis, ticks in ((ax.xaxis, (10, 15, 20, 30, 50, 70, 100)), (ax.yaxis, (5, 10, 20, 50, 100, 200, 500, 1000))):
             axis.set_major_locator(FixedLocator(ticks))
             axis.set_minor_locator(NullLocator())
             axis.set_major_formatter(ScalarFormatter())
@@ -241,5 +262,6 @@ def plot_regimes(rows: list[dict], path: str) -> None:
     fig.colorbar(sc, ax=axes[0].tolist(), label="best speculative mode / AR (speedup)")
     clouds = ", ".join(dict.fromkeys(short_cloud(c["cloud_name"]) for c in cells))
     fig.suptitle(f"Where speculation pays: best speculative mode and auto vs cloud AR\nEMULATED clouds: {clouds}; "
-                 "drafting can win only above the dashed line", fontsize=9)
+                 "drafting can win only above the dashed line; dotted: production engines, cloud-only (LITERATURE)",
+                 fontsize=9)
     _save(fig, path)

@@ -79,6 +79,9 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
     workers and client_queue set fsd's pre-drafting; pipe_depth the pipe modes' blocks in flight and
     pipe_truncate their latency-aware truncation, pipe_fill_rows their gamma + 1 drafts where a pass
     feeds no pending token."""
+    if compute.cloud_only and any(m != "ar" for m in modes):
+        raise ValueError(f"compute profile {compute.name!r} is a production engine's published figure (LITERATURE): "
+                         "it verifies no robot's drafts, so only mode ar runs on it")
     profile = get_profile(link)
     summaries = {}
     for mode, tree in [(m, t) for m in modes for t in trees_for(m, trees)]:

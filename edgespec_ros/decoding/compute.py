@@ -21,6 +21,11 @@ A profile may also be a file (``--compute FILE.json``): ``edgespec-profile`` mea
 server. Its cloud terms are measured, with the pass time as a table over batch rows and block
 length (tokens fed per robot), so a batched pass of the fleet verifier costs what was measured for
 that many rows, not a flat one pass.
+
+A profile file may instead carry a published figure (``"label": "LITERATURE"``): a production
+engine's cloud-only per-token time, with a ``literature`` block naming the engine, its version, the
+model, the GPU, the batch, the figure and its source. Such an engine verifies no robot's drafts:
+only cloud AR runs on it (``cloud_only``), each step charged the published time.
 """
 from __future__ import annotations
 
@@ -69,6 +74,16 @@ class ComputeProfile:
     edge_source: str = ""
     # a shared cloud under load: this many other sessions' rows ride every pass (``with_load``)
     background_rows: int = 0
+    label: str = ""  # LITERATURE: a published figure, not a measurement or an emulation of this project's verifier
+    literature: tuple = ()  # (key, value) pairs of a LITERATURE profile's block: engine, version, model, gpu, ...
+
+    @property
+    def cloud_only(self) -> bool:
+        """A production engine's published figure: it serves cloud AR and verifies no robot's drafts."""
+        return self.label == LITERATURE
+
+    def literature_field(self, key: str, default=None):
+        return dict(self.literature).get(key, default)
 
     @property
     def emulated(self) -> bool:
@@ -167,7 +182,11 @@ class ComputeProfile:
             if not isinstance(v, str):
                 raise ValueError(f"{origin}: {key} must be a string, got {type(v).__name__}")
             texts[key] = v
-        return cls(name, edge_units=units, verify_table=table, **texts, **fields)
+        label, block = _literature_from(d, fields, origin)
+        if label == LITERATURE:
+            # the engine runs only AR steps: every pass it runs is charged the published per-token time
+            fields["verify_s"] = fields["ar_step_s"]
+        return cls(name, edge_units=units, verify_table=table, label=label, literature=block, **texts, **fields)
 
     @classmethod
     def load(cls, path: str) -> "ComputeProfile":
@@ -201,6 +220,52 @@ class ComputeProfile:
             raise ValueError(f"{origin}: not a compute profile (the top level must be a JSON object, "
                              f"got {type(d).__name__})")
         return cls.from_dict(d, origin)
+
+
+LITERATURE = "LITERATURE"
+# What a LITERATURE profile's block must name, each a non-empty string ("batch" an integer, "tpot_ms"
+# the published figure in ms); "version" says "not stated" where the source does not give one.
+LITERATURE_TEXT_KEYS = ("engine", "version", "model", "gpu", "source", "prefill", "link")
+LITERATURE_MAX_TEXT = 2000
+
+
+def _literature_from(d: dict, fields: dict, origin: str) -> tuple:
+    """A profile's label and LITERATURE block as (label, sorted (key, value) pairs); ValueError
+    where a file claims a published figure without naming where it is from, or states an AR step
+    other than the figure it cites."""
+    label, block = d.get("label", ""), d.get("literature")
+    if label in ("", None) and block is None:
+        return "", ()
+    if label != LITERATURE:
+        raise ValueError(f"{origin}: label must be {LITERATURE!r} (the only label a profile file carries), "
+                         f"got {_show(label)}")
+    if not isinstance(block, dict):
+        raise ValueError(f"{origin}: a {LITERATURE} profile needs a literature block naming "
+                         f"{', '.join(LITERATURE_TEXT_KEYS)}, batch and tpot_ms")
+    for key in LITERATURE_TEXT_KEYS:
+        v = block.get(key)
+        if not isinstance(v, str) or not v.strip() or len(v) > LITERATURE_MAX_TEXT:
+            raise ValueError(f"{origin}: literature.{key} must be a non-empty string, got {_show(v)}")
+    batch, tpot = block.get("batch"), block.get("tpot_ms")
+    if not _is_int(batch) or not 1 <= batch <= MAX_TABLE_AXIS:
+        raise ValueError(f"{origin}: literature.batch must be an integer in [1, {MAX_TABLE_AXIS}], got {_show(batch)}")
+    if not _is_seconds(tpot) or not tpot:
+        raise ValueError(f"{origin}: literature.tpot_ms must be a positive number, got {_show(tpot)}")
+    if not math.isclose(fields["ar_step_s"], tpot / 1e3, rel_tol=1e-9):
+        raise ValueError(f"{origin}: ar_step_s {fields['ar_step_s']:g} s is not the cited figure, "
+                         f"literature.tpot_ms {tpot:g} ms")
+    if d.get("verify_s") or d.get("verify_table") is not None:
+        raise ValueError(f"{origin}: a {LITERATURE} profile states no verification pass (the engine verifies no "
+                         "robot's drafts) and no batch table (it is one published per-token time)")
+    if not str(d.get("source", "")).startswith(LITERATURE):
+        raise ValueError(f"{origin}: a {LITERATURE} profile's source must begin with {LITERATURE!r}")
+    extra = sorted(set(block) - {*LITERATURE_TEXT_KEYS, "batch", "tpot_ms", "note"})
+    if extra:
+        raise ValueError(f"{origin}: literature block has unknown keys {_show(extra)}")
+    note = block.get("note", "")
+    if not isinstance(note, str) or len(note) > LITERATURE_MAX_TEXT:
+        raise ValueError(f"{origin}: literature.note must be a string")
+    return LITERATURE, tuple(sorted(block.items()))
 
 
 def _is_int(v) -> bool:
