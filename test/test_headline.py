@@ -216,3 +216,20 @@ def test_relative_links_between_pages_resolve_to_a_file_and_heading():
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 bad.append(f"{page.name}: {target} (no such heading)")
     assert not bad, bad
+
+
+def test_the_production_engines_figures_in_the_readme_are_the_maps_engine_rows():
+    """The LITERATURE engines' ms/token on the headline's link, how much slower the fastest edge
+    drafting is on every link, and how much slower the project's own H200 AR is, as the README
+    quotes them, are the regime map's ``kind: engine`` rows."""
+    rows = json.loads((ROOT / "docs" / "results" / "regimes.json").read_text())["rows"]
+    engines = [r for r in rows if r.get("kind") == "engine"]
+    assert engines and all(r["label"] == "LITERATURE" for r in engines)
+    on_link = {r["literature"]["tpot_ms"]: r["ms_per_token"] for r in engines if r["link"] == HEADLINE_LINK}
+    plain, eagle = (f"{on_link[t]:.1f}" for t in sorted(on_link, reverse=True))
+    assert _quoted("README.md", r"on wifi-poor ([\d.]+) ms a token \(") == plain
+    assert _quoted("README.md", r"\(([\d.]+) with EAGLE-3\)") == eagle
+    slower = _range([r["best_spec_vs_engine"] for r in engines], ".1f")
+    assert _quoted("README.md", r"fastest speculative cell takes ([\d.]+-[\d.]+)x its time") == slower
+    ours = _range([v for r in engines for k, v in r["project_ar_vs_engine"].items() if k.startswith("h200")], ".1f")
+    assert _quoted("README.md", r"own H200 verifier decoding alone ([\d.]+-[\d.]+)x") == ours
