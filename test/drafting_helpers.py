@@ -4,7 +4,8 @@ import threading
 
 import numpy as np
 
-from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+from edgespec_ros.robot.drafter import DrafterCore, Frame
+from edgespec_ros.robot.settings import DrafterSettings
 from edgespec_ros.robot.decoder import Decision
 from edgespec_ros.decoding.metrics import DecisionMetrics
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from edgespec_ros.decoding.compute import ComputeProfile
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.decoding.sampling import SamplingParams

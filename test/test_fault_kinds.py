@@ -15,7 +15,8 @@ from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
 from edgespec_ros.decoding.faults import FaultKind as K
 from edgespec_ros.decoding.metrics import DecisionMetrics
-from edgespec_ros.robot.decoder import DRAFT_ONLY, Decision, DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DRAFT_ONLY, Decision, EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError
 from edgespec_ros.wire.link import LinkProxy, get_profile

@@ -20,10 +20,11 @@ ray = pytest.importorskip("ray", reason="the fleet extra (ray[serve]) is not ins
 
 from edgespec_ros.models import resolve_models  # noqa: E402
 from edgespec_ros.bench.runner import bench_prompts  # noqa: E402
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder  # noqa: E402
+from edgespec_ros.robot.decoder import EdgeDecoder  # noqa: E402
+from edgespec_ros.robot.settings import DecodeConfig, DrafterSettings  # noqa: E402
 from edgespec_ros.decoding.engines import load_model  # noqa: E402
 from edgespec_ros.cloud.local import LocalVerifier  # noqa: E402
-from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame  # noqa: E402
+from edgespec_ros.robot.drafter import DrafterCore, Frame  # noqa: E402
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError  # noqa: E402
 from edgespec_ros.cloud.config import build_parser  # noqa: E402
 

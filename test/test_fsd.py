@@ -13,7 +13,8 @@ import torch
 
 from edgespec_ros.models import default_model_path, have_default_models
 from edgespec_ros.decoding.compute import ComputeProfile
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.target import TargetSession
 from edgespec_ros.decoding.engines import load_model, wrap_model

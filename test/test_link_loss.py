@@ -181,7 +181,8 @@ def test_a_draft_only_decision_is_the_drafts_greedy_output_and_sends_nothing(vlm
     for that model alone), with no verifier call at all."""
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.cloud.target import target_generate
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
 
     class NoLink(LocalVerifier):
         def start(self, *a, **k):
@@ -206,7 +207,8 @@ def test_through_a_real_link_a_cut_flips_to_draft_only_and_a_restore_back_to_ver
     from edgespec_ros.cloud.server import VerifierServer
     from edgespec_ros.cloud.thread import ServerThread
     from edgespec_ros.robot.decoder import EdgeDecoder
-    from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+    from edgespec_ros.robot.drafter import DrafterCore, Frame
+    from edgespec_ros.robot.settings import DrafterSettings
     from edgespec_ros.wire.client import RemoteVerifier
     from edgespec_ros.wire.link import LinkProxy, get_profile
 

@@ -321,7 +321,8 @@ def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.decoding.compute import ComputeProfile
     from edgespec_ros.decoding.sampling import SamplingParams
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.wire.client import RemoteVerifier
     from wire_helpers import server_copy
     target, draft = load_model(default_model_path("target")), load_model(default_model_path("draft"))

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from edgespec_ros.cloud.target import target_generate
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.exits import EarlyExits
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import Condition, EpochGate

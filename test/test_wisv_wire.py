@@ -13,7 +13,8 @@ import torch
 
 from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.verify import VerifySettings
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import VerifierRefused

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.cloud.target import target_generate

@@ -12,8 +12,7 @@ from tqdm import tqdm
 
 from ..codecs import get_codec
 from ..decoding.compute import ROBOT_PROFILES, compute_arg, compute_help, get_compute, robot_arg
-from ..robot.decoder import DECODING_MODES, DecodeConfig
-from ..robot.settings import DEFAULTS
+from ..robot.settings import DECODING_MODES, DEFAULTS, DecodeConfig
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from . import pipe

@@ -67,7 +67,8 @@ class RecordingVerifier(LocalVerifier):
 
 def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> list[Recorded]:
     """Greedy SD decisions of the real models, in-process: the rounds the robots will replay."""
-    from ..robot.decoder import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import EdgeDecoder
+    from ..robot.settings import DecodeConfig
     rec = RecordingVerifier(target_lm)
     decoder = EdgeDecoder(draft_lm, rec)
     for i, prompt in enumerate(prompts):

@@ -449,7 +449,7 @@ class GoodRobot:
         self.decide(0)  # connects
 
     def decide(self, i: int) -> float:
-        from ..robot.decoder import DecodeConfig
+        from ..robot.settings import DecodeConfig
         from .runner import prompt_parts
         instruction, image, history = prompt_parts(self.prompts[i % len(self.prompts)])
         cfg = DecodeConfig(mode=GOOD_MODE, max_new_tokens=self.max_new_tokens, seed=i)

@@ -15,14 +15,14 @@ import numpy as np
 
 from ..models import ModelPair
 from ..processes import verifier_process
-from ..robot.decoder import DecodeConfig, EdgeDecoder
+from ..robot.decoder import EdgeDecoder
+from ..robot.settings import DEFAULTS, DecodeConfig
 from ..decoding.engines import LoadedModel, load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..decoding.compute import ComputeProfile
 from ..wire.link import LinkProxy, get_profile
-from ..robot.settings import DEFAULTS
 
 
 def bench_prompts(n: int, seed: int = 0, memory: int = 0, belief: bool = False) -> list[tuple]:

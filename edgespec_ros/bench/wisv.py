@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 
 from ..decoding.compute import get_compute
-from ..robot.decoder import DecodeConfig, EdgeDecoder
+from ..robot.decoder import EdgeDecoder
+from ..robot.settings import DEFAULTS, DecodeConfig
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..wire.link import get_profile
 from .runner import emulated_setup, prompt_parts
-from ..robot.settings import DEFAULTS
 
 THRESHOLDS = [0.01, 0.05, 0.2]
 LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]

@@ -43,7 +43,8 @@ def emulated_decoder_policy(draft_path: str, target_path: str, *, link_profile: 
     from ..decoding.engines import load_model
     from ..evaluation.policy import DecoderPolicy
     from ..processes import verifier_process
-    from ..robot.decoder import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import EdgeDecoder
+    from ..robot.settings import DecodeConfig
     from ..wire.client import RemoteVerifier
     from ..wire.link import LinkProxy
 

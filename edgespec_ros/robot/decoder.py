@@ -33,10 +33,10 @@ from ..decoding.verifier import Verifier
 from ..decoding.verify import carries_q
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
-from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDrafted, StopAndWait,
-                     Strategy, TreeDrafted, truncate_at_stop)
+from .rounds import ArStrategy, Drafted, PreDrafted, StopAndWait, Strategy, TreeDrafted, truncate_at_stop
+from .settings import DecodeConfig
 
-__all__ = ["DECODING_MODES", "DRAFT_ONLY", "Decision", "DecodeConfig", "EdgeDecoder"]
+__all__ = ["DRAFT_ONLY", "Decision", "EdgeDecoder"]
 
 DRAFT_ONLY = "draft-only"  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
 

@@ -41,10 +41,10 @@ from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_A
                                split_reasoning_action)
 from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
 from ..control.belief import memory_for
-from .decoder import DRAFT_ONLY, DecodeConfig
+from .decoder import DRAFT_ONLY
 from ..control.link_health import LinkHealth, is_link_fault, stands_still
 from ..decoding.faults import FaultKind
-from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
+from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics, RunSummary
 
 NS = 1_000_000_000

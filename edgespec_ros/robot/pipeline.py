@@ -11,8 +11,8 @@ import torch
 
 from ..decoding.verifier import MAX_BLOCK, Block, Condition, VerifierTimeout, VerifyReply
 from .draft_length import AutoGamma
-from .rounds import DecisionState, DecodeConfig, Strategy
-from .settings import DEFAULTS
+from .rounds import DecisionState, Strategy
+from .settings import DEFAULTS, DecodeConfig
 
 COND_SLICE_S = 0.003  # pipe+fsd: how often a waiting robot checks for a pre-draft to send conditionally
 COND_MAX = 3  # pipe+fsd: conditional blocks per verdict at most (one per distinct guess of the deepest exit)

@@ -15,7 +15,7 @@ from ..decoding.metrics import CloudTimeline, DecisionMetrics
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
 from ..decoding.verify import WISV, carries_q, resample_separate
 from .draft_length import AutoGamma
-from .settings import DECODING_MODES, PIPE_DEPTH_MAX, DecodeConfig  # noqa: F401 - the decoder's names
+from .settings import DecodeConfig
 
 
 def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
