@@ -22,6 +22,7 @@ from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierErro
 from edgespec_ros.wire.link import LinkProxy, get_profile
 
 from drafting_helpers import FakeDecoder, frame, make
+from drafting_helpers import FakeVerifier as DecidingAlone
 from wire_helpers import SUITE_LIMITS, FakeVerifier, TamperProxy, make_pair, server_copy
 
 
@@ -167,11 +168,11 @@ class _Lost:
     the draft alone answers."""
 
     def __init__(self, exc):
-        self.exc, self.tokenizer = exc, None
+        self.exc, self.tokenizer, self.draft = exc, None, None
         outer = self
 
-        class Verifier:
-            ws = None
+        class Verifier(DecidingAlone):
+            connected = False
 
             def connect(self):
                 raise outer.exc

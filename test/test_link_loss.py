@@ -12,7 +12,7 @@ from edgespec_ros.robot.drafter import RETRACE, RETRACE_DONE
 from edgespec_ros.decoding.faults import FaultKind
 from edgespec_ros.wire.client import LinkLostError
 
-from drafting_helpers import TEXT, FakeDecoder, frame, make
+from drafting_helpers import TEXT, FakeDecoder, FakeVerifier, frame, make
 
 DRAFT_TEXT = "I see nothing. Action: turn left small."
 
@@ -22,9 +22,14 @@ class Link:
         self.up = True
 
 
-class FlakyVerifier:
+class FlakyVerifier(FakeVerifier):
     def __init__(self, link: Link):
-        self.link, self.ws, self.closed, self.connects = link, None, 0, 0
+        super().__init__()
+        self.link, self.ws, self.connects = link, None, 0
+
+    @property
+    def connected(self):
+        return self.ws is not None
 
     def connect(self):
         self.connects += 1

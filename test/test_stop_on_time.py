@@ -216,7 +216,7 @@ class _SlowDecoder:
     def __init__(self, clock, seconds):
         from drafting_helpers import FakeDecoder
         self.inner, self.clock, self.seconds = FakeDecoder(), clock, seconds
-        self.verifier, self.tokenizer = self.inner.verifier, None
+        self.verifier, self.tokenizer, self.draft = self.inner.verifier, None, None
 
     def decide(self, instruction, image, cfg, on_tokens=None):
         self.clock.advance(self.seconds)

@@ -97,8 +97,7 @@ class DecisionState:
         hidden = None if seq is None else seq.draft_hidden
         if hidden is None or len(hidden) != len(block.draft_ids):
             raise RuntimeError("wisv: the block's drafts have no hidden rows (drafted on another sequence)")
-        csi_of = getattr(self.verifier, "csi", None)
-        block.hidden, block.csi = hidden, csi_of() if csi_of is not None else None
+        block.hidden, block.csi = hidden, self.verifier.csi()
         block.upload = choose_upload(self.cfg.hidden_upload, block.csi, len(block.draft_ids), hidden.shape[1])
         return block
 
@@ -171,8 +170,8 @@ class ArStrategy(Strategy):
                 on_tokens([token])
             if token in eos_ids:
                 break
-        m.uplink_bytes += getattr(verifier, "last_generate_uplink", 0)
-        m.downlink_bytes += getattr(verifier, "last_generate_downlink", 0)
+        m.uplink_bytes += verifier.last_generate_uplink
+        m.downlink_bytes += verifier.last_generate_downlink
         if self.auto is not None:  # AR step time, and the stream's round trip (wall - steps)
             self.auto.observe_ar(m.rounds, m.t_verify, time.perf_counter() - t_generate - m.t_verify)
         return out

@@ -29,7 +29,7 @@ from ..codecs import get_codec
 from ..codecs import DEFAULT_CODEC
 from ..decoding.inputs import Prompt
 from ..decoding.verify import VerifySettings
-from ..decoding.verifier import Block, VerifyReply
+from ..decoding.verifier import Block, Verifier, VerifyReply
 from . import protocol as P
 from .edge_session import EarlyExit, EdgeSession, NEED_DATA, SendHidden
 from .link import LinkModel, LinkProfile
@@ -67,7 +67,7 @@ def _set_send_timeout(sock, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec))
 
 
-class RemoteVerifier:
+class RemoteVerifier(Verifier):
     """Verifier over a websocket connection; one decision at a time."""
 
     # the protocol state, kept by the EdgeSession (wire.edge_session)
@@ -101,6 +101,11 @@ class RemoteVerifier:
                                    peer=url)
 
     # --- connection ----------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """A websocket is open (None after ``close``, ``abort`` or a failure: the next decision reconnects)."""
+        return self.ws is not None
 
     def connect(self) -> P.Welcome:
         import ssl
