@@ -736,7 +736,8 @@ def test_the_edge_client_over_tls_checks_the_certificate(pair):
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
         def client(ca):
             return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S, **pair.draft.prompt_format)
+                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S,
+                                  prompt_format=pair.draft.prompt_format)
         rv = client(os.path.join(TLS_DIR, "server.crt"))
         decision = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                       DecodeConfig(max_new_tokens=8))
@@ -1187,7 +1188,7 @@ def test_slowloris_upgrades_are_capped_per_address_and_closed_at_the_header_time
         status = st.server.status()
         assert status["half_open"] <= 4 and status["connections"] <= 4
         with RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                            **pair.draft.prompt_format) as rv:
+                            prompt_format=pair.draft.prompt_format) as rv:
             got = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                      DecodeConfig(mode="sd", gamma=3, max_new_tokens=6))
         assert got.tokens

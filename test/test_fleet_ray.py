@@ -67,7 +67,7 @@ def _robot(models, url) -> EdgeDecoder:
     draft, _ = models
     return EdgeDecoder(draft, RemoteVerifier(url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
                                              timeout_s=60.0, connect_timeout_s=30.0, client_name="ray-test",
-                                             **draft.prompt_format))
+                                             prompt_format=draft.prompt_format))
 
 
 def _reference(models, prompts) -> list[list[int]]:

@@ -69,7 +69,7 @@ class FixedCsi(RemoteVerifier):
 
 def remote(url, target, cls=RemoteVerifier):
     rv = cls(url, fingerprint=target.fingerprint(), vocab_size=target.vocab_size, timeout_s=DEADLINE_S,
-             **target.prompt_format)
+             prompt_format=target.prompt_format)
     rv.connect()
     return rv
 

@@ -18,6 +18,7 @@ from ..decoding.preempt import run_steps
 from .batch import verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
+from ..decoding.memory import PromptFormat
 from ..decoding.engines import LoadedModel
 from ..decoding.verifier import Block, Verifier, VerifierRefused, VerifyReply
 from ..wire import protocol as P
@@ -69,7 +70,7 @@ class LocalVerifier(Verifier):
         self.vocab = lm.vocab_size
         # the robot's HELLO as its client builds it, of a robot sharing the target's tokenizer and prompt format
         hello = hello_frame(identity.fingerprint, lm.vocab_size, self.codec, client="edgespec-local", draft=draft_hash,
-                            memory=lm.memory, belief=bool(getattr(lm, "belief", False)))
+                            prompt=PromptFormat(lm.memory, bool(getattr(lm, "belief", False))))
         with _refused():
             *_, self.welcome = self._drive(hello, _Run())  # the WELCOME, the HELLO's one reply
         self.exit_layers = list(self.welcome.exit_layers)
