@@ -31,7 +31,8 @@ def main() -> int:
     from edgespec_ros.cloud.server import VerifierServer
     from edgespec_ros.cloud.thread import ServerThread
     from edgespec_ros.robot.decoder import EdgeDecoder
-    from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+    from edgespec_ros.robot.drafter import DrafterCore, Frame
+    from edgespec_ros.robot.settings import DrafterSettings
     from edgespec_ros.wire import protocol as P
     from edgespec_ros.wire.client import RemoteVerifier
     from wire_helpers import SUITE_LIMITS, TamperProxy, make_pair, server_copy

@@ -127,7 +127,8 @@ def vlm_target_with_eos(tokenizer, image_processor, image):
     """Special tokens not muted, and greedy decoding of the test prompt stops at an EOS within
     EOS_TEST_MAX_NEW tokens: the first seed whose random weights do that (whether one does depends
     on the prompt, so it is searched for, not hard-wired)."""
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.cloud.target import target_generate
     from edgespec_ros.decoding.sampling import SamplingParams

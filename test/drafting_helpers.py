@@ -4,8 +4,10 @@ import threading
 
 import numpy as np
 
-from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+from edgespec_ros.robot.drafter import DrafterCore, Frame
+from edgespec_ros.robot.settings import DrafterSettings
 from edgespec_ros.robot.decoder import Decision
+from edgespec_ros.decoding.verifier import Verifier
 from edgespec_ros.decoding.metrics import DecisionMetrics
 
 S = 1_000_000_000
@@ -24,17 +26,26 @@ class Clock:
         self.t += int(seconds * S)
 
 
-class FakeVerifier:
+class FakeVerifier(Verifier):
+    """The verifier of a decoder that decides alone: only closed (counted), never asked to verify."""
+
     def __init__(self):
         self.closed = 0
 
     def close(self):
         self.closed += 1
 
+    def start(self, prompt, settings, wait=True):
+        raise AssertionError("the fake decoder decides without its verifier")
+
+    submit = receive = verify = generate = start
+
 
 class FakeDecoder:
     """decide() returns `text` (reporting it as 2 chunks through on_tokens), raises `error`, or blocks on
     `release` (calling on_tokens after release, like the next verified chunk would)."""
+
+    draft = None  # no draft model: a memoryless policy
 
     def __init__(self, text=TEXT, error=None, block=False, auto=None):
         self.text, self.error = text, error

@@ -8,6 +8,7 @@ import time
 import uuid
 
 from edgespec_ros.bringup.graph import Graph
+from edgespec_ros.decoding.verifier import Verifier
 
 DEADLINE_S = 20.0
 
@@ -85,7 +86,7 @@ class Probe:
         return self.node.get_clock().now().to_msg()
 
 
-class ScriptedVerifier:
+class ScriptedVerifier(Verifier):
     """A Verifier (AR mode) whose target 'generates' a fixed text: the draft tokenizer's ids of it,
     then <|im_end|>. For end-to-end tests of the ROS layer with a known answer."""
 
@@ -101,8 +102,10 @@ class ScriptedVerifier:
         for token in self.ids[:max_new_tokens]:
             yield token, 0.0
 
-    def verify(self, draft_ids, draft_probs):
+    def verify(self, block, on_exit=None):
         raise AssertionError("ScriptedVerifier serves AR mode only")
+
+    submit = receive = verify
 
     def close(self):
         pass

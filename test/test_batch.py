@@ -129,7 +129,7 @@ def test_concurrent_robots_are_batched_and_get_their_own_outputs(pair):
     """Four robots decode at once through one verifier: their rounds and AR steps share forward
     passes (mean batch > 1) and each robot's tokens are those it gets alone (greedy and sampled)."""
     import threading
-    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.wire.client import RemoteVerifier
     from edgespec_ros.cloud.server import VerifierServer

@@ -12,7 +12,8 @@ import pytest
 from edgespec_ros.control.actions import ActionParseError, parse_action
 from edgespec_ros.control.belief import SearchBelief, direction_word, goal_phrase, memory_for, seen_bearing
 from edgespec_ros.decoding.inputs import chat_prompt, parse_prompt
-from edgespec_ros.decoding.memory import BLOCKED, DONE, INTERRUPTED, NO_ACTION, CommandMemory, PolicyMemory, Turn
+from edgespec_ros.decoding.memory import (BLOCKED, DONE, INTERRUPTED, NO_ACTION, CommandMemory, PolicyMemory,
+                                         PromptFormat, Turn)
 from edgespec_ros.evaluation.policy import PolicyOutput
 from edgespec_ros.sim.dataset import INSTRUCTION_TEMPLATES, expert_frames, iter_scenarios
 
@@ -184,7 +185,7 @@ def test_the_dataset_and_the_benchmarks_prompt_with_the_expert_rollouts_belief()
             if frame.decision.action.kind != "stop":
                 memory.motion_reported(i, "idle", "blocked_contact" if ended == BLOCKED else "completed")
     assert any("goal last seen" in f.history[-1].belief for f in frames if f.history)
-    prompts = bench_prompts(6, 0, memory=2, belief=True)
+    prompts = bench_prompts(6, 0, PromptFormat(memory=2, belief=True))
     expected = list(expert_frames("heldout", 6, 0, perturbations_per_step=0, memory=2, belief=True))[:6]
     assert [h for *_x, h in prompts] == [f.history for f in expected]
     for (_i, rgb, _h), f in zip(prompts, expected):

@@ -20,7 +20,7 @@ import struct
 import numpy as np
 import pytest
 
-from edgespec_ros.robot.decoder import DecodeConfig
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.cloud import cli as cli_module
 from edgespec_ros.cloud import config as config_module
@@ -729,13 +729,15 @@ def test_decode_caps_id_lists():
 
 
 def test_the_edge_client_over_tls_checks_the_certificate(pair):
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
     ctx = config_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
     with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
         def client(ca):
             return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S, **pair.draft.prompt_format)
+                                  token=TOKEN_A, ca_file=ca, timeout_s=DEADLINE_S,
+                                  prompt_format=pair.draft.prompt_format)
         rv = client(os.path.join(TLS_DIR, "server.crt"))
         decision = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                       DecodeConfig(max_new_tokens=8))
@@ -1176,7 +1178,8 @@ def test_slowloris_upgrades_are_capped_per_address_and_closed_at_the_header_time
     closed as accepted, the rest at the header timeout (far below the handshake timeout), all
     counted in status and /metrics; a robot from another address connects and decides meanwhile."""
     import urllib.request
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.wire.client import RemoteVerifier
     limits = ServerLimits(max_handshakes_per_address=4, header_timeout_s=0.5)
     with _server(pair, limits=limits, handshake_timeout_s=10.0) as st:
@@ -1185,7 +1188,7 @@ def test_slowloris_upgrades_are_capped_per_address_and_closed_at_the_header_time
         status = st.server.status()
         assert status["half_open"] <= 4 and status["connections"] <= 4
         with RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                            **pair.draft.prompt_format) as rv:
+                            prompt_format=pair.draft.prompt_format) as rv:
             got = EdgeDecoder(pair.draft, rv).decide("find the silver bottle", pair.image,
                                                      DecodeConfig(mode="sd", gamma=3, max_new_tokens=6))
         assert got.tokens

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from edgespec_ros.decoding.compute import ComputeProfile
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.inputs import Prompt
+from edgespec_ros.decoding.memory import PromptFormat
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.cloud import cli as cli_module
@@ -393,7 +395,7 @@ def test_client_sees_a_bad_token_and_a_missing_token_as_unauthorized(pair, refs,
 ], ids=["fingerprint", "vocab", "memory"])
 def test_client_sees_a_model_mismatch(pair, refs, verifier, fingerprint, vocab_delta, memory, fragments):
     rv = client(verifier.url, pair, fingerprint=fingerprint or pair.draft.fingerprint(),
-                vocab_size=pair.vocab + vocab_delta, policy_memory=memory)
+                vocab_size=pair.vocab + vocab_delta, prompt_format=PromptFormat(memory=memory))
     with pytest.raises(VerifierRefused) as err:
         rv.connect()
     assert err.value.code == P.ErrorCode.MODEL_MISMATCH

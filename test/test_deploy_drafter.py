@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from edgespec_ros.cloud.target import target_generate
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.engines import ModelLoadError, load_model, resolve_device, resolve_dtype
 from edgespec_ros.decoding.inputs import image_tokens, limit_pixels, pixel_bounds
 from edgespec_ros.decoding.sampling import SamplingParams

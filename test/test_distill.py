@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from margins import TEST_SEED as SEED, measured
 from edgespec_ros.cloud.target import target_generate
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.engines import load_model, model_content_hash, wrap_model
 from edgespec_ros.decoding.inputs import build_inputs, jpeg_roundtrip
 from edgespec_ros.decoding.sampling import SamplingParams

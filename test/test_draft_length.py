@@ -242,7 +242,8 @@ def test_auto_bad_settings_are_clear_errors(kwargs, fragment):
 # --- gamma "auto" in the decoding loop -------------------------------------------------------------
 
 def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal_target, causal_draft):
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.cloud.target import target_generate
     from edgespec_ros.decoding.sampling import SamplingParams
@@ -272,7 +273,7 @@ def test_edge_decoder_with_gamma_auto_is_lossless_and_records_its_choices(causal
     ({"gamma": "automatic"}, "must be in 1..64 or 'auto'"),
 ])
 def test_decode_config_gamma_errors_are_clear(kwargs, fragment):
-    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.robot.settings import DecodeConfig
     with pytest.raises(ValueError, match=fragment):
         DecodeConfig(**kwargs)
 

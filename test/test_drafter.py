@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from edgespec_ros.robot.drafter import DrafterSettings, outcome_from_text
+from edgespec_ros.robot.drafter import outcome_from_text
+from edgespec_ros.robot.settings import DrafterSettings
 from edgespec_ros.decoding.faults import FaultKind
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
 from edgespec_ros.control.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED

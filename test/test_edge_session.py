@@ -7,6 +7,7 @@ import torch
 
 from edgespec_ros.codecs import get_codec
 from edgespec_ros.decoding.inputs import Prompt
+from edgespec_ros.decoding.memory import PromptFormat
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import (Block, Condition, VerifierError, VerifierRefused, VerifyReply)
 from edgespec_ros.decoding.verify import NO_TOKEN, VerifySettings
@@ -22,7 +23,7 @@ PROMPT = Prompt("find the bottle", b"\xff\xd8jpeg", [1, 2, 3])
 
 def session(**kw) -> EdgeSession:
     args = dict(fingerprint="fp", vocab_size=VOCAB, codec=get_codec("dense32"), token="secret",
-                client_name="robot-7", draft="d-hash", policy_memory=2, peer="ws://cloud:9")
+                client_name="robot-7", draft="d-hash", prompt_format=PromptFormat(memory=2), peer="ws://cloud:9")
     return EdgeSession(**{**args, **kw})
 
 
@@ -297,7 +298,8 @@ def test_generate_tokens_are_yielded_with_their_step_time_and_bytes():
 
 def test_the_clients_protocol_state_is_its_sessions():
     from edgespec_ros.wire.client import RemoteVerifier
-    rv = RemoteVerifier("ws://127.0.0.1:9", fingerprint="fp", vocab_size=VOCAB, draft="d-hash", policy_memory=2)
+    rv = RemoteVerifier("ws://127.0.0.1:9", fingerprint="fp", vocab_size=VOCAB, draft="d-hash",
+                        prompt_format=PromptFormat(memory=2))
     assert rv.session.hello() == P.Hello("", "fp", VOCAB, "dense32", "edgespec-edge", "d-hash", 2)
     rv.session.welcome = welcome(exit_layers=[3])
     rv.session.start(PROMPT, GREEDY)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from margins import measured
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.engines import ModelLoadError, load_model

@@ -15,12 +15,14 @@ from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
 from edgespec_ros.decoding.faults import FaultKind as K
 from edgespec_ros.decoding.metrics import DecisionMetrics
-from edgespec_ros.robot.decoder import DRAFT_ONLY, Decision, DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import DRAFT_ONLY, Decision, EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.wire import protocol as P
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError
 from edgespec_ros.wire.link import LinkProxy, get_profile
 
 from drafting_helpers import FakeDecoder, frame, make
+from drafting_helpers import FakeVerifier as DecidingAlone
 from wire_helpers import SUITE_LIMITS, FakeVerifier, TamperProxy, make_pair, server_copy
 
 
@@ -166,11 +168,11 @@ class _Lost:
     the draft alone answers."""
 
     def __init__(self, exc):
-        self.exc, self.tokenizer = exc, None
+        self.exc, self.tokenizer, self.draft = exc, None, None
         outer = self
 
-        class Verifier:
-            ws = None
+        class Verifier(DecidingAlone):
+            connected = False
 
             def connect(self):
                 raise outer.exc

@@ -20,10 +20,11 @@ ray = pytest.importorskip("ray", reason="the fleet extra (ray[serve]) is not ins
 
 from edgespec_ros.models import resolve_models  # noqa: E402
 from edgespec_ros.bench.runner import bench_prompts  # noqa: E402
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder  # noqa: E402
+from edgespec_ros.robot.decoder import EdgeDecoder  # noqa: E402
+from edgespec_ros.robot.settings import DecodeConfig, DrafterSettings  # noqa: E402
 from edgespec_ros.decoding.engines import load_model  # noqa: E402
 from edgespec_ros.cloud.local import LocalVerifier  # noqa: E402
-from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame  # noqa: E402
+from edgespec_ros.robot.drafter import DrafterCore, Frame  # noqa: E402
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier, VerifierError  # noqa: E402
 from edgespec_ros.cloud.config import build_parser  # noqa: E402
 
@@ -66,7 +67,7 @@ def _robot(models, url) -> EdgeDecoder:
     draft, _ = models
     return EdgeDecoder(draft, RemoteVerifier(url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
                                              timeout_s=60.0, connect_timeout_s=30.0, client_name="ray-test",
-                                             **draft.prompt_format))
+                                             prompt_format=draft.prompt_format))
 
 
 def _reference(models, prompts) -> list[list[int]]:

@@ -13,7 +13,8 @@ import torch
 
 from edgespec_ros.models import default_model_path, have_default_models
 from edgespec_ros.decoding.compute import ComputeProfile
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.cloud.target import TargetSession
 from edgespec_ros.decoding.engines import load_model, wrap_model
@@ -208,7 +209,7 @@ def test_fsd_over_the_wire_with_emulated_compute_is_identical_and_hits(committed
         for params in (GREEDY, SAMPLED):
             instruction, image = prompts[1]
             with RemoteVerifier(st.url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
-                                **draft.prompt_format) as rv:
+                                prompt_format=draft.prompt_format) as rv:
                 assert rv.exit_layers == target.exits.layers
                 sd = decide(draft, rv, instruction, image, mode="sd", params=params, seed=1)
                 dec = EdgeDecoder(draft, rv, draft_compute=compute)
@@ -227,7 +228,7 @@ def test_fsd_against_a_verifier_without_exits_is_sd(pair):
     plain.exits = None
     with ServerThread(VerifierServer(plain)) as st:
         with RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                            **pair.draft.prompt_format) as rv:
+                            prompt_format=pair.draft.prompt_format) as rv:
             assert rv.exit_layers == []
             sd = decide(pair.draft, rv, INSTRUCTIONS[0], pair.image, mode="sd", max_new_tokens=12)
             fsd = decide(pair.draft, rv, INSTRUCTIONS[0], pair.image, mode="fsd", max_new_tokens=12)
@@ -399,7 +400,7 @@ def test_client_vanishing_while_exits_stream_leaks_nothing(pair, exit_verifier, 
     wait_until(lambda: exit_verifier.server.live_exit_senders == 0, what="the exit sender to stop")
     # the server is unharmed: a new client decodes in fsd mode
     with RemoteVerifier(exit_verifier.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                        **pair.draft.prompt_format) as rv:
+                        prompt_format=pair.draft.prompt_format) as rv:
         got = decide(pair.draft, rv, INSTRUCTIONS[0], pair.image, mode="fsd", max_new_tokens=8)
     assert got.metrics.exits_received > 0
     assert not [e for e in exit_verifier.server.errors if e.startswith("internal")]

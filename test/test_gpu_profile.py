@@ -179,7 +179,8 @@ def test_every_edge_drafted_decision_charges_the_robots_draft_prefill(mode):
     include it, once per decision."""
     import time
     from edgespec_ros.cloud.local import LocalVerifier
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from wire_helpers import make_pair
     pair = make_pair()
     dec = EdgeDecoder(pair.draft, LocalVerifier(pair.target), draft_compute=ComputeProfile("t", edge_prefill_s=0.3))

@@ -272,7 +272,8 @@ def test_a_sessions_blocks_come_back_when_it_ends_even_while_it_is_still_referen
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.cloud.server import VerifierServer
     from edgespec_ros.cloud.thread import ServerThread
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.wire.client import RemoteVerifier
     from wire_helpers import INSTRUCTIONS, server_copy, wait_until
     kept = []

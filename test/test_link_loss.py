@@ -12,7 +12,7 @@ from edgespec_ros.robot.drafter import RETRACE, RETRACE_DONE
 from edgespec_ros.decoding.faults import FaultKind
 from edgespec_ros.wire.client import LinkLostError
 
-from drafting_helpers import TEXT, FakeDecoder, frame, make
+from drafting_helpers import TEXT, FakeDecoder, FakeVerifier, frame, make
 
 DRAFT_TEXT = "I see nothing. Action: turn left small."
 
@@ -22,9 +22,14 @@ class Link:
         self.up = True
 
 
-class FlakyVerifier:
+class FlakyVerifier(FakeVerifier):
     def __init__(self, link: Link):
-        self.link, self.ws, self.closed, self.connects = link, None, 0, 0
+        super().__init__()
+        self.link, self.ws, self.connects = link, None, 0
+
+    @property
+    def connected(self):
+        return self.ws is not None
 
     def connect(self):
         self.connects += 1
@@ -181,7 +186,8 @@ def test_a_draft_only_decision_is_the_drafts_greedy_output_and_sends_nothing(vlm
     for that model alone), with no verifier call at all."""
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.cloud.target import target_generate
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
 
     class NoLink(LocalVerifier):
         def start(self, *a, **k):
@@ -206,7 +212,8 @@ def test_through_a_real_link_a_cut_flips_to_draft_only_and_a_restore_back_to_ver
     from edgespec_ros.cloud.server import VerifierServer
     from edgespec_ros.cloud.thread import ServerThread
     from edgespec_ros.robot.decoder import EdgeDecoder
-    from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+    from edgespec_ros.robot.drafter import DrafterCore, Frame
+    from edgespec_ros.robot.settings import DrafterSettings
     from edgespec_ros.wire.client import RemoteVerifier
     from edgespec_ros.wire.link import LinkProxy, get_profile
 

@@ -9,7 +9,8 @@ from edgespec_ros.control.actions import ActionParseError, parse_action
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sequence import Sequence
 from edgespec_ros.decoding.inputs import IMAGE_PAD, build_inputs, chat_prompt
-from edgespec_ros.decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, Turn, outcome_word, shown_turns
+from edgespec_ros.decoding.memory import (BLOCKED, DONE, NO_ACTION, PolicyMemory, PromptFormat, Turn, outcome_word,
+                                         shown_turns)
 from edgespec_ros.models import default_model_path
 from edgespec_ros.sim.dataset import expert_frames, generate_examples, scenario_for_seed, split_seeds
 from edgespec_ros.sim.evaluate import run_episode
@@ -247,11 +248,11 @@ def test_the_benchmarks_prompt_as_a_policy_with_memory_when_told_and_read_a_pair
     from edgespec_ros.bench.sweeps import SweepOptions
     from edgespec_ros.decoding.memory import saved_memory
     from edgespec_ros.models import resolve_models
-    prompts = bench_prompts(6, seed=1, memory=2)
+    prompts = bench_prompts(6, seed=1, prompt=PromptFormat(memory=2))
     histories = [prompt_parts(p)[2] for p in prompts]
     assert histories[0] == () and all(histories[1:]) and len({prompt_parts(p)[0] for p in prompts}) == 1
     assert all(len(h) <= 3 for h in histories)  # the window: k to 2k - 1
-    swept = SweepOptions(resolve_models(None, None), memory=2, seed=1).prompts(6)
+    swept = SweepOptions(resolve_models(None, None), prompt=PromptFormat(memory=2), seed=1).prompts(6)
     assert [prompt_parts(p)[2] for p in swept] == histories
     assert all(prompt_parts(p)[2] == () for p in SweepOptions(resolve_models(None, None)).prompts(2))
     (tmp_path / "config.json").write_text(json.dumps({"policy_memory": 2}))
@@ -322,7 +323,8 @@ def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and
     from edgespec_ros.cloud.local import LocalVerifier
     from edgespec_ros.decoding.compute import ComputeProfile
     from edgespec_ros.decoding.sampling import SamplingParams
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.wire.client import RemoteVerifier
     from wire_helpers import server_copy
     target, draft = load_model(default_model_path("target")), load_model(default_model_path("draft"))
@@ -336,7 +338,7 @@ def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and
     local_decoder = EdgeDecoder(draft, local)
     with ServerThread(server) as st:
         with RemoteVerifier(st.url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
-                            **draft.prompt_format) as rv:
+                            prompt_format=draft.prompt_format) as rv:
             decoder = EdgeDecoder(draft, rv)
             for i in range(3):
                 shown = shown_turns(history[:i], 2)

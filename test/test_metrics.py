@@ -17,7 +17,8 @@ from edgespec_ros.cloud import metrics as metrics_module
 from edgespec_ros.cloud.metrics import MAX_TENANTS, OTHER, VerifierMetrics
 from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.wire.client import RemoteVerifier
 
 from wire_helpers import INSTRUCTIONS, make_pair, server_copy

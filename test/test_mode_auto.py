@@ -258,11 +258,15 @@ def test_a_new_connection_starts_the_estimates_afresh():
     from wire_helpers import INSTRUCTIONS, make_pair
 
     class Reconnecting(LocalVerifier):
-        ws, connects = "open", 0
+        open, connects = True, 0
+
+        @property
+        def connected(self):
+            return self.open
 
         def connect(self):
             self.connects += 1
-            self.welcome, self.ws = replace(self.welcome), "open"
+            self.welcome, self.open = replace(self.welcome), True
 
     pair = make_pair()
     verifier = Reconnecting(pair.target)
@@ -274,7 +278,7 @@ def test_a_new_connection_starts_the_estimates_afresh():
         assert decoder.auto_gamma.predict() is not None
         decoder.decide(INSTRUCTIONS[0], pair.image, cfg)  # the same connection: kept
         assert decoder.auto_gamma.predict() is not None and verifier.connects == 0
-        verifier.ws = None  # dropped (a failed decision)
+        verifier.open = False  # dropped (a failed decision)
         got = decoder.decide(INSTRUCTIONS[0], pair.image, cfg)
         assert verifier.connects == 1 and got.metrics.mode == "ar"  # measured afresh
         assert decoder.auto_gamma.predict() is None

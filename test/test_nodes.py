@@ -748,7 +748,7 @@ def test_reconfigure_loads_a_new_draft_model_in_the_same_process(untrained_pair,
         verifier, blocks = decoder.verifier, []
         inner = verifier.submit
         verifier.submit = lambda block: blocks.append(list(block.draft_ids)) or inner(block)
-        from edgespec_ros.robot.decoder import DecodeConfig
+        from edgespec_ros.robot.settings import DecodeConfig
         decoder.decide("find the silver bottle", image, DecodeConfig(mode="sd", gamma=4, max_new_tokens=12))
         return blocks
 

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from edgespec_ros.cloud.target import target_generate
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.exits import EarlyExits
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verifier import Condition, EpochGate
@@ -237,7 +238,7 @@ def test_pipe_over_the_wire_equals_the_same_mode_in_process(pair, verifier, mode
     for i, instruction in enumerate(INSTRUCTIONS):
         cfg = dict(mode=mode, params=params, seed=i, codec=codec, gamma=3, pipe_depth=3, max_new_tokens=20)
         with RemoteVerifier(verifier.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                            codec=codec, **pair.draft.prompt_format) as rv:
+                            codec=codec, prompt_format=pair.draft.prompt_format) as rv:
             remote = _decide(pair, rv, instruction, **cfg)
         local = _decide(pair, LocalVerifier(pair.target, codec=codec), instruction, **cfg)
         if params is GREEDY:
@@ -257,7 +258,7 @@ def test_link_cut_with_blocks_in_flight_fails_and_commits_nothing_unverified(pai
     streamed: list[int] = []
     try:
         with RemoteVerifier(proxy.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
-                            timeout_s=3, **pair.draft.prompt_format) as rv:
+                            timeout_s=3, prompt_format=pair.draft.prompt_format) as rv:
             dec = EdgeDecoder(pair.draft, rv)
             cut = threading.Timer(0.6, proxy.stop)  # after the prefill, with blocks on their way
             cut.start()
@@ -423,7 +424,7 @@ def test_conditional_blocks_over_the_wire(committed):
         for params in (GREEDY, SAMPLED):
             instruction, image = prompts[0]
             with RemoteVerifier(st.url, fingerprint=draft.fingerprint(), vocab_size=draft.vocab_size,
-                                **draft.prompt_format) as rv:
+                                prompt_format=draft.prompt_format) as rv:
                 sd = EdgeDecoder(draft, rv).decide(instruction, image, DecodeConfig(mode="sd", params=params, seed=1))
                 dec = EdgeDecoder(draft, rv, draft_compute=compute)
                 try:

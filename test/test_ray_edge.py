@@ -16,7 +16,8 @@ from edgespec_ros.cloud.ray_edge import EdgeRelay
 from edgespec_ros.cloud.server import VerifierServer
 from edgespec_ros.cloud.thread import ServerThread
 from edgespec_ros.wire import protocol as P
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.wire.client import RemoteVerifier, VerifierRefused
 
 from wire_helpers import DEADLINE_S, INSTRUCTIONS, make_pair, raw_connect, server_copy, wait_until

@@ -165,7 +165,8 @@ def test_greedy_and_wisv_blocks_carry_no_q_and_a_block_with_one_is_refused(pair,
 
 def test_a_greedy_local_decision_sends_no_q_and_matches_the_target(pair):
     """End to end in process: greedy SD with q-less blocks is still token-identical to the target."""
-    from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
     from wire_helpers import INSTRUCTIONS
     verifier = LocalVerifier(pair.target)
     frames = []  # the VERIFY frames the session receives, as the wire would carry them

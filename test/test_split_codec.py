@@ -11,7 +11,8 @@ import torch
 
 from edgespec_ros.codecs import CodecError, get_codec
 from edgespec_ros.codecs.split import separate_output_tv
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.verify import resample_separate, verify, verify_separate

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from edgespec_ros.robot.decoder import EdgeDecoder
-from edgespec_ros.robot.drafter import DrafterCore, DrafterSettings, Frame
+from edgespec_ros.robot.drafter import DrafterCore, Frame
+from edgespec_ros.robot.settings import DrafterSettings
 from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
 from edgespec_ros.wire.link import LinkProxy, get_profile
 from edgespec_ros.cloud.server import VerifierServer
@@ -177,7 +178,7 @@ def test_the_client_send_has_a_timeout_on_a_dead_link(pair, proxy):
 
 
 def _settings():
-    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.robot.settings import DecodeConfig
     return DecodeConfig()
 
 
@@ -215,7 +216,7 @@ class _SlowDecoder:
     def __init__(self, clock, seconds):
         from drafting_helpers import FakeDecoder
         self.inner, self.clock, self.seconds = FakeDecoder(), clock, seconds
-        self.verifier, self.tokenizer = self.inner.verifier, None
+        self.verifier, self.tokenizer, self.draft = self.inner.verifier, None, None
 
     def decide(self, instruction, image, cfg, on_tokens=None):
         self.clock.advance(self.seconds)
@@ -274,7 +275,7 @@ def test_pipe_fsd_gives_up_at_the_clients_timeout_not_twice_it(pair):
     not after a second full timeout."""
     from edgespec_ros.decoding.exits import EarlyExits
     from edgespec_ros.decoding.verifier import VerifierTimeout
-    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.robot.settings import DecodeConfig
     from wire_helpers import INSTRUCTIONS
     target = server_copy(pair.target)
     target.exits = EarlyExits.for_model(target.model).eval()  # exits: the robot pre-drafts conditional blocks

@@ -16,7 +16,8 @@ import torch
 from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.cloud.target import TargetSession
 from edgespec_ros.decoding.verify import VerifySettings
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.engines import model_content_hash
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.sequence import Sequence

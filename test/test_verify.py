@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from edgespec_ros.robot.decoder import DecodeConfig
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.sampling import (
     STREAM_RESAMPLE,

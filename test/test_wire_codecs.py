@@ -8,7 +8,8 @@ import pytest
 
 from edgespec_ros.codecs import get_codec
 from edgespec_ros.codecs.bits import BitWriter, bits_for, compositions
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.wire import protocol as P

@@ -299,7 +299,7 @@ def test_cached_trace_collection_matches_fresh_forwards_and_fresh_counterfactual
     from edgespec_ros.decoding.engines import load_model
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.models import default_model_path
-    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.sim.dataset import generate_examples
     from edgespec_ros.evaluation.replay import action_of_tokens, final_rows, prompt_pair
     from edgespec_ros.train.wisv import episode_traces
@@ -422,7 +422,7 @@ def test_traces_collected_on_two_processes_equal_those_collected_in_one(tmp_path
 
 def test_the_replayed_wisv_decoder_is_greedy_sd_at_threshold_zero_and_keeps_more_when_permissive():
     from edgespec_ros.cloud.target import target_generate
-    from edgespec_ros.robot.decoder import DecodeConfig
+    from edgespec_ros.robot.settings import DecodeConfig
     from edgespec_ros.decoding.engines import load_model
     from edgespec_ros.decoding.sampling import SamplingParams
     from edgespec_ros.evaluation.replay import prompt_pair, replay_rounds, wisv_choice

@@ -13,7 +13,8 @@ import torch
 
 from edgespec_ros.cloud.target import TargetSession, target_generate
 from edgespec_ros.decoding.verify import VerifySettings
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.decoding.sampling import SamplingParams
 from edgespec_ros.decoding.sequence import DraftSequence
@@ -69,7 +70,7 @@ class FixedCsi(RemoteVerifier):
 
 def remote(url, target, cls=RemoteVerifier):
     rv = cls(url, fingerprint=target.fingerprint(), vocab_size=target.vocab_size, timeout_s=DEADLINE_S,
-             **target.prompt_format)
+             prompt_format=target.prompt_format)
     rv.connect()
     return rv
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgespec_ros.robot.decoder import DecodeConfig, EdgeDecoder
+from edgespec_ros.robot.decoder import EdgeDecoder
+from edgespec_ros.robot.settings import DecodeConfig
 from edgespec_ros.cloud.local import LocalVerifier
 from edgespec_ros.decoding.inputs import Prompt
 from edgespec_ros.cloud.target import target_generate
@@ -91,9 +92,11 @@ def open_session(lm, codec: str = "dense32", limits: ServerLimits | None = None,
     from edgespec_ros.cloud.session import VerifierSession
     from edgespec_ros.cloud.work import Authenticate, Done, Open
     from edgespec_ros.codecs import get_codec
+    from edgespec_ros.decoding.memory import PromptFormat
     from edgespec_ros.wire.frames import hello_frame
     s = VerifierSession(lm, limits, **session)
-    d = s.handle(hello_frame(s.identity.fingerprint, lm.vocab_size, get_codec(codec), memory=lm.memory, belief=lm.belief))
+    d = s.handle(hello_frame(s.identity.fingerprint, lm.vocab_size, get_codec(codec),
+                             prompt=PromptFormat(lm.memory, lm.belief)))
     assert isinstance(d.next_work(), Authenticate) and isinstance(d.next_work(None), Open)
     assert isinstance(d.next_work(None).frame, P.Welcome) and d.next_work() == Done()
     return s

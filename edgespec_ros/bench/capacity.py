@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from ..decoding.compute import LOAD_SUFFIX, get_compute
+from ..decoding.memory import PromptFormat
 from ..robot.settings import DEFAULTS
 from .baselines import literature_clouds, literature_fields
 from .fleet import _limits, record
@@ -64,11 +65,11 @@ def _ar(rv, d, max_new_tokens: int, out: dict) -> None:
 
 
 def robot(url: str, path: str, fingerprint: str, vocab: int, decisions: list, arrivals: list[float], t0: float,
-          draft_s: float, max_new_tokens: int, memory: int, belief: bool, out: dict) -> None:
+          draft_s: float, max_new_tokens: int, prompt: PromptFormat, out: dict) -> None:
     """One robot: each decision at its arrival time (or when the previous one ends, if later)."""
     from ..wire.client import RemoteVerifier, VerifierError
     rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=120.0, client_name="capacity-robot",
-                        policy_memory=memory, policy_belief=belief)
+                        prompt_format=prompt)
     try:
         rv.connect()
         for d, at in zip(decisions, arrivals):
@@ -131,7 +132,7 @@ def run_capacity(opts, progress) -> list[dict]:
                     arrivals = list(np.cumsum(rng.exponential(interval, per_robot)))
                     threads.append(threading.Thread(target=robot, daemon=True, args=(
                         st.url, path, draft_lm.fingerprint(), draft_lm.vocab_size, mine, arrivals, t0, draft_s,
-                        opts.max_new_tokens, draft_lm.memory, draft_lm.belief, outs[r])))
+                        opts.max_new_tokens, draft_lm.prompt_format, outs[r])))
                 for t in threads:
                     t.start()
                 for t in threads:

@@ -12,8 +12,7 @@ from tqdm import tqdm
 
 from ..codecs import get_codec
 from ..decoding.compute import ROBOT_PROFILES, compute_arg, compute_help, get_compute, robot_arg
-from ..robot.decoder import DECODING_MODES, DecodeConfig
-from ..robot.settings import DEFAULTS
+from ..robot.settings import DECODING_MODES, DEFAULTS, DecodeConfig
 from ..decoding.sampling import SamplingParams
 from ..wire.link import PROFILES
 from . import pipe
@@ -23,21 +22,17 @@ from ..models import resolve_models
 from ..processes import env_threads
 from .runner import TREE_MODES, add_speedups, bench_prompts, emulated_setup, format_table, run_modes, trees_for
 from ..rosio.bags import PICKS, BagError, BagReplay
-from ..decoding.memory import saved_belief
-from ..decoding.memory import saved_memory
+from ..decoding.memory import PromptFormat, saved_belief, saved_memory
 from ..rosio import topics
 
 
-def pair_memory(given: int | None, pair) -> int:
-    """--memory, or the pair's own (its draft's config.json ``policy_memory``): a memory pair is
-    benchmarked as it is prompted on the robot unless told otherwise."""
-    return given if given is not None else saved_memory(pair.draft_path)
-
-
-def pair_belief(memory: int, pair) -> bool:
-    """Whether prompts with ``memory`` carry the search belief: the pair reads one (its draft's
-    ``policy_belief``) and the prompts show earlier decisions (the belief rides on the last)."""
-    return bool(memory) and saved_belief(pair.draft_path)
+def pair_prompt(given: int | None, pair) -> PromptFormat:
+    """The prompts' format: the memory --memory gives, or the pair's own (its draft's config.json
+    ``policy_memory``): a memory pair is benchmarked as it is prompted on the robot unless told
+    otherwise; the search belief where the pair reads one (its draft's ``policy_belief``) and the
+    prompts show earlier decisions (the belief rides on the last)."""
+    memory = given if given is not None else saved_memory(pair.draft_path)
+    return PromptFormat(memory, bool(memory) and saved_belief(pair.draft_path))
 
 
 def compute_label(compute) -> str:
@@ -242,8 +237,7 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
                         draft_ms=args.draft_ms,
                         verifiers=args.fleet_verifiers, thresholds=args.thresholds, frames=args.frames,
                         episodes=args.episodes, closed_loop_thresholds=args.closed_loop_thresholds, replay=replay,
-                        action_tolerance=args.action_tolerance, memory=(memory := pair_memory(args.memory, pair)),
-                        belief=pair_belief(memory, pair),
+                        action_tolerance=args.action_tolerance, prompt=pair_prompt(args.memory, pair),
                         robot=args.robot, clouds=args.clouds, robot_profiles=args.robot_profiles, json=args.json,
                         decision_interval=args.decision_interval)
     print(f"sweep {sweep.name}: {sweep.summary}\nmodels: {pair.label}")
@@ -362,9 +356,7 @@ def bench(args) -> int:
     except BagError as exc:
         print(f"edgespec-bench: --replay: {exc}", file=sys.stderr)
         return 2
-    memory = pair_memory(args.memory, pair)
-    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, memory,
-                                                              pair_belief(memory, pair))
+    prompts = replay if replay is not None else bench_prompts(args.decisions, args.seed, pair_prompt(args.memory, pair))
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     print(f"models: {pair.label}\nlink: {PROFILES[args.link].describe()}\ncompute: {compute_label(compute)}")
     with emulated_setup(pair, args.link, args.compute, exit_queue=args.server_queue, exits=args.exits,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..decoding.memory import PromptFormat
 from ..decoding.verifier import Block
 from ..codecs import DEFAULT_CODEC
 from ..robot.settings import DEFAULTS
@@ -67,7 +68,8 @@ class RecordingVerifier(LocalVerifier):
 
 def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> list[Recorded]:
     """Greedy SD decisions of the real models, in-process: the rounds the robots will replay."""
-    from ..robot.decoder import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import EdgeDecoder
+    from ..robot.settings import DecodeConfig
     rec = RecordingVerifier(target_lm)
     decoder = EdgeDecoder(draft_lm, rec)
     for i, prompt in enumerate(prompts):
@@ -78,13 +80,13 @@ def record(draft_lm, target_lm, prompts, gamma: int, max_new_tokens: int) -> lis
 
 
 def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], draft_s: float,
-           out: dict, memory: int = 0, belief: bool = False) -> None:
+           out: dict, prompt: PromptFormat = PromptFormat()) -> None:
     """One robot: every recorded decision over the wire; decision latencies, tokens, desyncs.
-    ``memory``, ``belief``: the draft's prompt format, named in HELLO (the recorded prompts are built with it
+    ``prompt``: the draft's prompt format, named in HELLO (the recorded prompts are built with it
     already: ``record`` decides each prompt with its history, if it has one)."""
     from ..wire.client import RemoteVerifier, VerifierError
     rv = RemoteVerifier(url, fingerprint=fingerprint, vocab_size=vocab, timeout_s=60.0, client_name="fleet-robot",
-                        policy_memory=memory, policy_belief=belief)
+                        prompt_format=prompt)
     try:
         rv.connect()
     except VerifierError as exc:  # refused or unreachable: counted, shown under the table
@@ -110,10 +112,10 @@ def replay(url: str, fingerprint: str, vocab: int, decisions: list[Recorded], dr
 
 
 def _drive(url: str, n: int, mine: list, fingerprint: str, vocab: int, draft_s: float,
-           memory: int = 0, belief: bool = False) -> tuple[list, float]:
+           prompt: PromptFormat = PromptFormat()) -> tuple[list, float]:
     """n robots at once, each replaying its decisions against url; their results and the wall time."""
     outs = [{"tokens": 0, "desync": 0, "latencies": [], "by_decision": [], "errors": []} for _ in range(n)]
-    threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r], memory, belief),
+    threads = [threading.Thread(target=replay, args=(url, fingerprint, vocab, mine[r], draft_s, outs[r], prompt),
                                 daemon=True)
                for r in range(n)]
     t0 = time.perf_counter()
@@ -211,7 +213,7 @@ def run_fleet(opts, progress) -> list[dict]:
             server = VerifierServer(load_model(opts.pair.target_path), max_batch=1 if verifier == "sequential" else 8,
                                     status_interval_s=0, compute=compute, limits=_limits(robots_list))
             with ServerThread(server) as st:
-                outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s, draft_lm.memory, draft_lm.belief)
+                outs, wall = _drive(st.url, n, mine(n), fingerprint, vocab, draft_s, draft_lm.prompt_format)
                 fair = server.fair
                 stats = {"batches": fair.batches, "batched_jobs": fair.batched_jobs, "compute_busy_s": fair.busy_s,
                          "holds": fair.holds, "hold_s": fair.hold_s}
@@ -219,7 +221,7 @@ def run_fleet(opts, progress) -> list[dict]:
             bar.update(count(n))
     if "ray" in verifiers:
         rows += _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, opts.compute or "native", bar,
-                         count, draft_lm.memory, draft_lm.belief)
+                         count, draft_lm.prompt_format)
     bar.close()
     base = {r["robots"]: r for r in rows if r["verifier"] == "sequential"}
     lone = next((r for r in rows if r["verifier"] == "batched" and r["robots"] == 1), None)
@@ -256,7 +258,7 @@ def ray_available() -> bool:
 
 
 def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str, bar, count,
-             memory: int = 0, belief: bool = False) -> list[dict]:
+             prompt: PromptFormat = PromptFormat()) -> list[dict]:
     """The same robots through RAY_REPLICAS batched replicas on a local Ray instance (one CPU
     each; with an emulated profile, each replica emulates its own accelerator, as each would
     have its own GPU). ``compute``: the profile as --compute takes it (a name or a file)."""
@@ -283,7 +285,7 @@ def _run_ray(opts, robots_list, mine, fingerprint, vocab, draft_s, compute: str,
     try:
         for n in robots_list:
             before = _fleet_status(url, RAY_REPLICAS)
-            outs, wall = _drive(url, n, mine(n), fingerprint, vocab, draft_s, memory, belief)
+            outs, wall = _drive(url, n, mine(n), fingerprint, vocab, draft_s, prompt)
             stats = _delta(_fleet_status(url, RAY_REPLICAS), before)
             stats["replicas"] = RAY_REPLICAS
             rows.append(_row("ray", n, outs, wall, stats, draft_s, label))

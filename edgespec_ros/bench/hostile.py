@@ -442,14 +442,14 @@ class GoodRobot:
         from ..wire.client import RemoteVerifier
         self.rv = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                  token=GOOD_TOKEN, timeout_s=30.0, client_name="good-robot",
-                                 **draft_lm.prompt_format)
+                                 prompt_format=draft_lm.prompt_format)
         self.decoder = EdgeDecoder(draft_lm, self.rv)
         self.prompts, self.max_new_tokens = prompts, max_new_tokens
         self.parts: list[dict] = []  # where each measured decision's time went (ms): BREAKDOWN
         self.decide(0)  # connects
 
     def decide(self, i: int) -> float:
-        from ..robot.decoder import DecodeConfig
+        from ..robot.settings import DecodeConfig
         from .runner import prompt_parts
         instruction, image, history = prompt_parts(self.prompts[i % len(self.prompts)])
         cfg = DecodeConfig(mode=GOOD_MODE, max_new_tokens=self.max_new_tokens, seed=i)

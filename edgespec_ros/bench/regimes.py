@@ -49,7 +49,7 @@ def checkpoint_path(opts) -> str:
 def _settings(opts, clouds, robots, links) -> dict:
     """What a checkpoint must match to be resumed."""
     return {"clouds": clouds, "robots": list(robots), "links": list(links), "decisions": opts.decisions or 8,
-            "max_new_tokens": opts.max_new_tokens, "seed": opts.seed, "memory": opts.memory,
+            "max_new_tokens": opts.max_new_tokens, "seed": opts.seed, "memory": opts.prompt.memory,
             "gamma": (opts.gammas or [DEFAULTS.gamma])[0], "pair": opts.pair.label}
 
 

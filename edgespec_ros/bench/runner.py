@@ -15,37 +15,39 @@ import numpy as np
 
 from ..models import ModelPair
 from ..processes import verifier_process
-from ..robot.decoder import DecodeConfig, EdgeDecoder
+from ..robot.decoder import EdgeDecoder
+from ..robot.settings import DEFAULTS, DecodeConfig
 from ..decoding.engines import LoadedModel, load_model
 from ..decoding.metrics import RunSummary
+from ..decoding.memory import PromptFormat
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..decoding.compute import ComputeProfile
 from ..wire.link import LinkProxy, get_profile
-from ..robot.settings import DEFAULTS
 
 
-def bench_prompts(n: int, seed: int = 0, memory: int = 0, belief: bool = False) -> list[tuple]:
-    """(instruction, camera image) pairs: first frames of held-out simulated scenarios. ``memory`` > 0:
-    (instruction, image, history) triples instead, the consecutive decisions of held-out expert
-    rollouts as a policy with that much memory is prompted (``decoding.memory``): each prompt
-    extends the last one of its episode, which the verifier's prefix reuse serves from its cache;
-    ``belief``: their last turns carry the search belief (``control.belief``)."""
+def bench_prompts(n: int, seed: int = 0, prompt: PromptFormat = PromptFormat()) -> list[tuple]:
+    """(instruction, camera image) pairs: first frames of held-out simulated scenarios. A
+    ``prompt`` with memory: (instruction, image, history) triples instead, the consecutive decisions
+    of held-out expert rollouts as a policy with that much memory is prompted (``decoding.memory``):
+    each prompt extends the last one of its episode, which the verifier's prefix reuse serves from
+    its cache; with ``prompt.belief`` their last turns carry the search belief (``control.belief``)."""
     try:
         from ..sim.dataset import expert_frames, heldout_prompts
     except ImportError:  # the simulator is optional for the bench: fall back to plain images
         rng = np.random.default_rng(seed)
         return [("find the silver bottle", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)) for _ in range(n)]
-    if memory:
+    if prompt.memory:
         from itertools import islice
-        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, memory=memory, belief=belief)
+        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, memory=prompt.memory,
+                               belief=prompt.belief)
         return [(f.scenario.instruction, f.view.rgb, f.history) for f in islice(frames, n)]
     return heldout_prompts(n, seed)
 
 
 def prompt_parts(prompt) -> tuple:
     """(instruction, image, history) of one benchmark prompt: an (instruction, image) pair, or the
-    (instruction, image, history) triple of a policy with memory (``bench_prompts(memory=)``,
+    (instruction, image, history) triple of a policy with memory (``bench_prompts(prompt=)``,
     ``bags.BagReplay.with_memory``); history () for a pair."""
     instruction, image, *rest = prompt
     return instruction, image, (rest[0] if rest else ())
@@ -89,7 +91,7 @@ def run_modes(draft_lm: LoadedModel, url: str, modes: list[str], prompts, *, lin
         summary = RunSummary(mode=label, link=link, compute=compute.name)
         verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
                                   token=token, codec=codec, link_profile=profile, timeout_s=60.0,
-                                  **draft_lm.prompt_format)
+                                  prompt_format=draft_lm.prompt_format)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
             for i, prompt in enumerate(prompts):

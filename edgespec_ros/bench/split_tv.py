@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from ..codecs.split import separate_output_tv
-from ..robot.decoder import DecodeConfig, EdgeDecoder
+from ..robot.decoder import EdgeDecoder
+from ..robot.settings import DecodeConfig
 from ..cloud.local import LocalVerifier
 from ..cloud.target import target_generate
 from ..decoding.engines import load_model

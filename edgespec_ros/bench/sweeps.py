@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..codecs import get_codec
 from ..decoding.compute import get_compute
+from ..decoding.memory import PromptFormat
 from ..decoding.metrics import DecisionMetrics, RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire import protocol as P
@@ -60,8 +61,9 @@ class SweepOptions:
     closed_loop_thresholds: list[float] | None = None  # wisv sweep: thresholds run in closed loop (default all)
     action_tolerance: int = 0  # wisv sweep: also each closed-loop threshold with this size tolerance (in process)
     replay: object | None = None  # bags.BagReplay: decide on a recording's frames instead of simulated ones
-    memory: int = 0  # simulated prompts as a policy with this memory prompts (--memory; a replay brings its own)
-    belief: bool = False  # ... and with the search belief on the last turn (the pair's own policy_belief)
+    # simulated prompts as a policy prompting so prompts (--memory, and the pair's own policy_belief: the
+    # search belief on the last turn); a replay brings its own
+    prompt: PromptFormat = PromptFormat()
     clouds: list[str] | None = None  # regimes sweep: cloud compute profiles
     robot_profiles: list[str] | None = None  # regimes sweep: robot profiles (draft speeds)
     json: str | None = None  # --json: where the rows go (a long sweep checkpoints beside it)
@@ -69,11 +71,11 @@ class SweepOptions:
 
     def prompts(self, n: int):
         """The first ``n`` prompts (``runner.prompt_parts``): held-out simulated scenes (with
-        ``memory``: consecutive decisions of held-out rollouts and their histories), or the
+        ``prompt`` memory: consecutive decisions of held-out rollouts and their histories), or the
         replayed bag's (with the memory the pair prompts with: ``BagReplay.with_memory``)."""
         if self.replay is not None:
             return self.replay.first(n)
-        return bench_prompts(n, self.seed, self.memory, self.belief)
+        return bench_prompts(n, self.seed, self.prompt)
 
 
 @dataclass(frozen=True)

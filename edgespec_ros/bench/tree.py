@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..cloud.target import target_generate
 from ..decoding.inputs import build_inputs, jpeg_roundtrip
+from ..decoding.memory import PromptFormat
 from ..decoding.sampling import SamplingParams
 from ..decoding.sequence import DraftSequence
 from ..decoding.tree import ROOT, TreeShape, compact, draft_tree
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     memory = draft.memory if args.memory is None else args.memory
-    prompts = bench_prompts(args.prompts, args.seed, memory=memory, belief=bool(memory) and draft.belief)
+    prompts = bench_prompts(args.prompts, args.seed, PromptFormat(memory, bool(memory) and draft.belief))
     rows = []
     for text in tqdm(args.shapes, desc="shapes", unit="shape"):
         rows.append(tree_rounds(draft, target, prompts, TreeShape.parse(text, args.branch), args.max_new_tokens))

@@ -46,7 +46,7 @@ def run_trees(opts, progress) -> list[dict]:
     gammas = opts.gammas or [DEFAULTS.gamma]
     settings = {"clouds": clouds, "robot": robot, "links": list(links), "gammas": list(gammas),
                 "decisions": opts.decisions or 8, "max_new_tokens": opts.max_new_tokens, "seed": opts.seed,
-                "memory": opts.memory, "pipe_depth": opts.pipe_depth, "pair": opts.pair.label}
+                "memory": opts.prompt.memory, "pipe_depth": opts.pipe_depth, "pair": opts.pair.label}
     path = _checkpoint(opts)
     rows = load_checkpoint(path, settings, "trees")
     done = {(r["cloud"], r["link"]) for r in rows}

@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 
 from ..decoding.compute import get_compute
-from ..robot.decoder import DecodeConfig, EdgeDecoder
+from ..robot.decoder import EdgeDecoder
+from ..robot.settings import DEFAULTS, DecodeConfig
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..wire.client import RemoteVerifier
 from ..wire.link import get_profile
 from .runner import emulated_setup, prompt_parts
-from ..robot.settings import DEFAULTS
 
 THRESHOLDS = [0.01, 0.05, 0.2]
 LINKS = ["lan", "wifi-poor", "cellular", "go2-paper"]
@@ -62,7 +62,7 @@ def timed_rows(opts, links, thresholds, prompts, bar) -> list[dict]:
             for threshold, upload in settings:
                 summary = RunSummary(mode="sd", link=link, compute=compute.name)
                 verifier = RemoteVerifier(url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
-                                          link_profile=profile, timeout_s=60.0, **draft_lm.prompt_format)
+                                          link_profile=profile, timeout_s=60.0, prompt_format=draft_lm.prompt_format)
                 with verifier:
                     decoder = EdgeDecoder(draft_lm, verifier, draft_compute=compute)
                     cfg = decode_config(threshold, "full" if upload == "-" else upload, gamma=opts.gammas[0]

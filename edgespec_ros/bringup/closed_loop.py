@@ -114,7 +114,7 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..robot.decoder import DECODING_MODES
+    from ..robot.settings import DECODING_MODES
     from ..wire.link import PROFILES
     from ..decoding.compute import compute_arg, compute_help
     ap = argparse.ArgumentParser(

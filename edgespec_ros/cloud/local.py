@@ -18,8 +18,9 @@ from ..decoding.preempt import run_steps
 from .batch import verify_batch
 from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
+from ..decoding.memory import PromptFormat
 from ..decoding.engines import LoadedModel
-from ..decoding.verifier import Block, VerifierRefused, VerifyReply
+from ..decoding.verifier import Block, Verifier, VerifierRefused, VerifyReply
 from ..wire import protocol as P
 from ..wire.frames import carries_q, hello_frame, hidden_frame, prefill_frame, verdict_reply, verify_frame
 from .session import Identity, SessionError, Step, VerifierSession
@@ -42,7 +43,7 @@ class _Run:
     exchanges: int = 0
 
 
-class LocalVerifier:
+class LocalVerifier(Verifier):
     """A Verifier backed by a target in this process (no network): for tests and references.
 
     Blocks are verified in order when ``receive`` asks for the next verdict; early exits reach
@@ -55,7 +56,8 @@ class LocalVerifier:
     timeout above 0) receives it.
     ``recorder`` (a ``cloud.traces.TraceRecorder``): record every verified round as the
     websocket verifier does, under ``tenant``, tagged with the drafter's ``draft_hash``.
-    What the server would refuse raises ``VerifierRefused`` with the server's code and message."""
+    What the server would refuse raises ``VerifierRefused`` with the server's code and message.
+    There is no link: it is always connected, reports no link state, and ``abort`` closes it."""
 
     def __init__(self, lm: LoadedModel, codec: str = DEFAULT_CODEC, eager: bool = False, verdict_delay: int = 0,
                  csi=None, recorder=None, tenant: str = "local", draft_hash: str = "", limits=None):
@@ -68,7 +70,7 @@ class LocalVerifier:
         self.vocab = lm.vocab_size
         # the robot's HELLO as its client builds it, of a robot sharing the target's tokenizer and prompt format
         hello = hello_frame(identity.fingerprint, lm.vocab_size, self.codec, client="edgespec-local", draft=draft_hash,
-                            memory=lm.memory, belief=bool(getattr(lm, "belief", False)))
+                            prompt=PromptFormat(lm.memory, bool(getattr(lm, "belief", False))))
         with _refused():
             *_, self.welcome = self._drive(hello, _Run())  # the WELCOME, the HELLO's one reply
         self.exit_layers = list(self.welcome.exit_layers)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_pages import KVPool
+from .memory import PromptFormat
 
 if TYPE_CHECKING:
     from .exits import EarlyExits
@@ -79,11 +80,10 @@ class LoadedModel:
         return bool(getattr(self.model.config, "policy_belief", False))
 
     @property
-    def prompt_format(self) -> dict:
-        """How the model's prompts read, as a verifier session's handshake says it: the keyword
-        arguments ``policy_memory`` and ``policy_belief`` of ``wire.client.RemoteVerifier`` (a
-        target trained otherwise refuses the session)."""
-        return dict(policy_memory=self.memory, policy_belief=self.belief)
+    def prompt_format(self) -> PromptFormat:
+        """How the model's prompts read, as the robot's HELLO says it (``wire.client.RemoteVerifier``'s
+        ``prompt_format``): a target trained otherwise refuses the session."""
+        return PromptFormat(self.memory, self.belief)
 
     @property
     def eos_token_ids(self) -> set[int]:

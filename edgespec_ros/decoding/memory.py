@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
+from dataclasses import dataclass
 from typing import NamedTuple
 
 DONE, BLOCKED, NO_ACTION, INTERRUPTED = "done", "blocked", "no action", "interrupted"
@@ -43,6 +44,18 @@ class Turn(NamedTuple):
     action: str
     outcome: str
     belief: str = ""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a policy's prompts read: how many earlier decisions they show (``memory``; 0: a
+    memoryless policy) and whether the last of them carries the search belief's line (``belief``,
+    ``control.belief``). A model's is in its ``config.json`` (``policy_memory``, ``policy_belief``;
+    ``LoadedModel.prompt_format``); the robot's HELLO says its own, and a target trained on
+    another refuses the session."""
+
+    memory: int = 0
+    belief: bool = False
 
 
 def saved_memory(model_dir: str) -> int:

@@ -18,8 +18,9 @@ and its epoch are void. Robot and verifier apply the same ``Condition.holds``.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, Sequence
 
 import torch
 
@@ -214,13 +215,51 @@ def mask_of(accepted: int, n: int) -> list[bool]:
     return [True] * accepted + [False] * (n - accepted)
 
 
-class Verifier(Protocol):
-    codec: object
-    exit_layers: list[int]
+class Verifier(ABC):
+    """What the robot uses of a verifier, in process (``cloud.local.LocalVerifier``) or over the
+    wire (``wire.client.RemoteVerifier``). The decision's calls are abstract; what only a link
+    has (a connection, its measured state, its byte counts, a timeout) has a default that fits an
+    in-process verifier: always connected, no link to measure, nothing to abort."""
 
+    codec: object = None  # the session's codec (codecs.Codec); None: any decision's own
+    exit_layers: Sequence[int] = ()  # layers with early exits (empty: it cannot serve fsd)
+    welcome: object = None  # the verifier's WELCOME (wire.protocol.Welcome), where one was received
+    last_prefill_s: float | None = None  # the last PREFILL's cloud compute seconds, where reported
+    last_generate_uplink: int = 0  # bytes of the last AR stream (GENERATE up, TOKENs down)
+    last_generate_downlink: int = 0
+    timeout_s: float = 60.0  # how long a verdict is waited for
+
+    @abstractmethod
     def start(self, prompt: Prompt, settings: VerifySettings, wait: bool = True) -> dict: ...
+
+    @abstractmethod
     def submit(self, block: Block) -> None: ...
+
+    @abstractmethod
     def receive(self, timeout: float | None = None, on_exit=None) -> VerifyReply | None: ...
+
+    @abstractmethod
     def verify(self, block: Block, on_exit=None) -> VerifyReply: ...
+
+    @abstractmethod
     def generate(self, max_new_tokens: int) -> Iterator[tuple[int, float]]: ...
+
+    @abstractmethod
     def close(self) -> None: ...
+
+    @property
+    def connected(self) -> bool:
+        """A connection is open (in process: always); when not, ``connect`` opens one."""
+        return True
+
+    def connect(self):
+        """Open a connection (a handshake) and return the WELCOME; in process there is none to open."""
+        return self.welcome
+
+    def abort(self) -> None:
+        """Drop the connection now, never waiting on the network; where there is none, ``close``."""
+        self.close()
+
+    def csi(self):
+        """wisv: the link as measured (``decoding.wisv.Csi``; None: a perfect link)."""
+        return None

@@ -43,7 +43,8 @@ def emulated_decoder_policy(draft_path: str, target_path: str, *, link_profile: 
     from ..decoding.engines import load_model
     from ..evaluation.policy import DecoderPolicy
     from ..processes import verifier_process
-    from ..robot.decoder import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import EdgeDecoder
+    from ..robot.settings import DecodeConfig
     from ..wire.client import RemoteVerifier
     from ..wire.link import LinkProxy
 
@@ -51,7 +52,7 @@ def emulated_decoder_policy(draft_path: str, target_path: str, *, link_profile: 
     draft_lm = load_model(draft_path)
     with verifier_process(target_path, compute) as port, LinkProxy(steady, "127.0.0.1", port) as proxy:
         verifier = RemoteVerifier(proxy.url, fingerprint=draft_lm.fingerprint(), vocab_size=draft_lm.vocab_size,
-                                  link_profile=steady, timeout_s=60.0, **draft_lm.prompt_format)
+                                  link_profile=steady, timeout_s=60.0, prompt_format=draft_lm.prompt_format)
         with verifier:
             decoder = EdgeDecoder(draft_lm, verifier, draft_compute=get_compute(compute))
             try:

@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..control.actions import ActionParseError, parse_action
-from ..robot.decoder import DecodeConfig
-from ..robot.settings import DEFAULTS
+from ..robot.settings import DEFAULTS, DecodeConfig
 from ..cloud.target import target_generate
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import build_inputs, jpeg_roundtrip

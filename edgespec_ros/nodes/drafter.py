@@ -228,7 +228,7 @@ class DrafterNode(LifecycleNode):
                               token=self.token, codec=self.settings.codec, timeout_s=timeout,
                               connect_timeout_s=timeout, client_name="edgespec-drafter",
                               ca_file=self.p["tls_ca_file"] or None, draft=draft_lm.content_hash,
-                              **draft_lm.prompt_format)
+                              prompt_format=draft_lm.prompt_format)
 
     # ------------------------------------------------------------------ inputs
 

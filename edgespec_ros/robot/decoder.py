@@ -34,10 +34,10 @@ from ..decoding.verifier import Verifier
 from ..decoding.verify import carries_q
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
-from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDrafted, StopAndWait,
-                     Strategy, TreeDrafted, truncate_at_stop)
+from .rounds import ArStrategy, Drafted, PreDrafted, StopAndWait, Strategy, TreeDrafted, truncate_at_stop
+from .settings import DecodeConfig
 
-__all__ = ["DECODING_MODES", "DRAFT_ONLY", "Decision", "DecodeConfig", "EdgeDecoder"]
+__all__ = ["DRAFT_ONLY", "Decision", "EdgeDecoder"]
 
 DRAFT_ONLY = "draft-only"  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
 
@@ -85,17 +85,17 @@ class EdgeDecoder:
     def _welcome_ar_step_s(self, cfg: DecodeConfig) -> float | None:
         """mode auto: the verifier's own AR step time where its WELCOME says it (protocol 9), so
         the first decision need not be AR only to measure it."""
-        welcome = getattr(self.verifier, "welcome", None)
+        welcome = self.verifier.welcome
         return (welcome.ar_step_ms / 1e3 if cfg.mode == "auto" and welcome is not None
-                and getattr(welcome, "ar_step_ms", 0) > 0 else None)
+                and welcome.ar_step_ms > 0 else None)
 
     def _connect(self, cfg: DecodeConfig) -> None:
         """Before a decision chooses its path: a verifier whose connection was dropped (after a
         failed decision, a link loss) reconnects now, and the controller's estimates, measured on
         the last connection, start afresh on a new one (another verifier, another link)."""
-        if getattr(self.verifier, "ws", False) is None:  # a RemoteVerifier, not connected
+        if not self.verifier.connected:
             self.verifier.connect()
-        welcome = getattr(self.verifier, "welcome", None)
+        welcome = self.verifier.welcome
         if welcome is self._welcome:
             return
         if self._welcome is not None and self.auto_gamma is not None:
@@ -142,7 +142,7 @@ class EdgeDecoder:
     def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=()) -> Decision:
         """Decode one decision's text. on_tokens(list[int]) is called with each newly verified chunk.
         ``history``: the earlier decisions a policy with memory reads (``decoding.memory``)."""
-        codec = getattr(self.verifier, "codec", None)
+        codec = self.verifier.codec
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
         self._connect(cfg)
@@ -172,7 +172,7 @@ class EdgeDecoder:
         m.wall_s = time.perf_counter() - t_start
         if auto_decision:  # mode auto learns what the path it took really costs
             self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens))
-        m.cloud_prefill_s = getattr(self.verifier, "last_prefill_s", None) or 0.0
+        m.cloud_prefill_s = self.verifier.last_prefill_s or 0.0
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)
 

@@ -41,10 +41,10 @@ from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_A
                                split_reasoning_action)
 from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
 from ..control.belief import memory_for
-from .decoder import DRAFT_ONLY, DecodeConfig
+from .decoder import DRAFT_ONLY
 from ..control.link_health import LinkHealth, is_link_fault, stands_still
 from ..decoding.faults import FaultKind
-from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
+from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics, RunSummary
 
 NS = 1_000_000_000
@@ -237,8 +237,10 @@ def classify_error(exc: BaseException) -> tuple[FaultKind, str]:
 
 class DrafterCore:
     """Thread-safe bookkeeping around an ``EdgeDecoder``-like ``decoder`` (``decide(instruction,
-    image, cfg, on_tokens=...)``, for ``on_link_loss: draft_only`` ``decide_draft_only`` alike, and a
-    ``verifier`` with ``close()``, and ``connect()``/``abort()`` for the reconnects while the link is lost).
+    image, cfg, on_tokens=...)``, for ``on_link_loss: draft_only`` ``decide_draft_only`` alike; its
+    ``tokenizer``, its ``draft`` model (None: a memoryless policy) and its ``verifier``, a
+    ``decoding.verifier.Verifier``: ``abort()`` after a failure, ``connected``/``connect()`` for
+    the reconnects while the link is lost).
 
     ``clock_ns`` is the clock the frame stamps use (the node's clock: ROS time); ``steady_ns`` the
     one the decision deadline runs on (the node gives the steady clock, so a step of ROS time can
@@ -253,7 +255,7 @@ class DrafterCore:
         self.clock_ns = clock_ns
         self.steady_ns = steady_ns or clock_ns
         self.action_config = action_config
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(decoder, "tokenizer", None)
+        self.tokenizer = tokenizer if tokenizer is not None else decoder.tokenizer
         self._lock = threading.Lock()
         self.generation = 0
         self.instruction = ""
@@ -274,8 +276,7 @@ class DrafterCore:
         # a policy with memory (decoding.memory): the command's decisions and how each ended, as the
         # draft model was trained to read them (0 for a memoryless model: prompts as before)
         # (and, memory or not, the decision whose motion we wait for: memory.awaiting_stamp)
-        draft = getattr(decoder, "draft", None)
-        self.memory = memory_for(draft, command=True)
+        self.memory = memory_for(decoder.draft, command=True)
         self.link = LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
         self.retrace_done = False  # the navigator reported nothing left to retrace (or refused to) since the loss
         self.robot_held = ""  # the navigator holds a fault stop (the robot driver is silent): its reason
@@ -551,9 +552,9 @@ class DrafterCore:
                 return None
             self._probing = True
         try:
-            verifier = getattr(self.decoder, "verifier", None)
+            verifier = self.decoder.verifier
             try:
-                if getattr(verifier, "ws", None) is not None:
+                if verifier.connected:
                     verifier.abort()  # a connection left from before the loss may be dead: start afresh
                 verifier.connect()
             except Exception as exc:  # noqa: BLE001 - any failure to reconnect is a failed probe
@@ -597,13 +598,10 @@ class DrafterCore:
         """After an abandoned or failed decision the link may hold stale replies: reconnect next
         time. Never waits on the network (abort, not a graceful close): the caller is about to
         publish a stop."""
-        verifier = getattr(self.decoder, "verifier", None)
-        if verifier is not None:
-            drop = getattr(verifier, "abort", None) or verifier.close
-            try:
-                drop()
-            except Exception:  # noqa: BLE001 - dropping a broken link may fail; it is dropped anyway
-                pass
+        try:
+            self.decoder.verifier.abort()
+        except Exception:  # noqa: BLE001 - dropping a broken link may fail; it is dropped anyway
+            pass
 
 
 @dataclass

@@ -11,8 +11,8 @@ import torch
 
 from ..decoding.verifier import MAX_BLOCK, Block, Condition, VerifierTimeout, VerifyReply
 from .draft_length import AutoGamma
-from .rounds import DecisionState, DecodeConfig, Strategy
-from .settings import DEFAULTS
+from .rounds import DecisionState, Strategy
+from .settings import DEFAULTS, DecodeConfig
 
 COND_SLICE_S = 0.003  # pipe+fsd: how often a waiting robot checks for a pre-draft to send conditionally
 COND_MAX = 3  # pipe+fsd: conditional blocks per verdict at most (one per distinct guess of the deepest exit)
@@ -253,7 +253,7 @@ class _Pipeline:
         verifier = self.d.verifier
         if not self.inflight and not self.conds:
             raise RuntimeError("pipeline waiting on a verifier that holds no block")
-        timeout = getattr(verifier, "timeout_s", 60.0)
+        timeout = verifier.timeout_s
         limit = time.monotonic() + timeout  # the whole wait, conditional slices included
         while self._can_condition() and time.monotonic() < limit:
             self._send_conditional(COND_SLICE_S)
@@ -263,9 +263,7 @@ class _Pipeline:
         left = limit - time.monotonic()
         reply = verifier.receive(left, on_exit=self._on_exit) if left > 0 else None
         if reply is None:
-            abort = getattr(verifier, "abort", None)
-            if abort is not None:  # the blocks still in flight: their verdicts must not reach the next decision
-                abort()
+            verifier.abort()  # the blocks still in flight: their verdicts must not reach the next decision
             raise VerifierTimeout(f"no verdict from the verifier within {timeout:g} s (verifier_timeout_s)")
         return reply
 

@@ -10,13 +10,15 @@ import time
 import torch
 
 from ..codecs import get_codec
+from ..decoding.compute import EdgeDevice
+from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
 from ..decoding.sequence import DraftSequence
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
 from ..decoding.verify import WISV, carries_q, resample_separate
 from .draft_length import AutoGamma
-from .settings import DECODING_MODES, PIPE_DEPTH_MAX, DecodeConfig  # noqa: F401 - the decoder's names
+from .settings import DecodeConfig
 
 
 def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
@@ -30,18 +32,19 @@ def truncate_at_stop(tokens: list[int], eos_ids: set[int], max_new_tokens: int) 
 class DecisionState:
     """What one decision's rounds share: the draft sequence, the codec, the committed tokens."""
 
-    def __init__(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics,
-                 on_tokens, started_at: float):
-        """decoder: the EdgeDecoder (its verifier, draft model, EOS ids and device)."""
-        self.verifier, self.cfg, self.m, self.on_tokens = decoder.verifier, cfg, m, on_tokens
+    def __init__(self, verifier: Verifier, draft: LoadedModel | None, eos_ids: set[int], device: EdgeDevice,
+                 inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens, started_at: float):
+        """The decision's verifier, draft model (prefilled on ``inputs`` here), EOS ids and the
+        robot's device the drafting runs on."""
+        self.verifier, self.cfg, self.m, self.on_tokens = verifier, cfg, m, on_tokens
         self.timeline = CloudTimeline(m, started_at)  # where the cloud's time went, verdict by verdict
-        self.eos_ids, self.device = decoder.eos_ids, decoder.device
+        self.eos_ids, self.device = eos_ids, device
         self.out: list[int] = []  # committed tokens (untruncated)
         self.edge_token: int | None = None  # split codec: the token resampled here, owed to the verifier
         self.round = 0
         self.epoch = 0  # the epoch blocks are drafted in now (ids increase; verifier.EpochGate)
         self._last_epoch = 0
-        if decoder.draft is None:
+        if draft is None:
             raise ValueError(f"{cfg.mode} mode needs a draft model")
         # fresh per decision: stateful codecs (csqs) start over. A decision whose blocks carry no q
         # (greedy, WISV: argmax drafts) drafts through the ids codec: a codec's quantizer or bit
@@ -49,7 +52,7 @@ class DecisionState:
         codec = get_codec(cfg.codec)
         self.codec = (get_codec("ids") if cfg.params.greedy and not carries_q(cfg.verify_settings(), codec)
                       else codec)
-        self.seq = DraftSequence(decoder.draft)
+        self.seq = DraftSequence(draft)
         self.seq.keep_hidden = cfg.verify_mode == WISV  # the decision head reads the drafter's hidden states
         t0 = time.perf_counter()
         with self.device.prefill():  # on the robot's one accelerator (emulated: the profile's edge_prefill_s)
@@ -95,8 +98,7 @@ class DecisionState:
         hidden = None if seq is None else seq.draft_hidden
         if hidden is None or len(hidden) != len(block.draft_ids):
             raise RuntimeError("wisv: the block's drafts have no hidden rows (drafted on another sequence)")
-        csi_of = getattr(self.verifier, "csi", None)
-        block.hidden, block.csi = hidden, csi_of() if csi_of is not None else None
+        block.hidden, block.csi = hidden, self.verifier.csi()
         block.upload = choose_upload(self.cfg.hidden_upload, block.csi, len(block.draft_ids), hidden.shape[1])
         return block
 
@@ -134,7 +136,8 @@ class Strategy:
                started_at: float) -> list[int]:
         """One decision's committed tokens (untruncated): the draft prefilled on the robot's
         device, then this technique's rounds (``run``)."""
-        d = DecisionState(decoder, inputs, cfg, m, on_tokens, started_at)
+        d = DecisionState(decoder.verifier, decoder.draft, decoder.eos_ids, decoder.device, inputs, cfg, m,
+                          on_tokens, started_at)
         self.run(d)
         d.timeline.end(time.perf_counter())
         return d.out
@@ -168,8 +171,8 @@ class ArStrategy(Strategy):
                 on_tokens([token])
             if token in eos_ids:
                 break
-        m.uplink_bytes += getattr(verifier, "last_generate_uplink", 0)
-        m.downlink_bytes += getattr(verifier, "last_generate_downlink", 0)
+        m.uplink_bytes += verifier.last_generate_uplink
+        m.downlink_bytes += verifier.last_generate_downlink
         if self.auto is not None:  # AR step time, and the stream's round trip (wall - steps)
             self.auto.observe_ar(m.rounds, m.t_verify, time.perf_counter() - t_generate - m.t_verify)
         return out

@@ -34,7 +34,8 @@ def record_decisions(draft_dir: str, target_dir: str, frames, trace_dir: str, te
     """Decide each frame with SD (draft against target, in process) through a verifier that records
     every round, camera frames included, into ``trace_dir``; returns the run's summary row."""
     from tqdm import tqdm
-    from ..robot.decoder import DecodeConfig, EdgeDecoder
+    from ..robot.decoder import EdgeDecoder
+    from ..robot.settings import DecodeConfig
     from ..decoding.engines import load_model
     from ..decoding.metrics import RunSummary
     from ..decoding.sampling import SamplingParams

@@ -14,13 +14,13 @@ from itertools import islice
 
 from ..sim.dataset import generate_examples, iter_scenarios
 from ..sim.evaluate import action_agreement, evaluate_closed_loop, failure_counts, run_episode
-from ..robot.decoder import DecodeConfig, EdgeDecoder
+from ..robot.decoder import EdgeDecoder
+from ..robot.settings import DEFAULTS, DecodeConfig
 from ..cloud.local import LocalVerifier
 from ..decoding.engines import load_model
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..evaluation.policy import VLMPolicy
-from ..robot.settings import DEFAULTS
 
 
 def sd_acceptance(draft_dir: str, target_dir: str, examples, gamma: int = DEFAULTS.gamma, temperature: float = 0.0,

@@ -113,7 +113,7 @@ def episode_traces(draft, target, instruction: str, image, gamma: int = DEFAULTS
     if sequential and policy is not None:
         raise ValueError(f"{labels} labels follow the oracle: give no policy")
     from ..cloud.target import target_generate
-    from ..robot.decoder import DecodeConfig
+    from ..robot.settings import DecodeConfig
     from ..decoding.sampling import SamplingParams
     from ..evaluation.replay import action_of_tokens, greedy_choice, greedy_continue_batch, prompt_pair, replay_rounds
     from ..decoding.wisv import token_pair_features

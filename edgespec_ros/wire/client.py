@@ -28,8 +28,9 @@ from ..decoding.verifier import (LinkLostError, VerifierError, VerifierRefused, 
 from ..codecs import get_codec
 from ..codecs import DEFAULT_CODEC
 from ..decoding.inputs import Prompt
+from ..decoding.memory import PromptFormat
 from ..decoding.verify import VerifySettings
-from ..decoding.verifier import Block, VerifyReply
+from ..decoding.verifier import Block, Verifier, VerifyReply
 from . import protocol as P
 from .edge_session import EarlyExit, EdgeSession, NEED_DATA, SendHidden
 from .link import LinkModel, LinkProfile
@@ -67,13 +68,12 @@ def _set_send_timeout(sock, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec))
 
 
-class RemoteVerifier:
+class RemoteVerifier(Verifier):
     """Verifier over a websocket connection; one decision at a time."""
 
     # the protocol state, kept by the EdgeSession (wire.edge_session)
     fingerprint, vocab_size, token, codec = (_session_attr(n) for n in ("fingerprint", "vocab_size", "token", "codec"))
-    client_name, draft, policy_memory = (_session_attr(n) for n in ("client_name", "draft", "policy_memory"))
-    policy_belief = _session_attr("policy_belief")
+    client_name, draft, prompt_format = (_session_attr(n) for n in ("client_name", "draft", "prompt_format"))
     max_frame, link_model, welcome = (_session_attr(n) for n in ("max_frame", "link_model", "welcome"))
     decision, round, epoch, stale_exits = (_session_attr(n) for n in ("decision", "round", "epoch", "stale_exits"))
     last_prefill_s, link_estimate = _session_attr("last_prefill_s"), _session_attr("link_estimate")
@@ -83,7 +83,7 @@ class RemoteVerifier:
     def __init__(self, url: str, *, fingerprint: str, vocab_size: int, token: str = "", codec: str = DEFAULT_CODEC,
                  timeout_s: float = 10.0, connect_timeout_s: float = 5.0, max_frame: int = P.DEFAULT_MAX_FRAME,
                  link_profile: LinkProfile | None = None, client_name: str = "edgespec-edge",
-                 ca_file: str | None = None, draft: str = "", policy_memory: int = 0, policy_belief: bool = False):
+                 ca_file: str | None = None, draft: str = "", prompt_format: PromptFormat = PromptFormat()):
         self.url = url
         self.ssl_context = tls_client_context(url, ca_file)
         host = urlsplit(url).hostname or ""
@@ -95,12 +95,16 @@ class RemoteVerifier:
         self.connect_timeout_s = connect_timeout_s
         self.ws = None
         self.session = EdgeSession(fingerprint=fingerprint, vocab_size=vocab_size, codec=get_codec(codec), token=token,
-                                   client_name=client_name, draft=draft, policy_memory=policy_memory,
-                                   policy_belief=policy_belief,
+                                   client_name=client_name, draft=draft, prompt_format=prompt_format,
                                    max_frame=max_frame, link_model=LinkModel(link_profile) if link_profile else None,
                                    peer=url)
 
     # --- connection ----------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """A websocket is open (None after ``close``, ``abort`` or a failure: the next decision reconnects)."""
+        return self.ws is not None
 
     def connect(self) -> P.Welcome:
         import ssl

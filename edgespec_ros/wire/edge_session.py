@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ..decoding.faults import FaultKind
 from ..decoding.inputs import Prompt
+from ..decoding.memory import PromptFormat
 from ..decoding.verifier import Block, VerifierError, VerifierRefused, VerifyReply, dropped_after
 from ..decoding.verify import VerifySettings
 from . import protocol as P
@@ -96,16 +97,15 @@ class EdgeSession:
     """The robot's protocol state over one verifier connection (module docstring)."""
 
     def __init__(self, *, fingerprint: str, vocab_size: int, codec, token: str = "",
-                 client_name: str = "edgespec-edge", draft: str = "", policy_memory: int = 0,
-                 policy_belief: bool = False, max_frame: int = P.DEFAULT_MAX_FRAME, link_model=None, peer: str = "the verifier"):
+                 client_name: str = "edgespec-edge", draft: str = "", prompt_format: PromptFormat = PromptFormat(),
+                 max_frame: int = P.DEFAULT_MAX_FRAME, link_model=None, peer: str = "the verifier"):
         self.fingerprint = fingerprint
         self.vocab_size = vocab_size
         self.codec = codec  # a codecs codec object (its spec goes in HELLO)
         self.token = token
         self.client_name = client_name
         self.draft = draft  # the draft's content hash, named in HELLO (the verifier logs and records it)
-        self.policy_memory = policy_memory  # the draft's memory (LoadedModel.memory): the target must read the same
-        self.policy_belief = policy_belief  # ... and its search belief (LoadedModel.belief)
+        self.prompt_format = prompt_format  # the draft's (LoadedModel.prompt_format): the target must read the same
         self.max_frame = max_frame
         self.link_model = link_model  # wire.link.LinkModel of an emulated link, or None
         self.peer = peer  # how errors name the verifier (its URL)
@@ -154,7 +154,7 @@ class EdgeSession:
         """The HELLO opening the connection; the WELCOME is awaited next."""
         self.wait_for(P.Welcome)
         return hello_frame(self.fingerprint, self.vocab_size, self.codec, self.token, self.client_name, self.draft,
-                           self.policy_memory, self.policy_belief)
+                           self.prompt_format)
 
     @staticmethod
     def check_settings(settings: VerifySettings) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..decoding.inputs import Prompt
+from ..decoding.memory import PromptFormat
 from ..decoding.verify import VerifySettings
 from ..decoding.verifier import Block, VerifierError, VerifyReply, mask_of
 from ..decoding.verify import NO_TOKEN, carries_q  # noqa: F401 - carries_q: the frames' rule, re-exported
@@ -15,11 +16,11 @@ from . import protocol as P
 
 
 def hello_frame(fingerprint: str, vocab_size: int, codec, token: str = "", client: str = "edgespec-edge",
-                draft: str = "", memory: int = 0, belief: bool = False) -> P.Hello:
+                draft: str = "", prompt: PromptFormat = PromptFormat()) -> P.Hello:
     """The HELLO opening a session: the robot's tokenizer (fingerprint, vocabulary), its codec (a
-    ``codecs`` codec: its spec), auth token, name, draft (content hash) and how many earlier
-    decisions its prompts show."""
-    return P.Hello(token, fingerprint, vocab_size, codec.spec, client, draft, memory, belief)
+    ``codecs`` codec: its spec), auth token, name, draft (content hash) and how its prompts read
+    (the earlier decisions they show, and whether they carry the search belief)."""
+    return P.Hello(token, fingerprint, vocab_size, codec.spec, client, draft, prompt.memory, prompt.belief)
 
 
 def prefill_frame(decision: int, prompt: Prompt, settings: VerifySettings) -> P.Prefill:
