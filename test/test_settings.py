@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edgespec_ros"
 HOME = PACKAGE / "robot" / "settings.py"
 # the settings whose defaults are counted, with the other names they go by (DecodeConfig.workers)
-COUNTED = {"gamma": ("gamma",), "max_new_tokens": ("max_new_tokens",), "codec": ("codec",),
+COUNTED = {"gamma": ("gamma", "gamma_init"), "max_new_tokens": ("max_new_tokens",), "codec": ("codec",),
            "pipe_depth": ("pipe_depth",), "predraft_workers": ("predraft_workers", "workers"),
            "client_queue": ("client_queue",), "wisv_threshold": ("wisv_threshold",)}
 NAMES = {alias: field for field, aliases in COUNTED.items() for alias in aliases}

@@ -180,9 +180,12 @@ class AutoGamma:
     afresh (the robot does on each new connection to a verifier: another verifier, another link).
     """
 
-    def __init__(self, smoothing: float = 0.05, gamma_init: int = 4, gamma_max: int = 16, probe_every: int = 8,
-                 probe_max: int = 64, alpha_probe: float = 0.95, ar_step_s: float | None = None,
+    def __init__(self, smoothing: float = 0.05, gamma_init: int | None = None, gamma_max: int = 16,
+                 probe_every: int = 8, probe_max: int = 64, alpha_probe: float = 0.95, ar_step_s: float | None = None,
                  draft_token_s: float | None = None):
+        if gamma_init is None:  # the drafter's gamma (robot.settings, which imports this module's bounds)
+            from .settings import DEFAULTS
+            gamma_init = DEFAULTS.gamma
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"auto gamma: smoothing must be in (0, 1], got {smoothing}")
         if not 1 <= gamma_init <= gamma_max <= GAMMA_MAX:
