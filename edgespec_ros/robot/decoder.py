@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from ..codecs import get_codec
 from ..decoding.compute import ComputeProfile, EdgeDevice
 from ..decoding.engines import LoadedModel, eos_token_ids
+from ..control.link_fallback import Fallback
 from ..decoding.inputs import Prompt, PromptInputs, build_inputs, encode_jpeg, prepare_image
 from ..decoding.metrics import DecisionMetrics
 from ..decoding.verifier import Verifier
@@ -38,7 +39,7 @@ from .rounds import (DECODING_MODES, ArStrategy, DecodeConfig, Drafted, PreDraft
 
 __all__ = ["DECODING_MODES", "DRAFT_ONLY", "Decision", "DecodeConfig", "EdgeDecoder"]
 
-DRAFT_ONLY = "draft-only"  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
+DRAFT_ONLY = Fallback.DRAFT_ONLY.label  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
 
 @dataclass
 class Decision:
