@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from edgespec_ros.control.link_fallback import LINK_LOSS_ACTIONS, Fallback, LinkFallback, Step
+from edgespec_ros.control.link_fallback import FALLBACK_STEPS, LINK_LOSS_ACTIONS, Fallback, LinkFallback, Step, published_step
 from edgespec_ros.control.link_health import LinkHealth
 from edgespec_ros.decoding.faults import FaultKind
 
@@ -79,3 +79,147 @@ def test_a_command_that_ran_out_is_checked_with_retrace_only_and_retraced_once_l
     stop.new_command()
     stop.finished()
     assert stop.next(0.0) is Step.IDLE
+
+
+# --- one fault trace, three drivers ---------------------------------------------------------
+
+# What the link answers, attempt by attempt (a decision or a reconnect; the draft alone asks nothing):
+# two verified decisions, three link faults (lost), two failed reconnects, then the link answers
+TRACE = (True, True, False, False, False, False, False)
+TRACE_HEALTH = LinkHealth(faults_to_lose=3, backoff_s=0.5, backoff_max_s=0.5)  # every step outlasts the backoff
+STEP_S = 1.0  # what a decision, a fault or a step back takes (the simulator's are all >= 0.5 s)
+OK, FAILED = True, False
+
+
+class TraceLink:
+    """The simulator's link: each time it is asked, the trace's next answer (up once it is spent)."""
+
+    rtt_s = 0.0
+
+    def __init__(self):
+        self.answers = list(TRACE)
+
+    def up_at(self, t):
+        return self.answers.pop(0) if self.answers else True
+
+    answer = up_at
+
+
+def _sim_steps(on_link_loss, n):
+    from edgespec_ros.control.actions import parse_action
+    from edgespec_ros.decoding.compute import get_robot
+    from edgespec_ros.evaluation.policy import PolicyOutput
+    from edgespec_ros.sim import link_loop as sim
+    from edgespec_ros.sim.scenario import scenario_from_dict
+
+    class Moves:
+        memory = 0
+
+        def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+            return PolicyOutput("move forward small", parse_action("move forward small"), None, 40)
+
+    scenario = scenario_from_dict({
+        "name": "hall", "room": {"width_m": 9.0, "depth_m": 6.0}, "robot": {"x": 1.0, "y": 3.0, "yaw_deg": 0.0},
+        "objects": [{"id": "b", "type": "bottle", "color": "silver", "x": 8.5, "y": 5.5}],
+        "instruction": "find the silver bottle", "goal": {"object": "b", "radius_m": 0.7}, "max_steps": 100})
+    ep = sim.run_linked_episode(Moves(), scenario, link=TraceLink(), on_link_loss=on_link_loss, health=TRACE_HEALTH,
+                                decision_latency=sim.StatedLatency(20.0), deadline_s=STEP_S, time_cap_s=30.0,
+                                draft_policy=Moves(), draft_latency=sim.DraftLatency(get_robot("orin-paper")))
+    kinds = {sim.VERIFIED: (Step.DECIDE, OK), sim.LINK_FAULT: (Step.DECIDE, FAILED), sim.PROBE_OK: (Step.PROBE, OK),
+             sim.PROBE_FAILED: (Step.PROBE, FAILED), sim.DRAFT_ONLY: (Step.DRAFT_ONLY, OK),
+             sim.RETRACE: (Step.RETRACE, OK), sim.WAIT: (Step.WAIT, OK)}
+    assert all(r.latency_s + r.motion_s >= 0.5 for r in ep.records if r.kind not in (sim.PROBE_OK, sim.PROBE_FAILED))
+    return [kinds[r.kind] for r in ep.records][:n]
+
+
+def _drafter_steps(on_link_loss, n):
+    """The drafter's loop as the node's timer runs it (probe_link, then begin + run), its clock
+    moved on by what each step takes; the outcomes it publishes, and its probes."""
+    from edgespec_ros.decoding.metrics import DecisionMetrics
+    from edgespec_ros.robot.decoder import Decision
+    from edgespec_ros.wire.client import LinkLostError
+    from drafting_helpers import FakeDecoder, frame, make
+
+    link = TraceLink()
+
+    class Verifier:
+        ws = None
+
+        def connect(self):
+            if not link.answer(0):
+                raise LinkLostError("cannot reach the verifier", FaultKind.UNREACHABLE)
+
+        def abort(self):
+            pass
+
+        close = abort
+
+    class Decoder(FakeDecoder):
+        def decide(self, instruction, image, cfg, on_tokens=None, **kw):
+            clock.advance(STEP_S)
+            if not link.answer(0):
+                raise LinkLostError("connection reset")
+            return super().decide(instruction, image, cfg, on_tokens)
+
+        def decide_draft_only(self, instruction, image, cfg, on_tokens=None, **kw):
+            clock.advance(STEP_S)
+            return Decision([1], "Action: move forward small.", DecisionMetrics(mode="draft-only", gamma=0, tokens=1))
+
+    decoder = Decoder()
+    decoder.verifier = Verifier()
+    core, clock = make(decoder=decoder, on_link_loss=on_link_loss, link_loss_faults=3, reconnect_backoff_s=0.5,
+                       reconnect_backoff_max_s=0.5, wait_for_motion=False, retry_interval_s=0.01, deadline_s=30.0)
+    core.set_command("find the silver bottle")
+    steps, outcomes = [], []
+    while len(steps) < n:
+        clock.advance(0.01)
+        core.set_frame(frame(clock))
+        probed = core.probe_link()
+        if probed is not None:
+            steps.append((Step.PROBE, probed))
+        ticket = core.begin()
+        if ticket is None:  # standing still until the next reconnect
+            steps.append((Step.WAIT, OK))
+            clock.advance(core.link.next_probe_s - clock() / 1e9)
+            continue
+        out = core.run(ticket)
+        if out.fallback:
+            clock.advance(STEP_S)  # the navigator's step back
+        outcomes.append(out)
+        steps.append((published_step(out.fallback), not out.fault))
+    return steps[:n], outcomes
+
+
+def _bag_steps(outcomes, path):
+    """The drafter's outcomes recorded as the recorder node writes them, and read back by a replay."""
+    from edgespec_ros.rosio.bags import BagReplay, BagWriter, decision_message, image_message, string_message
+    import numpy as np
+
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.add_topic("decision", "edgespec_ros/VerifiedAction")
+        bag.write("command", 1, string_message("find the silver bottle"))
+        for k, out in enumerate(outcomes):
+            stamp = 10 + 10 * k
+            bag.write("camera/image_raw", stamp, image_message(np.zeros((8, 8, 3), np.uint8), stamp))
+            bag.write("decision", stamp + 1, decision_message(
+                stamp=stamp, instruction=out.instruction, text=out.text, action=out.parsed_action if out.parsed
+                else None, fault=out.fault, fallback=out.fallback, mode=out.mode))
+    return [(step, not fault) for step, fault in BagReplay(path, pick="every").steps]
+
+
+@pytest.mark.parametrize("on_link_loss", LINK_LOSS_ACTIONS)
+def test_one_fault_trace_gives_the_same_steps_in_the_drafter_the_simulator_and_a_bags_replay(on_link_loss, tmp_path):
+    fallback = FALLBACK_STEPS.get(Fallback(on_link_loss), Step.WAIT)
+    n = 13
+    expected = ([(Step.DECIDE, OK)] * 2 + [(Step.DECIDE, FAILED)] * 3  # lost after the third fault
+                + [(fallback, OK), (Step.PROBE, FAILED)] * 2 + [(fallback, OK), (Step.PROBE, OK)]
+                + [(Step.DECIDE, OK)])  # the link is back: verified again
+    assert len(expected) == n - 1
+    drafter, outcomes = _drafter_steps(on_link_loss, n)
+    assert drafter[:n - 1] == expected, drafter
+    assert _sim_steps(on_link_loss, n) == drafter, drafter
+    # a bag holds the published decisions (faults, verified, draft-only, retrace), not the probes and waits
+    published = [s for s in drafter if s[0] not in (Step.PROBE, Step.WAIT)]
+    assert _bag_steps(outcomes, tmp_path / "bag")[:len(published)] == published

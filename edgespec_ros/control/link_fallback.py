@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 
 from ..decoding.faults import FaultKind
+from .motion import DegradedProfile
 from .link_health import LinkHealth, is_link_fault, stands_still
 
 
@@ -76,6 +77,22 @@ class Step(enum.Enum):
 
 
 FALLBACK_STEPS = {Fallback.RETRACE: Step.RETRACE, Fallback.DRAFT_ONLY: Step.DRAFT_ONLY}
+
+
+def published_step(label: str) -> Step:
+    """The step a published decision was taken for, by its fallback label ('' for a verified one:
+    ``DECIDE``; a fault stop is a ``DECIDE`` that failed)."""
+    fallback = Fallback.of_label(label)
+    return FALLBACK_STEPS[fallback] if fallback in FALLBACK_STEPS else Step.DECIDE
+
+
+def remembered_action(label: str, action: str | None) -> str | None:
+    """What the command's memory keeps of a published decision's ``action`` (grammar text, None if
+    none parsed): a draft-only decision's as the degraded motion profile executes it. (A retrace
+    step is no decision of the command's, and a fault stop leaves the memory as it was.)"""
+    if action and published_step(label) is Step.DRAFT_ONLY:
+        return DegradedProfile().executed(action)
+    return action
 
 
 class LinkFallback:

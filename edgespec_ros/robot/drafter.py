@@ -39,10 +39,10 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
+from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY, DecodeConfig
-from ..control.link_fallback import Fallback, LinkFallback, Step
+from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_action
 from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .settings import DrafterSettings  # noqa: F401 - the drafter's settings, defined with every default
@@ -520,9 +520,7 @@ class DrafterCore:
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
             # (a draft-only decision is remembered as what the navigator's degraded profile executes of it)
-            action = outcome.action if outcome.parsed else None
-            if action and outcome.fallback == DRAFT_ONLY:
-                action = DegradedProfile().executed(action)
+            action = remembered_action(outcome.fallback, outcome.action if outcome.parsed else None)
             self.memory.decided(action, outcome.stamp_ns, outcome.text)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
                 # (an unverified draft-only stop stops the robot but does not end the command)

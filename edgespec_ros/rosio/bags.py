@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..control.motion import DegradedProfile, outcome_name
+from ..control.link_fallback import Step, published_step, remembered_action
+from ..control.motion import outcome_name
 from . import topics
 from .bag_messages import (DECISION_TYPE, IMAGE_TYPES, MOTION_TYPE, NS, STRING_TYPE, BagError,
                            decision_message, image_message, motion_state_message, odometry_message, ros2_type,
@@ -198,6 +199,8 @@ class BagReplay:
         self.histories: list[tuple] | None = None  # per pair, with_memory's
         # (command | decision | motion, ...) in bag order: what with_memory rebuilds a memory from
         self._events: list[tuple] = []
+        # the recorded decisions' steps (control.link_fallback: DECIDE, DRAFT_ONLY, RETRACE) and faults, in bag order
+        self.steps: list[tuple[Step, str]] = []
         self.has_motion = False
         with open_reader(self.path) as reader:
             self._check(reader)
@@ -260,7 +263,9 @@ class BagReplay:
                 msg = deserialize(reader, conn, t, raw, path)
                 key = stamp_ns(msg.header.stamp)
                 fallback = getattr(msg, "fallback", "")  # (absent: recorded before on_link_loss)
-                if fallback == "retrace":  # no decision: a step back the navigator took, not remembered
+                step = published_step(fallback)
+                self.steps.append((step, msg.fault))
+                if step is Step.RETRACE:  # no decision: a step back the navigator took, not remembered
                     events.append(("retrace", key))
                     continue
                 decisions[key] = RecordedDecision(msg.text, msg.action, msg.mode,
@@ -272,9 +277,7 @@ class BagReplay:
                     events.append(("command", None, msg.instruction))
                     command_id = msg.command_id
                 if not msg.fault:  # a safety stop leaves the memory as it was (robot.drafter)
-                    action = msg.action if msg.parsed else None
-                    if action and fallback == "draft-only":  # remembered as the degraded profile runs it
-                        action = DegradedProfile().executed(action)
+                    action = remembered_action(fallback, msg.action if msg.parsed else None)
                     events.append(("decision", key, action, msg.text))
         decided = []
         seen = set()

@@ -340,7 +340,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
     # instead, and once the link is declared lost walks back until a reconnect answers
     if world.done and not world.success:
         fallback.ran_out()
-    while world.done and t < time_cap_s:
+    while fallback.end_check and t < time_cap_s:
         step = fallback.next(t)
         if step in (Step.END_CHECK, Step.PROBE):
             if link_up(t):  # the link answers: nothing to do (recorded only when it had been lost)
