@@ -450,7 +450,7 @@ def test_a_bag_whose_schema_redefines_the_image_is_refused(tmp_path):
         BagReplay(path)
     # a nested type is compared too, field by field: a Header whose stamp is a string is refused, a ROS 1
     # Header (an extra seq) reads as ROS 2's
-    import edgespec_ros.rosio.bags as bags
+    import edgespec_ros.rosio.bag_reading as bags
 
     class Bag:  # what definition_problem reads of an AnyReader
         def __init__(self, header):

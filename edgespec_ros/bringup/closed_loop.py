@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback
 from .graph import NODE_ROLES, Graph, wait_for
 
 # --------------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compute", default="native", type=compute_arg,
                     help=f"the verifier's compute: {compute_help()} (default native)")
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: the drafter's, docs/parameters.md)")
-    ap.add_argument("--on-link-loss", default=None, choices=["stop", "retrace", "draft_only"],
+    ap.add_argument("--on-link-loss", default=None, choices=LINK_LOSS_ACTIONS,
                     help="what the robot does once the link is lost (default: the drafter's, stop); try it with a "
                          "link that fails, e.g. --link wifi-poor-cuts")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
@@ -304,14 +305,14 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
                 return result
             continue
         faults_in_a_row = 0
-        if msg.fallback == "retrace":  # a step back while the link is lost: no decision of the policy's
+        if msg.fallback == Fallback.RETRACE.label:  # a step back while the link is lost: no decision of the policy's
             result["retrace"] += 1
             print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
                   "RETRACE (link lost: one move back towards the command's start)", flush=True)
             continue
         steps += 1
         result["decisions"] += 1
-        draft_only = msg.fallback == "draft-only"  # LOSSY: the draft's own, unverified
+        draft_only = msg.fallback == Fallback.DRAFT_ONLY.label  # LOSSY: the draft's own, unverified
         result["draft_only" if draft_only else "verified"] += 1
         result["draft_only_latencies" if draft_only else "latencies"].append(msg.latency_s)
         action = msg.action if msg.parsed else "(unparseable: no motion)"

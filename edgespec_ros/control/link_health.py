@@ -1,5 +1,5 @@
 """When the link to the verifier counts as lost, when it is back, and when to try it again: the
-rule behind ``on_link_loss`` (stop | retrace | draft_only). Pure: times are passed in (seconds on
+health of the link that ``control.link_fallback.LinkFallback`` (what ``on_link_loss`` does) reads. Pure: times are passed in (seconds on
 a steady clock), no I/O.
 
 The rule, by the kind of each fault (``decoding.faults.FaultKind``, carried by the error that made
@@ -29,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..decoding.faults import FaultKind
-
-LINK_LOSS_ACTIONS = ("stop", "retrace", "draft_only")
 
 
 @dataclass(frozen=True)

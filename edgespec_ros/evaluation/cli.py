@@ -228,7 +228,7 @@ def _add_link_args(parser: argparse.ArgumentParser, default_link: str | None) ->
 def cmd_link_fallbacks(args: argparse.Namespace) -> int:
     """stop vs retrace vs draft_only over the same scenarios and link: one row per fallback."""
     from ..models import default_model_path
-    from ..control.link_health import LINK_LOSS_ACTIONS
+    from ..control.link_fallback import LINK_LOSS_ACTIONS
     from ..sim.link_loop import ALWAYS_UP, compare_fallbacks
     from ..sim.scenario import builtin_scenarios
 
@@ -259,7 +259,7 @@ def cmd_link_fallbacks(args: argparse.Namespace) -> int:
 
 
 def _setup_link_fallbacks(sub) -> None:
-    from ..control.link_health import LINK_LOSS_ACTIONS
+    from ..control.link_fallback import LINK_LOSS_ACTIONS
 
     parser = sub.add_parser("link-fallbacks", help="compare on_link_loss stop, retrace and draft_only over "
                             "scenarios with dead zones and a link that fails (one row per fallback)")
@@ -275,7 +275,7 @@ def _setup_link_fallbacks(sub) -> None:
 
 
 def _setup_eval(sub) -> None:
-    from ..control.link_health import LINK_LOSS_ACTIONS
+    from ..control.link_fallback import LINK_LOSS_ACTIONS
 
     parser = sub.add_parser("eval", help="closed-loop episodes with a model deciding alone (temperature 0)")
     parser.add_argument("--model", required=True, help="model directory (e.g. edgespec_ros/models/target)")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from ..codecs import get_codec
 from ..decoding.compute import ComputeProfile, EdgeDevice
 from ..decoding.engines import LoadedModel, eos_token_ids
+from ..control.link_fallback import Fallback
 from ..decoding.inputs import Prompt, PromptInputs, build_inputs, encode_jpeg, prepare_image
 from ..decoding.metrics import DecisionMetrics
 from ..decoding.sequence import DraftSequence
@@ -39,7 +40,7 @@ from .settings import DecodeConfig
 
 __all__ = ["DRAFT_ONLY", "Decision", "EdgeDecoder"]
 
-DRAFT_ONLY = "draft-only"  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
+DRAFT_ONLY = Fallback.DRAFT_ONLY.label  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
 
 @dataclass
 class Decision:

@@ -20,7 +20,7 @@ Safety rules enforced here:
 * a new command (or an empty one) cancels the running decision (its result is discarded) and
   gives a ``stop`` outcome, so the robot never finishes a motion of the old command;
 * once the link is lost (``control.link_health``: ``link_loss_faults`` link faults in a row) the
-  robot does what ``on_link_loss`` says: ``stop`` decides nothing until a reconnect succeeds;
+  robot does what ``on_link_loss`` says (``control.link_fallback.LinkFallback`` says what is next): ``stop`` decides nothing until a reconnect succeeds;
   ``retrace`` publishes retrace steps (no model: the navigator walks back one move towards the
   command's start, never past it); ``draft_only`` publishes the draft's own greedy decisions,
   each labelled ``draft-only`` (LOSSY) in its ``fallback`` and mode. Reconnects (a handshake, with
@@ -39,10 +39,11 @@ import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED, DegradedProfile
+from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY
-from ..control.link_health import LinkHealth, is_link_fault, stands_still
+from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_action
+from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics, RunSummary
@@ -121,7 +122,7 @@ def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = ""
                            parsed=True, reasoning=fault, mode=mode, fault=fault, fault_kind=kind)
 
 
-RETRACE = "retrace"  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
+RETRACE = Fallback.RETRACE.label  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
 # The navigator's outcome for a retrace step when nothing is left to retrace (the command's start): a
 # retrace step that moved ends completed, blocked, ..., never stopped (control.motion.RETRACE_DONE_REASON)
 RETRACE_DONE = STOPPED
@@ -277,14 +278,24 @@ class DrafterCore:
         # draft model was trained to read them (0 for a memoryless model: prompts as before)
         # (and, memory or not, the decision whose motion we wait for: memory.awaiting_stamp)
         self.memory = memory_for(decoder.draft, command=True)
-        self.link = LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
-        self.retrace_done = False  # the navigator reported nothing left to retrace (or refused to) since the loss
+        # what the robot does while the link fails (on_link_loss), and the link's health it reads
+        self.link_fallback = LinkFallback(
+            LinkHealth(settings.link_loss_faults, settings.reconnect_backoff_s, settings.reconnect_backoff_max_s),
+            settings.on_link_loss, end_check_interval_s=settings.retry_interval_s)
+        self.link = self.link_fallback.health
         self.robot_held = ""  # the navigator holds a fault stop (the robot driver is silent): its reason
         self.reconnects = 0  # reconnects that ended a link loss
         self._probing = False  # a reconnect is under way (probe_link): no decision starts meanwhile
-        self._end_check = False  # retrace: the command ran out of decisions; its link is to be checked
-        self._next_end_check_s = 0.0
-        self.refused = ""  # the verifier answered the last reconnect with a fault never worked around: no fallback runs
+
+    @property
+    def retrace_done(self) -> bool:
+        """The navigator reported nothing left to retrace (or refused to) since the loss."""
+        return self.link_fallback.retrace_done
+
+    @property
+    def refused(self) -> str:
+        """The fault the verifier answered the last reconnect with, never worked around ('' if none)."""
+        return self.link_fallback.refused
 
     # ------------------------------------------------------------------ inputs
 
@@ -310,8 +321,7 @@ class DrafterCore:
             self.retry_after_ns = 0
             self.resample_next = False
             self.memory.reset(text)  # and no motion awaited
-            self.retrace_done = False
-            self._end_check = False
+            self.link_fallback.new_command(active=bool(text))
         if not was_running:
             return None
         why = f"new command {text!r}" if text else "empty command"
@@ -336,7 +346,7 @@ class DrafterCore:
             self.robot_held = (reason or "fault stop") if state == FAULT_HOLD else ""
             if (outcome in (RETRACE_DONE, REJECTED) and self.memory.awaiting_stamp == decision_stamp_ns
                     and self.memory.awaiting_retrace):
-                self.retrace_done = True  # back at the start, or the navigator cannot retrace (no odometry)
+                self.link_fallback.retrace_over()  # back at the start, or the navigator cannot retrace (no odometry)
             ended = self.memory.motion_reported(decision_stamp_ns, state, outcome)
             if ended is not None:
                 self.motion_idle_since_ns = state_stamp_ns
@@ -348,8 +358,8 @@ class DrafterCore:
     def why_not_ready(self, now_ns: int) -> str:
         """'' when a decision may start now, else the reason it may not."""
         s = self.settings
-        if not self.active and not (self._end_check and self.link.lost and s.on_link_loss == "retrace"
-                                    and not self.retrace_done):
+        step = self.link_fallback.action()
+        if step is Step.IDLE:
             return f"no active command ({self.finished_reason or 'waiting for one'})"
         if self.in_flight is not None:
             return "a decision is in flight"
@@ -359,13 +369,12 @@ class DrafterCore:
             return "backing off after a fault"
         if self._probing:
             return "reconnecting to the verifier"
-        if self.link.lost and self.refused:
-            return f"link lost and the verifier answered the reconnect with {self.refused}: standing still"
-        if self.link.lost:
-            if s.on_link_loss == "stop":
+        if step is Step.WAIT:
+            if self.refused:
+                return f"link lost and the verifier answered the reconnect with {self.refused}: standing still"
+            if self.link_fallback.on_link_loss is Fallback.STOP:
                 return "link lost (on_link_loss stop): standing still until a reconnect succeeds"
-            if s.on_link_loss == "retrace" and self.retrace_done:
-                return "link lost (on_link_loss retrace): back at the command's start, waiting for a reconnect"
+            return "link lost (on_link_loss retrace): back at the command's start, waiting for a reconnect"
         frame = self.frame
         if frame is None:
             return "no camera frame yet"
@@ -389,8 +398,8 @@ class DrafterCore:
                 return None
             if self.settings.wait_for_motion:
                 self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
-            fallback = "" if not self.link.lost else RETRACE if self.settings.on_link_loss == "retrace" \
-                else DRAFT_ONLY
+            step = self.link_fallback.action()
+            fallback = self.link_fallback.on_link_loss.label if step in (Step.RETRACE, Step.DRAFT_ONLY) else ""
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
                             self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
                             history=self.memory.shown(), fallback=fallback)
@@ -478,7 +487,7 @@ class DrafterCore:
     def _link_fault(self, kind: FaultKind | None) -> None:
         """A decision failed (under the lock): a link fault counts towards declaring the link lost
         (``control.link_health.FAULT_RULES``)."""
-        if kind is not None and self.link.fault(kind, self.steady_ns() / NS):
+        if kind is not None and self.link_fallback.failed(kind, self.steady_ns() / NS):
             self.stats.link_lost(self.settings.on_link_loss)
 
     def _finish(self, ticket: Ticket, outcome: DecisionOutcome | None) -> DecisionOutcome | None:
@@ -505,26 +514,25 @@ class DrafterCore:
                 self.stats.add_unverified()
                 self.memory.retracing(outcome.stamp_ns)
                 return outcome
-            if not outcome.fallback and self.link.verified(self.steady_ns() / NS):
-                self._link_back()
+            if not outcome.fallback and self.link_fallback.decided(self.steady_ns() / NS):
+                self.stats.link_back()
             self.decisions += 1
             self.stats.add(outcome)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
             # (a draft-only decision is remembered as what the navigator's degraded profile executes of it)
-            action = outcome.action if outcome.parsed else None
-            if action and outcome.fallback == DRAFT_ONLY:
-                action = DegradedProfile().executed(action)
+            action = remembered_action(outcome.fallback, outcome.action if outcome.parsed else None)
             self.memory.decided(action, outcome.stamp_ns, outcome.text)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
                 # (an unverified draft-only stop stops the robot but does not end the command)
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
+                self.link_fallback.finished()
             elif self.command_max_decisions and self.decisions >= self.command_max_decisions:
                 self.active, self.finish_kind = False, MAX_DECISIONS
                 self.finished_reason = f"max_decisions ({self.command_max_decisions}) reached"
                 # its last move may have left the link behind, and nothing decided will find out:
                 # with retrace the drafter checks the link once the motion is over (probe_link)
-                self._end_check = self.settings.on_link_loss == "retrace"
+                self.link_fallback.ran_out()
             return outcome
 
     def probe_link(self) -> bool | None:
@@ -546,9 +554,8 @@ class DrafterCore:
             motion_over = (not s.wait_for_motion or self.memory.awaiting_stamp is None
                            or (self.last_outcome_ns is not None
                                and now_ns - self.last_outcome_ns > s.motion_wait_timeout_s * NS))
-            end_check = (self._end_check and not self.active and not self.link.lost and motion_over
-                         and now_s >= self._next_end_check_s)
-            if self._probing or self.in_flight is not None or not (self.link.probe_due(now_s) or end_check):
+            check = self.link_fallback.check_due(now_s, motion_over)
+            if self._probing or self.in_flight is not None or check is None:
                 return None
             self._probing = True
         try:
@@ -561,31 +568,17 @@ class DrafterCore:
                 self._drop_connection()
                 kind, fault = classify_error(exc)
                 with self._lock:
-                    now_s = self.steady_ns() / NS
-                    if end_check:
-                        self._next_end_check_s = now_s + self.settings.retry_interval_s
-                    if end_check and is_link_fault(kind):
-                        if self.link.fault(kind, now_s):
-                            self.stats.link_lost(self.settings.on_link_loss)
-                    else:
-                        self.link.probe_failed(now_s)
-                    self.refused = fault if self.link.lost and stands_still(kind) else ""
+                    if self.link_fallback.probed(check, self.steady_ns() / NS, kind, fault):
+                        self.stats.link_lost(self.settings.on_link_loss)
                 return False
             with self._lock:
-                self._end_check = False  # the link answers: nothing more to do for the ended command
-                if self.link.verified(self.steady_ns() / NS):
+                if self.link_fallback.probed(check, self.steady_ns() / NS):
                     self.reconnects += 1
-                    self._link_back()
+                    self.stats.link_back()
             return True
         finally:
             with self._lock:
                 self._probing = False
-
-    def _link_back(self) -> None:
-        """The link is back (under the lock): the next loss starts afresh."""
-        self.refused = ""
-        self.retrace_done = False
-        self.stats.link_back()
 
     def status(self) -> CommandStatus:
         """The current command, consistently: its generation (changes with every set_command),

@@ -20,7 +20,7 @@ from ..control.actions import SIZES
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
 from .draft_length import GAMMA_MAX, PIPE_DEPTH_MAX  # noqa: F401 - the settings' bounds
-from ..control.link_health import LINK_LOSS_ACTIONS
+from ..control.link_fallback import LINK_LOSS_ACTIONS
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
 QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)

@@ -13,9 +13,10 @@ pose (``Scenario.covered``: no dead zone).
 * Link down (or a missed deadline): a link fault. The drafter waits out its deadline with the robot
   still (the clock advances by ``deadline_s``) and tells ``control.link_health.LinkHealth`` a
   fault of kind ``FaultKind.DEADLINE``, which the same rule as the drafter's counts (``FAULT_RULES``).
-* Once LinkHealth declares the link lost, ``on_link_loss`` applies until a reconnect succeeds. A
-  reconnect is tried when ``LinkHealth.probe_due`` (backoff doubling after each failure) and
-  succeeds iff the same up-condition holds then:
+* What comes next is the drafter's own state machine's (``control.link_fallback.LinkFallback``,
+  asked before every step): once LinkHealth declares the link lost, ``on_link_loss`` applies until
+  a reconnect succeeds. A reconnect is tried when one is due (backoff doubling after each failure)
+  and succeeds iff the same up-condition holds then:
 
   - ``stop``: the robot stands still; time passes to the next reconnect.
   - ``retrace``: the robot walks back along this command's moves (``RetracePath.next_step``, each
@@ -29,7 +30,7 @@ pose (``Scenario.covered``: no dead zone).
 The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``time_cap_s``; with
 ``retrace``, a command that ran out of decisions is followed by the drafter's link check (a
 handshake; unanswered ones count as link faults) and, once the link is declared lost, by retrace
-steps until it answers (``_after_the_command``: nothing decided can find the link gone then).
+steps until a reconnect answers (nothing decided can find the link gone then).
 Decisions of the policies count towards ``max_steps``; link faults and retrace steps do not (no
 model decided them). Every record of an episode says whether its decision was verified and, if not,
 which fallback made it. All times are simulated seconds, and every latency model here is EMULATED
@@ -49,15 +50,18 @@ from ..control.retrace import RetracePath
 from ..decoding.compute import RobotProfile
 from ..control.belief import memory_for
 from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
-from ..control.link_health import LINK_LOSS_ACTIONS, LinkHealth
+from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback, LinkFallback, Step
+from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .scenario import Scenario
 from .world import SimWorld
 
 # Record kinds: decisions (verified, or one of the fallbacks' unverified ones) and the rest.
-VERIFIED, RETRACE, DRAFT_ONLY = "verified", "retrace", "draft_only"
+VERIFIED, RETRACE, DRAFT_ONLY = "verified", Fallback.RETRACE.value, Fallback.DRAFT_ONLY.value
 UNVERIFIED_KINDS = (RETRACE, DRAFT_ONLY)
 LINK_FAULT, PROBE_OK, PROBE_FAILED, WAIT = "link_fault", "probe_ok", "probe_failed", "wait"
+# The simulated link fails by silence: every decision or handshake on it waits out the deadline
+NO_LINK = FaultKind.DEADLINE
 
 # How a draft-only decision (LOSSY) runs: the navigator's degraded profile (its parameters' defaults).
 DEGRADED = DegradedProfile()
@@ -215,7 +219,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
         raise ValueError("on_link_loss draft_only needs a draft_policy and its draft_latency")
     if not deadline_s > 0 or not time_cap_s > 0:
         raise ValueError(f"need deadline_s > 0 and time_cap_s > 0, got {deadline_s}, {time_cap_s}")
-    health = replace(health)  # its settings, a fresh state
+    fallback = LinkFallback(health, on_link_loss)  # its settings, a fresh state; end checks right after each other
     world = SimWorld(scenario, action_config=action_config)
     path = RetracePath(config=action_config)
     slow = degraded_limits(limits)
@@ -223,7 +227,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
     draft_memory = memory_for(draft_policy, scenario.instruction) if draft_policy is not None else None
     records: list[StepRecord] = []
     t = 0.0
-    retrace_blocked = False  # a retrace step ran into something: stand still until the link is back
+    retrace_over = ""  # why the way back is over (the start reached, or a step ran into something)
 
     def link_up(at: float) -> bool:
         return link.up_at(at) and scenario.covered(world.pose.x, world.pose.y)
@@ -242,68 +246,84 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
         result = world.step(action)
         return result.collided, motion.duration_s(action)
 
-    while not world.done and t < time_cap_s:
-        if health.lost:
-            if health.probe_due(t):
-                if link_up(t):  # a reconnect (a handshake: one round trip) brings the link back
-                    record(PROBE_OK, latency_s=link.rtt_s)
-                    t += link.rtt_s
-                    health.verified(t)
-                    retrace_blocked = False
-                    continue
-                record(PROBE_FAILED)
-                health.probe_failed(t)
-            if on_link_loss == DRAFT_ONLY:
-                out = _decide(draft_policy, world, scenario, draft_memory)
-                latency = draft_latency(out)
-                action = degrade(out.action) if out.action is not None else None
-                rec = record(DRAFT_ONLY, latency_s=latency, action=action.text if action else "",
-                             note="LOSSY: the draft alone, degraded motion" if action else f"no action: {out.error}")
-                t += latency
-                if action is None:
-                    world.skip_decision(out.error or "no action")
-                    collided = False
-                else:
-                    collided, rec.motion_s = execute(action, slow)
-                    rec.collided = collided
-                    t += rec.motion_s
-                for m in (memory, draft_memory):
-                    _remember(m, action, collided, getattr(out, "text", ""))
-                continue
-            step = None
-            if on_link_loss == RETRACE and not retrace_blocked:
-                step = path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
-            if step is None:  # stop, or nothing (more) to retrace: stand still until the next reconnect
-                wait = max(min(health.next_probe_s, time_cap_s) - t, 0.0)
-                why = ("on_link_loss stop" if on_link_loss != RETRACE else
-                       "retrace blocked" if retrace_blocked else "back at the command's start")
-                record(WAIT, latency_s=wait, note=why)
-                t += wait
-                continue
-            rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start")
-            result = world.execute(step.action)  # motion only: no decision of a policy's
-            rec.motion_s, rec.collided = slow.duration_s(step.action), result.collided  # the navigator retraces slowly
-            t += rec.motion_s
-            retrace_blocked = result.collided
-            continue
+    def wait(why: str) -> None:  # stand still until the next reconnect
+        nonlocal t
+        wait_s = max(min(fallback.health.next_probe_s, time_cap_s) - t, 0.0)
+        record(WAIT, latency_s=wait_s, note=why)
+        t += wait_s
 
+    def retrace(after: str = "") -> bool:
+        """One step back (``fallback`` said RETRACE); False when there was none to take."""
+        nonlocal t, retrace_over
+        step = path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
+        if step is None:
+            fallback.retrace_over()
+            retrace_over = "back at the command's start" + after
+            return False
+        rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start{after}")
+        result = world.execute(step.action)  # motion only: no decision of a policy's
+        rec.motion_s, rec.collided = slow.duration_s(step.action), result.collided  # the navigator retraces slowly
+        t += rec.motion_s
+        if result.collided:
+            fallback.retrace_over()
+            retrace_over = "retrace blocked"
+        return True
+
+    def link_fault(note: str, check: Step | None = None) -> None:  # a deadline waited out
+        nonlocal t
+        record(LINK_FAULT, latency_s=deadline_s, note=f"{NO_LINK}: {note}")
+        t += deadline_s
+        if check is None:
+            fallback.failed(NO_LINK, t)
+        else:
+            fallback.probed(check, t, NO_LINK)
+
+    fallback.new_command()
+    while not world.done and t < time_cap_s:
+        step = fallback.next(t)
+        if step is Step.PROBE:
+            if link_up(t):  # a reconnect (a handshake: one round trip) brings the link back
+                record(PROBE_OK, latency_s=link.rtt_s)
+                t += link.rtt_s
+                fallback.probed(step, t)
+                continue
+            record(PROBE_FAILED)
+            fallback.probed(step, t, NO_LINK)
+            step = fallback.action()
+        if step is Step.DRAFT_ONLY:
+            out = _decide(draft_policy, world, scenario, draft_memory)
+            latency = draft_latency(out)
+            action = degrade(out.action) if out.action is not None else None
+            rec = record(DRAFT_ONLY, latency_s=latency, action=action.text if action else "",
+                         note="LOSSY: the draft alone, degraded motion" if action else f"no action: {out.error}")
+            t += latency
+            if action is None:
+                world.skip_decision(out.error or "no action")
+                collided = False
+            else:
+                collided, rec.motion_s = execute(action, slow)
+                rec.collided = collided
+                t += rec.motion_s
+            for m in (memory, draft_memory):
+                _remember(m, action, collided, getattr(out, "text", ""))
+            continue
+        if step is Step.RETRACE and retrace():
+            continue
+        if step is not Step.DECIDE:  # stop, or nothing (more) to retrace: stand still until the next reconnect
+            wait("on_link_loss stop" if on_link_loss != RETRACE else retrace_over)
+            continue
         if not link_up(t):
-            why = "a dead zone" if not scenario.covered(world.pose.x, world.pose.y) else "a cut"
-            record(LINK_FAULT, latency_s=deadline_s, note=f"{FaultKind.DEADLINE}: no link ({why})")
-            t += deadline_s
-            health.fault(FaultKind.DEADLINE, t)
+            link_fault(f"no link ({'a dead zone' if not scenario.covered(world.pose.x, world.pose.y) else 'a cut'})")
             continue
         out = _decide(policy, world, scenario, memory)
         latency = decision_latency(out)
         if latency > deadline_s:  # the drafter gives up at its deadline: a link fault like any other
-            record(LINK_FAULT, latency_s=deadline_s, note=f"{FaultKind.DEADLINE}: the decision took {latency:.2f} s")
-            t += deadline_s
-            health.fault(FaultKind.DEADLINE, t)
+            link_fault(f"the decision took {latency:.2f} s")
             continue
         rec = record(VERIFIED, True, latency_s=latency, action=out.action.text if out.action else "",
                      note="" if out.action else f"no action: {out.error}")
         t += latency
-        health.verified(t)
+        fallback.decided(t)
         if out.action is None:
             world.skip_decision(out.error or "no action")
             collided = False
@@ -315,8 +335,32 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
             if m is not None:
                 _remember(m, out.action, collided, getattr(out, "text", ""))
 
-    if on_link_loss == RETRACE and world.done and not world.success:
-        t = _after_the_command(world, path, health, link_up, record, slow, deadline_s, t, time_cap_s)
+    # after a command that ran out of decisions (an end short of the goal), with retrace: nothing is
+    # decided any more, so no decision can find the link gone; the drafter checks it with a handshake
+    # instead, and once the link is declared lost walks back until a reconnect answers
+    if world.done and not world.success:
+        fallback.ran_out()
+    while fallback.end_check and t < time_cap_s:
+        step = fallback.next(t)
+        if step in (Step.END_CHECK, Step.PROBE):
+            if link_up(t):  # the link answers: nothing to do (recorded only when it had been lost)
+                if step is Step.PROBE:
+                    record(PROBE_OK, latency_s=0.0, note="the link answers after the command")
+                fallback.probed(step, t)
+                break
+            if step is Step.END_CHECK:
+                link_fault("no answer to the link check after the command", step)
+                continue
+            record(PROBE_FAILED)
+            fallback.probed(step, t, NO_LINK)
+            step = fallback.action()
+        if step is not Step.RETRACE:
+            break
+        if not retrace(" (after the command)"):  # at the start: stand still
+            record(WAIT, note="back at the command's start after the command")
+            break
+        if fallback.retrace_done:  # the step ran into something
+            break
 
     decisions = [r for r in records if r.kind in (VERIFIED, *UNVERIFIED_KINDS)]
     pose = world.pose
@@ -327,45 +371,9 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
         collisions=world.collisions, time_s=round(t, 3), decisions=len(decisions),
         verified_decisions=sum(r.kind == VERIFIED for r in decisions),
         unverified={k: sum(r.kind == k for r in decisions) for k in UNVERIFIED_KINDS},
-        link_faults=sum(r.kind == LINK_FAULT for r in records), link_losses=health.losses,
+        link_faults=sum(r.kind == LINK_FAULT for r in records), link_losses=fallback.health.losses,
         ended_in_dead_zone=not scenario.covered(pose.x, pose.y), time_capped=capped,
         final_goal_distance_m=round(world.goal_distance(), 3), records=records)
-
-
-def _after_the_command(world: SimWorld, path: RetracePath, health: LinkHealth, link_up, record, slow: MotionLimits,
-                       deadline_s: float, t: float, time_cap_s: float) -> float:
-    """``retrace`` after a command ran out of decisions: nothing is decided any more, so no decision
-    can find the link gone; the drafter checks it with a handshake instead (each unanswered one a
-    link fault, waited out for ``deadline_s``), and once the rule declares it lost walks back as
-    during a command, until a reconnect answers, the start is reached or a step runs into
-    something. Returns the clock at the end."""
-    while t < time_cap_s:
-        if link_up(t):  # the link answers: nothing to do (recorded only when it had been lost)
-            if health.lost:
-                record(PROBE_OK, latency_s=0.0, note="the link answers after the command")
-            health.verified(t)
-            return t
-        if not health.lost:
-            record(LINK_FAULT, latency_s=deadline_s, note=f"{FaultKind.DEADLINE}: no answer to the link check after "
-                                                          "the command")
-            t += deadline_s
-            health.fault(FaultKind.DEADLINE, t)
-            continue
-        if health.probe_due(t):
-            record(PROBE_FAILED)
-            health.probe_failed(t)
-        step = path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
-        if step is None:
-            record(WAIT, note="back at the command's start after the command")
-            return t
-        rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start (after "
-                                                            "the command)")
-        result = world.execute(step.action)
-        rec.motion_s, rec.collided = slow.duration_s(step.action), result.collided
-        t += rec.motion_s
-        if result.collided:
-            return t
-    return t
 
 
 # --------------------------------------------------------------------------- many episodes
