@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from edgespec_ros.robot.draft_length import (GAMMA_MAX, AutoGamma, adaptive_selection, gamma0, optimal_draft_length,
+from edgespec_ros.robot.settings import GAMMA_MAX
+from edgespec_ros.robot.draft_length import (AutoGamma, adaptive_selection, gamma0, optimal_draft_length,
                                              speedup)
 
 # TK-SLT Table I: optimal gamma* for alpha (rows) and L = b + c (columns); "1*" = use cloud AR.

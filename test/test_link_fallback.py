@@ -143,7 +143,7 @@ def _drafter_steps(on_link_loss, n):
     link = TraceLink()
 
     class Verifier:
-        ws = None
+        connected = False  # every reconnect starts afresh
 
         def connect(self):
             if not link.answer(0):

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from scipy.special import lambertw
 
-GAMMA_MAX = 64  # the protocol's longest draft
-PIPE_DEPTH_MAX = 8  # the pipeline's most blocks in flight
+from .settings import DEFAULTS, GAMMA_MAX, PIPE_DEPTH_MAX
 
 
 @dataclass(frozen=True)
@@ -183,8 +182,7 @@ class AutoGamma:
     def __init__(self, smoothing: float = 0.05, gamma_init: int | None = None, gamma_max: int = 16,
                  probe_every: int = 8, probe_max: int = 64, alpha_probe: float = 0.95, ar_step_s: float | None = None,
                  draft_token_s: float | None = None):
-        if gamma_init is None:  # the drafter's gamma (robot.settings, which imports this module's bounds)
-            from .settings import DEFAULTS
+        if gamma_init is None:  # the drafter's gamma
             gamma_init = DEFAULTS.gamma
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"auto gamma: smoothing must be in (0, 1], got {smoothing}")

@@ -19,8 +19,10 @@ from ..codecs import DEFAULT_CODEC, get_codec
 from ..control.actions import SIZES
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
-from .draft_length import GAMMA_MAX, PIPE_DEPTH_MAX  # noqa: F401 - the settings' bounds
 from ..control.link_fallback import LINK_LOSS_ACTIONS
+
+GAMMA_MAX = 64  # the protocol's longest draft
+PIPE_DEPTH_MAX = 8  # the pipeline's most blocks in flight
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
 QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
