@@ -106,8 +106,8 @@ def test_which_faults_are_the_links():
     assert set(FAULT_RULES) == set(K)  # every kind has its rule
     assert {k for k in K if is_link_fault(k)} == links
     assert {k for k in K if stands_still(k)} == {K.REFUSED, K.PROTOCOL, K.CONFIGURATION}
-    h = LinkHealth(faults_to_lose=1)
+    h = LinkHealth(faults_to_lose=1, backoff_s=0.5, backoff_max_s=8.0)
     assert not h.fault(K.REFUSED, 1.0) and not h.fault(K.PROTOCOL, 1.0) and h.faults == 0
     assert h.fault(K.BUSY, 2.0) and h.lost
     with pytest.raises(ValueError):
-        LinkHealth(faults_to_lose=0)
+        LinkHealth(faults_to_lose=0, backoff_s=0.5, backoff_max_s=8.0)

@@ -14,7 +14,10 @@ HOME = PACKAGE / "robot" / "settings.py"
 # the settings whose defaults are counted, with the other names they go by (DecodeConfig.workers)
 COUNTED = {"gamma": ("gamma", "gamma_init"), "max_new_tokens": ("max_new_tokens",), "codec": ("codec",),
            "pipe_depth": ("pipe_depth",), "predraft_workers": ("predraft_workers", "workers"),
-           "client_queue": ("client_queue",), "wisv_threshold": ("wisv_threshold",)}
+           "client_queue": ("client_queue",), "wisv_threshold": ("wisv_threshold",),
+           "link_loss_faults": ("link_loss_faults", "faults_to_lose"),
+           "reconnect_backoff_s": ("reconnect_backoff_s", "backoff_s"),
+           "reconnect_backoff_max_s": ("reconnect_backoff_max_s", "backoff_max_s")}
 NAMES = {alias: field for field, aliases in COUNTED.items() for alias in aliases}
 # (file, name) where the same name means something else
 OTHER_MEANING = {

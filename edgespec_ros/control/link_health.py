@@ -66,9 +66,11 @@ def stands_still(kind: FaultKind) -> bool:
 
 @dataclass
 class LinkHealth:
-    faults_to_lose: int = 3
-    backoff_s: float = 0.5
-    backoff_max_s: float = 8.0
+    # no defaults here: the drafter's (robot.settings: link_loss_faults, reconnect_backoff_s,
+    # reconnect_backoff_max_s) are the one definition, passed in by every driver
+    faults_to_lose: int
+    backoff_s: float
+    backoff_max_s: float
 
     def __post_init__(self):
         if self.faults_to_lose < 1:
