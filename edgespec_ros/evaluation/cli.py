@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback
 from ..robot.settings import DECODING_MODES, DEFAULTS
 from ..sim.commands import (load_scenarios, setup_deadzones, setup_expert, setup_expert_noise, setup_heldout,
                             setup_render)
@@ -174,7 +175,7 @@ def _cmd_eval_linked(args: argparse.Namespace) -> int:
                          "no decision texts: drop --resample-temperature, --bags and --explain")
     fallback = args.on_link_loss or DEFAULTS.on_link_loss
     scenarios = load_scenarios(args.scenarios)
-    with _linked_policies(args, need_draft=fallback == "draft_only") as (profile, policy, latency, draft, dlat):
+    with _linked_policies(args, need_draft=fallback == Fallback.DRAFT_ONLY.value) as (profile, policy, latency, draft, dlat):
         kwargs = _link_kwargs(args, profile, latency, draft, dlat)
         _print_link_conditions(profile, latency, dlat, draft is not None, kwargs)
         from tqdm import tqdm
@@ -228,7 +229,6 @@ def _add_link_args(parser: argparse.ArgumentParser, default_link: str | None) ->
 def cmd_link_fallbacks(args: argparse.Namespace) -> int:
     """stop vs retrace vs draft_only over the same scenarios and link: one row per fallback."""
     from ..models import default_model_path
-    from ..control.link_fallback import LINK_LOSS_ACTIONS
     from ..sim.link_loop import ALWAYS_UP, compare_fallbacks
     from ..sim.scenario import builtin_scenarios
 
@@ -238,7 +238,7 @@ def cmd_link_fallbacks(args: argparse.Namespace) -> int:
         scenarios = [s for s in map(load_scenario, builtin_scenarios().values()) if s.dead_zones]
     args.model = args.model or default_model_path("target")
     fallbacks = args.fallbacks or list(LINK_LOSS_ACTIONS)
-    with _linked_policies(args, need_draft="draft_only" in fallbacks) as (profile, policy, latency, draft, dlat):
+    with _linked_policies(args, need_draft=Fallback.DRAFT_ONLY.value in fallbacks) as (profile, policy, latency, draft, dlat):
         kwargs = _link_kwargs(args, profile, latency, draft, dlat)
         _print_link_conditions(profile, latency, dlat, draft is not None, kwargs)
         print(f"scenarios: {', '.join(s.name for s in scenarios)}")
@@ -259,7 +259,6 @@ def cmd_link_fallbacks(args: argparse.Namespace) -> int:
 
 
 def _setup_link_fallbacks(sub) -> None:
-    from ..control.link_fallback import LINK_LOSS_ACTIONS
 
     parser = sub.add_parser("link-fallbacks", help="compare on_link_loss stop, retrace and draft_only over "
                             "scenarios with dead zones and a link that fails (one row per fallback)")
@@ -275,7 +274,6 @@ def _setup_link_fallbacks(sub) -> None:
 
 
 def _setup_eval(sub) -> None:
-    from ..control.link_fallback import LINK_LOSS_ACTIONS
 
     parser = sub.add_parser("eval", help="closed-loop episodes with a model deciding alone (temperature 0)")
     parser.add_argument("--model", required=True, help="model directory (e.g. edgespec_ros/models/target)")
