@@ -7,10 +7,10 @@ from edgespec_ros.robot.act_timing import next_decision_start_s, predicted_decis
 from edgespec_ros.robot.draft_length import AutoGamma
 
 
-def measured(rtt_s=0.1, step_s=0.03, draft_s=0.01):
+def measured(rtt_s=0.1, step_s=0.03, draft_s=0.01, accepted=2):
     auto = AutoGamma(smoothing=1.0)
     auto.observe_ar(20, 20 * step_s, round_trip_s=rtt_s)
-    auto.observe_round(4, 2, 4 * draft_s, rtt_s, step_s)
+    auto.observe_round(4, accepted, 4 * draft_s, rtt_s, step_s)
     return auto
 
 
@@ -28,6 +28,10 @@ def test_the_latency_is_the_round_trip_plus_tokens_at_the_paths_calibrated_rate(
     assert predicted_decision_s(auto, 30, "ar") == pytest.approx(rtt + 30 * predicted["ar"])
     assert predicted_decision_s(auto, 30) == pytest.approx(rtt + 30 * min(predicted.values()))
     assert predicted_draft_s(auto, 30) == pytest.approx(30 * 0.01)
+    fast_draft = measured(step_s=0.05, draft_s=0.001, accepted=4)  # the pipeline is predicted fastest
+    speeds = fast_draft.predict()
+    assert min(speeds, key=speeds.get) == "pipe"
+    assert predicted_decision_s(fast_draft, 30) == pytest.approx(fast_draft.link_line()[0] + 30 * speeds["pipe"])
 
 
 def test_the_decision_starts_so_that_its_verdict_lands_as_the_motion_ends():

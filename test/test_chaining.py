@@ -148,11 +148,11 @@ def test_a_reversed_turn_passes_through_one_zero():
 
 # ---------------------------------------------------------------- the drop rules
 
-def run_with_queue(chain, event, at_tick=3, seconds=4.0, odom=None, stamp_s=0.0):
+def run_with_queue(chain, event, at_tick=3, seconds=4.0, odom=None, stamp_s=0.0, queued="turn left small"):
     if odom is not None:
         chain.executor.on_odometry(0.0, odom(0.0))  # fresh odometry: the move is tracked on it
     chain.start(0.0, decision("move forward large"))
-    hooks = {2: lambda c, t: c.queue(t, decision("turn left small", stamp_s)), at_tick: event}
+    hooks = {2: lambda c, t: c.queue(t, decision(queued, stamp_s)), at_tick: event}
     commands = drive(chain, 0.0, seconds, hooks=hooks, odom=odom)
     finished, dropped = chain.pop_events()
     return commands, finished, dropped
@@ -192,13 +192,14 @@ def test_a_new_command_or_link_loss_drops_the_queued_decision_and_the_motion_goe
     assert covered(commands) == pytest.approx((1.0, 0.0), abs=0.02)
 
 
-def test_a_frame_too_old_when_it_would_start_is_dropped():
-    # move forward large runs ~2.5 s: a frame from t=0 is older than 1 s when the turn would start
-    commands, finished, dropped = run_with_queue(new_chain(max_frame_age_s=1.0), lambda c, t: None)
+@pytest.mark.parametrize("queued", ["turn left small", "move forward small"])  # chained at the end, or blended
+def test_a_frame_too_old_when_it_would_start_is_dropped(queued):
+    # move forward large runs ~2.5 s: a frame from t=0 is older than 1 s when the next would start
+    commands, finished, dropped = run_with_queue(new_chain(max_frame_age_s=1.0), lambda c, t: None, queued=queued)
     assert [(d.reason, d.at_s > 2.0) for d in dropped] == [(DROP_FRAME_AGE, True)]
     assert covered(commands) == pytest.approx((1.0, 0.0), abs=0.02)
     # the same decision with a fresh enough frame runs
-    _, finished, dropped = run_with_queue(new_chain(max_frame_age_s=3.0), lambda c, t: None)
+    _, finished, dropped = run_with_queue(new_chain(max_frame_age_s=3.0), lambda c, t: None, queued=queued)
     assert not dropped and [f.outcome for f in finished] == [COMPLETED, COMPLETED]
 
 

@@ -18,8 +18,8 @@ executor's own rules, limits, watchdog, stall detection and e-stop are untouched
   robot passes the point where k ends.
 * **The drop rules**: a queued decision is dropped, with the reason (``DROP_REASONS``), when the
   running primitive ends blocked (no progress), on an e-stop, a watchdog stop or a fault stop, on
-  a new command, on link loss, when its frame is older than ``max_frame_age_s`` when it would
-  start, or when it is older than the executor's watchdog then. A blended decision has begun (the
+  a new command, on link loss, or when its frame is older than ``max_frame_age_s`` when it would
+  start. A blended decision has begun (the
   robot no longer brakes for k's end): from then on only what stops the robot (blocked, e-stop,
   watchdog, fault) ends it.
 * **Provisional motions** (``control.provisional``): :meth:`MotionChain.start_provisional` begins
@@ -128,7 +128,6 @@ class MotionChain:
         self.counters = ProvisionalCounters()
         self.running: _Running | None = None
         self.queued: ChainedDecision | None = None
-        self._queued_s = 0.0             # when the queued decision arrived
         self._blended = False            # the queued decision is part of the executor's primitive
         self._boundary = 0.0             # ... from this far into it
         self._issued: Action | None = None   # the executor's current primitive
@@ -167,7 +166,7 @@ class MotionChain:
             self._dropped.append(Dropped(decision, DROP_REPLACED, now_s))
             return "dropped"
         self._drop_waiting(now_s, DROP_REPLACED)
-        self.queued, self._queued_s = decision, now_s
+        self.queued = decision
         return "queued"
 
     def on_estop(self, now_s: float, engaged: bool, reason: str = "e-stop engaged") -> None:
@@ -223,7 +222,7 @@ class MotionChain:
             if moving:
                 self.executor.on_decision(now_s, Action.stop(), decision_id=verified.decision_id,
                                           reason="provisional motion reverted")
-                self._issued, self._after_stop, self._queued_s = None, rest, now_s
+                self._issued, self._after_stop = None, rest
             elif rest is not None:
                 self._begin(now_s, rest)
         return result.outcome
@@ -291,9 +290,8 @@ class MotionChain:
 
     def _start_waiting(self, now_s: float, decision: ChainedDecision) -> bool:
         """Start a decision that waited for this tick, unless a rule drops it; True when started."""
-        reason = self._too_old(now_s, decision)
-        if reason:
-            self._dropped.append(Dropped(decision, reason, now_s))
+        if self._frame_too_old(now_s, decision):
+            self._dropped.append(Dropped(decision, DROP_FRAME_AGE, now_s))
             return False
         self._begin(now_s, decision)
         return True
@@ -312,13 +310,6 @@ class MotionChain:
 
     def _frame_too_old(self, now_s: float, decision: ChainedDecision, at_s: float | None = None) -> bool:
         return (now_s if at_s is None else at_s) - decision.stamp_s > self.max_frame_age_s
-
-    def _too_old(self, now_s: float, decision: ChainedDecision) -> str:
-        if self._frame_too_old(now_s, decision):
-            return DROP_FRAME_AGE
-        if now_s - self._queued_s > self.executor.watchdog_timeout_s:
-            return DROP_WATCHDOG
-        return ""
 
     def _finish(self, outcome: str) -> None:
         r = self.running
@@ -400,7 +391,7 @@ class MotionChain:
         if left > speed * speed / (2.0 * accel) + 2.0 * speed * self._dt + self._tolerance():
             return  # not braking yet: the queue stays open to the drop rules
         starts_s = now_s + (left / speed if speed > 0 else 0.0)
-        if self._too_old(now_s, q) or self._frame_too_old(now_s, q, starts_s):
+        if self._frame_too_old(now_s, q, starts_s):
             return  # not blended: checked again (and dropped) where the running one ends
         r.base, r.start = self._covered_by(r), 0.0
         self._issue(now_s, _stretch(self._issued, left + extent(q.action)), r.decision)
