@@ -17,9 +17,16 @@ reuse) instead of prefilling the whole history again.
 
 One home for the outcome words: the simulator (a step's result) and the drafter node (the
 navigator's ``motion.OUTCOMES``) both map through :func:`outcome_word`.
+
+A decision made while the last one's motion is still under way (acting while verifying) sees that
+motion as its last turn with the word :data:`EXECUTING` and the search belief advanced to where the
+motion will leave the robot (:func:`in_flight`, :meth:`CommandMemory.shown_in_flight`): the prompt
+after the motion ends "done", but for that one word. With nothing in flight the prompt is the one
+the models were trained on, byte for byte.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections import deque
@@ -28,6 +35,8 @@ from typing import NamedTuple
 
 DONE, BLOCKED, NO_ACTION, INTERRUPTED = "done", "blocked", "no action", "interrupted"
 OUTCOME_WORDS = (DONE, BLOCKED, NO_ACTION, INTERRUPTED)
+# the last turn's word while its motion is still under way: a state, not an outcome (outcome_word refuses it)
+EXECUTING = "executing"
 
 # the navigator's outcomes (control.motion.OUTCOMES) as the prompt says them
 _MOTION_WORDS = {"completed": DONE, "stopped": DONE, "blocked_contact": BLOCKED, "rejected": NO_ACTION,
@@ -105,6 +114,18 @@ def saved_belief(model_dir: str) -> bool:
 def with_belief(turns: tuple[Turn, ...], line: str) -> tuple[Turn, ...]:
     """The shown turns with the belief's line on the last one (the prompt's last user turn)."""
     return turns[:-1] + (turns[-1]._replace(belief=line),) if turns else turns
+
+
+def in_flight(memory: "PolicyMemory", action: str, text: str = "") -> tuple[Turn, ...]:
+    """What the next prompt shows while ``action`` (the grammar's text of the move or turn under way,
+    as executed) runs: the turns ``memory`` would show once it ended "done", the search belief
+    advanced by it (the pose it will leave the robot in, dead-reckoned as for any finished motion),
+    with :data:`EXECUTING` for its outcome word. ``memory`` is left as it is; ``text`` is the
+    decision's whole answer (for the belief)."""
+    after = copy.deepcopy(memory)
+    after.add(action, DONE, text)
+    shown = after.shown()
+    return shown[:-1] + (shown[-1]._replace(outcome=EXECUTING),) if shown else shown
 
 
 class PolicyMemory:
@@ -196,6 +217,14 @@ class CommandMemory(PolicyMemory):
         retrace step's motion.)"""
         self.gave_up_waiting()
         self.awaiting_stamp, self.awaiting_action, self.awaiting_text = stamp_ns, "", ""
+
+    def shown_in_flight(self) -> tuple[Turn, ...]:
+        """What a prompt shows while the awaited motion runs (:func:`in_flight` of the awaited
+        decision); :meth:`shown` itself when no decision's motion is awaited (nothing, or a retrace
+        step, which is not remembered)."""
+        if self.awaiting_stamp is None or not self.awaiting_action:
+            return self.shown()
+        return in_flight(self, self.awaiting_action, self.awaiting_text)
 
     @property
     def awaiting_retrace(self) -> bool:

@@ -18,7 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, Action, ActionConfig, parse_action
-from ..control.motion import wrap_angle
+from ..control.motion import MotionLimits, wrap_angle
+from ..control.profiles import primitive_profile
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import ROBOT_RADIUS_M, Pose, Scenario, SceneObject
 
@@ -92,6 +93,35 @@ def pose_collision(scenario: Scenario, x: float, y: float) -> str | None:
     return None
 
 
+def _move_reach(scenario: Scenario, pose: Pose, distance_m: float) -> tuple[float, str | None]:
+    """How far a move of ``distance_m`` from ``pose`` gets (stopping just short of the first
+    contact) and what it touches (None: nothing)."""
+    clearance, blocker = forward_clearance(scenario, pose)
+    if clearance < distance_m:
+        return max(clearance - _CONTACT_BACKOFF_M, 0.0), blocker
+    return distance_m, None
+
+
+def _moved(pose: Pose, travelled: float) -> Pose:
+    return Pose(pose.x + travelled * math.cos(pose.yaw_rad), pose.y + travelled * math.sin(pose.yaw_rad), pose.yaw_rad)
+
+
+def primitive_pose_at(scenario: Scenario, pose: Pose, action: Action, t_s: float,
+                      limits: MotionLimits = MotionLimits()) -> Pose:
+    """The robot's pose ``t_s`` seconds into executing ``action`` from ``pose``, for frames rendered
+    part-way through a primitive (``render_view(scenario, primitive_pose_at(...), camera)``): along
+    the primitive's ideal profile under ``limits`` (``control.profiles``; it ends after
+    ``limits.duration_s(action)``, the simulated clock's motion time), a move stopping at the first
+    contact as :meth:`SimWorld.execute` does. From the end on it is the pose ``execute`` reaches."""
+    if action.kind == "stop":
+        return pose
+    covered = primitive_profile(action, limits).distance_at(t_s)
+    if action.kind == "turn":
+        return Pose(pose.x, pose.y, wrap_angle(pose.yaw_rad + math.copysign(covered, action.angle_rad)))
+    reach, _ = _move_reach(scenario, pose, action.distance_m)
+    return _moved(pose, min(covered, reach))
+
+
 class SimWorld:
     """A scenario plus the robot's state: pose, decision count, collisions, trajectory."""
 
@@ -139,13 +169,13 @@ class SimWorld:
         if action.kind == "turn":
             self._pose = Pose(before.x, before.y, wrap_angle(before.yaw_rad + action.angle_rad))
         elif action.kind == "move":
-            clearance, blocker = forward_clearance(self.scenario, before)
-            travelled = action.distance_m
-            if clearance < action.distance_m:
-                travelled, hit = max(clearance - _CONTACT_BACKOFF_M, 0.0), blocker
-            self._pose = Pose(before.x + travelled * math.cos(before.yaw_rad),
-                              before.y + travelled * math.sin(before.yaw_rad), before.yaw_rad)
+            travelled, hit = _move_reach(self.scenario, before, action.distance_m)
+            self._pose = _moved(before, travelled)
         return self._motion_result(action, before, travelled, hit)
+
+    def pose_at(self, action: Action, t_s: float, limits: MotionLimits = MotionLimits()) -> Pose:
+        """The pose ``t_s`` seconds into executing ``action`` from here (:func:`primitive_pose_at`)."""
+        return primitive_pose_at(self.scenario, self._pose, action, t_s, limits)
 
     def apply_twist(self, linear_x: float, angular_z: float, dt: float) -> StepResult:
         """Integrate a velocity command (m/s forward, rad/s CCW) for ``dt`` seconds along its arc,

@@ -1,0 +1,45 @@
+"""When the drafter acts while verifying: the next decision's predicted latency and start time.
+
+``act_while_verifying: overlap`` starts decision k+1 while motion k runs, so that its verdict lands
+as the motion ends: at the motion's predicted end (``control.chaining.MotionChain.predicted_end_s``)
+less the decision's predicted latency, at once when the decision takes longer
+(``control.chaining.decision_start_s``). The latency is mode auto's model (``draft_length.AutoGamma``:
+seconds per committed token of each path, scaled by what that path's decisions really cost) over
+the decision's expected tokens, plus the one round trip every decision pays.
+``act_while_verifying: speculative`` compares that latency with the draft's own time to write the
+decision (``control.provisional.worth_acting_provisionally``). Pure functions of the model's state.
+"""
+from __future__ import annotations
+
+import math
+
+from ..control.chaining import decision_start_s
+from .draft_length import AutoGamma
+
+
+def predicted_decision_s(auto: AutoGamma, tokens: float, path: str | None = None) -> float | None:
+    """Seconds a decision of ``tokens`` committed tokens is predicted to take on ``path`` ("ar",
+    "sd" or "pipe"; None: the path predicted fastest, as mode auto chooses apart from its switching
+    margin): the link's round trip plus ``tokens`` times the path's predicted seconds per token times
+    its calibration. None before the model can predict (no speculative round measured yet)."""
+    predicted = auto.predict()
+    if predicted is None:
+        return None
+    per_token = {name: s * auto.calibration(name) for name, s in predicted.items()}
+    if path is None:
+        path = min(per_token, key=per_token.get)
+    return auto.link_line()[0] + max(tokens, 0.0) * per_token[path]
+
+
+def predicted_draft_s(auto: AutoGamma, tokens: float) -> float | None:
+    """Seconds the draft model alone needs to write ``tokens`` tokens (the measured seconds per
+    drafted token); None before any round was measured."""
+    t_draft = auto.estimates()["t_draft"]
+    return None if math.isnan(t_draft) else max(tokens, 0.0) * t_draft
+
+
+def next_decision_start_s(now_s: float, motion_end_s: float | None, auto: AutoGamma, tokens: float,
+                          path: str | None = None) -> float:
+    """When to capture the frame and start the next decision (``decision_start_s`` on the predicted
+    latency; at once while nothing is predicted)."""
+    return decision_start_s(now_s, motion_end_s, predicted_decision_s(auto, tokens, path))

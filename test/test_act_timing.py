@@ -1,0 +1,56 @@
+"""The drafter's timing for acting while verifying: the next decision's predicted latency (mode
+auto's model) and when to start it so that its verdict lands as the running motion ends."""
+import pytest
+
+from edgespec_ros.control.provisional import worth_acting_provisionally
+from edgespec_ros.robot.act_timing import next_decision_start_s, predicted_decision_s, predicted_draft_s
+from edgespec_ros.robot.draft_length import AutoGamma
+
+
+def measured(rtt_s=0.1, step_s=0.03, draft_s=0.01, accepted=2):
+    auto = AutoGamma(smoothing=1.0)
+    auto.observe_ar(20, 20 * step_s, round_trip_s=rtt_s)
+    auto.observe_round(4, accepted, 4 * draft_s, rtt_s, step_s)
+    return auto
+
+
+def test_nothing_is_predicted_before_a_round_is_measured():
+    auto = AutoGamma()
+    assert predicted_decision_s(auto, 30) is None and predicted_draft_s(auto, 30) is None
+    assert next_decision_start_s(5.0, 9.0, auto, 30) == 5.0  # at once
+
+
+def test_the_latency_is_the_round_trip_plus_tokens_at_the_paths_calibrated_rate():
+    auto = measured()
+    predicted = auto.predict()
+    rtt = auto.link_line()[0]
+    assert rtt == pytest.approx(0.1)
+    assert predicted_decision_s(auto, 30, "ar") == pytest.approx(rtt + 30 * predicted["ar"])
+    assert predicted_decision_s(auto, 30) == pytest.approx(rtt + 30 * min(predicted.values()))
+    assert predicted_draft_s(auto, 30) == pytest.approx(30 * 0.01)
+    fast_draft = measured(step_s=0.05, draft_s=0.001, accepted=4)  # the pipeline is predicted fastest
+    speeds = fast_draft.predict()
+    assert min(speeds, key=speeds.get) == "pipe"
+    assert predicted_decision_s(fast_draft, 30) == pytest.approx(fast_draft.link_line()[0] + 30 * speeds["pipe"])
+
+
+def test_the_decision_starts_so_that_its_verdict_lands_as_the_motion_ends():
+    auto = measured()
+    latency = predicted_decision_s(auto, 30)
+    assert next_decision_start_s(1.0, 5.0, auto, 30) == pytest.approx(5.0 - latency)
+    assert next_decision_start_s(4.9, 5.0, auto, 30) == 4.9  # the decision outlasts the motion
+    assert next_decision_start_s(1.0, None, auto, 30) == 1.0  # nothing runs
+
+
+def test_a_slow_verdict_is_worth_a_provisional_motion():
+    slow, fast = measured(rtt_s=1.5, step_s=0.05), measured(rtt_s=0.01, step_s=0.005)
+    for auto, worth in ((slow, True), (fast, False)):
+        assert worth_acting_provisionally(predicted_decision_s(auto, 30), predicted_draft_s(auto, 30), 0.5) is worth
+
+
+def test_act_while_verifying_is_off_by_default_and_refuses_what_is_not_wired():
+    from edgespec_ros.robot.settings import DEFAULTS, DrafterSettings
+    assert DEFAULTS.act_while_verifying == "off"
+    for value, match in (("overlap", "not wired"), ("speculative", "not wired"), ("sometimes", "choose one of")):
+        with pytest.raises(ValueError, match=match):
+            DrafterSettings(act_while_verifying=value)
