@@ -46,11 +46,3 @@ def test_a_slow_verdict_is_worth_a_provisional_motion():
     slow, fast = measured(rtt_s=1.5, step_s=0.05), measured(rtt_s=0.01, step_s=0.005)
     for auto, worth in ((slow, True), (fast, False)):
         assert worth_acting_provisionally(predicted_decision_s(auto, 30), predicted_draft_s(auto, 30), 0.5) is worth
-
-
-def test_act_while_verifying_is_off_by_default_and_refuses_what_is_not_wired():
-    from edgespec_ros.robot.settings import DEFAULTS, DrafterSettings
-    assert DEFAULTS.act_while_verifying == "off"
-    for value, match in (("overlap", "not wired"), ("speculative", "not wired"), ("sometimes", "choose one of")):
-        with pytest.raises(ValueError, match=match):
-            DrafterSettings(act_while_verifying=value)

@@ -306,11 +306,3 @@ def test_counters_sum_reconciliations():
     counters.record(reconcile(parse_action("move forward 0.25 m"), 0.2, parse_action("move forward large")))
     assert counters.as_dict() == {"taken": 1, "confirmed": 1, "reverted": 1, "reverted_m": 0.0,
                                   "reverted_deg": pytest.approx(10.0)}
-
-
-def test_the_navigators_provisional_parameters_default_to_the_bounds():
-    from edgespec_ros.nodes.params import NAVIGATOR
-    defaults = {p.name: p.default for p in NAVIGATOR}
-    assert (defaults["provisional_max_move_m"], defaults["provisional_max_turn_deg"],
-            defaults["provisional_speed_scale"]) == (PROVISIONAL_BOUNDS.max_move_m, PROVISIONAL_BOUNDS.max_turn_deg,
-                                                     PROVISIONAL_BOUNDS.speed_scale)

@@ -1,6 +1,6 @@
 """Provisional motion: the draft's action begun before its verdict, inside bounds of its own. ROS-free.
 
-With ``act_while_verifying: speculative`` the robot does not stand still while a slow verifier
+Moving on the draft, the robot does not stand still while a slow verifier
 decides: when the verdict is predicted to come later than the draft finishes the decision by more
 than a stated margin (:func:`worth_acting_provisionally`), the draft's action starts as a
 PROVISIONAL motion, clipped to its bounds (at most ``max_move_m`` or ``max_turn_deg``, at
@@ -28,8 +28,7 @@ from .profiles import extent
 
 CONFIRMED, REVERTED = "confirmed", "reverted"
 
-# A provisional motion's bounds unless the navigator's parameters say otherwise
-# (provisional_max_move_m, provisional_max_turn_deg, provisional_speed_scale).
+# A provisional motion's bounds: at most 0.25 m or 30 degrees, at half speed
 PROVISIONAL_BOUNDS = DegradedProfile(max_move_m=0.25, max_turn_deg=30.0, speed_scale=0.5)
 
 

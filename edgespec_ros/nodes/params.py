@@ -126,12 +126,6 @@ NAVIGATOR = (
                                      "to at most this", min_value=1.0, max_value=180.0),
     P("degraded_speed_scale", 0.5, "the degraded motion profile: an unverified decision runs at this share of "
                                    "max_linear_mps and max_angular_rps", min_value=0.05, max_value=1.0),
-    P("provisional_max_move_m", 0.25, "a provisional motion (the drafter's act_while_verifying speculative: the "
-                                      "draft's action begun before its verdict) moves at most this",
-      min_value=0.01, max_value=2.0),
-    P("provisional_max_turn_deg", 30.0, "a provisional motion turns at most this", min_value=1.0, max_value=180.0),
-    P("provisional_speed_scale", 0.5, "a provisional motion runs at this share of max_linear_mps and "
-                                      "max_angular_rps", min_value=0.05, max_value=1.0),
 )
 
 MONITOR = (

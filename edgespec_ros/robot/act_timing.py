@@ -1,12 +1,12 @@
 """When the drafter acts while verifying: the next decision's predicted latency and start time.
 
-``act_while_verifying: overlap`` starts decision k+1 while motion k runs, so that its verdict lands
+Deciding during motion (overlap) starts decision k+1 while motion k runs, so that its verdict lands
 as the motion ends: at the motion's predicted end (``control.chaining.MotionChain.predicted_end_s``)
 less the decision's predicted latency, at once when the decision takes longer
 (``control.chaining.decision_start_s``). The latency is mode auto's model (``draft_length.AutoGamma``:
 seconds per committed token of each path, scaled by what that path's decisions really cost) over
 the decision's expected tokens, plus the one round trip every decision pays.
-``act_while_verifying: speculative`` compares that latency with the draft's own time to write the
+Moving on the draft (speculative) compares that latency with the draft's own time to write the
 decision (``control.provisional.worth_acting_provisionally``). Pure functions of the model's state.
 """
 from __future__ import annotations

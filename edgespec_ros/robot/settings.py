@@ -25,8 +25,7 @@ GAMMA_MAX = 64  # the protocol's longest draft
 PIPE_DEPTH_MAX = 8  # the pipeline's most blocks in flight
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
-QUEUE_POLICIES = ("priority", "fifo", "random")
-ACT_WHILE_VERIFYING = ("off", "overlap", "speculative")  # whether the robot moves while a decision is verified  # the order early exits are pre-drafted in (robot.predraft)
+QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
 
 
 def setting(default, description: str, *, min_value=None, max_value=None, choices: tuple = ()):
@@ -103,17 +102,6 @@ class DrafterSettings:
     max_frame_age_s: float = setting(1.0, "never decide on a frame older than this", min_value=0.01)
     wait_for_motion: bool = setting(True, "decide again only after the navigator finished the last motion and "
                                           "on a frame captured after it")
-    act_while_verifying: str = setting(
-        "off", "off (every decision waits for the last motion to end and a frame after it), overlap (the next "
-               "decision starts while the motion runs, timed so that its verdict lands as the motion ends; the "
-               "navigator chains it on the running primitive) or speculative (when the verdict is predicted to "
-               "come more than speculative_margin_s after the draft, the draft's action begins as a provisional "
-               "motion within the navigator's provisional bounds, kept or reverted at the verdict); the core is "
-               "control/chaining.py, not yet wired into the nodes: settings other than off are refused",
-        choices=ACT_WHILE_VERIFYING)
-    speculative_margin_s: float = setting(
-        0.5, "act_while_verifying speculative: begin a provisional motion only when the verdict is predicted "
-             "this many seconds after the draft finished the decision", min_value=0.0)
     motion_wait_timeout_s: float = setting(15.0, "decide anyway when the navigator has not reported for this "
                                                  "long", min_value=0.1)
     finish_on_stop: bool = setting(True, "a verified 'stop' completes the command (no more decisions until "
@@ -140,12 +128,6 @@ class DrafterSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.act_while_verifying not in ACT_WHILE_VERIFYING:
-            raise ValueError(f"act_while_verifying {self.act_while_verifying!r}: choose one of "
-                             f"{', '.join(ACT_WHILE_VERIFYING)}")
-        if self.act_while_verifying != "off":  # the core exists (control/chaining.py); the nodes do not run it yet
-            raise ValueError(f"act_while_verifying {self.act_while_verifying!r} is not wired into the drafter and "
-                             "navigator yet (docs/robot.md, 'Acting while verifying: the core'): use off")
         if self.on_link_loss not in LINK_LOSS_ACTIONS:
             raise ValueError(f"on_link_loss {self.on_link_loss!r}: choose one of {', '.join(LINK_LOSS_ACTIONS)}")
         if self.reconnect_backoff_s > self.reconnect_backoff_max_s:
