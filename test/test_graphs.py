@@ -117,7 +117,8 @@ def test_padding_never_changes_a_real_row_nor_any_block_but_the_scratch(lm, grap
     written = {(blk, (s.fed + t) % pool.block_size) for s, n in zip(seqs, (2, 1)) for t in range(n)
                for blk in [s.cache.table.blocks[(s.fed + t) // pool.block_size]]}
     for k0, k1 in zip(before, pool.keys):
-        changed = (k0 != k1).flatten(2).any(-1).nonzero().tolist()
+        same = (k0 == k1) | (k0.isnan() & k1.isnan())  # blocks never handed out hold whatever memory held
+        changed = (~same).flatten(2).any(-1).nonzero().tolist()
         assert {(blk, off) for blk, off in changed if blk != graphs.scratch} <= written
 
 
