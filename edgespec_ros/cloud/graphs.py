@@ -41,7 +41,7 @@ from .paged_pass import StaticKV, use_paged_attention
 log = logging.getLogger("edgespec.verifier")
 
 GRAPH_ROWS = (1, 2, 4, 8, 16)  # rows of a pass
-GRAPH_TOKENS = (1, 2, 6, 17)  # tokens per row: an AR step, and the pending token plus 1, 5 or 16 drafts
+GRAPH_TOKENS = (1, 5, 16, 17)  # tokens per row: an AR step, blocks of 5 and 16, and 16 drafts after a pending token
 GRAPH_BLOCKS = (8, 32, 128)  # KV blocks a row reads: 128, 512 and 2048 positions
 CUDA_GRAPHS_CHOICES = ("on", "off")
 
