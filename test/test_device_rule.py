@@ -192,7 +192,9 @@ def test_a_greedy_pass_of_16_rows_brings_back_under_64_kib_all_through_to_host(e
 
 def test_sampled_rounds_and_ar_steps_of_mixed_settings_share_one_conversion(embedded):
     """Rejection-sampling rounds (two sampling settings), greedy rounds and AR steps in one pass:
-    still one int64 [rows, 2] back, nothing else converted; the verdicts are each session's alone."""
+    one int64 [rows, 2] back, and one int64 [rejected] of residual draws when a rejection-mode
+    round was rejected (its q row moves only then), nothing else converted; the verdicts are each
+    session's alone."""
     mixed = [SAMPLED, GREEDY, VerifySettings(SamplingParams(0.7, top_k=20), seed=3), SAMPLED, GREEDY]
     batched, alone = (open_sessions(embedded, len(mixed), GREEDY, seed=5) for _ in range(2))
     for group in (batched, alone):
@@ -211,9 +213,12 @@ def test_sampled_rounds_and_ar_steps_of_mixed_settings_share_one_conversion(embe
     before = HOST.snapshot()
     with HostConversions(embedded.model) as conv:
         out = verify_batch(items)
-    assert (HOST.snapshot()[0] - before[0]) == 1 and conv.counts["other"] == [0, 0]
+    calls, nbytes = (a - b for a, b in zip(HOST.snapshot(), before))
     got = [out.value(4)[0] if i == 4 else (out.value(i).accepted, out.value(i).next_token) for i in range(5)]
     assert got == refs
+    rejected = sum(1 for i in (0, 2, 3) if out.value(i).accepted < len(items[i].draft_ids))
+    assert rejected  # random q against the model's p: rejected
+    assert (calls, nbytes) == (2, 5 * 2 * 8 + rejected * 8) and conv.counts["other"] == [0, 0]
 
 
 def test_early_exits_cross_once_per_exit_layer():

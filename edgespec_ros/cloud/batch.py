@@ -15,7 +15,9 @@ row's cache afterwards holds exactly its own new keys and values (its length mov
 count), as if it had been fed alone. The mask of a row covers its own cache [0, L_i) and its own
 new tokens [L_i, L_i + n_i); positions are explicit per row. The logits stay on the model's
 device: ``verify_batch`` runs the verification rule there for every row at once
-(``decoding.verify.verify_rows``) and brings back one small int tensor per pass.
+(``decoding.verify.verify_rows``) and brings back one small int tensor per pass. With the model's
+``pass_graphs`` (``cloud.graphs``: --cuda-graphs) a pass that fits a bucket runs there instead
+(a captured graph's replay), the same rows written in the same blocks.
 
 Exactness: masked positions contribute exact zeros to attention, but a batched matmul may reduce
 in a different order than a single-row one, so logits agree with the unbatched ones to float
@@ -156,10 +158,14 @@ def feed_batch(seqs: list[Sequence], token_lists: list[list[int]],
     base = torch.tensor([L + s.rope_delta for L, s in zip(lengths, seqs)], dtype=torch.long).view(b, 1)
     pos = (base + offsets).to(device)
     position_ids = pos.view(1, b, new).expand(3, b, new) if lm.is_vlm else pos
-    use_paged_attention(lm.model)
-    paged = PagedPass(pool, [s.cache.table for s in seqs], lengths, counts, see)
-    out = lm.model(input_ids=ids, position_ids=position_ids, past_key_values=_pass_cache(paged), use_cache=True)
-    logits = out.logits.float()  # stays on the device
+    graphs = getattr(lm, "pass_graphs", None)  # cloud.graphs: the pass in its bucket (None: eagerly)
+    out = graphs.forward(seqs, token_lists) if graphs is not None and trees is None else None
+    if out is None:
+        use_paged_attention(lm.model)
+        paged = PagedPass(pool, [s.cache.table for s in seqs], lengths, counts, see)
+        out = lm.model(input_ids=ids, position_ids=position_ids, past_key_values=_pass_cache(paged),
+                       use_cache=True).logits
+    logits = out.float()  # stays on the device
     results = []
     for i, (s, tokens) in enumerate(zip(seqs, token_lists)):
         n = counts[i]

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "its decision's maximum (--max-new-tokens more) do not fit beside the open sessions' "
                          f"(default auto: what --max-sessions such decisions need, at most {KV_FREE_SHARE:g} of the "
                          "device's free memory after the weights are loaded)")
+    ap.add_argument("--cuda-graphs", default=None, choices=["on", "off"],
+                    help="verification passes and AR steps of up to 16 rows replayed as CUDA graphs captured "
+                         "at start-up per bucket of rows, tokens per row and KV blocks (cloud.graphs; a pass "
+                         "no bucket holds runs eagerly); default: on with the target on a CUDA device, off elsewhere")
     ap.add_argument("--max-batch", type=int, default=8,
                     help="verification rounds of up to this many sessions run as one batched forward pass "
                          "(rounds streaming early exits are batched too, each exit streamed from its own row); 1 = one at a time (default 8)")
@@ -224,6 +228,21 @@ def kv_pool(lm, choice, limits: ServerLimits):
     return pool
 
 
+def cuda_graphs(lm, choice: str | None) -> bool:
+    """--cuda-graphs: the model's passes captured (``cloud.graphs.attach_graphs``: the buckets
+    are listed in the log) or eager; SystemExit for ``on`` without a CUDA device."""
+    from .graphs import attach_graphs, cuda_graphs_enabled
+    try:
+        on = cuda_graphs_enabled(choice, lm.device)
+    except ValueError as exc:
+        raise SystemExit(f"edgespec-verifier: {exc}") from None
+    if on:
+        attach_graphs(lm)
+    else:
+        log.info("CUDA graphs: off (--cuda-graphs %s, target on %s)", choice or "default", lm.device)
+    return on
+
+
 def threads_arg(text: str) -> str:
     """--torch-threads: 'auto' or a positive integer."""
     if text == "auto" or (text.isdigit() and int(text) >= 1):
@@ -319,6 +338,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
              else "none (fsd unavailable: modes ar and sd)")
     log.info("precision: %s", precision_note(next(lm.model.parameters()).dtype))
     kv_pool(lm, getattr(args, "kv_budget_gb", "auto"), limits)
+    cuda_graphs(lm, getattr(args, "cuda_graphs", None))
     server = VerifierServer(lm, token=tokens, max_frame=args.max_frame, compute=get_compute(args.compute),
                             idle_timeout_s=args.idle_timeout, exit_queue=args.exit_queue,
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,

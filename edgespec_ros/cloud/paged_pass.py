@@ -56,6 +56,15 @@ class PassKV:
         self.groups, self.keys, self.values = groups, keys, values
 
 
+class StaticKV:
+    """What a static pass's cache layer (``cloud.graphs``) hands its attention: every row's keys
+    and values over the bucket's span [rows, kv_heads, span, dim] and the pass's mask
+    [rows, 1, tokens, span] (bool): one attention over all rows, of fixed shapes."""
+
+    def __init__(self, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        self.mask, self.keys, self.values = mask, keys, values
+
+
 class PagedPass:
     """One batched pass over rows with their own block tables: ``update(layer, keys, values)``
     writes every row's new tokens (not its pads) into its blocks and returns a ``PassKV`` of each
@@ -117,12 +126,21 @@ _GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention of a model whose verifier passes are paged: a ``PassKV`` (a paged pass) is
-    attended group by group, each over its own span; anything else goes to the model's own
+    attended group by group, each over its own span, a ``StaticKV`` (a static pass, ``cloud.graphs``)
+    all rows at once over its bucket's span; anything else goes to the model's own
     attention implementation (the name after ``PAGED_ATTENTION + "_"`` in its config)."""
-    if not isinstance(key, PassKV):
+    if not isinstance(key, (PassKV, StaticKV)):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         inner = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation.removeprefix(PAGED_ATTENTION + "_")]
         return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if isinstance(key, StaticKV):  # a static pass: all rows at once over the bucket's span
+        k, v = key.keys, key.values
+        groups = query.shape[1] // k.shape[1]
+        if groups > 1 and not _GQA:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": True} if groups > 1 and _GQA else {}
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=key.mask, scale=scaling,
+                                              **extra).transpose(1, 2), None
     b, heads, new, dim = query.shape
     out = query.new_empty(b, new, heads, dim)
     for g, k, v in zip(key.groups, key.keys, key.values):

@@ -479,6 +479,30 @@ class VerifierSequence(TargetSequence):
         forward's whole output alive."""
         return logits.float().clone()
 
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        """``Sequence.feed``, through the model's ``pass_graphs`` (``cloud.graphs``: a lone pass in
+        its bucket, a captured graph's replay) when it has them and the pass fits a bucket."""
+        graphs = getattr(self.lm, "pass_graphs", None)
+        if graphs is None or self.cache is None or self.keep_hidden or not token_ids:
+            return super().feed(token_ids)
+        n = len(token_ids)
+        if isinstance(self.cache, SlotCache):
+            self.cache.ensure(self.fed + n)  # KVFull here: nothing written
+        try:
+            out = graphs.forward([self], [list(token_ids)])
+        except BaseException:
+            self.cache.set_length(self.fed)
+            raise
+        if out is None:
+            return super().feed(token_ids)
+        self.cache.set_length(self.fed + n)
+        self.fed += n
+        self.fed_tokens.extend(int(t) for t in token_ids)
+        logits = self._out(out[0, :n])
+        self.last_logits = logits[-1]
+        return logits
+
     @property
     def uses_slots(self) -> bool:
         """Always: every prefill writes into a block table of the model's ``KVPool``."""

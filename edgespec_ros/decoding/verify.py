@@ -13,13 +13,18 @@ applied them to its own (see ``sampling.probs_from_logits``).
 
 The rule runs for every round of a verification pass at once, where the logits are (``verify_rows``):
 each round is checked on the host (ids, shapes, q: what came over the wire), then argmax,
-p, the accept test, the first rejection (cumprod), the residual and the bonus draw are batched
-tensor operations over all rows on the logits' device, with the position-keyed uniforms made on
-the host as one small tensor. What comes back to Python is one int64 [rows, 2] per pass
+p, the accept test, the first rejection (cumprod) and the bonus draw are batched tensor operations
+over all rows on the logits' device, with the position-keyed uniforms made on the host as one
+small tensor. q stays on the host (where the wire put it) until it is needed: the accept test
+reads only q_i(x_i) / sum(q_i) per draft ([rows, gamma] float64, made on the host), and the
+residual norm(max(0, p - q)) of a rejection needs only the rejected draft's q row, which moves
+after the verdicts came back (float32 when that holds it exactly), for the rejected rows alone
+(``upload`` counts what moves, ``UPLOAD``). What comes back to Python is one int64 [rows, 2] per pass
 (accepted count, next token), through ``to_host``: the verification path's one door out of tensor
-land, which counts the bytes it lets through (``HOST``). A split-codec rejection also brings back
-p at the rejected position (the downlink's payload: its top-K only when the codec sends only
-that); early exits, which stream mid-pass, one [rows, 3] per exit layer.
+land, which counts the bytes it lets through (``HOST``); a pass in which a rejection-mode row was
+rejected brings back one int64 [rejected] more, its residual draws. A split-codec rejection also
+brings back p at the rejected position (the downlink's payload: its top-K only when the codec
+sends only that); early exits, which stream mid-pass, one [rows, 3] per exit layer.
 """
 from __future__ import annotations
 
@@ -87,6 +92,18 @@ def to_host(t: torch.Tensor, numpy: bool = False):
         return t.cpu().numpy() if numpy else t.tolist()
     finally:
         HOST._local.depth -= 1
+
+
+UPLOAD = HostTraffic()  # what the rule moved from the host to the logits' device (``upload``)
+
+
+def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` (made on the host) moved to the rule's device ``dev``, its bytes counted in ``UPLOAD``
+    (on a CPU too, where nothing crosses: the count is what would)."""
+    with UPLOAD._lock:
+        UPLOAD.calls += 1
+        UPLOAD.bytes += t.numel() * t.element_size()
+    return t.to(dev)
 
 
 class DraftDistributionError(ValueError):
@@ -232,6 +249,7 @@ class RuleRow:
     mode: str = "rejection"  # MODES, or SEPARATE
     q: torch.Tensor | None = None  # rejection: the drafts' q [n, V] (checked); separate: q(x) float64 [n]
     p_top: int = 0  # separate: a rejection brings back only the top p_top entries of p (0: all of it)
+    q_total: torch.Tensor | None = None  # rejection: sum(q_i) per draft, float64 [n] (set by the accept step)
 
 
 def rule_row(draft_ids, draft_probs, target_logits: torch.Tensor, params: SamplingParams, *, seed: int,
@@ -314,7 +332,7 @@ def _decide_chunk(rows: list[RuleRow], dev: torch.device, confidence: bool) -> t
     meta = torch.tensor([r.draft_ids + [0] * (g - k) + [k] for r, k in zip(rows, n)], dtype=torch.long).to(dev)
     drafts, count = meta[:, :g], meta[:, g]
     valid = torch.arange(g, device=dev) < count[:, None]
-    p_at = None
+    p_at = pending = None
     if mode == "greedy":
         target = z.argmax(dim=-1)  # [n, G + 1]
         accepted = _leading((target[:, :g] == drafts) & valid)
@@ -328,29 +346,65 @@ def _decide_chunk(rows: list[RuleRow], dev: torch.device, confidence: bool) -> t
         coins, uniforms = u[:, :g], u[:, g:]
         px = p[:, :g].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
         if mode == SEPARATE:
-            qx = _padded([r.q.to(dev, torch.float64) for r in rows], g, fill=1.0)
-        else:
-            none = torch.zeros(0, z.shape[-1], dtype=torch.float64, device=dev)  # a round of no drafts (an AR step)
-            q = _padded([none if r.q is None else r.q.to(dev, torch.float64) for r in rows], g, fill=1.0)
-            total = q.sum(dim=-1)  # q is normalised as q / total, element by element where it is read
-            qx = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) / total
+            qx = _padded([r.q.to(torch.float64) for r in rows], g, fill=1.0)
+        else:  # q at the drafted tokens only, normalised on the host: [n, G] float64
+            qx = _padded([_q_at_drafts(r) for r in rows], g, fill=1.0)
+        qx = upload(qx, dev)
         accepted = _leading((coins * qx < px) & valid)  # accept iff coin < p/q, written without the division
         rejected = accepted < count
         p_at = _at(p, accepted)  # [n, V]: p at the rejected draft, or at the bonus position
-        dist = p_at
-        if mode == "rejection" and g:  # at a rejection: the residual norm(max(0, p - q))
-            a = accepted.clamp(max=g - 1)
-            residual = (p_at - _at(q, a) / _at(total, a).unsqueeze(-1)).clamp(min=0.0)
-            use = rejected & (residual.sum(dim=-1) > 0)  # p == q up to rounding: a rejection is (measure-)impossible
-            dist = torch.where(use[:, None], residual, p_at)
-        token = sample_rows(dist, uniforms.gather(1, accepted.view(-1, 1)).view(-1))
+        u_at = uniforms.gather(1, accepted.view(-1, 1)).view(-1)
+        # the bonus draw (a rejection-mode rejection is drawn again from its residual: ``_resample``)
+        token = sample_rows(p_at, u_at)
         if mode == SEPARATE:  # a rejection: the robot resamples it from p, which goes down
             token = torch.where(rejected, torch.full_like(token, NO_TOKEN), token)
+        elif mode == "rejection":
+            pending = (p_at, u_at)
     out = torch.stack([accepted, token], dim=1)
     if confidence:
         top = torch.softmax(_at(z, accepted), dim=-1).amax(dim=-1)
         out = torch.cat([out.to(torch.float64), top.to(torch.float64).view(-1, 1)], dim=1)
-    return out, p_at
+    return out, (p_at if mode == SEPARATE else pending)
+
+
+def _q_at_drafts(r: RuleRow) -> torch.Tensor:
+    """q_i(x_i) / sum(q_i) of a rejection-mode row's drafts, float64 [n], made where q is (the host):
+    the accept step's whole need of q (an AR step: none)."""
+    if r.q is None or not r.draft_ids:
+        return torch.zeros(0, dtype=torch.float64)
+    q = r.q.to(torch.float64)
+    r.q_total = q.sum(dim=-1)
+    return q[torch.arange(len(r.draft_ids)), torch.tensor(r.draft_ids, dtype=torch.long)] / r.q_total
+
+
+def _q_row(r: RuleRow, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejected draft's whole q row for its residual, as it moves to the logits' device: float32
+    when float32 holds it exactly (the dense32, dense16 and top-K codecs' rows), else float64 (a
+    lattice codec's b / l); and its float64 total, by the same sum the accept step normalised with."""
+    row = r.q[i]
+    q64 = row.to(torch.float64)
+    narrow = row.to(torch.float32)
+    return (narrow if torch.equal(narrow.to(torch.float64), q64) else q64), r.q_total[i]
+
+
+def _resample(rows: list[RuleRow], results: list, pending: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The residual draw norm(max(0, p - q)) of every rejection-mode row the accept step rejected,
+    after the verdicts came back (``verify_rows``): only those rows' q rows move to the logits'
+    device, and one int64 [rejected] comes back. A residual of no mass (p == q up to rounding: a
+    rejection of measure zero) keeps the draw from p."""
+    ks = [k for k in pending if results[k].accepted < len(rows[k].draft_ids)]
+    if not ks:
+        return
+    moved = [_q_row(rows[k], results[k].accepted) for k in ks]
+    p_at = torch.stack([pending[k][0] for k in ks])
+    dev = p_at.device
+    wide = any(q.dtype == torch.float64 for q, _ in moved)
+    q = upload(torch.stack([q.to(torch.float64) if wide else q for q, _ in moved]), dev).to(torch.float64)
+    total = upload(torch.stack([t for _, t in moved]), dev)
+    residual = (p_at - q / total.unsqueeze(-1)).clamp(min=0.0)
+    dist = torch.where((residual.sum(dim=-1) > 0)[:, None], residual, p_at)
+    for k, t in zip(ks, to_host(sample_rows(dist, torch.stack([pending[k][1] for k in ks])))):
+        results[k].next_token = int(t)
 
 
 def _decide(rows: list[RuleRow], confidence: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -359,19 +413,22 @@ def _decide(rows: list[RuleRow], confidence: bool = False) -> tuple[torch.Tensor
     parameters, the accept coins and residual / bonus uniforms keyed by (seed, position) as
     ``keyed_uniform`` gives them, made on the host as one small tensor per setting. One chunk per
     rule and setting in the pass (``_chunks``), usually one. Returns the rows' verdicts in order
-    ([B, 2], or [B, 3] with ``confidence``) and p at each separate row's verdict position."""
+    ([B, 2], or [B, 3] with ``confidence``), p at each separate row's verdict position, and each
+    rejection-mode row's (p at its verdict position, its residual uniform) for ``_resample``."""
     dev = rows[0].logits.device
-    parts, order, p_at = [], [], {}
+    parts, order, p_at, pending = [], [], {}, {}
     for ks in _chunks(rows):
         out, p = _decide_chunk([rows[k] for k in ks], dev, confidence)
         parts.append(out)
         order += ks
         if rows[ks[0]].mode == SEPARATE:
             p_at.update({k: p[j] for j, k in enumerate(ks)})
+        elif rows[ks[0]].mode == "rejection":
+            pending.update({k: (p[0][j], p[1][j]) for j, k in enumerate(ks)})
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if order != sorted(order):
         out = out.index_select(0, torch.tensor(sorted(range(len(order)), key=order.__getitem__)).to(dev))
-    return out, p_at
+    return out, p_at, pending
 
 
 def _p_payload(p: torch.Tensor, top: int) -> torch.Tensor:
@@ -388,18 +445,20 @@ def _p_payload(p: torch.Tensor, top: int) -> torch.Tensor:
 
 
 def verify_rows(rows: list[RuleRow], confidence: bool = False) -> list[VerifyResult]:
-    """The rule on several checked rounds at once (``_decide``), one crossing to the host for all:
+    """The rule on several checked rounds at once (``_decide``), one crossing to the host for all
+    (and one more for the residual draws when a rejection-mode row was rejected: ``_resample``):
     accepted count and next token per row (``confidence``: and the max softmax of each row's
     logits at its verdict position, Eq. 4 of the early exits). A separate row's rejection then
     brings back p there (``VerifyResult.target_p``)."""
     if not rows:
         return []
-    out, p_at = _decide(rows, confidence)
+    out, p_at, pending = _decide(rows, confidence)
     results = []
     for r, v in zip(rows, to_host(out)):
         n, a, t = len(r.draft_ids), int(v[0]), int(v[1])
         results.append(VerifyResult(a, t, [True] * a + [False] * (n - a), resampled=a < n,
                                     confidence=v[2] if confidence else None))
+    _resample(rows, results, pending)
     for k, p in p_at.items():
         if results[k].accepted < len(rows[k].draft_ids):
             results[k].target_p = _p_payload(p, rows[k].p_top)
