@@ -155,8 +155,10 @@ def run_capacity(opts, progress) -> list[dict]:
 
 
 def capacity_rows(rows: list[dict], slos=SLOS_S) -> list[dict]:
-    """Per SLO, the most robots each path served with p99 within it (every decision done, no
-    desync, no error); speculative over AR, and over each production engine's AR (``vs_engines``)."""
+    """Per SLO, the robots each path serves: the largest count N such that every count measured up to
+    N met it (p99 within it, every decision done, no desync, no error; a count that passes above one
+    that failed is the noise of a few decisions' p99, not capacity); speculative over AR, and over
+    each production engine's AR (``vs_engines``)."""
     out = []
     ran = {r["path"] for r in rows if r.get("kind") == "run"}
     paths = [p for p in PATHS if p in ran] + list(dict.fromkeys(
@@ -164,9 +166,11 @@ def capacity_rows(rows: list[dict], slos=SLOS_S) -> list[dict]:
     for slo in slos:
         served = {}
         for path in paths:
-            ok = [r["robots"] for r in rows if r.get("kind") == "run" and r["path"] == path and r["p99_s"] is not None
-                  and r["p99_s"] <= slo and not r["errors"] and not r["desync"]]
-            served[path] = max(ok, default=0)
+            served[path] = 0
+            for r in sorted((r for r in rows if r.get("kind") == "run" and r["path"] == path), key=lambda r: r["robots"]):
+                if r["p99_s"] is None or r["p99_s"] > slo or r["errors"] or r["desync"]:
+                    break
+                served[path] = r["robots"]
         spec = served.get("speculative")
         ratio = spec / served["ar"] if spec is not None and served.get("ar") else None
         engines = {p: spec / served[p] if spec is not None and served[p] else None for p in paths
