@@ -32,14 +32,13 @@ decision that finished (its motion outcome and what it covered) and each dropped
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .actions import Action
 from .motion import (BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED, ESTOPPED, FAULT, MOVING, NO_OUTCOME,
                      WATCHDOG_STOP, ZERO, MotionExecutor, Snapshot, VelocityCommand)
-from .profiles import Profile, axis_limits, extent
+from .profiles import Profile, axis_limits, extent, metric_like, same_way
 from .provisional import PROVISIONAL_BOUNDS, ProvisionalCounters, provisional_action, reconcile
 
 DROP_BLOCKED, DROP_ESTOP, DROP_WATCHDOG, DROP_FAULT = "blocked", "estop", "watchdog", "fault"
@@ -101,17 +100,6 @@ class _Running:
     goal: float          # its extent as run (metres or radians)
     base: float = 0.0    # covered before the executor's current primitive (a re-issue)
     start: float = 0.0   # where it begins in the executor's current primitive (after a blended junction)
-
-
-def _same_way(a: Action, b: Action) -> bool:
-    return a.kind == b.kind and a.direction == b.direction and a.kind != "stop"
-
-
-def _stretch(like: Action, amount: float) -> Action:
-    """A metric primitive going the way of ``like`` over ``amount`` (metres or radians)."""
-    if like.kind == "move":
-        return Action("move", "forward", None, amount, 0.0)
-    return Action("turn", like.direction, None, 0.0, math.copysign(amount, like.angle_rad))
 
 
 class MotionChain:
@@ -383,7 +371,7 @@ class MotionChain:
         r, q = self.running, self.queued
         if (r is None or q is None or self._blended or self.executor.state != MOVING or self._issued is None
                 or r.decision.provisional or q.provisional or q.speed_scale != self._scale
-                or not _same_way(self._issued, q.action)):
+                or not same_way(self._issued, q.action)):
             return
         max_speed, accel = axis_limits(self._issued, self.executor.limits.scaled(self._scale))
         speed, covered = self._axis_speed(self._issued), self._covered()
@@ -394,5 +382,5 @@ class MotionChain:
         if self._frame_too_old(now_s, q, starts_s):
             return  # not blended: checked again (and dropped) where the running one ends
         r.base, r.start = self._covered_by(r), 0.0
-        self._issue(now_s, _stretch(self._issued, left + extent(q.action)), r.decision)
+        self._issue(now_s, metric_like(self._issued, left + extent(q.action)), r.decision)
         self._blended, self._boundary = True, left

@@ -101,3 +101,15 @@ def primitive_profile(action: Action, limits: MotionLimits) -> Profile:
     """The rest-to-rest profile of ``action`` under ``limits`` (its duration is ``limits.duration_s``)."""
     max_speed, accel = axis_limits(action, limits)
     return Profile(extent(action), 0.0, max_speed, accel)
+
+
+def same_way(a: Action, b: Action) -> bool:
+    """Two primitives of one kind and direction (a stop goes no way)."""
+    return a.kind == b.kind and a.direction == b.direction and a.kind != "stop"
+
+
+def metric_like(like: Action, amount: float) -> Action:
+    """A metric primitive going the way of ``like`` over ``amount`` (metres or radians)."""
+    if like.kind == "move":
+        return Action("move", "forward", None, amount, 0.0)
+    return Action("turn", like.direction, None, 0.0, math.copysign(amount, like.angle_rad))

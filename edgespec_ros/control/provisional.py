@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .actions import Action
 from .motion import DegradedProfile
-from .profiles import extent
+from .profiles import extent, metric_like, same_way
 
 CONFIRMED, REVERTED = "confirmed", "reverted"
 
@@ -62,25 +62,15 @@ class Reconciliation:
     vain_kind: str  # "move", "turn" or "" (nothing moved in vain)
 
 
-def _same_way(a: Action, b: Action) -> bool:
-    return a.kind == b.kind and a.direction == b.direction and a.kind != "stop"
-
-
-def _remainder(verified: Action, amount: float) -> Action:
-    if verified.kind == "move":
-        return Action("move", "forward", None, amount, 0.0)
-    return Action("turn", verified.direction, None, 0.0, math.copysign(amount, verified.angle_rad))
-
-
 def reconcile(provisional: Action, done: float, verified: Action, tolerance: float = 0.0) -> Reconciliation:
     """The verdict ``verified`` on a provisional motion of ``provisional`` that has covered ``done``
     (metres or radians, unsigned) so far; ``tolerance``: what counts as already there (the limits'
     position or angle tolerance for the verified action's kind)."""
     done = max(done, 0.0)
-    if _same_way(provisional, verified):
+    if same_way(provisional, verified):
         left = extent(verified) - done
         if left > tolerance:
-            return Reconciliation(CONFIRMED, _remainder(verified, left), False, 0.0, "")
+            return Reconciliation(CONFIRMED, metric_like(verified, left), False, 0.0, "")
         surplus = max(-left, 0.0)
         return Reconciliation(CONFIRMED, None, True, surplus, provisional.kind if surplus > 0 else "")
     rest = None if verified.kind == "stop" else verified
