@@ -156,6 +156,7 @@ def test_top_k_split_runs_and_is_marked_lossy(pair, verifier, caplog):
     # eight sessions in a fraction of a second pass the per-token log budget (test_front_door.py holds
     # it), which counts lines over it instead of writing them: raised here, where each line is the subject
     verifier.server.session_lines.per_second = 10_000
+    verifier.server.session_lines.budgets.clear()  # the budgets earlier tests' sessions made: at the new rate
     for seed in range(8):  # the draft is the target plus a little noise: rejections are rare
         remote, _ = _decide(pair, verifier.url, "split:k=8", seed)
         # the verifier's log says so once per session: at open, and at the first sampled decision (its
