@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cuda-graphs", default=None, choices=["on", "off"],
                     help="verification passes and AR steps of up to 16 rows replayed as CUDA graphs captured "
                          "at start-up per bucket of rows, tokens per row and KV blocks (cloud.graphs; a pass "
-                         "no bucket holds runs eagerly); default: on with the target on a CUDA device, off elsewhere")
+                         "no bucket holds runs eagerly); default off: not yet run on a GPU (scripts/gpu_graphs.sh checks it)")
     ap.add_argument("--max-batch", type=int, default=8,
                     help="verification rounds of up to this many sessions run as one batched forward pass "
                          "(rounds streaming early exits are batched too, each exit streamed from its own row); 1 = one at a time (default 8)")

@@ -47,11 +47,12 @@ CUDA_GRAPHS_CHOICES = ("on", "off")
 
 
 def cuda_graphs_enabled(choice: str | None, device) -> bool:
-    """--cuda-graphs: ``on`` or ``off``; None (not given): on when the target is on a CUDA device.
-    ValueError for ``on`` anywhere else (a graph is a CUDA object)."""
+    """--cuda-graphs: ``on`` or ``off``; None (not given): off, until the captured passes have been
+    measured and checked token for token on a GPU (scripts/gpu_graphs.sh). ValueError for ``on``
+    anywhere but a CUDA device (a graph is a CUDA object)."""
     on_cuda = torch.device(device).type == "cuda"
     if choice is None:
-        return on_cuda
+        return False
     if choice not in CUDA_GRAPHS_CHOICES:
         raise ValueError(f"--cuda-graphs is on or off, not {choice!r}")
     if choice == "on" and not (on_cuda and torch.cuda.is_available()):

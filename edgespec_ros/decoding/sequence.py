@@ -42,6 +42,9 @@ _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 def crop_cache(cache, keep: int) -> None:
     """Drop cached positions beyond the first ``keep`` (transformers 4.x and 5.x semantics)."""
     current = cache.get_seq_length()
+    if isinstance(cache, SlotCache):  # also gives back blocks taken past its length (a pass that failed)
+        cache.set_length(min(current, keep))
+        return
     if current <= keep:
         return
     cache.crop(keep - current if _TRANSFORMERS_MAJOR >= 5 else keep)
@@ -221,6 +224,8 @@ class Sequence:
                     out = model(**piece, position_ids=position_ids[..., a:b], past_key_values=self.cache,
                                 use_cache=True)
                 except BaseException:
+                    if isinstance(self.cache, SlotCache):  # its blocks and reservation back now, not at GC
+                        self.cache.release()
                     self.cache, self.fed, self.prompt_ids = None, 0, []
                     raise
                 self.fed = b
