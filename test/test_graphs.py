@@ -140,32 +140,38 @@ def test_a_pass_without_a_bucket_a_tree_or_hooks_runs_eagerly(lm, graphs):
     assert graphs.forward(_fresh(lm, 2), [[5], [6]]) is not None and graphs.static == 1
 
 
+
+def _greedy_rounds(lm, with_graphs: bool, rows: int) -> list[list[int]]:
+    """``rows`` sessions' greedy rounds and AR steps over four passes, with the model's pass graphs
+    attached or taken off for the run; each session's tokens."""
+    pg = lm.__dict__.pop("pass_graphs")
+    if with_graphs:
+        lm.__dict__["pass_graphs"] = pg
+    try:
+        sessions = open_sessions(lm, rows, GREEDY, seed=rows, prompt_tokens=20)
+        rng = random.Random(rows)
+        for step in range(4):
+            items = [ArStep(s) if (step + k) % 3 == 2 else Round(s, [rng.randrange(3, lm.vocab_size)
+                                                                   for _ in range(1 + (step + k) % 5)], None)
+                     for k, s in enumerate(sessions)]
+            assert all(e is None for e in verify_batch(items).errors)
+        return [s.seq.generated for s in sessions]
+    finally:
+        lm.__dict__["pass_graphs"] = pg
+
+
 def test_greedy_fp32_verification_is_token_identical_through_the_static_pass_alone_and_batched(lm, graphs):
     """Greedy rounds and AR steps of 1..3 sessions, several passes in a row: every session's
     tokens are the same with the static pass and with the eager paged pass."""
     def run(with_graphs: bool, rows: int) -> list[list[int]]:
-        pg = lm.__dict__.pop("pass_graphs")
-        if with_graphs:
-            lm.__dict__["pass_graphs"] = pg
-        try:
-            sessions = open_sessions(lm, rows, GREEDY, seed=rows, prompt_tokens=20)
-            rng = random.Random(rows)
-            for step in range(4):
-                items = [ArStep(s) if (step + k) % 3 == 2 else Round(s, [rng.randrange(3, lm.vocab_size)
-                                                                       for _ in range(1 + (step + k) % 5)], None)
-                         for k, s in enumerate(sessions)]
-                out = verify_batch(items)
-                assert all(e is None for e in out.errors)
-            return [s.seq.generated for s in sessions]
-        finally:
-            lm.__dict__["pass_graphs"] = pg
+        return _greedy_rounds(lm, with_graphs, rows)
     for rows in (1, 3):
         before = graphs.static
         assert run(True, rows) == run(False, rows)
         assert graphs.static > before
 
 
-def test_cuda_graphs_default_on_for_cuda_and_off_elsewhere():
+def test_cuda_graphs_are_off_unless_asked_for_and_on_only_on_cuda():
     from edgespec_ros.cloud.config import build_parser
     assert cuda_graphs_enabled(None, "cpu") is False
     assert cuda_graphs_enabled(None, "cuda") is False  # off until measured on a GPU
@@ -221,20 +227,7 @@ def test_captured_graphs_replay_fp32_greedy_token_identical_alone_and_batched():
     assert len(graphs.graphs) == 3 * 3 * 2
 
     def run(with_graphs: bool, rows: int):
-        pg = lm.__dict__.pop("pass_graphs")
-        if with_graphs:
-            lm.__dict__["pass_graphs"] = pg
-        try:
-            sessions = open_sessions(lm, rows, GREEDY, seed=rows, prompt_tokens=20)
-            rng = random.Random(rows)
-            for step in range(4):
-                items = [ArStep(s) if (step + k) % 3 == 2 else Round(s, [rng.randrange(3, lm.vocab_size)
-                                                                       for _ in range(1 + (step + k) % 5)], None)
-                         for k, s in enumerate(sessions)]
-                assert all(e is None for e in verify_batch(items).errors)
-            return [s.seq.generated for s in sessions]
-        finally:
-            lm.__dict__["pass_graphs"] = pg
+        return _greedy_rounds(lm, with_graphs, rows)
     for rows in (1, 4):
         before = graphs.replays
         assert run(True, rows) == run(False, rows)
