@@ -751,6 +751,40 @@ def test_the_edge_client_over_tls_checks_the_certificate(pair):
         RemoteVerifier("ws://127.0.0.1:1", fingerprint="x", vocab_size=1, ca_file="ca.pem")
 
 
+def test_a_tls_race_while_opening_is_retried_once_and_the_server_sends_no_tickets(pair, monkeypatch):
+    """The verifier's TLS context sends no session tickets (a ticket read on the client's receiving
+    thread while its caller writes the upgrade is the race); a non-certificate TLS error while
+    opening is retried once, a second one or a refused certificate is not."""
+    import websockets.sync.client as wsc
+    from websockets.exceptions import ConnectionClosedError
+    from edgespec_ros.wire.client import LinkLostError, RemoteVerifier
+    ctx = config_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
+    assert ctx.num_tickets == 0
+    real, calls = wsc.connect, []
+
+    def racy(failures):
+        def connect(*a, **kw):
+            calls.append(kw["open_timeout"])
+            if len(calls) <= failures:
+                raise ConnectionClosedError(None, None) from ssl.SSLError(1, "[SSL] internal error")
+            return real(*a, **kw)
+        return connect
+    with _server(pair, ssl_context=ctx, token=TOKEN_A) as st:
+        def client():
+            return RemoteVerifier(st.url, fingerprint=pair.draft.fingerprint(), vocab_size=pair.vocab,
+                                  token=TOKEN_A, ca_file=os.path.join(TLS_DIR, "server.crt"),
+                                  timeout_s=DEADLINE_S, prompt_format=pair.draft.prompt_format)
+        monkeypatch.setattr(wsc, "connect", racy(1))
+        rv = client()
+        assert rv.connect().fingerprint == pair.target.fingerprint() and len(calls) == 2
+        rv.close()
+        calls.clear()
+        monkeypatch.setattr(wsc, "connect", racy(2))
+        with pytest.raises(LinkLostError, match="cannot open a websocket"):
+            client().connect()
+        assert len(calls) == 2
+
+
 def test_preemptible_jobs_interleave_with_other_flows():
     """A generator job runs one quantum at a time: a light flow's job goes between two of them."""
     fair = FairCompute("t")

@@ -45,6 +45,11 @@ def tls_context(cert: str | None, key: str | None):
     import ssl
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # No TLS 1.3 session tickets: sessions are long-lived and never resumed, and a ticket arrives
+    # just after the handshake, while the robot's websocket client reads on one thread and writes
+    # its upgrade request on another: concurrent reads and writes on one Python SSL socket race
+    # (a spurious "[SSL] internal error" or a stalled handshake, seen under load).
+    ctx.num_tickets = 0
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:

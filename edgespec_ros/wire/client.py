@@ -41,6 +41,18 @@ log = logging.getLogger("edgespec.edge")
 CLOSE_TIMEOUT_S = 1.0  # a graceful close() waits at most this long for the server's close frame
 
 
+def _tls_race(exc: BaseException) -> bool:
+    """A TLS error while opening that is not the certificate's: the websockets sync client reads
+    on a background thread while its caller writes, and concurrent reads and writes on one Python
+    SSL socket race (a post-handshake TLS 1.3 session ticket read while the upgrade request is
+    written: "[SSL] internal error"). Worth one immediate retry; a refused certificate is not."""
+    import ssl
+    for e in (exc, exc.__cause__):
+        if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLCertVerificationError):
+            return True
+    return False
+
+
 def tls_client_context(url: str, ca_file: str | None):
     """The TLS context for a wss:// URL: the system CAs, or ``ca_file`` (a PEM bundle: e.g. the
     verifier's self-signed certificate); hostname and certificate are always verified."""
@@ -110,11 +122,21 @@ class RemoteVerifier(Verifier):
         import ssl
         from websockets.sync.client import connect
         kwargs = {"ssl": self.ssl_context} if self.ssl_context is not None else {}
-        try:
+        deadline = time.monotonic() + self.connect_timeout_s
+
+        def open_once():
             # __enter__: the plain connection on websockets 13..17+ (connect() without "with" is deprecated)
-            self.ws = connect(self.url, open_timeout=self.connect_timeout_s,
-                              close_timeout=min(CLOSE_TIMEOUT_S, self.timeout_s),
-                              max_size=2 * self.max_frame + 1024, compression=None, **kwargs).__enter__()
+            return connect(self.url, open_timeout=max(0.1, deadline - time.monotonic()),
+                           close_timeout=min(CLOSE_TIMEOUT_S, self.timeout_s),
+                           max_size=2 * self.max_frame + 1024, compression=None, **kwargs).__enter__()
+        try:
+            try:
+                self.ws = open_once()
+            except Exception as exc:
+                if not _tls_race(exc) or time.monotonic() >= deadline:
+                    raise
+                log.info("TLS error opening %s (%s): retrying once", self.url, exc.__cause__ or exc)
+                self.ws = open_once()
         except ssl.SSLCertVerificationError as exc:
             raise LinkLostError(f"the verifier at {self.url} presented a certificate this robot does not trust "
                                 f"({exc.verify_message}): give its CA with tls_ca_file (now "
