@@ -25,6 +25,7 @@ GAMMA_MAX = 64  # the protocol's longest draft
 PIPE_DEPTH_MAX = 8  # the pipeline's most blocks in flight
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
+ACT_WHILE_VERIFYING = ("off", "overlap", "speculative")  # when the robot moves while a decision is made
 QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
 
 
@@ -102,6 +103,18 @@ class DrafterSettings:
     max_frame_age_s: float = setting(1.0, "never decide on a frame older than this", min_value=0.01)
     wait_for_motion: bool = setting(True, "decide again only after the navigator finished the last motion and "
                                           "on a frame captured after it")
+    act_while_verifying: str = setting(
+        "off", "when the robot moves while a decision is made: off (decide only after the last motion ended, on "
+               "a frame captured after it), overlap (begin the next decision while the motion runs, timed so its "
+               "verdict lands as the motion ends; the navigator chains the verified action on without a stop), "
+               "speculative (overlap, and where the verdict is predicted to come provisional_margin_s later than "
+               "the draft finishes the decision, begin the draft's action as a PROVISIONAL motion inside its own "
+               "bounds; the verdict confirms it or stops and reverts to the verified action; the decision "
+               "committed is still exactly the target's)",
+        choices=ACT_WHILE_VERIFYING)
+    provisional_margin_s: float = setting(
+        1.0, "speculative: begin a provisional motion only when the predicted verdict comes this many seconds "
+             "after the draft finished the decision", min_value=0.0)
     motion_wait_timeout_s: float = setting(15.0, "decide anyway when the navigator has not reported for this "
                                                  "long", min_value=0.1)
     finish_on_stop: bool = setting(True, "a verified 'stop' completes the command (no more decisions until "
