@@ -433,3 +433,45 @@ def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp
     with pytest.raises(SystemExit, match="--push-repeats must be in"):
         train_cli.main(["data", "--memory", "2", "--push-repeats", "1", "--work", str(tmp_path),
                         "--out", str(tmp_path / "m")])
+
+
+def test_mid_motion_frames_show_the_action_under_way_and_answer_with_the_decision_where_it_ends(tmp_path):
+    """A frame part-way through a move or turn: the pose on the primitive's path, the prompt's last
+    turn the action under way (outcome "executing"), the answer the next decision's (made where the
+    action ends); the rollout's own frames unchanged and in order around them."""
+    import math
+    from edgespec_ros.decoding.memory import EXECUTING
+    from edgespec_ros.train import cli as train_cli
+    kwargs = dict(memory=2, belief=True, perturbations_per_step=0)
+    plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 8, **kwargs)]
+    frames = list(expert_frames("train", 8, mid_motion=1.0, **kwargs))
+    mids = [i for i, f in enumerate(frames) if f.history and f.history[-1].outcome == EXECUTING]
+    assert len(mids) >= 20
+    inside = 0  # frames strictly part-way (not at either end of the primitive)
+    assert [(f.pose, f.decision.text, f.history) for i, f in enumerate(frames) if i not in mids] == plain
+    for i in mids:
+        mid, after = frames[i], frames[i - 1]  # after: the decision where the action ends
+        before = next(frames[j] for j in range(i - 2, -1, -1) if j not in mids)  # the decision of the action
+        assert mid.scenario is after.scenario is before.scenario
+        assert mid.decision.text == after.decision.text
+        assert mid.history[-1].action == after.history[-1].action == before.decision.action.text
+        assert mid.history[-1].belief == after.history[-1].belief and mid.history[:-1] == after.history[:-1]
+        action = before.decision.action
+        if action.kind == "turn":  # same place, heading between the two
+            assert (mid.pose.x, mid.pose.y) == (before.pose.x, before.pose.y)
+            turned = math.remainder(mid.pose.yaw_rad - before.pose.yaw_rad, 2 * math.pi)
+            assert 0 <= turned * math.copysign(1, action.angle_rad) <= abs(action.angle_rad) + 1e-9
+            inside += 0.01 < abs(turned) < abs(action.angle_rad) - 0.01
+        else:  # on the segment between the two poses
+            d_mid = math.dist((mid.pose.x, mid.pose.y), (before.pose.x, before.pose.y))
+            d_all = math.dist((after.pose.x, after.pose.y), (before.pose.x, before.pose.y))
+            assert mid.pose.yaw_rad == before.pose.yaw_rad and d_mid <= d_all + 1e-9
+            inside += 0.01 < d_mid < d_all - 0.01
+    assert inside >= len(mids) // 2
+    assert not [f for f in expert_frames("train", 3, mid_motion=0.0, **kwargs)
+                if f.history and f.history[-1].outcome == EXECUTING]
+    with pytest.raises(ValueError, match="mid_motion"):
+        next(expert_frames("train", 1, mid_motion=1.5))
+    with pytest.raises(SystemExit, match="--mid-motion must be in"):
+        train_cli.main(["data", "--memory", "2", "--mid-motion", "2", "--work", str(tmp_path),
+                        "--out", str(tmp_path / "m")])

@@ -15,12 +15,13 @@ import numpy as np
 
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
 from ..control.belief import SearchBelief, memory_for
-from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
+from ..control.motion import MotionLimits
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, in_flight
 from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
                        ScenarioError, scenario_from_dict, write_scenario)
-from .world import SimWorld, forward_clearance, pose_collision
+from .world import SimWorld, forward_clearance, pose_collision, primitive_pose_at
 
 SPLITS = ("train", "heldout")
 SPLIT_SEED_BASE = {"train": 0, "heldout": 1_000_000_000}
@@ -192,7 +193,8 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       closeups_per_scenario: float = 0.0, family: str | None = None,
                       memory: int = 0, memory_noise: float = 0.0,
                       memory_dropout: float = 0.0, belief: bool = False,
-                      spin_starts: float = 0.0, push_repeats: float = 0.0) -> Iterator[Example]:
+                      spin_starts: float = 0.0, push_repeats: float = 0.0,
+                      mid_motion: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -218,14 +220,17 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     its small approach moves), and a policy that copies it stops early (docs/models.md).
     ``belief``: the memory's last turn carries the search belief (``control.belief``);
     ``spin_starts``: the share of rollouts that begin with a learned policy's spin (:func:`expert_frames`);
-    ``push_repeats``: the chance a blocked forward move is pushed again (:func:`expert_frames`).
+    ``push_repeats``: the chance a blocked forward move is pushed again (:func:`expert_frames`);
+    ``mid_motion``: the chance a move or turn adds a frame captured part-way through it, the
+    in-flight action in its prompt (:func:`expert_frames`).
     """
 
     for frame in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
             closeups_per_scenario=closeups_per_scenario, family=family, memory=memory, memory_noise=memory_noise,
-            memory_dropout=memory_dropout, belief=belief, spin_starts=spin_starts, push_repeats=push_repeats):
+            memory_dropout=memory_dropout, belief=belief, spin_starts=spin_starts, push_repeats=push_repeats,
+            mid_motion=mid_motion):
         yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
                       dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
 
@@ -240,7 +245,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   family: str | None = None, memory: int = 0,
                   memory_noise: float = 0.0, memory_dropout: float = 0.0,
                   belief: bool = False, spin_starts: float = 0.0,
-                  push_repeats: float = 0.0) -> Iterator[ExpertFrame]:
+                  push_repeats: float = 0.0, mid_motion: float = 0.0,
+                  limits: MotionLimits = MotionLimits()) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
 
@@ -261,7 +267,16 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     ``push_repeats``: with that probability a forward move that ended blocked is executed again at
     the next decision (and again after that, each time with the same chance), whatever the expert
     says: the push a learned policy falls into when its camera no longer shows what stopped it. The
-    memory then shows the push, and an expert with ``blocked_memory`` labels the way out."""
+    memory then shows the push, and an expert with ``blocked_memory`` labels the way out.
+
+    ``mid_motion``: with that probability a move or turn also yields a frame captured part-way
+    through it (a uniform share of its motion time under ``limits``: ``world.primitive_pose_at``),
+    as a robot that decides while it moves sees: its prompt shows the action under way as executing
+    (``decoding.memory.in_flight``: the belief advanced to the pose the action will leave the robot
+    in), and its answer is the expert's decision where the action ends (the next frame's: the
+    decision that runs next). None when the action ended blocked (the robot decides again on a
+    fresh frame then), when the episode ended with it, or when the next frame is shown without its
+    memory (memory dropout). It follows the next frame (and its jittered ones come after it)."""
     if not 0.0 <= action_noise < 1.0:
         raise ValueError(f"generate_examples: action_noise must be in [0, 1), got {action_noise}")
     if not 0.0 <= memory_noise < 1.0:
@@ -276,6 +291,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         raise ValueError(f"generate_examples: push_repeats must be in [0, 1), got {push_repeats}")
     if closeups_per_scenario < 0:
         raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
+    if not 0.0 <= mid_motion <= 1.0:
+        raise ValueError(f"generate_examples: mid_motion must be in [0, 1], got {mid_motion}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
         Action.turn(direction, size, action_config) for direction in ("left", "right") for size in SIZES]
     shape = scenario_family(family)
@@ -291,6 +308,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         spin = spin_length if spin_starts and np.random.default_rng([seed, 7]).random() < spin_starts else 0
         push_rng = np.random.default_rng([seed, 8])
         pushed = None  # the forward move that just ended blocked, while a learner would push it again
+        mid_rng = np.random.default_rng([seed, 9])
+        mid = None  # (pose, history) of a frame part-way through the last primitive, labelled by the next decision
         policy = ExpertPolicy(action_config, camera, expert_config, seed=seed)
         world = SimWorld(scenario, camera, action_config)
         turns = PolicyMemory(memory, SearchBelief(scenario.instruction) if belief else None)
@@ -304,6 +323,9 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
             shown = _shown_belief(turns, history)
             decision = policy.decide(scenario, pose, view, shown, history)
             yield ExpertFrame(scenario, pose, view, decision, history)
+            if mid is not None and (history or not memory):
+                yield ExpertFrame(scenario, mid[0], render_view(scenario, mid[0], camera), decision, mid[1])
+            mid = None
             for _ in range(rng.poisson(perturbations_per_step)):
                 jittered = _perturb(scenario, pose, rng)
                 if jittered is not None:
@@ -319,7 +341,11 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                 executed, spin = spin_turn, spin - 1
             elif pushed is not None and decision.action.kind != "stop":
                 executed = pushed
+            share = mid_rng.random() if mid_motion and executed.kind != "stop" and mid_rng.random() < mid_motion else None
             result = world.step(executed)
+            if share is not None and not result.collided and not world.done:
+                mid = (primitive_pose_at(scenario, pose, executed, share * limits.duration_s(executed), limits),
+                       in_flight(turns, executed.text, decision.text))
             if executed.kind == "turn":
                 last_turn = executed
             pushed = (executed if push_repeats and executed.kind == "move" and result.collided

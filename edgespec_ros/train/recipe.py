@@ -40,6 +40,10 @@ class PipelineConfig:
     # learned policy pushes (whatever the expert says; sim.dataset.expert_frames), so the memory shows
     # a push and an expert with blocked_memory shows the way out
     push_repeats: float = 0.0
+    # the chance that a data rollout's move or turn adds a frame captured part-way through it, with the
+    # action under way in the prompt and the expert's decision where it ends as the answer
+    # (sim.dataset.expert_frames): the frames a robot deciding while it moves (act_while_verifying) sees
+    mid_motion: float = 0.0
     # the expert whose answers the models learn and are scored against: ExpertConfig fields as
     # "KEY=VALUE;KEY=VALUE" (e.g. "stop_gap_m=0.3": stop 0.3 m from touching the goal, inside the
     # goal radius the camera cannot show); empty: the default expert. Recorded in each model's
@@ -131,7 +135,7 @@ HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers", "checkpo
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
 LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False, "spin_starts": 0.0,
-                 "push_repeats": 0.0}
+                 "push_repeats": 0.0, "mid_motion": 0.0}
 
 
 def recipe_of(cfg) -> dict:
@@ -160,7 +164,7 @@ ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exit
 # not the data and the target.
 STAGE_OPTIONS = {
     "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout",
-             "belief", "spin_starts", "push_repeats", "expert", "seed"),
+             "belief", "spin_starts", "push_repeats", "mid_motion", "expert", "seed"),
     "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),

@@ -28,7 +28,8 @@ def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
                                 closeups_per_scenario=cfg.closeups_per_scenario,
                                 memory=cfg.memory, memory_noise=cfg.memory_noise,
                                 memory_dropout=cfg.memory_dropout, belief=cfg.belief,
-                                spin_starts=cfg.spin_starts, push_repeats=cfg.push_repeats):
+                                spin_starts=cfg.spin_starts, push_repeats=cfg.push_repeats,
+                                mid_motion=cfg.mid_motion):
         for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
                            ("present", ex.labels.present), ("log_depth", ex.labels.log_depth),
                            ("goal_class", ex.labels.goal_class),
