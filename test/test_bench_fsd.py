@@ -57,7 +57,7 @@ def test_bench_fsd_row_has_cache_miss_exit_layer_and_both_speedups(tmp_path, cap
     out = tmp_path / "bench.json"
     assert cli.main(["--modes", "ar,sd,fsd", "--link", "lan", "--decisions", "1", "--max-new-tokens", "16",
                      "--workers", "2", "--json", str(out)]) == 0
-    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     f = rows["fsd"]
     assert 0.0 <= f["cache_miss_rate"] <= 1.0 and 1.0 <= f["avg_exit_layer"] <= 6.0
     assert f["workers"] == 2 and f["client_queue"] == "priority" and f["exits_per_round"] > 0

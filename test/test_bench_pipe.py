@@ -73,7 +73,7 @@ def test_bench_pipe_rows_have_the_pipeline_columns(tmp_path, capsys):
                      "--metrics-out", str(tmp_path / "metrics.txt")]) == 0
     text = capsys.readouterr().out
     assert "in flight" in text and "Pipeline model" in text and "of bound" in text
-    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     for mode in ("pipe", "pipe+fsd"):
         r = rows[mode]
         assert r["pipe_depth"] == 2 and 1 <= r["max_in_flight"] <= 2

@@ -64,7 +64,9 @@ def test_gamma_auto_sweep_through_the_command_line(tmp_path, capsys):
     png, out = tmp_path / "plots" / "gamma.png", tmp_path / "gamma.json"
     assert cli.main(["--sweep", "gamma-auto", "--decisions", "1", "--gammas", "2", "--links", "lan",
                      "--compute", "native", "--max-new-tokens", "12", "--plot", str(png), "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("edgespec-bench --sweep") and saved["commit"] and saved["models"]
+    rows = saved["rows"]
     settings = [r for r in rows if r["kind"] == "setting"]
     assert [r["setting"] for r in settings] == ["ar", "2", "auto"]
     assert all(r["tokens"] > 0 and r["ms_per_token"] > 0 and r["decisions"] == 1 for r in settings)
@@ -89,7 +91,9 @@ def test_wisv_sweep_through_the_command_line(tmp_path, capsys):
     assert cli.main(["--sweep", "wisv", "--decisions", "1", "--links", "cellular", "--thresholds", "0.2",
                      "--compute", "native", "--frames", "4", "--episodes", "2", "--plot", str(png),
                      "--json", str(out), "--action-tolerance", "1"]) == 0
-    rows = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    assert saved["command"].startswith("edgespec-bench --sweep") and saved["commit"] and saved["models"]
+    rows = saved["rows"]
     assert [(r["threshold"], r["upload"], r.get("tolerance")) for r in rows] == [
         (None, None, None), (0.2, "full", None), (0.2, "selective", None), (0.2, None, 1)]
     tolerant = rows.pop()  # Spec-VLA's relaxation: in process only, no timing over the link
@@ -124,8 +128,12 @@ def test_bad_sweep_arguments_are_clear_errors(argv, fragment, capsys):
 def test_json_rows_go_to_a_folder_that_does_not_exist_yet(tmp_path):
     from edgespec_ros.bench.cli import write_json
     path = tmp_path / "out" / "deeper" / "rows.json"
-    write_json(str(path), [{"mode": "sd", "ms_per_token": 1.5}])
-    assert json.loads(path.read_text()) == [{"mode": "sd", "ms_per_token": 1.5}]
+    from types import SimpleNamespace
+    write_json(str(path), [{"mode": "sd", "ms_per_token": 1.5}], SimpleNamespace(argv=["--sweep", "codecs"]), "pair X")
+    saved = json.loads(path.read_text())
+    assert saved["rows"] == [{"mode": "sd", "ms_per_token": 1.5}]
+    assert saved["command"] == "edgespec-bench --sweep codecs" and saved["models"] == "pair X"
+    assert saved["commit"] == "unknown" or len(saved["commit"].split("+")[0]) >= 7
 
 
 def test_the_wisv_sweep_runs_a_second_sample_of_episodes_after_the_cards_and_keeps_the_cards_frames():

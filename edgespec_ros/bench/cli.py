@@ -247,16 +247,32 @@ def run_sweep(args, replay: BagReplay | None = None) -> int:
     sweep.plot(rows, plot)
     print(f"wrote {plot}")
     if args.json:
-        write_json(args.json, rows)
+        write_json(args.json, rows, args, pair.label)
     return 0
 
 
-def write_json(path: str, rows) -> None:
-    """--json: the rows to ``path``, its folder made first (a measurement is never lost to a
-    missing ``out/``)."""
+def source_commit() -> str:
+    """The git commit the package runs from ("+dirty" when its tracked files differ), or "unknown"
+    outside a git checkout (an installed wheel)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "") if head else "unknown"
+
+
+def write_json(path: str, rows, args, models: str) -> None:
+    """--json: the rows to ``path`` with their provenance (the command line, the commit, the
+    models), its folder made first (a measurement is never lost to a missing ``out/``)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(rows, f, indent=2)
+        json.dump({"command": "edgespec-bench " + shlex.join(args.argv), "commit": source_commit(),
+                   "models": models, "rows": rows}, f, indent=2)
     print(f"wrote {path}")
 
 
@@ -302,7 +318,9 @@ def replay_report(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line, for the --json file's provenance
     try:
         return bench(args)
     except BagError as exc:
@@ -410,7 +428,7 @@ def bench(args) -> int:
             print(f"gamma auto ({r['mode']} row): AS2 chose cloud AR in {r['ar_decisions']} of {r['decisions']} "
                   f"decisions; ODLD's gamma per SD round: {r['gamma_counts'] or '-'}")
     if args.json:
-        write_json(args.json, rows)
+        write_json(args.json, rows, args, pair.label)
     return 0
 
 
