@@ -751,6 +751,21 @@ def test_the_edge_client_over_tls_checks_the_certificate(pair):
         RemoteVerifier("ws://127.0.0.1:1", fingerprint="x", vocab_size=1, ca_file="ca.pem")
 
 
+def test_a_tls_handshake_never_finished_is_cut_at_the_header_timeout(pair):
+    """A connection passes the front door only once its TLS handshake is done: one that never
+    sends its ClientHello is closed after the header timeout (asyncio's default would hold it 60 s)."""
+    ctx = config_module.tls_context(os.path.join(TLS_DIR, "server.crt"), os.path.join(TLS_DIR, "server.key"))
+    with _server(pair, ssl_context=ctx, token=TOKEN_A, limits=ServerLimits(header_timeout_s=0.5)) as st:
+        port = int(st.url.rsplit(":", 1)[1].split("/")[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as raw:
+            t0 = time.monotonic()
+            try:
+                assert raw.recv(1) == b""  # closed by the server, nothing sent
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - t0 < 5.0
+
+
 def test_a_tls_race_while_opening_is_retried_once_and_the_server_sends_no_tickets(pair, monkeypatch):
     """The verifier's TLS context sends no session tickets (a ticket read on the client's receiving
     thread while its caller writes the upgrade is the race); a non-certificate TLS error while

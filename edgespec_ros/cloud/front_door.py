@@ -138,10 +138,17 @@ class FrontDoor:
         return cls(limits.max_connections, limits.max_handshakes_per_address, limits.header_timeout_s,
                    reserved=limits.max_sessions, trusted=gate.is_trusted)
 
-    def server_options(self) -> dict:
+    def server_options(self, tls: bool = False) -> dict:
         """``websockets.asyncio.server.serve`` options: connections through this door, the backlog
-        its descriptor reserve counts on."""
-        return {"create_connection": self.connection_class(), "backlog": ACCEPT_BACKLOG}
+        its descriptor reserve counts on, and (``tls``) the TLS handshake's time limit. A connection
+        passes the door only once its TLS handshake is done (asyncio tells the protocol no sooner),
+        so a client that opens connections and never finishes the handshake would hold each
+        descriptor for asyncio's default 60 s uncounted: the handshake gets the header timeout
+        instead, the same bound as a plain connection's upgrade request."""
+        options = {"create_connection": self.connection_class(), "backlog": ACCEPT_BACKLOG}
+        if tls:
+            options["ssl_handshake_timeout"] = self.header_timeout_s
+        return options
 
     def describe(self) -> str:
         fds = "unknown" if self.fd_limit is None else str(self.fd_limit)

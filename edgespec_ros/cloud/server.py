@@ -593,7 +593,7 @@ class VerifierServer:
         async with serve(self.handler, host, port, max_size=PREAUTH_MAX_FRAME, max_queue=2, compression=None,
                          process_request=self._http_request,
                          ping_interval=20, ping_timeout=20, open_timeout=self.handshake_timeout_s,
-                         ssl=self.ssl_context, **self.door.server_options()) as server:
+                         ssl=self.ssl_context, **self.door.server_options(self.ssl_context is not None)) as server:
             self.port = server.sockets[0].getsockname()[1] if hasattr(server, "sockets") else port
             scheme = "wss" if self.ssl_context is not None else "ws"
             log.info("edgespec-verifier listening on %s://%s:%d (model %s, vocab %d, compute %s, auth %s)",
