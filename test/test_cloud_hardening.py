@@ -1017,6 +1017,12 @@ def test_metrics_and_health_over_plain_http(pair):
         assert metrics["edgespec_verifier_verified_tokens_total"] == verdict.accepted + 1
         assert metrics["edgespec_verifier_batches_total"] == 1
         assert "# TYPE edgespec_verifier_queued_jobs gauge" in text
+        pool = st.server.lm.kv_pool()  # the session's cache is in the pool, and its figures are the pool's
+        assert metrics["edgespec_verifier_kv_budget_bytes"] == pool.bytes > 0
+        assert metrics["edgespec_verifier_kv_used_bytes"] == pool.used_bytes > 0
+        assert metrics["edgespec_verifier_kv_sequences"] == pool.in_use >= 1
+        assert metrics["edgespec_verifier_kv_peak_bytes"] >= pool.used_bytes
+        assert metrics["edgespec_verifier_kv_refused_total"] == 0
         assert st.server.status()["verified_tokens"] == verdict.accepted + 1
         st.server.stopping = True  # a load balancer sees a verifier that is shutting down
         with pytest.raises(urllib.error.HTTPError) as info:

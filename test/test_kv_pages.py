@@ -63,6 +63,8 @@ def test_the_pools_bytes_are_its_budget_whatever_the_lengths(pair):
     assert b.fed == 100 and b.cache.get_seq_length() == 100
     assert [(t.data_ptr(), t.shape) for t in pool.keys + pool.values] == tensors  # never reallocated
     assert pool.peak_blocks <= pool.blocks and pool.held_blocks == 10
+    assert pool.refusals == 2 and pool.stats()["kv_refused"] == 2
+    assert pool.stats()["kv_used_bytes"] == 10 * pool.block_bytes and pool.stats()["kv_sequences"] == 2
     a.release()
     b.release()
     assert (pool.held_blocks, pool.in_use, pool.free_blocks) == (0, 0, 12)

@@ -63,6 +63,12 @@ STATUS_METRICS = {
     "trace_evicted": ("trace_buffers_evicted", "counter",
                       "trace buffers written early to keep a tenant's (or the whole) buffer memory bound"),
     "trace_buffered_bytes": ("trace_buffered_bytes", "gauge", "bytes of trace rounds buffered in memory"),
+    "kv_budget_bytes": ("kv_budget_bytes", "gauge", "bytes of the KV pool (--kv-budget-gb, whole blocks)"),
+    "kv_used_bytes": ("kv_used_bytes", "gauge", "bytes of the KV blocks sequences hold now"),
+    "kv_peak_bytes": ("kv_peak_bytes", "gauge", "most bytes of KV blocks held at once since start"),
+    "kv_free_blocks": ("kv_free_blocks", "gauge", "KV blocks neither held nor promised to an admitted decision"),
+    "kv_sequences": ("kv_sequences", "gauge", "sequences with a cache in the KV pool"),
+    "kv_refused": ("kv_refused", "counter", "KV reservations refused (a PREFILL or decision answered BUSY 'verifier full')"),
 }
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -638,7 +638,13 @@ class VerifierServer:
                 "batches": fair.batches, "batched_jobs": fair.batched_jobs, "holds": fair.holds,
                 "hold_s": fair.hold_s,
                 "dropped_blocks": self.dropped_blocks, "verified_tokens": self.verified_tokens,
-                **(self.recorder.stats() if self.recorder is not None else dict.fromkeys(TRACE_STATUS, 0))}
+                **(self.recorder.stats() if self.recorder is not None else dict.fromkeys(TRACE_STATUS, 0)),
+                **self.kv_stats()}
+
+    def kv_stats(self) -> dict:
+        """The KV pool's figures (``KVPool.stats``; zeros before the pool is made)."""
+        pool = self.lm.__dict__.get("_kv_pool")
+        return pool.stats() if pool is not None else dict.fromkeys(KV_STATUS, 0)
 
     async def _status_loop(self) -> None:
         """One log line every status_interval_s: sessions, refusals and the compute thread's load."""
@@ -650,10 +656,13 @@ class VerifierServer:
             last_busy, last_t = st["compute_busy_s"], now
             log.info("status: %d session(s) of %d tenant(s), %d handshaking, %d half-open of %d connection(s), "
                      "%d refused (%d at accept), %d slow handshakes and %d slow headers closed, %d served; compute "
-                     "%.0f%% busy, %d job(s) queued, longest quantum %.0f ms, mean batch %.2f",
+                     "%.0f%% busy, %d job(s) queued, longest quantum %.0f ms, mean batch %.2f; KV %.1f of %.1f MiB "
+                     "held (peak %.1f), %d refused",
                      st["sessions"], st["tenants"], st["handshaking"], st["half_open"], st["connections"],
                      st["refused"], st["refused_at_accept"], st["reclaimed_handshakes"], st["slow_headers_closed"],
-                     st["sessions_served"], 100 * busy, st["queued_jobs"], st["longest_quantum_ms"], st["mean_batch"])
+                     st["sessions_served"], 100 * busy, st["queued_jobs"], st["longest_quantum_ms"], st["mean_batch"],
+                     st["kv_used_bytes"] / 2**20, st["kv_budget_bytes"] / 2**20, st["kv_peak_bytes"] / 2**20,
+                     st["kv_refused"])
 
     async def shutdown(self, server, timeout_s: float = 10.0) -> None:
         self.stopping = True
@@ -668,5 +677,6 @@ class VerifierServer:
         self.fair.shutdown(timeout_s)
 
 
+KV_STATUS = ("kv_budget_bytes", "kv_used_bytes", "kv_peak_bytes", "kv_free_blocks", "kv_sequences", "kv_refused")
 TRACE_STATUS = ("trace_records", "trace_dropped", "trace_shards", "trace_rotated", "trace_evicted",
                 "trace_buffered_bytes")  # TraceRecorder.stats()

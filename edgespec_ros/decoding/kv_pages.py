@@ -112,6 +112,7 @@ class KVPool:
         self._tables: weakref.WeakSet = weakref.WeakSet()
         self._committed = 0  # sum over live tables of max(reserved, held)
         self.peak_blocks = 0  # most blocks held at once
+        self.refusals = 0  # reservations or growths refused (KVFull)
         self.lock = threading.RLock()
 
     @classmethod
@@ -154,6 +155,13 @@ class KVPool:
         """Blocks neither held nor promised: what a new sequence may still be promised."""
         return self.blocks - self._committed
 
+    def stats(self) -> dict:
+        """What the verifier's status and /metrics show of its KV memory."""
+        with self.lock:
+            return {"kv_budget_bytes": self.bytes, "kv_used_bytes": self.used_bytes,
+                    "kv_peak_bytes": self.peak_blocks * self.block_bytes, "kv_free_blocks": self.free_blocks,
+                    "kv_sequences": self.in_use, "kv_refused": self.refusals}
+
     def blocks_for(self, positions: int) -> int:
         return -(-max(0, positions) // self.block_size)
 
@@ -170,6 +178,7 @@ class KVPool:
         before = max(table.reserved, len(table.blocks))
         after = self._committed - before + max(reserved, held)
         if after > self.blocks:
+            self.refusals += 1
             raise KVFull(f"{positions} positions take {self.blocks_for(positions)} blocks of {self.block_size}; "
                          f"{self.blocks - self._committed + before} of the pool's {self.blocks} are neither held "
                          f"nor promised to other sequences")
