@@ -423,3 +423,18 @@ def test_a_provisional_decision_while_a_decision_runs_is_ignored(make_navigator)
     decide(nav, parse_action("turn left large"), provisional=True)
     snap, _, action = state(nav)
     assert snap.decision_id == first and action.text == "move forward 2 m" and nav.chain.counters.taken == 0
+
+
+def test_a_provisional_decision_or_motion_is_labelled_where_it_is_shown():
+    from edgespec_ros.msg import MotionState, VerifiedAction
+    from edgespec_ros.nodes.common import set_action
+    from edgespec_ros.nodes.monitor import decision_caption, motion_key_values
+    msg = VerifiedAction(provisional=True)
+    set_action(msg, parse_action("move forward large"))
+    assert decision_caption(msg)[0].startswith("PROVISIONAL")
+    msg.provisional, msg.chained = False, True
+    assert decision_caption(msg)[0] == "action: move forward large (chained on the running motion)"
+    shown = dict(motion_key_values(MotionState(provisional=True, queued=True, provisional_taken=2,
+                                               provisional_reverted_m=0.1)))
+    assert shown["provisional"] == "true" and shown["queued"] == "true" and shown["provisional_taken"] == "2"
+    assert shown["provisional_reverted_m"] == "0.100"
