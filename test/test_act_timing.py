@@ -46,3 +46,16 @@ def test_a_slow_verdict_is_worth_a_provisional_motion():
     slow, fast = measured(rtt_s=1.5, step_s=0.05), measured(rtt_s=0.01, step_s=0.005)
     for auto, worth in ((slow, True), (fast, False)):
         assert worth_acting_provisionally(predicted_decision_s(auto, 30), predicted_draft_s(auto, 30), 0.5) is worth
+
+
+def test_the_drafters_timing_uses_mode_autos_model_over_its_decisions_tokens_else_their_latency():
+    from edgespec_ros.robot.act_timing import DecisionTiming
+    timing = DecisionTiming()
+    assert timing.start_s(1.0, 5.0, measured()) == 1.0  # nothing measured yet: at once
+    for tokens, latency in ((20, 0.9), (30, 1.1), (40, 5.0)):
+        timing.observe(tokens, latency)
+    auto = measured()
+    assert timing.start_s(1.0, 5.0, auto) == pytest.approx(5.0 - predicted_decision_s(auto, 30))  # median tokens
+    assert timing.start_s(1.0, 5.0, AutoGamma()) == pytest.approx(5.0 - 1.1)  # no prediction: median latency
+    assert timing.start_s(1.0, 5.0, None) == pytest.approx(3.9)
+    assert timing.start_s(1.0, 1.5, None) == 1.0  # the decision outlasts the motion: at once

@@ -65,14 +65,16 @@ def decision_start_s(now_s: float, motion_end_s: float | None, decision_latency_
 @dataclass(frozen=True)
 class ChainedDecision:
     """A decision for the chain: its action, when its frame was captured (``stamp_s``, the
-    executor's clock), its id (MotionState.decision_id), the speed scale it runs at, and whether it
-    is a provisional motion (the draft's action before its verdict)."""
+    executor's clock), its id (MotionState.decision_id), the speed scale it runs at, whether it
+    is a provisional motion (the draft's action before its verdict), and the reason the executor
+    reports while it runs ("" : "executing")."""
 
     action: Action
     stamp_s: float
     decision_id: Any = None
     speed_scale: float = 1.0
     provisional: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,23 @@ class MotionChain:
     def on_fault_hold(self, now_s: float, fault: str) -> None:
         self.executor.on_fault_hold(now_s, fault)
         self._settle(now_s)
+
+    def stopped(self, now_s: float, reason: str) -> None:
+        """The executor was given a refusal or a stop directly (a fault stop, a stale or rejected
+        decision, the node deactivated, odometry that jumped): whatever waits is dropped with
+        ``reason`` (one of ``DROP_REASONS``), the running decision ends with the executor's outcome,
+        and a provisional motion no longer awaits a verdict."""
+        self._blended = False
+        self._drop_waiting(now_s, reason)
+        if self.running is not None:
+            self._finish(self.executor.outcome)
+        self._provisional = None
+        self._issued = None
+
+    @property
+    def awaiting_verdict(self) -> bool:
+        """A provisional motion (running or ended) waits for its verdict (:meth:`verdict`)."""
+        return self._provisional is not None
 
     def on_new_command(self, now_s: float) -> None:
         """A new command: a decision still waiting is dropped (it answered the old one)."""
@@ -266,7 +285,8 @@ class MotionChain:
     # ------------------------------------------------------------------ internals
 
     def _issue(self, now_s: float, action: Action, decision: ChainedDecision) -> None:
-        self.executor.on_decision(now_s, action, decision_id=decision.decision_id, speed_scale=decision.speed_scale)
+        self.executor.on_decision(now_s, action, decision_id=decision.decision_id, speed_scale=decision.speed_scale,
+                                  reason=decision.reason)
         self._issued, self._scale = action, decision.speed_scale
 
     def _begin(self, now_s: float, decision: ChainedDecision) -> None:

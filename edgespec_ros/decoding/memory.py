@@ -187,25 +187,44 @@ class CommandMemory(PolicyMemory):
       the next move or turn is decided first or the wait is given up (:meth:`gave_up_waiting`).
 
     ``awaiting_stamp`` (the frame stamp of the decision whose motion is awaited, or None) is kept
-    for a memoryless policy too: the drafter waits for motion either way."""
+    for a memoryless policy too: the drafter waits for motion either way.
+
+    Acting while verifying, a move or turn decided while the awaited one runs is ``chained``: the
+    navigator starts it where the running one ends, so the running one stays awaited and the new
+    one waits behind it (``chained_stamp``); it becomes the awaited one when the one before it is
+    reported ended, or when the navigator reports it (it starts only once the one before it ended),
+    and a chained decision the navigator dropped before it began (:meth:`dropped`) is remembered
+    as "interrupted"."""
 
     def __init__(self, k: int, search=None):
         super().__init__(k, search)
         self.awaiting_stamp: int | None = None
         self.awaiting_action = ""
         self.awaiting_text = ""
+        self._chained: tuple[int, str, str] | None = None  # (stamp, action, text) waiting behind the awaited one
+
+    @property
+    def chained_stamp(self) -> int | None:
+        """The frame stamp of the chained decision waiting behind the awaited one (None: none)."""
+        return None if self._chained is None else self._chained[0]
 
     def reset(self, instruction: str = "") -> None:
         super().reset(instruction)
         self.awaiting_stamp = None
+        self._chained = None
 
-    def decided(self, action: str | None, stamp_ns: int, text: str = "") -> None:
+    def decided(self, action: str | None, stamp_ns: int, text: str = "", chained: bool = False) -> None:
         """A verified decision on the frame stamped ``stamp_ns`` (``action`` None: it did not parse;
-        ``text``: its whole answer, for the belief)."""
+        ``text``: its whole answer, for the belief; ``chained``: decided while the awaited motion
+        runs, the navigator starts it where that one ends)."""
         if action is None:
             self.add(None, NO_ACTION, text)
         elif action == "stop":
             self.add("stop", DONE, text)
+        elif chained and self.awaiting_stamp is not None and self.awaiting_action:
+            if self._chained is not None:  # another one took its place in the navigator's queue
+                self.add(self._chained[1], INTERRUPTED, self._chained[2])
+            self._chained = (stamp_ns, action, text)
         else:
             self.gave_up_waiting()  # still waiting for the last motion: it was cut short
             self.awaiting_stamp, self.awaiting_action, self.awaiting_text = stamp_ns, action, text
@@ -237,18 +256,40 @@ class CommandMemory(PolicyMemory):
         the awaited motion ended with, or None (not the decision awaited, or still moving). A
         navigator that reports no outcome ("none") ended it the ordinary way when idle, else (the
         e-stop, its watchdog) interrupted it."""
+        if self._chained is not None and stamp_ns == self._chained[0] and stamp_ns != self.awaiting_stamp:
+            self._ended("completed")  # the chained one runs: the one before it ended (the chain starts it only then)
         if self.awaiting_stamp is None or stamp_ns != self.awaiting_stamp or state == "moving":
             return None
         if outcome == "none":
             outcome = "completed" if state == "idle" else INTERRUPTED
-        self.awaiting_stamp = None
-        if self.awaiting_action:  # a retrace step is not remembered
-            self.add(self.awaiting_action, outcome, self.awaiting_text)
+        self._ended(outcome)
         return outcome
 
+    def dropped(self, stamp_ns: int) -> None:
+        """The navigator dropped the decision stamped ``stamp_ns`` before it began (a chained one: a
+        stop path, a new command, its frame too old; control.chaining.DROP_REASONS): remembered as
+        interrupted."""
+        if self._chained is not None and stamp_ns == self._chained[0]:
+            self.add(self._chained[1], INTERRUPTED, self._chained[2])
+            self._chained = None
+        elif stamp_ns == self.awaiting_stamp and stamp_ns is not None:
+            self._ended(INTERRUPTED)
+
+    def _ended(self, outcome: str) -> None:
+        """The awaited motion ended with ``outcome``: remembered, and the chained one is awaited next."""
+        if self.awaiting_action:  # a retrace step is not remembered
+            self.add(self.awaiting_action, outcome, self.awaiting_text)
+        self.awaiting_stamp = None
+        if self._chained is not None:
+            (self.awaiting_stamp, self.awaiting_action, self.awaiting_text), self._chained = self._chained, None
+
     def gave_up_waiting(self) -> None:
-        """No outcome will be waited for any more: the awaited motion counts as interrupted."""
+        """No outcome will be waited for any more: the awaited motion (and one chained behind it)
+        counts as interrupted."""
         if self.awaiting_stamp is not None:
             self.awaiting_stamp = None
             if self.awaiting_action:
                 self.add(self.awaiting_action, INTERRUPTED, self.awaiting_text)
+        if self._chained is not None:
+            self.add(self._chained[1], INTERRUPTED, self._chained[2])
+            self._chained = None

@@ -93,7 +93,13 @@ class DrafterNode(LifecycleNode):
         self._configured = True
         self.get_logger().info(f"configured: draft model {lm.path} (content {lm.content_hash}) on {lm.device} "
                                f"({lm.model.dtype}), verifier {self.p['server_url']}, mode {self.settings.mode}, "
-                               f"verification {self.settings.verification()}")
+                               f"verification {self.settings.verification()}, act while verifying "
+                               f"{self.settings.act_while_verifying}")
+        if self.settings.act_while_verifying == "speculative":
+            self.get_logger().warning(
+                "act_while_verifying speculative: this drafter publishes no provisional decisions yet (its decoder "
+                "gives no draft action before the verdict); it acts as overlap. The navigator runs provisional "
+                "decisions (VerifiedAction.provisional) inside their bounds when a publisher sends them")
         return super().on_configure(state)
 
     def on_activate(self, state) -> TransitionCallbackReturn:
@@ -258,7 +264,9 @@ class DrafterNode(LifecycleNode):
         core = self.core
         if core is not None:
             core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp),
-                             outcome_name(msg.outcome), msg.reason)
+                             outcome_name(msg.outcome), msg.reason, predicted_end_ns=time_to_ns(msg.predicted_end),
+                             ended_stamp_ns=time_to_ns(msg.ended_stamp), ended_outcome=outcome_name(msg.ended_outcome),
+                             dropped=msg.dropped)
 
     # ------------------------------------------------------------------ the instruct action
 
@@ -398,8 +406,9 @@ class DrafterNode(LifecycleNode):
                 how += f" wisv, {outcome.metrics.wisv_relaxed} mismatches kept"
             chose = f", {outcome.mode}" + (f" (predicted ms/token: {outcome.predicted})" if outcome.predicted else "") \
                 if outcome.mode.startswith("auto") else ""
+            chained = ", chained on the running motion" if outcome.chained else ""
             log.info(f"decision: {outcome.action} ({outcome.tokens} tokens, {outcome.rounds} rounds, "
-                     f"{outcome.latency_s * 1e3:.0f} ms, {how}{chose})")
+                     f"{outcome.latency_s * 1e3:.0f} ms, {how}{chose}{chained})")
         core = self.core
         stats_pub = self._lifecycle_pubs.get("stats")
         if core is not None and stats_pub is not None:
@@ -445,6 +454,7 @@ def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
     msg.fault = outcome.fault
     msg.fallback = outcome.fallback
     msg.command_id = max(outcome.generation, 0)
+    msg.chained = outcome.chained
     return msg
 
 

@@ -46,8 +46,10 @@ def decision_caption(msg) -> tuple[str, list[str]]:
         title = "no motion: unparseable answer"
     elif msg.fallback == msg.FALLBACK_DRAFT_ONLY:
         title = f"DRAFT-ONLY (LOSSY, unverified): {msg.action} (degraded motion)"
+    elif msg.provisional:
+        title = f"PROVISIONAL (unverified draft, awaiting its verdict): {msg.action} (bounded motion)"
     else:
-        title = f"action: {msg.action}"
+        title = f"action: {msg.action}" + (" (chained on the running motion)" if msg.chained else "")
     lines = []
     if msg.reasoning and not msg.fault:
         lines.append(msg.reasoning)
@@ -58,6 +60,16 @@ def decision_caption(msg) -> tuple[str, list[str]]:
     if msg.instruction:
         lines.append(f"command: {msg.instruction}")
     return title, lines
+
+
+def motion_key_values(motion) -> list[tuple[str, str]]:
+    """Acting while verifying, from MotionState: the decision queued and the provisional counters."""
+    return [("queued", str(motion.queued).lower()), ("provisional", str(motion.provisional).lower()),
+            ("provisional_taken", str(motion.provisional_taken)),
+            ("provisional_confirmed", str(motion.provisional_confirmed)),
+            ("provisional_reverted", str(motion.provisional_reverted)),
+            ("provisional_reverted_m", f"{motion.provisional_reverted_m:.3f}"),
+            ("provisional_reverted_deg", f"{motion.provisional_reverted_deg:.1f}")]
 
 
 def link_key_values(stats) -> list[tuple[str, str]]:
@@ -225,6 +237,9 @@ class MonitorNode(Node):
             drafter.level, drafter.message = DiagnosticStatus.WARN, f"link lost: {decision.fallback} step (no model)"
         elif not decision.parsed:
             drafter.level, drafter.message = DiagnosticStatus.WARN, "last answer unparseable (no motion)"
+        elif decision.provisional:
+            drafter.level = DiagnosticStatus.WARN
+            drafter.message = f"PROVISIONAL (unverified draft, awaiting its verdict): {decision.action}"
         else:
             drafter.level, drafter.message = DiagnosticStatus.OK, f"last action: {decision.action}"
         if decision is not None:
@@ -238,6 +253,9 @@ class MonitorNode(Node):
             navigator.level = DiagnosticStatus.ERROR if motion.state == FAULT_HOLD else \
                 DiagnosticStatus.WARN if motion.state in (ESTOP, WATCHDOG) else DiagnosticStatus.OK
             navigator.message = f"{motion.state}: {motion.reason}"
+            if motion.provisional:
+                navigator.message = f"PROVISIONAL motion (unverified, bounded): {navigator.message}"
+            navigator.values = [KeyValue(key=k, value=str(v)) for k, v in motion_key_values(motion)]
         array.status = [link, drafter, navigator]
         self.diagnostics_pub.publish(array)
 

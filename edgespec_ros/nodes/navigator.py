@@ -31,12 +31,24 @@ commanded and no odometry for that long, the backend's command topic without a s
 ``odom`` without a publisher (once they had one) is a fault stop that holds (MotionState state
 "fault", outcome FAULT, reason "robot driver silent: ..."; the drafter stops deciding, /diagnostics
 says ERROR) until the driver answers again.
+
+Acting while verifying (the drafter's ``act_while_verifying``; docs/robot.md): the executor runs inside a
+``control.chaining.MotionChain``. A decision marked ``chained`` (decided while the last motion ran) waits
+in the chain's queue of one and starts where the running primitive ends, without a stop; every stop path
+(the e-stop, the watchdog, a fault stop or the driver's fault hold, a blocked move, a new command, link
+loss, a frame too old when it would start) drops it with its reason (MotionState ``ended_stamp`` /
+``dropped``). A ``provisional`` decision (the draft's action before its verdict, UNVERIFIED) begins inside
+``control.provisional``'s bounds when nothing runs; the next verified decision is its verdict (confirmed:
+on to the verified extent; otherwise a stop, then the verified action). MotionState carries the running
+primitive's predicted end (the drafter times its next decision by it), whether it is provisional, the
+decision queued, and the provisional counters. Decisions marked neither are started as always.
 """
 from __future__ import annotations
 
 import math
 import threading
 import time
+from dataclasses import replace
 
 from nav_msgs.msg import Odometry
 from rclpy.callback_groups import ReentrantCallbackGroup
@@ -44,7 +56,10 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from std_msgs.msg import Bool
 
 from ..control.actions import Action, ActionParseError, parse_action
+from ..control.chaining import (DROP_FAULT, DROP_FRAME_AGE, DROP_NEW_COMMAND, DROP_REPLACED, ChainedDecision,
+                                MotionChain)
 from ..control.driver_watch import DriverWatch
+from ..control.provisional import REVERTED
 from ..control.retrace import OdometryContinuity, RetracePath
 from ..msg import MotionState, VerifiedAction
 from ..control.motion import (COMPLETED, FAULT, MOVING, REJECTED, RETRACE_DONE_REASON, STALE, ZERO, DegradedProfile,
@@ -82,6 +97,8 @@ class NavigatorNode(LifecycleNode):
         self._backend_factory = backend_factory
         self._lock = threading.Lock()
         self.executor_: MotionExecutor | None = None
+        self.chain: MotionChain | None = None  # the executor with a queue of one and provisional motions
+        self._to_record: ChainedDecision | None = None  # a chained decision whose move is recorded when it starts
         self.degraded: DegradedProfile | None = None
         self.retrace = RetracePath()      # the way back along the current command's moves
         self._retrace_command: tuple = ()  # ... the command it belongs to: (command_id, instruction)
@@ -130,6 +147,7 @@ class NavigatorNode(LifecycleNode):
         with self._lock:
             self.executor_ = MotionExecutor(limits, p["watchdog_timeout_s"], p["odom_timeout_s"], p["zero_repeats"],
                                             p["stall_timeout_s"])
+            self.chain = MotionChain(self.executor_, max_frame_age_s=p["max_decision_age_s"])
             self.degraded, self.continuity = degraded, continuity
             self._new_way_back(())
             self._apply_estop(self._now_s())  # what the e-stop topic said (or has not yet) before configure
@@ -164,7 +182,7 @@ class NavigatorNode(LifecycleNode):
             self.driver = DriverWatch(self.p["driver_timeout_s"], "odometry" if self.p["use_odometry"] else None) \
                 if self.p["driver_timeout_s"] > 0 else None
             if self.executor_.hold:  # the last watch's verdict: the new one judges again
-                self.executor_.on_fault_hold(self._now_s(), "")
+                self.chain.on_fault_hold(self._now_s(), "")
                 self._publish_state()
             self._active = True
             engaged, reason = self._estop_state()
@@ -184,7 +202,7 @@ class NavigatorNode(LifecycleNode):
         with self._lock:
             if self.state_pub is not None:
                 self.destroy_publisher(self.state_pub)
-            self.backend = self.executor_ = self.state_pub = None
+            self.backend = self.executor_ = self.chain = self.state_pub = None
         return super().on_cleanup(state)
 
     def on_shutdown(self, state) -> TransitionCallbackReturn:
@@ -206,7 +224,8 @@ class NavigatorNode(LifecycleNode):
             if self.executor_ is not None:
                 now = self._now_s()
                 self.executor_.on_decision(now, None, reason=reason, refusal=FAULT)
-                self.executor_.update(now)
+                self.chain.stopped(now, DROP_FAULT)
+                self.chain.update(now)
                 self._publish_state()
         for entity in self._entities:
             if hasattr(entity, "cancel"):
@@ -237,7 +256,7 @@ class NavigatorNode(LifecycleNode):
         """Hand the e-stop state to the executor (lock held)."""
         if self.executor_ is not None:
             engaged, reason = self._estop_state()
-            self.executor_.on_estop(now, engaged, reason)
+            self.chain.on_estop(now, engaged, reason)
 
     def close(self) -> None:
         """Shutting down (run_node and the in-process graph call this before destroying the node):
@@ -257,14 +276,18 @@ class NavigatorNode(LifecycleNode):
         age = self._ros_now_s() - stamp_ns * NS  # the frame's age: stamps are ROS time
         fallback = msg.fallback
         action, reason, refusal, speed_scale = None, "", REJECTED, 1.0
+        drop = DROP_REPLACED  # why a decision waiting in the chain is dropped when this one stops the robot
         if msg.fault:
             reason, refusal = f"fault stop: {msg.fault}", FAULT
+            drop = DROP_NEW_COMMAND if msg.fault.startswith(COMMAND_CANCELLED_FAULT) else DROP_FAULT
         elif age > self.p["max_decision_age_s"]:
             reason = f"stale decision refused: its frame is {age:.1f} s old (max_decision_age_s " \
                      f"{self.p['max_decision_age_s']:g})"
-            refusal = STALE
+            refusal, drop = STALE, DROP_FRAME_AGE
         elif fallback not in ("", DRAFT_ONLY, RETRACE):
             reason = f"rejected: unknown fallback {fallback!r}"
+        elif fallback and (msg.provisional or msg.chained):
+            reason = f"rejected: a {fallback} decision is never provisional or chained"
         elif fallback == RETRACE:
             pass  # its step is found on the odometry, below (lock held)
         else:
@@ -276,7 +299,9 @@ class NavigatorNode(LifecycleNode):
             if not self._active:  # a callback that ran after deactivate (a reentrant group held it)
                 self.get_logger().warning(f"decision ignored: the navigator is not active ({msg.text!r})")
                 return
-            self._follow_command(msg)
+            self._follow_command(msg, now)
+            if fallback:  # a stand-in for a verified decision: the link is lost
+                self.chain.on_link_loss(now)
             step = None
             if fallback == DRAFT_ONLY and action is not None:
                 action, speed_scale = self.degraded.clamp(action), self.degraded.speed_scale
@@ -285,9 +310,13 @@ class NavigatorNode(LifecycleNode):
                 action, reason, step = self._retrace_step(now)
                 speed_scale = self.degraded.speed_scale  # nobody looked at the way back: the slow speeds
             pose = self.executor_.odometry if self.executor_.odometry_fresh(now) else None
-            self.executor_.on_decision(now, action, decision_id=stamp_ns, reason=reason, refusal=refusal,
-                                       speed_scale=speed_scale)
-            executed = self.executor_.state == MOVING
+            if action is None:
+                self.executor_.on_decision(now, None, decision_id=stamp_ns, reason=reason, refusal=refusal)
+                self.chain.stopped(now, drop)
+                how = ""
+            else:
+                how = self._run(now, msg, ChainedDecision(action, now - age, stamp_ns, speed_scale, reason=reason))
+            executed = self.executor_.state == MOVING and how in ("started", "provisional")
             if executed and fallback != RETRACE:
                 self._record_move(pose, action)
             self._tick(now)
@@ -306,13 +335,44 @@ class NavigatorNode(LifecycleNode):
                                    f"{step.left} waypoint(s) left")
         elif fallback == RETRACE:
             self.get_logger().info(f"retrace: {reason}")
+        elif how.startswith("provisional"):
+            self.get_logger().warning(f"PROVISIONAL (unverified draft, awaiting its verdict): {msg.action} -> {how}")
+        elif how in ("started", "queued", "confirmed", "reverted"):
+            self.get_logger().info(f"decision: {action.text}" + ("" if how == "started" else f" ({how})"))
         else:
-            self.get_logger().info(f"decision: {action.text}")
+            self.get_logger().warning(f"decision dropped: {action.text} ({how})")
 
-    def _follow_command(self, msg) -> None:
+    def _run(self, now: float, msg, decision: ChainedDecision) -> str:
+        """Hand an executable decision to the chain (lock held); returns what became of it: started,
+        queued (chained on the running primitive), confirmed / reverted (the verdict on a
+        provisional motion), provisional (begun inside its bounds), provisional ignored (something
+        runs or waits, or the draft says stop: the robot waits for the verdict), or dropped (its
+        frame too old already, or a blended decision holds the queue)."""
+        chain = self.chain
+        if msg.provisional:
+            if chain.running is not None or chain.queued is not None or chain.awaiting_verdict:
+                return "provisional ignored: a decision runs or waits"
+            why = f"PROVISIONAL: unverified draft, awaiting its verdict ({chain.bounds.describe()})"
+            begun = chain.start_provisional(now, replace(decision, reason=why))
+            return "provisional" if begun else "provisional ignored: the draft says stop"
+        if chain.awaiting_verdict:
+            how = chain.verdict(now, decision)
+        elif msg.chained and decision.action.kind != "stop":  # a verified stop stops at once
+            how = chain.queue(now, decision)
+        else:
+            chain.start(now, decision)
+            return "started"
+        if how in ("queued", REVERTED):  # it starts later: its move is recorded then (_tick)
+            self._to_record = decision
+        return how
+
+    def _follow_command(self, msg, now: float) -> None:
         """The way back belongs to one command (lock held): another instruction starts a new one,
-        and a fault stop for a cancelled command ends it."""
+        and a fault stop for a cancelled command ends it. A decision waiting in the chain answered
+        the old command: it is dropped."""
         command = (msg.command_id, msg.instruction)
+        if command != self._retrace_command:
+            self.chain.on_new_command(now)
         if command != self._retrace_command or msg.fault.startswith(COMMAND_CANCELLED_FAULT):
             self._new_way_back(command)
 
@@ -408,6 +468,7 @@ class NavigatorNode(LifecycleNode):
         stopped = ex.state == MOVING and ex.snapshot().closed_loop
         if stopped:
             ex.on_decision(now, None, decision_id=ex.decision_id, reason=f"fault stop: {why}", refusal=FAULT)
+            self.chain.stopped(now, DROP_FAULT)
             self._tick(now)
         self.get_logger().error(f"{why}: the way back is dropped" + (f"; {ex.action_text} stopped" if stopped else ""))
 
@@ -433,7 +494,7 @@ class NavigatorNode(LifecycleNode):
         reason = self.driver.update(now, *counts)
         if reason == before:
             return
-        self.executor_.on_fault_hold(now, reason)
+        self.chain.on_fault_hold(now, reason)
         if reason and not before:
             self._cut_way_back("the robot driver went silent")
             self.get_logger().error(f"fault stop: {reason}; no motion until it answers again")
@@ -443,18 +504,36 @@ class NavigatorNode(LifecycleNode):
     def _tick(self, now: float) -> None:
         """One control step: send what the executor wants, publish state changes (lock held).
         Inactive, only a stop goes out."""
-        command = self.executor_.update(now)
+        command = self.chain.update(now)
         if command is not None and (self._active or command == ZERO):
             self.backend.send(command)
             if self.driver is not None and command != ZERO:
                 self.driver.commanded(now)
+        running = self.chain.running
+        if self._to_record is not None and running is not None and running.decision is self._to_record:
+            self._to_record = None  # a chained move starts here: the way back records where
+            self._record_move(self.executor_.odometry if self.executor_.odometry_fresh(now) else None,
+                              running.decision.action)
         self._publish_state()
 
     def _publish_state(self) -> None:
-        snap = self.executor_.snapshot()
-        key = (snap.state, snap.action, snap.reason, snap.decision_id, snap.closed_loop, snap.outcome)
-        if key == self._published_state:
-            return
+        """Publish the state when it changed, and once for each decision that ended beside the one it
+        names (a chained decision's predecessor, a queued one dropped) (lock held)."""
+        snap = self.chain.snapshot()
+        finished, dropped = self.chain.pop_events()
+        ended = [(f.decision.decision_id, outcome_code(f.outcome), "") for f in finished
+                 if f.decision.decision_id != snap.decision_id]
+        ended += [(d.decision.decision_id, MotionState.OUTCOME_NONE, d.reason) for d in dropped]
+        running, queued, c = self.chain.running, self.chain.queued, self.chain.counters
+        provisional = running is not None and running.decision.provisional and snap.state == MOVING
+        key = (snap.state, snap.action, snap.reason, snap.decision_id, snap.closed_loop, snap.outcome,
+               None if queued is None else queued.decision_id, provisional, c.taken, c.confirmed, c.reverted)
+        for event in ended:
+            self._publish_snapshot(snap, key, queued, provisional, event)
+        if key != self._published_state:
+            self._publish_snapshot(snap, key, queued, provisional, None)
+
+    def _publish_snapshot(self, snap, key, queued, provisional: bool, ended) -> None:
         previous, self._published_state = self._published_state, key
         if previous is not None and previous[0] == "moving" and snap.state != "moving":
             # one call site per severity (rclpy): a primitive cut short is worth a warning
@@ -471,6 +550,20 @@ class NavigatorNode(LifecycleNode):
         msg.backend = self.backend.name
         msg.closed_loop = snap.closed_loop
         msg.outcome = outcome_code(snap.outcome)
+        now = self._now_s()
+        end = self.chain.predicted_end_s(now)
+        if end is not None:  # the steady clock's prediction, in ROS time
+            msg.predicted_end = ns_to_time(now_ns(self) + int((end - now) * 1e9))
+        msg.provisional = provisional
+        msg.queued = queued is not None
+        msg.queued_stamp = ns_to_time(queued.decision_id if queued is not None else 0)
+        if ended is not None:
+            msg.ended_stamp, msg.ended_outcome, msg.dropped = ns_to_time(ended[0] or 0), ended[1], ended[2]
+            if ended[2]:
+                self.get_logger().warning(f"queued decision dropped ({ended[2]})")
+        c = self.chain.counters
+        msg.provisional_taken, msg.provisional_confirmed, msg.provisional_reverted = c.taken, c.confirmed, c.reverted
+        msg.provisional_reverted_m, msg.provisional_reverted_deg = float(c.reverted_m), float(c.reverted_deg)
         self.state_pub.publish(msg)
 
 

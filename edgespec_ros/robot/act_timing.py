@@ -7,11 +7,15 @@ less the decision's predicted latency, at once when the decision takes longer
 seconds per committed token of each path, scaled by what that path's decisions really cost) over
 the decision's expected tokens, plus the one round trip every decision pays.
 Moving on the draft (speculative) compares that latency with the draft's own time to write the
-decision (``control.provisional.worth_acting_provisionally``). Pure functions of the model's state.
+decision (``control.provisional.worth_acting_provisionally``). Pure functions of the model's state;
+:class:`DecisionTiming` keeps what the drafter measured of its own decisions (their tokens, and their
+latency for a decoder without mode auto's model).
 """
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 from ..control.chaining import decision_start_s
 from .draft_length import AutoGamma
@@ -43,3 +47,27 @@ def next_decision_start_s(now_s: float, motion_end_s: float | None, auto: AutoGa
     """When to capture the frame and start the next decision (``decision_start_s`` on the predicted
     latency; at once while nothing is predicted)."""
     return decision_start_s(now_s, motion_end_s, predicted_decision_s(auto, tokens, path))
+
+
+class DecisionTiming:
+    """The drafter's last ``window`` verified decisions (tokens and latency, frame capture to
+    verdict), to time the next decision while a motion runs (:meth:`start_s`)."""
+
+    def __init__(self, window: int = 8):
+        self.tokens: deque[int] = deque(maxlen=window)
+        self.latencies_s: deque[float] = deque(maxlen=window)
+
+    def observe(self, tokens: int, latency_s: float) -> None:
+        self.tokens.append(int(tokens))
+        self.latencies_s.append(float(latency_s))
+
+    def start_s(self, now_s: float, motion_end_s: float | None, auto: AutoGamma | None) -> float:
+        """When to begin the next decision so that its verdict lands at ``motion_end_s``: mode
+        auto's model over the decisions' median tokens (:func:`next_decision_start_s`) where it
+        predicts, else the median latency measured; at once before any decision was measured."""
+        if not self.tokens:
+            return now_s
+        tokens = statistics.median(self.tokens)
+        if auto is not None and predicted_decision_s(auto, tokens) is not None:
+            return next_decision_start_s(now_s, motion_end_s, auto, tokens)
+        return decision_start_s(now_s, motion_end_s, statistics.median(self.latencies_s))

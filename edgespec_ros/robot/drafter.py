@@ -10,7 +10,12 @@ published. Decoding itself is ``robot.decoder.EdgeDecoder.decide``.
 Safety rules enforced here:
 * a decision is made only on a frame newer than the previous decision's, at most
   ``max_frame_age_s`` old, and (``wait_for_motion``) captured after the navigator finished the
-  previous decision's motion;
+  previous decision's motion; acting while verifying (``act_while_verifying`` overlap or
+  speculative) the next decision begins while that motion runs instead, on the freshest frame, when
+  ``robot.act_timing.DecisionTiming`` says its verdict would land as the navigator's predicted end
+  (MotionState.predicted_end), its prompt showing the running action as executing
+  (``CommandMemory.shown_in_flight``), and it is published ``chained``: the navigator starts it where
+  the running motion ends (one decision waits at most);
 * a verifier error or any decoding error gives a ``stop`` outcome with ``fault`` set;
 * a decision still running at its deadline gives a ``stop`` outcome with ``fault`` set at the
   deadline (the supervisor's tick; the link is aborted, never closed, so no socket can hold the
@@ -29,24 +34,24 @@ Safety rules enforced here:
 """
 from __future__ import annotations
 
-import statistics
 import threading
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
                                split_reasoning_action)
-from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, NO_OUTCOME, REJECTED, STOPPED
+from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, MOVING, NO_OUTCOME, REJECTED, STOPPED
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY
 from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_action
 from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
+from .act_timing import DecisionTiming
 from .settings import DrafterSettings
-from ..decoding.metrics import DecisionMetrics, RunSummary
+from ..decoding.metrics import DecisionMetrics
+from .drafter_stats import DecodingStatsAggregator  # noqa: F401 - the drafter's statistics, re-exported
 
 NS = 1_000_000_000
 
@@ -95,6 +100,7 @@ class DecisionOutcome:
     generation: int = -1          # the command it belongs to (DrafterCore.generation then)
     fallback: str = ""            # the link is lost: DRAFT_ONLY (LOSSY) or RETRACE stands in for a verified decision
     fault_kind: FaultKind | None = None  # why the verifier could not be used (None: no fault, or a cancellation)
+    chained: bool = False         # decided while the last decision's motion ran: the navigator chains it on that motion
 
     @property
     def is_fault(self) -> bool:
@@ -225,6 +231,7 @@ class Ticket:
     resample: bool = False  # the last decision was unparseable or blocked: sample this one
     history: tuple = ()  # a policy with memory: the earlier decisions its prompt shows (decoding.memory)
     fallback: str = ""  # the link is lost: DRAFT_ONLY or RETRACE (nothing is sent to the verifier)
+    chained: bool = False  # begun while the awaited motion runs (act_while_verifying): its prompt shows it executing
 
 
 def classify_error(exc: BaseException) -> tuple[FaultKind, str]:
@@ -286,6 +293,10 @@ class DrafterCore:
         self.robot_held = ""  # the navigator holds a fault stop (the robot driver is silent): its reason
         self.reconnects = 0  # reconnects that ended a link loss
         self._probing = False  # a reconnect is under way (probe_link): no decision starts meanwhile
+        # acting while verifying: the decision the navigator last reported and its motion's predicted end
+        # (ROS ns; 0 unless it is moving), and the decisions' measured cost that times the next one
+        self.motion_running: tuple[int, int] = (0, 0)
+        self.timing = DecisionTiming()
 
     @property
     def retrace_done(self) -> bool:
@@ -337,11 +348,15 @@ class DrafterCore:
                 self.frame = frame
 
     def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, outcome: str = NO_OUTCOME,
-                    reason: str = "") -> None:
+                    reason: str = "", *, predicted_end_ns: int = 0, ended_stamp_ns: int = 0,
+                    ended_outcome: str = NO_OUTCOME, dropped: str = "") -> None:
         """The navigator reported ``state`` (idle|moving|estop|watchdog|fault) for the decision whose
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
         (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample).
-        While it holds a fault stop (state fault, ``reason`` why) no decision starts."""
+        While it holds a fault stop (state fault, ``reason`` why) no decision starts. Acting while
+        verifying it also says when the motion is predicted to end (``predicted_end_ns``, ROS time),
+        and how a decision beside the one named ended (``ended_stamp_ns``: a chained decision's
+        predecessor, ``ended_outcome``; or one dropped before it began, ``dropped`` why)."""
         with self._lock:
             self.robot_held = (reason or "fault stop") if state == FAULT_HOLD else ""
             if (outcome in (RETRACE_DONE, REJECTED) and self.memory.awaiting_stamp == decision_stamp_ns
@@ -352,6 +367,28 @@ class DrafterCore:
                 self.motion_idle_since_ns = state_stamp_ns
                 # pushing into something (not stale odometry: then the view may well have changed)
                 self.resample_next = ended == BLOCKED_CONTACT
+            if ended_stamp_ns and (dropped or ended_outcome == NO_OUTCOME):
+                self.memory.dropped(ended_stamp_ns)  # it never began, or another replaced it
+            elif ended_stamp_ns:
+                self.memory.motion_reported(ended_stamp_ns, "idle", ended_outcome)
+            self.motion_running = (decision_stamp_ns, predicted_end_ns if state == MOVING else 0)
+
+    def _overlapping(self) -> bool:
+        """Acting while verifying, the awaited decision's motion runs with a predicted end and no
+        decision is chained behind it yet: the next decision may begin while it runs (under the lock)."""
+        stamp, end_ns = self.motion_running
+        return (self.settings.act_while_verifying != "off" and self.memory.awaiting_stamp == stamp
+                and bool(self.memory.awaiting_action) and end_ns > 0 and self.memory.chained_stamp is None)
+
+    def _motion_wait(self, now_ns: int) -> str:
+        """Why the next decision still waits for the awaited motion ('' once it may begin: acting
+        while verifying, when its verdict would land as the motion ends) (under the lock)."""
+        if not self._overlapping():
+            return "waiting for the navigator to finish the last motion"
+        start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, getattr(self.decoder, "auto_gamma", None))
+        if now_ns < start_s * NS:
+            return f"overlap: the next decision begins in {start_s - now_ns / NS:.2f} s, timed to the motion's end"
+        return ""
 
     # ------------------------------------------------------------------ deciding
 
@@ -385,7 +422,7 @@ class DrafterCore:
         if s.wait_for_motion and self.memory.awaiting_stamp is not None:
             if self.last_outcome_ns is not None and now_ns - self.last_outcome_ns > s.motion_wait_timeout_s * NS:
                 return ""  # navigator silent: decide anyway (on a fresh frame)
-            return "waiting for the navigator to finish the last motion"
+            return self._motion_wait(now_ns)
         if s.wait_for_motion and self.motion_idle_since_ns is not None and frame.stamp_ns < self.motion_idle_since_ns:
             return "waiting for a frame captured after the motion ended"
         return ""
@@ -396,13 +433,16 @@ class DrafterCore:
         with self._lock:
             if self.why_not_ready(now):
                 return None
-            if self.settings.wait_for_motion:
-                self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
             step = self.link_fallback.action()
             fallback = self.link_fallback.on_link_loss.label if step in (Step.RETRACE, Step.DRAFT_ONLY) else ""
+            chained = self.settings.wait_for_motion and not fallback and self._overlapping() and \
+                (self.last_outcome_ns is None or now - self.last_outcome_ns <= self.settings.motion_wait_timeout_s * NS)
+            if self.settings.wait_for_motion and not chained:
+                self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
                             self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
-                            history=self.memory.shown(), fallback=fallback)
+                            history=self.memory.shown_in_flight() if chained else self.memory.shown(),
+                            fallback=fallback, chained=chained)
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
@@ -451,7 +491,7 @@ class DrafterCore:
                                     frame_id=ticket.frame.frame_id, mode=mode, config=self.action_config)
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
         outcome.predicted = predicted_text(m.predicted_ms_per_token) if s.mode == "auto" and not ticket.fallback else ""
-        outcome.fallback = ticket.fallback
+        outcome.fallback, outcome.chained = ticket.fallback, ticket.chained
         outcome.temperature = 0.0 if ticket.fallback else cfg.params.temperature  # draft-only decides greedily
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
@@ -518,11 +558,13 @@ class DrafterCore:
                 self.stats.link_back()
             self.decisions += 1
             self.stats.add(outcome)
+            if not outcome.fallback:
+                self.timing.observe(outcome.tokens, outcome.latency_s)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
             # (a draft-only decision is remembered as what the navigator's degraded profile executes of it)
             action = remembered_action(outcome.fallback, outcome.action if outcome.parsed else None)
-            self.memory.decided(action, outcome.stamp_ns, outcome.text)
+            self.memory.decided(action, outcome.stamp_ns, outcome.text, chained=outcome.chained)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
                 # (an unverified draft-only stop stops the robot but does not end the command)
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
@@ -595,85 +637,3 @@ class DrafterCore:
             self.decoder.verifier.abort()
         except Exception:  # noqa: BLE001 - dropping a broken link may fail; it is dropped anyway
             pass
-
-
-@dataclass
-class DecodingStatsAggregator:
-    """Running totals over the decisions of a drafter (the fields of DecodingStats).
-
-    Token/round/acceptance totals are a decoding.metrics.RunSummary; this adds decision, fault and
-    unparseable counts, the link round-trip window, and a lock (callbacks run on several threads).
-    """
-
-    mode: str
-    verification: str = "lossless"  # DrafterSettings.verification()
-    decisions: int = 0
-    faults: int = 0
-    unparseable: int = 0
-    unverified: int = 0  # draft-only decisions (LOSSY) and retrace steps, published while the link was lost
-    link_losses: int = 0
-    link_state: str = "ok"  # or "LOST (on_link_loss ...)"
-    totals: RunSummary = None
-    rtt_ms: deque = field(default_factory=lambda: deque(maxlen=200))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self):
-        if self.totals is None:
-            self.totals = RunSummary(mode=self.mode, link="", compute="")
-
-    def add(self, outcome: DecisionOutcome) -> None:
-        m = outcome.metrics
-        with self._lock:
-            self.decisions += 1
-            self.unparseable += 0 if outcome.parsed else 1
-            if outcome.fallback:  # the draft's own decision: its tokens are not verified tokens
-                self.unverified += 1
-                return
-            if m is None:
-                return
-            self.totals.add(m)
-            if m.rounds and (m.t_uplink or m.t_downlink):
-                self.rtt_ms.append(1e3 * (m.t_uplink + m.t_downlink) / m.rounds)
-
-    def add_fault(self) -> None:
-        with self._lock:
-            self.faults += 1
-
-    def add_unverified(self) -> None:
-        with self._lock:
-            self.unverified += 1
-
-    def link_lost(self, on_link_loss: str) -> None:
-        with self._lock:
-            self.link_losses += 1
-            self.link_state = f"LOST (on_link_loss {on_link_loss})"
-
-    def link_back(self) -> None:
-        with self._lock:
-            self.link_state = "ok"
-
-    def snapshot(self) -> dict:
-        """The DecodingStats fields (cache_miss_rate is NaN outside fsd)."""
-        with self._lock:
-            t = self.totals
-            row = t.row()
-            return {
-                "mode": self.mode,
-                "decisions": self.decisions,
-                "tokens": t.tokens,
-                "rounds": t.rounds,
-                "tau": row["tau"],
-                "acceptance_rate": row["acceptance_rate"] or 0.0,
-                "acceptance_per_position": row["acceptance_per_position"],
-                "cache_miss_rate": float("nan") if row.get("cache_miss_rate") is None else row["cache_miss_rate"],
-                "avg_exit_layer": row.get("avg_exit_layer"),
-                "tokens_per_second": t.tokens / t.wall_s if t.wall_s else 0.0,
-                "rtt_ms": statistics.median(self.rtt_ms) if self.rtt_ms else 0.0,
-                "uplink_bytes": t.uplink_bytes,
-                "downlink_bytes": t.downlink_bytes,
-                "verification": self.verification,
-                "relaxed_tokens": t.wisv_relaxed,
-                "link_state": self.link_state,
-                "link_losses": self.link_losses,
-                "unverified_decisions": self.unverified,
-            }
