@@ -48,6 +48,6 @@ def test_closed_loop_episode_reaches_the_goal(tmp_path, capsys):
     rows_file = tmp_path / "replay.json"
     assert bench(["--replay", str(out / "bag"), "--modes", "sd", "--max-new-tokens", "96", "--link", "ideal",
                   "--json", str(rows_file)]) == 0
-    (row,) = json.loads(rows_file.read_text())
+    (row,) = json.loads(rows_file.read_text())["rows"]
     assert row["decisions"] == decisions and row["source"] == f"bag:{out / 'bag'}"
     assert row["recorded_greedy"] == row["recorded_identical"] == decisions, row

@@ -106,7 +106,7 @@ KINDS = {"": 0, "stop": 1, "move": 2, "turn": 3}
 def decision_message(*, stamp: int, instruction: str, text: str, action=None, parse_error: str = "",
                      reasoning: str = "", mode: str = "", tokens: int = 0, rounds: int = 0, latency_s: float = 0.0,
                      temperature: float = 0.0, frame_id: str = "camera", fault: str = "", predicted: str = "",
-                     fallback: str = "", command_id: int = 0):
+                     fallback: str = "", command_id: int = 0, chained: bool = False, provisional: bool = False):
     """An edgespec_ros/VerifiedAction from plain values (``action``: a parsed control.actions.Action
     or None), as the drafter node fills it."""
     store = typestore()
@@ -124,14 +124,21 @@ def decision_message(*, stamp: int, instruction: str, text: str, action=None, pa
         reasoning=reasoning, text=text, mode=mode, predicted=predicted, parsed=action is not None,
         parse_error=parse_error,
         tokens=tokens, rounds=rounds, tau=float(tokens / rounds) if rounds else 0.0, latency_s=float(latency_s),
-        temperature=float(temperature), fault=fault, fallback=fallback, command_id=int(command_id))
+        temperature=float(temperature), fault=fault, fallback=fallback, command_id=int(command_id),
+        chained=bool(chained), provisional=bool(provisional))
 
 
 def motion_state_message(*, stamp: int, state: str, action: str, outcome: str, decision_stamp: int,
-                         reason: str = "", backend: str = "sim"):
+                         reason: str = "", backend: str = "sim", ended_stamp: int = 0, ended_outcome: str = "none",
+                         dropped: str = "", queued_stamp: int = 0, predicted_end: int = 0):
     """An edgespec_ros/MotionState from plain values (``outcome``: a ``control.motion.OUTCOMES``
-    name), as the navigator reports how the decision stamped ``decision_stamp`` ended."""
+    name), as the navigator reports how the decision stamped ``decision_stamp`` ended (and, acting
+    while verifying, a decision that ended beside it: ``ended_stamp``, ``ended_outcome``, ``dropped``;
+    the one queued behind the running primitive: ``queued_stamp``)."""
     return typestore().types[MOTION_TYPE](
         header=_header(stamp, "base_link"), state=state, action=action, reason=reason or outcome,
         outcome=OUTCOMES.index(outcome), decision_stamp=_stamp(decision_stamp), progress=1.0, backend=backend,
-        closed_loop=False)
+        closed_loop=False, predicted_end=_stamp(predicted_end), provisional=False, queued=bool(queued_stamp),
+        queued_stamp=_stamp(queued_stamp), ended_stamp=_stamp(ended_stamp),
+        ended_outcome=OUTCOMES.index(ended_outcome), dropped=dropped, provisional_taken=0, provisional_confirmed=0,
+        provisional_reverted=0, provisional_reverted_m=0.0, provisional_reverted_deg=0.0)
