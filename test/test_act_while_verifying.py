@@ -438,3 +438,104 @@ def test_a_provisional_decision_or_motion_is_labelled_where_it_is_shown():
                                                provisional_reverted_m=0.1)))
     assert shown["provisional"] == "true" and shown["queued"] == "true" and shown["provisional_taken"] == "2"
     assert shown["provisional_reverted_m"] == "0.100"
+
+
+# ------------------------------------------------------------------------------------------------
+# moving on the draft: the draft's action read from what the decoding drafts ahead
+
+
+def test_a_drafts_action_counts_once_its_clause_is_complete():
+    from edgespec_ros.control.actions import completed_action
+    assert completed_action("The bottle is ahead. Action: move forward") is None  # its size not yet written
+    assert completed_action("The bottle is ahead. Action: move forward large") is None  # no period yet
+    assert completed_action("The bottle is ahead. Action: move forward large.").text == "move forward large"
+    assert completed_action("Turning. Action: turn left medium. And") is None  # words after: not one action
+    assert completed_action("Action: stop. Action: stop.") is None  # two clauses
+    assert completed_action("The bottle is ahead, large.") is None  # no clause at all
+    assert completed_action("Action: dance wildly.") is None
+
+
+@pytest.mark.parametrize("mode", ["sd", "pipe", "ar"])
+def test_the_decoder_reports_what_the_draft_guesses_ahead_of_the_verdict(vlm_draft, vlm_target, image, mode):
+    """Each chain block sent reports the decision's tokens as the draft guesses them: with greedy
+    drafting the first guess is the draft's own greedy start; an ar decision drafts nothing."""
+    from edgespec_ros.cloud.local import LocalVerifier
+    from edgespec_ros.robot.decoder import EdgeDecoder
+    from edgespec_ros.robot.settings import DecodeConfig
+    decoder = EdgeDecoder(vlm_draft, LocalVerifier(vlm_target, eager=mode == "pipe"))
+    guesses = []
+    cfg = DecodeConfig(mode=mode, gamma=3, pipe_depth=3, max_new_tokens=16)
+    verified = decoder.decide("find the red chair", image, cfg, on_draft=guesses.append)
+    alone = EdgeDecoder(vlm_draft, None).decide_draft_only("find the red chair", image, cfg).tokens
+    if mode == "ar":
+        assert guesses == [] and verified.tokens
+        return
+    assert guesses and guesses[0] == alone[:3]
+    assert all(len(g) >= 3 for g in guesses)  # each a block at least past what was committed
+
+
+class DraftingDecoder(FakeDecoder):
+    """A FakeDecoder that reports draft guesses (text as one token per character) through on_draft,
+    the clock advancing ``step_s`` before each, and then takes ``verdict_s`` more to verify."""
+
+    def __init__(self, clock, guesses, verified, step_s=0.5, verdict_s=3.0):
+        super().__init__(text=verified)
+        self.clock, self.guesses, self.step_s, self.verdict_s = clock, guesses, step_s, verdict_s
+        self.tokenizer = type("Chars", (), {"decode": staticmethod(lambda ids, skip_special_tokens=False:
+                                                                   "".join(map(chr, ids)))})()
+        self.drafted = []
+
+    def decide(self, instruction, image, cfg, on_tokens=None, history=(), on_draft=None):
+        self.drafted.append(on_draft is not None)
+        for g in self.guesses if on_draft is not None else ():
+            self.clock.advance(self.step_s)
+            on_draft([ord(c) for c in g])
+        self.clock.advance(self.verdict_s)
+        return super().decide(instruction, image, cfg, on_tokens)
+
+
+def speculate(margin_s=1.0, setting="speculative", verdict_s=3.0, guesses=None):
+    """A first decision (no prediction yet: nothing watched) then a second whose draft writes its
+    action; returns (provisional outcomes published, the two verified outcomes, the decoder)."""
+    from drafting_helpers import Clock
+    from edgespec_ros.robot.drafter import DrafterCore
+    from edgespec_ros.robot.settings import DrafterSettings
+    clock = Clock()
+    guesses = guesses or ["Ahead. Action: move forward", "Ahead. Action: move forward large.",
+                          "Ahead. Action: move forward large."]
+    decoder = DraftingDecoder(clock, guesses, "Ahead. Action: turn left small.", verdict_s=verdict_s)
+    core = DrafterCore(decoder, DrafterSettings(act_while_verifying=setting, provisional_margin_s=margin_s), clock)
+    core.set_command("find the silver bottle")
+    published, outs = [], []
+    for _ in range(2):
+        core.set_frame(frame(clock))
+        ticket = core.begin()
+        assert ticket is not None, core.why_not_ready(clock())
+        outs.append(core.run(ticket, on_provisional=published.append))
+        core.note_motion("idle", outs[-1].stamp_ns, clock(), COMPLETED)
+        clock.advance(0.05)
+    return published, outs, decoder
+
+
+def test_speculative_publishes_the_drafts_action_once_labelled_before_its_verdict():
+    published, (first, second), decoder = speculate()
+    assert decoder.drafted == [False, True]  # the first decision had no latency to predict from
+    (p,) = published  # the incomplete clause gave nothing; the complete one, once (the later guess too)
+    assert p.provisional and not p.fault and p.parsed and p.action == "move forward large"
+    assert p.stamp_ns == second.stamp_ns and "PROVISIONAL" in p.reasoning
+    assert not second.provisional and second.action == "turn left small"  # the verdict is the target's
+    from edgespec_ros.nodes.drafter import decision_message
+    assert decision_message(p).provisional and not decision_message(second).provisional
+    assert second.metrics is not None and p.metrics is None
+
+
+@pytest.mark.parametrize("case", ["margin", "overlap", "stop"])
+def test_no_provisional_decision_where_it_would_not_pay_or_is_not_asked_for(case):
+    if case == "margin":  # the verdict is predicted 3.0 s after the start, the action drafted at 1.0 s
+        published, _, decoder = speculate(margin_s=2.5)
+    elif case == "overlap":
+        published, _, decoder = speculate(setting="overlap")
+        assert decoder.drafted == [False, False]
+    else:  # a drafted stop is nothing to begin
+        published, _, _ = speculate(guesses=["Here. Action: stop."])
+    assert published == []

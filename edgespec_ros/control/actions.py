@@ -254,6 +254,23 @@ def split_reasoning_action(text: str) -> tuple[str, str]:
     return text[:marker.start()].strip(), text[marker.end():].strip()
 
 
+def completed_action(text: str, config: ActionConfig = DEFAULT_ACTION_CONFIG) -> Action | None:
+    """The action of an answer still being written (a draft's text drafted ahead of its verdict),
+    once its ``Action:`` clause is complete: the marker, then an action closed by its period. None
+    before that, and for anything :func:`parse_action` refuses (never a guess at a cut-off clause:
+    "move forward" before its size is not yet an action)."""
+    try:
+        _, action_text = split_reasoning_action(text)
+    except ActionParseError:
+        return None
+    if not _ACTION_MARKER.search(text) or not action_text.rstrip().endswith("."):
+        return None
+    try:
+        return parse_action(text, config)
+    except ActionParseError:
+        return None
+
+
 def parse_action(text: str, config: ActionConfig = DEFAULT_ACTION_CONFIG) -> Action:
     """Parse exactly one action from ``text`` (a bare action or a full reasoning + ``Action:`` answer).
 

@@ -97,9 +97,10 @@ class DrafterNode(LifecycleNode):
                                f"{self.settings.act_while_verifying}")
         if self.settings.act_while_verifying == "speculative":
             self.get_logger().warning(
-                "act_while_verifying speculative: this drafter publishes no provisional decisions yet (its decoder "
-                "gives no draft action before the verdict); it acts as overlap. The navigator runs provisional "
-                "decisions (VerifiedAction.provisional) inside their bounds when a publisher sends them")
+                "act_while_verifying speculative: where the verdict is predicted late, the draft's own action is "
+                "published PROVISIONAL (unverified; VerifiedAction.provisional) as soon as the draft has written it, "
+                "and the navigator begins it inside the provisional bounds until the verified decision confirms or "
+                "reverts it (sd and pipe draft it; an ar decision drafts nothing)")
         return super().on_configure(state)
 
     def on_activate(self, state) -> TransitionCallbackReturn:
@@ -358,7 +359,7 @@ class DrafterNode(LifecycleNode):
         ticket = core.begin()
         if ticket is None:
             return
-        outcome = core.run(ticket, on_partial=self._publish_partial)
+        outcome = core.run(ticket, on_partial=self._publish_partial, on_provisional=self._publish_provisional)
         if outcome is not None:
             self._publish(outcome)
 
@@ -374,6 +375,16 @@ class DrafterNode(LifecycleNode):
         pub = self._lifecycle_pubs.get("partial")
         if pub is not None:
             pub.publish(String(data=text))
+
+    def _publish_provisional(self, outcome: DecisionOutcome) -> None:
+        """The draft's own action before its verdict (speculative): published labelled
+        provisional, never counted as a decision of the command."""
+        pub = self._lifecycle_pubs.get("decision")
+        if pub is None:
+            return
+        pub.publish(decision_message(outcome))
+        self.get_logger().warning(f"PROVISIONAL (unverified, the draft's own): {outcome.action}; the verified "
+                                  "decision on the same frame confirms or reverts it")
 
     def _publish(self, outcome: DecisionOutcome) -> None:
         pub = self._lifecycle_pubs.get("decision")
@@ -455,6 +466,7 @@ def decision_message(outcome: DecisionOutcome) -> VerifiedAction:
     msg.fallback = outcome.fallback
     msg.command_id = max(outcome.generation, 0)
     msg.chained = outcome.chained
+    msg.provisional = outcome.provisional
     return msg
 
 

@@ -61,13 +61,16 @@ class DecisionTiming:
         self.tokens.append(int(tokens))
         self.latencies_s.append(float(latency_s))
 
-    def start_s(self, now_s: float, motion_end_s: float | None, auto: AutoGamma | None) -> float:
-        """When to begin the next decision so that its verdict lands at ``motion_end_s``: mode
-        auto's model over the decisions' median tokens (:func:`next_decision_start_s`) where it
-        predicts, else the median latency measured; at once before any decision was measured."""
+    def latency_s(self, auto: AutoGamma | None) -> float | None:
+        """The next decision's predicted latency: mode auto's model over the decisions' median
+        tokens (:func:`predicted_decision_s`) where it predicts, else the median latency measured;
+        None before any decision was measured."""
         if not self.tokens:
-            return now_s
-        tokens = statistics.median(self.tokens)
-        if auto is not None and predicted_decision_s(auto, tokens) is not None:
-            return next_decision_start_s(now_s, motion_end_s, auto, tokens)
-        return decision_start_s(now_s, motion_end_s, statistics.median(self.latencies_s))
+            return None
+        predicted = predicted_decision_s(auto, statistics.median(self.tokens)) if auto is not None else None
+        return predicted if predicted is not None else statistics.median(self.latencies_s)
+
+    def start_s(self, now_s: float, motion_end_s: float | None, auto: AutoGamma | None) -> float:
+        """When to begin the next decision so that its verdict lands at ``motion_end_s``
+        (``decision_start_s`` on :meth:`latency_s`; at once before any decision was measured)."""
+        return decision_start_s(now_s, motion_end_s, self.latency_s(auto))

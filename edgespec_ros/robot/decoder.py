@@ -140,9 +140,11 @@ class EdgeDecoder:
                               history=history)
         return Prompt(instruction, jpeg, inputs.input_ids[0].tolist()), inputs
 
-    def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=()) -> Decision:
+    def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=(), on_draft=None) -> Decision:
         """Decode one decision's text. on_tokens(list[int]) is called with each newly verified chunk.
-        ``history``: the earlier decisions a policy with memory reads (``decoding.memory``)."""
+        ``history``: the earlier decisions a policy with memory reads (``decoding.memory``).
+        ``on_draft(list[int])``: the decision's tokens as the draft guesses them, committed and
+        drafted ahead, each time a chain block goes up (sd, pipe; never in ar)."""
         codec = self.verifier.codec
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
@@ -167,7 +169,7 @@ class EdgeDecoder:
         # Overlapped: the draft prefill and the first block go ahead while PREFILL is on its way.
         info = self.verifier.start(prompt, cfg.verify_settings(), wait=False)
         m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
-        out = self.strategy(cfg).decide(self, inputs, cfg, m, on_tokens, t_start)
+        out = self.strategy(cfg).decide(self, inputs, cfg, m, on_tokens, t_start, on_draft=on_draft)
         out, _ = truncate_at_stop(out, self.eos_ids, cfg.max_new_tokens)
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start

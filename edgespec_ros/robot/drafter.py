@@ -40,8 +40,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, parse_action,
-                               split_reasoning_action)
+from ..control.actions import (Action, ActionConfig, ActionParseError, DEFAULT_ACTION_CONFIG, completed_action,
+                               parse_action, split_reasoning_action)
 from ..control.motion import BLOCKED_CONTACT, FAULT_HOLD, MOVING, NO_OUTCOME, REJECTED, STOPPED
 from ..control.belief import memory_for
 from .decoder import DRAFT_ONLY
@@ -49,6 +49,7 @@ from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_act
 from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .act_timing import DecisionTiming
+from ..control.provisional import worth_acting_provisionally
 from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics
 from .drafter_stats import DecodingStatsAggregator  # noqa: F401 - the drafter's statistics, re-exported
@@ -101,6 +102,7 @@ class DecisionOutcome:
     fallback: str = ""            # the link is lost: DRAFT_ONLY (LOSSY) or RETRACE stands in for a verified decision
     fault_kind: FaultKind | None = None  # why the verifier could not be used (None: no fault, or a cancellation)
     chained: bool = False         # decided while the last decision's motion ran: the navigator chains it on that motion
+    provisional: bool = False     # PROVISIONAL, UNVERIFIED: the draft's own action, sent before the verdict (speculative)
 
     @property
     def is_fault(self) -> bool:
@@ -447,12 +449,18 @@ class DrafterCore:
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
 
-    def run(self, ticket: Ticket, on_partial: Callable[[str], None] | None = None) -> DecisionOutcome | None:
+    def run(self, ticket: Ticket, on_partial: Callable[[str], None] | None = None,
+            on_provisional: Callable[[DecisionOutcome], None] | None = None) -> DecisionOutcome | None:
         """Decode the ticket's decision (blocking). Returns the outcome to publish, or None when the
-        decision was abandoned meanwhile (a cancel or the deadline already published a stop)."""
+        decision was abandoned meanwhile (a cancel or the deadline already published a stop).
+        ``on_provisional``: under act_while_verifying speculative, called at most once, from the
+        decoding thread, with the draft's own action (PROVISIONAL, unverified) as soon as the draft
+        has written it and the verdict is predicted more than provisional_margin_s later
+        (:meth:`_provisional_watch`)."""
         s = self.settings
         verified: list[int] = []
         streamed = [""]
+        on_draft = self._provisional_watch(ticket, on_provisional)
 
         def on_tokens(new_ids):
             if ticket.abandoned:
@@ -473,8 +481,12 @@ class DrafterCore:
         cfg = s.decode_config(ticket.index, ticket.resample)
         try:
             memory = {"history": ticket.history} if self.memory.k else {}
-            decide = self.decoder.decide_draft_only if ticket.fallback == DRAFT_ONLY else self.decoder.decide
-            decision = decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens, **memory)
+            if ticket.fallback == DRAFT_ONLY:
+                decision = self.decoder.decide_draft_only(ticket.instruction, ticket.frame.image, cfg,
+                                                          on_tokens=on_tokens, **memory)
+            else:
+                decision = self.decoder.decide(ticket.instruction, ticket.frame.image, cfg, on_tokens=on_tokens,
+                                               **memory, **({"on_draft": on_draft} if on_draft else {}))
         except DecisionCancelled:
             self._drop_connection()
             return self._finish(ticket, None)
@@ -495,6 +507,41 @@ class DrafterCore:
         outcome.temperature = 0.0 if ticket.fallback else cfg.params.temperature  # draft-only decides greedily
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
+
+    def _provisional_watch(self, ticket: Ticket, on_provisional) -> Callable[[list[int]], None] | None:
+        """The decoder's ``on_draft`` under act_while_verifying speculative: the draft's tokens
+        (committed and drafted ahead) read with the action grammar; once they hold a complete action
+        other than a stop, and the verdict is predicted (``timing.latency_s``) more than
+        provisional_margin_s after now (``worth_acting_provisionally``: the draft has finished its
+        decision now), ``on_provisional`` gets it as a PROVISIONAL outcome, once. The robot moves
+        on it only inside the provisional bounds, and the verified decision confirms or reverts it.
+        None where nothing is watched: another setting, a fallback decision, no tokenizer."""
+        if (on_provisional is None or self.settings.act_while_verifying != "speculative" or ticket.fallback
+                or self.tokenizer is None):
+            return None
+        latency = self.timing.latency_s(getattr(self.decoder, "auto_gamma", None))
+        if latency is None:  # nothing measured yet: no prediction to act on
+            return None
+        verdict_ns = ticket.started_ns + int(latency * NS)
+        sent = [False]
+
+        def on_draft(ids: list[int]) -> None:
+            if sent[0] or ticket.abandoned:
+                return
+            action = completed_action(self.tokenizer.decode(ids, skip_special_tokens=True), self.action_config)
+            if action is None or action.kind == "stop":
+                return
+            now = self.clock_ns()
+            if not worth_acting_provisionally((verdict_ns - now) / NS, 0.0, self.settings.provisional_margin_s):
+                return
+            sent[0] = True
+            outcome = DecisionOutcome(ticket.instruction, ticket.frame.stamp_ns, ticket.frame.frame_id,
+                                      text=action.text, action=action.text, parsed_action=action, parsed=True,
+                                      reasoning="PROVISIONAL: the draft's action, unverified", mode="draft",
+                                      generation=ticket.generation, chained=ticket.chained, provisional=True,
+                                      latency_s=(now - ticket.frame.stamp_ns) / NS)
+            on_provisional(outcome)
+        return on_draft
 
     def check_deadline(self) -> DecisionOutcome | None:
         """Called periodically: when the decision in flight has passed its deadline, abandon it and

@@ -311,7 +311,7 @@ class _Pipeline:
         chained = not d.ends_decision(history[len(d.out):] + list(ids))
         if cause is None:
             cause = "chained" if self.sent_in_epoch else "drafted"
-        block = d.block(ids, q, chained=chained, stream_exits=self.pre is not None)
+        block = d.block(ids, q, chained=chained, stream_exits=self.pre is not None, after=history)
         if block.round == 1:
             cause = "fill"
         codec_after = copy.deepcopy(d.codec)

@@ -33,10 +33,14 @@ class DecisionState:
     """What one decision's rounds share: the draft sequence, the codec, the committed tokens."""
 
     def __init__(self, verifier: Verifier, draft: LoadedModel | None, eos_ids: set[int], device: EdgeDevice,
-                 inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens, started_at: float):
+                 inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens, started_at: float,
+                 on_draft=None):
         """The decision's verifier, draft model (prefilled on ``inputs`` here), EOS ids and the
-        robot's device the drafting runs on."""
+        robot's device the drafting runs on. ``on_draft(tokens)``: called with the decision's
+        tokens as the draft now guesses them (committed, then drafted ahead unverified) each time a
+        chain block is sent: what moving on the draft (act_while_verifying speculative) reads."""
         self.verifier, self.cfg, self.m, self.on_tokens = verifier, cfg, m, on_tokens
+        self.on_draft = on_draft
         self.timeline = CloudTimeline(m, started_at)  # where the cloud's time went, verdict by verdict
         self.eos_ids, self.device = eos_ids, device
         self.out: list[int] = []  # committed tokens (untruncated)
@@ -74,9 +78,13 @@ class DecisionState:
         return self._last_epoch
 
     def block(self, ids: list[int], q: torch.Tensor, *, chained: bool = False, stream_exits: bool = False,
-              parents: list[int] | None = None) -> Block:
+              parents: list[int] | None = None, after: list[int] | None = None) -> Block:
         """The next round's block (of the drafts ``self.seq`` just drafted; ``parents``: a token
-        tree's); carries the split codec's owed token (then owed no more)."""
+        tree's); carries the split codec's owed token (then owed no more). ``after``: the tokens the
+        block continues (default: the committed ones; a pipelined block: those of the blocks in
+        flight before it too)."""
+        if self.on_draft is not None and parents is None:
+            self.on_draft((self.out if after is None else list(after)) + list(ids))
         self.round += 1
         block = Block(self.round, self.epoch, list(ids), q, chained, stream_exits, self.edge_token, parents=parents)
         self.edge_token = None
@@ -133,11 +141,11 @@ class Strategy:
     name = ""
 
     def decide(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens,
-               started_at: float) -> list[int]:
+               started_at: float, on_draft=None) -> list[int]:
         """One decision's committed tokens (untruncated): the draft prefilled on the robot's
-        device, then this technique's rounds (``run``)."""
+        device, then this technique's rounds (``run``); ``on_draft``: see ``DecisionState``."""
         d = DecisionState(decoder.verifier, decoder.draft, decoder.eos_ids, decoder.device, inputs, cfg, m,
-                          on_tokens, started_at)
+                          on_tokens, started_at, on_draft)
         self.run(d)
         d.timeline.end(time.perf_counter())
         return d.out
@@ -156,8 +164,9 @@ class ArStrategy(Strategy):
         self.auto = auto  # gamma "auto": AR decisions measure the target step and the round trip
 
     def decide(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens,
-               started_at: float) -> list[int]:
-        """The cloud target decodes alone: no draft, no prefill on the robot."""
+               started_at: float, on_draft=None) -> list[int]:
+        """The cloud target decodes alone: no draft, no prefill on the robot (nothing drafted:
+        ``on_draft`` is never called)."""
         return self.run_ar(decoder.verifier, cfg, m, decoder.eos_ids, on_tokens)
 
     def run_ar(self, verifier: Verifier, cfg: DecodeConfig, m: DecisionMetrics, eos_ids, on_tokens) -> list[int]:

@@ -110,8 +110,8 @@ class DrafterSettings:
                "speculative (overlap, and where the verdict is predicted to come provisional_margin_s later than "
                "the draft finishes the decision, begin the draft's action as a PROVISIONAL motion inside its own "
                "bounds; the verdict confirms it or stops and reverts to the verified action; the decision "
-               "committed is still exactly the target's; the navigator runs provisional decisions, the drafter "
-               "does not publish them yet and acts as overlap)",
+               "committed is still exactly the target's; the draft's action is read from what sd and pipe draft "
+               "ahead, so an ar decision has none)",
         choices=ACT_WHILE_VERIFYING)
     provisional_margin_s: float = setting(
         1.0, "speculative: begin a provisional motion only when the predicted verdict comes this many seconds "
