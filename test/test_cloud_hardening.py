@@ -1171,6 +1171,23 @@ def test_the_verifier_sets_its_torch_threads(tmp_path):
         torch.set_num_threads(before)
 
 
+def test_the_verifier_freezes_its_start_up_heap():
+    """The objects alive after start-up (model, tokenizer, imported modules) are frozen out of the
+    garbage collector's full passes: under a hostile load's allocation churn a full pass walked
+    ~400k of them with the GIL held, 100-200 ms in which neither the event loop nor the compute
+    thread ran (the good robot's tail in the hostile soak)."""
+    import gc
+    from edgespec_ros.cloud.config import build_parser, build_server
+    gc.unfreeze()
+    server = build_server(build_parser().parse_args(["--torch-threads", "1"]))
+    try:
+        assert gc.get_freeze_count() > 10_000  # the weights' modules, the tokenizer, transformers' imports
+        assert gc.get_freeze_count() > 10 * len(gc.get_objects())  # a full pass walks what came after
+    finally:
+        server.fair.shutdown()
+        gc.unfreeze()
+
+
 def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):
     """Issue 34.4: after HELLO a frame could be 2 x --max-frame (128 MiB); now the websocket layer
     cuts it past what the session's codec, vocabulary and image limit can need (here ~8 MiB: the

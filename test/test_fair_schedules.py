@@ -386,3 +386,76 @@ def test_each_flow_of_a_shared_pass_is_charged_its_share():
     assert passes == [["a1", "a2", "b1"]]
     charged = {flow: fair._vtime[flow] for flow in ("A", "B", "blocker")}
     assert sum(charged.values()) == pytest.approx(fair.busy_s, rel=1e-9, abs=1e-12)
+
+
+def _burst_order(credit_s: float, idle_s: float, burst_quanta: int, burst_quantum_s: float, known: bool = True):
+    """Flow "b" is backlogged (one preemptible job of 5 ms quanta) while flow "a" sits idle for
+    ``idle_s`` (after one short job when ``known``: its virtual time is on record); then "a"
+    queues a preemptible job of ``burst_quanta`` quanta of ``burst_quantum_s``. Returns the order
+    in which quanta ran from "a"'s job on ("a" or "b")."""
+    import time
+    fair = FairCompute("t", idle_credit_s=credit_s)
+    order, stop = [], threading.Event()
+
+    def backlog():
+        while not stop.is_set():
+            time.sleep(0.005)
+            order.append("b")
+            yield
+
+    def burst():
+        for _ in range(burst_quanta):
+            time.sleep(burst_quantum_s)
+            order.append("a")
+            yield
+
+    async def main():
+        if known:
+            await fair.run("a", lambda: None, flow="a")
+        b = asyncio.ensure_future(fair.run("b", backlog, flow="b"))
+        await asyncio.sleep(idle_s)
+        start = len(order)
+        await asyncio.wait_for(fair.run("a", burst, flow="a"), DEADLINE_S)
+        stop.set()
+        await asyncio.wait_for(b, DEADLINE_S)
+        return order[start:]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        fair.shutdown()
+
+
+def _longest_run(order: list[str], who: str) -> int:
+    best = run = 0
+    for x in order:
+        run = run + 1 if x == who else 0
+        best = max(best, run)
+    return best
+
+
+def test_a_flow_back_from_idle_runs_its_burst_without_the_backlogged_tenants_quanta_between():
+    """A robot back from drafting (its flow idle while a backlogged tenant ran) runs its burst, a
+    prefill's pieces or a round's decode then its pass, back to back within the credit: plain
+    start-time fair queuing cut it after every quantum with the tenant's (the good robot's
+    prefill in the hostile soak waited ~7 ms between its two pieces)."""
+    order = _burst_order(credit_s=0.1, idle_s=0.2, burst_quanta=3, burst_quantum_s=0.01)
+    assert _longest_run(order, "a") == 3, order
+    plain = _burst_order(credit_s=0.0, idle_s=0.2, burst_quanta=3, burst_quantum_s=0.01)
+    assert _longest_run(plain, "a") == 1, plain  # the control: the tenant's quantum after each of its own
+
+
+def test_the_credit_of_a_flow_back_from_idle_is_bounded():
+    """However long a flow sat idle, it runs at most about ``idle_credit_s`` of compute ahead of
+    a backlogged flow, then they alternate again: the backlogged tenant's wait stays bounded."""
+    order = _burst_order(credit_s=0.05, idle_s=0.5, burst_quanta=40, burst_quantum_s=0.005)
+    run = _longest_run(order, "a")
+    assert 4 <= run <= 20, order  # ~10 quanta of 5 ms (sleeps overshoot on a loaded machine), not all 40
+    assert "b" in order[:order.index("a") + run + 1] and order.count("a") == 40, order
+
+
+def test_a_new_flow_gets_no_credit():
+    """A flow never seen (a new session without auth, a tenant whose sessions had all ended) starts
+    level with the others: reconnecting buys nothing."""
+    order = _burst_order(credit_s=0.1, idle_s=0.2, burst_quanta=3, burst_quantum_s=0.015, known=False)
+    assert _longest_run(order, "a") == 1, order

@@ -4,11 +4,15 @@ Every model call and every codec decode of every session runs here (one accelera
 overlap). Jobs are served by start-time fair queuing over the compute time each *flow* has used:
 a flow is a tenant (the auth token a session presented; every session of one token shares one
 flow) or, without auth, the session itself. The next job is the oldest job of the flow with the
-least virtual time; a flow's virtual time grows by the seconds its jobs ran, and a flow that was
-idle starts at the current virtual time (it is not owed the past). So a tenant that sends
-expensive-but-allowed work (big prompts, the largest codec parameters, long generations, many
-sessions) is served after the flows that used less, and its share is bounded: a job waits for at
-most the job in progress plus one job of each flow that used less than its own. When a session
+least virtual time; a flow's virtual time grows by the seconds its jobs ran. A flow that was
+idle starts at the current virtual time less what it left unused meanwhile, up to
+``IDLE_CREDIT_S`` (a new flow at the current one): a robot that drafts between rounds uses part of
+its share, and runs a burst (a prefill's pieces, a round's decode then its pass) without a
+backlogged tenant's quanta cut in between, but it is owed no more of the past than the credit. So
+a tenant that sends expensive-but-allowed work (big prompts, the largest codec parameters, long
+generations, many sessions) is served after the flows that used less, and its share is bounded: a
+job waits for at most the job in progress plus, for each flow that used less than its own, one
+job and at most the credit. When a session
 ends, its queued jobs are cancelled and any new one is refused (``SessionGone``); a job already
 running finishes (each is bounded by the limits).
 
@@ -40,6 +44,13 @@ from collections import deque
 from typing import Callable
 
 HOLD_MIN_S = 1e-3  # a hold for decodes already queued: they run first, then the hold is judged again
+# A flow that returns from idle starts up to this many seconds of compute behind the current
+# virtual time when it left that much of its share unused (``FairCompute._start``): a robot that
+# drafts between rounds uses a fraction of its share, and in plain start-time fair queuing every
+# return started it level with a backlogged tenant, so each burst (a decision's prefill pieces, a
+# round's decode then its pass) was cut by that tenant's quanta. Bounded: a backlogged flow waits
+# at most this much more compute per returning flow, and a new flow gets none.
+IDLE_CREDIT_S = 0.05
 HOLD_GAPS = 5  # a session's last gaps between a verdict and its next round (their median predicts the next)
 _BETWEEN = object()  # what ``_next`` returns when tasks wait to run between jobs (``between_jobs``)
 log = logging.getLogger(__name__)
@@ -81,8 +92,11 @@ class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
     def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8, batch_spread: float = 2.0,
-                 max_batch_tokens: int | None = None, pass_cost=None, max_flows_per_pass: int | None = None):
+                 max_batch_tokens: int | None = None, pass_cost=None, max_flows_per_pass: int | None = None,
+                 idle_credit_s: float = IDLE_CREDIT_S):
         self.max_queued, self.max_batch = max_queued, max_batch
+        # a flow returning from idle keeps up to this much of the share it left unused (``_start``)
+        self.idle_credit_s = max(0.0, idle_credit_s)
         # flows (tenants) whose rounds may share one pass (None: any): where a pass costs in
         # proportion to its rows (a CPU), sharing buys no throughput and lengthens each tenant's
         # pass by the others' rows, so the verifier keeps tenants apart there
@@ -138,9 +152,9 @@ class FairCompute:
                 raise SessionGone("session closed")
             if self._queued >= self.max_queued:
                 raise RuntimeError(f"compute queue full ({self._queued} jobs)")
-            if flow not in self._queues:
+            if flow not in self._queues:  # active again (or new)
                 self._queues[flow] = deque()
-                self._vtime[flow] = max(self._vtime.get(flow, 0.0), self._clock)
+                self._vtime[flow] = self._start(flow)
             job = _Job(key, flow, fn, args, future, loop, next(self._order))
             job.batch, job.device, job.cost, job.then, job.rows = _batch, device, _cost, _then, max(1, _rows)
             if (_batch or _then is not None) and key in self._delivered:  # a round after a verdict
@@ -289,13 +303,21 @@ class FairCompute:
             queue = self._queues[flow]
             job = queue.popleft()
             self._queued -= 1
-            self._clock = self._vtime[flow]
+            self._clock = max(self._clock, self._vtime[flow])  # monotone: a credited flow's start is behind it
             if job.steps is None:  # its first quantum: the time it waited behind others
                 self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
             if not queue:
                 del self._queues[flow]  # idle: its vtime stays until it returns or is forgotten
             self.running_key, self.running_flow = job.key, flow
             return job
+
+    def _start(self, flow) -> float:
+        """The virtual time a flow that was idle starts at: the current one, less what it left
+        unused while idle, up to ``idle_credit_s``; a new flow at the current one. Called with the
+        lock held."""
+        if flow not in self._vtime:
+            return self._clock
+        return max(self._vtime[flow], self._clock - self.idle_credit_s)
 
     def _hold(self, now: float) -> float:
         """Seconds to keep the free accelerator idle for rounds about to arrive (0: none), when
