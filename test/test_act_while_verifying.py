@@ -539,3 +539,62 @@ def test_no_provisional_decision_where_it_would_not_pay_or_is_not_asked_for(case
     else:  # a drafted stop is nothing to begin
         published, _, _ = speculate(guesses=["Here. Action: stop."])
     assert published == []
+
+
+# ------------------------------------------------------------------------------------------------
+# a bag of chained decisions replays with the prompts the drafter built
+
+
+def test_a_bag_of_chained_decisions_replays_each_with_the_prompt_the_drafter_built(tmp_path):
+    """A chained decision was prompted with the running one executing; the ended fields of the
+    navigator's states end it (completed), or drop the one behind it (interrupted); a provisional
+    decision in the bag is no decision; the replay's prompts are the drafter's."""
+    import numpy as np
+    from edgespec_ros.rosio import topics
+    from edgespec_ros.rosio.bag_messages import (decision_message, image_message, motion_state_message,
+                                                 string_message)
+    from edgespec_ros.rosio.bags import BagReplay, BagWriter
+    rgb = np.zeros((8, 8, 3), np.uint8)
+    instruction = "find the silver bottle"
+    with BagWriter(tmp_path / "bag") as bag:
+        for topic, kind in ((topics.COMMAND, "std_msgs/String"), (topics.IMAGE, "sensor_msgs/Image"),
+                            (topics.DECISION, "edgespec_ros/VerifiedAction"),
+                            (topics.MOTION_STATE, "edgespec_ros/MotionState")):
+            bag.add_topic(topic, kind)
+        t = [S]
+
+        def at():
+            t[0] += S // 10
+            return t[0]
+        bag.write(topics.COMMAND, at(), string_message(instruction))
+
+        def decided(n, text, chained=False, provisional=False):
+            bag.write(topics.IMAGE, at(), image_message(rgb, n * S))
+            bag.write(topics.DECISION, at(), decision_message(stamp=n * S, instruction=instruction, text=text,
+                                                              action=parse_action(text), chained=chained,
+                                                              provisional=provisional))
+
+        def state(n, st, outcome="none", **kw):
+            bag.write(topics.MOTION_STATE, at(), motion_state_message(stamp=t[0], state=st, action="", outcome=outcome,
+                                                                      decision_stamp=n * S, **kw))
+        decided(1, "move forward large")
+        state(1, "moving")
+        decided(2, "turn left small", provisional=True)  # the draft's own, before its verdict: no decision
+        decided(2, "turn left small", chained=True)
+        state(2, "moving", ended_stamp=1 * S, ended_outcome="completed")
+        state(2, "idle", "completed")
+        decided(3, "move forward small")
+        state(3, "moving")
+        decided(4, "turn right small", chained=True)
+        state(3, "estop", "estop", ended_stamp=4 * S, dropped="estop")
+        decided(5, "turn left small")
+    replay = BagReplay(tmp_path / "bag")
+    assert len(replay) == 5 and all(not p.recorded.fault for p in replay.pairs)
+    shown = [h for *_rest, h in replay.with_memory(2)]
+    assert shown == [
+        (),
+        (Turn("move forward large", EXECUTING),),
+        (Turn("move forward large", DONE), Turn("turn left small", DONE)),
+        (Turn("move forward large", DONE), Turn("turn left small", DONE), Turn("move forward small", EXECUTING)),
+        (Turn("move forward small", INTERRUPTED), Turn("turn right small", INTERRUPTED)),
+    ]

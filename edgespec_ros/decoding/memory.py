@@ -265,6 +265,25 @@ class CommandMemory(PolicyMemory):
         self._ended(outcome)
         return outcome
 
+    def navigator_reported(self, stamp_ns: int, state: str, outcome: str, ended_stamp_ns: int = 0,
+                           ended_outcome: str = "none", dropped: str = "") -> str | None:
+        """A whole MotionState report, as the drafter node and a bag's replay both read it: the
+        decision named (:meth:`motion_reported`, whose result this returns) and, acting while
+        verifying, a decision that ended beside it (``ended_stamp_ns``: the one before a chained
+        decision, ended ``ended_outcome``; or one dropped before it began, ``dropped`` why, or
+        replaced: outcome "none": :meth:`dropped`)."""
+        ended = self.motion_reported(stamp_ns, state, outcome)
+        if ended_stamp_ns and (dropped or ended_outcome == "none"):
+            self.dropped(ended_stamp_ns)
+        elif ended_stamp_ns:
+            self.motion_reported(ended_stamp_ns, "idle", ended_outcome)
+        return ended
+
+    def prompt_turns(self, chained: bool) -> tuple[Turn, ...]:
+        """What the next decision's prompt shows: with the awaited motion still running
+        (``chained``) :meth:`shown_in_flight`, else :meth:`shown`."""
+        return self.shown_in_flight() if chained else self.shown()
+
     def dropped(self, stamp_ns: int) -> None:
         """The navigator dropped the decision stamped ``stamp_ns`` before it began (a chained one: a
         stop path, a new command, its frame too old; control.chaining.DROP_REASONS): remembered as

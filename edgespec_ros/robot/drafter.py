@@ -364,15 +364,12 @@ class DrafterCore:
             if (outcome in (RETRACE_DONE, REJECTED) and self.memory.awaiting_stamp == decision_stamp_ns
                     and self.memory.awaiting_retrace):
                 self.link_fallback.retrace_over()  # back at the start, or the navigator cannot retrace (no odometry)
-            ended = self.memory.motion_reported(decision_stamp_ns, state, outcome)
+            ended = self.memory.navigator_reported(decision_stamp_ns, state, outcome, ended_stamp_ns, ended_outcome,
+                                                   dropped)
             if ended is not None:
                 self.motion_idle_since_ns = state_stamp_ns
                 # pushing into something (not stale odometry: then the view may well have changed)
                 self.resample_next = ended == BLOCKED_CONTACT
-            if ended_stamp_ns and (dropped or ended_outcome == NO_OUTCOME):
-                self.memory.dropped(ended_stamp_ns)  # it never began, or another replaced it
-            elif ended_stamp_ns:
-                self.memory.motion_reported(ended_stamp_ns, "idle", ended_outcome)
             self.motion_running = (decision_stamp_ns, predicted_end_ns if state == MOVING else 0)
 
     def _overlapping(self) -> bool:
@@ -443,7 +440,7 @@ class DrafterCore:
                 self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
                             self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
-                            history=self.memory.shown_in_flight() if chained else self.memory.shown(),
+                            history=self.memory.prompt_turns(chained),
                             fallback=fallback, chained=chained)
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns

@@ -245,7 +245,9 @@ class BagReplay:
                 events.append(("command", None, instruction))
             elif id(conn) in motion_ids:
                 msg = deserialize(reader, conn, t, raw, path)
-                events.append(("motion", stamp_ns(msg.decision_stamp), msg.state, outcome_name(msg.outcome)))
+                ended = stamp_ns(msg.ended_stamp) if hasattr(msg, "ended_stamp") else 0  # (absent: recorded before)
+                events.append(("motion", stamp_ns(msg.decision_stamp), msg.state, outcome_name(msg.outcome), ended,
+                               outcome_name(msg.ended_outcome) if ended else "none", getattr(msg, "dropped", "")))
             elif id(conn) in camera_ids:
                 msg = deserialize(reader, conn, t, raw, path)
                 # every frame that could be replayed is checked now, not met mid-benchmark: a raw frame is
@@ -262,6 +264,8 @@ class BagReplay:
             else:
                 msg = deserialize(reader, conn, t, raw, path)
                 key = stamp_ns(msg.header.stamp)
+                if getattr(msg, "provisional", False):  # the draft's own action before its verdict: no decision
+                    continue
                 fallback = getattr(msg, "fallback", "")  # (absent: recorded before on_link_loss)
                 step = published_step(fallback)
                 self.steps.append((step, msg.fault))
@@ -278,7 +282,7 @@ class BagReplay:
                     command_id = msg.command_id
                 if not msg.fault:  # a safety stop leaves the memory as it was (robot.drafter)
                     action = remembered_action(fallback, msg.action if msg.parsed else None)
-                    events.append(("decision", key, action, msg.text))
+                    events.append(("decision", key, action, msg.text, bool(getattr(msg, "chained", False))))
         decided = []
         seen = set()
         references = {k: rec for k, rec in decisions.items() if rec.verified}  # no fault's, nor the draft's own
@@ -340,13 +344,15 @@ class BagReplay:
             if event[0] == "command":
                 memory.reset(event[2])
             elif event[0] == "decision":
-                memory.gave_up_waiting()  # the drafter decides again only once the motion ended or timed out
-                shown[event[1]] = memory.shown()
-                memory.decided(event[2], event[1], event[3])
+                chained = event[4]  # decided while the awaited motion ran (act_while_verifying)
+                if not chained:
+                    memory.gave_up_waiting()  # the drafter decides again only once the motion ended or timed out
+                shown[event[1]] = memory.prompt_turns(chained)
+                memory.decided(event[2], event[1], event[3], chained=chained)
             elif event[0] == "retrace":
                 memory.retracing(event[1])
             else:
-                memory.motion_reported(event[1], event[2], event[3])
+                memory.navigator_reported(*event[1:])
         view = self.first(len(self.pairs))
         view.histories = [shown.get(p.stamp_ns, ()) for p in self.pairs]
         return view
