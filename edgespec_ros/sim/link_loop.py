@@ -27,6 +27,14 @@ pose (``Scenario.covered``: no dead zone).
     clamped to the degraded motion profile (moves at most small, turns at most medium, at half
     speed), and it is counted UNVERIFIED.
 
+Acting while verifying (``acting``: ``sim.act_loop.ActWhileVerifying``; off, the default, is all of
+the above): with overlap the next decision begins while the motion runs, on a frame rendered
+mid-motion, and with speculative the draft's action begins as a bounded provisional motion before a
+slow verdict (``sim.act_loop.ActingRun``, :class:`LinkedRun`'s subclass, holds those rules). Every
+episode reports, besides its time, how long the robot stood still with a decision pending and how
+often it came to rest between two motions (``sim.timeline``), the decisions dropped before they
+started and the provisional motions' counts.
+
 The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``time_cap_s``; with
 ``retrace``, a command that ran out of decisions is followed by the drafter's link check (a
 handshake; unanswered ones count as link faults) and, once the link is declared lost, by retrace
