@@ -74,6 +74,12 @@ class ActWhileVerifying:
             raise ValueError(f"need max_frame_age_s > 0 and provisional_margin_s >= 0, got "
                              f"{self.max_frame_age_s}, {self.provisional_margin_s}")
 
+    def run(self, policy, scenario, **kwargs):
+        """One episode of ``link_loop.run_linked_episode`` acting so (its keyword arguments, checked there)."""
+        if self.mode == OFF:
+            return LinkedRun(policy, scenario, **kwargs).run()
+        return ActingRun(policy, scenario, acting=self, **kwargs).run()
+
     @property
     def label(self) -> str:
         if self.mode == OFF:

@@ -471,8 +471,7 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
                   time_cap_s=time_cap_s, limits=limits, action_config=action_config)
     if acting is None or acting.mode == OFF:
         return LinkedRun(policy, scenario, **kwargs).run()
-    from .act_loop import ActingRun
-    return ActingRun(policy, scenario, acting=acting, **kwargs).run()
+    return acting.run(policy, scenario, **kwargs)
 
 
 # --------------------------------------------------------------------------- many episodes
