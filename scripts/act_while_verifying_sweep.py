@@ -74,11 +74,83 @@ class Memo:
         return self._seen[key]
 
 
+class Replay:
+    """The blocking run's decisions of one scenario in order, whatever it sees: what a policy robust to
+    frames captured mid-motion (and to the 'executing' word) would decide, for the clock's share alone."""
+
+    memory, belief = 0, False
+
+    def __init__(self, outs):
+        self.outs, self.calls = outs, 0
+
+    def decide(self, image, instruction, history=()):
+        out = self.outs[min(self.calls, len(self.outs) - 1)]
+        self.calls += 1
+        return out
+
+
+class Recorder:
+    """A policy that keeps what it answered (the blocking run's decisions, for :class:`Replay`)."""
+
+    def __init__(self, policy):
+        self.policy, self.memory, self.belief, self.log = policy, policy.memory, policy.belief, []
+
+    def decide(self, image, instruction, history=()):
+        out = self.policy.decide(image, instruction, history=history)
+        self.log.append(out)
+        return out
+
+
+NO_AGE = 1e9  # the replay's rows: no frame-age rule (a dropped decision would shift the replay)
+CLOCK_ONLY = [("h200-wifi-poor", "wifi-poor", DEFAULTS.deadline_s, STATED_MS_PER_TOKEN),
+              ("go2-paper auto", "go2-paper", 30.0, GO2_MS["auto"]), ("go2-paper ar", "go2-paper", 30.0, GO2_MS["ar"])]
+
+
+def clock_only(target, scenarios, health, commit, out_dir) -> None:
+    """Overlap's share of the clock alone: each scenario's blocking decisions replayed under overlap."""
+    report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes "
+                         "clock-only", "commit": commit, "models": {"target": default_model_path("target")},
+              "note": "EMULATED latencies; the target's decisions of the blocking (off) run replayed in order under "
+                      "overlap, whatever the frame: a policy robust to frames captured mid-motion, the same "
+                      "trajectories as off, no frame-age rule (max_frame_age_s 1e9): the clock's share alone",
+              "rows": {}}
+    recorder = Recorder(target)
+    bar = tqdm(total=len(CLOCK_ONLY) * len(scenarios) * 2, desc="clock-only", unit="ep")
+    for label, link_name, deadline_s, ms in CLOCK_ONLY:
+        profile = get_profile(link_name)
+        latency = StatedLatency(ms, profile.rtt_s)
+        kw = dict(link=OutageSchedule(profile, 0), on_link_loss=DEFAULTS.on_link_loss, health=health,
+                  decision_latency=latency, deadline_s=deadline_s)
+        for mode in ("off", "overlap"):
+            episodes = []
+            for i, s in enumerate(scenarios):
+                if mode == "off":
+                    recorder.log = []
+                    episodes.append(run_linked_episode(recorder, s, **kw))
+                    logs[i] = list(recorder.log)
+                else:
+                    episodes.append(run_linked_episode(Replay(logs[i]), s, acting=ActWhileVerifying(
+                        "overlap", NO_AGE, DEFAULTS.provisional_margin_s), **kw))
+                bar.update(1)
+            report["rows"][f"{label} {mode}"] = summarize(episodes) | {"latency_model": latency.label}
+    bar.close()
+    path = Path(out_dir) / "act-while-verifying-clock-only.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    for label, row in report["rows"].items():
+        print(f"  {label:<30} success {row['success_rate']:.1%} collisions {row['collisions']:>3} median "
+              f"{row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%} "
+              f"pauses {row['pauses_per_episode']:.1f}")
+
+
+logs: dict[int, list] = {}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", required=True)
     parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
+    parser.add_argument("--regimes", nargs="+", choices=[*REGIMES, "clock-only"], default=[*REGIMES, "clock-only"])
     args = parser.parse_args(argv)
     scenarios = load_scenarios(args.scenarios)
     target_dir, draft_dir = default_model_path("target"), default_model_path("draft")
@@ -87,7 +159,11 @@ def main(argv=None) -> int:
     draft_latency = DraftLatency(get_robot("orin-paper"))
     health = LinkHealth(DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if "clock-only" in args.regimes:
+        clock_only(target, scenarios, health, commit, args.out)
     for regime in args.regimes:
+        if regime == "clock-only":
+            continue
         link_name, deadline_s, rows = REGIMES[regime]
         profile = get_profile(link_name)
         report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 "
