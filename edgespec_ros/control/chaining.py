@@ -52,6 +52,35 @@ _END_DROPS = {BLOCKED_CONTACT: DROP_BLOCKED, BLOCKED_NO_ODOMETRY: DROP_BLOCKED, 
               WATCHDOG_STOP: DROP_WATCHDOG, FAULT: DROP_FAULT}
 
 
+# act_while_verifying: when the robot moves while a decision is made (robot.settings.DrafterSettings)
+OFF, OVERLAP, SPECULATIVE = "off", "overlap", "speculative"
+ACT_WHILE_VERIFYING = (OFF, OVERLAP, SPECULATIVE)
+
+
+class RecentLatency:
+    """A stated predictor of the next decision's latency from the ones measured so far in a command:
+    the median of the last ``window`` (None before any was measured). What a drafter without mode
+    auto's model (``robot.act_timing``) knows: its own decisions' measured times, nothing else."""
+
+    def __init__(self, window: int = 5):
+        if window < 1:
+            raise ValueError(f"RecentLatency: window must be >= 1, got {window}")
+        self.window = window
+        self._measured: list[float] = []
+
+    def measured(self, latency_s: float) -> None:
+        """A decision's measured latency (its verdict's time less its start)."""
+        self._measured = (self._measured + [float(latency_s)])[-self.window:]
+
+    def predict(self) -> float | None:
+        """The median of the last ``window`` measured latencies; None before any."""
+        if not self._measured:
+            return None
+        ordered = sorted(self._measured)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
 def decision_start_s(now_s: float, motion_end_s: float | None, decision_latency_s: float | None) -> float:
     """When to capture the frame and start the next decision so that its verdict lands as the
     running motion ends: the motion's predicted end less the decision's predicted latency, and at

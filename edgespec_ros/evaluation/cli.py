@@ -5,7 +5,8 @@
     edgespec-sim expert  --scenario FILE|NAME [--seed N] [--trace trace.png]
     edgespec-sim heldout --out DIR [--n N] [--seed S]
     edgespec-sim eval    --model DIR --scenarios DIR [--json OUT]
-                         [--link PROFILE --on-link-loss stop|retrace|draft_only --draft DIR --ms-per-token MS]
+                         [--link PROFILE --on-link-loss stop|retrace|draft_only --draft DIR --ms-per-token MS
+                          --act-while-verifying off|overlap|speculative]
     edgespec-sim link-fallbacks [--scenarios DIR] [--link PROFILE] [--ms-per-token MS] [--json OUT]
     edgespec-sim deadzones --out DIR [--n N] [--seed S]
     edgespec-sim expert-noise [--expert KEY=VALUE ...] [--json OUT]
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback
+from ..control.chaining import ACT_WHILE_VERIFYING, SPECULATIVE
 from ..robot.settings import DECODING_MODES, DEFAULTS
 from ..sim.commands import (load_scenarios, setup_deadzones, setup_expert, setup_expert_noise, setup_heldout,
                             setup_render)
@@ -38,7 +40,7 @@ from ..sim.scenario import ScenarioError, load_scenario
 
 # eval's link options: given any of them, eval runs the linked closed loop (sim.link_loop)
 _LINK_OPTIONS = ("link", "on_link_loss", "draft", "ms_per_token", "verifier_compute", "mode", "robot", "deadline_s",
-                 "time_cap_s", "link_seed")
+                 "time_cap_s", "link_seed", "act_while_verifying", "max_frame_age_s", "provisional_margin_s")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -139,16 +141,27 @@ def _link_kwargs(args: argparse.Namespace, profile, latency, draft, draft_latenc
     from ..sim.link_loop import DEFAULT_TIME_CAP_S
 
     return dict(link=OutageSchedule(profile, args.link_seed or 0), decision_latency=latency, draft_policy=draft,
-                draft_latency=draft_latency,
+                draft_latency=draft_latency, acting=_acting(args),
                 health=LinkHealth(DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s),
                 deadline_s=DEFAULTS.deadline_s if args.deadline_s is None else args.deadline_s,
                 time_cap_s=DEFAULT_TIME_CAP_S if args.time_cap_s is None else args.time_cap_s)
+
+
+def _acting(args: argparse.Namespace):
+    """act_while_verifying and its settings from the command line (the drafter's unless given)."""
+    from ..sim.act_loop import ActWhileVerifying
+
+    def given(name):
+        value = getattr(args, name, None)
+        return getattr(DEFAULTS, name) if value is None else value
+    return ActWhileVerifying(given("act_while_verifying"), given("max_frame_age_s"), given("provisional_margin_s"))
 
 
 def _print_link_conditions(profile, latency, draft_latency, draft: bool, kwargs: dict) -> None:
     print(f"link: {profile.describe()}; dead zones: the scenarios'; deadline {kwargs['deadline_s']:g} s, "
           f"time cap {kwargs['time_cap_s']:g} s (simulated time)")
     print(f"decision latency: {latency.label}")
+    print(f"act_while_verifying {kwargs['acting'].label}")
     if draft:
         print(f"draft-only latency: {draft_latency.label}")
 
@@ -174,8 +187,10 @@ def _cmd_eval_linked(args: argparse.Namespace) -> int:
         raise ValueError("the linked loop (--link and friends) decides greedily, records no bags and keeps "
                          "no decision texts: drop --resample-temperature, --bags and --explain")
     fallback = args.on_link_loss or DEFAULTS.on_link_loss
+    acting = _acting(args)
     scenarios = load_scenarios(args.scenarios)
-    with _linked_policies(args, need_draft=fallback == Fallback.DRAFT_ONLY.value) as (profile, policy, latency, draft, dlat):
+    need_draft = fallback == Fallback.DRAFT_ONLY.value or acting.mode == SPECULATIVE
+    with _linked_policies(args, need_draft=need_draft) as (profile, policy, latency, draft, dlat):
         kwargs = _link_kwargs(args, profile, latency, draft, dlat)
         _print_link_conditions(profile, latency, dlat, draft is not None, kwargs)
         from tqdm import tqdm
@@ -192,7 +207,15 @@ def _cmd_eval_linked(args: argparse.Namespace) -> int:
           f"p90 {_fmt_s(summary['time_p90_s'])} s (simulated; failures at their end time), unverified decisions "
           f"{summary['unverified_decisions']} ({by_kind}), ended in a dead zone {summary['ended_in_dead_zone']}, "
           f"link losses {summary['link_losses']}")
+    prov = summary["provisional"]
+    print(f"act_while_verifying {acting.mode}: waiting ratio {summary['waiting_ratio']:.1%} (standing still with a "
+          f"decision pending), pauses {summary['pauses_per_episode']:.1f} an episode, dropped "
+          + ", ".join(f"{k} {v}" for k, v in summary["dropped"].items())
+          + (f", provisional motions {prov['taken']} (confirmed {prov['confirmed']}, reverted {prov['reverted']}, "
+             f"{prov['reverted_m']:.2f} m and {prov['reverted_deg']:.0f} deg in vain)" if acting.mode == SPECULATIVE else ""))
     report = summary | {"model": args.model, "on_link_loss": fallback, "link": profile.describe(),
+                        "act_while_verifying": acting.mode, "acting_model": acting.label,
+                        "draft_model": (args.draft or "the embedded draft") if draft else None,
                         "latency_model": latency.label, "draft_latency_model": dlat.label if draft else None,
                         "per_scenario": [e.to_dict() for e in episodes]}
     _write_json(args.json, report)
@@ -296,6 +319,17 @@ def _setup_eval(sub) -> None:
                                      "reporting the task's time)")
     link.add_argument("--on-link-loss", choices=LINK_LOSS_ACTIONS, default=None,
                       help="what the robot does once the link is lost (default: the drafter's, stop)")
+    link.add_argument("--act-while-verifying", choices=ACT_WHILE_VERIFYING, default=None,
+                      help="when the robot moves while a decision is made (sim.act_loop): off (every decision blocks "
+                           "the robot), overlap (the next decision begins during the motion) or speculative (overlap, "
+                           f"and provisional motions on the draft's action); default: the drafter's, "
+                           f"{DEFAULTS.act_while_verifying}")
+    link.add_argument("--max-frame-age-s", type=float, default=None,
+                      help="overlap: a decision begun during a motion is dropped when its frame would be older than "
+                           f"this where it starts (default: the drafter's, {DEFAULTS.max_frame_age_s:g} s)")
+    link.add_argument("--provisional-margin-s", type=float, default=None,
+                      help="speculative: begin a provisional motion when the verdict is predicted this much later "
+                           f"than the draft finishes (default: the drafter's, {DEFAULTS.provisional_margin_s:g} s)")
     _add_link_args(link, default_link=None)
     parser.set_defaults(func=cmd_eval)
 

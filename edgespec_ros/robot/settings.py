@@ -19,13 +19,13 @@ from ..codecs import DEFAULT_CODEC, get_codec
 from ..control.actions import SIZES
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
+from ..control.chaining import ACT_WHILE_VERIFYING  # when the robot moves while a decision is made
 from ..control.link_fallback import LINK_LOSS_ACTIONS
 
 GAMMA_MAX = 64  # the protocol's longest draft
 PIPE_DEPTH_MAX = 8  # the pipeline's most blocks in flight
 
 DECODING_MODES = ("ar", "sd", "fsd", "pipe", "pipe+fsd", "auto")  # auto: ar, sd or pipe per decision
-ACT_WHILE_VERIFYING = ("off", "overlap", "speculative")  # when the robot moves while a decision is made
 QUEUE_POLICIES = ("priority", "fifo", "random")  # the order early exits are pre-drafted in (robot.predraft)
 
 

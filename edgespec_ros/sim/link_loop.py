@@ -27,6 +27,14 @@ pose (``Scenario.covered``: no dead zone).
     clamped to the degraded motion profile (moves at most small, turns at most medium, at half
     speed), and it is counted UNVERIFIED.
 
+Acting while verifying (``acting``: ``sim.act_loop.ActWhileVerifying``; off, the default, is all of
+the above): with overlap the next decision begins while the motion runs, on a frame rendered
+mid-motion, and with speculative the draft's action begins as a bounded provisional motion before a
+slow verdict (``sim.act_loop.ActingRun``, :class:`LinkedRun`'s subclass, holds those rules). Every
+episode reports, besides its time, how long the robot stood still with a decision pending and how
+often it came to rest between two motions (``sim.timeline``), the decisions dropped before they
+started and the provisional motions' counts.
+
 The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``time_cap_s``; with
 ``retrace``, a command that ran out of decisions is followed by the drafter's link check (a
 handshake; unanswered ones count as link faults) and, once the link is declared lost, by retrace
@@ -49,17 +57,24 @@ from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.retrace import RetracePath
 from ..decoding.compute import RobotProfile
 from ..control.belief import memory_for
+from ..control.chaining import DROP_BLOCKED, DROP_FRAME_AGE, OFF
 from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory
 from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback, LinkFallback, Step
 from ..control.link_health import LinkHealth
+from ..control.provisional import ProvisionalCounters
 from ..decoding.faults import FaultKind
-from .scenario import Scenario
+from .scenario import Pose, Scenario
+from .timeline import Timeline
 from .world import SimWorld
 
 # Record kinds: decisions (verified, or one of the fallbacks' unverified ones) and the rest.
 VERIFIED, RETRACE, DRAFT_ONLY = "verified", Fallback.RETRACE.value, Fallback.DRAFT_ONLY.value
 UNVERIFIED_KINDS = (RETRACE, DRAFT_ONLY)
 LINK_FAULT, PROBE_OK, PROBE_FAILED, WAIT = "link_fault", "probe_ok", "probe_failed", "wait"
+# Acting while verifying (sim.act_loop): a verified decision dropped before it started (its note
+# begins with why: one of DROPPED_REASONS, control.chaining's names), and a provisional motion
+DROPPED, PROVISIONAL = "dropped", "provisional"
+DROPPED_REASONS = (DROP_BLOCKED, DROP_FRAME_AGE)
 # The simulated link fails by silence: every decision or handshake on it waits out the deadline
 NO_LINK = FaultKind.DEADLINE
 
@@ -136,9 +151,10 @@ def degraded_limits(limits: MotionLimits = MotionLimits(), profile: DegradedProf
 @dataclass
 class StepRecord:
     """One thing that took simulated time: a decision (``kind`` verified, retrace or draft_only), a
-    link fault, a reconnect (probe_ok / probe_failed) or a wait (standing still while lost)."""
+    link fault, a reconnect (probe_ok / probe_failed), a wait (standing still while lost) or, acting
+    while verifying, a verified decision dropped before it started or a provisional motion."""
 
-    t_s: float  # simulated time it began
+    t_s: float  # simulated time it began (a decision: its frame's time)
     kind: str
     verified: bool  # a decision the cloud verified (False for every fallback decision, fault or wait)
     action: str = ""  # the action executed ("" for none)
@@ -149,6 +165,7 @@ class StepRecord:
     covered: bool = True  # the pose was outside every dead zone
     collided: bool = False
     note: str = ""
+    motion_start_s: float | None = None  # acting while verifying: when its motion began (None: right after deciding)
 
     @property
     def unverified_decision(self) -> bool:
@@ -175,6 +192,12 @@ class LinkedEpisode:
     ended_in_dead_zone: bool
     time_capped: bool
     final_goal_distance_m: float
+    act_while_verifying: str = OFF
+    waiting_s: float = 0.0  # standing still with a decision pending (sim.timeline)
+    waiting_ratio: float = 0.0  # waiting_s / time_s
+    pauses: int = 0  # stops between consecutive motions (sim.timeline)
+    dropped: dict[str, int] = field(default_factory=dict)  # verified decisions dropped before they started, by why
+    provisional: dict[str, float] = field(default_factory=dict)  # ProvisionalCounters.as_dict()
     records: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -196,9 +219,231 @@ def _remember(memory: PolicyMemory, action: Action | None, collided: bool, text:
         memory.add(action.text, BLOCKED if collided else DONE, text)
 
 
-def _decide(policy, world: SimWorld, scenario: Scenario, memory: PolicyMemory):
-    history = {"history": memory.shown()} if memory.k else {}
-    return policy.decide(world.camera_image(), scenario.instruction, **history)
+def _decide(policy, image, scenario: Scenario, history: tuple):
+    return policy.decide(image, scenario.instruction, **({"history": history} if history else {}))
+
+
+class LinkedRun:
+    """One episode of :func:`run_linked_episode` (its arguments, checked there): the world, the
+    simulated clock ``t``, the fallback's state machine, the records and the :class:`Timeline`. Every
+    decision blocks the robot (act_while_verifying off); ``sim.act_loop.ActingRun`` overrides
+    :meth:`decide` and :meth:`settle` to decide during motion."""
+
+    def __init__(self, policy, scenario: Scenario, *, link: Link, on_link_loss: str, health: LinkHealth,
+                 decision_latency: Callable[[object], float], deadline_s: float, draft_policy, draft_latency,
+                 time_cap_s: float, limits: MotionLimits, action_config: ActionConfig):
+        self.policy, self.scenario, self.link, self.on_link_loss = policy, scenario, link, on_link_loss
+        self.decision_latency, self.deadline_s, self.time_cap_s = decision_latency, deadline_s, time_cap_s
+        self.draft_policy, self.draft_latency, self.limits = draft_policy, draft_latency, limits
+        self.fallback = LinkFallback(health, on_link_loss)  # its settings, a fresh state; end checks right after each other
+        self.world = SimWorld(scenario, action_config=action_config)
+        self.path = RetracePath(config=action_config)
+        self.slow = degraded_limits(limits)
+        self.memory = memory_for(policy, scenario.instruction)
+        self.draft_memory = memory_for(draft_policy, scenario.instruction) if draft_policy is not None else None
+        self.records: list[StepRecord] = []
+        self.timeline = Timeline()
+        self.t = 0.0
+        self.retrace_over = ""  # why the way back is over (the start reached, or a step ran into something)
+
+    # ------------------------------------------------------------------ pieces
+
+    def link_up(self, at: float, pose: Pose | None = None) -> bool:
+        pose = self.world.pose if pose is None else pose
+        return self.link.up_at(at) and self.scenario.covered(pose.x, pose.y)
+
+    def record(self, kind: str, verified: bool = False, pose: Pose | None = None, **kw) -> StepRecord:
+        pose = self.world.pose if pose is None else pose
+        rec = StepRecord(self.t, kind, verified, x=round(pose.x, 3), y=round(pose.y, 3),
+                         covered=self.scenario.covered(pose.x, pose.y), **kw)
+        self.records.append(rec)
+        return rec
+
+    def execute(self, action: Action, motion: MotionLimits) -> tuple[bool, float]:
+        """A decided action through the world (a decision counted); returns (collided, motion time)."""
+        world = self.world
+        if action.kind == "move":
+            self.path.record(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad), action)
+        result = world.step(action)
+        return result.collided, motion.duration_s(action)
+
+    def remember(self, action: Action | None, collided: bool, text: str) -> None:
+        for m in (self.memory, self.draft_memory):
+            if m is not None:
+                _remember(m, action, collided, text)
+
+    def wait(self, why: str) -> None:  # stand still until the next reconnect
+        wait_s = max(min(self.fallback.health.next_probe_s, self.time_cap_s) - self.t, 0.0)
+        self.record(WAIT, latency_s=wait_s, note=why)
+        self.t += wait_s
+
+    def retrace(self, after: str = "") -> bool:
+        """One step back (``fallback`` said RETRACE); False when there was none to take."""
+        world = self.world
+        step = self.path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
+        if step is None:
+            self.fallback.retrace_over()
+            self.retrace_over = "back at the command's start" + after
+            return False
+        rec = self.record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start{after}")
+        result = world.execute(step.action)  # motion only: no decision of a policy's
+        rec.motion_s, rec.collided = self.slow.duration_s(step.action), result.collided  # the navigator retraces slowly
+        self.timeline.motion(self.t, self.t + rec.motion_s)
+        self.t += rec.motion_s
+        if result.collided:
+            self.fallback.retrace_over()
+            self.retrace_over = "retrace blocked"
+        return True
+
+    def link_fault(self, note: str, check: Step | None = None, pose: Pose | None = None) -> None:
+        """A deadline waited out (from ``t``)."""
+        self.record(LINK_FAULT, pose=pose, latency_s=self.deadline_s, note=f"{NO_LINK}: {note}")
+        self.timeline.pending(self.t, self.t + self.deadline_s)
+        self.t += self.deadline_s
+        if check is None:
+            self.fallback.failed(NO_LINK, self.t)
+        else:
+            self.fallback.probed(check, self.t, NO_LINK)
+
+    def no_link(self, pose: Pose) -> str:
+        return f"no link ({'a dead zone' if not self.scenario.covered(pose.x, pose.y) else 'a cut'})"
+
+    def draft_only(self) -> None:
+        """One draft-only decision (LOSSY), blocking: decided, then its degraded motion."""
+        world = self.world
+        out = _decide(self.draft_policy, world.camera_image(), self.scenario,
+                      self.draft_memory.shown() if self.draft_memory.k else ())
+        latency = self.draft_latency(out)
+        action = degrade(out.action) if out.action is not None else None
+        rec = self.record(DRAFT_ONLY, latency_s=latency, action=action.text if action else "",
+                          note="LOSSY: the draft alone, degraded motion" if action else f"no action: {out.error}")
+        self.timeline.pending(self.t, self.t + latency)
+        self.t += latency
+        if action is None:
+            world.skip_decision(out.error or "no action")
+            collided = False
+        else:
+            collided, rec.motion_s = self.execute(action, self.slow)
+            rec.collided = collided
+            self.timeline.motion(self.t, self.t + rec.motion_s)
+            self.t += rec.motion_s
+        for m in (self.memory, self.draft_memory):
+            _remember(m, action, collided, getattr(out, "text", ""))
+
+    # ------------------------------------------------------------------ overridden to act while verifying
+
+    def decide(self) -> None:
+        """A verified decision (the fallback said DECIDE): the robot stands still while it is made."""
+        world = self.world
+        if not self.link_up(self.t):
+            self.link_fault(self.no_link(world.pose))
+            return
+        out = _decide(self.policy, world.camera_image(), self.scenario, self.memory.shown() if self.memory.k else ())
+        latency = self.decision_latency(out)
+        if latency > self.deadline_s:  # the drafter gives up at its deadline: a link fault like any other
+            self.link_fault(f"the decision took {latency:.2f} s")
+            return
+        rec = self.record(VERIFIED, True, latency_s=latency, action=out.action.text if out.action else "",
+                          note="" if out.action else f"no action: {out.error}")
+        self.timeline.pending(self.t, self.t + latency)
+        self.t += latency
+        self.fallback.decided(self.t)
+        if out.action is None:
+            world.skip_decision(out.error or "no action")
+            collided = False
+        else:
+            collided, rec.motion_s = self.execute(out.action, self.limits)
+            rec.collided = collided
+            self.timeline.motion(self.t, self.t + rec.motion_s)
+            self.t += rec.motion_s
+        self.remember(out.action, collided, getattr(out, "text", ""))
+
+    def settle(self) -> None:
+        """Let a motion still running end (the clock to its end): nothing runs past a decision here."""
+
+    def provisional(self) -> dict:
+        """The episode's provisional motions (``ProvisionalCounters.as_dict``): none here."""
+        return ProvisionalCounters().as_dict()
+
+    # ------------------------------------------------------------------ the episode
+
+    def run(self) -> LinkedEpisode:
+        world, fallback, scenario = self.world, self.fallback, self.scenario
+        fallback.new_command()
+        while not world.done and self.t < self.time_cap_s:
+            if fallback.lost:  # a fallback's step (or a reconnect) comes after the running motion
+                self.settle()
+            step = fallback.next(self.t)
+            if step is Step.PROBE:
+                if self.link_up(self.t):  # a reconnect (a handshake: one round trip) brings the link back
+                    self.record(PROBE_OK, latency_s=self.link.rtt_s)
+                    self.t += self.link.rtt_s
+                    fallback.probed(step, self.t)
+                    continue
+                self.record(PROBE_FAILED)
+                fallback.probed(step, self.t, NO_LINK)
+                step = fallback.action()
+            if step is Step.DRAFT_ONLY:
+                self.draft_only()
+                continue
+            if step is Step.RETRACE and self.retrace():
+                continue
+            if step is not Step.DECIDE:  # stop, or nothing (more) to retrace: stand still until the next reconnect
+                self.wait("on_link_loss stop" if self.on_link_loss != RETRACE else self.retrace_over)
+                continue
+            self.decide()
+        self.settle()
+
+        # after a command that ran out of decisions (an end short of the goal), with retrace: nothing is
+        # decided any more, so no decision can find the link gone; the drafter checks it with a handshake
+        # instead, and once the link is declared lost walks back until a reconnect answers
+        if world.done and not world.success:
+            fallback.ran_out()
+        while fallback.end_check and self.t < self.time_cap_s:
+            step = fallback.next(self.t)
+            if step in (Step.END_CHECK, Step.PROBE):
+                if self.link_up(self.t):  # the link answers: nothing to do (recorded only when it had been lost)
+                    if step is Step.PROBE:
+                        self.record(PROBE_OK, latency_s=0.0, note="the link answers after the command")
+                    fallback.probed(step, self.t)
+                    break
+                if step is Step.END_CHECK:
+                    self.link_fault("no answer to the link check after the command", step)
+                    continue
+                self.record(PROBE_FAILED)
+                fallback.probed(step, self.t, NO_LINK)
+                step = fallback.action()
+            if step is not Step.RETRACE:
+                break
+            if not self.retrace(" (after the command)"):  # at the start: stand still
+                self.record(WAIT, note="back at the command's start after the command")
+                break
+            if fallback.retrace_done:  # the step ran into something
+                break
+        return self.result()
+
+    def result(self) -> LinkedEpisode:
+        world, records, t = self.world, self.records, self.t
+        decisions = [r for r in records if r.kind in (VERIFIED, *UNVERIFIED_KINDS)]
+        pose = world.pose
+        capped = not world.done
+        waiting = self.timeline.waiting_s(t)
+        return LinkedEpisode(
+            scenario=self.scenario.name, on_link_loss=self.on_link_loss, success=world.success,
+            outcome=world.outcome if world.done else f"time cap ({self.time_cap_s:g} s) before the task ended",
+            collisions=world.collisions, time_s=round(t, 3), decisions=len(decisions),
+            verified_decisions=sum(r.kind == VERIFIED for r in decisions),
+            unverified={k: sum(r.kind == k for r in decisions) for k in UNVERIFIED_KINDS},
+            link_faults=sum(r.kind == LINK_FAULT for r in records), link_losses=self.fallback.health.losses,
+            ended_in_dead_zone=not self.scenario.covered(pose.x, pose.y), time_capped=capped,
+            final_goal_distance_m=round(world.goal_distance(), 3),
+            act_while_verifying=self.mode, waiting_s=round(waiting, 3),
+            waiting_ratio=round(waiting / t, 4) if t > 0 else 0.0, pauses=self.timeline.pauses(),
+            dropped={reason: sum(r.kind == DROPPED and r.note.startswith(reason) for r in records)
+                     for reason in DROPPED_REASONS},
+            provisional=self.provisional(), records=records)
+
+    mode = OFF
 
 
 def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: str, health: LinkHealth,
@@ -206,185 +451,43 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
                        draft_latency: Callable[[object], float] | None = None,
                        time_cap_s: float = DEFAULT_TIME_CAP_S,
                        limits: MotionLimits = MotionLimits(),
-                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG) -> LinkedEpisode:
+                       action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
+                       acting: "ActWhileVerifying | None" = None) -> LinkedEpisode:
     """Roll ``policy`` (VLMPolicy-like: ``decide(image, instruction[, history=])`` -> ``.action``,
     ``.tokens``) out in ``scenario`` over a ``link`` that fails in time (its cuts) and in space
     (the scenario's dead zones), with ``on_link_loss`` (stop, retrace or draft_only: then
     ``draft_policy`` and ``draft_latency`` are needed) once the link is declared lost by a fresh
-    copy of ``health`` (its settings: the drafter's, ``DrafterSettings``). See the module
-    docstring for the rules. Greedy throughout."""
+    copy of ``health`` (its settings: the drafter's, ``DrafterSettings``). ``acting``: when the
+    robot moves while a decision is made (``sim.act_loop.ActWhileVerifying``; None: off, every
+    decision blocks the robot). See the module docstring for the rules. Greedy throughout."""
     if on_link_loss not in LINK_LOSS_ACTIONS:
         raise ValueError(f"on_link_loss {on_link_loss!r}: choose one of {', '.join(LINK_LOSS_ACTIONS)}")
     if on_link_loss == DRAFT_ONLY and (draft_policy is None or draft_latency is None):
         raise ValueError("on_link_loss draft_only needs a draft_policy and its draft_latency")
     if not deadline_s > 0 or not time_cap_s > 0:
         raise ValueError(f"need deadline_s > 0 and time_cap_s > 0, got {deadline_s}, {time_cap_s}")
-    fallback = LinkFallback(health, on_link_loss)  # its settings, a fresh state; end checks right after each other
-    world = SimWorld(scenario, action_config=action_config)
-    path = RetracePath(config=action_config)
-    slow = degraded_limits(limits)
-    memory = memory_for(policy, scenario.instruction)
-    draft_memory = memory_for(draft_policy, scenario.instruction) if draft_policy is not None else None
-    records: list[StepRecord] = []
-    t = 0.0
-    retrace_over = ""  # why the way back is over (the start reached, or a step ran into something)
-
-    def link_up(at: float) -> bool:
-        return link.up_at(at) and scenario.covered(world.pose.x, world.pose.y)
-
-    def record(kind: str, verified: bool = False, **kw) -> StepRecord:
-        pose = world.pose
-        rec = StepRecord(t, kind, verified, x=round(pose.x, 3), y=round(pose.y, 3),
-                         covered=scenario.covered(pose.x, pose.y), **kw)
-        records.append(rec)
-        return rec
-
-    def execute(action: Action, motion: MotionLimits) -> tuple[bool, float]:
-        """A decided action through the world (a decision counted); returns (collided, motion time)."""
-        if action.kind == "move":
-            path.record(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad), action)
-        result = world.step(action)
-        return result.collided, motion.duration_s(action)
-
-    def wait(why: str) -> None:  # stand still until the next reconnect
-        nonlocal t
-        wait_s = max(min(fallback.health.next_probe_s, time_cap_s) - t, 0.0)
-        record(WAIT, latency_s=wait_s, note=why)
-        t += wait_s
-
-    def retrace(after: str = "") -> bool:
-        """One step back (``fallback`` said RETRACE); False when there was none to take."""
-        nonlocal t, retrace_over
-        step = path.next_step(Pose2D(world.pose.x, world.pose.y, world.pose.yaw_rad))
-        if step is None:
-            fallback.retrace_over()
-            retrace_over = "back at the command's start" + after
-            return False
-        rec = record(RETRACE, action=step.action.text, note=f"{step.left} waypoint(s) back to the start{after}")
-        result = world.execute(step.action)  # motion only: no decision of a policy's
-        rec.motion_s, rec.collided = slow.duration_s(step.action), result.collided  # the navigator retraces slowly
-        t += rec.motion_s
-        if result.collided:
-            fallback.retrace_over()
-            retrace_over = "retrace blocked"
-        return True
-
-    def link_fault(note: str, check: Step | None = None) -> None:  # a deadline waited out
-        nonlocal t
-        record(LINK_FAULT, latency_s=deadline_s, note=f"{NO_LINK}: {note}")
-        t += deadline_s
-        if check is None:
-            fallback.failed(NO_LINK, t)
-        else:
-            fallback.probed(check, t, NO_LINK)
-
-    fallback.new_command()
-    while not world.done and t < time_cap_s:
-        step = fallback.next(t)
-        if step is Step.PROBE:
-            if link_up(t):  # a reconnect (a handshake: one round trip) brings the link back
-                record(PROBE_OK, latency_s=link.rtt_s)
-                t += link.rtt_s
-                fallback.probed(step, t)
-                continue
-            record(PROBE_FAILED)
-            fallback.probed(step, t, NO_LINK)
-            step = fallback.action()
-        if step is Step.DRAFT_ONLY:
-            out = _decide(draft_policy, world, scenario, draft_memory)
-            latency = draft_latency(out)
-            action = degrade(out.action) if out.action is not None else None
-            rec = record(DRAFT_ONLY, latency_s=latency, action=action.text if action else "",
-                         note="LOSSY: the draft alone, degraded motion" if action else f"no action: {out.error}")
-            t += latency
-            if action is None:
-                world.skip_decision(out.error or "no action")
-                collided = False
-            else:
-                collided, rec.motion_s = execute(action, slow)
-                rec.collided = collided
-                t += rec.motion_s
-            for m in (memory, draft_memory):
-                _remember(m, action, collided, getattr(out, "text", ""))
-            continue
-        if step is Step.RETRACE and retrace():
-            continue
-        if step is not Step.DECIDE:  # stop, or nothing (more) to retrace: stand still until the next reconnect
-            wait("on_link_loss stop" if on_link_loss != RETRACE else retrace_over)
-            continue
-        if not link_up(t):
-            link_fault(f"no link ({'a dead zone' if not scenario.covered(world.pose.x, world.pose.y) else 'a cut'})")
-            continue
-        out = _decide(policy, world, scenario, memory)
-        latency = decision_latency(out)
-        if latency > deadline_s:  # the drafter gives up at its deadline: a link fault like any other
-            link_fault(f"the decision took {latency:.2f} s")
-            continue
-        rec = record(VERIFIED, True, latency_s=latency, action=out.action.text if out.action else "",
-                     note="" if out.action else f"no action: {out.error}")
-        t += latency
-        fallback.decided(t)
-        if out.action is None:
-            world.skip_decision(out.error or "no action")
-            collided = False
-        else:
-            collided, rec.motion_s = execute(out.action, limits)
-            rec.collided = collided
-            t += rec.motion_s
-        for m in (memory, draft_memory):
-            if m is not None:
-                _remember(m, out.action, collided, getattr(out, "text", ""))
-
-    # after a command that ran out of decisions (an end short of the goal), with retrace: nothing is
-    # decided any more, so no decision can find the link gone; the drafter checks it with a handshake
-    # instead, and once the link is declared lost walks back until a reconnect answers
-    if world.done and not world.success:
-        fallback.ran_out()
-    while fallback.end_check and t < time_cap_s:
-        step = fallback.next(t)
-        if step in (Step.END_CHECK, Step.PROBE):
-            if link_up(t):  # the link answers: nothing to do (recorded only when it had been lost)
-                if step is Step.PROBE:
-                    record(PROBE_OK, latency_s=0.0, note="the link answers after the command")
-                fallback.probed(step, t)
-                break
-            if step is Step.END_CHECK:
-                link_fault("no answer to the link check after the command", step)
-                continue
-            record(PROBE_FAILED)
-            fallback.probed(step, t, NO_LINK)
-            step = fallback.action()
-        if step is not Step.RETRACE:
-            break
-        if not retrace(" (after the command)"):  # at the start: stand still
-            record(WAIT, note="back at the command's start after the command")
-            break
-        if fallback.retrace_done:  # the step ran into something
-            break
-
-    decisions = [r for r in records if r.kind in (VERIFIED, *UNVERIFIED_KINDS)]
-    pose = world.pose
-    capped = not world.done
-    return LinkedEpisode(
-        scenario=scenario.name, on_link_loss=on_link_loss, success=world.success,
-        outcome=world.outcome if world.done else f"time cap ({time_cap_s:g} s) before the task ended",
-        collisions=world.collisions, time_s=round(t, 3), decisions=len(decisions),
-        verified_decisions=sum(r.kind == VERIFIED for r in decisions),
-        unverified={k: sum(r.kind == k for r in decisions) for k in UNVERIFIED_KINDS},
-        link_faults=sum(r.kind == LINK_FAULT for r in records), link_losses=fallback.health.losses,
-        ended_in_dead_zone=not scenario.covered(pose.x, pose.y), time_capped=capped,
-        final_goal_distance_m=round(world.goal_distance(), 3), records=records)
+    kwargs = dict(link=link, on_link_loss=on_link_loss, health=health, decision_latency=decision_latency,
+                  deadline_s=deadline_s, draft_policy=draft_policy, draft_latency=draft_latency,
+                  time_cap_s=time_cap_s, limits=limits, action_config=action_config)
+    if acting is None or acting.mode == OFF:
+        return LinkedRun(policy, scenario, **kwargs).run()
+    return acting.run(policy, scenario, **kwargs)
 
 
 # --------------------------------------------------------------------------- many episodes
 
 def summarize(episodes: Sequence[LinkedEpisode]) -> dict:
     """Success, collisions, time to goal (median and p90 over all episodes, failures at their end
-    time; and the median over successes), unverified decisions, link losses, and the episodes that
-    ended inside a dead zone."""
+    time; and the median over successes), unverified decisions, link losses, the episodes that
+    ended inside a dead zone, and what acting while verifying changes: the share of all episodes'
+    time the robot stood still with a decision pending (``waiting_ratio``), the stops between
+    consecutive motions per episode (``pauses_per_episode``), decisions dropped before they
+    started, and the provisional motions' counts (summed)."""
     n = len(episodes)
     times = sorted(e.time_s for e in episodes)
     won = sorted(e.time_s for e in episodes if e.success)
+    total_s = sum(e.time_s for e in episodes)
+    counters = list(ProvisionalCounters().as_dict())
     return {
         "episodes": n,
         "success_rate": sum(e.success for e in episodes) / n if n else 0.0,
@@ -399,6 +502,10 @@ def summarize(episodes: Sequence[LinkedEpisode]) -> dict:
         "link_losses": sum(e.link_losses for e in episodes),
         "ended_in_dead_zone": sum(e.ended_in_dead_zone for e in episodes),
         "time_capped": sum(e.time_capped for e in episodes),
+        "waiting_ratio": round(sum(e.waiting_s for e in episodes) / total_s, 4) if total_s > 0 else 0.0,
+        "pauses_per_episode": sum(e.pauses for e in episodes) / n if n else 0.0,
+        "dropped": {k: sum(e.dropped.get(k, 0) for e in episodes) for k in DROPPED_REASONS},
+        "provisional": {k: round(sum(e.provisional.get(k, 0) for e in episodes), 6) for k in counters},
     }
 
 

@@ -12,7 +12,7 @@ believed it was done), and so does running out of decisions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -107,15 +107,17 @@ def _moved(pose: Pose, travelled: float) -> Pose:
 
 
 def primitive_pose_at(scenario: Scenario, pose: Pose, action: Action, t_s: float,
-                      limits: MotionLimits = MotionLimits()) -> Pose:
+                      limits: MotionLimits = MotionLimits(), start_speed: float = 0.0) -> Pose:
     """The robot's pose ``t_s`` seconds into executing ``action`` from ``pose``, for frames rendered
     part-way through a primitive (``render_view(scenario, primitive_pose_at(...), camera)``): along
-    the primitive's ideal profile under ``limits`` (``control.profiles``; it ends after
-    ``limits.duration_s(action)``, the simulated clock's motion time), a move stopping at the first
+    the primitive's ideal profile under ``limits`` (``control.profiles``; from rest it ends after
+    ``limits.duration_s(action)``, the simulated clock's motion time; ``start_speed``: the axis speed
+    it begins with, e.g. a provisional motion confirmed and carried on), a move stopping at the first
     contact as :meth:`SimWorld.execute` does. From the end on it is the pose ``execute`` reaches."""
     if action.kind == "stop":
         return pose
-    covered = primitive_profile(action, limits).distance_at(t_s)
+    profile = primitive_profile(action, limits)
+    covered = replace(profile, speed=start_speed).distance_at(t_s)
     if action.kind == "turn":
         return Pose(pose.x, pose.y, wrap_angle(pose.yaw_rad + math.copysign(covered, action.angle_rad)))
     reach, _ = _move_reach(scenario, pose, action.distance_m)

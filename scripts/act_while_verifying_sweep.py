@@ -1,0 +1,214 @@
+"""Acting while verifying, measured in the linked closed loop (EMULATED latencies): off vs overlap vs
+speculative over held-out scenarios, one JSON per regime in docs/results/act-while-verifying-*.json.
+
+    edgespec-sim heldout --out /tmp/HO30 --n 30
+    PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios /tmp/HO30 --out docs/results
+
+Regimes (all latencies stated, EMULATED): ``h200-wifi-poor``: the measured H200 slots profile's cloud
+AR (``sim.link_loop.STATED_MS_PER_TOKEN``, 27.3 ms/token, what mode auto decides as there) + the
+wifi-poor round trip; ``go2-paper``: go2-paper's cloud and link with the Orin drafting at 72 ms/token,
+per-token figures derived from docs/robot.md's measured per-decision medians (cloud AR 12.2 s,
+auto 7.4 s a decision) over docs/results/modes.json's 30.25 tokens a decision, less the round trip.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from edgespec_ros.control.link_health import LinkHealth
+from edgespec_ros.decoding.compute import get_robot
+from edgespec_ros.decoding.engines import load_model
+from edgespec_ros.evaluation.policy import VLMPolicy
+from edgespec_ros.models import default_model_path
+from edgespec_ros.robot.settings import DEFAULTS
+from edgespec_ros.sim.act_loop import ActWhileVerifying
+from edgespec_ros.sim.commands import load_scenarios
+from edgespec_ros.sim.link_loop import STATED_MS_PER_TOKEN, DraftLatency, StatedLatency, run_linked_episode, summarize
+from edgespec_ros.wire.link import OutageSchedule, get_profile
+
+TOKENS_A_DECISION = 242 / 8  # docs/results/modes.json: 242 tokens over 8 decisions (the go2-paper rows)
+GO2_RTT_S = get_profile("go2-paper").rtt_s
+GO2_MS = {mode: (decision_s - GO2_RTT_S) / TOKENS_A_DECISION * 1e3 for mode, decision_s in (("ar", 12.2), ("auto", 7.4))}
+
+# regime -> (link, deadline_s, rows: (label, cloud mode, ms/token, act_while_verifying, max_frame_age_s))
+SHIPPED_AGE = DEFAULTS.max_frame_age_s
+REGIMES = {
+    "h200-wifi-poor": ("wifi-poor", DEFAULTS.deadline_s, [
+        ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
+        ("overlap", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE),
+        ("speculative", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "speculative", SHIPPED_AGE),
+        ("overlap, max_frame_age_s 2", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", 2.0),
+    ]),
+    "go2-paper": ("go2-paper", 30.0, [
+        ("ar off", "ar", GO2_MS["ar"], "off", SHIPPED_AGE),
+        ("auto off", "auto", GO2_MS["auto"], "off", SHIPPED_AGE),
+        ("auto overlap", "auto", GO2_MS["auto"], "overlap", SHIPPED_AGE),
+        ("auto speculative", "auto", GO2_MS["auto"], "speculative", SHIPPED_AGE),
+        ("ar speculative", "ar", GO2_MS["ar"], "speculative", SHIPPED_AGE),
+        ("auto overlap, max_frame_age_s 15", "auto", GO2_MS["auto"], "overlap", 15.0),
+        ("auto speculative, max_frame_age_s 15", "auto", GO2_MS["auto"], "speculative", 15.0),
+        ("ar overlap, max_frame_age_s 15", "ar", GO2_MS["ar"], "overlap", 15.0),
+    ]),
+}
+
+
+class Memo:
+    """A policy's decisions remembered by what it saw (the frame's bytes, the prompt's history): greedy
+    decisions are a function of them, so a row that renders the same frames as another decides for free."""
+
+    def __init__(self, policy):
+        self.policy, self.memory, self.belief = policy, policy.memory, policy.belief
+        self._seen: dict = {}
+
+    def decide(self, image, instruction, history=()):
+        key = (hashlib.sha1(image.tobytes()).hexdigest(), instruction, repr(tuple(history)))
+        if key not in self._seen:
+            self._seen[key] = self.policy.decide(image, instruction, history=history)
+        return self._seen[key]
+
+
+class Replay:
+    """The blocking run's decisions of one scenario in order, whatever it sees: what a policy robust to
+    frames captured mid-motion (and to the 'executing' word) would decide, for the clock's share alone."""
+
+    memory, belief = 0, False
+
+    def __init__(self, outs):
+        self.outs, self.calls = outs, 0
+
+    def decide(self, image, instruction, history=()):
+        out = self.outs[min(self.calls, len(self.outs) - 1)]
+        self.calls += 1
+        return out
+
+
+class Recorder:
+    """A policy that keeps what it answered (the blocking run's decisions, for :class:`Replay`)."""
+
+    def __init__(self, policy):
+        self.policy, self.memory, self.belief, self.log = policy, policy.memory, policy.belief, []
+
+    def decide(self, image, instruction, history=()):
+        out = self.policy.decide(image, instruction, history=history)
+        self.log.append(out)
+        return out
+
+
+NO_AGE = 1e9  # the replay's rows: no frame-age rule (a dropped decision would shift the replay)
+CLOCK_ONLY = [("h200-wifi-poor", "wifi-poor", DEFAULTS.deadline_s, STATED_MS_PER_TOKEN),
+              ("go2-paper auto", "go2-paper", 30.0, GO2_MS["auto"]), ("go2-paper ar", "go2-paper", 30.0, GO2_MS["ar"])]
+
+
+def clock_only(target, scenarios, health, commit, out_dir) -> None:
+    """Overlap's share of the clock alone: each scenario's blocking decisions replayed under overlap."""
+    report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes "
+                         "clock-only", "commit": commit, "models": {"target": default_model_path("target")},
+              "note": "EMULATED latencies; the target's decisions of the blocking (off) run replayed in order under "
+                      "overlap, whatever the frame: a policy robust to frames captured mid-motion, the same "
+                      "trajectories as off, no frame-age rule (max_frame_age_s 1e9): the clock's share alone",
+              "rows": {}}
+    recorder = Recorder(target)
+    bar = tqdm(total=len(CLOCK_ONLY) * len(scenarios) * 2, desc="clock-only", unit="ep")
+    for label, link_name, deadline_s, ms in CLOCK_ONLY:
+        profile = get_profile(link_name)
+        latency = StatedLatency(ms, profile.rtt_s)
+        kw = dict(link=OutageSchedule(profile, 0), on_link_loss=DEFAULTS.on_link_loss, health=health,
+                  decision_latency=latency, deadline_s=deadline_s)
+        for mode in ("off", "overlap"):
+            episodes = []
+            for i, s in enumerate(scenarios):
+                if mode == "off":
+                    recorder.log = []
+                    episodes.append(run_linked_episode(recorder, s, **kw))
+                    logs[i] = list(recorder.log)
+                else:
+                    episodes.append(run_linked_episode(Replay(logs[i]), s, acting=ActWhileVerifying(
+                        "overlap", NO_AGE, DEFAULTS.provisional_margin_s), **kw))
+                bar.update(1)
+            report["rows"][f"{label} {mode}"] = summarize(episodes) | {"latency_model": latency.label}
+    bar.close()
+    path = Path(out_dir) / "act-while-verifying-clock-only.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    for label, row in report["rows"].items():
+        print(f"  {label:<30} success {row['success_rate']:.1%} collisions {row['collisions']:>3} median "
+              f"{row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%} "
+              f"pauses {row['pauses_per_episode']:.1f}")
+
+
+logs: dict[int, list] = {}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", required=True)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--regimes", nargs="+", choices=[*REGIMES, "clock-only"], default=[*REGIMES, "clock-only"])
+    args = parser.parse_args(argv)
+    scenarios = load_scenarios(args.scenarios)
+    target_dir, draft_dir = default_model_path("target"), default_model_path("draft")
+    target = Memo(VLMPolicy(load_model(target_dir), max_new_tokens=DEFAULTS.max_new_tokens))
+    draft = Memo(VLMPolicy(load_model(draft_dir), max_new_tokens=DEFAULTS.max_new_tokens))
+    draft_latency = DraftLatency(get_robot("orin-paper"))
+    health = LinkHealth(DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if "clock-only" in args.regimes:
+        clock_only(target, scenarios, health, commit, args.out)
+    for regime in args.regimes:
+        if regime == "clock-only":
+            continue
+        link_name, deadline_s, rows = REGIMES[regime]
+        profile = get_profile(link_name)
+        report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 "
+                             f"--regimes {regime}  (HO30: edgespec-sim heldout --out HO30 --n 30)",
+                  "commit": commit, "models": {"target": target_dir, "draft": draft_dir},
+                  "scenarios": f"{len(scenarios)} held-out ({args.scenarios})", "link": profile.describe(),
+                  "deadline_s": deadline_s, "draft_latency_model": draft_latency.label,
+                  "note": "EMULATED latencies (stated per token + one round trip), simulated clock; the committed "
+                          "pair was never trained on frames captured mid-motion nor on the 'executing' word",
+                  "rows": {}}
+        if regime == "go2-paper":
+            report["per_token_derivation"] = (
+                f"(median decision s - rtt {GO2_RTT_S:g} s) / {TOKENS_A_DECISION:g} tokens a decision: ar 12.2 s -> "
+                f"{GO2_MS['ar']:.1f} ms/token, auto 7.4 s -> {GO2_MS['auto']:.1f} ms/token (docs/robot.md "
+                "'The task's time per mode', docs/results/modes.json)")
+        bar = tqdm(total=len(rows) * len(scenarios), desc=regime, unit="ep")
+        for label, mode, ms, acting_mode, age in rows:
+            bar.set_postfix_str(label)
+            latency = StatedLatency(ms, profile.rtt_s)
+            acting = ActWhileVerifying(acting_mode, age, DEFAULTS.provisional_margin_s)
+            started, episodes = time.time(), []
+            for s in scenarios:
+                episodes.append(run_linked_episode(
+                    target, s, link=OutageSchedule(profile, 0), on_link_loss=DEFAULTS.on_link_loss, health=health,
+                    decision_latency=latency, deadline_s=deadline_s, draft_policy=draft, draft_latency=draft_latency,
+                    acting=acting))
+                bar.update(1)
+            report["rows"][label] = summarize(episodes) | {
+                "cloud_mode": mode, "act_while_verifying": acting_mode, "max_frame_age_s": age,
+                "provisional_margin_s": DEFAULTS.provisional_margin_s, "latency_model": latency.label,
+                "acting_model": acting.label, "wall_s": round(time.time() - started, 1),
+                "per_scenario": [e.to_dict(with_records=False) for e in episodes]}
+        bar.close()
+        path = Path(args.out) / f"act-while-verifying-{regime}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+        print(f"wrote {path}")
+        for label, row in report["rows"].items():
+            p = row["provisional"]
+            print(f"  {label:<38} success {row['success_rate']:.1%} collisions {row['collisions']:>3} "
+                  f"median {row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%} "
+                  f"pauses {row['pauses_per_episode']:.1f} dropped {row['dropped']} provisional {p['taken']}/"
+                  f"{p['confirmed']}/{p['reverted']} ({p['reverted_m']:.2f} m, {p['reverted_deg']:.0f} deg)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
