@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from edgespec_ros.control.chaining import MAX_DECISION_AGE_S
 from edgespec_ros.control.link_health import LinkHealth
 from edgespec_ros.decoding.compute import get_robot
 from edgespec_ros.decoding.engines import load_model
@@ -37,14 +38,14 @@ TOKENS_A_DECISION = 242 / 8  # docs/results/modes.json: 242 tokens over 8 decisi
 GO2_RTT_S = get_profile("go2-paper").rtt_s
 GO2_MS = {mode: (decision_s - GO2_RTT_S) / TOKENS_A_DECISION * 1e3 for mode, decision_s in (("ar", 12.2), ("auto", 7.4))}
 
-# regime -> (link, deadline_s, rows: (label, cloud mode, ms/token, act_while_verifying, max_frame_age_s))
-SHIPPED_AGE = DEFAULTS.max_frame_age_s
+# regime -> (link, deadline_s, rows: (label, cloud mode, ms/token, act_while_verifying, max_decision_age_s))
+SHIPPED_AGE = MAX_DECISION_AGE_S  # the navigator's
 REGIMES = {
     "h200-wifi-poor": ("wifi-poor", DEFAULTS.deadline_s, [
         ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
         ("overlap", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE),
         ("speculative", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "speculative", SHIPPED_AGE),
-        ("overlap, max_frame_age_s 2", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", 2.0),
+        ("overlap, max_decision_age_s 2", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", 2.0),
     ]),
     "go2-paper": ("go2-paper", 30.0, [
         ("ar off", "ar", GO2_MS["ar"], "off", SHIPPED_AGE),
@@ -52,9 +53,9 @@ REGIMES = {
         ("auto overlap", "auto", GO2_MS["auto"], "overlap", SHIPPED_AGE),
         ("auto speculative", "auto", GO2_MS["auto"], "speculative", SHIPPED_AGE),
         ("ar speculative", "ar", GO2_MS["ar"], "speculative", SHIPPED_AGE),
-        ("auto overlap, max_frame_age_s 15", "auto", GO2_MS["auto"], "overlap", 15.0),
-        ("auto speculative, max_frame_age_s 15", "auto", GO2_MS["auto"], "speculative", 15.0),
-        ("ar overlap, max_frame_age_s 15", "ar", GO2_MS["ar"], "overlap", 15.0),
+        ("auto overlap, max_decision_age_s 15", "auto", GO2_MS["auto"], "overlap", 15.0),
+        ("auto speculative, max_decision_age_s 15", "auto", GO2_MS["auto"], "speculative", 15.0),
+        ("ar overlap, max_decision_age_s 15", "ar", GO2_MS["ar"], "overlap", 15.0),
     ]),
 }
 
@@ -112,7 +113,7 @@ def clock_only(target, scenarios, health, commit, out_dir) -> None:
                          "clock-only", "commit": commit, "models": {"target": default_model_path("target")},
               "note": "EMULATED latencies; the target's decisions of the blocking (off) run replayed in order under "
                       "overlap, whatever the frame: a policy robust to frames captured mid-motion, the same "
-                      "trajectories as off, no frame-age rule (max_frame_age_s 1e9): the clock's share alone",
+                      "trajectories as off, no frame-age rule (max_decision_age_s 1e9): the clock's share alone",
               "rows": {}}
     recorder = Recorder(target)
     bar = tqdm(total=len(CLOCK_ONLY) * len(scenarios) * 2, desc="clock-only", unit="ep")
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
                     acting=acting))
                 bar.update(1)
             report["rows"][label] = summarize(episodes) | {
-                "cloud_mode": mode, "act_while_verifying": acting_mode, "max_frame_age_s": age,
+                "cloud_mode": mode, "act_while_verifying": acting_mode, "max_decision_age_s": age,
                 "provisional_margin_s": DEFAULTS.provisional_margin_s, "latency_model": latency.label,
                 "acting_model": acting.label, "wall_s": round(time.time() - started, 1),
                 "per_scenario": [e.to_dict(with_records=False) for e in episodes]}

@@ -155,7 +155,7 @@ def test_a_decision_made_during_a_blocked_motion_is_dropped_and_made_again_at_re
 
 
 def test_a_decision_whose_frame_would_be_too_old_is_dropped():
-    # 30 ms/token: 0.3 s, 0.3 s, then 1.2 s, past max_frame_age_s 1.0 (predicted: 0.3 s)
+    # 30 ms/token: 0.3 s, 0.3 s, then 1.2 s, past max_decision_age_s 1.0 (predicted: 0.3 s)
     policy = Stub([("move forward medium", 10), ("move forward medium", 10), ("move forward medium", 40),
                    ("turn left small", 10)])
     ep = episode(policy, ms=30.0, age=1.0)
@@ -267,7 +267,7 @@ def test_the_cli_runs_speculative_and_reports_what_the_user_feels(tmp_path):
     name = sorted(n for n in builtin_scenarios() if not n.startswith("deadzone-"))[0]
     out = tmp_path / "r.json"
     assert main(["eval", "--model", default_model_path("target"), "--scenarios", str(builtin_scenarios()[name]),
-                 "--link", "go2-paper", "--ms-per-token", "237", "--deadline-s", "30", "--max-frame-age-s", "15",
+                 "--link", "go2-paper", "--ms-per-token", "237", "--deadline-s", "30", "--max-decision-age-s", "15",
                  "--act-while-verifying", "speculative", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["act_while_verifying"] == "speculative"

@@ -41,6 +41,9 @@ from .motion import (BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED, ESTOPPED, 
 from .profiles import Profile, axis_limits, extent, metric_like, same_way
 from .provisional import PROVISIONAL_BOUNDS, ProvisionalCounters, provisional_action, reconcile
 
+# The navigator's max_decision_age_s (its parameter's default): a decision whose camera frame is older
+# than this is refused as stale, and a queued one whose frame is older when it would start is dropped
+MAX_DECISION_AGE_S = 5.0
 DROP_BLOCKED, DROP_ESTOP, DROP_WATCHDOG, DROP_FAULT = "blocked", "estop", "watchdog", "fault"
 DROP_NEW_COMMAND, DROP_LINK_LOSS, DROP_FRAME_AGE = "new_command", "link_loss", "frame_age"
 DROP_REPLACED = "replaced"  # another decision took its place (started directly, or queued after it)

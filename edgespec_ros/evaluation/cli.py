@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback
-from ..control.chaining import ACT_WHILE_VERIFYING, SPECULATIVE
+from ..control.chaining import ACT_WHILE_VERIFYING, MAX_DECISION_AGE_S, SPECULATIVE
 from ..robot.settings import DECODING_MODES, DEFAULTS
 from ..sim.commands import (load_scenarios, setup_deadzones, setup_expert, setup_expert_noise, setup_heldout,
                             setup_render)
@@ -40,7 +40,7 @@ from ..sim.scenario import ScenarioError, load_scenario
 
 # eval's link options: given any of them, eval runs the linked closed loop (sim.link_loop)
 _LINK_OPTIONS = ("link", "on_link_loss", "draft", "ms_per_token", "verifier_compute", "mode", "robot", "deadline_s",
-                 "time_cap_s", "link_seed", "act_while_verifying", "max_frame_age_s", "provisional_margin_s")
+                 "time_cap_s", "link_seed", "act_while_verifying", "max_decision_age_s", "provisional_margin_s")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -154,7 +154,9 @@ def _acting(args: argparse.Namespace):
     def given(name):
         value = getattr(args, name, None)
         return getattr(DEFAULTS, name) if value is None else value
-    return ActWhileVerifying(given("act_while_verifying"), given("max_frame_age_s"), given("provisional_margin_s"))
+    age = getattr(args, "max_decision_age_s", None)
+    age = MAX_DECISION_AGE_S if age is None else age
+    return ActWhileVerifying(given("act_while_verifying"), age, given("provisional_margin_s"))
 
 
 def _print_link_conditions(profile, latency, draft_latency, draft: bool, kwargs: dict) -> None:
@@ -324,9 +326,10 @@ def _setup_eval(sub) -> None:
                            "the robot), overlap (the next decision begins during the motion) or speculative (overlap, "
                            f"and provisional motions on the draft's action); default: the drafter's, "
                            f"{DEFAULTS.act_while_verifying}")
-    link.add_argument("--max-frame-age-s", type=float, default=None,
+    link.add_argument("--max-decision-age-s", type=float, default=None,
                       help="overlap: a decision begun during a motion is dropped when its frame would be older than "
-                           f"this where it starts (default: the drafter's, {DEFAULTS.max_frame_age_s:g} s)")
+                           "this where it starts (default: the navigator's max_decision_age_s, "
+                           f"{MAX_DECISION_AGE_S:g} s)")
     link.add_argument("--provisional-margin-s", type=float, default=None,
                       help="speculative: begin a provisional motion when the verdict is predicted this much later "
                            f"than the draft finishes (default: the drafter's, {DEFAULTS.provisional_margin_s:g} s)")

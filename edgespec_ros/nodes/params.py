@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..control.chaining import MAX_DECISION_AGE_S
 from ..robot.settings import DrafterSettings, described_fields
 
 
@@ -102,7 +103,7 @@ NAVIGATOR = (
     P("angle_tolerance_deg", 1.0, "a turn is done this close to its angle", min_value=0.01),
     P("watchdog_timeout_s", 6.0, "motion stops (explicit zero) when the newest decision is older than this",
       min_value=0.05),
-    P("max_decision_age_s", 5.0, "decisions whose camera frame is older than this are refused (stale)",
+    P("max_decision_age_s", MAX_DECISION_AGE_S, "decisions whose camera frame is older than this are refused (stale)",
       min_value=0.05),
     P("zero_repeats", 3, "zero commands sent for each stop before going silent", min_value=1),
     P("estop_required", True, "no motion until the e-stop topic (std_msgs/Bool, latched by a safety supervisor) "

@@ -13,9 +13,9 @@ link, its faults and the clock are the same). ``act_while_verifying`` (``robot.s
   max(k's end, the verdict) from where k left the robot: a verdict after k's end leaves the robot
   standing still (waiting) for the difference. A decision decided during k is dropped, and decided
   again on a fresh frame where it would have started, as ``control.chaining.MotionChain`` drops a
-  queued one: when k ended blocked, or when its frame would be older than ``max_frame_age_s`` when
+  queued one: when k ended blocked, or when its frame would be older than ``max_decision_age_s`` when
   it starts (the start, not the verdict: MotionChain checks both, and the start is the later). A
-  decision whose predicted latency exceeds ``max_frame_age_s`` would always be dropped, so it is not
+  decision whose predicted latency exceeds ``max_decision_age_s`` would always be dropped, so it is not
   begun during motion but where the motion ends. A decision begun with the robot at rest (the first,
   one after a drop, one after a stop, a fault or no action) starts at its verdict as with overlap
   off: nothing moved since its frame.
@@ -58,11 +58,11 @@ from .world import primitive_pose_at
 @dataclass(frozen=True)
 class ActWhileVerifying:
     """``act_while_verifying`` and the settings it reads (``DrafterSettings``' values: pass them,
-    there are no defaults here): ``max_frame_age_s`` (the drop rule) and ``provisional_margin_s``
+    there are no defaults here): ``max_decision_age_s`` (the drop rule) and ``provisional_margin_s``
     (speculative); ``bounds``: a provisional motion's; ``window``: the latencies the prediction reads."""
 
     mode: str
-    max_frame_age_s: float
+    max_decision_age_s: float
     provisional_margin_s: float
     bounds: DegradedProfile = PROVISIONAL_BOUNDS
     window: int = 5
@@ -70,9 +70,9 @@ class ActWhileVerifying:
     def __post_init__(self):
         if self.mode not in ACT_WHILE_VERIFYING:
             raise ValueError(f"act_while_verifying {self.mode!r}: choose one of {', '.join(ACT_WHILE_VERIFYING)}")
-        if not self.max_frame_age_s > 0 or not self.provisional_margin_s >= 0:
-            raise ValueError(f"need max_frame_age_s > 0 and provisional_margin_s >= 0, got "
-                             f"{self.max_frame_age_s}, {self.provisional_margin_s}")
+        if not self.max_decision_age_s > 0 or not self.provisional_margin_s >= 0:
+            raise ValueError(f"need max_decision_age_s > 0 and provisional_margin_s >= 0, got "
+                             f"{self.max_decision_age_s}, {self.provisional_margin_s}")
 
     def run(self, policy, scenario, **kwargs):
         """One episode of ``link_loop.run_linked_episode`` acting so (its keyword arguments, checked there)."""
@@ -85,7 +85,7 @@ class ActWhileVerifying:
         if self.mode == OFF:
             return "off: every decision blocks the robot"
         text = (f"{self.mode}: decisions begin during motion (latency predicted: the median of the last "
-                f"{self.window} measured), dropped past max_frame_age_s {self.max_frame_age_s:g} s")
+                f"{self.window} measured), dropped past max_decision_age_s {self.max_decision_age_s:g} s")
         if self.mode == SPECULATIVE:
             text += (f"; provisional motions ({self.bounds.describe()}) where the verdict is predicted "
                      f"> {self.provisional_margin_s:g} s after the draft")
@@ -189,7 +189,7 @@ class ActingRun(LinkedRun):
             r = None
         predicted = self.predictor.predict()
         start = decision_start_s(self.t, None if r is None else r.end_s, predicted)
-        if r is not None and predicted is not None and predicted > acting.max_frame_age_s:
+        if r is not None and predicted is not None and predicted > acting.max_decision_age_s:
             start = max(start, r.end_s)  # held back: its frame would be too old when it started
         mid = r is not None and start < r.end_s
         if r is not None and not mid:
@@ -217,7 +217,7 @@ class ActingRun(LinkedRun):
         go = max(r.end_s, verdict) if mid else verdict
         if mid and r.record.collided:
             return self._drop(rec, DROP_BLOCKED, go, f"the motion under way ({r.action.text}) ended blocked")
-        if mid and early is None and go - start > acting.max_frame_age_s:
+        if mid and early is None and go - start > acting.max_decision_age_s:
             return self._drop(rec, DROP_FRAME_AGE, go, f"its frame would be {go - start:.2f} s old when it started")
         if early is not None:
             return self._provisional(out, rec, start, verdict, *early)
@@ -297,7 +297,7 @@ class ActingRun(LinkedRun):
             world.step(verified, execute=False)
             self.remember(verified, collided, text)
         elif speed > 0 and out.action is not None and verified.kind != "stop" \
-                and verdict - start > acting.max_frame_age_s:
+                and verdict - start > acting.max_decision_age_s:
             self._drop(rec, DROP_FRAME_AGE, verdict, f"after the provisional motion's stop its frame is "
                                                      f"{verdict - start:.2f} s old")
         else:
