@@ -57,9 +57,9 @@ from .world import primitive_pose_at
 
 @dataclass(frozen=True)
 class ActWhileVerifying:
-    """``act_while_verifying`` and the settings it reads (``DrafterSettings``' values: pass them,
-    there are no defaults here): ``max_decision_age_s`` (the drop rule) and ``provisional_margin_s``
-    (speculative); ``bounds``: a provisional motion's; ``window``: the latencies the prediction reads."""
+    """``act_while_verifying`` and the settings it reads (pass them, there are no defaults here):
+    ``max_decision_age_s`` (the drop rule: the navigator's parameter, ``chaining.MAX_DECISION_AGE_S``)
+    and ``provisional_margin_s`` (speculative: the drafter's); ``bounds``: a provisional motion's; ``window``: the latencies the prediction reads."""
 
     mode: str
     max_decision_age_s: float
