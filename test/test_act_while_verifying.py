@@ -598,3 +598,13 @@ def test_a_bag_of_chained_decisions_replays_each_with_the_prompt_the_drafter_bui
         (Turn("move forward large", DONE), Turn("turn left small", DONE), Turn("move forward small", EXECUTING)),
         (Turn("move forward small", INTERRUPTED), Turn("turn right small", INTERRUPTED)),
     ]
+
+
+def test_the_demo_counts_waiting_and_pauses_from_the_navigators_states():
+    """A chained decision's motion follows the last without a rest (no pause); waiting is a
+    decision pending while no motion runs."""
+    from edgespec_ros.bringup.closed_loop import motion_timeline
+    states = [(0, "moving"), (S, "moving"), (2 * S, "idle"), (3 * S, "moving"), (4 * S, "idle")]
+    timeline = motion_timeline(states, [(-0.5, 0.0), (0.5, 1.0), (2.0, 3.0)])
+    assert timeline.motions == [(0.0, 1.0), (1.0, 2.0), (3.0, 4.0)]
+    assert timeline.pauses() == 1 and timeline.waiting_s() == pytest.approx(1.5)

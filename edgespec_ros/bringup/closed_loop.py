@@ -44,7 +44,7 @@ class Observer:
         from sensor_msgs.msg import Image
         from std_msgs.msg import String
 
-        from ..msg import DecodingStats, VerifiedAction
+        from ..msg import DecodingStats, MotionState, VerifiedAction
         from ..nodes.common import LATCHED_QOS, RELIABLE_QOS, SENSOR_STREAM_QOS
         from geometry_msgs.msg import PoseStamped
         self.node = Node("demo_observer", context=context)
@@ -57,6 +57,7 @@ class Observer:
         self.episode = None
         self.pose = None
         self.gate = None  # sim.coverage.CoverageGate over the link proxy (scenarios with dead zones)
+        self.motion_states: list[tuple[int, str]] = []  # (ROS ns the state began, idle|moving|...)
         self._lock = threading.Lock()
         self.command_pub = self.node.create_publisher(String, "command", RELIABLE_QOS)
         group = ReentrantCallbackGroup()  # state behind self._lock
@@ -65,7 +66,8 @@ class Observer:
                 (DecodingStats, "decoding_stats", self._on_stats, RELIABLE_QOS),
                 (String, "sim/episode", self._on_episode, LATCHED_QOS),
                 (PoseStamped, "sim/true_pose", self._on_pose, SENSOR_STREAM_QOS),
-                (Image, "monitor/annotated_image", self._on_annotated, RELIABLE_QOS)):
+                (Image, "monitor/annotated_image", self._on_annotated, RELIABLE_QOS),
+                (MotionState, "navigator/state", self._on_motion, LATCHED_QOS)):
             self.node.create_subscription(msg_type, topic, callback, qos, callback_group=group)
 
     def _on_decision(self, msg) -> None:
@@ -77,6 +79,11 @@ class Observer:
                 self.frames[stamp] = self._recent.pop(stamp)
             pose = self.pose
         self.events.put(("decision", msg, pose))
+
+    def _on_motion(self, msg) -> None:
+        from ..nodes.common import time_to_ns
+        with self._lock:
+            self.motion_states.append((time_to_ns(msg.header.stamp), msg.state))
 
     def _on_stats(self, msg) -> None:
         self.stats = msg
@@ -115,7 +122,7 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..robot.settings import DECODING_MODES
+    from ..robot.settings import ACT_WHILE_VERIFYING, DECODING_MODES
     from ..wire.link import PROFILES
     from ..decoding.compute import compute_arg, compute_help
     ap = argparse.ArgumentParser(
@@ -133,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--on-link-loss", default=None, choices=LINK_LOSS_ACTIONS,
                     help="what the robot does once the link is lost (default: the drafter's, stop); try it with a "
                          "link that fails, e.g. --link wifi-poor-cuts")
+    ap.add_argument("--act-while-verifying", default=None, choices=ACT_WHILE_VERIFYING,
+                    help="when the robot moves while a decision is made: off, overlap, speculative (default: the "
+                         "drafter's; docs/robot.md, 'Acting while verifying')")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
     ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")
     ap.add_argument("--out", default=None, help="output folder (default out/demo-<scenario>-<mode>-<time>)")
@@ -192,6 +202,8 @@ def run_closed_loop(args) -> int:
             drafter_overrides["gamma"] = args.gamma
         if args.on_link_loss is not None:
             drafter_overrides["on_link_loss"] = args.on_link_loss
+        if args.act_while_verifying is not None:
+            drafter_overrides["act_while_verifying"] = args.act_while_verifying
         # the simulated world has no e-stop supervisor (sim.launch.py's SIM_PARAMETERS)
         overrides = {"sim_robot": {"scenario": args.scenario}, "drafter": drafter_overrides,
                      "navigator": {"estop_required": False}}
@@ -217,6 +229,7 @@ def run_closed_loop(args) -> int:
             print(f"  command sent: {scenario.instruction!r}\n", flush=True)
             result = _follow(observer, scenario, args.timeout, t0, args.max_faults)
             result["commanded_s"] = commanded
+            result["timeline"] = motion_timeline(observer.motion_states, result["pending"])
             try:  # the monitor annotates each decision's frame; give the last one a moment to arrive
                 wait_for(lambda: all(s in observer.frames for s in result["stamps"]), 3.0, "annotated frames")
             except TimeoutError:
@@ -273,7 +286,7 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
     # each kind apart, and latencies are the verified ones' (draft_only_latencies the others')
     result = {"success": False, "outcome": f"timed out after {timeout_s:g} s", "stamps": [], "labels": [],
               "latencies": [], "draft_only_latencies": [], "faults": 0, "unparseable": 0, "decisions": 0,
-              "verified": 0, "draft_only": 0, "retrace": 0, "episode": None}
+              "verified": 0, "draft_only": 0, "retrace": 0, "episode": None, "provisional": 0, "pending": []}
     deadline = t0 + timeout_s
     steps = faults_in_a_row = 0
     while time.monotonic() < deadline:
@@ -305,6 +318,11 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
                 return result
             continue
         faults_in_a_row = 0
+        if getattr(msg, "provisional", False):  # the draft's own action before its verdict: no decision
+            result["provisional"] += 1
+            print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
+                  f"PROVISIONAL {msg.action} (the draft's, unverified; bounded until the verdict)", flush=True)
+            continue
         if msg.fallback == Fallback.RETRACE.label:  # a step back while the link is lost: no decision of the policy's
             result["retrace"] += 1
             print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
@@ -315,6 +333,7 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
         draft_only = msg.fallback == Fallback.DRAFT_ONLY.label  # LOSSY: the draft's own, unverified
         result["draft_only" if draft_only else "verified"] += 1
         result["draft_only_latencies" if draft_only else "latencies"].append(msg.latency_s)
+        result["pending"].append((stamp / 1e9, stamp / 1e9 + msg.latency_s))  # frame capture -> verdict (ROS time)
         action = msg.action if msg.parsed else "(unparseable: no motion)"
         result["unparseable"] += 0 if msg.parsed else 1
         result["stamps"].append(stamp)
@@ -329,6 +348,21 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
         if episode and episode["done"] and result["decisions"] >= episode["steps"]:
             return result
     return result
+
+
+def motion_timeline(states: list[tuple[int, str]], pending: list[tuple[float, float]]):
+    """The episode's ``sim.timeline.Timeline`` from the navigator's states (each ``(ns, state)``: a
+    motion from a "moving" state to the next state; a chained decision's state follows a moving one
+    without a rest between) and the decisions' pending intervals (frame capture to verdict, s)."""
+    from ..sim.timeline import Timeline
+    timeline = Timeline()
+    ordered = sorted(states)
+    for (t, state), (t_next, _) in zip(ordered, ordered[1:]):
+        if state == "moving":
+            timeline.motion(t / 1e9, t_next / 1e9)
+    for start, end in pending:
+        timeline.pending(start, end)
+    return timeline
 
 
 def _latency(latencies: list[float], what: str) -> str:
@@ -366,6 +400,13 @@ def _metrics_rows(result: dict, stats, profile, wall_s: float) -> list[tuple[str
         took = result["done_s"] - result["commanded_s"]
         rows.append(("time to goal" if result["success"] else "time to the episode's end",
                      f"{took:.1f} s from the command (decisions and motion; EMULATED link and compute)"))
+        timeline = result.get("timeline")
+        if timeline is not None and took > 0:
+            rows.append(("waiting", f"{timeline.waiting_s() / took:.1%} of it standing still with a decision pending, "
+                                    f"{timeline.pauses()} pauses between motions"))
+    if result.get("provisional"):
+        rows.append(("provisional decisions", f"{result['provisional']} (the draft's own action, UNVERIFIED, begun "
+                                              "inside its bounds until the verdict)"))
     rows.append(("wall time", f"{wall_s:.1f} s"))
     return rows
 
