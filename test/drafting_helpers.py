@@ -46,6 +46,7 @@ class FakeDecoder:
     `release` (calling on_tokens after release, like the next verified chunk would)."""
 
     draft = None  # no draft model: a memoryless policy
+    auto_gamma = None  # mode auto's controller (EdgeDecoder.auto_gamma): none measured
 
     def __init__(self, text=TEXT, error=None, block=False, auto=None):
         self.text, self.error = text, error

@@ -168,7 +168,7 @@ class _Lost:
     the draft alone answers."""
 
     def __init__(self, exc):
-        self.exc, self.tokenizer, self.draft = exc, None, None
+        self.exc, self.tokenizer, self.draft, self.auto_gamma = exc, None, None, None
         outer = self
 
         class Verifier(DecidingAlone):

@@ -219,3 +219,26 @@ def test_ros_io_needs_no_ros():
                 found.add(node.module.split(".")[0])
         assert not found & {"rclpy", "rosidl_runtime_py", "cv_bridge"}, (path.name, found)
         assert not {m for m in imports(path) if m.startswith("edgespec_ros.nodes")}, path.name
+
+
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_is_over_its_line_budget():
+    """A module over 700 lines holds more than one concern: split it along its seams."""
+    over = {module_name(p): n for p in sources() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not over, over
+
+
+def test_the_robot_reads_its_decoder_and_verifier_through_declared_attributes():
+    """No ``getattr`` on a decoder or a verifier in robot/: what the robot reads of them is declared
+    (the Verifier protocol, the decoder's documented attributes), so a missing one fails where it is
+    defined, not as a silent default in a decision."""
+    found = []
+    for path in (PACKAGE / "robot").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                target = ast.unparse(node.args[0]) if node.args else ""
+                if "decoder" in target or "verifier" in target:
+                    found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found

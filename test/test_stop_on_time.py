@@ -216,7 +216,7 @@ class _SlowDecoder:
     def __init__(self, clock, seconds):
         from drafting_helpers import FakeDecoder
         self.inner, self.clock, self.seconds = FakeDecoder(), clock, seconds
-        self.verifier, self.tokenizer, self.draft = self.inner.verifier, None, None
+        self.verifier, self.tokenizer, self.draft, self.auto_gamma = self.inner.verifier, None, None, None
 
     def decide(self, instruction, image, cfg, on_tokens=None):
         self.clock.advance(self.seconds)

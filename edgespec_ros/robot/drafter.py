@@ -250,7 +250,8 @@ class DrafterCore:
     image, cfg, on_tokens=...)``, for ``on_link_loss: draft_only`` ``decide_draft_only`` alike; its
     ``tokenizer``, its ``draft`` model (None: a memoryless policy) and its ``verifier``, a
     ``decoding.verifier.Verifier``: ``abort()`` after a failure, ``connected``/``connect()`` for
-    the reconnects while the link is lost).
+    the reconnects while the link is lost; and ``auto_gamma``, mode auto's controller or None, whose
+    latency model times a decision begun during motion).
 
     ``clock_ns`` is the clock the frame stamps use (the node's clock: ROS time); ``steady_ns`` the
     one the decision deadline runs on (the node gives the steady clock, so a step of ROS time can
@@ -384,7 +385,7 @@ class DrafterCore:
         while verifying, when its verdict would land as the motion ends) (under the lock)."""
         if not self._overlapping():
             return "waiting for the navigator to finish the last motion"
-        start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, getattr(self.decoder, "auto_gamma", None))
+        start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, self.decoder.auto_gamma)
         if now_ns < start_s * NS:
             return f"overlap: the next decision begins in {start_s - now_ns / NS:.2f} s, timed to the motion's end"
         return ""
@@ -516,7 +517,7 @@ class DrafterCore:
         if (on_provisional is None or self.settings.act_while_verifying != "speculative" or ticket.fallback
                 or self.tokenizer is None):
             return None
-        latency = self.timing.latency_s(getattr(self.decoder, "auto_gamma", None))
+        latency = self.timing.latency_s(self.decoder.auto_gamma)
         if latency is None:  # nothing measured yet: no prediction to act on
             return None
         verdict_ns = ticket.started_ns + int(latency * NS)
