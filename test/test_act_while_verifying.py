@@ -120,6 +120,21 @@ def test_a_chained_decision_the_navigator_drops_is_remembered_interrupted():
     assert core.memory.shown() == (Turn("move forward large", INTERRUPTED), Turn("turn left small", INTERRUPTED))
 
 
+def test_overlap_does_not_begin_a_decision_the_navigator_would_drop_for_its_age():
+    """A decision predicted to take longer than the navigator's max_decision_age_s (as its MotionState
+    reports it) would be dropped once queued: it begins when the motion ends, as the linked loop does."""
+    core, clock, decoder, out, end_ns = first_motion("overlap")
+    core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=end_ns, max_decision_age_s=0.4)
+    clock.t = end_ns - int(0.2 * S)  # the measured latency is 0.5 s: past the 0.4 s the navigator keeps
+    core.set_frame(frame(clock))
+    assert core.begin() is None and "would outlast max_decision_age_s 0.4 s" in core.why_not_ready(clock())
+    core.note_motion("idle", out.stamp_ns, clock(), COMPLETED, max_decision_age_s=0.4)
+    clock.advance(0.05)
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    assert ticket is not None and not ticket.chained
+
+
 def test_overlap_waits_for_the_predicted_end_and_never_for_a_retrace_step():
     core, clock, decoder, out, end_ns = first_motion("overlap")
     core.note_motion("moving", out.stamp_ns, clock())  # no predicted end (an older navigator)
@@ -225,6 +240,7 @@ def queue_behind_a_move(nav, move="move forward 2 m", queued="turn left small", 
     assert snap.state == MOVING and waiting is not None and waiting.decision_id == second
     last = nav.state_pub.msgs[-1]
     assert last.queued and last.predicted_end.sec + last.predicted_end.nanosec > 0
+    assert last.max_decision_age_s == pytest.approx(nav.p["max_decision_age_s"])  # what the drafter times by
     return first, second
 
 

@@ -267,7 +267,7 @@ class DrafterNode(LifecycleNode):
             core.note_motion(msg.state, time_to_ns(msg.decision_stamp), time_to_ns(msg.header.stamp),
                              outcome_name(msg.outcome), msg.reason, predicted_end_ns=time_to_ns(msg.predicted_end),
                              ended_stamp_ns=time_to_ns(msg.ended_stamp), ended_outcome=outcome_name(msg.ended_outcome),
-                             dropped=msg.dropped)
+                             dropped=msg.dropped, max_decision_age_s=msg.max_decision_age_s)
 
     # ------------------------------------------------------------------ the instruct action
 

@@ -554,6 +554,7 @@ class NavigatorNode(LifecycleNode):
         end = self.chain.predicted_end_s(now)
         if end is not None:  # the steady clock's prediction, in ROS time
             msg.predicted_end = ns_to_time(now_ns(self) + int((end - now) * 1e9))
+        msg.max_decision_age_s = float(self.p["max_decision_age_s"])
         msg.provisional = provisional
         msg.queued = queued is not None
         msg.queued_stamp = ns_to_time(queued.decision_id if queued is not None else 0)

@@ -49,6 +49,7 @@ from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_act
 from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .act_timing import DecisionTiming
+from ..control.chaining import MAX_DECISION_AGE_S
 from ..control.provisional import worth_acting_provisionally
 from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics
@@ -300,6 +301,8 @@ class DrafterCore:
         # (ROS ns; 0 unless it is moving), and the decisions' measured cost that times the next one
         self.motion_running: tuple[int, int] = (0, 0)
         self.timing = DecisionTiming()
+        # how old a queued decision's frame may be before the navigator drops it (its parameter, as it reports)
+        self.max_decision_age_s = MAX_DECISION_AGE_S
 
     @property
     def retrace_done(self) -> bool:
@@ -352,14 +355,15 @@ class DrafterCore:
 
     def note_motion(self, state: str, decision_stamp_ns: int, state_stamp_ns: int, outcome: str = NO_OUTCOME,
                     reason: str = "", *, predicted_end_ns: int = 0, ended_stamp_ns: int = 0,
-                    ended_outcome: str = NO_OUTCOME, dropped: str = "") -> None:
+                    ended_outcome: str = NO_OUTCOME, dropped: str = "", max_decision_age_s: float = 0.0) -> None:
         """The navigator reported ``state`` (idle|moving|estop|watchdog|fault) for the decision whose
         frame stamp is ``decision_stamp_ns``, since ``state_stamp_ns``, and how it ended
         (``motion.OUTCOMES``: a move given up as blocked by contact makes the next decision sample).
         While it holds a fault stop (state fault, ``reason`` why) no decision starts. Acting while
         verifying it also says when the motion is predicted to end (``predicted_end_ns``, ROS time),
         and how a decision beside the one named ended (``ended_stamp_ns``: a chained decision's
-        predecessor, ``ended_outcome``; or one dropped before it began, ``dropped`` why)."""
+        predecessor, ``ended_outcome``; or one dropped before it began, ``dropped`` why), and how old a
+        queued decision's frame may be (``max_decision_age_s``; 0: not reported)."""
         with self._lock:
             self.robot_held = (reason or "fault stop") if state == FAULT_HOLD else ""
             if (outcome in (RETRACE_DONE, REJECTED) and self.memory.awaiting_stamp == decision_stamp_ns
@@ -372,6 +376,8 @@ class DrafterCore:
                 # pushing into something (not stale odometry: then the view may well have changed)
                 self.resample_next = ended == BLOCKED_CONTACT
             self.motion_running = (decision_stamp_ns, predicted_end_ns if state == MOVING else 0)
+            if max_decision_age_s > 0:
+                self.max_decision_age_s = float(max_decision_age_s)
 
     def _overlapping(self) -> bool:
         """Acting while verifying, the awaited decision's motion runs with a predicted end and no
@@ -385,6 +391,10 @@ class DrafterCore:
         while verifying, when its verdict would land as the motion ends) (under the lock)."""
         if not self._overlapping():
             return "waiting for the navigator to finish the last motion"
+        latency = self.timing.latency_s(self.decoder.auto_gamma)
+        if latency is not None and latency > self.max_decision_age_s:  # it would be dropped when queued
+            return (f"overlap: the next decision (predicted {latency:.1f} s) would outlast max_decision_age_s "
+                    f"{self.max_decision_age_s:g} s; it begins when the motion ends")
         start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, self.decoder.auto_gamma)
         if now_ns < start_s * NS:
             return f"overlap: the next decision begins in {start_s - now_ns / NS:.2f} s, timed to the motion's end"

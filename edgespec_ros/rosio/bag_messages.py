@@ -138,7 +138,7 @@ def motion_state_message(*, stamp: int, state: str, action: str, outcome: str, d
     return typestore().types[MOTION_TYPE](
         header=_header(stamp, "base_link"), state=state, action=action, reason=reason or outcome,
         outcome=OUTCOMES.index(outcome), decision_stamp=_stamp(decision_stamp), progress=1.0, backend=backend,
-        closed_loop=False, predicted_end=_stamp(predicted_end), provisional=False, queued=bool(queued_stamp),
+        closed_loop=False, predicted_end=_stamp(predicted_end), max_decision_age_s=0.0, provisional=False, queued=bool(queued_stamp),
         queued_stamp=_stamp(queued_stamp), ended_stamp=_stamp(ended_stamp),
         ended_outcome=OUTCOMES.index(ended_outcome), dropped=dropped, provisional_taken=0, provisional_confirmed=0,
         provisional_reverted=0, provisional_reverted_m=0.0, provisional_reverted_deg=0.0)
