@@ -3,7 +3,9 @@ cell for cell, with the commit and command it names; docs/pipeline.md's modes ta
 committed modes sweep's (docs/results/modes.json); the ranges and counts quoted in prose (README,
 docs/regimes.md, docs/gpu-profile.md, docs/pipeline.md) are computed from the regime map's rows, and
 the card's figures quoted in README, docs/models.md and docs/robot.md from edgespec_ros/models/metrics.json
-and the card; relative links between the pages resolve: the figures cannot drift from what was measured."""
+and the card; the fleet's figures (README, docs/verifier.md, docs/regimes.md, docs/gpu-profile.md) from
+the fleet and capacity sweeps' rows and the H200 profile they read; relative links between the pages
+resolve: the figures cannot drift from what was measured."""
 from __future__ import annotations
 
 import json
@@ -233,3 +235,129 @@ def test_the_production_engines_figures_in_the_readme_are_the_maps_engine_rows()
     assert _quoted("README.md", r"fastest speculative cell takes ([\d.]+-[\d.]+)x its time") == slower
     ours = _range([v for r in engines for k, v in r["project_ar_vs_engine"].items() if k.startswith("h200")], ".1f")
     assert _quoted("README.md", r"own H200 verifier decoding alone ([\d.]+-[\d.]+)x") == ours
+
+
+# ---- the fleet's figures, held to the fleet and capacity sweeps' rows and the profile they read ------
+
+def _results(name: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / name).read_text())
+
+
+def _capacity(name: str) -> dict[float, dict]:
+    """A capacity sweep's ``kind: capacity`` rows by their p99 objective (s)."""
+    return {r["slo_s"]: r for r in _results(name)["rows"] if r.get("kind") == "capacity"}
+
+
+def _runs(name: str, path: str) -> list[dict]:
+    return [r for r in _results(name)["rows"] if r.get("kind") == "run" and r["path"] == path]
+
+
+def _count(row: dict, path: str) -> str:
+    """A capacity cell as the regimes page writes it: N, or N+ where every count measured met it."""
+    n = row["robots"][path]
+    return f"{n}+" if n == row["measured_up_to"] else str(n)
+
+
+def test_a_16_row_pass_against_a_lone_one_is_the_profiles_table_everywhere():
+    """'a 16-row pass costs 1.21x a lone pass, 27.0 against 22.3 ms': the pass-time ratio of the H200
+    profile the fleet and capacity sweeps read, at 16 rows and at one, block 5 (gamma 4)."""
+    from edgespec_ros.decoding.compute import get_compute
+    profile = get_compute(str(ROOT / "docs" / "profiles" / "h200-qwen2-vl-7b-bf16-slots.json"))
+    sixteen, lone = profile.pass_s(16, 5), profile.pass_s(1, 5)
+    ratio, ms = f"{sixteen / lone:.2f}", f"{1e3 * sixteen:.1f} against {1e3 * lone:.1f} ms"
+    assert _quoted("README.md", r"16-row verification pass costs ([\d.]+)x a lone pass, [\d.]+ against") == ratio
+    assert _quoted("README.md", r"costs [\d.]+x a lone pass, ([\d.]+ against [\d.]+ ms)") == ms
+    assert _quoted("docs/regimes.md", r"a 16-row pass costs ([\d.]+)x a lone pass, [\d.]+ against") == ratio
+    assert _quoted("docs/regimes.md", r"a 16-row pass costs [\d.]+x a lone pass, ([\d.]+ against [\d.]+ ms)") == ms
+    assert _quoted("docs/verifier.md", r"16 robots' rows at gamma 4\s+costs ([\d.]+)x a lone pass") == ratio
+    assert _quoted("docs/verifier.md", r"costs [\d.]+x a lone pass\s+\(([\d.]+ against [\d.]+ ms)\)") == ms
+    assert _quoted("docs/gpu-profile.md", r"16-row pass ([\d.]+)x a lone pass's time, [\d.]+ against") == ratio
+    assert _quoted("docs/gpu-profile.md", r"gives ([\d.]+)x: [\d.]+ against [\d.]+ ms at block 5") == ratio
+    assert _quoted("docs/gpu-profile.md", r"gives [\d.]+x: ([\d.]+ against [\d.]+ ms) at block 5") == ms
+
+
+def test_the_fleets_batched_throughput_is_the_fleet_sweeps_rows():
+    """'batched ... 1.21x sequential verification's throughput (135.6 against 112.5 tokens/s)' at 16
+    robots drafting at 72 ms, and '1.90x sequential (220.9 against 116.6 tokens/s ...)' at 17 ms:
+    the fleet sweeps' rows (docs/results/fleet-h200-72.json, fleet-h200-17.json), on both pages."""
+    for name, draft_ms in (("fleet-h200-72.json", 72.0), ("fleet-h200-17.json", 16.7)):
+        results = _results(name)
+        assert results["commit"] in (ROOT / "docs" / "verifier.md").read_text(), name
+        by = {(r["verifier"], r["robots"]): r for r in results["rows"]}
+        assert {r["draft_ms"] for r in results["rows"]} == {draft_ms}
+        batched, sequential = by[("batched", 16)], by[("sequential", 16)]
+        assert batched["throughput_vs_sequential"] == batched["tokens_per_s"] / sequential["tokens_per_s"]
+        quoted = (f"{batched['throughput_vs_sequential']:.2f}", f"{batched['tokens_per_s']:.1f}",
+                  f"{sequential['tokens_per_s']:.1f}")
+        if draft_ms == 72.0:
+            assert _quoted("docs/verifier.md", r"\*\*([\d.]+)x\*\* sequential verification's throughput "
+                                               r"\(([\d.]+) against ([\d.]+) tokens/s") == quoted
+            assert _quoted("docs/gpu-profile.md", r"serves \*\*([\d.]+)x\*\* the tokens per second of sequential "
+                                                  r"verification\s+\(([\d.]+) against ([\d.]+):") == quoted
+            assert _quoted("docs/verifier.md", r"p99 ([\d.]+)x, mean batch [\d.]+\) and two") == f"{batched['p99_vs_lone']:.2f}"
+            assert _quoted("docs/verifier.md", r"p99 [\d.]+x, mean batch ([\d.]+)\) and two") == f"{batched['mean_batch']:.2f}"
+        else:
+            assert _quoted("docs/verifier.md", r"batched\s+is ([\d.]+)x sequential \(([\d.]+) against ([\d.]+) "
+                                               r"tokens/s") == quoted
+            assert _quoted("docs/verifier.md", r"tokens/s, mean batch ([\d.]+), \d+% busy\)") == f"{batched['mean_batch']:.1f}"
+            assert _quoted("docs/gpu-profile.md", r"with the 17 ms what-if robot batched is ([\d.]+)x") == quoted[0]
+
+
+def test_the_go2_paper_fleets_table_is_its_committed_rows():
+    """docs/verifier.md's flat-cost fleet table: the 8-robot rows of docs/results/fleet-go2-paper-8.json,
+    cell for cell, with the commit and command the page names."""
+    results = _results("fleet-go2-paper-8.json")
+    page = (ROOT / "docs" / "verifier.md").read_text()
+    assert results["commit"] in page and results["command"] in " ".join(page.split())
+    header, body = markdown_table(page, "**The flat-cost fleet (go2-paper).**")
+    assert header == ["verifier", "robots", "tokens/s", "x vs sequential", "p99 vs lone", "slowdown p99", "mean batch"]
+    by = {(r["verifier"], r["robots"]): r for r in results["rows"]}
+    for cells in body:
+        r = by[(cells[0], int(cells[1]))]
+        assert cells[2:] == [f"{r['tokens_per_s']:.1f}", f"{r['throughput_vs_sequential']:.2f}x",
+                             f"{r['p99_vs_lone']:.2f}x", f"{r['slowdown_p99']:.2f}x", f"{r['mean_batch']:.2f}"], cells
+    assert sorted(c[0] for c in body) == ["batched", "sequential"]
+
+
+def test_the_readmes_fleet_figures_are_the_capacity_sweeps():
+    """README: 'with a 17 ms draft (WHAT-IF) speculation serves 24 robots within a 2 s p99 decision
+    latency where cloud AR serves 8 (3x); with the Orin's 72 ms batched AR serves more robots at
+    every objective (its own drafting takes 2.6-2.8 s a decision, p50)'; vLLM 'serves every count
+    measured, 32, within 2 s'. The capacity sweeps' rows (docs/results/capacity-*.json)."""
+    readme = (ROOT / "README.md").read_text()
+    fast, orin = _capacity("capacity-17.json"), _capacity("capacity-72.json")
+    assert _results("capacity-17.json")["commit"] == _results("capacity-72.json")["commit"]
+    bullet = readme[readme.index("- **A fleet**"):readme.index("The committed models")]
+    assert _results("capacity-17.json")["commit"] in bullet
+    assert _results("capacity-engines.json")["commit"] in bullet
+    tight = fast[2.0]
+    assert _quoted("README.md", r"speculation serves (\d+) robots within a 2 s p99") == str(tight["robots"]["speculative"])
+    assert _quoted("README.md", r"where cloud AR\s+serves (\d+) \(") == str(tight["robots"]["ar"])
+    assert _quoted("README.md", r"where cloud AR\s+serves \d+ \(([\d.]+)x\)") == f"{tight['speculative_vs_ar']:g}"
+    assert tight["speculative_vs_ar"] == tight["robots"]["speculative"] / tight["robots"]["ar"]
+    # "batched AR serves more robots at every objective" with the Orin's draft
+    assert "batched AR serves more robots at every objective" in " ".join(bullet.split())
+    assert all(r["robots"]["ar"] > r["robots"]["speculative"] for r in orin.values())
+    p50 = _range([r["p50_s"] for r in _runs("capacity-72.json", "speculative")], ".1f")
+    assert _quoted("README.md", r"its own\s+drafting takes ([\d.]+-[\d.]+) s a decision") == p50
+    engines = _capacity("capacity-engines.json")[2.0]
+    assert set(engines["robots"].values()) == {engines["measured_up_to"]}
+    assert _quoted("README.md", r"serves every count measured, (\d+),\s+within 2 s") == str(engines["measured_up_to"])
+
+
+def test_the_regimes_pages_capacity_table_is_the_capacity_sweeps():
+    """docs/regimes.md's robots-within-an-SLO table: the capacity rows of capacity-72.json and
+    capacity-17.json, every count and ratio; and its prose's p50 ranges are the runs'."""
+    header, body = markdown_table((ROOT / "docs" / "regimes.md").read_text(), "## A fleet's capacity")
+    assert header[0] == "p99 SLO" and len(header) == 7
+    orin, fast = _capacity("capacity-72.json"), _capacity("capacity-17.json")
+    assert len(body) == len(orin) == len(fast)
+    for cells in body:
+        slo = float(cells[0].removesuffix(" s"))
+        for row, (spec, ar, ratio) in ((orin[slo], cells[1:4]), (fast[slo], cells[4:7])):
+            assert (spec, ar) == (_count(row, "speculative"), _count(row, "ar")), cells
+            assert float(ratio.removesuffix("x")) == round(row["speculative_vs_ar"], 2), cells
+    spec72 = _range([r["p50_s"] for r in _runs("capacity-72.json", "speculative")], ".1f")
+    ar72 = _range([r["p50_s"] for r in _runs("capacity-72.json", "ar")], ".1f")
+    assert _quoted("docs/regimes.md", r"drafting, ([\d.]+-[\d.]+) s p50 a decision against AR's") == spec72
+    assert _quoted("docs/regimes.md", r"p50 a decision against AR's ([\d.]+-[\d.]+) s") == ar72
