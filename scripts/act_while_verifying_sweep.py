@@ -6,7 +6,7 @@ speculative over held-out scenarios, one JSON per regime in docs/results/act-whi
 
 Regimes (all latencies stated, EMULATED): ``h200-wifi-poor``: the measured H200 slots profile's cloud
 AR (``sim.link_loop.STATED_MS_PER_TOKEN``, 27.3 ms/token, what mode auto decides as there) + the
-wifi-poor round trip; ``go2-paper``: go2-paper's cloud and link with the Orin drafting at 72 ms/token,
+wifi-poor round trip; ``h200-cellular``: the same over cellular's round trip; ``go2-paper``: go2-paper's cloud and link with the Orin drafting at 72 ms/token,
 per-token figures derived from docs/robot.md's measured per-decision medians (cloud AR 12.2 s,
 auto 7.4 s a decision) over docs/results/modes.json's 30.25 tokens a decision, less the round trip.
 """
@@ -45,6 +45,10 @@ REGIMES = {
         ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
         ("overlap", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE),
         ("speculative", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "speculative", SHIPPED_AGE),
+    ]),
+    "h200-cellular": ("cellular", DEFAULTS.deadline_s, [
+        ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
+        ("overlap", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE),
     ]),
     # a go2-paper decision (7.4 s with auto) outlasts the navigator's 5 s decision age: every decision
     # begun during a motion would be dropped, so the rows at 15 s say what overlap could do there.
