@@ -208,17 +208,19 @@ def test_the_training_recipe_takes_the_belief_only_with_a_memory(tmp_path):
     assert train_cli.build_parser().parse_args(["data", "--belief", "False"]).belief is False
 
 
-def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_only_moves_degraded(tmp_path):
+@pytest.mark.parametrize("draft_only", ["draft_only", "draft-only"], ids=["today", "recorded-before"])
+def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_only_moves_degraded(tmp_path, draft_only):
     """A bag whose second command came as a goal (no command message): the decisions' command id
-    says where the drafter's memory started over; a draft-only decision is remembered as the
-    degraded profile runs it, as the drafter remembers it."""
+    says where the drafter's memory started over; a draft_only decision is remembered as the
+    degraded profile runs it, as the drafter remembers it, also in a bag recorded before the
+    fallback had one spelling (``draft-only``: ``rosio.bags.recorded_spelling``)."""
     from edgespec_ros.control.actions import parse_action as parse
     from edgespec_ros.rosio import topics
     from edgespec_ros.rosio.bags import (BagReplay, BagWriter, decision_message, image_message,
                                          motion_state_message, string_message)
     rgb = np.zeros((8, 8, 3), np.uint8)
     plan = [(1, "find the red chair", "I see the red chair on my left. Action: turn left large.", ""),
-            (1, "find the red chair", "Action: turn left large.", "draft-only"),
+            (1, "find the red chair", "Action: turn left large.", draft_only),
             (1, "find the red chair", "Action: move forward small.", ""),
             (2, "go to the blue cone", "The blue cone is straight ahead. Action: move forward large.", ""),
             (2, "go to the blue cone", "Action: turn right small.", "")]
@@ -242,7 +244,7 @@ def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_onl
     for i, (cid, instruction, text, fallback) in enumerate(plan):
         if i and cid != plan[i - 1][0]:
             memory.reset(instruction)
-        if not fallback:  # a draft-only decision is no reference to replay (but it is remembered)
+        if not fallback:  # a draft_only decision is no reference to replay (but it is remembered)
             expected.append(memory.shown())
         action = parse(text).text
         memory.decided("turn left 30 degrees" if fallback else action, i, text)
