@@ -205,12 +205,11 @@ class DrafterNode(LifecycleNode):
                                    min_pixels=p["min_pixels"], max_pixels=p["max_pixels"])
 
     def _free_model(self) -> None:
-        if self.core is not None and getattr(self.core.decoder, "verifier", None) is not None:
+        if self.core is not None:  # its decoder is the EdgeDecoder on_activate built: a verifier always
             try:
                 self.core.decoder.verifier.close()
             except Exception:  # noqa: BLE001 - a dead link may fail to close; it is dropped anyway
                 pass
-        if self.core is not None and hasattr(self.core.decoder, "close"):
             self.core.decoder.close()  # fsd pre-draft worker threads
         self.core = None
         self.draft_lm = None
