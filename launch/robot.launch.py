@@ -59,7 +59,7 @@ ARGUMENTS = [
                         "mismatches, more on a poor link; temperature 0; needs a verifier with a WISV head) ('' = the node's default, docs/parameters.md)"),
     ("on_link_loss", "", "once the link to the verifier is lost: stop (stand still until a reconnect) | retrace (walk "
                       "back along the command's moves) | draft_only (LOSSY: the draft decides alone, labelled "
-                      "draft-only, degraded motion) ('' = the node's default, docs/parameters.md)"),
+                      "draft_only, degraded motion) ('' = the node's default, docs/parameters.md)"),
     ("model_path", "", "draft model directory ('' = the embedded default)"),
     ("device", "", "draft model device: auto | cpu | cuda | cuda:N ('' = the node's default, docs/parameters.md)"),
     ("dtype", "", "draft model weights: auto (bfloat16 on cuda) | float32 | bfloat16 | float16 ('' = the node's default, docs/parameters.md)"),

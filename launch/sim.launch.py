@@ -45,7 +45,7 @@ ARGUMENTS = [
               "default, docs/parameters.md)"),
     ("on_link_loss", "", "once the link to the verifier is lost: stop (stand still until a reconnect) | retrace (walk "
                       "back along the command's moves) | draft_only (LOSSY: the draft decides alone, labelled "
-                      "draft-only, degraded motion) ('' = the node's default, docs/parameters.md)"),
+                      "draft_only, degraded motion) ('' = the node's default, docs/parameters.md)"),
     ("draft_model", "", "draft model directory ('' = the embedded default)"),
     ("target_model", "", "target model directory for the local verifier ('' = the embedded default)"),
     ("verifier_port", "8765", "port of the local verifier"),

@@ -292,8 +292,8 @@ def test_every_stop_path_drops_the_queued_decision_and_holds_the_robot(make_navi
     t0 = time.monotonic()
     snap, waiting, _ = state(nav)
     assert waiting is None and dropped(nav, second) == [reason]
-    if path == "link_loss":  # the draft-only decision replaced both, under the degraded profile
-        assert snap.state == MOVING and "draft-only" in snap.reason
+    if path == "link_loss":  # the draft_only decision replaced both, under the degraded profile
+        assert snap.state == MOVING and "draft_only" in snap.reason
         return
     assert snap.state != MOVING
     holds(backend, t0)

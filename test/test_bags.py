@@ -564,14 +564,14 @@ def test_a_raw_frame_over_the_pixel_cap_is_refused_before_it_is_reshaped(tmp_pat
 
 
 def test_only_verified_decisions_are_references_whatever_the_pick(tmp_path):
-    """A bag recorded across a link loss: verified decisions, draft-only ones (greedy, LOSSY) and
+    """A bag recorded across a link loss: verified decisions, draft_only ones (greedy, LOSSY) and
     fault stops, each on its own frame. Picked every N seconds or by decision, the replay compares
-    with the verified ones only: a draft-only or fault frame has no recorded reference."""
+    with the verified ones only: a draft_only or fault frame has no recorded reference."""
     from edgespec_ros.bench.cli import replay_agreement
     from edgespec_ros.rosio.bags import decision_message
     path = tmp_path / "lossy"
     frame = np.zeros((8, 8, 3), np.uint8)
-    kinds = ["verified", "draft-only", "fault", "verified", "draft-only", "verified"]
+    kinds = ["verified", "draft_only", "fault", "verified", "draft_only", "verified"]
     with BagWriter(path) as bag:
         bag.add_topic("command", "std_msgs/String")
         bag.add_topic("camera/image_raw", "sensor_msgs/Image")
@@ -584,7 +584,7 @@ def test_only_verified_decisions_are_references_whatever_the_pick(tmp_path):
             text = "Action: stop" if fault else f"{kind} {k}. Action: move forward small"
             bag.write("decision", ns + 1, decision_message(
                 stamp=ns, instruction="go to the door", text=text, action=parse_action(text), fault=fault,
-                fallback="draft-only" if kind == "draft-only" else "", mode=kind, temperature=0.0))
+                fallback="draft_only" if kind == "draft_only" else "", mode=kind, temperature=0.0))
     every = BagReplay(path, pick="every", every_s=1.0)
     assert len(every) == len(kinds)
     assert [p.recorded.text.split(".")[0] if p.recorded else None for p in every.pairs] == \
@@ -594,3 +594,32 @@ def test_only_verified_decisions_are_references_whatever_the_pick(tmp_path):
     assert "3 recorded greedy verified decisions to compare" in every.describe()
     decided = BagReplay(path, pick="decided")
     assert [p.stamp_ns // 10**9 for p in decided.pairs] == [1, 4, 6]
+
+
+@pytest.mark.parametrize("spelling", ["draft_only", "draft-only"], ids=["today", "recorded-before"])
+def test_a_draft_only_decision_reads_the_same_in_either_recorded_spelling(tmp_path, spelling):
+    """Bags recorded before the fallback had one spelling say ``draft-only``: the replay reads it as
+    ``draft_only`` (``rosio.bags.recorded_spelling``, at the read boundary only): a LOSSY decision
+    with no reference, its step DRAFT_ONLY (its move remembered degraded: test_belief's replay)."""
+    from edgespec_ros.control.link_fallback import Step
+    from edgespec_ros.rosio.bags import decision_message, recorded_spelling
+    assert recorded_spelling(spelling) == "draft_only" and recorded_spelling("sd") == "sd"
+    path = tmp_path / "bag"
+    frame = np.zeros((8, 8, 3), np.uint8)
+    plan = [("", "sd", "I see the door. Action: move forward large."), (spelling, spelling, "Action: move forward large."),
+            ("", "sd", "Action: stop.")]
+    with BagWriter(path) as bag:
+        bag.add_topic("command", "std_msgs/String")
+        bag.add_topic("camera/image_raw", "sensor_msgs/Image")
+        bag.add_topic("decision", "edgespec_ros/VerifiedAction")
+        bag.write("command", 0, string_message("go to the door"))
+        for k, (fallback, mode, text) in enumerate(plan, start=1):
+            ns = k * 10**9
+            bag.write("camera/image_raw", ns, image_message(frame, ns))
+            bag.write("decision", ns + 1, decision_message(stamp=ns, instruction="go to the door", text=text,
+                                                           action=parse_action(text), fallback=fallback, mode=mode,
+                                                           temperature=0.0, command_id=1))
+    replay = BagReplay(path, pick="every", every_s=1.0)
+    assert [step for step, _ in replay.steps] == [Step.DECIDE, Step.DRAFT_ONLY, Step.DECIDE]
+    assert [p.recorded is not None for p in replay.pairs] == [True, False, True]
+    assert [p.stamp_ns // 10**9 for p in BagReplay(path, pick="decided").pairs] == [1, 3]

@@ -170,8 +170,8 @@ def test_the_dataset_and_the_benchmarks_prompt_with_the_expert_rollouts_belief()
     """The data stage's frames (expert rollouts) carry the belief the drafter's memory would keep
     for the same decisions and outcomes; the benchmarks' memory prompts are those frames."""
     from edgespec_ros.bench.runner import bench_prompts
-    frames = list(expert_frames("heldout", 2, perturbations_per_step=0, memory=2, belief=True))
-    plain = list(expert_frames("heldout", 2, perturbations_per_step=0, memory=2))
+    frames = list(expert_frames("heldout", 2, perturbations_per_step=0, prompt=PromptFormat(2, True)))
+    plain = list(expert_frames("heldout", 2, perturbations_per_step=0, prompt=PromptFormat(2)))
     assert [f.decision.text for f in frames] == [f.decision.text for f in plain]  # the belief changes no answer
     assert [tuple(t[:2] for t in f.history) for f in frames] == [tuple(t[:2] for t in f.history) for f in plain]
     memory = None
@@ -186,7 +186,7 @@ def test_the_dataset_and_the_benchmarks_prompt_with_the_expert_rollouts_belief()
                 memory.motion_reported(i, "idle", "blocked_contact" if ended == BLOCKED else "completed")
     assert any("goal last seen" in f.history[-1].belief for f in frames if f.history)
     prompts = bench_prompts(6, 0, PromptFormat(memory=2, belief=True))
-    expected = list(expert_frames("heldout", 6, 0, perturbations_per_step=0, memory=2, belief=True))[:6]
+    expected = list(expert_frames("heldout", 6, 0, perturbations_per_step=0, prompt=PromptFormat(2, True)))[:6]
     assert [h for *_x, h in prompts] == [f.history for f in expected]
     for (_i, rgb, _h), f in zip(prompts, expected):
         np.testing.assert_array_equal(rgb, f.view.rgb)
@@ -208,17 +208,19 @@ def test_the_training_recipe_takes_the_belief_only_with_a_memory(tmp_path):
     assert train_cli.build_parser().parse_args(["data", "--belief", "False"]).belief is False
 
 
-def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_only_moves_degraded(tmp_path):
+@pytest.mark.parametrize("draft_only", ["draft_only", "draft-only"], ids=["today", "recorded-before"])
+def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_only_moves_degraded(tmp_path, draft_only):
     """A bag whose second command came as a goal (no command message): the decisions' command id
-    says where the drafter's memory started over; a draft-only decision is remembered as the
-    degraded profile runs it, as the drafter remembers it."""
+    says where the drafter's memory started over; a draft_only decision is remembered as the
+    degraded profile runs it, as the drafter remembers it, also in a bag recorded before the
+    fallback had one spelling (``draft-only``: ``rosio.bags.recorded_spelling``)."""
     from edgespec_ros.control.actions import parse_action as parse
     from edgespec_ros.rosio import topics
     from edgespec_ros.rosio.bags import (BagReplay, BagWriter, decision_message, image_message,
                                          motion_state_message, string_message)
     rgb = np.zeros((8, 8, 3), np.uint8)
     plan = [(1, "find the red chair", "I see the red chair on my left. Action: turn left large.", ""),
-            (1, "find the red chair", "Action: turn left large.", "draft-only"),
+            (1, "find the red chair", "Action: turn left large.", draft_only),
             (1, "find the red chair", "Action: move forward small.", ""),
             (2, "go to the blue cone", "The blue cone is straight ahead. Action: move forward large.", ""),
             (2, "go to the blue cone", "Action: turn right small.", "")]
@@ -242,7 +244,7 @@ def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_onl
     for i, (cid, instruction, text, fallback) in enumerate(plan):
         if i and cid != plan[i - 1][0]:
             memory.reset(instruction)
-        if not fallback:  # a draft-only decision is no reference to replay (but it is remembered)
+        if not fallback:  # a draft_only decision is no reference to replay (but it is remembered)
             expected.append(memory.shown())
         action = parse(text).text
         memory.decided("turn left 30 degrees" if fallback else action, i, text)
@@ -254,7 +256,7 @@ def test_a_replay_starts_the_memory_over_at_each_command_and_remembers_draft_onl
     assert shown[2] == () and shown[3][-1].belief.endswith("goal last seen ahead, in the last decision")
 
 
-BELIEF_EXPERT = dict(memory=2, memory_noise=0.15, memory_dropout=0.5, belief=True, spin_starts=0.5)
+BELIEF_EXPERT = dict(prompt=PromptFormat(2, True), memory_noise=0.15, memory_dropout=0.5, spin_starts=0.5)
 
 
 def _belief_expert_frames(n: int = 40):
@@ -309,7 +311,7 @@ def test_spun_rollouts_begin_with_a_full_circle_and_no_spin_leaves_the_data_as_i
             spun += 1
             assert all(t.action == "turn left large" for t in frame.history), frame.history
     assert spun and starts
-    kwargs = dict(memory=2, memory_noise=0.15, belief=True, expert_config=ExpertConfig(stop_gap_m=0.3))
+    kwargs = dict(prompt=PromptFormat(2, True), memory_noise=0.15, expert_config=ExpertConfig(stop_gap_m=0.3))
     plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 6, **kwargs)]
     assert plain == [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 6, spin_starts=0.0, **kwargs)]
     with pytest.raises(ValueError, match="spin_starts"):

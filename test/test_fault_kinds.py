@@ -200,7 +200,7 @@ def assert_the_rule(exc):
     out = core.run(core.begin())
     assert out.action == "stop" and out.fault_kind is exc.kind and out.fault.startswith(exc.kind.value)
     assert core.link.lost == link_fault
-    # while lost (retrace, draft-only), a reconnect failing so: the fallback goes on after a link
+    # while lost (retrace, draft_only), a reconnect failing so: the fallback goes on after a link
     # fault; the robot stands still after the others; the backoff doubles either way
     for on_link_loss in ("retrace", "draft_only"):
         core, clock = make(decoder=_Lost(exc), on_link_loss=on_link_loss, link_loss_faults=1, wait_for_motion=False,

@@ -12,13 +12,16 @@ from edgespec_ros.decoding.faults import FaultKind
 HEALTH = LinkHealth(faults_to_lose=2, backoff_s=0.5, backoff_max_s=8.0)
 
 
-def test_one_fallback_type_spells_the_parameter_and_the_label():
+def test_one_fallback_type_has_one_spelling_for_the_parameter_and_what_a_decision_carries():
     assert LINK_LOSS_ACTIONS == ("stop", "retrace", "draft_only")  # on_link_loss's accepted values
-    assert Fallback.DRAFT_ONLY.value == "draft_only" and Fallback.DRAFT_ONLY.label == "draft-only"
-    assert Fallback.RETRACE.label == "retrace" and Fallback.of_label("draft-only") is Fallback.DRAFT_ONLY
-    assert Fallback.of_label("") is None
+    assert not hasattr(Fallback.DRAFT_ONLY, "label")  # no second spelling
+    assert published_step("draft_only") is Step.DRAFT_ONLY and published_step("retrace") is Step.RETRACE
+    assert published_step("") is Step.DECIDE and published_step("stop") is Step.DECIDE
+    from edgespec_ros.robot.decoder import DRAFT_ONLY
+    from edgespec_ros.robot.drafter import RETRACE
+    assert (DRAFT_ONLY, RETRACE) == (Fallback.DRAFT_ONLY.value, Fallback.RETRACE.value)
     msg = (Path(__file__).resolve().parents[1] / "msg" / "VerifiedAction.msg").read_text()
-    assert "string FALLBACK_DRAFT_ONLY=draft-only " in msg and "string FALLBACK_RETRACE=retrace " in msg
+    assert "string FALLBACK_DRAFT_ONLY=draft_only " in msg and "string FALLBACK_RETRACE=retrace " in msg
 
 
 @pytest.mark.parametrize("on_link_loss, step", [("stop", Step.WAIT), ("retrace", Step.RETRACE),
@@ -163,7 +166,7 @@ def _drafter_steps(on_link_loss, n):
 
         def decide_draft_only(self, instruction, image, cfg, on_tokens=None, **kw):
             clock.advance(STEP_S)
-            return Decision([1], "Action: move forward small.", DecisionMetrics(mode="draft-only", gamma=0, tokens=1))
+            return Decision([1], "Action: move forward small.", DecisionMetrics(mode="draft_only", gamma=0, tokens=1))
 
     decoder = Decoder()
     decoder.verifier = Verifier()
@@ -220,6 +223,6 @@ def test_one_fault_trace_gives_the_same_steps_in_the_drafter_the_simulator_and_a
     drafter, outcomes = _drafter_steps(on_link_loss, n)
     assert drafter[:n - 1] == expected, drafter
     assert _sim_steps(on_link_loss, n) == drafter, drafter
-    # a bag holds the published decisions (faults, verified, draft-only, retrace), not the probes and waits
+    # a bag holds the published decisions (faults, verified, draft_only, retrace), not the probes and waits
     published = [s for s in drafter if s[0] not in (Step.PROBE, Step.WAIT)]
     assert _bag_steps(outcomes, tmp_path / "bag")[:len(published)] == published

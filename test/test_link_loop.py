@@ -273,7 +273,7 @@ def test_retrace_ends_every_shipped_dead_zone_episode_outside_its_dead_zone():
     assert losses >= 1  # the zones lie on the way, but which a model walks into is its own: at least one
 
 
-# --- unverified decisions, draft-only, latency ----------------------------------------------
+# --- unverified decisions, draft_only, latency ----------------------------------------------
 
 def test_every_unverified_decision_is_labelled():
     zone = [{"x": 4.5, "y": 3.0, "radius_m": 0.6}]
@@ -367,7 +367,7 @@ def test_eval_with_a_link_reports_the_tasks_time(tmp_path, capsys):
     assert report["on_link_loss"] == "draft_only" and report["episodes"] == 1
     assert report["time_median_s"] > 0 and report["time_p90_s"] >= report["time_median_s"]
     # the dead zone lies on the way, but whether a model walks into it is its own (the committed pair
-    # does); a link lost there is gone for longer than the deadline, so draft-only decisions follow
+    # does); a link lost there is gone for longer than the deadline, so draft_only decisions follow
     assert report["unverified_by_kind"]["draft_only"] == report["unverified_decisions"]
     assert (report["unverified_decisions"] > 0) == (report["link_losses"] > 0)
     assert "EMULATED" in report["latency_model"] and "EMULATED" in report["draft_latency_model"]

@@ -1,6 +1,6 @@
 """``on_link_loss`` in the drafter's decision loop (DrafterCore), on a fake clock and a fake link:
 a cut flips to the fallback after the stated rule (control.link_health) and back after a reconnect;
-every decision published while the link is lost says so (draft-only, retrace); stop decides
+every decision published while the link is lost says so (draft_only, retrace); stop decides
 nothing until the link is back."""
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_draft_only_decisions_are_the_drafts_own_labelled_lossy_and_remembered()
     assert core.decisions == 1  # a decision of the command (its memory carries over)
     from edgespec_ros.nodes.drafter import decision_message
     msg = decision_message(out)
-    assert msg.fallback == msg.FALLBACK_DRAFT_ONLY == "draft-only" and msg.mode == "draft-only"
+    assert msg.fallback == msg.FALLBACK_DRAFT_ONLY == "draft_only" and msg.mode == "draft_only"
 
 
 def test_retrace_steps_carry_no_action_are_not_remembered_and_end_at_the_commands_start():
@@ -191,7 +191,7 @@ def test_a_draft_only_decision_is_the_drafts_greedy_output_and_sends_nothing(vlm
 
     class NoLink(LocalVerifier):
         def start(self, *a, **k):
-            raise AssertionError("a draft-only decision must not reach the verifier")
+            raise AssertionError("a draft_only decision must not reach the verifier")
 
     decoder = EdgeDecoder(vlm_draft, NoLink(vlm_target))
     cfg = DecodeConfig(mode="sd", max_new_tokens=12)
@@ -341,7 +341,7 @@ def test_a_refused_reconnect_stops_the_fallback_and_a_draft_only_stop_does_not_e
     core.set_frame(frame(clock))
     assert core.why_not_ready(clock()).startswith("link lost and the verifier answered the reconnect with "
                                                   "verifier refused")
-    # a draft-only "stop" stops the robot but the command goes on (it was never verified)
+    # a draft_only "stop" stops the robot but the command goes on (it was never verified)
     core2, clock2 = make(decoder=FlakyDecoder(link), on_link_loss="draft_only", link_loss_faults=1,
                          wait_for_motion=False)
     core2.decoder.decide_draft_only = lambda *a, **k: Decision([1], "Action: stop.", DecisionMetrics(mode=DRAFT_ONLY))
@@ -380,7 +380,7 @@ def test_a_command_that_ran_out_of_decisions_is_checked_and_retraced_after_it():
 
 
 def test_a_draft_only_decision_is_remembered_as_the_degraded_motion_it_runs():
-    """The memory (and a search belief) remember what the navigator executes of a draft-only
+    """The memory (and a search belief) remember what the navigator executes of a draft_only
     decision, its degraded profile's clamp (``turn left large`` runs as 30 degrees), as the
     simulator's linked loop and a bag's replay do."""
     class BelievingDraft:
@@ -408,7 +408,7 @@ def test_a_draft_only_decision_is_remembered_as_the_degraded_motion_it_runs():
 @pytest.mark.parametrize("on_link_loss", ["draft_only", "retrace"])
 def test_an_instruct_goal_counts_verified_draft_only_and_retrace_apart(on_link_loss):
     """The Instruct result's ``decisions`` and ``tokens`` are the verified ones (as the stats' token
-    count); draft-only decisions and their tokens, and retrace steps, are counted in their own fields."""
+    count); draft_only decisions and their tokens, and retrace steps, are counted in their own fields."""
     from edgespec_ros.robot.drafter import GoalProgress
     link = Link()
     decoder = FlakyDecoder(link)
@@ -418,7 +418,7 @@ def test_an_instruct_goal_counts_verified_draft_only_and_retrace_apart(on_link_l
     goal = GoalProgress(core.status().generation, clock())
     published = [_step(core, clock)]  # verified: 12 tokens
     published += _lose(core, clock, link, faults=2)
-    published += [_step(core, clock) for _ in range(3)]  # 3 draft-only decisions (3 tokens each) or retrace steps
+    published += [_step(core, clock) for _ in range(3)]  # 3 draft_only decisions (3 tokens each) or retrace steps
     link.up = True
     clock.advance(5.0)
     published.append(_step(core, clock))  # back: verified again

@@ -80,18 +80,18 @@ def test_a_memory_prompt_tokenizes_with_one_image_and_its_history(tmp_path):
 
 def test_expert_rollouts_carry_the_executed_decisions_and_mistakes_show_blocked_moves():
     plain = list(generate_examples("train", 3))
-    remembered = list(generate_examples("train", 3, memory=2))
+    remembered = list(generate_examples("train", 3, prompt=PromptFormat(2)))
     assert [e.text for e in plain] == [e.text for e in remembered]  # memory alone changes no frame
     assert all(e.history == () for e in plain)
-    frames = list(expert_frames("train", 1, perturbations_per_step=0, memory=3))
+    frames = list(expert_frames("train", 1, perturbations_per_step=0, prompt=PromptFormat(3)))
     for i, frame in enumerate(frames):  # the rollout's own decisions, most recent last
         executed = [Turn(f.decision.action.text, DONE) for f in frames[:i]]
         assert [t.action for t in frame.history] == [t.action for t in shown_turns(executed, 3)]
-    noisy = list(generate_examples("train", 20, perturbations_per_step=0, memory=2, memory_noise=0.3))
+    noisy = list(generate_examples("train", 20, perturbations_per_step=0, prompt=PromptFormat(2), memory_noise=0.3))
     outcomes = {t.outcome for e in noisy for t in e.history}
     assert BLOCKED in outcomes and DONE in outcomes
     with pytest.raises(ValueError, match="memory_noise"):
-        next(generate_examples("train", 1, memory=2, memory_noise=1.0))
+        next(generate_examples("train", 1, prompt=PromptFormat(2), memory_noise=1.0))
 
 
 class Remembering:
@@ -223,8 +223,8 @@ def test_a_prefill_that_fails_half_way_leaves_no_cache_to_reuse():
 
 
 def test_memory_dropout_hides_the_memory_of_that_share_of_frames_and_nothing_else():
-    full = list(generate_examples("train", 6, memory=2, memory_noise=0.1))
-    dropped = list(generate_examples("train", 6, memory=2, memory_noise=0.1, memory_dropout=0.5))
+    full = list(generate_examples("train", 6, prompt=PromptFormat(2), memory_noise=0.1))
+    dropped = list(generate_examples("train", 6, prompt=PromptFormat(2), memory_noise=0.1, memory_dropout=0.5))
     assert [e.text for e in full] == [e.text for e in dropped]  # the same rollouts and answers
     shown = [bool(d.history) for f, d in zip(full, dropped) if f.history]
     assert 0.3 < 1 - sum(shown) / len(shown) < 0.7
@@ -358,7 +358,7 @@ def test_a_memory_robots_decisions_over_one_verifier_session_reuse_the_cache_and
         assert seconds == pytest.approx(0.2 * (1 - share), abs=0.02)
 
 
-PUSHES = dict(memory=2, memory_noise=0.15, memory_dropout=0.5, push_repeats=0.5)
+PUSHES = dict(prompt=PromptFormat(2), memory_noise=0.15, memory_dropout=0.5, push_repeats=0.5)
 
 
 def _blocked_move(turn: Turn) -> bool:
@@ -404,7 +404,7 @@ def test_an_expert_that_reads_blocked_turns_away_then_walks_past_and_never_pushe
 
 
 def test_pushes_repeat_a_blocked_move_and_leave_the_rollout_as_it_was_until_then():
-    kwargs = dict(memory=2, memory_noise=0.15, perturbations_per_step=0)
+    kwargs = dict(prompt=PromptFormat(2), memory_noise=0.15, perturbations_per_step=0)
     plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 30, **kwargs)]
     pushed = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 30, push_repeats=0.5, **kwargs)]
     twice = [h for _, _, h in pushed if len(h) >= 2 and _blocked_move(h[-1]) and _blocked_move(h[-2])]
@@ -442,7 +442,7 @@ def test_mid_motion_frames_show_the_action_under_way_and_answer_with_the_decisio
     import math
     from edgespec_ros.decoding.memory import EXECUTING
     from edgespec_ros.train import cli as train_cli
-    kwargs = dict(memory=2, belief=True, perturbations_per_step=0)
+    kwargs = dict(prompt=PromptFormat(2, True), perturbations_per_step=0)
     plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 8, **kwargs)]
     frames = list(expert_frames("train", 8, mid_motion=1.0, **kwargs))
     mids = [i for i, f in enumerate(frames) if f.history and f.history[-1].outcome == EXECUTING]

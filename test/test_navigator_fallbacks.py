@@ -1,5 +1,5 @@
 """What the navigator does with the drafter's stand-ins for a verified decision while the link to the
-verifier is lost (VerifiedAction.fallback): a draft-only decision runs under the degraded motion
+verifier is lost (VerifiedAction.fallback): a draft_only decision runs under the degraded motion
 profile, a retrace decision walks back one step along the command's moves, never past its start.
 
 The pure layer (motion.DegradedProfile, MotionExecutor's speed_scale, a retrace step on the
@@ -198,7 +198,7 @@ def test_a_draft_only_decision_runs_under_the_degraded_profile(navigator):
     t0 = time.monotonic()
     decide(nav, "find the bottle", parse_action("move forward large"), fallback=VerifiedAction.FALLBACK_DRAFT_ONLY)
     snap, action = executing(nav)
-    assert snap.state == MOVING and action.text == "move forward 0.25 m" and "draft-only" in snap.reason
+    assert snap.state == MOVING and action.text == "move forward 0.25 m" and "draft_only" in snap.reason
     time.sleep(0.6)  # the ramp (1 m/s^2) reaches the degraded top speed, 0.25 m/s, in 0.25 s
     degraded = [c.linear_mps for c in backend.since(t0)]
     assert 0.2 < max(degraded) <= 0.25 + 1e-9
@@ -221,7 +221,7 @@ def test_retrace_walks_back_step_by_step_to_the_commands_start_and_never_past_it
     wait_until(lambda: probe.messages("navigator/state"), what="the latched MotionState")  # matched: hears all
     go = "go to the door"
     start = pose = Pose2D(0.0, 0.0, 0.0)
-    # a verified move, a verified turn, a verified move and a draft-only move (clamped to 0.25 m)
+    # a verified move, a verified turn, a verified move and a draft_only move (clamped to 0.25 m)
     for action, fallback in ((parse_action("move forward 1 m"), ""), (parse_action("turn left 90 degrees"), ""),
                              (parse_action("move forward 1 m"), ""),
                              (parse_action("move forward large"), VerifiedAction.FALLBACK_DRAFT_ONLY)):

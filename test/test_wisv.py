@@ -367,7 +367,7 @@ def test_executed_labels_relabel_only_changed_actions_the_judge_calls_as_good():
     from edgespec_ros.train.wisv import episode_traces, sim_frames
     draft, target = load_model(default_model_path("draft")), load_model(default_model_path("target"))
     changed = checked = 0
-    for f in sim_frames("train", 6, memory=target.memory, belief=target.belief):  # 8 frames or more: on until a mismatch changes the action
+    for f in sim_frames("train", 6, target.prompt_format):  # 8 frames or more: on until a mismatch changes the action
         if checked >= 8 and changed:
             break
         checked += 1

@@ -39,8 +39,7 @@ def bench_prompts(n: int, seed: int = 0, prompt: PromptFormat = PromptFormat()) 
         return [("find the silver bottle", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)) for _ in range(n)]
     if prompt.memory:
         from itertools import islice
-        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, memory=prompt.memory,
-                               belief=prompt.belief)
+        frames = expert_frames("heldout", max(1, n), seed, perturbations_per_step=0, prompt=prompt)
         return [(f.scenario.instruction, f.view.rgb, f.history) for f in islice(frames, n)]
     return heldout_prompts(n, seed)
 

@@ -124,8 +124,8 @@ def _quality_job(draft_path: str, target_path: str, link: str | None, threshold:
     if (draft.memory, draft.belief) != (target.memory, target.belief):
         raise ValueError(f"the draft prompts with (policy_memory, policy_belief) {(draft.memory, draft.belief)}, "
                          f"the target reads {(target.memory, target.belief)}")
-    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.memory, trained_expert(target_path),
-                                      target.belief)
+    scenarios, examples = heldout_set(n_scenarios, n_frames, max_steps, target.prompt_format,
+                                      trained_expert(target_path))
     attach_wisv(target)
     csi = None if link is None else _profile_csi(link)
     decoder = EdgeDecoder(draft, LocalVerifier(target, csi=csi))

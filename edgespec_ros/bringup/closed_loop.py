@@ -323,14 +323,14 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
             print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
                   f"PROVISIONAL {msg.action} (the draft's, unverified; bounded until the verdict)", flush=True)
             continue
-        if msg.fallback == Fallback.RETRACE.label:  # a step back while the link is lost: no decision of the policy's
+        if msg.fallback == Fallback.RETRACE.value:  # a step back while the link is lost: no decision of the policy's
             result["retrace"] += 1
             print(f"  {'':>5} {progress_bar(steps, scenario.max_steps)} {observer.goal_distance(pose):5.2f} m to goal  "
                   "RETRACE (link lost: one move back towards the command's start)", flush=True)
             continue
         steps += 1
         result["decisions"] += 1
-        draft_only = msg.fallback == Fallback.DRAFT_ONLY.label  # LOSSY: the draft's own, unverified
+        draft_only = msg.fallback == Fallback.DRAFT_ONLY.value  # LOSSY: the draft's own, unverified
         result["draft_only" if draft_only else "verified"] += 1
         result["draft_only_latencies" if draft_only else "latencies"].append(msg.latency_s)
         result["pending"].append((stamp / 1e9, stamp / 1e9 + msg.latency_s))  # frame capture -> verdict (ROS time)
@@ -342,7 +342,7 @@ def _follow(observer: Observer, scenario, timeout_s: float, t0: float, max_fault
               f"{observer.goal_distance(pose):5.2f} m to goal  {action:<24} {msg.tokens:>3} tokens "
               f"{msg.rounds:>3} rounds  {msg.latency_s * 1e3:6.0f} ms"
               + (f"  {msg.mode[len('auto:'):]}" if msg.mode.startswith("auto:") else "")
-              + ("  DRAFT-ONLY (LOSSY, unverified: the link is lost)" if draft_only else ""),
+              + ("  DRAFT_ONLY (LOSSY, unverified: the link is lost)" if draft_only else ""),
               flush=True)
         episode = result["episode"]
         if episode and episode["done"] and result["decisions"] >= episode["steps"]:
@@ -374,17 +374,17 @@ def _latency(latencies: list[float], what: str) -> str:
 def _metrics_rows(result: dict, stats, profile, wall_s: float) -> list[tuple[str, str]]:
     episode = result["episode"] or {}
     rows = [("outcome", "success" if result["success"] else "failure"),
-            ("decisions", f"{result['decisions']} ({result['verified']} verified, {result['draft_only']} draft-only; "
+            ("decisions", f"{result['decisions']} ({result['verified']} verified, {result['draft_only']} draft_only; "
                           f"{result['unparseable']} unparseable, {result['faults']} fault stops)"),
             ("collisions", str(episode.get("collisions", "-"))),
-            ("unverified decisions", f"{result['draft_only']} draft-only (LOSSY) and {result['retrace']} retrace "
+            ("unverified decisions", f"{result['draft_only']} draft_only (LOSSY) and {result['retrace']} retrace "
                                      "steps (the link was lost)"),
             ("final distance to goal", f"{episode.get('goal_distance_m', float('nan')):.2f} m")]
     if result["latencies"]:
         rows.append(("decision latency", _latency(result["latencies"], "verified decision")))
     if result["draft_only_latencies"]:
-        rows.append(("draft-only decision latency", _latency(result["draft_only_latencies"],
-                                                             "draft-only decision, LOSSY")))
+        rows.append(("draft_only decision latency", _latency(result["draft_only_latencies"],
+                                                             "draft_only decision, LOSSY")))
     if stats is not None:
         rows += [("mode", stats.mode),
                  ("tokens / rounds", f"{stats.tokens} / {stats.rounds} (tau {stats.tau:.2f} tokens per round)"),

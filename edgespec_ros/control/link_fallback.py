@@ -41,21 +41,12 @@ from .link_health import LinkHealth, is_link_fault, stands_still
 
 class Fallback(enum.Enum):
     """``on_link_loss``: what stands in for verified decisions while the link is lost. ``value``
-    is the parameter's spelling (``on_link_loss: draft_only``), ``label`` what a decision made so
-    carries (``VerifiedAction.fallback``, the decision's mode)."""
+    is its one spelling: the parameter's (``on_link_loss: draft_only``) and what a decision made so
+    carries (``VerifiedAction.fallback``, the decision's mode, logs, bags and metrics)."""
 
     STOP = "stop"  # stand still until a reconnect succeeds
     RETRACE = "retrace"  # walk back along the command's moves (control.retrace), never past its start
     DRAFT_ONLY = "draft_only"  # LOSSY: the draft decides alone, greedy, under the degraded motion profile
-
-    @property
-    def label(self) -> str:
-        return self.value.replace("_", "-")
-
-    @classmethod
-    def of_label(cls, label: str) -> "Fallback | None":
-        """The fallback a decision's label names ('' for a verified decision: None)."""
-        return next((f for f in cls if f.label == label), None) if label else None
 
     def __str__(self) -> str:
         return self.value
@@ -79,18 +70,17 @@ class Step(enum.Enum):
 FALLBACK_STEPS = {Fallback.RETRACE: Step.RETRACE, Fallback.DRAFT_ONLY: Step.DRAFT_ONLY}
 
 
-def published_step(label: str) -> Step:
-    """The step a published decision was taken for, by its fallback label ('' for a verified one:
-    ``DECIDE``; a fault stop is a ``DECIDE`` that failed)."""
-    fallback = Fallback.of_label(label)
-    return FALLBACK_STEPS[fallback] if fallback in FALLBACK_STEPS else Step.DECIDE
+def published_step(fallback: str) -> Step:
+    """The step a published decision was taken for, by its ``fallback`` (a ``Fallback`` value; ''
+    for a verified one: ``DECIDE``; a fault stop is a ``DECIDE`` that failed)."""
+    return next((step for f, step in FALLBACK_STEPS.items() if f.value == fallback), Step.DECIDE)
 
 
-def remembered_action(label: str, action: str | None) -> str | None:
+def remembered_action(fallback: str, action: str | None) -> str | None:
     """What the command's memory keeps of a published decision's ``action`` (grammar text, None if
-    none parsed): a draft-only decision's as the degraded motion profile executes it. (A retrace
+    none parsed): a draft_only decision's as the degraded motion profile executes it. (A retrace
     step is no decision of the command's, and a fault stop leaves the memory as it was.)"""
-    if action and published_step(label) is Step.DRAFT_ONLY:
+    if action and published_step(fallback) is Step.DRAFT_ONLY:
         return DegradedProfile().executed(action)
     return action
 

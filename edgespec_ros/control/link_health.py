@@ -9,13 +9,13 @@ websocket upgrade, a dropped connection, the drafter's deadline):
 - a **link fault** (deadline missed, verifier unreachable, timed out, link dropped) and a **busy**
   verifier (full or shutting down) count towards losing the link: the decision fails with a stop,
   and after ``faults_to_lose`` of them in a row the link is LOST and ``on_link_loss`` applies (a
-  running retrace goes on, draft-only decisions go on). A busy verifier is one the robot cannot
+  running retrace goes on, draft_only decisions go on). A busy verifier is one the robot cannot
   use now, like one it cannot reach: what a fallback is for.
 - an **auth refusal** (a bad token, a quota) and a **protocol or configuration error** (a frame
   the robot cannot have asked for, a NaN time, another version, model or memory, an untrusted
   certificate) are not link faults: the verifier answered, and what it said is not worked around.
   The decision fails with a stop and nothing is counted towards the loss; while the link is lost a
-  reconnect failing so stops the fallback (no draft-only decision, a running retrace stops) until
+  reconnect failing so stops the fallback (no draft_only decision, a running retrace stops) until
   a reconnect succeeds.
 - a **decoding error** is the robot's own: a stop, and nothing else.
 

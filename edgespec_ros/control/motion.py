@@ -135,7 +135,7 @@ class DegradedProfile:
         return action
 
     def executed(self, action_text: str) -> str:
-        """The grammar text of what a draft-only decision of ``action_text`` executes (``clamp``):
+        """The grammar text of what a draft_only decision of ``action_text`` executes (``clamp``):
         what the memory and the search belief remember it as, on the robot, in a replay and in
         the simulator alike. Text that does not parse is returned as it is."""
         try:

@@ -165,7 +165,7 @@ def _print_link_conditions(profile, latency, draft_latency, draft: bool, kwargs:
     print(f"decision latency: {latency.label}")
     print(f"act_while_verifying {kwargs['acting'].label}")
     if draft:
-        print(f"draft-only latency: {draft_latency.label}")
+        print(f"decision latency (draft_only): {draft_latency.label}")
 
 
 def _fmt_s(value) -> str:
@@ -242,7 +242,7 @@ def _add_link_args(parser: argparse.ArgumentParser, default_link: str | None) ->
                         help="with --verifier-compute: the decoding mode the robot runs (default: the drafter's, "
                              f"{DEFAULTS.mode}); the decisions are the target's either way (lossless), their time differs")
     parser.add_argument("--robot", type=robot_arg, default=None,
-                        help="robot profile of draft-only decisions: its draft prefill + draft token time "
+                        help="robot profile of draft_only decisions: its draft prefill + draft token time "
                              "(default orin-paper)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="a decision without a verdict by then is a link fault (default: the drafter's 8 s)")

@@ -205,12 +205,11 @@ class DrafterNode(LifecycleNode):
                                    min_pixels=p["min_pixels"], max_pixels=p["max_pixels"])
 
     def _free_model(self) -> None:
-        if self.core is not None and getattr(self.core.decoder, "verifier", None) is not None:
+        if self.core is not None:  # its decoder is the EdgeDecoder on_activate built: a verifier always
             try:
                 self.core.decoder.verifier.close()
             except Exception:  # noqa: BLE001 - a dead link may fail to close; it is dropped anyway
                 pass
-        if self.core is not None and hasattr(self.core.decoder, "close"):
             self.core.decoder.close()  # fsd pre-draft worker threads
         self.core = None
         self.draft_lm = None
@@ -340,11 +339,11 @@ class DrafterNode(LifecycleNode):
                 goal_handle.succeed()
         result = Instruct.Result(outcome=GOAL_OUTCOMES.index(kind), reason=reason)
         if goal is not None:
-            for name, count in goal.result_fields().items():  # verified, draft-only, retrace: each kind apart
+            for name, count in goal.result_fields().items():  # verified, draft_only, retrace: each kind apart
                 setattr(result, name, count)
             result.elapsed_s = float((now_ns(self) - goal.started_ns) / 1e9)
         self.get_logger().info(f"instruct goal ended: {kind} ({reason}), {result.decisions} verified decisions"
-                               + (f", {goal.draft_only_decisions} draft-only (LOSSY)"
+                               + (f", {goal.draft_only_decisions} draft_only (LOSSY)"
                                   if goal is not None and goal.draft_only_decisions else ""))
         return result
 
@@ -402,7 +401,7 @@ class DrafterNode(LifecycleNode):
         if outcome.fault:
             log.error(f"STOP ({outcome.fault})")
         elif outcome.fallback:  # one call site per severity (rclpy): every fallback is a WARN
-            what = (f"draft-only decision (LOSSY, unverified: the link is lost): {outcome.action or outcome.text!r}"
+            what = (f"draft_only decision (LOSSY, unverified: the link is lost): {outcome.action or outcome.text!r}"
                     if outcome.fallback == DRAFT_ONLY else "retrace step (the link is lost): the navigator walks "
                     "back one move towards the command's start")
             log.warning(what)

@@ -45,7 +45,7 @@ def decision_caption(msg) -> tuple[str, list[str]]:
     elif not msg.parsed:
         title = "no motion: unparseable answer"
     elif msg.fallback == msg.FALLBACK_DRAFT_ONLY:
-        title = f"DRAFT-ONLY (LOSSY, unverified): {msg.action} (degraded motion)"
+        title = f"DRAFT_ONLY (LOSSY, unverified): {msg.action} (degraded motion)"
     elif msg.provisional:
         title = f"PROVISIONAL (unverified draft, awaiting its verdict): {msg.action} (bounded motion)"
     else:
@@ -232,7 +232,7 @@ class MonitorNode(Node):
             drafter.level, drafter.message = DiagnosticStatus.ERROR, f"stopped: {decision.fault}"
         elif decision.fallback == decision.FALLBACK_DRAFT_ONLY:
             drafter.level = DiagnosticStatus.WARN
-            drafter.message = f"link lost: draft-only decision (LOSSY, unverified): {decision.action or decision.text}"
+            drafter.message = f"link lost: draft_only decision (LOSSY, unverified): {decision.action or decision.text}"
         elif decision.fallback:
             drafter.level, drafter.message = DiagnosticStatus.WARN, f"link lost: {decision.fallback} step (no model)"
         elif not decision.parsed:

@@ -8,7 +8,7 @@ which Go2 stack: docs/robot.md.
 While the link to the verifier is lost the drafter sends stand-ins for verified decisions
 (VerifiedAction.fallback):
 
-* ``draft-only``: the draft model decided alone (LOSSY). Executed under the degraded motion profile
+* ``draft_only``: the draft model decided alone (LOSSY). Executed under the degraded motion profile
   (``degraded_*`` parameters: shorter moves and turns, lower speeds), with a warning.
 * ``retrace``: no model decided. The navigator walks back one step along this command's moves
   (``control.retrace.RetracePath``, on odometry) towards the command's start, executed as any
@@ -18,7 +18,7 @@ While the link to the verifier is lost the drafter sends stand-ins for verified 
   odometry it refuses (outcome REJECTED).
 
 The way back holds the pose before every move executed for the current command (verified and
-draft-only decisions; never retrace steps). The current command is the decisions' ``command_id``
+draft_only decisions; never retrace steps). The current command is the decisions' ``command_id``
 (the drafter's command; a command given again with the same text has a new one) and instruction:
 a decision of another command starts a new way back, and a fault stop for a cancelled command ends it. A move that starts without fresh odometry
 cuts the way back (its start is unknown): it then leads only to the poses recorded since. So does
@@ -305,7 +305,7 @@ class NavigatorNode(LifecycleNode):
             step = None
             if fallback == DRAFT_ONLY and action is not None:
                 action, speed_scale = self.degraded.clamp(action), self.degraded.speed_scale
-                reason = f"unverified draft-only decision, degraded profile ({self.degraded.describe()})"
+                reason = f"unverified draft_only decision, degraded profile ({self.degraded.describe()})"
             elif fallback == RETRACE and not reason:  # neither a fault nor stale
                 action, reason, step = self._retrace_step(now)
                 speed_scale = self.degraded.speed_scale  # nobody looked at the way back: the slow speeds
@@ -327,7 +327,7 @@ class NavigatorNode(LifecycleNode):
             else:
                 self.get_logger().warning(f"no motion: {reason}")
         elif fallback == DRAFT_ONLY:
-            self.get_logger().warning(f"UNVERIFIED draft-only decision (link to the verifier lost): {action.text} "
+            self.get_logger().warning(f"UNVERIFIED draft_only decision (link to the verifier lost): {action.text} "
                                       f"(decided {msg.action!r}), degraded profile: {self.degraded.describe()}")
         elif step is not None:
             w = step.waypoint
@@ -386,7 +386,7 @@ class NavigatorNode(LifecycleNode):
         self._retrace_cut = why
 
     def _record_move(self, pose: Pose2D | None, action: Action) -> None:
-        """A verified or draft-only ``action`` started executing at ``pose`` (None: no fresh
+        """A verified or draft_only ``action`` started executing at ``pose`` (None: no fresh
         odometry) (lock held)."""
         if action.kind != "move":
             return

@@ -121,7 +121,7 @@ NAVIGATOR = (
     P("odom_jump_deg", 20.0, "odometry jumped when a step turns more than max_angular_rps over its interval plus "
                              "this (180: never on turns)", min_value=1.0, max_value=180.0),
     P("degraded_max_move_m", 0.25, "the degraded motion profile of an unverified decision (VerifiedAction.fallback "
-                                   "draft-only: the draft model deciding alone while the link to the verifier is "
+                                   "draft_only: the draft model deciding alone while the link to the verifier is "
                                    "lost): its moves are shortened to at most this", min_value=0.01, max_value=2.0),
     P("degraded_max_turn_deg", 30.0, "the degraded motion profile: an unverified decision's turns are shortened "
                                      "to at most this", min_value=1.0, max_value=180.0),

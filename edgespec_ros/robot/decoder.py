@@ -40,7 +40,7 @@ from .settings import DecodeConfig
 
 __all__ = ["DRAFT_ONLY", "Decision", "EdgeDecoder"]
 
-DRAFT_ONLY = Fallback.DRAFT_ONLY.label  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
+DRAFT_ONLY = Fallback.DRAFT_ONLY.value  # LOSSY: the draft deciding alone while the link is lost (on_link_loss)
 
 @dataclass
 class Decision:
@@ -184,7 +184,7 @@ class EdgeDecoder:
         robot's device (its prefill and every token charged as any drafting is), nothing sent.
         Its text is the draft's, not the target's: callers label it (mode DRAFT_ONLY)."""
         if self.draft is None:
-            raise ValueError("draft-only decisions need a draft model")
+            raise ValueError("draft_only decisions need a draft model")
         m = DecisionMetrics(mode=DRAFT_ONLY, gamma=0)
         t_start = time.perf_counter()
         _, inputs = self.make_prompt(instruction, image, history)

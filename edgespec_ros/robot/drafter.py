@@ -28,7 +28,7 @@ Safety rules enforced here:
   robot does what ``on_link_loss`` says (``control.link_fallback.LinkFallback`` says what is next): ``stop`` decides nothing until a reconnect succeeds;
   ``retrace`` publishes retrace steps (no model: the navigator walks back one move towards the
   command's start, never past it); ``draft_only`` publishes the draft's own greedy decisions,
-  each labelled ``draft-only`` (LOSSY) in its ``fallback`` and mode. Reconnects (a handshake, with
+  each labelled ``draft_only`` (LOSSY) in its ``fallback`` and mode. Reconnects (a handshake, with
   backoff) run before each decision while lost; the first that succeeds, or any verified
   decision, ends the fallback, and the command's memory carries over.
 """
@@ -131,7 +131,7 @@ def fault_outcome(fault: str, *, instruction: str, stamp_ns: int, mode: str = ""
                            parsed=True, reasoning=fault, mode=mode, fault=fault, fault_kind=kind)
 
 
-RETRACE = Fallback.RETRACE.label  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
+RETRACE = Fallback.RETRACE.value  # a fallback step: no model decided, the navigator walks back one move (control.retrace)
 # The navigator's outcome for a retrace step when nothing is left to retrace (the command's start): a
 # retrace step that moved ends completed, blocked, ..., never stopped (control.motion.RETRACE_DONE_REASON)
 RETRACE_DONE = STOPPED
@@ -444,7 +444,7 @@ class DrafterCore:
             if self.why_not_ready(now):
                 return None
             step = self.link_fallback.action()
-            fallback = self.link_fallback.on_link_loss.label if step in (Step.RETRACE, Step.DRAFT_ONLY) else ""
+            fallback = self.link_fallback.on_link_loss.value if step in (Step.RETRACE, Step.DRAFT_ONLY) else ""
             chained = self.settings.wait_for_motion and not fallback and self._overlapping() and \
                 (self.last_outcome_ns is None or now - self.last_outcome_ns <= self.settings.motion_wait_timeout_s * NS)
             if self.settings.wait_for_motion and not chained:
@@ -512,7 +512,7 @@ class DrafterCore:
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
         outcome.predicted = predicted_text(m.predicted_ms_per_token) if s.mode == "auto" and not ticket.fallback else ""
         outcome.fallback, outcome.chained = ticket.fallback, ticket.chained
-        outcome.temperature = 0.0 if ticket.fallback else cfg.params.temperature  # draft-only decides greedily
+        outcome.temperature = 0.0 if ticket.fallback else cfg.params.temperature  # draft_only decides greedily
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
 
@@ -617,11 +617,11 @@ class DrafterCore:
                 self.timing.observe(outcome.tokens, outcome.latency_s)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)
-            # (a draft-only decision is remembered as what the navigator's degraded profile executes of it)
+            # (a draft_only decision is remembered as what the navigator's degraded profile executes of it)
             action = remembered_action(outcome.fallback, outcome.action if outcome.parsed else None)
             self.memory.decided(action, outcome.stamp_ns, outcome.text, chained=outcome.chained)
             if self.settings.finish_on_stop and outcome.parsed and outcome.action == "stop" and not outcome.fallback:
-                # (an unverified draft-only stop stops the robot but does not end the command)
+                # (an unverified draft_only stop stops the robot but does not end the command)
                 self.active, self.finished_reason, self.finish_kind = False, "the model said stop: command done", REACHED
                 self.link_fallback.finished()
             elif self.command_max_decisions and self.decisions >= self.command_max_decisions:

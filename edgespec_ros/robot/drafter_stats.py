@@ -22,7 +22,7 @@ class DecodingStatsAggregator:
     decisions: int = 0
     faults: int = 0
     unparseable: int = 0
-    unverified: int = 0  # draft-only decisions (LOSSY) and retrace steps, published while the link was lost
+    unverified: int = 0  # draft_only decisions (LOSSY) and retrace steps, published while the link was lost
     link_losses: int = 0
     link_state: str = "ok"  # or "LOST (on_link_loss ...)"
     totals: RunSummary = None

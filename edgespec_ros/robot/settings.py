@@ -126,7 +126,7 @@ class DrafterSettings:
                 "row: a missed deadline, an unreachable or dropped verifier): stop (stand still until a "
                 "reconnect succeeds), retrace (walk back along this command's moves, never past its start, "
                 "until the link is back) or draft_only (LOSSY: the draft decides alone, greedy, each decision "
-                "labelled draft-only, the navigator's degraded motion profile); reconnects run meanwhile",
+                "labelled draft_only, the navigator's degraded motion profile); reconnects run meanwhile",
         choices=LINK_LOSS_ACTIONS)
     link_loss_faults: int = setting(3, "link faults in a row (each a failed reconnect after the first) that "
                                        "declare the link lost", min_value=1, max_value=100)

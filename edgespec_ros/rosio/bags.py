@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..control.link_fallback import Step, published_step, remembered_action
+from ..control.link_fallback import Fallback, Step, published_step, remembered_action
 from ..control.motion import outcome_name
 from . import topics
 from .bag_messages import (DECISION_TYPE, IMAGE_TYPES, MOTION_TYPE, NS, STRING_TYPE, BagError,
@@ -39,6 +39,15 @@ from .bag_reading import deserialize, find_topic, open_reader, read_frame, read_
 
 # frames decoded and kept between passes over a replay (above this, each pass re-reads the bag)
 FRAME_CACHE_BYTES = 256 * 2**20
+
+# how bags recorded before the fallback had one spelling wrote it (VerifiedAction.fallback)
+OLD_SPELLINGS = {"draft-only": Fallback.DRAFT_ONLY.value}
+
+
+def recorded_spelling(fallback: str) -> str:
+    """A recorded decision's ``fallback`` in today's spelling (a ``Fallback`` value; '' for a
+    verified decision): a bag recorded before it says ``draft-only``. Read here only, never written."""
+    return OLD_SPELLINGS.get(fallback, fallback)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,11 +161,11 @@ class RecordedDecision:
     mode: str
     temperature: float | None  # None: recorded by a version without the field
     fault: str
-    fallback: str = ""  # "draft-only": the draft decided alone while the link was lost (LOSSY)
+    fallback: str = ""  # "draft_only": the draft decided alone while the link was lost (LOSSY; recorded_spelling)
 
     @property
     def verified(self) -> bool:
-        """The target checked it: no fault stop, no draft-only decision (the draft's own text)."""
+        """The target checked it: no fault stop, no draft_only decision (the draft's own text)."""
         return not self.fault and not self.fallback
 
 
@@ -266,7 +275,7 @@ class BagReplay:
                 key = stamp_ns(msg.header.stamp)
                 if getattr(msg, "provisional", False):  # the draft's own action before its verdict: no decision
                     continue
-                fallback = getattr(msg, "fallback", "")  # (absent: recorded before on_link_loss)
+                fallback = recorded_spelling(getattr(msg, "fallback", ""))  # (absent: recorded before on_link_loss)
                 step = published_step(fallback)
                 self.steps.append((step, msg.fault))
                 if step is Step.RETRACE:  # no decision: a step back the navigator took, not remembered

@@ -32,7 +32,7 @@ link, its faults and the clock are the same). ``act_while_verifying`` (``robot.s
   ``ProvisionalCounters`` counts them. The decision committed is always exactly the target's.
 
 Motion times are ``MotionLimits.duration_s`` (a confirmed provisional motion's rest: the ideal
-profile from the speed it has, ``control.profiles.Profile``). Fallback steps (draft-only, retrace,
+profile from the speed it has, ``control.profiles.Profile``). Fallback steps (draft_only, retrace,
 waits, reconnects) block as with overlap off, after the running motion has ended; a link fault
 drops the decision in flight (its deadline waited out while motion k runs on). EMULATED as every
 latency of the linked loop.

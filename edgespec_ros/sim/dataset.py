@@ -16,7 +16,7 @@ import numpy as np
 from ..control.actions import DEFAULT_ACTION_CONFIG, SIZES, Action, ActionConfig
 from ..control.belief import SearchBelief, memory_for
 from ..control.motion import MotionLimits
-from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, in_flight
+from ..decoding.memory import BLOCKED, DONE, NO_ACTION, PolicyMemory, PromptFormat, in_flight
 from .expert import ExpertConfig, ExpertDecision, ExpertPolicy
 from .render import DEFAULT_CAMERA, CameraConfig, CameraView, render_view
 from .scenario import (COLORS, FOOTPRINT_RADIUS_M, OBJECT_TYPES, ROBOT_RADIUS_M, Pose, Scenario,
@@ -191,10 +191,9 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       expert_config: ExpertConfig = ExpertConfig(),
                       with_labels: bool = False, action_noise: float = 0.0,
                       closeups_per_scenario: float = 0.0, family: str | None = None,
-                      memory: int = 0, memory_noise: float = 0.0,
-                      memory_dropout: float = 0.0, belief: bool = False,
-                      spin_starts: float = 0.0, push_repeats: float = 0.0,
-                      mid_motion: float = 0.0) -> Iterator[Example]:
+                      prompt: PromptFormat = PromptFormat(), memory_noise: float = 0.0,
+                      memory_dropout: float = 0.0, spin_starts: float = 0.0,
+                      push_repeats: float = 0.0, mid_motion: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -211,14 +210,15 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
 
     ``family``: scenarios of a SCENARIO_FAMILIES family (outside the training distribution) instead.
 
-    ``memory`` > 0: each example carries the rollout's earlier decisions as a policy with that much
-    memory is shown them (``decoding.memory``); ``memory_noise``: with that probability a decision
+    ``prompt``: how the examples' prompts read (``decoding.memory.PromptFormat``). ``prompt.memory``
+    > 0: each example carries the rollout's earlier decisions as a policy with that much memory is
+    shown them (``decoding.memory``); ``memory_noise``: with that probability a decision
     executes a learned policy's typical mistake instead of the expert's action (:func:`expert_frames`),
     so the memory shows reversals and blocked moves and the expert's next answer shows the way out.
     ``memory_dropout``: the share of examples shown without their memory (ChauffeurNet's past-motion
     dropout, Bansal et al. 2018): the expert's own history predicts its next action (a stop follows
     its small approach moves), and a policy that copies it stops early (docs/models.md).
-    ``belief``: the memory's last turn carries the search belief (``control.belief``);
+    ``prompt.belief``: the memory's last turn carries the search belief (``control.belief``);
     ``spin_starts``: the share of rollouts that begin with a learned policy's spin (:func:`expert_frames`);
     ``push_repeats``: the chance a blocked forward move is pushed again (:func:`expert_frames`);
     ``mid_motion``: the chance a move or turn adds a frame captured part-way through it, the
@@ -228,8 +228,8 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     for frame in expert_frames(
             split, n_scenarios, start, perturbations_per_step=perturbations_per_step, camera=camera,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
-            closeups_per_scenario=closeups_per_scenario, family=family, memory=memory, memory_noise=memory_noise,
-            memory_dropout=memory_dropout, belief=belief, spin_starts=spin_starts, push_repeats=push_repeats,
+            closeups_per_scenario=closeups_per_scenario, family=family, prompt=prompt, memory_noise=memory_noise,
+            memory_dropout=memory_dropout, spin_starts=spin_starts, push_repeats=push_repeats,
             mid_motion=mid_motion):
         yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
                       dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
@@ -242,10 +242,9 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   expert_config: ExpertConfig = ExpertConfig(),
                   action_noise: float = 0.0,
                   closeups_per_scenario: float = 0.0,
-                  family: str | None = None, memory: int = 0,
+                  family: str | None = None, prompt: PromptFormat = PromptFormat(),
                   memory_noise: float = 0.0, memory_dropout: float = 0.0,
-                  belief: bool = False, spin_starts: float = 0.0,
-                  push_repeats: float = 0.0, mid_motion: float = 0.0,
+                  spin_starts: float = 0.0, push_repeats: float = 0.0, mid_motion: float = 0.0,
                   limits: MotionLimits = MotionLimits()) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
@@ -254,7 +253,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     memoryless policy repeats: the opposite of the last turn (a left/right limit
     cycle's step) or ``move forward large`` (which runs into whatever is close ahead). Its
     outcome ("done" or "blocked") is what the next frames' memory shows. Jittered frames share
-    their decision's memory; close-ups have none. ``belief``: the last shown turn carries the
+    their decision's memory; close-ups have none. ``prompt.belief``: the last shown turn carries the
     search belief's line (``control.belief``: the rollout's turns and moves so far, and where the
     expert's own words last saw the goal); dropped with the memory.
 
@@ -283,6 +282,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         raise ValueError(f"generate_examples: memory_noise must be in [0, 1), got {memory_noise}")
     if not 0.0 <= memory_dropout < 1.0:
         raise ValueError(f"generate_examples: memory_dropout must be in [0, 1), got {memory_dropout}")
+    memory, belief = prompt.memory, prompt.belief
     if memory < 0:
         raise ValueError(f"generate_examples: memory must be >= 0 decisions, got {memory}")
     if not 0.0 <= spin_starts <= 1.0:

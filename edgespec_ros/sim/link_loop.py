@@ -78,7 +78,7 @@ DROPPED_REASONS = (DROP_BLOCKED, DROP_FRAME_AGE)
 # The simulated link fails by silence: every decision or handshake on it waits out the deadline
 NO_LINK = FaultKind.DEADLINE
 
-# How a draft-only decision (LOSSY) runs: the navigator's degraded profile (its parameters' defaults).
+# How a draft_only decision (LOSSY) runs: the navigator's degraded profile (its parameters' defaults).
 DEGRADED = DegradedProfile()
 
 # A stated per-token decision time for an in-process policy: the README's EMULATED figure for a
@@ -119,7 +119,7 @@ class StatedLatency:
 
 
 class DraftLatency:
-    """EMULATED, stated: a draft-only decision on the robot costs the robot profile's draft prefill
+    """EMULATED, stated: a draft_only decision on the robot costs the robot profile's draft prefill
     plus its draft token time per generated token (``decoding.compute.ROBOT_PROFILES``)."""
 
     def __init__(self, robot: RobotProfile):
@@ -309,7 +309,7 @@ class LinkedRun:
         return f"no link ({'a dead zone' if not self.scenario.covered(pose.x, pose.y) else 'a cut'})"
 
     def draft_only(self) -> None:
-        """One draft-only decision (LOSSY), blocking: decided, then its degraded motion."""
+        """One draft_only decision (LOSSY), blocking: decided, then its degraded motion."""
         world = self.world
         out = _decide(self.draft_policy, world.camera_image(), self.scenario,
                       self.draft_memory.shown() if self.draft_memory.k else ())

@@ -18,6 +18,7 @@ from ..robot.decoder import EdgeDecoder
 from ..robot.settings import DEFAULTS, DecodeConfig
 from ..cloud.local import LocalVerifier
 from ..decoding.engines import load_model
+from ..decoding.memory import PromptFormat
 from ..decoding.metrics import RunSummary
 from ..decoding.sampling import SamplingParams
 from ..evaluation.policy import VLMPolicy
@@ -48,16 +49,16 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, memory: int = 0, expert=None,
-                belief: bool = False):
+def heldout_set(n_scenarios: int, n_frames: int, max_steps: int = 40, prompt: PromptFormat = PromptFormat(),
+                expert=None):
     """The card's held-out scenarios and frames (deterministic: every worker builds the same); for
-    a policy with ``memory``, each frame carries the expert rollout's earlier decisions (the same
-    frames and answers either way). ``expert``: the ``ExpertConfig`` whose answers label the frames
-    (the one the model learnt from: :func:`trained_expert`; None: the default)."""
+    a policy whose ``prompt`` shows memory, each frame carries the expert rollout's earlier decisions
+    (the same frames and answers either way). ``expert``: the ``ExpertConfig`` whose answers label
+    the frames (the one the model learnt from: :func:`trained_expert`; None: the default)."""
     from ..sim.expert import ExpertConfig
     scenarios = list(iter_scenarios("heldout", n_scenarios, max_steps=max_steps))
-    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5, memory=memory,
-                                           expert_config=expert or ExpertConfig(), belief=belief), n_frames))
+    frames = list(islice(generate_examples("heldout", n_scenarios, perturbations_per_step=0.5, prompt=prompt,
+                                           expert_config=expert or ExpertConfig()), n_frames))
     return scenarios, frames
 
 
@@ -78,8 +79,8 @@ def _measure_part(models_dir: str, role: str, n_scenarios: int, n_frames: int, e
     import torch
     torch.set_num_threads(1)  # small decode steps: one thread each is fastest
     policy = VLMPolicy(load_model(os.path.join(models_dir, role)))
-    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps, policy.memory,
-                                    trained_expert(os.path.join(models_dir, role)), policy.belief)
+    scenarios, frames = heldout_set(n_scenarios, n_frames, max_steps, PromptFormat(policy.memory, policy.belief),
+                                    trained_expert(os.path.join(models_dir, role)))
     scenarios = scenarios[slice(*episodes)]
     loop = evaluate_closed_loop(policy, scenarios, desc=f"{role}: closed loop")
     part = {"episodes": loop["per_scenario"], "resampled": resampled_outcomes(policy, scenarios, loop)}
@@ -188,8 +189,8 @@ def _target_job(target_dir: str, kind: str, lo: int, hi: int, n_scenarios: int, 
     policy = VLMPolicy(load_model(target_dir))
     if kind == "demo":
         return {"demo": demo_starts(policy, max_steps=max_steps)}
-    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps, policy.memory,
-                                    trained_expert(target_dir), policy.belief)
+    scenarios, frames = heldout_set(n_scenarios, n_frames if kind == "frames" else 0, max_steps,
+                                    PromptFormat(policy.memory, policy.belief), trained_expert(target_dir))
     if kind == "episodes":
         return {"episodes": evaluate_closed_loop(policy, scenarios[lo:hi], desc="closed loop")["per_scenario"]}
     agreement = action_agreement(policy, frames[lo:hi], desc="agreement")

@@ -43,10 +43,12 @@ def dataset_memory(work: str) -> int:
     return int(d["memory"]) if "memory" in d else 0
 
 
-def dataset_prompt(work: str) -> tuple[int, bool]:
-    """(memory, belief) the data stage in ``work`` was generated with (older datasets: no belief)."""
+def dataset_prompt(work: str):
+    """The ``decoding.memory.PromptFormat`` (memory, belief) the data stage in ``work`` was generated
+    with (older datasets: no belief)."""
+    from ..decoding.memory import PromptFormat
     d = np.load(dataset_path(work))
-    return (int(d["memory"]) if "memory" in d else 0), (bool(d["belief"]) if "belief" in d else False)
+    return PromptFormat(int(d["memory"]) if "memory" in d else 0, bool(d["belief"]) if "belief" in d else False)
 
 
 def dataset_expert(work: str) -> dict:

@@ -7,6 +7,8 @@ import os
 import shlex
 from dataclasses import asdict, dataclass
 
+from ..decoding.memory import PromptFormat
+
 # Sizes: the target is the "7B", the draft the "2B": narrower, shallower, trained for less.
 MODEL_SPECS = {
     "target": dict(layers=6, hidden=128, heads=4, kv_heads=2, intermediate=384, vision_depth=3, vision_dim=96),
@@ -115,6 +117,12 @@ class PipelineConfig:
     checkpoint_pieces: str = ""
     checkpoint_piece_mib: float = 8.0
     pause_after_s: float = 0.0
+
+    @property
+    def prompt(self) -> PromptFormat:
+        """How the run's prompts read (``--memory``, ``--belief``): the data stage's examples and
+        the models it trains (``policy_memory``, ``policy_belief``)."""
+        return PromptFormat(self.memory, self.belief)
 
 
 # `make models-long` (`edgespec-train all --long --resume`): the scaling table's next points

@@ -10,8 +10,7 @@ from itertools import islice
 
 import numpy as np
 
-from ..decoding.memory import saved_belief
-from ..decoding.memory import saved_memory
+from ..decoding.memory import PromptFormat, saved_belief, saved_memory
 from ..models import MODELS_DIR
 from .checkpoints import AUX_PROBE_FILE, adopt_stamped_checkpoint, load_aux_probe, load_whole_target, run_fingerprint
 from .dataset import dataset_expert, dataset_histories, dataset_path, dataset_prompt, load_dataset
@@ -26,8 +25,8 @@ def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
     for ex in generate_examples("train", hi - lo, lo, with_labels=True, action_noise=cfg.action_noise,
                                 expert_config=pipeline_expert(cfg),
                                 closeups_per_scenario=cfg.closeups_per_scenario,
-                                memory=cfg.memory, memory_noise=cfg.memory_noise,
-                                memory_dropout=cfg.memory_dropout, belief=cfg.belief,
+                                prompt=cfg.prompt, memory_noise=cfg.memory_noise,
+                                memory_dropout=cfg.memory_dropout,
                                 spin_starts=cfg.spin_starts, push_repeats=cfg.push_repeats,
                                 mid_motion=cfg.mid_motion):
         for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
@@ -134,10 +133,10 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
                          f"--{role}-aux-weight 0)")
     spec = model_spec(role, cfg)
     model = tiny.tiny_qwen2vl(tok, seed=cfg.seed + (1 if role == "draft" else 0), **spec)
-    memory, belief = dataset_prompt(work)
-    if memory:  # the prompt layout the model learns: every caller reads it back (LoadedModel.memory)
-        model.config.policy_memory = memory
-    if belief:  # ... and LoadedModel.belief
+    prompt = dataset_prompt(work)
+    if prompt.memory:  # the prompt layout the model learns: every caller reads it back (LoadedModel.memory)
+        model.config.policy_memory = prompt.memory
+    if prompt.belief:  # ... and LoadedModel.belief
         model.config.policy_belief = True
     # continued training starts from a whole target: no tower to load first
     vision_init = target_vision_dir(work, cfg) if role == "target" and not cfg.target_init else None
@@ -152,7 +151,7 @@ def stage_model(role: str, work: str, out: str, cfg: PipelineConfig, device: str
         if os.path.abspath(cfg.target_init) == os.path.abspath(os.path.join(out, role)):
             raise SystemExit(f"edgespec-train: --target-init {cfg.target_init} is where this run saves its target: "
                              "give another --out")
-        load_whole_target(model, cfg.target_init, tok, memory)
+        load_whole_target(model, cfg.target_init, tok, prompt.memory)
     steps, budget = ((cfg.target_steps, cfg.target_budget_s) if role == "target"
                      else (cfg.draft_steps, cfg.draft_budget_s))
     dagger_at = parse_fractions(cfg.dagger_at) if role == "target" else ()
@@ -258,7 +257,7 @@ def dagger_collector(tokenizer, image_processor, cfg: PipelineConfig, role: str,
     return collect
 
 
-def pair_prompt(stage: str, *model_dirs: str) -> tuple[int, bool]:
+def pair_prompt(stage: str, *model_dirs: str) -> PromptFormat:
     """The prompt format (memory: ``policy_memory``, ``decoding.memory``; belief: ``policy_belief``,
     ``control.belief``) the models in ``model_dirs`` read, which ``stage`` must prompt with too;
     SystemExit when they differ (a draft that drafts for other prompts than its target reads would
@@ -266,25 +265,30 @@ def pair_prompt(stage: str, *model_dirs: str) -> tuple[int, bool]:
     formats = {}
     for d in model_dirs:
         try:
-            formats[d] = (saved_memory(d), saved_belief(d))
+            formats[d] = PromptFormat(saved_memory(d), saved_belief(d))
         except (OSError, ValueError):
             continue
     if len(set(formats.values())) > 1:
         raise SystemExit(f"edgespec-train {stage}: the models prompt differently (policy_memory, policy_belief "
-                         + ", ".join(f"{v} in {d}" for d, v in formats.items())
+                         + ", ".join(f"{_pair(v)} in {d}" for d, v in formats.items())
                          + "): train both from one data stage (--memory, --belief)")
-    return next(iter(formats.values()), (0, False))
+    return next(iter(formats.values()), PromptFormat())
+
+
+def _pair(prompt: PromptFormat) -> tuple[int, bool]:
+    """A prompt format as its messages show it: (memory, belief)."""
+    return prompt.memory, prompt.belief
 
 
 def pair_memory(stage: str, *model_dirs: str) -> int:
     """The memory of :func:`pair_prompt`."""
-    return pair_prompt(stage, *model_dirs)[0]
+    return pair_prompt(stage, *model_dirs).memory
 
 
 def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineConfig, device: str = "cpu") -> dict:
     """The draft distilled towards the target on ``cfg.distill_prompts`` of the data stage's
     frames, measured before and after on held-out frames (train.distill); saved to ``out``."""
-    memory, belief = pair_prompt("distill", draft, target)
+    prompt = pair_prompt("distill", draft, target)
     from ..decoding.inputs import jpeg_roundtrip
     from ..sim.dataset import generate_examples
     from .distill import format_report, run_distill_stage
@@ -292,10 +296,10 @@ def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineCon
         if not os.path.isfile(os.path.join(d, "config.json")):
             raise SystemExit(f"edgespec-train distill: no model in {d}: train it first (edgespec-train "
                              f"{'draft' if d == draft else 'target'}) or pass --draft/--target")
-    if dataset_prompt(work) != (memory, belief):
+    if dataset_prompt(work) != prompt:
         raise SystemExit(f"edgespec-train distill: the data in {work} was generated with (--memory, --belief) "
-                         f"{dataset_prompt(work)}, the models prompt with (policy_memory, policy_belief) "
-                         f"{(memory, belief)}")
+                         f"{_pair(dataset_prompt(work))}, the models prompt with (policy_memory, policy_belief) "
+                         f"{_pair(prompt)}")
     with np.load(dataset_path(work)) as data:  # each key read once: an npz decompresses on every access
         images, instructions = data["images"], data["instructions"]
         histories = dataset_histories(data)
@@ -303,10 +307,10 @@ def stage_distill(work: str, draft: str, target: str, out: str, cfg: PipelineCon
     # (instruction, image, history): a policy with memory is distilled on the prompts it is sent
     prompts = [(str(instructions[i]), jpeg_roundtrip(images[i]), histories[i]) for i in picked]
     heldout = [(e.instruction, jpeg_roundtrip(e.image), e.history) for e in
-               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5, memory=memory,
-                                        belief=belief), cfg.distill_heldout)]
+               islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5, prompt=prompt),
+                      cfg.distill_heldout)]
     sd_frames = list(islice(generate_examples("heldout", cfg.heldout_scenarios, perturbations_per_step=0.5,
-                                              memory=memory, belief=belief), cfg.distill_sd_decisions))
+                                              prompt=prompt), cfg.distill_sd_decisions))
     command = (f"edgespec-train distill --distill-divergence {cfg.distill_divergence} --distill-steps {cfg.distill_steps} "
                f"--distill-on-policy {cfg.distill_on_policy}")
     report = run_distill_stage(draft, target, out, prompts, heldout, sd_frames, distill_config(cfg), device, command)
@@ -347,13 +351,13 @@ def stage_adapt_curve(args, cfg: PipelineConfig) -> dict:
 
 
 def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
-    memory, belief = pair_prompt("exits", target)  # the adapters learn on the prompts the verifier is sent
+    prompt = pair_prompt("exits", target)  # the adapters learn on the prompts the verifier is sent
     from ..sim.dataset import generate_examples
     from .exits import ExitTrainConfig, run_exits_stage
     from tqdm import tqdm
-    train = list(tqdm(generate_examples("train", cfg.exit_scenarios, memory=memory, belief=belief),
+    train = list(tqdm(generate_examples("train", cfg.exit_scenarios, prompt=prompt),
                       desc="exits: data", unit="ex"))
-    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory, belief=belief))
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, prompt=prompt))
     ecfg = ExitTrainConfig(steps=cfg.exit_steps, rank=cfg.exit_rank, layers=cfg.exit_layers, seed=cfg.seed)
     return run_exits_stage(target, out, train, heldout, ecfg,
                            command=f"edgespec-train exits --target {os.path.relpath(target)} --exit-steps {cfg.exit_steps} "
@@ -361,14 +365,14 @@ def stage_exits(target: str, out: str | None, cfg: PipelineConfig) -> dict:
 
 
 def stage_wisv(draft: str, target: str, cfg: PipelineConfig) -> dict:
-    memory, belief = pair_prompt("wisv", draft, target)  # traces of the decisions the robot would make
+    prompt = pair_prompt("wisv", draft, target)  # traces of the decisions the robot would make
     from ..sim.dataset import generate_examples
     from .wisv import LABELS, HeadTrainConfig, run_wisv_stage, sim_frames
     if cfg.wisv_labels not in LABELS:
         raise SystemExit(f"edgespec-train wisv: --wisv-labels must be one of {', '.join(LABELS)}, got {cfg.wisv_labels!r}")
-    train = (sim_frames("train", cfg.wisv_scenarios, memory=memory, belief=belief) if cfg.wisv_labels == "executed"
-             else list(generate_examples("train", cfg.wisv_scenarios, memory=memory, belief=belief)))  # (with world state)
-    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, memory=memory, belief=belief))
+    train = (sim_frames("train", cfg.wisv_scenarios, prompt) if cfg.wisv_labels == "executed"
+             else list(generate_examples("train", cfg.wisv_scenarios, prompt=prompt)))  # (with world state)
+    heldout = list(generate_examples("heldout", cfg.heldout_scenarios, prompt=prompt))
     hcfg = HeadTrainConfig(epochs=cfg.wisv_epochs, seed=cfg.seed, labels=cfg.wisv_labels)
     return run_wisv_stage(draft, target, None, train, heldout, hcfg,
                           command=f"edgespec-train wisv --wisv-scenarios {cfg.wisv_scenarios} --wisv-epochs {cfg.wisv_epochs} "

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..decoding.memory import PromptFormat
 from ..evaluation.replay import GREEDY_NEW_TOKENS
 from ..robot.settings import DEFAULTS
 
@@ -267,11 +268,11 @@ class SimFrame(NamedTuple):
     pose: object      # sim.scenario.Pose
 
 
-def sim_frames(split: str, n_scenarios: int, memory: int = 0, belief: bool = False) -> list[SimFrame]:
-    """The frames ``generate_examples(split, n_scenarios, memory=memory, belief=belief)`` gives, with their state."""
+def sim_frames(split: str, n_scenarios: int, prompt: PromptFormat = PromptFormat()) -> list[SimFrame]:
+    """The frames ``generate_examples(split, n_scenarios, prompt=prompt)`` gives, with their state."""
     from ..sim.dataset import expert_frames
     return [SimFrame(f.view.rgb, f.scenario.instruction, f.history, f.scenario, f.pose)
-            for f in expert_frames(split, n_scenarios, memory=memory, belief=belief)]
+            for f in expert_frames(split, n_scenarios, prompt=prompt)]
 
 
 def _judge(example, labels: str, executed: bool):
