@@ -110,10 +110,11 @@ CLOCK_ONLY = [("h200-wifi-poor", "wifi-poor", DEFAULTS.deadline_s, STATED_MS_PER
               ("go2-paper auto", "go2-paper", 30.0, GO2_MS["auto"]), ("go2-paper ar", "go2-paper", 30.0, GO2_MS["ar"])]
 
 
-def clock_only(target, scenarios, health, commit, out_dir) -> None:
+def clock_only(target, scenarios, health, commit, out_dir, target_dir: str, tag: str = "") -> None:
     """Overlap's share of the clock alone: each scenario's blocking decisions replayed under overlap."""
     report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes "
-                         "clock-only", "commit": commit, "models": {"target": default_model_path("target")},
+                         "clock-only" + (f" --target={target_dir} --tag={tag}" if tag else ""), "commit": commit,
+              "models": {"target": target_dir},
               "note": "EMULATED latencies; the target's decisions of the blocking (off) run replayed in order under "
                       "overlap, whatever the frame: a policy robust to frames captured mid-motion, the same "
                       "trajectories as off, no frame-age rule (max_decision_age_s 1e9): the clock's share alone",
@@ -138,7 +139,7 @@ def clock_only(target, scenarios, health, commit, out_dir) -> None:
                 bar.update(1)
             report["rows"][f"{label} {mode}"] = summarize(episodes) | {"latency_model": latency.label}
     bar.close()
-    path = Path(out_dir) / "act-while-verifying-clock-only.json"
+    path = Path(out_dir) / f"act-while-verifying-clock-only{tag}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     for label, row in report["rows"].items():
@@ -167,14 +168,14 @@ def main(argv=None) -> int:
     health = LinkHealth(DEFAULTS.link_loss_faults, DEFAULTS.reconnect_backoff_s, DEFAULTS.reconnect_backoff_max_s)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if "clock-only" in args.regimes:
-        clock_only(target, scenarios, health, commit, args.out)
+        clock_only(target, scenarios, health, commit, args.out, target_dir, args.tag)
     for regime in args.regimes:
         if regime == "clock-only":
             continue
         link_name, deadline_s, rows = REGIMES[regime]
         profile = get_profile(link_name)
         report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 "
-                             f"--regimes {regime}" + "".join(f" --{k} {v}" for k, v in (("target", args.target),
+                             f"--regimes {regime}" + "".join(f" --{k}={v}" for k, v in (("target", args.target),
                                                              ("draft", args.draft), ("tag", args.tag)) if v)
                              + "  (HO30: edgespec-sim heldout --out HO30 --n 30)",
                   "commit": commit, "models": {"target": target_dir, "draft": draft_dir},
