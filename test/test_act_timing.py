@@ -59,3 +59,14 @@ def test_the_drafters_timing_uses_mode_autos_model_over_its_decisions_tokens_els
     assert timing.start_s(1.0, 5.0, AutoGamma()) == pytest.approx(5.0 - 1.1)  # no prediction: median latency
     assert timing.start_s(1.0, 5.0, None) == pytest.approx(3.9)
     assert timing.start_s(1.0, 1.5, None) == 1.0  # the decision outlasts the motion: at once
+
+
+def test_min_progress_holds_the_frame_until_that_share_of_the_motion_has_run():
+    from edgespec_ros.control.chaining import decision_start_s
+    # a 2 s motion from 10 to 12, a 1.5 s decision: by latency it would begin at 10.5
+    assert decision_start_s(10.0, 12.0, 1.5) == pytest.approx(10.5)
+    assert decision_start_s(10.0, 12.0, 1.5, 10.0, 0.5) == pytest.approx(11.0)  # half of it run first
+    assert decision_start_s(10.0, 12.0, 0.5, 10.0, 0.5) == pytest.approx(11.5)  # latency's later: unchanged
+    assert decision_start_s(10.0, 12.0, 1.5, 10.0, 1.0) == pytest.approx(12.0)  # the whole motion: blocking
+    assert decision_start_s(11.8, 12.0, 1.5, 10.0, 0.5) == pytest.approx(11.8)  # never in the past
+    assert decision_start_s(10.0, None, 1.5, 10.0, 0.5) == 10.0  # nothing runs

@@ -66,6 +66,7 @@ class ActWhileVerifying:
     provisional_margin_s: float
     bounds: DegradedProfile = PROVISIONAL_BOUNDS
     window: int = 5
+    min_progress: float = 0.0  # the share of motion k run before decision k+1's frame (chaining.decision_start_s)
 
     def __post_init__(self):
         if self.mode not in ACT_WHILE_VERIFYING:
@@ -73,6 +74,8 @@ class ActWhileVerifying:
         if not self.max_decision_age_s > 0 or not self.provisional_margin_s >= 0:
             raise ValueError(f"need max_decision_age_s > 0 and provisional_margin_s >= 0, got "
                              f"{self.max_decision_age_s}, {self.provisional_margin_s}")
+        if not 0.0 <= self.min_progress <= 1.0:
+            raise ValueError(f"min_progress is a share of the running motion, in [0, 1]: got {self.min_progress}")
 
     def run(self, policy, scenario, **kwargs):
         """One episode of ``link_loop.run_linked_episode`` acting so (its keyword arguments, checked there)."""
@@ -86,6 +89,8 @@ class ActWhileVerifying:
             return "off: every decision blocks the robot"
         text = (f"{self.mode}: decisions begin during motion (latency predicted: the median of the last "
                 f"{self.window} measured), dropped past max_decision_age_s {self.max_decision_age_s:g} s")
+        if self.min_progress > 0:
+            text += f", frames no earlier than {self.min_progress:.0%} through the running motion"
         if self.mode == SPECULATIVE:
             text += (f"; provisional motions ({self.bounds.describe()}) where the verdict is predicted "
                      f"> {self.provisional_margin_s:g} s after the draft")
@@ -188,7 +193,8 @@ class ActingRun(LinkedRun):
             self._end_running()
             r = None
         predicted = self.predictor.predict()
-        start = decision_start_s(self.t, None if r is None else r.end_s, predicted)
+        start = decision_start_s(self.t, None if r is None else r.end_s, predicted,
+                                 None if r is None else r.start_s, acting.min_progress)
         if r is not None and predicted is not None and predicted > acting.max_decision_age_s:
             start = max(start, r.end_s)  # held back: its frame would be too old when it started
         mid = r is not None and start < r.end_s
