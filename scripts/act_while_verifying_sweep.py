@@ -62,6 +62,23 @@ REGIMES = {
     ]),
 }
 
+# What a user would pick instead (LITERATURE, EMULATED through the link): cloud-only vLLM, its all-in
+# ms per token on each link from the regime map's engine rows (docs/results/regimes.json: the published
+# batch-1 step, the measured H200 prefill, the same link proxy), built as the H200 rows are (that
+# per-token figure plus one round trip). Blocking rows: the decisions are the committed target's.
+ENGINES = {"literature-vllm-h100-llama31-8b-bs1": "vLLM (LITERATURE)",
+           "literature-vllm-h100-llama31-8b-eagle3-bs1": "vLLM + EAGLE-3 (LITERATURE)"}
+
+
+def engine_rows(links=("wifi-poor", "go2-paper")) -> list[tuple[str, str, float]]:
+    """(label, link, ms per token) of each production engine on each link, from the regime map."""
+    rows = json.loads(Path("docs/results/regimes.json").read_text())["rows"]
+    found = {}
+    for r in rows:
+        if r.get("source") == "LITERATURE" and r.get("cloud_name") in ENGINES and r["link"] in links:
+            found[(ENGINES[r["cloud_name"]], r["link"])] = r["ms_per_token"]
+    return [(f"{name} off, {link}", link, ms) for (name, link), ms in sorted(found.items(), key=lambda kv: kv[0][::-1])]
+
 
 class Memo:
     """A policy's decisions remembered by what it saw (the frame's bytes, the prompt's history): greedy
@@ -151,11 +168,44 @@ def clock_only(target, scenarios, health, commit, out_dir, target_dir: str, tag:
 logs: dict[int, list] = {}
 
 
+def engines(target, scenarios, health, commit, out_dir, target_dir: str) -> None:
+    """Time to goal with cloud-only production engines (blocking; LITERATURE per-token figures)."""
+    report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes engines",
+              "commit": commit, "models": {"target": target_dir},
+              "note": "EMULATED latencies from LITERATURE figures: each engine's all-in ms per token on the link "
+                      "(docs/results/regimes.json's engine rows: the published batch-1 step, the measured H200 "
+                      "prefill, the link proxy) plus one round trip a decision, as the H200 rows are built; "
+                      "blocking (act_while_verifying off); the committed target's decisions",
+              "rows": {}}
+    rows = engine_rows()
+    bar = tqdm(total=len(rows) * len(scenarios), desc="engines", unit="ep")
+    for label, link_name, ms in rows:
+        profile = get_profile(link_name)
+        latency = StatedLatency(ms, profile.rtt_s)
+        episodes = []
+        for s in scenarios:
+            episodes.append(run_linked_episode(target, s, link=OutageSchedule(profile, 0),
+                                               on_link_loss=DEFAULTS.on_link_loss, health=health,
+                                               decision_latency=latency,
+                                               deadline_s=30.0 if link_name == "go2-paper" else DEFAULTS.deadline_s))
+            bar.update(1)
+        report["rows"][label] = summarize(episodes) | {"link": link_name, "ms_per_token": ms,
+                                                       "latency_model": latency.label, "source": "LITERATURE"}
+    bar.close()
+    path = Path(out_dir) / "act-while-verifying-engines.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    for label, row in report["rows"].items():
+        print(f"  {label:<40} success {row['success_rate']:.1%} collisions {row['collisions']:>3} median "
+              f"{row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", required=True)
     parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--regimes", nargs="+", choices=[*REGIMES, "clock-only"], default=[*REGIMES, "clock-only"])
+    parser.add_argument("--regimes", nargs="+", choices=[*REGIMES, "clock-only", "engines"],
+                        default=[*REGIMES, "clock-only", "engines"])
     parser.add_argument("--target", default=None, help="the target model dir (default: the committed pair's)")
     parser.add_argument("--draft", default=None, help="the draft model dir (default: the committed pair's)")
     parser.add_argument("--tag", default="", help="appended to the results' file names (another pair's rows)")
@@ -171,6 +221,9 @@ def main(argv=None) -> int:
         clock_only(target, scenarios, health, commit, args.out, target_dir, args.tag)
     for regime in args.regimes:
         if regime == "clock-only":
+            continue
+        if regime == "engines":
+            engines(target, scenarios, health, commit, args.out, target_dir)
             continue
         link_name, deadline_s, rows = REGIMES[regime]
         profile = get_profile(link_name)

@@ -214,6 +214,39 @@ def headline_rows(rows: list[dict], link: str = HEADLINE_LINK) -> list[list[str]
     return out
 
 
+# The README's time-to-goal table: blocking rows of the linked closed loop (docs/results/
+# act-while-verifying-*.json, scripts/act_while_verifying_sweep.py), per regime, with the engine a
+# cloud-only team would run beside them. (file stem, row label, regime, what decides)
+TIME_TO_GOAL_ROWS = [
+    ("go2-paper", "ar off", "go2-paper cloud, link go2-paper", "cloud AR (395 ms/token)"),
+    ("go2-paper", "auto off", "go2-paper cloud, link go2-paper", "auto, the Orin drafting (237 ms/token)"),
+    ("engines", "vLLM (LITERATURE) off, go2-paper", "vLLM on an H100, link go2-paper", "cloud AR, LITERATURE"),
+    ("engines", "vLLM + EAGLE-3 (LITERATURE) off, go2-paper", "vLLM on an H100, link go2-paper",
+     "cloud EAGLE-3, LITERATURE"),
+    ("h200-wifi-poor", "off", "measured H200, link wifi-poor", "auto (= cloud AR, 27.3 ms/token)"),
+    ("engines", "vLLM (LITERATURE) off, wifi-poor", "vLLM on an H100, link wifi-poor", "cloud AR, LITERATURE"),
+    ("engines", "vLLM + EAGLE-3 (LITERATURE) off, wifi-poor", "vLLM on an H100, link wifi-poor",
+     "cloud EAGLE-3, LITERATURE"),
+]
+TIME_TO_GOAL_HEAD = ["regime (EMULATED)", "what decides", "success", "time to goal, median / p90 (s)",
+                     "standing still", "vs the project's cloud AR on the link"]
+TIME_TO_GOAL_BASE = {"go2-paper": ("go2-paper", "ar off"), "wifi-poor": ("h200-wifi-poor", "off")}
+
+
+def time_to_goal_rows(results_dir) -> list[list[str]]:
+    """The README's time-to-goal table from the linked loop's results files (a test holds it)."""
+    from pathlib import Path
+    files = {stem: json.loads((Path(results_dir) / f"act-while-verifying-{stem}.json").read_text())
+             for stem in dict.fromkeys(stem for stem, *_ in TIME_TO_GOAL_ROWS)}
+    out = []
+    for stem, label, regime, decides in TIME_TO_GOAL_ROWS:
+        r = files[stem]["rows"][label]
+        base_stem, base_label = TIME_TO_GOAL_BASE[regime.rsplit("link ", 1)[1]]
+        base = files[base_stem]["rows"][base_label]["time_median_s"]
+        out.append([regime, decides, f"{r['success_rate']:.0%}", f"{r['time_median_s']:.1f} / {r['time_p90_s']:.1f}",
+                    f"{r['waiting_ratio']:.0%}", f"{base / r['time_median_s']:.2f}x"])
+    return out
+
 def plot_regimes(rows: list[dict], path: str) -> None:
     """One panel per link: each cell at (the robot's draft ms per token, the cloud's AR ms per
     token), coloured by the best speculative mode's speedup over AR and labelled with it and auto's;
