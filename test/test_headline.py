@@ -36,7 +36,7 @@ def test_the_readme_headline_is_the_committed_regime_map():
     assert results["commit"] in section, "the README names the commit the sweep ran at"
     assert results["command"] in section, "the README gives the sweep's command"
     assert HEADLINE_LINK in section, "the README names the link its table shows"
-    header, body = markdown_table(readme, "## What it measures")
+    header, body = markdown_table(readme, "### Per token")
     assert header == HEADLINE_HEAD
     assert body == headline_rows(results["rows"]), "the README's table is not the committed sweep's cells"
     assert len(body) >= 3
@@ -361,3 +361,17 @@ def test_the_regimes_pages_capacity_table_is_the_capacity_sweeps():
     ar72 = _range([r["p50_s"] for r in _runs("capacity-72.json", "ar")], ".1f")
     assert _quoted("docs/regimes.md", r"drafting, ([\d.]+-[\d.]+) s p50 a decision against AR's") == spec72
     assert _quoted("docs/regimes.md", r"p50 a decision against AR's ([\d.]+-[\d.]+) s") == ar72
+
+
+def test_the_readmes_time_to_goal_table_is_the_linked_loops_rows():
+    """The README's headline: time to goal per regime, each row the linked closed loop's (blocking) rows
+    in docs/results/act-while-verifying-*.json, the production engines beside the project's paths."""
+    from edgespec_ros.bench.regimes import TIME_TO_GOAL_HEAD, time_to_goal_rows
+    readme = (ROOT / "README.md").read_text()
+    header, body = markdown_table(readme, "### Time to goal")
+    assert header == TIME_TO_GOAL_HEAD
+    assert body == time_to_goal_rows(ROOT / "docs" / "results"), "the README's time to goal is not the results files'"
+    section = readme[readme.index("### Time to goal"):readme.index("### Per token")]
+    for stem in ("go2-paper", "h200-wifi-poor", "engines"):
+        results = json.loads((ROOT / "docs" / "results" / f"act-while-verifying-{stem}.json").read_text())
+        assert results["commit"] in section, f"the README names the commit of {stem}'s rows"
