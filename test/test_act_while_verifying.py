@@ -46,11 +46,11 @@ TEXTS = ["Ahead. Action: move forward large.", "Left. Action: turn left small.",
          "Go. Action: move forward small."]
 
 
-def first_motion(act_while_verifying):
+def first_motion(act_while_verifying, **settings):
     """A core that decided "move forward large" (0.5 s from frame to verdict) and hears it moving,
     predicted to end 3 s later; a fresh frame is there. Returns (core, clock, decoder, out, end_ns)."""
     decoder = RememberingDecoder(TEXTS)
-    core, clock = make(decoder, act_while_verifying=act_while_verifying)
+    core, clock = make(decoder, act_while_verifying=act_while_verifying, **settings)
     core.set_command("find the silver bottle")
     core.set_frame(frame(clock))
     ticket = core.begin()
@@ -118,6 +118,21 @@ def test_a_chained_decision_the_navigator_drops_is_remembered_interrupted():
                      dropped=DROP_ESTOP)
     assert core.memory.awaiting_stamp is None and core.memory.chained_stamp is None
     assert core.memory.shown() == (Turn("move forward large", INTERRUPTED), Turn("turn left small", INTERRUPTED))
+
+
+def test_overlap_waits_until_min_progress_of_the_motion_has_run():
+    """overlap_min_progress 0.9 of a 3 s motion: not before 2.7 s into it, though the 0.5 s latency
+    would begin it at 2.5 s; later states naming the same motion keep its start."""
+    core, clock, decoder, out, end_ns = first_motion("overlap", overlap_min_progress=0.9)
+    began = end_ns - 3 * S
+    core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=end_ns)  # a progress update
+    clock.t = began + int(2.6 * S)
+    core.set_frame(frame(clock))
+    assert core.begin() is None and "overlap" in core.why_not_ready(clock())
+    clock.t = began + int(2.71 * S)
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    assert ticket is not None and ticket.chained
 
 
 def test_overlap_does_not_begin_a_decision_the_navigator_would_drop_for_its_age():

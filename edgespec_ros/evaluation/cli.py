@@ -40,7 +40,8 @@ from ..sim.scenario import ScenarioError, load_scenario
 
 # eval's link options: given any of them, eval runs the linked closed loop (sim.link_loop)
 _LINK_OPTIONS = ("link", "on_link_loss", "draft", "ms_per_token", "verifier_compute", "mode", "robot", "deadline_s",
-                 "time_cap_s", "link_seed", "act_while_verifying", "max_decision_age_s", "provisional_margin_s")
+                 "time_cap_s", "link_seed", "act_while_verifying", "max_decision_age_s", "provisional_margin_s",
+                 "overlap_min_progress")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -156,7 +157,8 @@ def _acting(args: argparse.Namespace):
         return getattr(DEFAULTS, name) if value is None else value
     age = getattr(args, "max_decision_age_s", None)
     age = MAX_DECISION_AGE_S if age is None else age
-    return ActWhileVerifying(given("act_while_verifying"), age, given("provisional_margin_s"))
+    return ActWhileVerifying(given("act_while_verifying"), age, given("provisional_margin_s"),
+                             min_progress=given("overlap_min_progress"))
 
 
 def _print_link_conditions(profile, latency, draft_latency, draft: bool, kwargs: dict) -> None:
@@ -330,6 +332,9 @@ def _setup_eval(sub) -> None:
                       help="overlap: a decision begun during a motion is dropped when its frame would be older than "
                            "this where it starts (default: the navigator's max_decision_age_s, "
                            f"{MAX_DECISION_AGE_S:g} s)")
+    link.add_argument("--overlap-min-progress", type=float, default=None,
+                      help="overlap: begin the next decision no earlier than this share of the running motion "
+                           f"(default: the drafter's, {DEFAULTS.overlap_min_progress:g})")
     link.add_argument("--provisional-margin-s", type=float, default=None,
                       help="speculative: begin a provisional motion when the verdict is predicted this much later "
                            f"than the draft finishes (default: the drafter's, {DEFAULTS.provisional_margin_s:g} s)")

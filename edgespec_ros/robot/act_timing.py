@@ -70,7 +70,9 @@ class DecisionTiming:
         predicted = predicted_decision_s(auto, statistics.median(self.tokens)) if auto is not None else None
         return predicted if predicted is not None else statistics.median(self.latencies_s)
 
-    def start_s(self, now_s: float, motion_end_s: float | None, auto: AutoGamma | None) -> float:
-        """When to begin the next decision so that its verdict lands at ``motion_end_s``
-        (``decision_start_s`` on :meth:`latency_s`; at once before any decision was measured)."""
-        return decision_start_s(now_s, motion_end_s, self.latency_s(auto))
+    def start_s(self, now_s: float, motion_end_s: float | None, auto: AutoGamma | None,
+                motion_start_s: float | None = None, min_progress: float = 0.0) -> float:
+        """When to begin the next decision so that its verdict lands at ``motion_end_s``, never before
+        ``min_progress`` of the motion begun at ``motion_start_s`` has run (``decision_start_s`` on
+        :meth:`latency_s`; at once before any decision was measured)."""
+        return decision_start_s(now_s, motion_end_s, self.latency_s(auto), motion_start_s, min_progress)

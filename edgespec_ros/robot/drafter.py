@@ -300,6 +300,7 @@ class DrafterCore:
         # acting while verifying: the decision the navigator last reported and its motion's predicted end
         # (ROS ns; 0 unless it is moving), and the decisions' measured cost that times the next one
         self.motion_running: tuple[int, int] = (0, 0)
+        self.motion_started_ns = 0
         self.timing = DecisionTiming()
         # how old a queued decision's frame may be before the navigator drops it (its parameter, as it reports)
         self.max_decision_age_s = MAX_DECISION_AGE_S
@@ -375,7 +376,10 @@ class DrafterCore:
                 self.motion_idle_since_ns = state_stamp_ns
                 # pushing into something (not stale odometry: then the view may well have changed)
                 self.resample_next = ended == BLOCKED_CONTACT
-            self.motion_running = (decision_stamp_ns, predicted_end_ns if state == MOVING else 0)
+            moving = state == MOVING and predicted_end_ns > 0  # its start: the first state naming it moving
+            same = moving and self.motion_running[0] == decision_stamp_ns and self.motion_running[1] > 0
+            self.motion_started_ns = (self.motion_started_ns if same else state_stamp_ns) if moving else 0
+            self.motion_running = (decision_stamp_ns, predicted_end_ns if moving else 0)
             if max_decision_age_s > 0:
                 self.max_decision_age_s = float(max_decision_age_s)
 
@@ -395,7 +399,9 @@ class DrafterCore:
         if latency is not None and latency > self.max_decision_age_s:  # it would be dropped when queued
             return (f"overlap: the next decision (predicted {latency:.1f} s) would outlast max_decision_age_s "
                     f"{self.max_decision_age_s:g} s; it begins when the motion ends")
-        start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, self.decoder.auto_gamma)
+        start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, self.decoder.auto_gamma,
+                                      self.motion_started_ns / NS if self.motion_started_ns else None,
+                                      self.settings.overlap_min_progress)
         if now_ns < start_s * NS:
             return f"overlap: the next decision begins in {start_s - now_ns / NS:.2f} s, timed to the motion's end"
         return ""

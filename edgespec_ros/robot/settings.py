@@ -113,6 +113,11 @@ class DrafterSettings:
                "committed is still exactly the target's; the draft's action is read from what sd and pipe draft "
                "ahead, so an ar decision has none)",
         choices=ACT_WHILE_VERIFYING)
+    overlap_min_progress: float = setting(
+        0.75, "overlap: begin the next decision no earlier than this share of the running motion (0: as soon "
+              "as its predicted latency allows; 1: at the motion's end); a frame captured early in a motion "
+              "shows what the last decision saw, and the policy must foresee all of the motion's outcome",
+        min_value=0.0, max_value=1.0)
     provisional_margin_s: float = setting(
         1.0, "speculative: begin a provisional motion only when the predicted verdict comes this many seconds "
              "after the draft finished the decision", min_value=0.0)

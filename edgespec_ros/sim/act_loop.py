@@ -66,7 +66,7 @@ class ActWhileVerifying:
     provisional_margin_s: float
     bounds: DegradedProfile = PROVISIONAL_BOUNDS
     window: int = 5
-    min_progress: float = 0.0  # the share of motion k run before decision k+1's frame (chaining.decision_start_s)
+    min_progress: float = 0.0  # overlap_min_progress: the share of motion k run before k+1's frame (decision_start_s)
 
     def __post_init__(self):
         if self.mode not in ACT_WHILE_VERIFYING:
