@@ -46,6 +46,12 @@ REGIMES = {
         ("overlap", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE),
         ("speculative", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "speculative", SHIPPED_AGE),
     ]),
+    # overlap_min_progress: how far into the running motion the next decision's frame may be captured
+    "h200-min-progress": ("wifi-poor", DEFAULTS.deadline_s, [
+        ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
+        *((f"overlap, overlap_min_progress {mp:g}", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE, mp)
+          for mp in (0.0, 0.5, 0.6, 0.75, 0.9)),
+    ]),
     "h200-cellular": ("cellular", DEFAULTS.deadline_s, [
         ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
         ("overlap", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "overlap", SHIPPED_AGE),
@@ -244,10 +250,11 @@ def main(argv=None) -> int:
                 f"{GO2_MS['ar']:.1f} ms/token, auto 7.4 s -> {GO2_MS['auto']:.1f} ms/token (docs/robot.md "
                 "'The task's time per mode', docs/results/modes.json)")
         bar = tqdm(total=len(rows) * len(scenarios), desc=regime, unit="ep")
-        for label, mode, ms, acting_mode, age in rows:
+        for label, mode, ms, acting_mode, age, *min_progress in rows:
             bar.set_postfix_str(label)
             latency = StatedLatency(ms, profile.rtt_s)
-            acting = ActWhileVerifying(acting_mode, age, DEFAULTS.provisional_margin_s)
+            acting = ActWhileVerifying(acting_mode, age, DEFAULTS.provisional_margin_s,
+                                       min_progress=min_progress[0] if min_progress else 0.0)
             started, episodes = time.time(), []
             for s in scenarios:
                 episodes.append(run_linked_episode(
@@ -258,6 +265,7 @@ def main(argv=None) -> int:
             report["rows"][label] = summarize(episodes) | {
                 "cloud_mode": mode, "act_while_verifying": acting_mode, "max_decision_age_s": age,
                 "provisional_margin_s": DEFAULTS.provisional_margin_s, "latency_model": latency.label,
+                "overlap_min_progress": acting.min_progress,
                 "acting_model": acting.label, "wall_s": round(time.time() - started, 1),
                 "per_scenario": [e.to_dict(with_records=False) for e in episodes]}
         bar.close()
