@@ -1009,7 +1009,6 @@ def test_metrics_and_health_over_plain_http(pair):
         ws.send(P.encode(P.Verify(1, 1, [5], np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes())))
         verdict = P.decode(ws.recv(timeout=DEADLINE_S))
         text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-        ws.close()
         # one series per name here (one model, no replica label): keyed by the name without labels
         metrics = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
                    if line and not line.startswith("#")}
@@ -1023,6 +1022,7 @@ def test_metrics_and_health_over_plain_http(pair):
         assert metrics["edgespec_verifier_kv_sequences"] == pool.in_use >= 1
         assert metrics["edgespec_verifier_kv_peak_bytes"] >= pool.used_bytes
         assert metrics["edgespec_verifier_kv_refused_total"] == 0
+        ws.close()  # only now: closing gives the session's blocks back (the pool's figures above are its)
         assert st.server.status()["verified_tokens"] == verdict.accepted + 1
         st.server.stopping = True  # a load balancer sees a verifier that is shutting down
         with pytest.raises(urllib.error.HTTPError) as info:
