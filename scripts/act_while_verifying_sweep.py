@@ -174,13 +174,15 @@ def clock_only(target, scenarios, health, commit, out_dir, target_dir: str, tag:
 logs: dict[int, list] = {}
 
 
-def engines(target, scenarios, health, commit, out_dir, target_dir: str) -> None:
+def engines(target, scenarios, health, commit, out_dir, target_dir: str, tag: str = "") -> None:
     """Time to goal with cloud-only production engines (blocking; LITERATURE per-token figures)."""
-    report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes engines",
+    report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes engines"
+                         + (f" --target={target_dir} --tag={tag}" if tag else ""),
               "commit": commit, "models": {"target": target_dir},
               "note": "EMULATED latencies from LITERATURE figures: each engine's all-in ms per token on the link "
                       "(docs/results/regimes.json's engine rows: the published batch-1 step, the measured H200 "
-                      "prefill, the link proxy) plus one round trip a decision, as the H200 rows are built; "
+                      "prefill, the link proxy) plus one round trip a decision, as the H200 rows are built: the "
+                      "link's round trip is charged twice (conservative against the engine); "
                       "blocking (act_while_verifying off); the committed target's decisions",
               "rows": {}}
     rows = engine_rows()
@@ -198,7 +200,7 @@ def engines(target, scenarios, health, commit, out_dir, target_dir: str) -> None
         report["rows"][label] = summarize(episodes) | {"link": link_name, "ms_per_token": ms,
                                                        "latency_model": latency.label, "source": "LITERATURE"}
     bar.close()
-    path = Path(out_dir) / "act-while-verifying-engines.json"
+    path = Path(out_dir) / f"act-while-verifying-engines{tag}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     for label, row in report["rows"].items():
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
         if regime == "clock-only":
             continue
         if regime == "engines":
-            engines(target, scenarios, health, commit, args.out, target_dir)
+            engines(target, scenarios, health, commit, args.out, target_dir, args.tag)
             continue
         link_name, deadline_s, rows = REGIMES[regime]
         profile = get_profile(link_name)

@@ -68,11 +68,11 @@ class CutLink:
         return not self.start <= t < self.end
 
 
-def episode(policy, scenario=None, mode="overlap", ms=50.0, age=10.0, margin=0.5, link=None, **kw):
+def episode(policy, scenario=None, mode="overlap", ms=50.0, age=10.0, margin=0.5, link=None, min_progress=0.0, **kw):
     kw.setdefault("deadline_s", 8.0)
     return run_linked_episode(policy, scenario or corridor(), link=link or CutLink(), on_link_loss="stop",
                               health=HEALTH, decision_latency=StatedLatency(ms, 0.0),
-                              acting=ActWhileVerifying(mode, age, margin), **kw)
+                              acting=ActWhileVerifying(mode, age, margin, min_progress=min_progress), **kw)
 
 
 def verified(ep):
@@ -114,6 +114,22 @@ def test_overlap_hides_motion_each_step_the_longer_of_motion_and_latency(ms, ste
     assert ep.waiting_s == pytest.approx(latency + 4 * max(latency - MOVE_M, 0.0), abs=1e-3)
     assert ep.pauses == (3 if latency > MOVE_M else 0)
     assert ep.waiting_ratio == pytest.approx(ep.waiting_s / ep.time_s, abs=1e-3)
+
+
+def test_min_progress_holds_each_frame_until_that_share_of_the_running_motion():
+    """overlap_min_progress 0.8 with a 0.5 s decision and a MOVE_M s move: decision k+1's frame is taken
+    0.8 of the way through motion k (later than its latency alone would begin it), so its verdict comes
+    that much after the motion's end; at 1.0 overlap is the blocking loop's clock."""
+    latency = 0.5
+    ep = episode(Stub(["move forward medium"] * 4), min_progress=0.8)
+    frames = [r.t_s for r in verified(ep)[1:4]]
+    starts = [r.motion_start_s for r in verified(ep)[:3]]
+    assert frames == pytest.approx([s + 0.8 * MOVE_M for s in starts])
+    assert 0.8 * MOVE_M > MOVE_M - latency  # the rule, not the latency, set them
+    blocking = episode(Stub(["move forward medium"] * 4), mode="off")
+    assert episode(Stub(["move forward medium"] * 4), min_progress=1.0).time_s == pytest.approx(blocking.time_s)
+    with pytest.raises(ValueError, match="min_progress"):
+        ActWhileVerifying("overlap", 1.0, 1.0, min_progress=1.5)
 
 
 def test_the_frame_is_rendered_where_the_robot_is_mid_motion():

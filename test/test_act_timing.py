@@ -70,3 +70,4 @@ def test_min_progress_holds_the_frame_until_that_share_of_the_motion_has_run():
     assert decision_start_s(10.0, 12.0, 1.5, 10.0, 1.0) == pytest.approx(12.0)  # the whole motion: blocking
     assert decision_start_s(11.8, 12.0, 1.5, 10.0, 0.5) == pytest.approx(11.8)  # never in the past
     assert decision_start_s(10.0, None, 1.5, 10.0, 0.5) == 10.0  # nothing runs
+    assert decision_start_s(10.0, 12.0, None, 10.0, 0.5) == pytest.approx(11.0)  # no latency yet: still held

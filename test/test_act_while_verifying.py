@@ -125,7 +125,8 @@ def test_overlap_waits_until_min_progress_of_the_motion_has_run():
     would begin it at 2.5 s; later states naming the same motion keep its start."""
     core, clock, decoder, out, end_ns = first_motion("overlap", overlap_min_progress=0.9)
     began = end_ns - 3 * S
-    core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=end_ns)  # a progress update
+    clock.t = began + 1 * S  # a progress update a second in: the motion's start stays where it began
+    core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=end_ns)
     clock.t = began + int(2.6 * S)
     core.set_frame(frame(clock))
     assert core.begin() is None and "overlap" in core.why_not_ready(clock())

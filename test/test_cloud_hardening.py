@@ -1006,23 +1006,25 @@ def test_metrics_and_health_over_plain_http(pair):
         base = f"http://127.0.0.1:{st.port}"
         assert urllib.request.urlopen(base + "/healthz", timeout=5).read() == b"ok\n"
         ws = raw_session(st.url, pair)
-        ws.send(P.encode(P.Verify(1, 1, [5], np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes())))
-        verdict = P.decode(ws.recv(timeout=DEADLINE_S))
-        text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-        # one series per name here (one model, no replica label): keyed by the name without labels
-        metrics = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
-                   if line and not line.startswith("#")}
-        assert metrics["edgespec_verifier_sessions"] == 1
-        assert metrics["edgespec_verifier_verified_tokens_total"] == verdict.accepted + 1
-        assert metrics["edgespec_verifier_batches_total"] == 1
-        assert "# TYPE edgespec_verifier_queued_jobs gauge" in text
-        pool = st.server.lm.kv_pool()  # the session's cache is in the pool, and its figures are the pool's
-        assert metrics["edgespec_verifier_kv_budget_bytes"] == pool.bytes > 0
-        assert metrics["edgespec_verifier_kv_used_bytes"] == pool.used_bytes > 0
-        assert metrics["edgespec_verifier_kv_sequences"] == pool.in_use >= 1
-        assert metrics["edgespec_verifier_kv_peak_bytes"] >= pool.used_bytes
-        assert metrics["edgespec_verifier_kv_refused_total"] == 0
-        ws.close()  # only now: closing gives the session's blocks back (the pool's figures above are its)
+        try:
+            ws.send(P.encode(P.Verify(1, 1, [5], np.full((1, pair.vocab), 1.0 / pair.vocab, dtype="<f4").tobytes())))
+            verdict = P.decode(ws.recv(timeout=DEADLINE_S))
+            text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+            # one series per name here (one model, no replica label): keyed by the name without labels
+            metrics = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                       if line and not line.startswith("#")}
+            assert metrics["edgespec_verifier_sessions"] == 1
+            assert metrics["edgespec_verifier_verified_tokens_total"] == verdict.accepted + 1
+            assert metrics["edgespec_verifier_batches_total"] == 1
+            assert "# TYPE edgespec_verifier_queued_jobs gauge" in text
+            pool = st.server.lm.kv_pool()  # the session's cache is in the pool, and its figures are the pool's
+            assert metrics["edgespec_verifier_kv_budget_bytes"] == pool.bytes > 0
+            assert metrics["edgespec_verifier_kv_used_bytes"] == pool.used_bytes > 0
+            assert metrics["edgespec_verifier_kv_sequences"] == pool.in_use >= 1
+            assert metrics["edgespec_verifier_kv_peak_bytes"] >= pool.used_bytes
+            assert metrics["edgespec_verifier_kv_refused_total"] == 0
+        finally:
+            ws.close()  # after the pool's figures: closing gives the session's blocks back
         assert st.server.status()["verified_tokens"] == verdict.accepted + 1
         st.server.stopping = True  # a load balancer sees a verifier that is shutting down
         with pytest.raises(urllib.error.HTTPError) as info:

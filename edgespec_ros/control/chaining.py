@@ -89,13 +89,13 @@ def decision_start_s(now_s: float, motion_end_s: float | None, decision_latency_
     """When to capture the frame and start the next decision so that its verdict lands as the
     running motion ends: the motion's predicted end less the decision's predicted latency, and at
     once (``now_s``) when the decision outlasts the motion, when nothing runs (``motion_end_s``
-    None) or when no latency is predicted yet (None). With ``min_progress`` (a share of the motion,
+    None) or when no latency is predicted yet (None). With ``min_progress`` (applied whenever a motion runs) (a share of the motion,
     0..1) and the motion's start, never before that share of it has run: a frame captured at a
     motion's first instant shows what the last decision saw, so the policy must foresee all of the
     motion's outcome; a later frame trades some of the hidden latency for a view nearer its end."""
-    if motion_end_s is None or decision_latency_s is None:
+    if motion_end_s is None:
         return now_s
-    start = max(now_s, motion_end_s - max(decision_latency_s, 0.0))
+    start = now_s if decision_latency_s is None else max(now_s, motion_end_s - max(decision_latency_s, 0.0))
     if motion_start_s is not None and min_progress > 0:
         start = max(start, motion_start_s + min(min_progress, 1.0) * (motion_end_s - motion_start_s))
     return start
