@@ -133,6 +133,16 @@ CLOCK_ONLY = [("h200-wifi-poor", "wifi-poor", DEFAULTS.deadline_s, STATED_MS_PER
               ("go2-paper auto", "go2-paper", 30.0, GO2_MS["auto"]), ("go2-paper ar", "go2-paper", 30.0, GO2_MS["ar"])]
 
 
+def write_report(report: dict, path: Path, width: int, pauses: bool = False) -> None:
+    """Write a regime's report and print a line a row (the clock-only and engines regimes)."""
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    for label, row in report["rows"].items():
+        print(f"  {label:<{width}} success {row['success_rate']:.1%} collisions {row['collisions']:>3} median "
+              f"{row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%}"
+              + (f" pauses {row['pauses_per_episode']:.1f}" if pauses else ""))
+
+
 def clock_only(target, scenarios, health, commit, out_dir, target_dir: str, tag: str = "") -> None:
     """Overlap's share of the clock alone: each scenario's blocking decisions replayed under overlap."""
     report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 --regimes "
@@ -162,13 +172,8 @@ def clock_only(target, scenarios, health, commit, out_dir, target_dir: str, tag:
                 bar.update(1)
             report["rows"][f"{label} {mode}"] = summarize(episodes) | {"latency_model": latency.label}
     bar.close()
-    path = Path(out_dir) / f"act-while-verifying-clock-only{tag}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    for label, row in report["rows"].items():
-        print(f"  {label:<30} success {row['success_rate']:.1%} collisions {row['collisions']:>3} median "
-              f"{row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%} "
-              f"pauses {row['pauses_per_episode']:.1f}")
+    write_report(report, Path(out_dir) / f"act-while-verifying-clock-only{tag}.json", width=30,
+                 pauses=True)
 
 
 logs: dict[int, list] = {}
@@ -200,12 +205,7 @@ def engines(target, scenarios, health, commit, out_dir, target_dir: str, tag: st
         report["rows"][label] = summarize(episodes) | {"link": link_name, "ms_per_token": ms,
                                                        "latency_model": latency.label, "source": "LITERATURE"}
     bar.close()
-    path = Path(out_dir) / f"act-while-verifying-engines{tag}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    for label, row in report["rows"].items():
-        print(f"  {label:<40} success {row['success_rate']:.1%} collisions {row['collisions']:>3} median "
-              f"{row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%}")
+    write_report(report, Path(out_dir) / f"act-while-verifying-engines{tag}.json", width=40)
 
 
 def main(argv=None) -> int:
