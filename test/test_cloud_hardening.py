@@ -887,8 +887,9 @@ def test_sqs_decode_steps_give_the_same_rows_one_per_step():
         assert torch.equal(rows, codec.decode(payload, ids, 300))
 
 
+@pytest.mark.parametrize("by_cost", [False, True], ids=["by-tokens", "by-cost"])
 @pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
-def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image):
+def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image, by_cost):
     """Prefill in chunks (one quantum each) keeps every image token in the first chunk and the
     prompt's positions: the next-token logits match a one-shot prefill to float tolerance, and
     the cache holds the whole prompt."""
@@ -905,7 +906,7 @@ def test_chunked_prefill_gives_the_same_next_token_distribution(pair, image):
     with pytest.raises(StopIteration):
         next(steps)
     chunked = Sequence(pair.target)
-    gen = chunked.prefill_steps(inputs, chunk=16)
+    gen = chunked.prefill_steps(inputs, chunk=16, by_cost=by_cost)
     quanta = 0
     while True:
         try:
@@ -928,6 +929,41 @@ def test_prefill_pieces_keep_an_image_whole():
     assert _prefill_pieces(40, 16, None) == [(0, 16), (16, 32), (32, 40)]
     assert _prefill_pieces(100, 16, (20, 90)) == [(0, 16), (16, 20), (20, 90), (90, 100)]
     assert _prefill_pieces(100, 16, (0, 100)) == [(0, 100)]
+
+
+def test_prefill_pieces_by_cost_hold_a_quantum_to_what_one_at_the_start_costs():
+    """Bounded by cost: a piece starting at position a holds at most chunk * span / (span + a)
+    tokens (its cost, tokens weighted by 1 + a / span, within one piece at the start's), never
+    fewer than chunk / 8; the pieces cover the prompt in order; without a span, token counts."""
+    from edgespec_ros.decoding.sequence import _prefill_pieces
+    n, chunk, span = 2000, 64, 768
+    pieces = _prefill_pieces(n, chunk, None, 0, span)
+    assert pieces[0] == (0, 64) and pieces[-1][1] == n
+    assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))  # contiguous
+    for a, b in pieces:
+        assert (b - a) * (1 + a / span) <= chunk + 1 or b - a == chunk // 8
+    sizes = [b - a for a, b in pieces[:-1]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < chunk // 2  # deeper pieces hold fewer
+    assert _prefill_pieces(n, chunk, None, 0) == [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+    # an image stays whole and the cached start is kept
+    assert (300, 500) in _prefill_pieces(n, chunk, (300, 500), 100, span)
+    assert _prefill_pieces(n, chunk, (300, 500), 100, span)[0][0] == 100
+
+
+def test_attention_span_from_the_text_config():
+    """The past length where a token's attention costs its weights' pass: the embedded target's
+    config gives 768, Qwen2-VL-7B's ~32.5k; a config without the sizes gives None."""
+    from types import SimpleNamespace
+    from edgespec_ros.decoding.engines import LoadedModel
+
+    def span(**cfg):
+        model = SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(**cfg)))
+        return LoadedModel(model, None, None, "", True).attention_span
+
+    assert span(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2) == 768
+    assert 32_000 < span(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                         num_key_value_heads=4) < 33_000
+    assert span(hidden_size=128) is None
 
 
 def test_refused_connections_are_logged_at_most_once_a_second(pair, caplog):

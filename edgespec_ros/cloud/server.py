@@ -569,7 +569,8 @@ class VerifierServer:
         positions actually computed has passed in all (its quanta included): a prompt that
         keeps a share of its cache from the session's last one (prefix reuse) is charged only the
         rest. Returns the prefill's compute seconds (emulated: the profile's)."""
-        spent = yield from session.start_steps(prompt, settings, self.limits.prefill_chunk, self.prefix_reuse)
+        spent = yield from session.start_steps(prompt, settings, self.limits.prefill_chunk, self.prefix_reuse,
+                                                 by_cost=True)
         seq = session.seq
         target = self.compute.prefill_for(len(seq.prompt_ids) - seq.reused, len(seq.prompt_ids))
         return Occupy(max(spent, target), target - spent) if target else spent

@@ -134,11 +134,12 @@ class TargetSession:
         return run_steps(self.start_steps(prompt, settings))
 
     def start_steps(self, prompt: Prompt, settings: VerifySettings, chunk: int = PREFILL_CHUNK,
-                    reuse: bool = True):
+                    reuse: bool = True, by_cost: bool = False):
         """start() as preemptible steps (edgespec_ros.decoding.preempt): the image is processed in the first
         quantum, then the prompt is prefilled ``chunk`` tokens at a time; returns compute seconds
         (quanta only). ``reuse``: keep the cached positions the prompt shares with this session's
-        last one (``Sequence.prefill_steps``)."""
+        last one (``Sequence.prefill_steps``); ``by_cost``: pieces bounded by cost rather than tokens
+        (the verifier's: a piece deep in a long prompt holds the scheduler as long as one at its start)."""
         vocab = self.lm.vocab_size
         if not prompt.prompt_ids:
             raise ValueError("prompt has no token ids")
@@ -157,7 +158,7 @@ class TargetSession:
         self.seq.keep_hidden = settings.verify_mode == WISV
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
-        steps = self.seq.prefill_steps(inputs, chunk, reuse)
+        steps = self.seq.prefill_steps(inputs, chunk, reuse, by_cost)
         spent = 0.0
         while True:
             # Hooks only around this session's own quanta: between two of them other sessions'

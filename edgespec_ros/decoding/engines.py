@@ -67,6 +67,23 @@ class LoadedModel:
                 return n
         return None
 
+    @functools.cached_property
+    def attention_span(self) -> int | None:
+        """The past length at which a token's attention costs what its pass through the layer's
+        weights does: a token at position p costs (1 + p / span) tokens at position 0. From the
+        text config (multiply-adds per layer: the q/k/v/o and MLP weights, against 2 * heads *
+        head_dim per cached position for QK and AV); None when the config lacks the sizes. The
+        embedded target: 768 positions; Qwen2-VL-7B: ~32k."""
+        cfg = getattr(self.model.config, "text_config", None) or self.model.config
+        try:
+            d, ff, heads = int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_attention_heads)
+            kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        head_dim = int(getattr(cfg, "head_dim", None) or d // heads)
+        weights = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ff
+        return max(1, weights // (2 * heads * head_dim))
+
     @property
     def memory(self) -> int:
         """How many earlier decisions the model was trained to read in its prompt

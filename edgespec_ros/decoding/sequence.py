@@ -72,10 +72,17 @@ def keep_positions(cache, base: int, extra: list[int]) -> None:
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (edgespec_ros.decoding.preempt: one quantum each)
 
 
-def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: int = 0) -> list[tuple[int, int]]:
+def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: int = 0,
+                    span: int | None = None) -> list[tuple[int, int]]:
     """[a, b) pieces of an n-token prompt from ``start`` on (the positions before it are cached):
     at most chunk tokens each, except the piece holding all of an image's tokens (which must meet
-    their pixels in one forward); one piece when n - start <= chunk."""
+    their pixels in one forward); one piece when n - start <= chunk.
+
+    ``span`` (``LoadedModel.attention_span``): pieces bounded by cost, not tokens. A token at
+    position a attends over a positions, so it costs (1 + a / span) tokens at the prompt's start;
+    a piece starting at a holds chunk * span / (span + a) tokens (at least chunk / 8, so a long
+    prompt is not cut into pieces that are all fixed cost), and a quantum of a long context costs
+    about what one at its start does."""
     if n - start <= chunk:
         return [(start, n)]
     spans = [(start, image[0]), image, (image[1], n)] if image is not None else [(start, n)]
@@ -84,7 +91,11 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: in
         if image is not None and (lo, hi) == image:
             pieces.append((lo, hi))
             continue
-        pieces += [(a, min(hi, a + chunk)) for a in range(lo, hi, chunk)]
+        a = lo
+        while a < hi:
+            size = chunk if not span else max(chunk // 8, 1, int(chunk * span / (span + a)))
+            pieces.append((a, min(hi, a + size)))
+            a += size
     return [p for p in pieces if p[1] > p[0]]
 
 
@@ -155,7 +166,8 @@ class Sequence:
         """Reset and feed the prompt; returns next-token logits [V]."""
         return run_steps(self.prefill_steps(inputs))
 
-    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK, reuse: bool = False):
+    def prefill_steps(self, inputs: PromptInputs, chunk: int = PREFILL_CHUNK, reuse: bool = False,
+                      by_cost: bool = False):
         """prefill() in pieces of at most ``chunk`` prompt tokens, yielding between them
         (edgespec_ros.decoding.preempt: the verifier interleaves other sessions' rounds with a long prompt,
         as chunked prefill does in vLLM). All of an image's tokens go in one piece, with its
@@ -169,7 +181,9 @@ class Sequence:
         policy with memory sends prompts that extend the previous decision's (``decoding.memory``).
         Only this sequence's own cache is reused, so nothing crosses between sessions; the logits
         agree with a full prefill's to float rounding, as chunked prefill's do. A piece that fails
-        drops the cache (its layers may hold different lengths), so nothing half-written is reused."""
+        drops the cache (its layers may hold different lengths), so nothing half-written is reused.
+        ``by_cost``: pieces bounded by cost rather than tokens (:func:`_prefill_pieces`' ``span``),
+        so a piece deep in a long prompt holds the fair scheduler no longer than one at its start."""
         from transformers import DynamicCache
         model = self.lm.model
         device = self.lm.device
@@ -208,7 +222,7 @@ class Sequence:
         self.fed, self.rope_delta, self.pending, self.generated, self.fed_tokens = keep, rope_delta, [], [], []
         self.prompt_ids, self.reused = ids, keep
         self.last_logits = self.last_hidden = None
-        pieces = _prefill_pieces(n, chunk, image, keep)
+        pieces = _prefill_pieces(n, chunk, image, keep, self.lm.attention_span if by_cost else None)
         out = None
         for i, (a, b) in enumerate(pieces):
             if i:
