@@ -475,3 +475,34 @@ def test_mid_motion_frames_show_the_action_under_way_and_answer_with_the_decisio
     with pytest.raises(SystemExit, match="--mid-motion must be in"):
         train_cli.main(["data", "--memory", "2", "--mid-motion", "2", "--work", str(tmp_path),
                         "--out", str(tmp_path / "m")])
+
+
+def test_mid_motion_from_captures_the_frames_late_in_the_motion(tmp_path):
+    """``mid_motion_from``: the frames part-way through a move come from that share of it on (the
+    distance covered at least that share of the whole move's, less the profile's ramps), the
+    rollout's own frames unchanged; out of [0, 1) refused by the data builder and the CLI."""
+    import math
+    from edgespec_ros.decoding.memory import EXECUTING
+    from edgespec_ros.train import cli as train_cli
+    kwargs = dict(prompt=PromptFormat(2, True), perturbations_per_step=0, mid_motion=1.0)
+
+    def covered(frames):
+        out = []
+        for i, f in enumerate(frames):
+            if f.history and f.history[-1].outcome == EXECUTING and f.history[-1].action.startswith("move"):
+                after, before = frames[i - 1], frames[i - 2]
+                d_all = math.dist((after.pose.x, after.pose.y), (before.pose.x, before.pose.y))
+                if d_all > 0.2 and before.decision.action.text == f.history[-1].action:
+                    out.append(math.dist((f.pose.x, f.pose.y), (before.pose.x, before.pose.y)) / d_all)
+        return out
+
+    early, late = covered(list(expert_frames("train", 8, **kwargs))), covered(
+        list(expert_frames("train", 8, mid_motion_from=0.6, **kwargs)))
+    assert len(early) >= 10 and len(late) >= 10
+    assert min(late) > 0.4 and min(early) < 0.2  # a time share of 0.6 covers over 0.4 of the way
+    assert sum(late) / len(late) > sum(early) / len(early) + 0.2
+    with pytest.raises(ValueError, match="mid_motion_from"):
+        next(expert_frames("train", 1, mid_motion=1.0, mid_motion_from=1.0))
+    with pytest.raises(SystemExit, match="--mid-motion-from must be in"):
+        train_cli.main(["data", "--memory", "2", "--mid-motion", "1", "--mid-motion-from", "1", "--work",
+                        str(tmp_path), "--out", str(tmp_path / "m")])

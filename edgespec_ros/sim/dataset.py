@@ -193,7 +193,8 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
                       closeups_per_scenario: float = 0.0, family: str | None = None,
                       prompt: PromptFormat = PromptFormat(), memory_noise: float = 0.0,
                       memory_dropout: float = 0.0, spin_starts: float = 0.0,
-                      push_repeats: float = 0.0, mid_motion: float = 0.0) -> Iterator[Example]:
+                      push_repeats: float = 0.0, mid_motion: float = 0.0,
+                      mid_motion_from: float = 0.0) -> Iterator[Example]:
     """Expert-labelled examples from the scenarios ``split_seeds(split, n_scenarios, start)``.
 
     For each scenario the expert is rolled out and every decision frame becomes an example;
@@ -222,7 +223,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
     ``spin_starts``: the share of rollouts that begin with a learned policy's spin (:func:`expert_frames`);
     ``push_repeats``: the chance a blocked forward move is pushed again (:func:`expert_frames`);
     ``mid_motion``: the chance a move or turn adds a frame captured part-way through it, the
-    in-flight action in its prompt (:func:`expert_frames`).
+    in-flight action in its prompt, from ``mid_motion_from`` of the motion on (:func:`expert_frames`).
     """
 
     for frame in expert_frames(
@@ -230,7 +231,7 @@ def generate_examples(split: str, n_scenarios: int, start: int = 0, *,
             action_config=action_config, expert_config=expert_config, action_noise=action_noise,
             closeups_per_scenario=closeups_per_scenario, family=family, prompt=prompt, memory_noise=memory_noise,
             memory_dropout=memory_dropout, spin_starts=spin_starts, push_repeats=push_repeats,
-            mid_motion=mid_motion):
+            mid_motion=mid_motion, mid_motion_from=mid_motion_from):
         yield Example(frame.view.rgb, frame.scenario.instruction, frame.decision.text,
                       dense_labels(frame.view, frame.scenario) if with_labels else None, frame.history)
 
@@ -245,6 +246,7 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                   family: str | None = None, prompt: PromptFormat = PromptFormat(),
                   memory_noise: float = 0.0, memory_dropout: float = 0.0,
                   spin_starts: float = 0.0, push_repeats: float = 0.0, mid_motion: float = 0.0,
+                  mid_motion_from: float = 0.0,
                   limits: MotionLimits = MotionLimits()) -> Iterator[ExpertFrame]:
     """The frames of :func:`generate_examples` (same arguments, same order) as
     :class:`ExpertFrame`s: for analyses that need the pose and the situation.
@@ -269,7 +271,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
     memory then shows the push, and an expert with ``blocked_memory`` labels the way out.
 
     ``mid_motion``: with that probability a move or turn also yields a frame captured part-way
-    through it (a uniform share of its motion time under ``limits``: ``world.primitive_pose_at``),
+    through it (a share of its motion time under ``limits``, uniform in [``mid_motion_from``, 1):
+    ``world.primitive_pose_at``; a robot with ``overlap_min_progress`` captures no frame earlier),
     as a robot that decides while it moves sees: its prompt shows the action under way as executing
     (``decoding.memory.in_flight``: the belief advanced to the pose the action will leave the robot
     in), and its answer is the expert's decision where the action ends (the next frame's: the
@@ -293,6 +296,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
         raise ValueError(f"generate_examples: closeups_per_scenario must be >= 0, got {closeups_per_scenario}")
     if not 0.0 <= mid_motion <= 1.0:
         raise ValueError(f"generate_examples: mid_motion must be in [0, 1], got {mid_motion}")
+    if not 0.0 <= mid_motion_from < 1.0:
+        raise ValueError(f"generate_examples: mid_motion_from must be in [0, 1), got {mid_motion_from}")
     noise_actions = [Action.move_forward(size, action_config) for size in SIZES] + [
         Action.turn(direction, size, action_config) for direction in ("left", "right") for size in SIZES]
     shape = scenario_family(family)
@@ -341,7 +346,8 @@ def expert_frames(split: str, n_scenarios: int, start: int = 0, *,
                 executed, spin = spin_turn, spin - 1
             elif pushed is not None and decision.action.kind != "stop":
                 executed = pushed
-            share = mid_rng.random() if mid_motion and executed.kind != "stop" and mid_rng.random() < mid_motion else None
+            share = (mid_motion_from + (1.0 - mid_motion_from) * mid_rng.random()
+                     if mid_motion and executed.kind != "stop" and mid_rng.random() < mid_motion else None)
             result = world.step(executed)
             if share is not None and not result.collided and not world.done:
                 mid = (primitive_pose_at(scenario, pose, executed, share * limits.duration_s(executed), limits),

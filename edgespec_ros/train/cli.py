@@ -147,6 +147,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"edgespec-train: --push-repeats must be in [0, 1), got {cfg.push_repeats}")
     if not 0.0 <= cfg.mid_motion <= 1.0:
         raise SystemExit(f"edgespec-train: --mid-motion must be in [0, 1], got {cfg.mid_motion}")
+    if not 0.0 <= cfg.mid_motion_from < 1.0:
+        raise SystemExit(f"edgespec-train: --mid-motion-from must be in [0, 1), got {cfg.mid_motion_from}")
     if pipeline_expert(cfg).blocked_memory and not cfg.memory:
         raise SystemExit("edgespec-train: --expert blocked_memory=true labels frames from the memory's last outcome, "
                          "which only --memory >= 1 shows")

@@ -46,6 +46,9 @@ class PipelineConfig:
     # action under way in the prompt and the expert's decision where it ends as the answer
     # (sim.dataset.expert_frames): the frames a robot deciding while it moves (act_while_verifying) sees
     mid_motion: float = 0.0
+    # where in the motion those frames are captured: a share uniform in [mid_motion_from, 1) (a robot
+    # with the drafter's overlap_min_progress captures none earlier)
+    mid_motion_from: float = 0.0
     # the expert whose answers the models learn and are scored against: ExpertConfig fields as
     # "KEY=VALUE;KEY=VALUE" (e.g. "stop_gap_m=0.3": stop 0.3 m from touching the goal, inside the
     # goal radius the camera cannot show); empty: the default expert. Recorded in each model's
@@ -143,7 +146,8 @@ HOW_NOT_WHAT = ("loader_workers", "checkpoint_every_s", "wisv_workers", "checkpo
 # options added after runs were started: at their defaults they leave a recipe's fingerprint as it
 # was, so `--resume` of an earlier run still finds its checkpoints and done stages
 LATER_OPTIONS = {"target_init": "", "target_lr": 3e-3, "expert": "", "belief": False, "spin_starts": 0.0,
-                 "push_repeats": 0.0, "mid_motion": 0.0}
+                 "push_repeats": 0.0, "mid_motion": 0.0,
+                 "mid_motion_from": 0.0}
 
 
 def recipe_of(cfg) -> dict:
@@ -172,7 +176,7 @@ ALL_STAGES = ("data", "tokenizer", "vision", "target", "draft", "distill", "exit
 # not the data and the target.
 STAGE_OPTIONS = {
     "data": ("train_scenarios", "action_noise", "closeups_per_scenario", "memory", "memory_noise", "memory_dropout",
-             "belief", "spin_starts", "push_repeats", "mid_motion", "expert", "seed"),
+             "belief", "spin_starts", "push_repeats", "mid_motion", "mid_motion_from", "expert", "seed"),
     "tokenizer": ("tokenizer_vocab", "target_init"),
     "vision": ("vision_", "heldout_scenarios", "seed"),
     "target": ("target_", "dagger_", "batch_size", "seed"),

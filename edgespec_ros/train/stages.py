@@ -28,7 +28,7 @@ def _data_chunk(cfg: PipelineConfig, lo: int, hi: int) -> dict:
                                 prompt=cfg.prompt, memory_noise=cfg.memory_noise,
                                 memory_dropout=cfg.memory_dropout,
                                 spin_starts=cfg.spin_starts, push_repeats=cfg.push_repeats,
-                                mid_motion=cfg.mid_motion):
+                                mid_motion=cfg.mid_motion, mid_motion_from=cfg.mid_motion_from):
         for key, value in (("images", ex.image), ("instructions", ex.instruction), ("texts", ex.text),
                            ("present", ex.labels.present), ("log_depth", ex.labels.log_depth),
                            ("goal_class", ex.labels.goal_class),
