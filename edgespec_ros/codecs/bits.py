@@ -178,12 +178,30 @@ def lattice_rank(counts, resolution: int) -> int:
 
 def lattice_unrank(rank: int, k: int, resolution: int) -> np.ndarray:
     """The counts whose lattice_rank is rank; CodecError when rank >= C(l + K - 1, K - 1)."""
+    steps = lattice_unrank_steps(rank, k, resolution)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+# Non-zero parts decided between two yields of lattice_unrank_steps: at K = 128, l = 1024 a row's
+# index takes ~1.5 ms of big-integer arithmetic on this project's CPU, so a verifier that decodes a
+# worst-case row holds its fair scheduler ~0.2 ms at a time, not the whole row.
+UNRANK_PARTS_A_STEP = 16
+
+
+def lattice_unrank_steps(rank: int, k: int, resolution: int, every: int = UNRANK_PARTS_A_STEP):
+    """lattice_unrank as a generator that yields after every ``every`` non-zero parts it decides
+    and returns the counts (edgespec_ros.decoding.preempt: the verifier's scheduler runs other
+    sessions' work at each yield)."""
     total = compositions(k, resolution)
     if not 0 <= rank < total:
         raise CodecError(f"lattice index {rank} out of range: a resolution-{resolution} lattice point over "
                          f"{k} tokens has an index below C({resolution + k - 1}, {k - 1}) = {total}")
     counts = np.zeros(k, dtype=np.int64)
-    i, remaining = 0, resolution
+    i, remaining, decided = 0, resolution, 0
     while remaining:
         # Points whose parts i..j-1 are all zero come first: Z(j) = compositions(k - j, remaining).
         # Find the largest j with rank < Z(j): parts i..j-1 are zero and part j is not.
@@ -216,4 +234,7 @@ def lattice_unrank(rank: int, k: int, resolution: int) -> np.ndarray:
         counts[j] = v
         remaining -= v
         i = j + 1
+        decided += 1
+        if remaining and decided % every == 0:
+            yield
     return counts

@@ -24,7 +24,7 @@ import torch
 
 from ..decoding.preempt import run_steps
 from .base import Codec, as_rows, check_payload_length, not_prepared, padded_support, sparse_row
-from .bits import (BitReader, BitWriter, CodecError, bits_for, compositions, lattice_rank, lattice_unrank,
+from .bits import (BitReader, BitWriter, CodecError, bits_for, compositions, lattice_rank, lattice_unrank_steps,
                    subset_rank, subset_unrank)
 
 # Decoding is on the verifier's shared compute thread, so the worst frame a client may send must be
@@ -95,11 +95,15 @@ class _LatticeCodec(Codec):
         out.uint(subset_rank(ids, vocab), bits_for(math.comb(vocab, k)))
         out.uint(lattice_rank(counts, self.l), bits_for(compositions(k, self.l)))
 
-    def _read_row(self, reader: BitReader, vocab: int, k: int, i: int) -> torch.Tensor:
+    def _read_row_steps(self, reader: BitReader, vocab: int, k: int, i: int):
+        """One row as preemptible steps (a yield after its subset, and within its lattice index:
+        ``bits.lattice_unrank_steps``); returns the row."""
         code = reader.uint(bits_for(math.comb(vocab, k)), f"subset code of draft {i}")
         ids = subset_unrank(code, k, vocab)
         index = reader.uint(bits_for(compositions(k, self.l)), f"lattice index of draft {i}")
-        return lattice_row(vocab, ids, lattice_unrank(index, k, self.l), self.l)
+        yield
+        counts = yield from lattice_unrank_steps(index, k, self.l)
+        return lattice_row(vocab, ids, counts, self.l)
 
     def lattice_bits(self, vocab: int, k: int) -> int:
         """Eq. 5 + Eq. 2, each field rounded up to whole bits."""
@@ -130,8 +134,8 @@ class KSQS(_LatticeCodec):
         return run_steps(self.decode_steps(payload, draft_ids, vocab))
 
     def decode_steps(self, payload, draft_ids, vocab):
-        """One row per step: the lattice index arithmetic is the costly part (ms per row at the
-        largest allowed K and l)."""
+        """Rows in steps of a fraction of one (``_read_row_steps``): the lattice index arithmetic is
+        the costly part (ms per row at the largest allowed K and l)."""
         n, k = len(draft_ids), min(self.k, vocab)
         row_bits = self.lattice_bits(vocab, k)
         check_payload_length(self.spec, payload, (n * row_bits + 7) // 8,
@@ -139,8 +143,7 @@ class KSQS(_LatticeCodec):
         reader = BitReader(payload, self.spec)
         rows = []
         for i in range(n):
-            rows.append(self._read_row(reader, vocab, k, i))
-            yield
+            rows.append((yield from self._read_row_steps(reader, vocab, k, i)))
         reader.done()
         return torch.stack(rows) if rows else torch.zeros(0, vocab, dtype=torch.float64)
 
@@ -259,7 +262,7 @@ class CSQS(_LatticeCodec):
         return run_steps(self.decode_steps(payload, draft_ids, vocab))
 
     def decode_steps(self, payload, draft_ids, vocab):
-        """One row per step (see KSQS.decode_steps)."""
+        """Rows in steps of a fraction of one (see KSQS.decode_steps)."""
         if self.budget and 8 * len(payload) > self.budget + 7:
             raise CodecError(f"{self.spec}: a {len(payload)}-byte payload exceeds the session's bit budget of "
                              f"{self.budget} bits per round")
@@ -273,8 +276,7 @@ class CSQS(_LatticeCodec):
             if k > self.kmax:
                 raise CodecError(f"{self.spec}: draft {i} declares a support of {k} tokens, more than the "
                                  f"session's kmax = {self.kmax}")
-            rows.append(self._read_row(reader, vocab, k, i))
-            yield
+            rows.append((yield from self._read_row_steps(reader, vocab, k, i)))
         reader.done()
         return torch.stack(rows) if rows else torch.zeros(0, vocab, dtype=torch.float64)
 
