@@ -61,6 +61,22 @@ def test_the_drafters_timing_uses_mode_autos_model_over_its_decisions_tokens_els
     assert timing.start_s(1.0, 1.5, None) == 1.0  # the decision outlasts the motion: at once
 
 
+def test_the_drafter_and_the_simulator_predict_a_latency_alike_from_the_same_measurements():
+    """Without mode auto's model the drafter's prediction is the simulator's: the median of the
+    same last LATENCY_WINDOW measured latencies (one window, one rule: control.chaining)."""
+    from edgespec_ros.control.chaining import LATENCY_WINDOW, RecentLatency
+    from edgespec_ros.robot.act_timing import DecisionTiming
+    from edgespec_ros.sim.act_loop import ActWhileVerifying
+    sim = RecentLatency(ActWhileVerifying("overlap", 5.0, 0.5).window)
+    drafter = DecisionTiming()
+    latencies = [0.4, 3.0, 0.9, 1.2, 0.7, 2.5, 0.8, 0.6]
+    for i, latency in enumerate(latencies):
+        sim.measured(latency)
+        drafter.observe(30, latency)
+        assert drafter.latency_s(None) == sim.predict()
+    assert sim.predict() == sorted(latencies[-LATENCY_WINDOW:])[LATENCY_WINDOW // 2]
+
+
 def test_min_progress_holds_the_frame_until_that_share_of_the_motion_has_run():
     from edgespec_ros.control.chaining import decision_start_s
     # a 2 s motion from 10 to 12, a 1.5 s decision: by latency it would begin at 10.5

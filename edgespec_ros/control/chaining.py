@@ -60,12 +60,17 @@ OFF, OVERLAP, SPECULATIVE = "off", "overlap", "speculative"
 ACT_WHILE_VERIFYING = (OFF, OVERLAP, SPECULATIVE)
 
 
+# How many of a command's last decisions the latency prediction reads, in the drafter and the
+# simulator alike.
+LATENCY_WINDOW = 5
+
+
 class RecentLatency:
     """A stated predictor of the next decision's latency from the ones measured so far in a command:
     the median of the last ``window`` (None before any was measured). What a drafter without mode
     auto's model (``robot.act_timing``) knows: its own decisions' measured times, nothing else."""
 
-    def __init__(self, window: int = 5):
+    def __init__(self, window: int = LATENCY_WINDOW):
         if window < 1:
             raise ValueError(f"RecentLatency: window must be >= 1, got {window}")
         self.window = window

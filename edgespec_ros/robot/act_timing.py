@@ -17,7 +17,7 @@ import math
 import statistics
 from collections import deque
 
-from ..control.chaining import decision_start_s
+from ..control.chaining import LATENCY_WINDOW, RecentLatency, decision_start_s
 from .draft_length import AutoGamma
 
 
@@ -51,15 +51,16 @@ def next_decision_start_s(now_s: float, motion_end_s: float | None, auto: AutoGa
 
 class DecisionTiming:
     """The drafter's last ``window`` verified decisions (tokens and latency, frame capture to
-    verdict), to time the next decision while a motion runs (:meth:`start_s`)."""
+    verdict), to time the next decision while a motion runs (:meth:`start_s`); without mode auto's
+    model, the measured latencies' median (``control.chaining.RecentLatency``, as the simulator)."""
 
-    def __init__(self, window: int = 8):
+    def __init__(self, window: int = LATENCY_WINDOW):
         self.tokens: deque[int] = deque(maxlen=window)
-        self.latencies_s: deque[float] = deque(maxlen=window)
+        self.measured = RecentLatency(window)  # the simulator's predictor (sim.act_loop), the same window
 
     def observe(self, tokens: int, latency_s: float) -> None:
         self.tokens.append(int(tokens))
-        self.latencies_s.append(float(latency_s))
+        self.measured.measured(latency_s)
 
     def latency_s(self, auto: AutoGamma | None) -> float | None:
         """The next decision's predicted latency: mode auto's model over the decisions' median
@@ -68,7 +69,7 @@ class DecisionTiming:
         if not self.tokens:
             return None
         predicted = predicted_decision_s(auto, statistics.median(self.tokens)) if auto is not None else None
-        return predicted if predicted is not None else statistics.median(self.latencies_s)
+        return predicted if predicted is not None else self.measured.predict()
 
     def start_s(self, now_s: float, motion_end_s: float | None, auto: AutoGamma | None,
                 motion_start_s: float | None = None, min_progress: float = 0.0) -> float:

@@ -42,8 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..control.actions import Action
-from ..control.chaining import (ACT_WHILE_VERIFYING, DROP_BLOCKED, DROP_FRAME_AGE, OFF, SPECULATIVE,
-                                RecentLatency, decision_start_s)
+from ..control.chaining import (ACT_WHILE_VERIFYING, DROP_BLOCKED, DROP_FRAME_AGE, LATENCY_WINDOW, OFF,
+                                SPECULATIVE, RecentLatency, decision_start_s)
 from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.profiles import extent, metric_like, primitive_profile
 from ..control.provisional import (CONFIRMED, PROVISIONAL_BOUNDS, ProvisionalCounters, provisional_action,
@@ -65,7 +65,7 @@ class ActWhileVerifying:
     max_decision_age_s: float
     provisional_margin_s: float
     bounds: DegradedProfile = PROVISIONAL_BOUNDS
-    window: int = 5
+    window: int = LATENCY_WINDOW
     min_progress: float = 0.0  # overlap_min_progress: the share of motion k run before k+1's frame (decision_start_s)
 
     def __post_init__(self):
