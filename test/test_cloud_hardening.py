@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 import os
 import signal
 import socket
@@ -867,9 +868,10 @@ def test_a_closed_session_stops_its_preempted_job():
 
 
 @pytest.mark.parametrize("spec,least", [("ksqs:k=8,l=100", 1), ("csqs:l=100", 1), ("ksqs:k=128,l=1024", 4)])
-def test_sqs_decode_steps_give_the_same_rows_in_steps_of_at_most_a_row(spec, least):
-    """A row is at least one step (its subset, then its lattice index); a worst-case row (K = 128,
-    l = 1024: ~100 non-zero parts) is several, one every UNRANK_PARTS_A_STEP parts of its index."""
+def test_sqs_decode_steps_give_the_same_rows_in_steps(spec, least):
+    """A row is one step (its subset) plus one every UNRANK_PARTS_A_STEP non-zero parts of its
+    lattice index: exactly one a row at K = 8; a worst-case row (K = 128, l = 1024: ~100 non-zero
+    parts) several. A bad lattice index is refused at the step that reads it, not a step later."""
     import torch
     from edgespec_ros.codecs import get_codec
     codec = get_codec(spec)
@@ -885,8 +887,18 @@ def test_sqs_decode_steps_give_the_same_rows_in_steps_of_at_most_a_row(spec, lea
         except StopIteration as stop:
             rows = stop.value
             break
-    assert n >= least * len(ids)
+    assert n == len(ids) if spec == "ksqs:k=8,l=100" else n >= least * len(ids)
     assert torch.equal(rows, codec.decode(payload, ids, 300))
+    if spec.startswith("ksqs"):  # the first row's lattice index past its range: CodecError at once
+        from edgespec_ros.codecs.bits import BitWriter, CodecError, bits_for, compositions
+        k, l = codec.k, codec.l
+        out = BitWriter()
+        out.uint(0, bits_for(math.comb(300, k)))
+        out.uint((1 << bits_for(compositions(k, l))) - 1, bits_for(compositions(k, l)))
+        for _ in ids[1:]:
+            out.uint(0, bits_for(math.comb(300, k)) + bits_for(compositions(k, l)))
+        with pytest.raises(CodecError, match="lattice index"):
+            next(codec.decode_steps(out.bytes(), ids, 300))
 
 
 @pytest.mark.parametrize("by_cost", [False, True], ids=["by-tokens", "by-cost"])
@@ -947,6 +959,15 @@ def test_prefill_pieces_by_cost_hold_a_quantum_to_what_one_at_the_start_costs():
     sizes = [b - a for a, b in pieces[:-1]]
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < chunk // 2  # deeper pieces hold fewer
     assert _prefill_pieces(n, chunk, None, 0) == [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+    # deep in the prompt the floor holds (chunk / 8), and a short tail after a long cached prefix
+    # is cut by cost too (not one piece because it is under chunk tokens)
+    assert {b - a for a, b in _prefill_pieces(4000, chunk, None, 0, 64)[:-1]} >= {chunk // 8}
+    assert all(b - a <= chunk // 8 for a, b in _prefill_pieces(4000, chunk, None, 3000, 64))
+    tail = _prefill_pieces(2060, chunk, None, 2000, span)
+    assert len(tail) > 1 and tail[0] == (2000, 2000 + int(chunk * span / (span + 2000)))
+    assert _prefill_pieces(2010, chunk, None, 2000, span) == [(2000, 2010)]
+    with pytest.raises(ValueError, match="chunk"):
+        _prefill_pieces(100, 0, None)
     # an image stays whole and the cached start is kept
     assert (300, 500) in _prefill_pieces(n, chunk, (300, 500), 100, span)
     assert _prefill_pieces(n, chunk, (300, 500), 100, span)[0][0] == 100
@@ -1211,21 +1232,27 @@ def test_the_verifier_sets_its_torch_threads(tmp_path):
         torch.set_num_threads(before)
 
 
-def test_the_verifier_freezes_its_start_up_heap():
+def test_the_verifier_freezes_its_start_up_heap_and_hands_the_interpreter_over_often():
     """The objects alive after start-up (model, tokenizer, imported modules) are frozen out of the
     garbage collector's full passes: under a hostile load's allocation churn a full pass walked
     ~400k of them with the GIL held, 100-200 ms in which neither the event loop nor the compute
-    thread ran (the good robot's tail in the hostile soak)."""
+    thread ran (the good robot's tail in the hostile soak). The interpreter lock is handed over
+    every SWITCH_INTERVAL_S (1 ms, not Python's 5): restored here, as it is process-wide."""
     import gc
-    from edgespec_ros.cloud.config import build_parser, build_server
+    import sys
+    from edgespec_ros.cloud.config import SWITCH_INTERVAL_S, build_parser, build_server
     gc.unfreeze()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
     server = build_server(build_parser().parse_args(["--torch-threads", "1"]))
     try:
         assert gc.get_freeze_count() > 10_000  # the weights' modules, the tokenizer, transformers' imports
         assert gc.get_freeze_count() > 10 * len(gc.get_objects())  # a full pass walks what came after
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
     finally:
         server.fair.shutdown()
         gc.unfreeze()
+        sys.setswitchinterval(before)
 
 
 def test_a_sessions_frames_are_capped_by_what_its_settings_can_need(pair):

@@ -506,3 +506,6 @@ def test_mid_motion_from_captures_the_frames_late_in_the_motion(tmp_path):
     with pytest.raises(SystemExit, match="--mid-motion-from must be in"):
         train_cli.main(["data", "--memory", "2", "--mid-motion", "1", "--mid-motion-from", "1", "--work",
                         str(tmp_path), "--out", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match="give --mid-motion too"):
+        train_cli.main(["data", "--memory", "2", "--mid-motion-from", "0.5", "--work", str(tmp_path),
+                        "--out", str(tmp_path / "m")])

@@ -98,7 +98,8 @@ class Graph:
         # interpreter lock over every 1 ms, not 5, so the executor's callbacks (odometry, cmd_vel,
         # the watchdog) are not held back by other threads' Python-heavy work. (Measured: at 5 ms a
         # sim + navigator graph alone saw 1 s odometry gaps and gave moves up as blocked.)
-        sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+        from ..cloud.config import SWITCH_INTERVAL_S
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         # Discovery on this host only: an in-process graph drives a simulated robot or a test.
         os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
         self.context = Context()

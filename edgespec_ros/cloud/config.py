@@ -377,8 +377,9 @@ SWITCH_INTERVAL_S = 0.001
 
 
 def hand_over_the_interpreter_often() -> float:
-    """The verifier runs two threads on one interpreter: the event loop (every connection's frames,
-    a robot's among them) and the compute thread (Python between the model's ops). At Python's
+    """The verifier's threads share one interpreter: the event loop (every connection's frames, a
+    robot's among them), the compute thread (Python between the model's ops) and, when recording,
+    the trace writer. At Python's
     default 5 ms a frame that arrives while the compute thread holds the lock waits up to 5 ms to
     be read, and a forward waits as long behind a burst of other clients' handshakes; handing it
     over every 1 ms bounds both (measured in the soak: docs/verifier.md). Returns the interval."""

@@ -136,7 +136,7 @@ class TargetSession:
     def start_steps(self, prompt: Prompt, settings: VerifySettings, chunk: int = PREFILL_CHUNK,
                     reuse: bool = True, by_cost: bool = False):
         """start() as preemptible steps (edgespec_ros.decoding.preempt): the image is processed in the first
-        quantum, then the prompt is prefilled ``chunk`` tokens at a time; returns compute seconds
+        quantum, then the prompt is prefilled in pieces of at most ``chunk`` tokens; returns compute seconds
         (quanta only). ``reuse``: keep the cached positions the prompt shares with this session's
         last one (``Sequence.prefill_steps``); ``by_cost``: pieces bounded by cost rather than tokens
         (the verifier's: a piece deep in a long prompt holds the scheduler as long as one at its start)."""

@@ -72,7 +72,7 @@ class Codec:
         raise NotImplementedError
 
     def decode_steps(self, payload: bytes, draft_ids: list[int], vocab: int):
-        """decode() as a generator that may yield between rows and returns the rows: the
+        """decode() as a generator that may yield between rows (and within one) and returns the rows: the
         verifier's fair scheduler runs other sessions' work at each yield, so a worst-case frame
         is many short quanta, not one long job (edgespec_ros.decoding.preempt). Cheap codecs decode in
         one step."""

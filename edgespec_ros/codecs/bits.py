@@ -186,20 +186,28 @@ def lattice_unrank(rank: int, k: int, resolution: int) -> np.ndarray:
             return done.value
 
 
-# Non-zero parts decided between two yields of lattice_unrank_steps: at K = 128, l = 1024 a row's
-# index takes ~1.5 ms of big-integer arithmetic on this project's CPU, so a verifier that decodes a
-# worst-case row holds its fair scheduler ~0.2 ms at a time, not the whole row.
+# Non-zero parts decided between two yields of lattice_unrank_steps. At K = 128, l = 1024 a row's
+# index is a few ms of big-integer arithmetic, front-loaded (the first parts' binomials are the
+# largest): in steps of 16 parts the longest step is a quarter to a third of the row's time.
 UNRANK_PARTS_A_STEP = 16
 
 
 def lattice_unrank_steps(rank: int, k: int, resolution: int, every: int = UNRANK_PARTS_A_STEP):
-    """lattice_unrank as a generator that yields after every ``every`` non-zero parts it decides
-    and returns the counts (edgespec_ros.decoding.preempt: the verifier's scheduler runs other
-    sessions' work at each yield)."""
+    """lattice_unrank as steps: checks ``rank`` at once (CodecError here, before any step), then
+    returns a generator that yields after every ``every`` non-zero parts it decides and returns
+    the counts (edgespec_ros.decoding.preempt: the verifier's scheduler runs other sessions' work
+    at each yield)."""
+    if every < 1:
+        raise ValueError(f"lattice_unrank_steps: every must be >= 1, got {every}")
     total = compositions(k, resolution)
     if not 0 <= rank < total:
         raise CodecError(f"lattice index {rank} out of range: a resolution-{resolution} lattice point over "
                          f"{k} tokens has an index below C({resolution + k - 1}, {k - 1}) = {total}")
+    return _lattice_unrank_steps(rank, k, resolution, every)
+
+
+def _lattice_unrank_steps(rank: int, k: int, resolution: int, every: int):
+    """The steps of lattice_unrank_steps (``rank`` checked)."""
     counts = np.zeros(k, dtype=np.int64)
     i, remaining, decided = 0, resolution, 0
     while remaining:

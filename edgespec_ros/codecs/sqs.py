@@ -101,8 +101,9 @@ class _LatticeCodec(Codec):
         code = reader.uint(bits_for(math.comb(vocab, k)), f"subset code of draft {i}")
         ids = subset_unrank(code, k, vocab)
         index = reader.uint(bits_for(compositions(k, self.l)), f"lattice index of draft {i}")
+        steps = lattice_unrank_steps(index, k, self.l)  # a bad index refused here, before the yield
         yield
-        counts = yield from lattice_unrank_steps(index, k, self.l)
+        counts = yield from steps
         return lattice_row(vocab, ids, counts, self.l)
 
     def lattice_bits(self, vocab: int, k: int) -> int:

@@ -66,9 +66,10 @@ LATENCY_WINDOW = 5
 
 
 class RecentLatency:
-    """A stated predictor of the next decision's latency from the ones measured so far in a command:
-    the median of the last ``window`` (None before any was measured). What a drafter without mode
-    auto's model (``robot.act_timing``) knows: its own decisions' measured times, nothing else."""
+    """A stated predictor of the next decision's latency from the ones measured so far: the median
+    of the last ``window`` (None before any was measured). The simulator keeps one an episode; a
+    drafter without mode auto's model (``robot.act_timing``) one since it started (a latency is the
+    link's and the cloud's, not the command's): its own decisions' measured times, nothing else."""
 
     def __init__(self, window: int = LATENCY_WINDOW):
         if window < 1:

@@ -78,9 +78,9 @@ class LoadedModel:
         try:
             d, ff, heads = int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_attention_heads)
             kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        except (AttributeError, TypeError, ValueError):
+            head_dim = int(getattr(cfg, "head_dim", None) or d // heads)
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
             return None
-        head_dim = int(getattr(cfg, "head_dim", None) or d // heads)
         weights = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ff
         return max(1, weights // (2 * heads * head_dim))
 

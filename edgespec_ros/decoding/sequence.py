@@ -76,14 +76,20 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: in
                     span: int | None = None) -> list[tuple[int, int]]:
     """[a, b) pieces of an n-token prompt from ``start`` on (the positions before it are cached):
     at most chunk tokens each, except the piece holding all of an image's tokens (which must meet
-    their pixels in one forward); one piece when n - start <= chunk.
+    their pixels in one forward); one piece when what is left fits the first piece.
 
     ``span`` (``LoadedModel.attention_span``): pieces bounded by cost, not tokens. A token at
     position a attends over a positions, so it costs (1 + a / span) tokens at the prompt's start;
     a piece starting at a holds chunk * span / (span + a) tokens (at least chunk / 8, so a long
     prompt is not cut into pieces that are all fixed cost), and a quantum of a long context costs
     about what one at its start does."""
-    if n - start <= chunk:
+    if chunk < 1:
+        raise ValueError(f"prefill pieces: chunk must be >= 1 token, got {chunk}")
+
+    def size_at(a: int) -> int:
+        return chunk if not span else max(chunk // 8, 1, int(chunk * span / (span + a)))
+
+    if n - start <= size_at(start):
         return [(start, n)]
     spans = [(start, image[0]), image, (image[1], n)] if image is not None else [(start, n)]
     pieces = []
@@ -93,9 +99,8 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: in
             continue
         a = lo
         while a < hi:
-            size = chunk if not span else max(chunk // 8, 1, int(chunk * span / (span + a)))
-            pieces.append((a, min(hi, a + size)))
-            a += size
+            pieces.append((a, min(hi, a + size_at(a))))
+            a += size_at(a)
     return [p for p in pieces if p[1] > p[0]]
 
 

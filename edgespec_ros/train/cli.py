@@ -149,6 +149,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"edgespec-train: --mid-motion must be in [0, 1], got {cfg.mid_motion}")
     if not 0.0 <= cfg.mid_motion_from < 1.0:
         raise SystemExit(f"edgespec-train: --mid-motion-from must be in [0, 1), got {cfg.mid_motion_from}")
+    if cfg.mid_motion_from and not cfg.mid_motion:
+        raise SystemExit("edgespec-train: --mid-motion-from says where the frames of --mid-motion are captured: "
+                         "give --mid-motion too")
     if pipeline_expert(cfg).blocked_memory and not cfg.memory:
         raise SystemExit("edgespec-train: --expert blocked_memory=true labels frames from the memory's last outcome, "
                          "which only --memory >= 1 shows")
