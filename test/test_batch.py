@@ -347,3 +347,24 @@ def test_one_sessions_bad_round_inside_a_batched_pass_fails_only_that_session():
         assert (got[i].accepted, got[i].next_token) == (ref.accepted, ref.next_token)
         assert len(exits[i]) == len(p.target.exits.layers)  # the honest rows streamed every exit
     assert exits[1] == []
+
+
+def test_the_verifiers_prefill_is_cut_by_cost(pair):
+    """The verifier prefills in pieces bounded by cost (``start_steps(by_cost=True)``: pieces of
+    ``--prefill-chunk`` tokens at a prompt's start, fewer deeper in), and the whole prompt is fed."""
+    from edgespec_ros.cloud.limits import ServerLimits
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.cloud.target import TargetSession
+    from edgespec_ros.decoding.preempt import run_steps
+    from edgespec_ros.decoding.verify import VerifySettings
+    server = VerifierServer(server_copy(pair.target), limits=ServerLimits(prefill_chunk=16))
+    prompt, _ = EdgeDecoder(pair.draft, LocalVerifier(pair.target)).make_prompt("find the silver bottle " * 12, None)
+    session, seen = TargetSession(server.lm), []
+    original = session.start_steps
+
+    def start_steps(*args, **kwargs):
+        seen.append(kwargs.get("by_cost"))
+        return original(*args, **kwargs)
+    session.start_steps = start_steps
+    run_steps(server._prefill_on_device(session, prompt, VerifySettings()))
+    assert seen == [True] and session.seq.fed == len(prompt.prompt_ids)
