@@ -99,8 +99,9 @@ def _prefill_pieces(n: int, chunk: int, image: tuple[int, int] | None, start: in
             continue
         a = lo
         while a < hi:
-            pieces.append((a, min(hi, a + size_at(a))))
-            a += size_at(a)
+            b = min(hi, a + size_at(a))
+            pieces.append((a, b))
+            a = b
     return [p for p in pieces if p[1] > p[0]]
 
 
@@ -188,7 +189,7 @@ class Sequence:
         agree with a full prefill's to float rounding, as chunked prefill's do. A piece that fails
         drops the cache (its layers may hold different lengths), so nothing half-written is reused.
         ``by_cost``: pieces bounded by cost rather than tokens (:func:`_prefill_pieces`' ``span``),
-        so a piece deep in a long prompt holds the fair scheduler no longer than one at its start."""
+        so a piece deep in a long prompt holds the fair scheduler about as long as one at its start."""
         from transformers import DynamicCache
         model = self.lm.model
         device = self.lm.device
