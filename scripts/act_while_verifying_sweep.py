@@ -87,17 +87,19 @@ def engine_rows(links=("wifi-poor", "go2-paper")) -> list[tuple[str, str, float]
 
 
 class Memo:
-    """A policy's decisions remembered by what it saw (the frame's bytes, the prompt's history): greedy
-    decisions are a function of them, so a row that renders the same frames as another decides for free."""
+    """A policy's decisions remembered by what it saw (the frame's bytes, the prompt's history, and for
+    a sampled decision its temperature and seed): each is a function of them, so a row that renders
+    the same frames as another decides for free."""
 
     def __init__(self, policy):
         self.policy, self.memory, self.belief = policy, policy.memory, policy.belief
         self._seen: dict = {}
 
-    def decide(self, image, instruction, history=()):
-        key = (hashlib.sha1(image.tobytes()).hexdigest(), instruction, repr(tuple(history)))
+    def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+        key = (hashlib.sha1(image.tobytes()).hexdigest(), instruction, repr(tuple(history)),
+               temperature, seed if temperature else 0)
         if key not in self._seen:
-            self._seen[key] = self.policy.decide(image, instruction, history=history)
+            self._seen[key] = self.policy.decide(image, instruction, temperature, seed, history=history)
         return self._seen[key]
 
 
@@ -217,6 +219,10 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=None, help="the target model dir (default: the committed pair's)")
     parser.add_argument("--draft", default=None, help="the draft model dir (default: the committed pair's)")
     parser.add_argument("--tag", default="", help="appended to the results' file names (another pair's rows)")
+    parser.add_argument("--resample-temperature", type=float, default=0.0,
+                        help="the regimes' rows: the decision after an unparseable or blocked one samples at this "
+                             "temperature, as the drafter node's (its default: 0.7); 0, greedy throughout (the "
+                             "committed rows)")
     args = parser.parse_args(argv)
     scenarios = load_scenarios(args.scenarios)
     target_dir, draft_dir = args.target or default_model_path("target"), args.draft or default_model_path("draft")
@@ -237,14 +243,18 @@ def main(argv=None) -> int:
         profile = get_profile(link_name)
         report = {"command": "PYTHONPATH=. python scripts/act_while_verifying_sweep.py --scenarios HO30 "
                              f"--regimes {regime}" + "".join(f" --{k}={v}" for k, v in (("target", args.target),
-                                                             ("draft", args.draft), ("tag", args.tag)) if v)
+                                                             ("draft", args.draft), ("tag", args.tag),
+                                                             ("resample-temperature", args.resample_temperature)) if v)
                              + "  (HO30: edgespec-sim heldout --out HO30 --n 30)",
                   "commit": commit, "models": {"target": target_dir, "draft": draft_dir},
                   "scenarios": f"{len(scenarios)} held-out ({args.scenarios})", "link": profile.describe(),
                   "deadline_s": deadline_s, "draft_latency_model": draft_latency.label,
                   "note": "EMULATED latencies (stated per token + one round trip), simulated clock; " + (
                       "the committed pair was never trained on frames captured mid-motion nor on the 'executing' word"
-                      if args.target is None else "the models given (--target, --draft)"),
+                      if args.target is None else "the models given (--target, --draft)") + (
+                      f"; the decision after an unparseable or blocked one sampled at temperature "
+                      f"{args.resample_temperature:g}, as the drafter node's" if args.resample_temperature
+                      else "; greedy throughout"),
                   "rows": {}}
         if regime == "go2-paper":
             report["per_token_derivation"] = (
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
                 episodes.append(run_linked_episode(
                     target, s, link=OutageSchedule(profile, 0), on_link_loss=DEFAULTS.on_link_loss, health=health,
                     decision_latency=latency, deadline_s=deadline_s, draft_policy=draft, draft_latency=draft_latency,
-                    acting=acting))
+                    acting=acting, resample_temperature=args.resample_temperature))
                 bar.update(1)
             report["rows"][label] = summarize(episodes) | {
                 "cloud_mode": mode, "act_while_verifying": acting_mode, "max_decision_age_s": age,

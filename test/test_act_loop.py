@@ -46,14 +46,18 @@ class Stub:
 
     def __init__(self, script, memory=0):
         self.script = [(s, 10) if isinstance(s, str) else s for s in script]
-        self.memory, self.calls, self.images, self.histories = memory, 0, [], []
+        self.memory, self.calls, self.images, self.histories, self.sampled = memory, 0, [], [], []
 
     def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
         text, tokens = self.script[self.calls] if self.calls < len(self.script) else ("stop", 10)
         self.calls += 1
         self.images.append(image)
         self.histories.append(tuple(history))
-        return PolicyOutput(text, parse_action(text), None, tokens)
+        self.sampled.append((temperature, seed) if temperature else None)
+        try:
+            return PolicyOutput(text, parse_action(text), None, tokens)
+        except ValueError as exc:  # an unparseable answer: no action, its reason
+            return PolicyOutput(text, None, str(exc), tokens)
 
 
 class CutLink:
@@ -290,3 +294,34 @@ def test_the_cli_runs_speculative_and_reports_what_the_user_feels(tmp_path):
     for key in ("time_median_s", "time_p90_s", "waiting_ratio", "pauses_per_episode", "provisional", "dropped"):
         assert key in report
     assert report["provisional"]["taken"] >= 1
+
+
+@pytest.mark.parametrize("mode,min_progress", [("off", 0.0), ("overlap", 1.0)])
+def test_the_decision_after_a_blocked_move_or_an_unparseable_one_samples_as_the_drafters(mode, min_progress):
+    """With resample_temperature the decision after a move that ended blocked, or after one that did
+    not parse, samples at it (seeded by the decision's index), as the drafter node's does; the one
+    after a move that ran is greedy again; 0 (the default) is greedy throughout. (Overlap at
+    min_progress 1: each decision begins as the motion under way ends, through the acting loop.)"""
+    script = ["move forward large", "move forward large", "I am not sure", "turn left large", "turn left large",
+              "move forward small", "stop"]
+    wall = corridor(x=8.2, yaw_deg=0.0)  # 0.8 m from the east wall, facing it: a large move is blocked
+    for temperature, expected in ((0.7, [None, (0.7, 1), (0.7, 2), (0.7, 3), None, None, None]),
+                                  (0.0, [None] * 7)):
+        policy = Stub(script)
+        ep = episode(policy, wall, mode=mode, min_progress=min_progress, resample_temperature=temperature)
+        assert [r.collided for r in verified(ep)][:2] == [True, True]
+        assert policy.sampled == expected, (temperature, policy.sampled)
+    with pytest.raises(ValueError, match="resample_temperature"):
+        episode(Stub(script), wall, mode=mode, resample_temperature=-1.0)
+
+
+def test_under_overlap_a_decision_dropped_for_a_blocked_motion_is_decided_again_sampled():
+    """Decided during a motion that then ends blocked: dropped, and decided again at rest on a fresh
+    frame, sampled (the drafter resamples after the navigator reports the blocked contact)."""
+    policy = Stub(["move forward large"] * 6 + ["turn left large", "stop"])
+    ep = episode(policy, corridor(x=8.2, yaw_deg=0.0), ms=20.0, resample_temperature=0.7)
+    kinds = [r.kind for r in ep.records if r.kind in (VERIFIED, DROPPED)]
+    assert DROPPED in kinds
+    for i, kind in enumerate(kinds[:-1]):
+        if kind == DROPPED:
+            assert policy.sampled[i] is None and policy.sampled[i + 1] is not None  # greedy mid-motion, then sampled

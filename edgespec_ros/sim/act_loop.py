@@ -207,7 +207,8 @@ class ActingRun(LinkedRun):
             self.link_fault(self.no_link(pose), pose=pose)
             return
         image = render_view(self.scenario, pose, world.camera).rgb if mid else world.camera_image()
-        out = _decide(self.policy, image, self.scenario, self._shown(self.memory, r))
+        out = self.decide_verified(image, self._shown(self.memory, r))
+        self.resample_next = out.action is None  # until the motion under way ends (remember)
         latency = self.decision_latency(out)
         if latency > self.deadline_s:  # a link fault: the decision in flight is dropped, motion k runs on
             self.link_fault(f"the decision took {latency:.2f} s", pose=pose)

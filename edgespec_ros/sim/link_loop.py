@@ -40,7 +40,10 @@ The episode ends as the world's does (a stop, ``max_steps`` decisions) or at ``t
 handshake; unanswered ones count as link faults) and, once the link is declared lost, by retrace
 steps until a reconnect answers (nothing decided can find the link gone then).
 Decisions of the policies count towards ``max_steps``; link faults and retrace steps do not (no
-model decided them). Every record of an episode says whether its decision was verified and, if not,
+model decided them). With ``resample_temperature`` the verified decision after an unparseable one
+or after a move that ended blocked samples at that temperature, as the drafter node's does
+(``robot.settings.DrafterSettings.resample_temperature``); 0: greedy throughout.
+Every record of an episode says whether its decision was verified and, if not,
 which fallback made it. All times are simulated seconds, and every latency model here is EMULATED
 (``StatedLatency``: a stated per-token figure; ``evaluation.linked.MeasuredLatency``: the wall time
 of a decoder against a verifier whose compute and link are emulated): reports name which one they used.
@@ -219,8 +222,11 @@ def _remember(memory: PolicyMemory, action: Action | None, collided: bool, text:
         memory.add(action.text, BLOCKED if collided else DONE, text)
 
 
-def _decide(policy, image, scenario: Scenario, history: tuple):
-    return policy.decide(image, scenario.instruction, **({"history": history} if history else {}))
+def _decide(policy, image, scenario: Scenario, history: tuple, temperature: float = 0.0, seed: int = 0):
+    kwargs = {"history": history} if history else {}
+    if temperature > 0:
+        return policy.decide(image, scenario.instruction, temperature, seed, **kwargs)
+    return policy.decide(image, scenario.instruction, **kwargs)
 
 
 class LinkedRun:
@@ -231,7 +237,8 @@ class LinkedRun:
 
     def __init__(self, policy, scenario: Scenario, *, link: Link, on_link_loss: str, health: LinkHealth,
                  decision_latency: Callable[[object], float], deadline_s: float, draft_policy, draft_latency,
-                 time_cap_s: float, limits: MotionLimits, action_config: ActionConfig):
+                 time_cap_s: float, limits: MotionLimits, action_config: ActionConfig,
+                 resample_temperature: float = 0.0):
         self.policy, self.scenario, self.link, self.on_link_loss = policy, scenario, link, on_link_loss
         self.decision_latency, self.deadline_s, self.time_cap_s = decision_latency, deadline_s, time_cap_s
         self.draft_policy, self.draft_latency, self.limits = draft_policy, draft_latency, limits
@@ -245,6 +252,8 @@ class LinkedRun:
         self.timeline = Timeline()
         self.t = 0.0
         self.retrace_over = ""  # why the way back is over (the start reached, or a step ran into something)
+        self.resample_temperature = resample_temperature
+        self.resample_next = False  # the last decision did not parse or its move ended blocked
 
     # ------------------------------------------------------------------ pieces
 
@@ -271,6 +280,15 @@ class LinkedRun:
         for m in (self.memory, self.draft_memory):
             if m is not None:
                 _remember(m, action, collided, text)
+        self.resample_next = action is None or collided
+
+    def decide_verified(self, image, history: tuple):
+        """The policy's decision on ``image``: sampled at ``resample_temperature`` (seeded by the
+        decision's index) when the last decision did not parse or its move ended blocked, as the
+        drafter node decides; greedy otherwise."""
+        resample = self.resample_next and self.resample_temperature > 0
+        return _decide(self.policy, image, self.scenario, history,
+                       self.resample_temperature if resample else 0.0, self.world.steps)
 
     def wait(self, why: str) -> None:  # stand still until the next reconnect
         wait_s = max(min(self.fallback.health.next_probe_s, self.time_cap_s) - self.t, 0.0)
@@ -327,8 +345,7 @@ class LinkedRun:
             rec.collided = collided
             self.timeline.motion(self.t, self.t + rec.motion_s)
             self.t += rec.motion_s
-        for m in (self.memory, self.draft_memory):
-            _remember(m, action, collided, getattr(out, "text", ""))
+        self.remember(action, collided, getattr(out, "text", ""))
 
     # ------------------------------------------------------------------ overridden to act while verifying
 
@@ -338,7 +355,7 @@ class LinkedRun:
         if not self.link_up(self.t):
             self.link_fault(self.no_link(world.pose))
             return
-        out = _decide(self.policy, world.camera_image(), self.scenario, self.memory.shown() if self.memory.k else ())
+        out = self.decide_verified(world.camera_image(), self.memory.shown() if self.memory.k else ())
         latency = self.decision_latency(out)
         if latency > self.deadline_s:  # the drafter gives up at its deadline: a link fault like any other
             self.link_fault(f"the decision took {latency:.2f} s")
@@ -452,23 +469,28 @@ def run_linked_episode(policy, scenario: Scenario, *, link: Link, on_link_loss: 
                        time_cap_s: float = DEFAULT_TIME_CAP_S,
                        limits: MotionLimits = MotionLimits(),
                        action_config: ActionConfig = DEFAULT_ACTION_CONFIG,
-                       acting: "ActWhileVerifying | None" = None) -> LinkedEpisode:
+                       acting: "ActWhileVerifying | None" = None,
+                       resample_temperature: float = 0.0) -> LinkedEpisode:
     """Roll ``policy`` (VLMPolicy-like: ``decide(image, instruction[, history=])`` -> ``.action``,
     ``.tokens``) out in ``scenario`` over a ``link`` that fails in time (its cuts) and in space
     (the scenario's dead zones), with ``on_link_loss`` (stop, retrace or draft_only: then
     ``draft_policy`` and ``draft_latency`` are needed) once the link is declared lost by a fresh
     copy of ``health`` (its settings: the drafter's, ``DrafterSettings``). ``acting``: when the
     robot moves while a decision is made (``sim.act_loop.ActWhileVerifying``; None: off, every
-    decision blocks the robot). See the module docstring for the rules. Greedy throughout."""
+    decision blocks the robot); ``resample_temperature``: the decision after an unparseable or blocked
+    one samples at it, as the drafter node's (0: greedy throughout). See the module docstring."""
     if on_link_loss not in LINK_LOSS_ACTIONS:
         raise ValueError(f"on_link_loss {on_link_loss!r}: choose one of {', '.join(LINK_LOSS_ACTIONS)}")
     if on_link_loss == DRAFT_ONLY and (draft_policy is None or draft_latency is None):
         raise ValueError("on_link_loss draft_only needs a draft_policy and its draft_latency")
     if not deadline_s > 0 or not time_cap_s > 0:
         raise ValueError(f"need deadline_s > 0 and time_cap_s > 0, got {deadline_s}, {time_cap_s}")
+    if not resample_temperature >= 0:
+        raise ValueError(f"resample_temperature must be >= 0, got {resample_temperature}")
     kwargs = dict(link=link, on_link_loss=on_link_loss, health=health, decision_latency=decision_latency,
                   deadline_s=deadline_s, draft_policy=draft_policy, draft_latency=draft_latency,
-                  time_cap_s=time_cap_s, limits=limits, action_config=action_config)
+                  time_cap_s=time_cap_s, limits=limits, action_config=action_config,
+                  resample_temperature=resample_temperature)
     if acting is None or acting.mode == OFF:
         return LinkedRun(policy, scenario, **kwargs).run()
     return acting.run(policy, scenario, **kwargs)
