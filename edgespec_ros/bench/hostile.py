@@ -60,7 +60,8 @@ GOOD_TOKEN = "good-robot-token-7f3a9c2e41d8b6a0"
 HOSTILE_TOKEN = "stolen-fleet-token-0b5e8d7c6a4f2e1d"
 HOSTILE_N_DEFAULT = (0, 10, 100)
 GOOD_MODE = "sd"  # the good robot's mode: one VERIFY per round, so every round meets the load
-RAMP_S = 3.0  # the load runs this long before the good robot's measured decisions start
+RAMP_S = 3.0  # the load runs this long before the good robot's measured decisions, counted from every kind's
+FIRST_OUTCOMES_S = 30.0  # first outcome, at most this long after it starts (a first connection can take seconds)
 
 
 # --- the load generator (its own process) ------------------------------------------------------
@@ -120,14 +121,23 @@ class Load:
         self.draft = [int(i) for i in q.argmax(-1)]  # drafts the quantized q gives mass to
         self.payload = codec.encode(self.draft, q)
 
+    async def _announce_started(self, until: float) -> None:
+        """Print "started" once every kind of client in the run has had an outcome (or at ``until``)."""
+        kinds, loop = {self.kinds[i % len(self.kinds)] for i in range(self.n)}, asyncio.get_running_loop()
+        while not all(self.counts[k] for k in kinds) and loop.time() < until and not self.stop.is_set():
+            await asyncio.sleep(0.05)
+        print("started", flush=True)
+
     @staticmethod
     def source(i: int) -> str:
         return f"127.0.{1 + i // 250}.{2 + i % 250}"
 
     async def run(self) -> dict:
-        deadline = asyncio.get_running_loop().time() + self.seconds
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
         tasks = [asyncio.ensure_future(self._client(i, self.kinds[i % len(self.kinds)], deadline))
                  for i in range(self.n)]
+        tasks.append(asyncio.ensure_future(self._announce_started(loop.time() + FIRST_OUTCOMES_S)))
         try:
             await asyncio.wait_for(self.stop.wait(), self.seconds)
         except asyncio.TimeoutError:
@@ -564,6 +574,7 @@ def _measure(opts, counts_n, decisions, kinds, max_new, draft_lm, info, prompts,
                                              "--out", counts_path, "--kinds", *kinds], stdout=subprocess.PIPE,
                                             text=True, preexec_fn=lambda: _load_process_setup(cloud))
                     load.stdout.readline()  # "ready": its inputs are built
+                    load.stdout.readline()  # "started": every kind has had an outcome (or FIRST_OUTCOMES_S)
                     time.sleep(RAMP_S)
                 t0 = time.monotonic()
                 try:
