@@ -1,7 +1,9 @@
 """The fair compute scheduler's liveness under random schedules: every submitted round completes
 exactly once (its own verdict, or SessionGone when its session closed), whatever mix of rounds
 with and without a host prelude (some preemptible), plain host jobs, an emulated accelerator that
-stays busy after each pass, and sessions closing mid-round. And rounds queued together share passes.
+stays busy after each pass, forwards split by layers (paused for another flow between two of
+them), and sessions closing mid-round, a closed session's memory released only once no pass holds
+its row. And rounds queued together share passes.
 
 EDGESPEC_FAIR_SCHEDULES sets how many random schedules the liveness test runs (the suite's default
 keeps it short; `EDGESPEC_FAIR_SCHEDULES=10000 pytest test/test_fair_schedules.py` is the soak).
@@ -16,6 +18,7 @@ import threading
 import pytest
 
 from edgespec_ros.cloud.fair import FairCompute, Occupy, SessionGone
+from edgespec_ros.decoding.preempt import checkpoint
 
 SCHEDULES = int(os.environ.get("EDGESPEC_FAIR_SCHEDULES", "300"))
 DEADLINE_S = 5.0  # a schedule takes milliseconds: a round pending this long is lost
@@ -30,12 +33,18 @@ class _Device:
         self.lock = threading.Lock()
         self.seen: list[str] = []
         self.passes: list[int] = []
+        self.events: list[tuple] = []  # ("pass", sessions) at a pass's end, ("release", session)
 
     def verify(self, items):
         with self.lock:
             self.seen += items
             self.passes.append(len(items))
             busy = self.rng.choice((0.0, 0.0005, 0.001, 0.002))
+            layers = self.rng.choice((0, 2, 4))
+        for _ in range(layers):  # a layered verifier may pause here for another flow
+            checkpoint()
+        with self.lock:
+            self.events.append(("pass", {i.split(".")[0] for i in items}))
         return Occupy([f"verdict {i}" for i in items], busy)
 
 
@@ -56,7 +65,8 @@ async def _schedule(seed: int) -> tuple[_Device, dict, set, FairCompute]:
     rng = random.Random(seed)
     fair = FairCompute("t", max_batch=rng.choice((2, 3, 4, 8)),
                        max_batch_tokens=rng.choice((None, None, 8, 12)),
-                       pass_cost=rng.choice((None, lambda rows: 0.002)))  # passes may wait for expected rounds
+                       pass_cost=rng.choice((None, lambda rows: 0.002)),  # passes may wait for expected rounds
+                       layered=rng.random() < 0.5)
     device = _Device(random.Random(seed + 1))
     sessions = [f"s{i}" for i in range(rng.randint(2, 6))]
     flows = {s: rng.choice((None, "tenant-a", "tenant-b")) for s in sessions}
@@ -73,13 +83,15 @@ async def _schedule(seed: int) -> tuple[_Device, dict, set, FairCompute]:
             else:
                 fut = fair.run_batched(session, device.verify, round_id, flow=flows[session], rows=rows)
             rounds[round_id] = asyncio.ensure_future(fut)
-            if rng.random() < 0.3:  # a plain host job between rounds (a codec frame, a prefill piece)
-                await asyncio.ensure_future(fair.run(session, lambda: None, flow=flows[session]))
+            if rng.random() < 0.3:  # a plain job between rounds (a codec frame; a prefill piece, on the device)
+                await asyncio.ensure_future(fair.run(session, _piece, rng.choice((0, 3)), flow=flows[session],
+                                                     device=rng.random() < 0.5))
             await asyncio.sleep(rng.choice((0, 0, 0.0005, 0.001)))
 
     async def closer(session: str):
         await asyncio.sleep(rng.choice((0, 0.0005, 0.001, 0.003)))
         fair.close(session)
+        fair.between_jobs(lambda: device.events.append(("release", session)))
 
     try:
         tasks = [asyncio.ensure_future(t) for t in [robot(s) for s in sessions] + [closer(s) for s in closing]]
@@ -89,6 +101,11 @@ async def _schedule(seed: int) -> tuple[_Device, dict, set, FairCompute]:
     finally:
         fair.shutdown()
     return device, rounds, closing, fair
+
+
+def _piece(layers: int) -> None:
+    for _ in range(layers):
+        checkpoint()
 
 
 def test_every_round_of_random_schedules_completes_exactly_once():
@@ -110,6 +127,9 @@ def test_every_round_of_random_schedules_completes_exactly_once():
             else:
                 # only a closed session's rounds may be refused
                 assert isinstance(error, SessionGone) and session in closing, (seed, round_id, error)
+        for n, (kind, who) in enumerate(device.events):  # no pass holds a released session's row
+            if kind == "release":
+                assert not any(k == "pass" and who in w for k, w in device.events[n + 1:]), (seed, device.events)
         passes += len(device.passes)
         rows += sum(device.passes)
     assert not lost, f"{len(lost)} round(s) never completed, e.g. {lost[:5]}"

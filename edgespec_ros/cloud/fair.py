@@ -21,6 +21,14 @@ quantum, and after every quantum the scheduler picks again, so one session's lon
 worst-case codec frame, a long prefill) is interleaved with the others' short jobs instead of
 holding the thread; the generator's return value is the job's result.
 
+A device job may also be split by layers (``layered``: a native verifier): at a checkpoint before
+each decoder layer of its forward (``decoding.preempt``), the jobs of the flows that have used less
+than its own (its quantum so far counted) run right there, each for one quantum, on the same
+thread, none of them pausing in turn; then the forward goes on. So a tenant's long pass or prefill
+piece holds a robot's round for one layer, not for the whole forward, and the paused forward's
+results are the same bit for bit (the same ops, in the same order). Its time in others' jobs is
+theirs, not its own.
+
 A pass may wait for rounds about to arrive (``pass_cost``: what a pass of n rows costs the
 accelerator). Robots that draft for less than a pass lasts fall into cohorts: the rounds that
 arrive during one pass form the next, the device never idles, and every robot waits a pass for
@@ -34,6 +42,7 @@ held, and without a cost model (a native verifier) nothing is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -42,6 +51,11 @@ import threading
 import time
 from collections import deque
 from typing import Callable
+
+from ..decoding.preempt import nested, paused_seconds, pausing
+from .jobs import Job, Occupy, SessionGone, cancel, deliver
+
+__all__ = ["FairCompute", "Occupy", "SessionGone"]
 
 HOLD_MIN_S = 1e-3  # a hold for decodes already queued: they run first, then the hold is judged again
 # A flow that returns from idle starts up to this many seconds of compute behind the current
@@ -56,45 +70,15 @@ _BETWEEN = object()  # what ``_next`` returns when tasks wait to run between job
 log = logging.getLogger(__name__)
 
 
-class SessionGone(Exception):
-    """The job's session ended before the job ran."""
-
-
-class Occupy:
-    """What a device job returns when an emulated accelerator is still busy with it after the
-    host work: the result is delivered ``seconds`` later, no other device job starts before then,
-    and host-only jobs (codec decoding) run meanwhile, as a host CPU works beside a GPU."""
-
-    __slots__ = ("value", "seconds")
-
-    def __init__(self, value, seconds: float):
-        self.value, self.seconds = value, max(0.0, seconds)
-
-
-class _Job:
-    __slots__ = ("key", "flow", "fn", "args", "future", "loop", "queued_at", "order", "steps", "batch", "device",
-                 "cost", "then", "rows", "companions")
-
-    def __init__(self, key, flow, fn, args, future, loop, order):
-        self.key, self.flow, self.fn, self.args, self.future, self.loop = key, flow, fn, args, future, loop
-        self.queued_at = time.perf_counter()
-        self.order = order
-        self.steps = None  # a preemptible job: the generator fn returned, resumed one quantum at a time
-        self.batch = False  # fn(items) -> results takes several sessions' items in one call
-        self.device = False  # uses the model (the accelerator), not only the host CPU
-        self.cost = None  # a batchable job's size (its context length): only similar sizes share a pass
-        self.then = None  # (fn, make_item): a host prelude's batched pass, queued at its flow's head once it ran
-        self.rows = 1  # a batchable job's tokens fed in the pass (max_batch_tokens counts them)
-        self.companions: list = []  # other sessions' passes whose preludes ran in this job's turn
-
-
 class FairCompute:
     """One worker thread; ``await run(session_key, fn, *args, flow=tenant)`` from an event loop."""
 
     def __init__(self, name: str = "target", max_queued: int = 4096, max_batch: int = 8, batch_spread: float = 2.0,
                  max_batch_tokens: int | None = None, pass_cost=None, max_flows_per_pass: int | None = None,
-                 idle_credit_s: float = IDLE_CREDIT_S):
+                 idle_credit_s: float = IDLE_CREDIT_S, layered: bool = False):
         self.max_queued, self.max_batch = max_queued, max_batch
+        self.layered = layered  # a device job's forward pauses between layers for the flows it owes
+        self.pauses = 0  # times a forward paused and ran other flows' jobs between two of its layers
         # a flow returning from idle keeps up to this much of the share it left unused (``_start``)
         self.idle_credit_s = max(0.0, idle_credit_s)
         # flows (tenants) whose rounds may share one pass (None: any): where a pass costs in
@@ -117,7 +101,7 @@ class FairCompute:
         # 8k-token prompt) must not slow every robot it would ride with.
         self.batch_spread = batch_spread
         self._cond = threading.Condition()
-        self._queues: dict[object, deque[_Job]] = {}  # flow -> its queued jobs, oldest first
+        self._queues: dict[object, deque[Job]] = {}  # flow -> its queued jobs, oldest first
         self._vtime: dict[object, float] = {}  # virtual start time of each active flow
         self._clock = 0.0  # virtual time of the job in progress
         self._closed_keys: set = set()
@@ -155,7 +139,7 @@ class FairCompute:
             if flow not in self._queues:  # active again (or new)
                 self._queues[flow] = deque()
                 self._vtime[flow] = self._start(flow)
-            job = _Job(key, flow, fn, args, future, loop, next(self._order))
+            job = Job(key, flow, fn, args, future, loop, next(self._order))
             job.batch, job.device, job.cost, job.then, job.rows = _batch, device, _cost, _then, max(1, _rows)
             if (_batch or _then is not None) and key in self._delivered:  # a round after a verdict
                 gap = job.queued_at - self._delivered.pop(key)[0]
@@ -219,7 +203,7 @@ class FairCompute:
         for job in jobs:
             if job.steps is not None:
                 job.steps.close()  # a preempted job between two quanta
-            job.loop.call_soon_threadsafe(_cancel, job.future)
+            job.loop.call_soon_threadsafe(cancel, job.future)
         return len(jobs)
 
     def between_jobs(self, fn: Callable[[], None]) -> None:
@@ -273,7 +257,7 @@ class FairCompute:
 
     # --- worker side -----------------------------------------------------------------------
 
-    def _next(self) -> _Job | None:
+    def _next(self) -> Job | None:
         with self._cond:
             while True:
                 while not self._queued and not self._stopping and not self._between:
@@ -299,17 +283,51 @@ class FairCompute:
                 if ready:
                     break
                 self._cond.wait(busy_for)  # every head job needs the accelerator: wait for it (or new work)
-            flow = min(ready, key=lambda f: (self._vtime[f], self._queues[f][0].order))
-            queue = self._queues[flow]
-            job = queue.popleft()
-            self._queued -= 1
-            self._clock = max(self._clock, self._vtime[flow])  # monotone: a credited flow's start is behind it
-            if job.steps is None:  # its first quantum: the time it waited behind others
-                self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
-            if not queue:
-                del self._queues[flow]  # idle: its vtime stays until it returns or is forgotten
-            self.running_key, self.running_flow = job.key, flow
-            return job
+            return self._pop(min(ready, key=lambda f: (self._vtime[f], self._queues[f][0].order)))
+
+    def _pop(self, flow) -> Job:
+        """The head job of ``flow``, taken to run now. Called with the lock held."""
+        queue = self._queues[flow]
+        job = queue.popleft()
+        self._queued -= 1
+        self._clock = max(self._clock, self._vtime[flow])  # monotone: a credited flow's start is behind it
+        if job.steps is None:  # its first quantum: the time it waited behind others
+            self._waits[job.key] = self._waits.get(job.key, 0.0) + time.perf_counter() - job.queued_at
+        if not queue:
+            del self._queues[flow]  # idle: its vtime stays until it returns or is forgotten
+        self.running_key, self.running_flow = job.key, flow
+        return job
+
+    def _pausing(self, job: Job):
+        """Where ``job``'s forward may pause between two layers for the flows it owes (a device
+        job of a layered scheduler; a job run inside a pause never pauses in turn)."""
+        if not (self.layered and job.device):
+            return contextlib.nullcontext()
+        t0, p0 = time.perf_counter(), paused_seconds()
+        return pausing(lambda: self._run_owed(job, t0, p0))
+
+    def _run_owed(self, job: Job, t0: float, p0: float) -> None:
+        """At a checkpoint of ``job``'s forward: run the jobs of every flow that has used less than
+        ``job``'s (with this quantum's compute so far), one quantum each, until none has."""
+        paused = False
+        while True:
+            with self._cond:
+                mine = self._vtime.get(job.flow)
+                if mine is None or self._stopping:
+                    return
+                mine += time.perf_counter() - t0 - (paused_seconds() - p0)
+                now = time.perf_counter()
+                owed = [f for f in self._queues if f != job.flow and self._vtime[f] < mine
+                        and (self._device_free <= now or not self._queues[f][0].device)]
+                if not owed:
+                    return
+                if not paused:
+                    self.pauses, paused = self.pauses + 1, True
+                other = self._pop(min(owed, key=lambda f: (self._vtime[f], self._queues[f][0].order)))
+            with nested():
+                self._serve(other)
+            with self._cond:
+                self.running_key, self.running_flow = job.key, job.flow
 
     def _start(self, flow) -> float:
         """The virtual time a flow that was idle starts at: the current one, less what it left
@@ -362,7 +380,7 @@ class FairCompute:
             return None
         return self._delivered[key][0] + statistics.median(gaps)
 
-    def _gather(self, first: _Job) -> list[_Job]:
+    def _gather(self, first: Job) -> list[Job]:
         """The batch that rides with ``first``: for each other session, its head job if it is a
         batchable job of the same fn (a session's jobs never overtake each other), flows in fair
         order, up to max_batch. Called with the lock held."""
@@ -400,29 +418,30 @@ class FairCompute:
                 del self._queues[flow]
         return batch
 
-    def _flows_fit(self, batch: list[_Job], group: list[_Job]) -> bool:
+    def _flows_fit(self, batch: list[Job], group: list[Job]) -> bool:
         """``group`` may join ``batch`` within max_flows_per_pass tenants."""
         if self.max_flows_per_pass is None:
             return True
         return len({j.flow for j in batch} | {j.flow for j in group}) <= self.max_flows_per_pass
 
-    def _riders(self, job: _Job) -> list[_Job]:
+    def _riders(self, job: Job) -> list[Job]:
         """The live companions of a round's pass (the rounds whose preludes ran in its turn)."""
         return [c for c in job.companions if not c.future.cancelled() and c.key not in self._closed_keys]
 
-    def _similar(self, first: _Job, job: _Job) -> bool:
+    def _similar(self, first: Job, job: Job) -> bool:
         if first.cost is None or job.cost is None:
             return True
         low, high = sorted((max(first.cost, 1), max(job.cost, 1)))
         return high <= self.batch_spread * low
 
-    def _run_batch(self, first: _Job) -> None:
+    def _run_batch(self, first: Job) -> None:
         with self._cond:
             jobs = self._gather(first)
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), paused_seconds()
         occupy = 0.0
         try:
-            results = first.fn([job.args[0] for job in jobs])
+            with self._pausing(first):
+                results = first.fn([job.args[0] for job in jobs])
             if isinstance(results, Occupy):
                 results, occupy = results.value, results.seconds
             if len(results) != len(jobs):
@@ -430,7 +449,8 @@ class FairCompute:
             errors = [None] * len(jobs)
         except BaseException as exc:  # noqa: BLE001 - every session of the batch gets it
             results, errors = [None] * len(jobs), [exc] * len(jobs)
-        spent = time.perf_counter() - t0 + occupy  # the accelerator's time: the real pass plus the emulated rest
+        # the accelerator's time: the real pass (less others' jobs run between its layers) plus the emulated rest
+        spent = time.perf_counter() - t0 - (paused_seconds() - p0) + occupy
         with self._cond:
             self._device_free = time.perf_counter() + occupy
             self.busy_s += spent
@@ -446,7 +466,7 @@ class FairCompute:
                     self._delivered[job.key] = (self._device_free, job.flow)
             self.jobs += len(jobs)
         for job, result, error in zip(jobs, results, errors):
-            _deliver(job, result, error, occupy)
+            deliver(job, result, error, occupy)
 
     def _work(self) -> None:
         while True:
@@ -457,57 +477,63 @@ class FairCompute:
             if job is None:
                 self._run_between()
                 return
-            while job.batch and job.future.cancelled() and job.companions:
-                # its own round is gone, not the rounds riding in it (their preludes ran in its
-                # turn): the first rider's pass leads the rest
-                with self._cond:
-                    lead, lead.companions, job.companions = job.companions[0], job.companions[1:], []
-                job = lead
-            if job.batch and not job.future.cancelled():
-                self._run_batch(job)
-                continue
-            if job.future.cancelled():
-                if job.steps is not None:
-                    job.steps.close()
-                continue
-            t0 = time.perf_counter()
-            done, result, error = self._quantum(job)
-            occupy = 0.0
-            if isinstance(result, Occupy):
-                result, occupy = result.value, result.seconds
-            spent = time.perf_counter() - t0 + occupy
-            with self._cond:
-                if occupy:
-                    self._device_free = time.perf_counter() + occupy
-                self.busy_s += spent
-                self.quanta += 1
-                self.longest_quantum_s = max(self.longest_quantum_s, spent)
-                self.running_key = self.running_flow = None
-                if job.flow in self._vtime:  # not forgotten while it ran
-                    self._vtime[job.flow] += spent
-                if not done and job.key not in self._closed_keys and not self._stopping:
-                    # Preempted: back at the head of its flow's queue (the flow keeps its order);
-                    # the next quantum goes to whichever flow has used the least.
-                    self._to_front(job)
-                    continue
-                if not done:  # its session ended (or the verifier stops) between two quanta
-                    job.steps.close()
-                    result, error = None, SessionGone("session closed")
-                if job.then is not None and error is None:
-                    if job.key in self._closed_keys or self._stopping:
-                        result, error = None, SessionGone("session closed")  # never the prelude's value as the pass's
-                    else:
-                        error = self._convert(job, result)
-                        if error is None:
-                            companions = self._companions(job)
-                if job.then is None or error is not None:
-                    self.jobs += 1
-            if job.then is not None and error is None:
-                self._decode_companions(job, companions)
-                continue
-            _deliver(job, result, error, occupy)
+            self._serve(job)
 
-    def _to_front(self, job: _Job) -> None:
+    def _serve(self, job: Job) -> None:
+        """One quantum of ``job`` (a batched one: its whole pass): run, accounted, delivered or
+        put back (preempted)."""
+        while job.batch and job.future.cancelled() and job.companions:
+            # its own round is gone, not the rounds riding in it (their preludes ran in its
+            # turn): the first rider's pass leads the rest
+            with self._cond:
+                lead, lead.companions, job.companions = job.companions[0], job.companions[1:], []
+            job = lead
+        if job.batch and not job.future.cancelled():
+            self._run_batch(job)
+            return
+        if job.future.cancelled():
+            if job.steps is not None:
+                job.steps.close()
+            return
+        t0, p0 = time.perf_counter(), paused_seconds()
+        with self._pausing(job):
+            done, result, error = self._quantum(job)
+        occupy = 0.0
+        if isinstance(result, Occupy):
+            result, occupy = result.value, result.seconds
+        spent = time.perf_counter() - t0 - (paused_seconds() - p0) + occupy
+        with self._cond:
+            if occupy:
+                self._device_free = time.perf_counter() + occupy
+            self.busy_s += spent
+            self.quanta += 1
+            self.longest_quantum_s = max(self.longest_quantum_s, spent)
+            self.running_key = self.running_flow = None
+            if job.flow in self._vtime:  # not forgotten while it ran
+                self._vtime[job.flow] += spent
+            if not done and job.key not in self._closed_keys and not self._stopping:
+                # Preempted: back at the head of its flow's queue (the flow keeps its order);
+                # the next quantum goes to whichever flow has used the least.
+                self._to_front(job)
+                return
+            if not done:  # its session ended (or the verifier stops) between two quanta
+                job.steps.close()
+                result, error = None, SessionGone("session closed")
+            if job.then is not None and error is None:
+                if job.key in self._closed_keys or self._stopping:
+                    result, error = None, SessionGone("session closed")  # never the prelude's value as the pass's
+                else:
+                    error = self._convert(job, result)
+                    if error is None:
+                        companions = self._companions(job)
+            if job.then is None or error is not None:
+                self.jobs += 1
+        if job.then is not None and error is None:
+            self._decode_companions(job, companions)
+            return
+        deliver(job, result, error, occupy)
+
+    def _to_front(self, job: Job) -> None:
         """Put ``job`` back at the head of its flow's queue (preempted, or a pass to run next).
         Called with the lock held."""
         self._queues.setdefault(job.flow, deque()).appendleft(job)
@@ -515,7 +541,7 @@ class FairCompute:
         self._queued += 1
 
     @staticmethod
-    def _quantum(job: _Job) -> tuple[bool, object, BaseException | None]:
+    def _quantum(job: Job) -> tuple[bool, object, BaseException | None]:
         """Run one quantum of ``job`` (the whole job, or up to its generator's next yield):
         (done, result, error)."""
         done, result, error = True, None, None
@@ -536,7 +562,7 @@ class FairCompute:
 
     # --- a round's decode and its pass in one turn ------------------------------------------
 
-    def _convert(self, job: _Job, result):
+    def _convert(self, job: Job, result):
         """A finished prelude becomes its pass (``then``); the exception when its item cannot be
         built. Called with the lock held."""
         fn, make_item = job.then
@@ -551,7 +577,7 @@ class FairCompute:
         job.companions = []
         return None
 
-    def _companions(self, first: _Job) -> list[_Job]:
+    def _companions(self, first: Job) -> list[Job]:
         """Other sessions' head jobs that are unstarted preludes of the same pass (fair order,
         within max_batch and max_batch_tokens): their decodes run in this turn, so their rounds
         share the pass as rounds did when decode and pass were separate jobs. Taken off their
@@ -578,7 +604,7 @@ class FairCompute:
                 del self._queues[flow]
         return taken
 
-    def _decode_companions(self, first: _Job, companions: list[_Job]) -> None:
+    def _decode_companions(self, first: Job, companions: list[Job]) -> None:
         """Run each companion's prelude for one quantum: finished ones ride in ``first``'s pass,
         a longer one (a large codec frame) goes back to its flow's head, preempted, as usual.
         Then ``first``'s pass waits at the head of its flow."""
@@ -605,30 +631,7 @@ class FairCompute:
                         first.companions.append(job)
                         continue
                 self.jobs += 1
-            _deliver(job, result, error, 0.0)
+            deliver(job, result, error, 0.0)
         with self._cond:
             self._to_front(first)  # its pass, at the head of its flow
             self._cond.notify()
-
-
-def _deliver(job: _Job, result, error, after_s: float) -> None:
-    """Hand the result to the session's event loop, ``after_s`` seconds from now (an emulated
-    accelerator still busy with the job)."""
-    if after_s > 0:
-        job.loop.call_soon_threadsafe(job.loop.call_later, after_s, _settle, job.future, result, error)
-    else:
-        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
-
-
-def _settle(future, result, error) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _cancel(future) -> None:
-    if not future.done():
-        future.set_exception(SessionGone("session closed"))

@@ -22,6 +22,8 @@ from ..decoding.verify import WISV, VerifySettings
 from ..decoding.inputs import Prompt
 from .target import TargetSession
 from ..decoding.compute import ComputeProfile, get_compute
+from ..decoding.exits import forward_stages
+from ..decoding.preempt import install_checkpoints, paused_seconds
 from ..decoding.engines import LoadedModel
 from .traces import ANONYMOUS, tenant_id
 from ..wire import protocol as P
@@ -103,7 +105,7 @@ class VerifierServer:
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
                  ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
                  max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None,
-                 metrics_labels: dict | None = None):
+                 metrics_labels: dict | None = None, split_forward: bool = True):
         self.lm = lm
         self.prefix_reuse = True  # keep what a session's cache shares with its next prompt (Sequence.prefill_steps)
         self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
@@ -147,8 +149,14 @@ class VerifierServer:
         # With an emulated profile a pass's cost is known, so a pass may wait for rounds about to
         # arrive where that saves the accelerator time (FairCompute's hold); natively it never does.
         pass_cost = (lambda rows: self.compute.pass_s(rows)) if self.compute.emulated and self.compute.pass_s() else None
+        # A native forward is split by layers where another tenant is owed the compute meanwhile
+        # (FairCompute's layered jobs): a long pass or prefill piece holds the others for a layer.
+        # An emulated profile charges whole passes, so it never splits them.
+        layered = split_forward and not self.compute.emulated and install_checkpoints(
+            lm.model, forward_stages(lm.model)) > 0
         self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens,
-                                pass_cost=pass_cost, max_flows_per_pass=self.limits.tenants_per_pass)
+                                pass_cost=pass_cost, max_flows_per_pass=self.limits.tenants_per_pass,
+                                layered=layered)
         self._keys = itertools.count(1)
         self._tenant_sessions = self.doorman.tenant_sessions  # tenant -> open sessions
         self._tenant_bytes = InboxBudget()  # bytes read ahead, per tenant, across its sessions
@@ -548,7 +556,7 @@ class VerifierServer:
         longest block: a measured profile's table, or a flat profile's one pass whatever the rows)
         plus every early exit computed on the way (each session's exits cost their own LM-head
         evaluations)."""
-        t0 = time.perf_counter()
+        t0, paused0 = time.perf_counter(), paused_seconds()
         ar = all(isinstance(w.item, ArStep) for w in items)
         pass_s = self.compute.pass_s(len(items), max(w.block for w in items), ar=ar)
         exit_rows = sum(w.exit_cost is not None for w in items)
@@ -557,7 +565,7 @@ class VerifierServer:
                 w.on_start(t0, pass_s, exit_rows)
         batch = verify_batch([w.item for w in items])
         if len(items) == 1 and not self.compute.emulated and batch.errors[0] is None:  # a native lone pass that ran
-            self.lone_passes[ar].append(time.perf_counter() - t0)
+            self.lone_passes[ar].append(time.perf_counter() - t0 - (paused_seconds() - paused0))
         self.metrics.on_batch(len(items))
         budget = pass_s + sum(w.exit_cost() for w in items if w.exit_cost is not None)
         # each row's result, or its own error in its place: FairCompute raises it to that session only
@@ -637,7 +645,7 @@ class VerifierServer:
                 "compute_busy_s": fair.busy_s, "longest_quantum_ms": 1e3 * fair.longest_quantum_s,
                 "mean_batch": fair.batched_jobs / fair.batches if fair.batches else 0.0,
                 "batches": fair.batches, "batched_jobs": fair.batched_jobs, "holds": fair.holds,
-                "hold_s": fair.hold_s,
+                "hold_s": fair.hold_s, "forward_pauses": fair.pauses,
                 "dropped_blocks": self.dropped_blocks, "verified_tokens": self.verified_tokens,
                 **(self.recorder.stats() if self.recorder is not None else dict.fromkeys(TRACE_STATUS, 0)),
                 **self.kv_stats()}

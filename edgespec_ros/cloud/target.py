@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..decoding.preempt import run_steps
+from ..decoding.preempt import paused_seconds, run_steps
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
 from ..decoding.inputs import Prompt
@@ -159,7 +159,11 @@ class TargetSession:
         inputs = self.build_prompt_inputs(prompt)
         self._exit_last = {}
         steps = self.seq.prefill_steps(inputs, chunk, reuse, by_cost)
-        spent = 0.0
+        spent = time.perf_counter() - t0
+        if prompt.jpeg is not None:  # the image's processing (host work) is a quantum of its own
+            yield
+        t0 = time.perf_counter()
+        paused0 = paused_seconds()
         while True:
             # Hooks only around this session's own quanta: between two of them other sessions'
             # forwards run on the same model. Each exit's logits at the last prompt position (the
@@ -169,11 +173,11 @@ class TargetSession:
                     hooks.callback = lambda layer, logits: self._exit_last.__setitem__(layer, logits[0])
                 try:
                     next(steps)
-                except StopIteration:
-                    return spent + time.perf_counter() - t0
-            spent += time.perf_counter() - t0
+                except StopIteration:  # (a quantum split by layers: the others' work between them left out)
+                    return spent + time.perf_counter() - t0 - (paused_seconds() - paused0)
+            spent += time.perf_counter() - t0 - (paused_seconds() - paused0)
             yield
-            t0 = time.perf_counter()
+            t0, paused0 = time.perf_counter(), paused_seconds()
 
     def _exit_hooks(self):
         if self.lm.exits is None:

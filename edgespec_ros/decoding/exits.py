@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .preempt import owned_hook
+
 EXITS_WEIGHTS = "exits.safetensors"
 EXITS_CONFIG = "exits.json"
 
@@ -37,6 +39,22 @@ def text_stack(model: nn.Module) -> tuple[nn.ModuleList, nn.Module, nn.Module]:
     if not isinstance(layers, nn.ModuleList) or norm is None or head is None:
         raise ExitLoadError(f"cannot find decoder layers / final norm / LM head in {type(model).__name__}")
     return layers, norm, head
+
+
+def forward_stages(model: nn.Module) -> list[nn.Module]:
+    """Where a forward of a Qwen2-VL or Qwen2-style model may pause (``preempt.install_checkpoints``):
+    before each decoder layer after the first, the final norm (the LM head's input), and each block
+    of the vision tower after the first and its merger; [] for another architecture."""
+    try:
+        layers, norm, _ = text_stack(model)
+    except ExitLoadError:
+        return []
+    stages = list(layers)[1:] + [norm]
+    visual = getattr(getattr(model, "model", None), "visual", None) or getattr(model, "visual", None)
+    blocks = getattr(visual, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        stages += list(blocks)[1:] + [m for m in [getattr(visual, "merger", None)] if m is not None]
+    return stages
 
 
 class ExitAdapter(nn.Module):
@@ -154,8 +172,8 @@ class ExitHooks:
         self._handles = []
 
     def __enter__(self):
-        for layer in self.exits.layers:
-            self._handles.append(self.decoder[layer - 1].register_forward_hook(self._hook(layer)))
+        for layer in self.exits.layers:  # never fired by another job's forward run while this one is paused
+            self._handles.append(self.decoder[layer - 1].register_forward_hook(owned_hook(self._hook(layer))))
         return self
 
     def __exit__(self, *exc):

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from .preempt import owned_hook
 from .verify import VerifyResult
 
 CSI_DIM = 4
@@ -438,7 +439,7 @@ def final_hidden(lm):
     from .exits import text_stack
     _, norm, _ = text_stack(lm.model)
     outputs = []
-    handle = norm.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().float().cpu()))
+    handle = norm.register_forward_hook(owned_hook(lambda _m, _i, out: outputs.append(out.detach().float().cpu())))
     try:
         yield outputs
     finally:

@@ -1,0 +1,196 @@
+"""A forward split by layers: at a checkpoint before a decoder layer, the jobs of the flows that
+have used less than the running one's run right there (same thread, none pausing in turn), then
+the forward goes on with bit-for-bit the same results; hooks the paused job owns ignore the nested
+forwards; a closed session's memory is released only after the pass that holds its row."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from edgespec_ros.cloud.fair import FairCompute, SessionGone
+from edgespec_ros.decoding.exits import forward_stages
+from edgespec_ros.decoding.preempt import (checkpoint, install_checkpoints, nested, owned_hook, paused_seconds,
+                                           pausing)
+
+
+def test_a_checkpoint_calls_the_pause_of_its_job_and_never_inside_a_nested_one():
+    calls = []
+    checkpoint()  # outside a job: nothing
+    with pausing(lambda: calls.append("paused")):
+        checkpoint()
+        with nested():
+            checkpoint()  # a job run inside the pause never pauses
+            with pausing(lambda: calls.append("inner")):
+                checkpoint()
+        checkpoint()
+    checkpoint()
+    assert calls == ["paused", "paused"]
+
+
+def test_a_nested_job_runs_in_the_torch_modes_its_paused_job_began_in():
+    """A robot's codec decode run inside a paused forward (which runs in inference mode) makes
+    ordinary tensors, not inference tensors (whose version counter a later check cannot read)."""
+    made = []
+
+    def pause():
+        with nested():
+            made.append((torch.is_inference_mode_enabled(), torch.ones(2)))
+    with pausing(pause), torch.inference_mode():
+        checkpoint()
+        assert torch.is_inference_mode_enabled()
+    (inference, tensor), = made
+    assert not inference and not tensor.is_inference() and tensor._version == 0
+
+
+def test_nested_time_is_counted_and_owned_hooks_ignore_nested_forwards():
+    seen = []
+    hook = owned_hook(lambda tag: seen.append(tag))
+    before = paused_seconds()
+    with nested():
+        hook("nested")
+        time.sleep(0.01)
+    hook("mine")
+    assert seen == ["mine"] and paused_seconds() - before >= 0.01
+
+
+def test_a_forward_paused_at_every_layer_gives_the_same_logits_bit_for_bit(vlm_target):
+    model = vlm_target.model
+    layers = model.config.text_config.num_hidden_layers
+    stages = forward_stages(model)
+    assert len(stages) == layers + len(model.model.visual.blocks)  # (the vision tower's: blocks 2.. and merger)
+    assert install_checkpoints(model, stages) == len(stages)
+    assert install_checkpoints(model, stages) == len(stages)  # once per model
+    ids = torch.randint(0, 100, (1, 24))
+    other = torch.randint(0, 100, (1, 9))
+    pauses = []
+
+    def pause():  # another job's whole forward between two layers of this one
+        pauses.append(1)
+        with nested():
+            model(input_ids=other)
+    with torch.inference_mode():
+        whole = model(input_ids=ids).logits
+        with pausing(pause):
+            split = model(input_ids=ids).logits
+    assert len(pauses) == layers  # before layers 2..L and before the final norm
+    assert torch.equal(split, whole)
+
+
+def _wait_for_queued(fair: FairCompute) -> None:
+    """(In the long job) until the other job is queued behind it."""
+    for _ in range(5000):
+        if fair.queue_depth():
+            return
+        time.sleep(0.001)
+
+
+def _run_two(fair: FairCompute, long_fn, short_fn, batch: bool = False):
+    """A tenant's long device job starts; then a robot's short one is queued. Their results."""
+    order = []
+
+    async def main():
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        async def long():
+            if batch:
+                out = await fair.run_batched("t1", long_fn, "t1.0", flow="tenant")
+            else:
+                out = await fair.run("t1", long_fn, lambda: loop.call_soon_threadsafe(started.set), flow="tenant",
+                                     device=True)
+            order.append("long")
+            return out
+
+        async def short():
+            if not batch:
+                await started.wait()
+            else:
+                await asyncio.sleep(0.01)
+            out = await fair.run("r1", short_fn, flow="robot", device=True)
+            order.append("short")
+            return out
+        return await asyncio.gather(long(), short(), return_exceptions=True)
+    try:
+        return order, asyncio.run(main())
+    finally:
+        fair.shutdown()
+
+
+def _layers(fair, log, n):
+    _wait_for_queued(fair)
+    for i in range(n):
+        checkpoint()
+        log.append(f"L{i}")
+    return "done"
+
+
+def test_a_flow_that_used_less_runs_between_two_layers_of_a_long_forward():
+    fair = FairCompute("t", layered=True)
+    log = []
+
+    def long_fn(signal):
+        signal()
+        return _layers(fair, log, 40)
+    order, out = _run_two(fair, long_fn, lambda: log.append("S"))
+    assert order == ["short", "long"] and out[0] == "done" and fair.pauses == 1
+    assert log.index("S") == 0 and log[1:] == [f"L{i}" for i in range(40)]
+
+
+def test_unsplit_the_long_forward_holds_the_compute_to_its_end():
+    """The same schedule with ``layered`` off: the short job waits for the whole forward."""
+    fair = FairCompute("t", layered=False)
+    log = []
+
+    def long_fn(signal):
+        signal()
+        return _layers(fair, log, 40)
+    order, _ = _run_two(fair, long_fn, lambda: log.append("S"))
+    assert order == ["long", "short"] and log[-1] == "S" and fair.pauses == 0
+
+
+def test_a_paused_pass_finishes_for_its_other_rows_before_a_closed_rows_memory_is_released():
+    fair = FairCompute("t", layered=True, max_batch=4)
+    events = []
+
+    def verify(items):
+        _wait_for_queued(fair)
+        for _ in range(20):
+            checkpoint()
+        events.append(("pass", tuple(items)))
+        return [f"verdict {i}" for i in items]
+
+    def robot_job():  # runs inside the paused pass: one of its rows' sessions leaves
+        fair.close("a1")
+        fair.between_jobs(lambda: events.append(("released", "a1")))
+        events.append(("robot", None))
+
+    async def main():
+        rows = [asyncio.ensure_future(fair.run_batched(k, verify, f"{k}.0", flow="tenant")) for k in ("a1", "a2")]
+        await asyncio.sleep(0.01)  # the pass of both rows is under way (it waits for the next job)
+        await fair.run("r1", robot_job, flow="robot", device=True)
+        return await asyncio.gather(*rows, return_exceptions=True)
+    try:
+        a1, a2 = asyncio.run(main())
+    finally:
+        fair.shutdown()
+    assert fair.pauses == 1 and a2 == "verdict a2.0"
+    assert a1 == "verdict a1.0" or isinstance(a1, SessionGone)
+    assert events == [("robot", None), ("pass", ("a1.0", "a2.0")), ("released", "a1")]
+
+
+def test_the_paused_jobs_compute_leaves_out_the_jobs_run_inside_it():
+    fair = FairCompute("t", layered=True)
+
+    def long_fn(signal):
+        signal()
+        _wait_for_queued(fair)
+        checkpoint()
+        return "done"
+
+    def short_fn():
+        time.sleep(0.2)
+    _run_two(fair, long_fn, short_fn)
+    # the robot's 200 ms are its own; the tenant's quantum (a wait of ~1 ms for the queue) is not charged them
+    assert fair.pauses == 1 and fair._vtime["robot"] >= 0.2 and fair._vtime["tenant"] < fair._vtime["robot"] - 0.1
