@@ -194,3 +194,20 @@ def test_the_paused_jobs_compute_leaves_out_the_jobs_run_inside_it():
     _run_two(fair, long_fn, short_fn)
     # the robot's 200 ms are its own; the tenant's quantum (a wait of ~1 ms for the queue) is not charged them
     assert fair.pauses == 1 and fair._vtime["robot"] >= 0.2 and fair._vtime["tenant"] < fair._vtime["robot"] - 0.1
+
+
+def test_the_verifier_splits_forwards_where_tenants_are_kept_apart_unless_told(vlm_target):
+    from edgespec_ros.cloud.limits import ServerLimits
+    from edgespec_ros.cloud.server import VerifierServer
+    from edgespec_ros.decoding.compute import get_compute
+
+    def layered(**kw):
+        server = VerifierServer(vlm_target, status_interval_s=0, **kw)
+        try:
+            return server.fair.layered
+        finally:
+            server.fair.shutdown()
+    apart, shared = ServerLimits(tenants_per_pass=1), ServerLimits(tenants_per_pass=64)
+    assert layered(limits=apart) and not layered(limits=shared)  # auto: a CPU's, a GPU's
+    assert layered(limits=shared, split_forward=True) and not layered(limits=apart, split_forward=False)
+    assert not layered(limits=apart, compute=get_compute("go2-paper"))  # an emulated profile charges whole passes

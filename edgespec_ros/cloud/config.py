@@ -78,10 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                     help="prefill every decision's whole prompt (default: keep the part of a session's cache the "
                          "new prompt shares with the last one, e.g. the earlier turns of a policy with memory)")
-    ap.add_argument("--split-forward", default="on", choices=["on", "off"],
+    ap.add_argument("--split-forward", default="auto", choices=["auto", "on", "off"],
                     help="pause a native forward pass between two decoder layers when another tenant that has used "
-                         "less compute waits (default on: a tenant's long pass or prefill piece holds the others for "
-                         "one layer; the results are the same bit for bit); off: every pass runs whole")
+                         "less compute waits (a tenant's long pass or prefill piece holds the others for one layer; "
+                         "the results are the same bit for bit); off: every pass runs whole; auto (default): on "
+                         "where tenants are kept apart (--tenants-per-pass 1, a CPU), off where their rounds share "
+                         "passes (a GPU: a round that waits rides the next pass instead of costing one of its own)")
     ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
     ap.add_argument("--compute", default="native", type=compute_arg,
@@ -354,7 +356,7 @@ def build_server(args, tokens: list[str] | None = None, server_name: str = "edge
                             exit_queue_size=args.exit_queue_size, limits=limits, ssl_context=ssl_context,
                             insecure_no_auth=args.insecure_no_auth, status_interval_s=args.status_interval,
                             max_batch=args.max_batch, server_name=server_name, metrics_labels=metrics_labels,
-                            split_forward=getattr(args, "split_forward", "on") == "on")
+                            split_forward={"on": True, "off": False}.get(getattr(args, "split_forward", "auto")))
     server.prefix_reuse = getattr(args, "prefix_reuse", True)
     server.recorder = trace_recorder(args, server.model_name, server.fingerprint)
     freeze_startup_heap()

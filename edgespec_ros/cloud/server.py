@@ -105,7 +105,7 @@ class VerifierServer:
                  exit_queue: str = "priority", exit_queue_size: int = 64, limits: ServerLimits | None = None,
                  ssl_context=None, insecure_no_auth: bool = False, status_interval_s: float = 60.0,
                  max_batch: int = 8, server_name: str = "edgespec-verifier", recorder=None,
-                 metrics_labels: dict | None = None, split_forward: bool = True):
+                 metrics_labels: dict | None = None, split_forward: bool | None = None):
         self.lm = lm
         self.prefix_reuse = True  # keep what a session's cache shares with its next prompt (Sequence.prefill_steps)
         self.server_name = server_name  # WELCOME's server field (a Ray replica adds its id)
@@ -151,7 +151,11 @@ class VerifierServer:
         pass_cost = (lambda rows: self.compute.pass_s(rows)) if self.compute.emulated and self.compute.pass_s() else None
         # A native forward is split by layers where another tenant is owed the compute meanwhile
         # (FairCompute's layered jobs): a long pass or prefill piece holds the others for a layer.
-        # An emulated profile charges whole passes, so it never splits them.
+        # By default only where tenants are kept apart (a CPU): where their rounds share passes (a
+        # GPU), a round that waits rides the next pass rather than cost a pass of its own. An
+        # emulated profile charges whole passes, so it never splits them.
+        if split_forward is None:
+            split_forward = self.limits.tenants_per_pass == 1
         layered = split_forward and not self.compute.emulated and install_checkpoints(
             lm.model, forward_stages(lm.model)) > 0
         self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens,
