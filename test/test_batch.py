@@ -368,3 +368,36 @@ def test_the_verifiers_prefill_is_cut_by_cost(pair):
     session.start_steps = start_steps
     run_steps(server._prefill_on_device(session, prompt, VerifySettings()))
     assert seen == [True] and session.seq.fed == len(prompt.prompt_ids)
+
+
+def test_a_pass_paused_at_every_layer_for_other_sessions_passes_and_a_prefill_is_unchanged(pair):
+    """The verifier's forward split by layers: a batched pass over the KV pool pauses before each
+    layer while another batched pass (and, once, a prefill) runs on the same pool; every result is
+    the one each gets alone, bit for bit, and every cache holds what it would alone."""
+    from edgespec_ros.decoding.exits import forward_stages
+    from edgespec_ros.decoding.preempt import install_checkpoints, nested, pausing
+    install_checkpoints(pair.target.model, forward_stages(pair.target.model))
+    tokens = [[5, 6, 7, 8], [9], [10, 11]]
+    layers = pair.target.model.config.text_config.num_hidden_layers
+    inner_feeds = [[[20 + k], [30 + k, 31], [40 + k]] for k in range(layers)]
+    # alone: the outer pass, then the inner passes and the prefill, one after another
+    outer_ref, inner_ref = _sessions(pair), _sessions(pair)
+    want = feed_batch(outer_ref, tokens)
+    want_inner = [feed_batch(inner_ref, feeds) for feeds in inner_feeds]
+    want_prefill = _prefilled(pair, "look for the blue box", pair.image).last_logits
+    outer, inner, got_inner, got_prefill = _sessions(pair), _sessions(pair), [], []
+
+    def pause():
+        with nested():
+            got_inner.append(feed_batch(inner, inner_feeds[len(got_inner)]))
+            if len(got_inner) == 1:
+                got_prefill.append(_prefilled(pair, "look for the blue box", pair.image).last_logits)
+    with pausing(pause):
+        got = feed_batch(outer, tokens)
+    assert len(got_inner) == layers  # a pause before layers 2..L and before the final norm
+    for g, w in zip(got + [x for xs in got_inner for x in xs] + got_prefill,
+                    want + [x for xs in want_inner for x in xs] + [want_prefill]):
+        assert torch.equal(g, w)
+    for a, b in zip(outer_ref + inner_ref, outer + inner):  # the caches: the next token alone agrees
+        assert (b.fed, b.fed_tokens) == (a.fed, a.fed_tokens)
+        assert torch.equal(b.feed([12]), a.feed([12]))

@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--split-forward", default="auto", choices=["auto", "on", "off"],
                     help="pause a native forward pass between two decoder layers when another tenant that has used "
                          "less compute waits (a tenant's long pass or prefill piece holds the others for one layer; "
-                         "the results are the same bit for bit); off: every pass runs whole; auto (default): on "
-                         "where tenants are kept apart (--tenants-per-pass 1, a CPU), off where their rounds share "
-                         "passes (a GPU: a round that waits rides the next pass instead of costing one of its own)")
+                         "the results are the same bit for bit); off: every pass runs whole; auto (default): on on "
+                         "a CPU where tenants are kept apart (--tenants-per-pass 1), off where their rounds share "
+                         "passes (a round that waits rides the next pass instead of costing one of its own) and on a "
+                         "GPU (a checkpoint there sees a layer's launch, not its end: `on` synchronises at each pause)")
     ap.add_argument("--max-frame", type=int, default=P.DEFAULT_MAX_FRAME,
                     help=f"largest accepted frame in bytes (default {P.DEFAULT_MAX_FRAME})")
     ap.add_argument("--compute", default="native", type=compute_arg,

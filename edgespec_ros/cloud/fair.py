@@ -298,36 +298,49 @@ class FairCompute:
         self.running_key, self.running_flow = job.key, flow
         return job
 
-    def _pausing(self, job: Job):
-        """Where ``job``'s forward may pause between two layers for the flows it owes (a device
-        job of a layered scheduler; a job run inside a pause never pauses in turn)."""
+    def _pausing(self, job: Job, jobs: list[Job] | None = None):
+        """Where ``job``'s forward (a pass carrying ``jobs``) may pause between two layers for the
+        flows it owes (a device job of a layered scheduler; a job run inside a pause never pauses
+        in turn)."""
         if not (self.layered and job.device):
             return contextlib.nullcontext()
+        jobs = jobs or [job]
+        flows = {j.flow for j in jobs}
+        share = sum(j.flow == job.flow for j in jobs) / len(jobs)  # what job's flow pays of the pass
         t0, p0 = time.perf_counter(), paused_seconds()
-        return pausing(lambda: self._run_owed(job, t0, p0))
+        return pausing(lambda: self._run_owed(job, flows, share, t0, p0))
 
-    def _run_owed(self, job: Job, t0: float, p0: float) -> None:
-        """At a checkpoint of ``job``'s forward: run the jobs of every flow that has used less than
-        ``job``'s (with this quantum's compute so far), one quantum each, until none has."""
+    def _run_owed(self, job: Job, flows: set, share: float, t0: float, p0: float) -> None:
+        """At a checkpoint of ``job``'s forward: run the jobs of every flow outside its pass
+        (``flows``) that has used less than ``job``'s (with its share of this quantum's compute
+        so far), one quantum each, until none has."""
         paused = False
         while True:
             with self._cond:
                 mine = self._vtime.get(job.flow)
                 if mine is None or self._stopping:
                     return
-                mine += time.perf_counter() - t0 - (paused_seconds() - p0)
+                mine += share * (time.perf_counter() - t0 - (paused_seconds() - p0))
                 now = time.perf_counter()
-                owed = [f for f in self._queues if f != job.flow and self._vtime[f] < mine
+                owed = [f for f in self._queues if f not in flows and self._vtime[f] < mine
                         and (self._device_free <= now or not self._queues[f][0].device)]
                 if not owed:
                     return
                 if not paused:
                     self.pauses, paused = self.pauses + 1, True
                 other = self._pop(min(owed, key=lambda f: (self._vtime[f], self._queues[f][0].order)))
-            with nested():
-                self._serve(other)
-            with self._cond:
-                self.running_key, self.running_flow = job.key, job.flow
+            try:
+                with nested():
+                    self._serve(other)
+            except Exception as exc:  # noqa: BLE001 - the paused forward's sessions must not get it
+                log.exception("compute thread: a job run inside a paused forward failed")
+                try:
+                    deliver(other, None, exc, 0.0)
+                except Exception:  # noqa: BLE001 - its event loop is gone
+                    pass
+            finally:
+                with self._cond:
+                    self.running_key, self.running_flow = job.key, job.flow
 
     def _start(self, flow) -> float:
         """The virtual time a flow that was idle starts at: the current one, less what it left
@@ -440,7 +453,7 @@ class FairCompute:
         t0, p0 = time.perf_counter(), paused_seconds()
         occupy = 0.0
         try:
-            with self._pausing(first):
+            with self._pausing(first, jobs):
                 results = first.fn([job.args[0] for job in jobs])
             if isinstance(results, Occupy):
                 results, occupy = results.value, results.seconds
@@ -449,9 +462,13 @@ class FairCompute:
             errors = [None] * len(jobs)
         except BaseException as exc:  # noqa: BLE001 - every session of the batch gets it
             results, errors = [None] * len(jobs), [exc] * len(jobs)
-        # the accelerator's time: the real pass (less others' jobs run between its layers) plus the emulated rest
-        spent = time.perf_counter() - t0 - (paused_seconds() - p0) + occupy
+        # the accelerator's time: the real pass (less others' jobs run between its layers, which
+        # its sessions waited for: queueing) plus the emulated rest
+        paused = paused_seconds() - p0
+        spent = time.perf_counter() - t0 - paused + occupy
         with self._cond:
+            for job in jobs if paused else ():
+                self._waits[job.key] = self._waits.get(job.key, 0.0) + paused
             self._device_free = time.perf_counter() + occupy
             self.busy_s += spent
             self.quanta += 1
@@ -501,8 +518,11 @@ class FairCompute:
         occupy = 0.0
         if isinstance(result, Occupy):
             result, occupy = result.value, result.seconds
-        spent = time.perf_counter() - t0 - (paused_seconds() - p0) + occupy
+        paused = paused_seconds() - p0  # others' jobs run between its layers: its wait, not its compute
+        spent = time.perf_counter() - t0 - paused + occupy
         with self._cond:
+            if paused:
+                self._waits[job.key] = self._waits.get(job.key, 0.0) + paused
             if occupy:
                 self._device_free = time.perf_counter() + occupy
             self.busy_s += spent

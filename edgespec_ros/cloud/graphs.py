@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..decoding.preempt import checkpoint_hook
 from .paged_pass import StaticKV, use_paged_attention
 
 log = logging.getLogger("edgespec.verifier")
@@ -272,7 +273,10 @@ class PassGraphs:
         return done
 
     def _hooked(self) -> bool:
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._watched)
+        """A hook on a watched module that a replay would skip (a pause checkpoint is not one: a
+        replayed pass runs whole)."""
+        return any(m._forward_hooks or any(h is not checkpoint_hook for h in m._forward_pre_hooks.values())
+                   for m in self._watched)
 
     def bucket_for(self, seqs, token_lists) -> Bucket | None:
         spans = [s.fed + len(t) for s, t in zip(seqs, token_lists)]

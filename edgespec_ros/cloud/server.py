@@ -154,10 +154,10 @@ class VerifierServer:
         # By default only where tenants are kept apart (a CPU): where their rounds share passes (a
         # GPU), a round that waits rides the next pass rather than cost a pass of its own. An
         # emulated profile charges whole passes, so it never splits them.
-        if split_forward is None:
-            split_forward = self.limits.tenants_per_pass == 1
-        layered = split_forward and not self.compute.emulated and install_checkpoints(
-            lm.model, forward_stages(lm.model)) > 0
+        if split_forward is None:  # (on a GPU a checkpoint only sees a layer's launch, not its end)
+            split_forward = self.limits.tenants_per_pass == 1 and lm.device.type == "cpu"
+        layered = bool(split_forward and not self.compute.emulated
+                       and install_checkpoints(lm.model, forward_stages(lm.model)))
         self.fair = FairCompute("target", max_batch=max_batch, max_batch_tokens=self.limits.max_batch_tokens,
                                 pass_cost=pass_cost, max_flows_per_pass=self.limits.tenants_per_pass,
                                 layered=layered)

@@ -71,6 +71,10 @@ def nested():
     saved, _state.pause = _state.pause, None
     _state.depth += 1
     grad, inference = _state.modes
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # a checkpoint fires as a layer is launched: the paused forward's queued kernels finish
+        # here, on its time, not on the first sync of the job run inside it
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     try:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
@@ -105,6 +109,12 @@ def install_checkpoints(model, modules) -> int:
     (0: its forwards never pause)."""
     if getattr(model, "_edgespec_checkpoints", None) is None:
         for module in modules:
-            module.register_forward_pre_hook(lambda _module, _args: checkpoint())
+            module.register_forward_pre_hook(checkpoint_hook)
         model._edgespec_checkpoints = len(modules)
     return model._edgespec_checkpoints
+
+
+def checkpoint_hook(_module, _args) -> None:
+    """The forward pre-hook ``install_checkpoints`` registers (a captured CUDA graph, which cannot
+    pause, may ignore it: ``cloud.graphs``)."""
+    checkpoint()
