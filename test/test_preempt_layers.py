@@ -121,27 +121,27 @@ def _layers(fair, log, n):
     return "done"
 
 
-def test_a_flow_that_used_less_runs_between_two_layers_of_a_long_forward():
-    fair = FairCompute("t", layered=True)
+def _forty_layers(layered: bool):
+    """A tenant's 40-layer forward and a robot's job queued during it: (order, results, log, fair)."""
+    fair = FairCompute("t", layered=layered)
     log = []
 
     def long_fn(signal):
         signal()
         return _layers(fair, log, 40)
     order, out = _run_two(fair, long_fn, lambda: log.append("S"))
+    return order, out, log, fair
+
+
+def test_a_flow_that_used_less_runs_between_two_layers_of_a_long_forward():
+    order, out, log, fair = _forty_layers(layered=True)
     assert order == ["short", "long"] and out[0] == "done" and fair.pauses == 1
     assert log.index("S") == 0 and log[1:] == [f"L{i}" for i in range(40)]
 
 
 def test_unsplit_the_long_forward_holds_the_compute_to_its_end():
     """The same schedule with ``layered`` off: the short job waits for the whole forward."""
-    fair = FairCompute("t", layered=False)
-    log = []
-
-    def long_fn(signal):
-        signal()
-        return _layers(fair, log, 40)
-    order, _ = _run_two(fair, long_fn, lambda: log.append("S"))
+    order, _, log, fair = _forty_layers(layered=False)
     assert order == ["long", "short"] and log[-1] == "S" and fair.pauses == 0
 
 
