@@ -178,14 +178,20 @@ def test_a_paused_pass_finishes_for_its_other_rows_before_a_closed_rows_memory_i
     assert events == [("robot", None), ("pass", ("a1.0", "a2.0")), ("released", "a1")]
 
 
-def test_the_paused_jobs_compute_leaves_out_the_jobs_run_inside_it():
-    fair = FairCompute("t", layered=True)
-
+def _one_checkpoint(fair: FairCompute):
+    """A tenant's forward with one checkpoint, reached once the robot's job is queued."""
     def long_fn(signal):
         signal()
         _wait_for_queued(fair)
         checkpoint()
         return "done"
+    return long_fn
+
+
+def test_the_paused_jobs_compute_leaves_out_the_jobs_run_inside_it():
+    fair = FairCompute("t", layered=True)
+
+    long_fn = _one_checkpoint(fair)
 
     def short_fn():
         time.sleep(1.0)
@@ -201,11 +207,7 @@ def test_a_failing_job_run_inside_a_pause_fails_alone():
     paused forward goes on and its session gets its own result."""
     fair = FairCompute("t", layered=True)
 
-    def long_fn(signal):
-        signal()
-        _wait_for_queued(fair)
-        checkpoint()
-        return "done"
+    long_fn = _one_checkpoint(fair)
     original = fair._serve
 
     def serve(job):  # the nested job's bookkeeping fails (e.g. its session's event loop is gone)
