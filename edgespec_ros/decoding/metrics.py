@@ -128,6 +128,7 @@ PASS_CAUSES = {
     "drafted": "a new epoch's first block, drafted after the verdict that opened it (SD: every round)",
     "pre-drafted": "a new epoch's first block, from the pre-draft cache (FSD hit)",
     "conditional": "a new epoch's first block, sent before the verdict on an early exit's guess",
+    "hint": "a block of a hint's tokens (act_while_verifying confirm), sent after the verdict before it",
     "chained": "a block of the same epoch: the cloud waited for the robot to draft it",
     "drain": "after the last pass: the last verdict's way down",
 }

@@ -35,7 +35,8 @@ from ..decoding.verifier import Verifier
 from ..decoding.verify import carries_q
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
-from .rounds import ArStrategy, Drafted, PreDrafted, StopAndWait, Strategy, TreeDrafted, truncate_at_stop
+from .rounds import (ArStrategy, Drafted, HintedStrategy, PreDrafted, StopAndWait, Strategy, TreeDrafted, hint_applies,
+                     truncate_at_stop)
 from .settings import DecodeConfig
 
 __all__ = ["DRAFT_ONLY", "Decision", "EdgeDecoder"]
@@ -140,16 +141,21 @@ class EdgeDecoder:
                               history=history)
         return Prompt(instruction, jpeg, inputs.input_ids[0].tolist()), inputs
 
-    def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=(), on_draft=None) -> Decision:
+    def decide(self, instruction: str, image, cfg: DecodeConfig, on_tokens=None, history=(), on_draft=None,
+               hint: list[int] | None = None) -> Decision:
         """Decode one decision's text. on_tokens(list[int]) is called with each newly verified chunk.
         ``history``: the earlier decisions a policy with memory reads (``decoding.memory``).
         ``on_draft(list[int])``: the decision's tokens as the draft guesses them, committed and
-        drafted ahead, each time a chain block goes up (sd, pipe; never in ar)."""
+        drafted ahead, each time a chain block goes up (sd, pipe; never in ar). ``hint``: an earlier
+        decision's tokens that draft this one (``rounds.HintedStrategy``, mode "hint" in its metrics),
+        where ``rounds.hint_applies`` (greedy); otherwise ignored."""
         codec = self.verifier.codec
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
         self._connect(cfg)
         predicted, auto_decision = None, cfg.mode == "auto"
+        if hint and hint_applies(cfg, codec or get_codec(cfg.codec)):
+            return self._decide_hinted(instruction, image, cfg, on_tokens, history, hint)
         if cfg.gamma == "auto":  # the link's cost per draft is that of this decision's kind of block
             self._auto(cfg).set_payload(carries_q(cfg.verify_settings(), codec or get_codec(cfg.codec)))
         if cfg.mode == "auto":  # the path the estimates predict fastest (AutoGamma.begin_auto_decision)
@@ -170,11 +176,25 @@ class EdgeDecoder:
         info = self.verifier.start(prompt, cfg.verify_settings(), wait=False)
         m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
         out = self.strategy(cfg).decide(self, inputs, cfg, m, on_tokens, t_start, on_draft=on_draft)
+        decision = self._finish(out, cfg, m, t_start)
+        if auto_decision:  # mode auto learns what the path it took really costs
+            self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens))
+        return decision
+
+    def _decide_hinted(self, instruction: str, image, cfg: DecodeConfig, on_tokens, history, hint) -> Decision:
+        m = DecisionMetrics(mode=HintedStrategy.name, gamma=0)
+        t_start = time.perf_counter()
+        prompt, inputs = self.make_prompt(instruction, image, history)
+        m.prompt_tokens = len(prompt.prompt_ids)
+        info = self.verifier.start(prompt, cfg.verify_settings(), wait=False)
+        m.add_link(info.get("uplink_bytes", 0), info.get("downlink_bytes", 0))
+        out = HintedStrategy(hint).decide(self, inputs, cfg, m, on_tokens, t_start)
+        return self._finish(out, cfg, m, t_start)
+
+    def _finish(self, out: list[int], cfg: DecodeConfig, m: DecisionMetrics, t_start: float) -> Decision:
         out, _ = truncate_at_stop(out, self.eos_ids, cfg.max_new_tokens)
         m.tokens = len(out)
         m.wall_s = time.perf_counter() - t_start
-        if auto_decision:  # mode auto learns what the path it took really costs
-            self.auto_gamma.observe_decision(cfg.mode, m.wall_s / max(1, m.tokens))
         m.cloud_prefill_s = self.verifier.last_prefill_s or 0.0
         text = self.tokenizer.decode([t for t in out if t not in self.eos_ids], skip_special_tokens=True)
         return Decision(out, text, m)

@@ -6,6 +6,7 @@ A strategy keeps its own state across decisions (AutoGamma's estimates, the pre-
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -13,6 +14,7 @@ from ..codecs import get_codec
 from ..decoding.compute import EdgeDevice
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
+from ..decoding.lookup import DEFAULT_BLOCK, HintCursor
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
 from ..decoding.sequence import DraftSequence
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
@@ -384,3 +386,50 @@ class PreDrafted(Proposer):
 
     def close(self) -> None:
         self.pre.close()
+
+
+class HintedStrategy(Strategy):
+    """A greedy decision drafted from a hint (``decoding.lookup``: act_while_verifying confirm's
+    decision made during the motion): each round sends the hint's next tokens (``HintCursor``),
+    verified in one pass; once the hint is spent, the rest is cloud AR. Nothing is drafted on the
+    robot (no draft prefill, ``on_draft`` never called). Lossless: every committed token is the
+    target's greedy one, whatever the hint."""
+
+    name = "hint"
+
+    def __init__(self, hint: list[int], block: int = DEFAULT_BLOCK):
+        self.hint, self.block = list(hint), block
+
+    def decide(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens,
+               started_at: float, on_draft=None) -> list[int]:
+        if not hint_applies(cfg, decoder.verifier.codec or get_codec(cfg.codec)):
+            raise ValueError("a hinted decision is greedy and its blocks carry no q (verify mode greedy, not "
+                             f"the split codec): got {cfg.verify_mode} at temperature {cfg.params.temperature}")
+        verifier, eos = decoder.verifier, decoder.eos_ids
+        cursor, out, timeline = HintCursor(self.hint, self.block), [], CloudTimeline(m, started_at)
+        while len(out) < cfg.max_new_tokens:
+            drafts = cursor.propose(out)[: cfg.max_new_tokens - len(out)]
+            if not drafts:
+                break
+            block = Block(m.rounds + 1, m.rounds, drafts, None)  # each verdict ends its epoch
+            reply = verifier.verify(block)
+            m.record_block(reply, block)
+            timeline.verdict(reply, "fill" if block.round == 1 else "hint", time.perf_counter())
+            cursor.heard(reply.accepted)
+            new = reply.committed_drafts(block) + [int(reply.next_token)]
+            out += new
+            if on_tokens:
+                on_tokens(new)
+            if truncate_at_stop(out, eos, cfg.max_new_tokens)[1]:
+                timeline.end(time.perf_counter())
+                return out
+        timeline.end(time.perf_counter())
+        if len(out) < cfg.max_new_tokens:  # the hint is spent: the target goes on alone
+            out += ArStrategy().run_ar(verifier, replace(cfg, max_new_tokens=cfg.max_new_tokens - len(out)), m,
+                                       eos, on_tokens)
+        return out
+
+
+def hint_applies(cfg: DecodeConfig, codec) -> bool:
+    """Whether a decision can be drafted from a hint: greedy verification, blocks without q."""
+    return cfg.verify_settings().verify_mode == "greedy" and not carries_q(cfg.verify_settings(), codec)
