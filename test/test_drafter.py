@@ -296,7 +296,7 @@ def test_auto_gamma_setting_gives_gamma_auto_in_sd_and_is_refused_elsewhere():
 
 
 def test_an_instruct_goal_counts_its_own_outcomes_and_ends_as_its_command_does():
-    from edgespec_ros.robot.drafter import GOAL_COUNT_GRACE_S, GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
+    from edgespec_ros.robot.goals import GOAL_COUNT_GRACE_S, GoalProgress, MAX_DECISIONS, PREEMPTED, REACHED, TIMEOUT
     core, clock = make(max_decisions=0, wait_for_motion=False)
     core.set_command("go", max_decisions=2)
     goal = GoalProgress(core.status().generation, clock(), timeout_s=5.0)

@@ -51,9 +51,11 @@ def test_a_replaced_word_costs_one_round_and_the_hint_goes_on():
     assert r.accepted[:2] == (10, 16) and r.tail == 0 and r.rounds == 3  # its token at 10, then 11.. go on
     inserted = target[:10] + [7, 8] + target[10:]  # two words the decision does not say
     assert hinted_rounds(target, inserted).tail == 0 and hinted_rounds(target, inserted).rounds <= 3
-    dropped = target[:10] + target[14:]  # four words the hint lacks: each a round of its own, then in step again
+    dropped = target[:10] + target[14:]  # four words the hint lacks: a round of the guess, then as AR
     r = hinted_rounds(target, dropped)
-    assert r.tail == 0 and r.rounds == 6 and r.accepted[-1] == 15
+    assert r.accepted == (10, 0) and r.tail == 30 - 12
+    foreign = [7] * 30  # says something else: one round, then the rest as AR
+    assert hinted_rounds(target, foreign).accepted == (0,) and hinted_rounds(target, foreign).tail == 29
 
 
 def test_rounds_commit_exactly_the_decision_for_any_hint():

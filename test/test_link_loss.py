@@ -409,7 +409,7 @@ def test_a_draft_only_decision_is_remembered_as_the_degraded_motion_it_runs():
 def test_an_instruct_goal_counts_verified_draft_only_and_retrace_apart(on_link_loss):
     """The Instruct result's ``decisions`` and ``tokens`` are the verified ones (as the stats' token
     count); draft_only decisions and their tokens, and retrace steps, are counted in their own fields."""
-    from edgespec_ros.robot.drafter import GoalProgress
+    from edgespec_ros.robot.goals import GoalProgress
     link = Link()
     decoder = FlakyDecoder(link)
     core, clock = make(decoder=decoder, on_link_loss=on_link_loss, link_loss_faults=2, wait_for_motion=False,

@@ -163,7 +163,7 @@ def test_decoding_stats_round_trip(node):
 
 def test_instruct_result_constants_are_the_goal_outcomes():
     from edgespec_ros.action import Instruct
-    from edgespec_ros.robot.drafter import GOAL_OUTCOMES
+    from edgespec_ros.robot.goals import GOAL_OUTCOMES
     outcomes = {name[len("OUTCOME_"):].lower(): getattr(Instruct.Result, name) for name in dir(Instruct.Result)
                 if name.startswith("OUTCOME_")}
     assert outcomes == {outcome: i for i, outcome in enumerate(GOAL_OUTCOMES) if outcome}

@@ -56,8 +56,10 @@ _END_DROPS = {BLOCKED_CONTACT: DROP_BLOCKED, BLOCKED_NO_ODOMETRY: DROP_BLOCKED, 
 
 
 # act_while_verifying: when the robot moves while a decision is made (robot.settings.DrafterSettings)
-OFF, OVERLAP, SPECULATIVE = "off", "overlap", "speculative"
-ACT_WHILE_VERIFYING = (OFF, OVERLAP, SPECULATIVE)
+# confirm: the decision made during the motion is a hint only; the one acted on is made on the
+# fresh frame where the motion ends, drafted from it (decoding.lookup): the blocking loop's decisions
+OFF, OVERLAP, SPECULATIVE, CONFIRM = "off", "overlap", "speculative", "confirm"
+ACT_WHILE_VERIFYING = (OFF, OVERLAP, SPECULATIVE, CONFIRM)
 
 
 # How many of a command's last decisions the latency prediction reads, in the drafter and the

@@ -12,13 +12,15 @@ Where a round is proposed from (:class:`HintCursor`), in this order:
 1. the hint's continuation after the longest suffix (``max_ngram`` tokens down to one) of the
    committed tokens that the hint contains, the occurrence nearest the cursor (prompt lookup
    decoding; vLLM's ``ngram`` speculation with the hint as the text looked up);
-2. else the hint from the cursor on: the target replaced a token of the hint (e.g. "3 m" where the
-   hint said "2 m"), so the hint goes on from the token after the replaced one.
+2. else, after a round that accepted at least one draft (or at the start), the hint from the
+   cursor on: the target replaced a token of the hint (e.g. "3 m" where the hint said "2 m"), so
+   the hint goes on from the token after the replaced one.
 
 The cursor is where the hint is expected to continue: after the last round, the position after
 its accepted drafts and the one token the target put in their place. When neither gives a token
-the hint is spent and the rest of the decision is decoded without it (the caller's: cloud AR on the
-robot, ``robot.rounds.HintedStrategy``).
+(no suffix found after a round that accepted nothing, or the hint's end) the hint is spent and the
+rest of the decision is decoded without it (the caller's: cloud AR on the robot,
+``robot.rounds.HintedStrategy``): a hint that says something else costs one round, not one a token.
 
 Lossless whatever the hint: every committed token is the target's greedy one (a proposal only
 decides how many of them one pass checks). :func:`hinted_rounds` counts the rounds a decision takes
@@ -44,6 +46,7 @@ class HintCursor:
         self.block, self.max_ngram = block, max_ngram
         self.cursor = 0  # where the hint is expected to continue
         self._start = 0  # where the last proposal began in the hint
+        self._in_step = True  # the last round accepted a draft (or none was sent yet)
 
     def _nearest_after(self, committed: Sequence[int]) -> int | None:
         """The hint index after the longest committed suffix the hint contains (nearest the
@@ -60,6 +63,8 @@ class HintCursor:
         """The next round's drafts after the ``committed`` tokens (empty: the hint is spent)."""
         at = self._nearest_after(committed) if committed else 0
         if at is None:
+            if not self._in_step:
+                return []
             at = self.cursor
         self._start = at
         return self.hint[at:at + self.block]
@@ -67,6 +72,7 @@ class HintCursor:
     def heard(self, accepted: int) -> None:
         """The last proposal's round accepted ``accepted`` drafts and put one token after them."""
         self.cursor = self._start + accepted + 1
+        self._in_step = accepted > 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ class PolicyOutput:
     action: object | None  # actions.Action, or None when the text does not parse
     error: str | None
     tokens: int
+    ids: tuple[int, ...] = ()  # the decision's token ids, where the policy gives them (a hint's source)
 
 
 class VLMPolicy:
@@ -31,20 +32,22 @@ class VLMPolicy:
 
     def generate_text(self, image, instruction: str, temperature: float = 0.0, seed: int = 0,
                       history=()) -> tuple[str, int]:
+        text, tokens = self.generate_ids(image, instruction, temperature, seed, history)
+        return text, len(tokens)
+
+    def generate_ids(self, image, instruction: str, temperature: float = 0.0, seed: int = 0,
+                     history=()) -> tuple[str, list[int]]:
         inputs = build_inputs(self.lm.tokenizer, instruction, jpeg_roundtrip(image), self.lm.image_processor,
                               history=history)
         cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed)
         tokens = target_generate(self.lm, inputs, cfg)
         text = self.lm.tokenizer.decode([t for t in tokens if t not in self.lm.eos_token_ids],
                                         skip_special_tokens=True)
-        return text, len(tokens)
+        return text, list(tokens)
 
     def decide(self, image, instruction: str, temperature: float = 0.0, seed: int = 0, history=()) -> PolicyOutput:
-        text, n = self.generate_text(image, instruction, temperature, seed, history)
-        try:
-            return PolicyOutput(text, parse_action(text), None, n)
-        except ActionParseError as exc:
-            return PolicyOutput(text, None, str(exc), n)
+        text, ids = self.generate_ids(image, instruction, temperature, seed, history)
+        return policy_output(text, ids)
 
 
 
@@ -63,7 +66,13 @@ class DecoderPolicy:
         cfg = self.cfg if temperature == 0 else replace(self.cfg, params=SamplingParams(temperature), seed=seed,
                                                        verify_mode="rejection")
         out = self.last = self.decoder.decide(instruction, image, cfg, history=history)
-        try:
-            return PolicyOutput(out.text, parse_action(out.text), None, len(out.tokens))
-        except ActionParseError as exc:
-            return PolicyOutput(out.text, None, str(exc), len(out.tokens))
+        return policy_output(out.text, out.tokens)
+
+
+def policy_output(text: str, ids) -> PolicyOutput:
+    """A decision's text parsed (its error where it does not parse), its token count and ids."""
+    ids = tuple(int(t) for t in ids)
+    try:
+        return PolicyOutput(text, parse_action(text), None, len(ids), ids)
+    except ActionParseError as exc:
+        return PolicyOutput(text, None, str(exc), len(ids), ids)

@@ -32,8 +32,8 @@ from std_msgs.msg import String
 
 from ..action import Instruct
 from ..robot.decoder import DRAFT_ONLY
-from ..robot.drafter import (ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, DecisionOutcome, DrafterCore,
-                             DrafterSettings, Frame, GoalProgress)
+from ..robot.drafter import DecisionOutcome, DrafterCore, DrafterSettings, Frame
+from ..robot.goals import ABORTED, CANCELLED, GOAL_OUTCOMES, PREEMPTED, TIMEOUT, GoalProgress
 from ..control.motion import outcome_name
 from ..rosio.imaging import ImageFormatError
 from ..msg import DecodingStats, MotionState, VerifiedAction

@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..control.actions import Action
-from ..control.chaining import (ACT_WHILE_VERIFYING, DROP_BLOCKED, DROP_FRAME_AGE, LATENCY_WINDOW, OFF,
+from ..control.chaining import (ACT_WHILE_VERIFYING, CONFIRM, DROP_BLOCKED, DROP_FRAME_AGE, LATENCY_WINDOW, OFF,
                                 SPECULATIVE, RecentLatency, decision_start_s)
 from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.profiles import extent, metric_like, primitive_profile
@@ -81,12 +81,18 @@ class ActWhileVerifying:
         """One episode of ``link_loop.run_linked_episode`` acting so (its keyword arguments, checked there)."""
         if self.mode == OFF:
             return LinkedRun(policy, scenario, **kwargs).run()
+        if self.mode == CONFIRM:
+            return ConfirmingRun(policy, scenario, acting=self, **kwargs).run()
         return ActingRun(policy, scenario, acting=self, **kwargs).run()
 
     @property
     def label(self) -> str:
         if self.mode == OFF:
             return "off: every decision blocks the robot"
+        if self.mode == CONFIRM:
+            return ("confirm: a decision begins during motion (latency predicted: the median of the last "
+                    f"{self.window} measured{f', frames no earlier than {self.min_progress:.0%} through the motion' if self.min_progress else ''}); "
+                    "the one acted on is made on the fresh frame where the motion ends, drafted from it")
         text = (f"{self.mode}: decisions begin during motion (latency predicted: the median of the last "
                 f"{self.window} measured), dropped past max_decision_age_s {self.max_decision_age_s:g} s")
         if self.min_progress > 0:
@@ -310,3 +316,93 @@ class ActingRun(LinkedRun):
         else:
             self._start_verified(out, rec, verdict)
 
+
+
+# ---------------------------------------------------------------------------------------- confirm
+
+@dataclass
+class HintCounters:
+    """confirm's decisions in one episode: those made during a motion (``mid``), those drafted from
+    one's tokens (``hinted``; ``equal``: the hint was the decision), the hinted decisions' tokens and
+    how many of them came from the hint (``from_hint``), their rounds and the tokens decoded after the
+    hint was spent (``tail``), and the seconds the hints saved at rest (``saved_s``: the decision's
+    unhinted latency less its hinted one, summed; negative where a hint cost more)."""
+
+    mid: int = 0
+    hinted: int = 0
+    equal: int = 0
+    tokens: int = 0
+    from_hint: int = 0
+    rounds: int = 0
+    tail: int = 0
+    saved_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+class ConfirmingRun(LinkedRun):
+    """act_while_verifying confirm: the blocking loop's decisions, each drafted from a decision made
+    during the motion before it.
+
+    While motion k runs, a decision begins at ``control.chaining.decision_start_s`` (its verdict
+    predicted at the motion's end, never before ``min_progress`` of it) on the frame rendered where
+    the robot is then, its prompt showing k ``executing``; that decision is never acted on. Where k
+    ends the robot decides on the fresh frame with k remembered, as with overlap off, and that
+    decision is drafted from the first's tokens (``StatedLatency.hinted``: the tokens that had
+    arrived by the motion's end, all of them where it finished in time). The decisions, the
+    trajectories and every stop are the blocking loop's (greedy: the target's tokens on the same
+    frames); only the time standing still changes. A sampled decision (``resample_temperature``
+    after a blocked move) is decided without its hint. EMULATED as every latency of the linked loop."""
+
+    mode = CONFIRM
+
+    def __init__(self, policy, scenario, *, acting: ActWhileVerifying, **kwargs):
+        super().__init__(policy, scenario, **kwargs)
+        if not callable(getattr(self.decision_latency, "hinted", None)):
+            raise ValueError("act_while_verifying confirm needs a latency model that prices a decision drafted "
+                             "from a hint (sim.link_loop.StatedLatency: --ms-per-token)")
+        self.acting = acting
+        self.predictor = RecentLatency(acting.window)
+        self.counters = HintCounters()
+        self.hint: tuple[int, ...] | None = None  # the tokens of the decision made during the last motion
+
+    def hinted(self) -> dict:
+        return self.counters.as_dict()
+
+    def latency_of(self, out) -> float:
+        full = self.decision_latency(out)
+        hint, self.hint = self.hint, None
+        if hint is None:
+            self.predictor.measured(full)  # a decision from the start, as one made during a motion is
+            return full
+        sampled = self.resample_next and self.resample_temperature > 0
+        ids = getattr(out, "ids", ())
+        if sampled or not ids or not hint:
+            return full
+        latency, r = self.decision_latency.hinted(ids, hint)
+        c = self.counters
+        c.hinted += 1
+        c.equal += tuple(ids) == tuple(hint)
+        c.tokens += len(ids)
+        c.from_hint += r.from_hint
+        c.rounds += r.rounds
+        c.tail += r.tail
+        c.saved_s += full - latency
+        return latency
+
+    def moving(self, out, start_pose: Pose, start_s: float, motion_s: float) -> None:
+        end = start_s + motion_s
+        start = decision_start_s(start_s, end, self.predictor.predict(), start_s, self.acting.min_progress)
+        if start >= end:
+            return
+        pose = primitive_pose_at(self.scenario, start_pose, out.action, start - start_s, self.limits, 0.0)
+        if not self.link_up(start, pose):
+            return
+        image = render_view(self.scenario, pose, self.world.camera).rgb
+        history = in_flight(self.memory, out.action.text, getattr(out, "text", "")) if self.memory.k else ()
+        mid = _decide(self.policy, image, self.scenario, history)  # greedy: a hint is for a greedy decision
+        self.counters.mid += 1
+        self.predictor.measured(self.decision_latency(mid))
+        ids = tuple(getattr(mid, "ids", ()))
+        self.hint = ids[:self.decision_latency.tokens_by(end - start, len(ids))]

@@ -66,6 +66,7 @@ from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback, LinkFallback, S
 from ..control.link_health import LinkHealth
 from ..control.provisional import ProvisionalCounters
 from ..decoding.faults import FaultKind
+from ..decoding.lookup import DEFAULT_BLOCK, HintedRounds, hinted_rounds
 from .scenario import Pose, Scenario
 from .timeline import Timeline
 from .world import SimWorld
@@ -105,20 +106,44 @@ class Link(Protocol):
 
 class StatedLatency:
     """EMULATED, stated: a decision costs ``ms_per_token`` per generated token plus one round trip
-    of the link (``rtt_s``); for a policy that runs in process (e.g. the target alone)."""
+    of the link (``rtt_s``); for a policy that runs in process (e.g. the target alone).
 
-    def __init__(self, ms_per_token: float, rtt_s: float = 0.0):
+    A decision drafted from a hint (:meth:`hinted`, act_while_verifying confirm): its rounds
+    (``decoding.lookup.hinted_rounds``) each cost a round trip and one verification pass, the first
+    also the cloud's prefill of the new frame; the tokens left after the hint is spent cost
+    ``ms_per_token`` each after one more round trip. ``pass_ms`` (default: ``ms_per_token``) and
+    ``prefill_ms`` are the cloud's (a regime states them; the per-token figure already carries the
+    prefill's share, so charging it again is conservative against the hint)."""
+
+    def __init__(self, ms_per_token: float, rtt_s: float = 0.0, pass_ms: float | None = None,
+                 prefill_ms: float = 0.0):
         if not ms_per_token > 0 or not math.isfinite(ms_per_token) or rtt_s < 0:
             raise ValueError(f"stated latency: need ms_per_token > 0 and rtt_s >= 0, got {ms_per_token}, {rtt_s}")
-        self.ms_per_token, self.rtt_s = ms_per_token, rtt_s
+        pass_ms = ms_per_token if pass_ms is None else pass_ms
+        if not pass_ms > 0 or not prefill_ms >= 0:
+            raise ValueError(f"stated latency: need pass_ms > 0 and prefill_ms >= 0, got {pass_ms}, {prefill_ms}")
+        self.ms_per_token, self.rtt_s, self.pass_ms, self.prefill_ms = ms_per_token, rtt_s, pass_ms, prefill_ms
 
     @property
     def label(self) -> str:
         return (f"stated {self.ms_per_token:g} ms/token x tokens + one round trip ({self.rtt_s * 1e3:g} ms) "
-                "(EMULATED)")
+                f"(EMULATED; a hinted decision: {self.prefill_ms:g} ms prefill + per round a round trip and a "
+                f"{self.pass_ms:g} ms pass)")
 
     def __call__(self, out) -> float:
         return out.tokens * self.ms_per_token / 1e3 + self.rtt_s
+
+    def hinted(self, tokens, hint, block: int = DEFAULT_BLOCK) -> tuple[float, HintedRounds]:
+        """Seconds a decision of ``tokens`` (the target's) takes drafted from ``hint``, and its rounds."""
+        r = hinted_rounds(tokens, hint, block)
+        s = self.prefill_ms / 1e3 + r.rounds * (self.rtt_s + self.pass_ms / 1e3)
+        if r.tail:
+            s += self.rtt_s + r.tail * self.ms_per_token / 1e3
+        return s, r
+
+    def tokens_by(self, elapsed_s: float, tokens: int) -> int:
+        """How many of a decision's ``tokens`` have arrived ``elapsed_s`` after it began."""
+        return max(0, min(tokens, int((elapsed_s - self.rtt_s) * 1e3 / self.ms_per_token + 1e-9)))
 
 
 class DraftLatency:
@@ -201,6 +226,7 @@ class LinkedEpisode:
     pauses: int = 0  # stops between consecutive motions (sim.timeline)
     dropped: dict[str, int] = field(default_factory=dict)  # verified decisions dropped before they started, by why
     provisional: dict[str, float] = field(default_factory=dict)  # ProvisionalCounters.as_dict()
+    hinted: dict[str, float] = field(default_factory=dict)  # confirm: sim.act_loop.HintCounters.as_dict()
     records: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -356,7 +382,7 @@ class LinkedRun:
             self.link_fault(self.no_link(world.pose))
             return
         out = self.decide_verified(world.camera_image(), self.memory.shown() if self.memory.k else ())
-        latency = self.decision_latency(out)
+        latency = self.latency_of(out)
         if latency > self.deadline_s:  # the drafter gives up at its deadline: a link fault like any other
             self.link_fault(f"the decision took {latency:.2f} s")
             return
@@ -369,11 +395,21 @@ class LinkedRun:
             world.skip_decision(out.error or "no action")
             collided = False
         else:
+            before = world.pose
             collided, rec.motion_s = self.execute(out.action, self.limits)
             rec.collided = collided
             self.timeline.motion(self.t, self.t + rec.motion_s)
+            self.moving(out, before, self.t, rec.motion_s)
             self.t += rec.motion_s
         self.remember(out.action, collided, getattr(out, "text", ""))
+
+    def latency_of(self, out) -> float:
+        """A verified decision's latency (``decision_latency``; act_loop's confirm drafts it from a hint)."""
+        return self.decision_latency(out)
+
+    def moving(self, out, start_pose: Pose, start_s: float, motion_s: float) -> None:
+        """The verified decision ``out`` moves the robot from ``start_pose`` for ``motion_s`` from
+        ``start_s`` (its memory not yet told): nothing runs meanwhile here (act_loop's confirm decides)."""
 
     def settle(self) -> None:
         """Let a motion still running end (the clock to its end): nothing runs past a decision here."""
@@ -381,6 +417,10 @@ class LinkedRun:
     def provisional(self) -> dict:
         """The episode's provisional motions (``ProvisionalCounters.as_dict``): none here."""
         return ProvisionalCounters().as_dict()
+
+    def hinted(self) -> dict:
+        """The episode's decisions drafted from a hint (act_loop's confirm): none here."""
+        return {}
 
     # ------------------------------------------------------------------ the episode
 
@@ -458,7 +498,7 @@ class LinkedRun:
             waiting_ratio=round(waiting / t, 4) if t > 0 else 0.0, pauses=self.timeline.pauses(),
             dropped={reason: sum(r.kind == DROPPED and r.note.startswith(reason) for r in records)
                      for reason in DROPPED_REASONS},
-            provisional=self.provisional(), records=records)
+            provisional=self.provisional(), hinted=self.hinted(), records=records)
 
     mode = OFF
 
@@ -510,6 +550,7 @@ def summarize(episodes: Sequence[LinkedEpisode]) -> dict:
     won = sorted(e.time_s for e in episodes if e.success)
     total_s = sum(e.time_s for e in episodes)
     counters = list(ProvisionalCounters().as_dict())
+    hinted = sorted({k for e in episodes for k in e.hinted})
     return {
         "episodes": n,
         "success_rate": sum(e.success for e in episodes) / n if n else 0.0,
@@ -528,6 +569,7 @@ def summarize(episodes: Sequence[LinkedEpisode]) -> dict:
         "pauses_per_episode": sum(e.pauses for e in episodes) / n if n else 0.0,
         "dropped": {k: sum(e.dropped.get(k, 0) for e in episodes) for k in DROPPED_REASONS},
         "provisional": {k: round(sum(e.provisional.get(k, 0) for e in episodes), 6) for k in counters},
+        **({"hinted": {k: round(sum(e.hinted.get(k, 0) for e in episodes), 6) for k in hinted}} if hinted else {}),
     }
 
 

@@ -1,0 +1,127 @@
+"""act_while_verifying confirm in the linked closed loop (sim.act_loop.ConfirmingRun): a decision made
+during the motion drafts the one made on the fresh frame where the motion ends. The decisions,
+trajectories and stops are the blocking loop's exactly; only the time standing still changes, by the
+hinted decision's rounds (exact arithmetic on the simulated clock, stated latencies)."""
+import pytest
+
+from edgespec_ros.control.actions import parse_action
+from edgespec_ros.decoding.memory import EXECUTING
+from edgespec_ros.evaluation.policy import PolicyOutput
+from edgespec_ros.sim.act_loop import ActWhileVerifying
+from edgespec_ros.sim.link_loop import VERIFIED, StatedLatency, run_linked_episode, summarize
+from test_act_loop import HEALTH, MOVE_M, CutLink, corridor
+
+
+class Speaker:
+    """Says its script's next text as ``tokens`` ids (the text's own), whatever it sees; a decision
+    whose prompt shows a motion under way (``EXECUTING``) says ``mid`` instead where given, and does
+    not advance the script. Keeps what each decision saw."""
+
+    def __init__(self, script, tokens=10, mid=None, memory=2):
+        self.script, self.tokens, self.mid, self.memory, self.belief = list(script), tokens, mid, memory, False
+        self.calls, self.seen = 0, []
+
+    @staticmethod
+    def ids(text, n):
+        base = 1000 * (1 + sum(map(ord, text)) % 97)
+        return tuple(base + i for i in range(n))
+
+    def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+        during = bool(history) and history[-1].outcome == EXECUTING
+        self.seen.append((during, temperature))
+        if during:
+            text = self.mid or (self.script[self.calls] if self.calls < len(self.script) else "stop")
+        else:
+            text = self.script[self.calls] if self.calls < len(self.script) else "stop"
+            self.calls += 1
+        try:
+            return PolicyOutput(text, parse_action(text), None, self.tokens, self.ids(text, self.tokens))
+        except ValueError as exc:
+            return PolicyOutput(text, None, str(exc), self.tokens, self.ids(text, self.tokens))
+
+
+def run(policy, mode, ms=50.0, latency=None, **kw):
+    kw.setdefault("deadline_s", 8.0)
+    return run_linked_episode(policy, kw.pop("scenario", None) or corridor(), link=CutLink(), on_link_loss="stop",
+                              health=HEALTH, decision_latency=latency or StatedLatency(ms, 0.0),
+                              acting=ActWhileVerifying(mode, 5.0, 1.0), **kw)
+
+
+def trajectory(ep):
+    return [(r.kind, r.action, r.x, r.y, r.collided) for r in ep.records]
+
+
+SCRIPT = ["move forward medium"] * 4
+
+
+def test_confirm_decides_as_the_blocking_loop_and_stands_still_a_pass_a_decision():
+    off, ep = run(Speaker(SCRIPT), "off"), run(Speaker(SCRIPT), "confirm")
+    assert trajectory(ep) == trajectory(off) and ep.success == off.success and ep.collisions == off.collisions
+    # the first decision whole (0.5 s), then each drafted from the one made during the motion before
+    # it: its 10 tokens in one pass of 50 ms (no round trip on this link)
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([0.5] + [0.05] * 4)
+    assert ep.time_s == pytest.approx(0.5 + 4 * (MOVE_M + 0.05))
+    assert ep.waiting_s == pytest.approx(0.5 + 4 * 0.05) and ep.pauses == 3
+    assert ep.hinted == {"mid": 4, "hinted": 4, "equal": 4, "tokens": 40, "from_hint": 40, "rounds": 4, "tail": 0,
+                         "saved_s": pytest.approx(4 * 0.45)}
+    assert summarize([ep])["hinted"]["hinted"] == 4 and "hinted" not in summarize([off])
+
+
+def test_a_hint_that_says_something_else_changes_the_time_never_the_decision():
+    off = run(Speaker(SCRIPT), "off")
+    ep = run(Speaker(SCRIPT, mid="turn left large"), "confirm")
+    assert trajectory(ep) == trajectory(off)
+    # no token of the hint is the decision's: one round that accepts nothing, then the rest as AR
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([0.5] + [0.05 + 0.45] * 4)
+    assert ep.hinted["from_hint"] == 0 and ep.hinted["tail"] == 4 * 9 and ep.hinted["equal"] == 0
+    assert ep.hinted["rounds"] == 4
+
+
+def test_the_decision_during_the_motion_sees_it_under_way_and_the_one_acted_on_the_motion_done():
+    speaker = Speaker(SCRIPT)
+    run(speaker, "confirm")
+    assert [during for during, _ in speaker.seen] == [False] + [True, False] * 4
+    blocking = Speaker(SCRIPT)
+    run(blocking, "off")
+    assert blocking.seen == [(False, 0.0)] * 5
+
+
+def test_a_decision_that_cannot_finish_during_the_motion_hints_with_what_has_arrived():
+    # 200 ms a token: 2.0 s a decision outlasts the 1.5 s move, so it begins with the motion and 7 of
+    # its 10 tokens have arrived where the motion ends: a round of 7 + 1, then 2 tokens as AR
+    ep = run(Speaker(SCRIPT), "confirm", ms=200.0)
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][1:] == pytest.approx([0.2 + 2 * 0.2] * 4)
+    assert ep.hinted["from_hint"] == 4 * 7 and ep.hinted["tail"] == 4 * 2
+
+
+def test_round_trips_prefill_and_pass_are_charged_as_stated():
+    latency = StatedLatency(50.0, 0.1, pass_ms=30.0, prefill_ms=60.0)
+    ep = run(Speaker(SCRIPT, tokens=20), "confirm", latency=latency)
+    # 20 tokens (1.1 s: done before the 1.5 s move ends): 16 + 1, then 3: two rounds, each a round trip
+    # and a pass, after the prefill
+    hinted = 0.06 + 2 * (0.1 + 0.03)
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([1.1] + [hinted] * 4)
+    # 30 tokens (1.6 s) begin with the move: 28 have arrived where it ends; the last is the target's alone
+    ep = run(Speaker(SCRIPT, tokens=30), "confirm", latency=latency)
+    partial = 0.06 + 2 * (0.1 + 0.03) + 0.1 + 0.05
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([1.6] + [partial] * 4)
+    assert latency.tokens_by(0.1, 30) == 0 and latency.tokens_by(0.35, 30) == 5 and latency.tokens_by(9, 30) == 30
+
+
+def test_a_sampled_decision_is_decided_without_its_hint():
+    # into the wall, blocked: the decision after it samples at the resample temperature, unhinted
+    script = ["turn right large"] + ["move forward large"] * 3
+    ep = run(Speaker(script), "confirm", resample_temperature=0.7,
+             scenario=corridor(x=1.0, y=1.0, yaw_deg=0.0))
+    off = run(Speaker(script), "off", resample_temperature=0.7, scenario=corridor(x=1.0, y=1.0, yaw_deg=0.0))
+    assert trajectory(ep) == trajectory(off)
+    blocked = [i for i, r in enumerate(r for r in ep.records if r.kind == VERIFIED) if r.collided]
+    assert blocked, "the script must run into something"
+    lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]
+    assert all(lat[i + 1] == pytest.approx(0.5) for i in blocked if i + 1 < len(lat))
+    assert ep.hinted["hinted"] < ep.verified_decisions - 1
+
+
+def test_confirm_needs_a_latency_model_that_prices_a_hint():
+    with pytest.raises(ValueError, match="hint"):
+        run(Speaker(SCRIPT), "confirm", latency=lambda out: 0.5)
