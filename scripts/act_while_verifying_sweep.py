@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from edgespec_ros.control.chaining import MAX_DECISION_AGE_S
 from edgespec_ros.control.link_health import LinkHealth
-from edgespec_ros.decoding.compute import get_robot
+from edgespec_ros.decoding.compute import GO2_PAPER, get_robot
 from edgespec_ros.decoding.engines import load_model
 from edgespec_ros.evaluation.policy import VLMPolicy
 from edgespec_ros.models import default_model_path
@@ -65,6 +65,31 @@ REGIMES = {
         ("auto overlap", "auto", GO2_MS["auto"], "overlap", SHIPPED_AGE),
         ("auto overlap, max_decision_age_s 15", "auto", GO2_MS["auto"], "overlap", 15.0),
         ("auto speculative, max_decision_age_s 15", "auto", GO2_MS["auto"], "speculative", 15.0),
+    ]),
+}
+
+# confirm: the decision made during a motion drafts the one made where it ends (sim.act_loop.ConfirmingRun).
+# A hinted decision's cost (StatedLatency.hinted): the cloud's prefill of the new frame, then per round a
+# round trip and one pass of up to 16 tokens. The H200's: its measured profile's prefill (87.7 ms) and a
+# pass at the stated per-token figure (27.3 ms; the profile measured 22-25 ms for 1-16 tokens); go2-paper's:
+# its profile's 620 ms pass and 620 ms prefill. Rows for both clouds, with the shipped settings.
+H200_PROFILE = json.loads(Path("docs/profiles/h200-qwen2-vl-7b-bf16-slots.json").read_text())
+HINT_COSTS = {"wifi-poor": (STATED_MS_PER_TOKEN, H200_PROFILE["prefill_s"] * 1e3),
+              "cellular": (STATED_MS_PER_TOKEN, H200_PROFILE["prefill_s"] * 1e3),
+              "go2-paper": (GO2_PAPER.verify_s * 1e3, GO2_PAPER.prefill_s * 1e3)}
+REGIMES |= {
+    "h200-confirm": ("wifi-poor", DEFAULTS.deadline_s, [
+        ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
+        ("confirm", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "confirm", SHIPPED_AGE),
+    ]),
+    "h200-cellular-confirm": ("cellular", DEFAULTS.deadline_s, [
+        ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
+        ("confirm", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "confirm", SHIPPED_AGE),
+    ]),
+    "go2-paper-confirm": ("go2-paper", 30.0, [
+        ("ar off", "ar", GO2_MS["ar"], "off", SHIPPED_AGE),
+        ("auto off", "auto", GO2_MS["auto"], "off", SHIPPED_AGE),
+        ("auto confirm", "auto", GO2_MS["auto"], "confirm", SHIPPED_AGE),
     ]),
 }
 
@@ -264,7 +289,8 @@ def main(argv=None) -> int:
         bar = tqdm(total=len(rows) * len(scenarios), desc=regime, unit="ep")
         for label, mode, ms, acting_mode, age, *min_progress in rows:
             bar.set_postfix_str(label)
-            latency = StatedLatency(ms, profile.rtt_s)
+            pass_ms, prefill_ms = HINT_COSTS[link_name]
+            latency = StatedLatency(ms, profile.rtt_s, pass_ms=pass_ms, prefill_ms=prefill_ms)
             acting = ActWhileVerifying(acting_mode, age, DEFAULTS.provisional_margin_s,
                                        min_progress=min_progress[0] if min_progress else 0.0)
             started, episodes = time.time(), []
@@ -290,7 +316,8 @@ def main(argv=None) -> int:
             print(f"  {label:<38} success {row['success_rate']:.1%} collisions {row['collisions']:>3} "
                   f"median {row['time_median_s']:.1f} p90 {row['time_p90_s']:.1f} waiting {row['waiting_ratio']:.1%} "
                   f"pauses {row['pauses_per_episode']:.1f} dropped {row['dropped']} provisional {p['taken']}/"
-                  f"{p['confirmed']}/{p['reverted']} ({p['reverted_m']:.2f} m, {p['reverted_deg']:.0f} deg)")
+                  f"{p['confirmed']}/{p['reverted']} ({p['reverted_m']:.2f} m, {p['reverted_deg']:.0f} deg)"
+                  + (f" hinted {row['hinted']}" if "hinted" in row else ""))
     return 0
 
 

@@ -86,12 +86,31 @@ def test_the_decision_during_the_motion_sees_it_under_way_and_the_one_acted_on_t
     assert blocking.seen == [(False, 0.0)] * 5
 
 
-def test_a_decision_that_cannot_finish_during_the_motion_hints_with_what_has_arrived():
-    # 200 ms a token: 2.0 s a decision outlasts the 1.5 s move, so it begins with the motion and 7 of
-    # its 10 tokens have arrived where the motion ends: a round of 7 + 1, then 2 tokens as AR
+def test_a_decision_predicted_to_land_well_after_the_motion_is_not_begun_during_it():
+    # 200 ms a token: 2.0 s a decision lands 0.5 s after the 1.5 s move, within half its latency: waited for
     ep = run(Speaker(SCRIPT), "confirm", ms=200.0)
-    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][1:] == pytest.approx([0.2 + 2 * 0.2] * 4)
-    assert ep.hinted["from_hint"] == 4 * 7 and ep.hinted["tail"] == 4 * 2
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([2.0] + [0.5 + 0.2] * 4)
+    # 400 ms a token: 4.0 s lands 2.5 s after it, more than half: decided where it ends, as blocking
+    ep, off = run(Speaker(SCRIPT), "confirm", ms=400.0), run(Speaker(SCRIPT), "off", ms=400.0)
+    assert ep.to_dict(with_records=False) | {"act_while_verifying": "off", "hinted": {}} == \
+        off.to_dict(with_records=False) | {"hinted": {}}
+    assert ep.hinted["mid"] == 0 and ep.hinted["hinted"] == 0
+
+
+def test_a_decision_during_the_motion_later_than_predicted_is_waited_for():
+    # decisions during the motion say 40 tokens (2.0 s), predicted at 0.5 s (the first decision's):
+    # begun 1.0 s into the move, done 1.5 s after it ends; the robot waits, then one pass
+    ep = run(LongMid(SCRIPT), "confirm")
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][:2] == pytest.approx([0.5, 1.5 + 0.05])
+
+
+class LongMid(Speaker):
+    def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+        out = super().decide(image, instruction, temperature, seed, history)
+        if self.seen[-1][0]:  # during a motion: the same words, and 30 more
+            ids = self.ids(out.text, 40)
+            return PolicyOutput(out.text, out.action, out.error, 40, ids)
+        return out
 
 
 def test_round_trips_prefill_and_pass_are_charged_as_stated():
@@ -101,11 +120,7 @@ def test_round_trips_prefill_and_pass_are_charged_as_stated():
     # and a pass, after the prefill
     hinted = 0.06 + 2 * (0.1 + 0.03)
     assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([1.1] + [hinted] * 4)
-    # 30 tokens (1.6 s) begin with the move: 28 have arrived where it ends; the last is the target's alone
-    ep = run(Speaker(SCRIPT, tokens=30), "confirm", latency=latency)
-    partial = 0.06 + 2 * (0.1 + 0.03) + 0.1 + 0.05
-    assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([1.6] + [partial] * 4)
-    assert latency.tokens_by(0.1, 30) == 0 and latency.tokens_by(0.35, 30) == 5 and latency.tokens_by(9, 30) == 30
+
 
 
 def test_a_sampled_decision_is_decided_without_its_hint():
@@ -125,3 +140,82 @@ def test_a_sampled_decision_is_decided_without_its_hint():
 def test_confirm_needs_a_latency_model_that_prices_a_hint():
     with pytest.raises(ValueError, match="hint"):
         run(Speaker(SCRIPT), "confirm", latency=lambda out: 0.5)
+
+
+# --- the drafter node's core (DrafterCore on fake clocks) --------------------------------------------
+
+def _hinting(texts):
+    from test_act_while_verifying import RememberingDecoder
+
+    class Hinting(RememberingDecoder):
+        """Keeps the hint each decision was drafted from; its tokens are the text's (len 12, as FakeDecoder's)."""
+
+        def __init__(self, texts):
+            super().__init__(texts)
+            self.hints, self.configs = [], []
+
+        def decide(self, instruction, image, cfg, on_tokens=None, history=(), hint=None):
+            self.hints.append(hint)
+            self.configs.append(cfg)
+            out = super().decide(instruction, image, cfg, on_tokens, history)
+            out.tokens = list(Speaker.ids(self.text, 12))
+            out.metrics.mode = "hint" if hint else cfg.mode
+            return out
+    return Hinting(texts)
+
+
+def test_under_confirm_the_drafter_decides_during_the_motion_publishes_nothing_and_drafts_the_next_from_it():
+    from drafting_helpers import S, frame
+    from test_act_while_verifying import TEXTS, first_motion
+    from edgespec_ros.control.motion import COMPLETED
+    from edgespec_ros.decoding.memory import DONE, Turn
+    decoder = _hinting(TEXTS)
+    core, clock, _, out, end_ns = first_motion("confirm")
+    core.decoder = decoder
+    decoder.histories.append(())  # the first decision's, made before the swap
+    assert "confirm" in core.why_not_ready(clock()) and core.begin() is None
+    clock.t = end_ns - int(0.49 * S)  # its verdict (0.5 s measured) lands as the motion ends
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    assert ticket is not None and ticket.hint_for == out.stamp_ns and not ticket.chained
+    clock.advance(0.4)
+    assert core.run(ticket) is None  # kept as a hint, never published
+    assert decoder.histories[-1] == (Turn("move forward large", EXECUTING),)
+    assert core.hint == Speaker.ids(TEXTS[1], 12) and core.decisions == 1
+    # one hint a motion: nothing more begins while it runs
+    core.set_frame(frame(clock))
+    assert core.begin() is None and "navigator" in core.why_not_ready(clock())
+    # the motion ends: the next decision on a fresh frame, k remembered done, drafted from the hint
+    clock.t = end_ns
+    core.note_motion("idle", out.stamp_ns, clock(), COMPLETED)
+    clock.advance(0.05)
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    assert ticket is not None and not ticket.chained and ticket.hint == Speaker.ids(TEXTS[1], 12)
+    nxt = core.run(ticket)
+    assert decoder.histories[-1] == (Turn("move forward large", DONE),) and decoder.hints[-1] == list(ticket.hint)
+    assert nxt.mode == "auto:hint" and not nxt.chained and core.decisions == 2 and core.hint == ()
+
+
+def test_confirm_begins_no_hint_that_would_land_after_the_motion_and_a_new_command_drops_a_hint():
+    from drafting_helpers import S, frame
+    from test_act_while_verifying import first_motion
+    core, clock, decoder, out, end_ns = first_motion("confirm")
+    core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=clock() + int(0.2 * S))  # 0.2 s left
+    assert "no decision predicted to land" in core.why_not_ready(clock()) and core.begin() is None
+    core.hint, core.hint_stamp = (1, 2, 3), out.stamp_ns
+    core.set_command("find the red chair")
+    assert core.hint == () and core.hint_stamp is None
+
+
+def test_a_hint_decision_is_greedy_even_after_a_blocked_move():
+    from drafting_helpers import S, frame
+    from test_act_while_verifying import TEXTS, first_motion
+    decoder = _hinting(TEXTS)
+    core, clock, _, out, end_ns = first_motion("confirm", resample_temperature=0.7)
+    core.decoder = decoder
+    core.resample_next = True
+    clock.t = end_ns - int(0.49 * S)
+    core.set_frame(frame(clock))
+    core.run(core.begin())
+    assert decoder.configs[-1].params.temperature == 0

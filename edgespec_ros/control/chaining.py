@@ -62,6 +62,19 @@ OFF, OVERLAP, SPECULATIVE, CONFIRM = "off", "overlap", "speculative", "confirm"
 ACT_WHILE_VERIFYING = (OFF, OVERLAP, SPECULATIVE, CONFIRM)
 
 
+# confirm: a decision begun during a motion as the next one's hint may land at most this share of its
+# predicted latency after the motion's end (where the robot waits for it): one begun later is not begun,
+# and the next decision is decided where the motion ends without a hint
+HINT_LATE_SHARE = 0.5
+
+
+def hint_in_time(start_s: float, latency_s: float | None, motion_end_s: float) -> bool:
+    """confirm: whether a decision begun at ``start_s`` is worth beginning as the next decision's
+    hint (its verdict predicted ``latency_s`` later: by the motion's end, or at most
+    :data:`HINT_LATE_SHARE` of that latency after it). False while nothing is predicted."""
+    return latency_s is not None and start_s + latency_s <= motion_end_s + HINT_LATE_SHARE * latency_s
+
+
 # How many of a command's last decisions the latency prediction reads, in the drafter and the
 # simulator alike.
 LATENCY_WINDOW = 5

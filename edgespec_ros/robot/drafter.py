@@ -49,7 +49,7 @@ from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_act
 from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .act_timing import DecisionTiming
-from ..control.chaining import MAX_DECISION_AGE_S
+from ..control.chaining import CONFIRM, MAX_DECISION_AGE_S, hint_in_time
 from ..control.provisional import worth_acting_provisionally
 from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics
@@ -160,6 +160,8 @@ class Ticket:
     history: tuple = ()  # a policy with memory: the earlier decisions its prompt shows (decoding.memory)
     fallback: str = ""  # the link is lost: DRAFT_ONLY or RETRACE (nothing is sent to the verifier)
     chained: bool = False  # begun while the awaited motion runs (act_while_verifying): its prompt shows it executing
+    hint_for: int | None = None  # confirm: a decision made only as the hint of the next (that motion's stamp)
+    hint: tuple[int, ...] = ()  # confirm: the tokens that draft this decision
 
 
 def classify_error(exc: BaseException) -> tuple[FaultKind, str]:
@@ -229,6 +231,9 @@ class DrafterCore:
         self.timing = DecisionTiming()
         # how old a queued decision's frame may be before the navigator drops it (its parameter, as it reports)
         self.max_decision_age_s = MAX_DECISION_AGE_S
+        # confirm: the tokens of the decision made during the motion of the decision stamped hint_stamp
+        self.hint: tuple[int, ...] = ()
+        self.hint_stamp: int | None = None
 
     @property
     def retrace_done(self) -> bool:
@@ -263,6 +268,7 @@ class DrafterCore:
             self.decisions = 0
             self.retry_after_ns = 0
             self.resample_next = False
+            self.hint, self.hint_stamp = (), None
             self.memory.reset(text)  # and no motion awaited
             self.link_fallback.new_command(active=bool(text))
         if not was_running:
@@ -313,7 +319,8 @@ class DrafterCore:
         decision is chained behind it yet: the next decision may begin while it runs (under the lock)."""
         stamp, end_ns = self.motion_running
         return (self.settings.act_while_verifying != "off" and self.memory.awaiting_stamp == stamp
-                and bool(self.memory.awaiting_action) and end_ns > 0 and self.memory.chained_stamp is None)
+                and bool(self.memory.awaiting_action) and end_ns > 0 and self.memory.chained_stamp is None
+                and self.hint_stamp != stamp)  # confirm: one hint a motion
 
     def _motion_wait(self, now_ns: int) -> str:
         """Why the next decision still waits for the awaited motion ('' once it may begin: acting
@@ -321,6 +328,13 @@ class DrafterCore:
         if not self._overlapping():
             return "waiting for the navigator to finish the last motion"
         latency = self.timing.latency_s(self.decoder.auto_gamma)
+        confirm = self.settings.act_while_verifying == CONFIRM
+        if confirm:  # as late a frame as lets the hint land by the motion's end, never after it
+            start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, self.decoder.auto_gamma)
+            if not hint_in_time(start_s, latency, self.motion_running[1] / NS):
+                return "confirm: no decision predicted to land by the motion's end; the next begins when it ends"
+            return "" if now_ns >= start_s * NS else \
+                f"confirm: the next decision's hint begins in {start_s - now_ns / NS:.2f} s, timed to the motion's end"
         if latency is not None and latency > self.max_decision_age_s:  # it would be dropped when queued
             return (f"overlap: the next decision (predicted {latency:.1f} s) would outlast max_decision_age_s "
                     f"{self.max_decision_age_s:g} s; it begins when the motion ends")
@@ -380,10 +394,15 @@ class DrafterCore:
                 (self.last_outcome_ns is None or now - self.last_outcome_ns <= self.settings.motion_wait_timeout_s * NS)
             if self.settings.wait_for_motion and not chained:
                 self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
+            hint_only = chained and self.settings.act_while_verifying == CONFIRM
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
                             self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
                             history=self.memory.prompt_turns(chained),
-                            fallback=fallback, chained=chained)
+                            fallback=fallback, chained=chained and not hint_only,
+                            hint_for=self.memory.awaiting_stamp if hint_only else None,
+                            hint=() if hint_only or fallback else self.hint)
+            if not hint_only:
+                self.hint = ()
             self.in_flight = ticket
             self.last_frame_ns = ticket.frame.stamp_ns
             return ticket
@@ -417,9 +436,13 @@ class DrafterCore:
         if ticket.fallback == RETRACE:
             return self._finish(ticket, retrace_outcome(instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
                                                         frame_id=ticket.frame.frame_id))
-        cfg = s.decode_config(ticket.index, ticket.resample)
+        cfg = s.decode_config(ticket.index, ticket.resample and ticket.hint_for is None)
+        if ticket.hint_for is not None:  # nothing of a hint's decision is shown or published
+            on_partial = None
         try:
             memory = {"history": ticket.history} if self.memory.k else {}
+            if ticket.hint:
+                memory["hint"] = list(ticket.hint)
             if ticket.fallback == DRAFT_ONLY:
                 decision = self.decoder.decide_draft_only(ticket.instruction, ticket.frame.image, cfg,
                                                           on_tokens=on_tokens, **memory)
@@ -437,7 +460,11 @@ class DrafterCore:
             outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
             return self._finish(ticket, outcome)
         m = decision.metrics
-        mode = DRAFT_ONLY if ticket.fallback else f"auto:{m.mode}" if s.mode == "auto" else s.mode  # e.g. "auto:pipe"
+        if ticket.hint_for is not None:
+            return self._hinted(ticket, decision.tokens, m)
+        # e.g. "auto:pipe"; a decision drafted from a hint: "auto:hint", "sd:hint"
+        mode = DRAFT_ONLY if ticket.fallback else f"auto:{m.mode}" if s.mode == "auto" else \
+            f"{s.mode}:hint" if m.mode == "hint" else s.mode
         outcome = outcome_from_text(decision.text, instruction=ticket.instruction, stamp_ns=ticket.frame.stamp_ns,
                                     frame_id=ticket.frame.frame_id, mode=mode, config=self.action_config)
         outcome.tokens, outcome.rounds, outcome.tau, outcome.metrics = m.tokens, m.rounds, m.tau, m
@@ -446,6 +473,17 @@ class DrafterCore:
         outcome.temperature = 0.0 if ticket.fallback else cfg.params.temperature  # draft_only decides greedily
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
+
+    def _hinted(self, ticket: Ticket, tokens, m: DecisionMetrics) -> None:
+        """confirm: a decision made during the motion is kept as the hint of the one made where the
+        motion ends (``EdgeDecoder.decide(hint=)``), never published; its latency times the next."""
+        with self._lock:
+            if self.in_flight is ticket:
+                self.in_flight = None
+            if not ticket.abandoned and ticket.generation == self.generation:
+                self.hint, self.hint_stamp = tuple(int(t) for t in tokens), ticket.hint_for
+                self.timing.observe(m.tokens, (self.clock_ns() - ticket.frame.stamp_ns) / NS)
+        return None
 
     def _provisional_watch(self, ticket: Ticket, on_provisional) -> Callable[[list[int]], None] | None:
         """The decoder's ``on_draft`` under act_while_verifying speculative: the draft's tokens
@@ -544,7 +582,7 @@ class DrafterCore:
                 self.stats.link_back()
             self.decisions += 1
             self.stats.add(outcome)
-            if not outcome.fallback:
+            if not outcome.fallback and not outcome.mode.endswith(":hint"):  # a hinted one is no decision's latency
                 self.timing.observe(outcome.tokens, outcome.latency_s)
             self.resample_next = not outcome.parsed
             # a move or turn is now the motion awaited (decoding.memory.CommandMemory)

@@ -111,10 +111,13 @@ class DrafterSettings:
                "the draft finishes the decision, begin the draft's action as a PROVISIONAL motion inside its own "
                "bounds; the verdict confirms it or stops and reverts to the verified action; the decision "
                "committed is still exactly the target's; the draft's action is read from what sd and pipe draft "
-               "ahead, so an ar decision has none)",
+               "ahead, so an ar decision has none), confirm (a decision begins while the motion runs, timed to "
+               "land as it ends, and is never acted on: where the motion ends the robot decides on a fresh frame "
+               "as with off, drafted from that decision's tokens: the blocking loop's decisions, standing still "
+               "a verification pass where the two say the same; greedy decisions only)",
         choices=ACT_WHILE_VERIFYING)
     overlap_min_progress: float = setting(
-        0.75, "overlap: begin the next decision no earlier than this share of the running motion (0: as soon "
+        0.75, "overlap and speculative: begin the next decision no earlier than this share of the running motion (0: as soon "
               "as its predicted latency allows; 1: at the motion's end); a frame captured early in a motion "
               "shows what the last decision saw, and the policy must foresee all of the motion's outcome",
         min_value=0.0, max_value=1.0)

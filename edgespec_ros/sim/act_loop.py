@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from ..control.actions import Action
 from ..control.chaining import (ACT_WHILE_VERIFYING, CONFIRM, DROP_BLOCKED, DROP_FRAME_AGE, LATENCY_WINDOW, OFF,
-                                SPECULATIVE, RecentLatency, decision_start_s)
+                                SPECULATIVE, RecentLatency, decision_start_s, hint_in_time)
 from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.profiles import extent, metric_like, primitive_profile
 from ..control.provisional import (CONFIRMED, PROVISIONAL_BOUNDS, ProvisionalCounters, provisional_action,
@@ -346,11 +346,12 @@ class ConfirmingRun(LinkedRun):
     during the motion before it.
 
     While motion k runs, a decision begins at ``control.chaining.decision_start_s`` (its verdict
-    predicted at the motion's end, never before ``min_progress`` of it) on the frame rendered where
-    the robot is then, its prompt showing k ``executing``; that decision is never acted on. Where k
-    ends the robot decides on the fresh frame with k remembered, as with overlap off, and that
-    decision is drafted from the first's tokens (``StatedLatency.hinted``: the tokens that had
-    arrived by the motion's end, all of them where it finished in time). The decisions, the
+    predicted at the motion's end, never before ``min_progress`` of it; none where it is predicted
+    to land later than ``control.chaining.hint_in_time`` allows) on the frame rendered where the robot is then, its prompt
+    showing k ``executing``; that decision is never acted on. Where k ends the robot decides on the
+    fresh frame with k remembered, as with overlap off, and that decision is drafted from the
+    first's tokens (``StatedLatency.hinted``; a first decision later than predicted is waited for,
+    standing still, as the drafter node waits for it). The decisions, the
     trajectories and every stop are the blocking loop's (greedy: the target's tokens on the same
     frames); only the time standing still changes. A sampled decision (``resample_temperature``
     after a blocked move) is decided without its hint. EMULATED as every latency of the linked loop."""
@@ -366,6 +367,7 @@ class ConfirmingRun(LinkedRun):
         self.predictor = RecentLatency(acting.window)
         self.counters = HintCounters()
         self.hint: tuple[int, ...] | None = None  # the tokens of the decision made during the last motion
+        self.hint_ready_s = 0.0  # and when it was made
 
     def hinted(self) -> dict:
         return self.counters.as_dict()
@@ -381,6 +383,7 @@ class ConfirmingRun(LinkedRun):
         if sampled or not ids or not hint:
             return full
         latency, r = self.decision_latency.hinted(ids, hint)
+        latency += max(self.hint_ready_s - self.t, 0.0)  # a hint later than predicted: waited for
         c = self.counters
         c.hinted += 1
         c.equal += tuple(ids) == tuple(hint)
@@ -393,16 +396,17 @@ class ConfirmingRun(LinkedRun):
 
     def moving(self, out, start_pose: Pose, start_s: float, motion_s: float) -> None:
         end = start_s + motion_s
-        start = decision_start_s(start_s, end, self.predictor.predict(), start_s, self.acting.min_progress)
-        if start >= end:
-            return
+        predicted = self.predictor.predict()
+        start = decision_start_s(start_s, end, predicted, start_s, self.acting.min_progress)
+        if not hint_in_time(start, predicted, end):
+            return  # it would land too late: decided where the motion ends, unhinted
         pose = primitive_pose_at(self.scenario, start_pose, out.action, start - start_s, self.limits, 0.0)
         if not self.link_up(start, pose):
             return
         image = render_view(self.scenario, pose, self.world.camera).rgb
         history = in_flight(self.memory, out.action.text, getattr(out, "text", "")) if self.memory.k else ()
         mid = _decide(self.policy, image, self.scenario, history)  # greedy: a hint is for a greedy decision
+        latency = self.decision_latency(mid)
         self.counters.mid += 1
-        self.predictor.measured(self.decision_latency(mid))
-        ids = tuple(getattr(mid, "ids", ()))
-        self.hint = ids[:self.decision_latency.tokens_by(end - start, len(ids))]
+        self.predictor.measured(latency)
+        self.hint, self.hint_ready_s = tuple(getattr(mid, "ids", ())), start + latency

@@ -141,10 +141,6 @@ class StatedLatency:
             s += self.rtt_s + r.tail * self.ms_per_token / 1e3
         return s, r
 
-    def tokens_by(self, elapsed_s: float, tokens: int) -> int:
-        """How many of a decision's ``tokens`` have arrived ``elapsed_s`` after it began."""
-        return max(0, min(tokens, int((elapsed_s - self.rtt_s) * 1e3 / self.ms_per_token + 1e-9)))
-
 
 class DraftLatency:
     """EMULATED, stated: a draft_only decision on the robot costs the robot profile's draft prefill
