@@ -11,8 +11,6 @@ import pytest
 
 from edgespec_ros.control.actions import parse_action
 from edgespec_ros.control.chaining import RecentLatency
-from edgespec_ros.control.link_health import LinkHealth
-from edgespec_ros.control.motion import MotionLimits
 from edgespec_ros.control.provisional import PROVISIONAL_BOUNDS
 from edgespec_ros.decoding.memory import BLOCKED, DONE, EXECUTING
 from edgespec_ros.evaluation.policy import PolicyOutput
@@ -21,24 +19,11 @@ from edgespec_ros.sim.act_loop import ActWhileVerifying
 from edgespec_ros.sim.link_loop import (DROPPED, LINK_FAULT, PROVISIONAL, VERIFIED, StatedLatency, run_linked_episode,
                                         summarize)
 from edgespec_ros.sim.render import render_view
-from edgespec_ros.sim.scenario import Pose, scenario_from_dict
+from edgespec_ros.sim.scenario import Pose
 from edgespec_ros.sim.timeline import Timeline
 from edgespec_ros.sim.world import primitive_pose_at
 from edgespec_ros.wire.link import LinkProfile, OutageSchedule
-
-ROOM = {"name": "corridor", "room": {"width_m": 9.0, "depth_m": 6.0},
-        "objects": [{"id": "bottle1", "type": "bottle", "color": "silver", "x": 8.5, "y": 5.5}],
-        "robot": {"x": 1.0, "y": 3.0, "yaw_deg": 0.0},
-        "instruction": "find the silver bottle", "goal": {"object": "bottle1", "radius_m": 0.7}, "max_steps": 200}
-HEALTH = LinkHealth(faults_to_lose=3, backoff_s=0.5, backoff_max_s=8.0)
-LIMITS = MotionLimits()
-MOVE_M = LIMITS.duration_s(parse_action("move forward medium"))  # 1.5 s
-TURN_S = LIMITS.duration_s(parse_action("turn left small"))
-
-
-def corridor(**robot):
-    data = dict(ROOM, robot={**ROOM["robot"], **robot})
-    return scenario_from_dict(data)
+from act_helpers import HEALTH, LIMITS, MOVE_M, TURN_S, CutLink, corridor
 
 
 class Stub:
@@ -58,18 +43,6 @@ class Stub:
             return PolicyOutput(text, parse_action(text), None, tokens)
         except ValueError as exc:  # an unparseable answer: no action, its reason
             return PolicyOutput(text, None, str(exc), tokens)
-
-
-class CutLink:
-    """Up except in [start, end)."""
-
-    rtt_s = 0.0
-
-    def __init__(self, start=math.inf, end=math.inf):
-        self.start, self.end = start, end
-
-    def up_at(self, t):
-        return not self.start <= t < self.end
 
 
 def episode(policy, scenario=None, mode="overlap", ms=50.0, age=10.0, margin=0.5, link=None, min_progress=0.0, **kw):

@@ -22,46 +22,10 @@ from edgespec_ros.control.motion import (BLOCKED_CONTACT, COMPLETED, ESTOP, IDLE
                                          quaternion_from_yaw)
 from edgespec_ros.decoding.memory import DONE, EXECUTING, INTERRUPTED, Turn
 
-from drafting_helpers import FakeDecoder, S, frame, make
+from drafting_helpers import FakeDecoder, S, first_motion, frame
 
 # ------------------------------------------------------------------------------------------------
 # the drafter (DrafterCore on fake clocks)
-
-
-class RememberingDecoder(FakeDecoder):
-    """A FakeDecoder whose draft model reads 2 earlier decisions; keeps each prompt's history."""
-
-    def __init__(self, texts):
-        super().__init__()
-        self.texts, self.histories = list(texts), []
-        self.draft = type("Draft", (), {"memory": 2})()
-
-    def decide(self, instruction, image, cfg, on_tokens=None, history=()):
-        self.histories.append(history)
-        self.text = self.texts[len(self.histories) - 1]
-        return super().decide(instruction, image, cfg, on_tokens)
-
-
-TEXTS = ["Ahead. Action: move forward large.", "Left. Action: turn left small.", "Go. Action: move forward small.",
-         "Go. Action: move forward small."]
-
-
-def first_motion(act_while_verifying, **settings):
-    """A core that decided "move forward large" (0.5 s from frame to verdict) and hears it moving,
-    predicted to end 3 s later; a fresh frame is there. Returns (core, clock, decoder, out, end_ns)."""
-    decoder = RememberingDecoder(TEXTS)
-    core, clock = make(decoder, act_while_verifying=act_while_verifying, **settings)
-    core.set_command("find the silver bottle")
-    core.set_frame(frame(clock))
-    ticket = core.begin()
-    clock.advance(0.5)
-    out = core.run(ticket)
-    assert out.action == "move forward large" and not out.chained
-    end_ns = clock() + 3 * S
-    core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=end_ns)
-    clock.advance(0.05)
-    core.set_frame(frame(clock))
-    return core, clock, decoder, out, end_ns
 
 
 def test_under_overlap_the_next_decision_begins_before_the_motion_ends_timed_by_its_predicted_end():

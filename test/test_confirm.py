@@ -9,7 +9,7 @@ from edgespec_ros.decoding.memory import EXECUTING
 from edgespec_ros.evaluation.policy import PolicyOutput
 from edgespec_ros.sim.act_loop import ActWhileVerifying
 from edgespec_ros.sim.link_loop import VERIFIED, StatedLatency, run_linked_episode, summarize
-from test_act_loop import HEALTH, MOVE_M, CutLink, corridor
+from act_helpers import HEALTH, MOVE_M, CutLink, corridor
 
 
 class Speaker:
@@ -145,7 +145,7 @@ def test_confirm_needs_a_latency_model_that_prices_a_hint():
 # --- the drafter node's core (DrafterCore on fake clocks) --------------------------------------------
 
 def _hinting(texts):
-    from test_act_while_verifying import RememberingDecoder
+    from drafting_helpers import RememberingDecoder
 
     class Hinting(RememberingDecoder):
         """Keeps the hint each decision was drafted from; its tokens are the text's (len 12, as FakeDecoder's)."""
@@ -166,7 +166,7 @@ def _hinting(texts):
 
 def test_under_confirm_the_drafter_decides_during_the_motion_publishes_nothing_and_drafts_the_next_from_it():
     from drafting_helpers import S, frame
-    from test_act_while_verifying import TEXTS, first_motion
+    from drafting_helpers import TEXTS, first_motion
     from edgespec_ros.control.motion import COMPLETED
     from edgespec_ros.decoding.memory import DONE, Turn
     decoder = _hinting(TEXTS)
@@ -199,7 +199,7 @@ def test_under_confirm_the_drafter_decides_during_the_motion_publishes_nothing_a
 
 def test_confirm_begins_no_hint_that_would_land_after_the_motion_and_a_new_command_drops_a_hint():
     from drafting_helpers import S, frame
-    from test_act_while_verifying import first_motion
+    from drafting_helpers import first_motion
     core, clock, decoder, out, end_ns = first_motion("confirm")
     core.note_motion("moving", out.stamp_ns, clock(), predicted_end_ns=clock() + int(0.2 * S))  # 0.2 s left
     assert "no decision predicted to land" in core.why_not_ready(clock()) and core.begin() is None
@@ -210,7 +210,7 @@ def test_confirm_begins_no_hint_that_would_land_after_the_motion_and_a_new_comma
 
 def test_a_hint_decision_is_greedy_even_after_a_blocked_move():
     from drafting_helpers import S, frame
-    from test_act_while_verifying import TEXTS, first_motion
+    from drafting_helpers import TEXTS, first_motion
     decoder = _hinting(TEXTS)
     core, clock, _, out, end_ns = first_motion("confirm", resample_temperature=0.7)
     core.decoder = decoder
