@@ -86,12 +86,29 @@ REGIMES |= {
         ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
         ("confirm", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "confirm", SHIPPED_AGE),
     ]),
+    # WHAT-IF: confirm's ceiling, every decision made during a motion saying exactly what the one made
+    # where it ends says (PerfectHint): what a policy whose words do not change with the frame would get
+    "h200-confirm-ceiling": ("wifi-poor", DEFAULTS.deadline_s, [
+        ("off", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "off", SHIPPED_AGE),
+        ("confirm, WHAT-IF every hint the decision", "auto (= cloud AR)", STATED_MS_PER_TOKEN, "confirm", SHIPPED_AGE),
+    ]),
     "go2-paper-confirm": ("go2-paper", 30.0, [
         ("ar off", "ar", GO2_MS["ar"], "off", SHIPPED_AGE),
         ("auto off", "auto", GO2_MS["auto"], "off", SHIPPED_AGE),
         ("auto confirm", "auto", GO2_MS["auto"], "confirm", SHIPPED_AGE),
     ]),
 }
+
+class PerfectHint(StatedLatency):
+    """WHAT-IF: a hinted decision priced as if its hint were the decision itself (the confirm ceiling)."""
+
+    @property
+    def label(self) -> str:
+        return super().label + "; WHAT-IF: every hint equal to its decision"
+
+    def hinted(self, tokens, hint, block=16):
+        return super().hinted(tokens, tokens, block)
+
 
 # What a user would pick instead (LITERATURE, EMULATED through the link): cloud-only vLLM, its all-in
 # ms per token on each link from the regime map's engine rows (docs/results/regimes.json: the published
@@ -290,7 +307,8 @@ def main(argv=None) -> int:
         for label, mode, ms, acting_mode, age, *min_progress in rows:
             bar.set_postfix_str(label)
             pass_ms, prefill_ms = HINT_COSTS[link_name]
-            latency = StatedLatency(ms, profile.rtt_s, pass_ms=pass_ms, prefill_ms=prefill_ms)
+            kind = PerfectHint if regime.endswith("-ceiling") else StatedLatency
+            latency = kind(ms, profile.rtt_s, pass_ms=pass_ms, prefill_ms=prefill_ms)
             acting = ActWhileVerifying(acting_mode, age, DEFAULTS.provisional_margin_s,
                                        min_progress=min_progress[0] if min_progress else 0.0)
             started, episodes = time.time(), []
