@@ -31,7 +31,8 @@ from edgespec_ros.models import default_model_path
 from edgespec_ros.robot.settings import DEFAULTS
 from edgespec_ros.sim.act_loop import ActWhileVerifying
 from edgespec_ros.sim.commands import load_scenarios
-from edgespec_ros.sim.link_loop import STATED_MS_PER_TOKEN, DraftLatency, StatedLatency, run_linked_episode, summarize
+from edgespec_ros.sim.link_loop import (STATED_MS_PER_TOKEN, STATED_PREFILL_MS, DraftLatency, StatedLatency,
+                                        run_linked_episode, summarize)
 from edgespec_ros.wire.link import OutageSchedule, get_profile
 
 TOKENS_A_DECISION = 242 / 8  # docs/results/modes.json: 242 tokens over 8 decisions (the go2-paper rows)
@@ -70,12 +71,12 @@ REGIMES = {
 
 # confirm: the decision made during a motion drafts the one made where it ends (sim.act_loop.ConfirmingRun).
 # A hinted decision's cost (StatedLatency.hinted): the cloud's prefill of the new frame, then per round a
-# round trip and one pass of up to 16 tokens. The H200's: its measured profile's prefill (87.7 ms) and a
-# pass at the stated per-token figure (27.3 ms; the profile measured 22-25 ms for 1-16 tokens); go2-paper's:
-# its profile's 620 ms pass and 620 ms prefill. Rows for both clouds, with the shipped settings.
-H200_PROFILE = json.loads(Path("docs/profiles/h200-qwen2-vl-7b-bf16-slots.json").read_text())
-HINT_COSTS = {"wifi-poor": (STATED_MS_PER_TOKEN, H200_PROFILE["prefill_s"] * 1e3),
-              "cellular": (STATED_MS_PER_TOKEN, H200_PROFILE["prefill_s"] * 1e3),
+# round trip and one pass of up to 16 tokens. The H200's: its measured profile's prefill (87.7 ms,
+# STATED_PREFILL_MS) and a pass at the stated per-token figure (27.3 ms; the profile measured 22-25 ms for
+# 1-16 tokens); go2-paper's: its profile's 620 ms pass and 620 ms prefill. Rows for both clouds, with the
+# shipped settings.
+HINT_COSTS = {"wifi-poor": (STATED_MS_PER_TOKEN, STATED_PREFILL_MS),
+              "cellular": (STATED_MS_PER_TOKEN, STATED_PREFILL_MS),
               "go2-paper": (GO2_PAPER.verify_s * 1e3, GO2_PAPER.prefill_s * 1e3)}
 REGIMES |= {
     "h200-confirm": ("wifi-poor", DEFAULTS.deadline_s, [

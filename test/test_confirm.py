@@ -219,3 +219,21 @@ def test_a_hint_decision_is_greedy_even_after_a_blocked_move():
     core.set_frame(frame(clock))
     core.run(core.begin())
     assert decoder.configs[-1].params.temperature == 0
+
+
+def test_the_stated_prefill_is_the_measured_h200_profiles():
+    import json
+    from pathlib import Path
+    from edgespec_ros.sim.link_loop import STATED_PREFILL_MS
+    profile = json.loads((Path(__file__).parents[1] / "docs/profiles/h200-qwen2-vl-7b-bf16-slots.json").read_text())
+    assert STATED_PREFILL_MS == round(profile["prefill_s"] * 1e3, 1)
+
+
+def test_the_simulator_refuses_confirm_with_measured_latencies_before_loading_anything(capsys):
+    from pathlib import Path
+    from edgespec_ros.evaluation.cli import main
+    import edgespec_ros.sim as sim
+    scenarios = Path(sim.__file__).parent / "scenarios"
+    rc = main(["eval", "--scenarios", str(scenarios), "--link", "ideal", "--act-while-verifying", "confirm",
+               "--verifier-compute", "go2-paper", "--model", "/nonexistent"])
+    assert rc != 0 and "--ms-per-token" in capsys.readouterr().err

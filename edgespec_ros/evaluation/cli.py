@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..control.link_fallback import LINK_LOSS_ACTIONS, Fallback
-from ..control.chaining import ACT_WHILE_VERIFYING, MAX_DECISION_AGE_S, SPECULATIVE
+from ..control.chaining import ACT_WHILE_VERIFYING, CONFIRM, MAX_DECISION_AGE_S, SPECULATIVE
 from ..robot.settings import DECODING_MODES, DEFAULTS
 from ..sim.commands import (load_scenarios, setup_deadzones, setup_expert, setup_expert_noise, setup_heldout,
                             setup_render)
@@ -107,7 +107,7 @@ def _linked_policies(args: argparse.Namespace, need_draft: bool):
     from ..models import default_model_path
     from ..wire.link import get_profile
     from ..evaluation.linked import emulated_decoder_policy
-    from ..sim.link_loop import STATED_MS_PER_TOKEN, DraftLatency, StatedLatency
+    from ..sim.link_loop import STATED_MS_PER_TOKEN, STATED_PREFILL_MS, DraftLatency, StatedLatency
 
     profile = get_profile(args.link or "ideal")
     draft_dir = args.draft or default_model_path("draft")
@@ -117,6 +117,9 @@ def _linked_policies(args: argparse.Namespace, need_draft: bool):
             if getattr(args, "mode", None) and not args.verifier_compute:
                 raise ValueError("--mode decodes through a verifier: give --verifier-compute too (the in-process "
                                  "target's latency is --ms-per-token's)")
+            if args.verifier_compute and getattr(args, "act_while_verifying", None) == CONFIRM:
+                raise ValueError("--act-while-verifying confirm prices a decision drafted from a hint with stated "
+                                 "latencies: give --ms-per-token, not --verifier-compute")
             if args.verifier_compute:
                 if args.ms_per_token is not None:
                     raise ValueError("--ms-per-token states the latency of an in-process model; with "
@@ -127,7 +130,7 @@ def _linked_policies(args: argparse.Namespace, need_draft: bool):
             else:
                 ms = STATED_MS_PER_TOKEN if args.ms_per_token is None else args.ms_per_token
                 policy = VLMPolicy(load_model(args.model), max_new_tokens=args.max_new_tokens)
-                latency = StatedLatency(ms, profile.rtt_s)
+                latency = StatedLatency(ms, profile.rtt_s, prefill_ms=STATED_PREFILL_MS)
             yield profile, policy, latency, draft, DraftLatency(get_robot(args.robot or "orin-paper"))
     except ModelLoadError as err:
         raise ValueError(str(err)) from None
@@ -325,8 +328,10 @@ def _setup_eval(sub) -> None:
                       help="what the robot does once the link is lost (default: the drafter's, stop)")
     link.add_argument("--act-while-verifying", choices=ACT_WHILE_VERIFYING, default=None,
                       help="when the robot moves while a decision is made (sim.act_loop): off (every decision blocks "
-                           "the robot), overlap (the next decision begins during the motion) or speculative (overlap, "
-                           f"and provisional motions on the draft's action); default: the drafter's, "
+                           "the robot), overlap (the next decision begins during the motion), speculative (overlap, "
+                           "and provisional motions on the draft's action) or confirm (a decision during the motion "
+                           "drafts the one made where it ends, the one acted on; --ms-per-token only); default: the "
+                           "drafter's, "
                            f"{DEFAULTS.act_while_verifying}")
     link.add_argument("--max-decision-age-s", type=float, default=None,
                       help="overlap: a decision begun during a motion is dropped when its frame would be older than "

@@ -90,9 +90,9 @@ class ActWhileVerifying:
         if self.mode == OFF:
             return "off: every decision blocks the robot"
         if self.mode == CONFIRM:
-            return ("confirm: a decision begins during motion (latency predicted: the median of the last "
-                    f"{self.window} measured{f', frames no earlier than {self.min_progress:.0%} through the motion' if self.min_progress else ''}); "
-                    "the one acted on is made on the fresh frame where the motion ends, drafted from it")
+            return (f"confirm: a decision begins during motion, timed to land as it ends (latency predicted: the "
+                    f"median of the last {self.window} measured); the one acted on is made on the fresh frame where "
+                    "the motion ends, drafted from it")
         text = (f"{self.mode}: decisions begin during motion (latency predicted: the median of the last "
                 f"{self.window} measured), dropped past max_decision_age_s {self.max_decision_age_s:g} s")
         if self.min_progress > 0:
@@ -346,8 +346,8 @@ class ConfirmingRun(LinkedRun):
     during the motion before it.
 
     While motion k runs, a decision begins at ``control.chaining.decision_start_s`` (its verdict
-    predicted at the motion's end, never before ``min_progress`` of it; none where it is predicted
-    to land later than ``control.chaining.hint_in_time`` allows) on the frame rendered where the robot is then, its prompt
+    predicted at the motion's end; ``min_progress`` does not apply, as in the drafter node; none
+    where it is predicted to land later than ``control.chaining.hint_in_time`` allows) on the frame rendered where the robot is then, its prompt
     showing k ``executing``; that decision is never acted on. Where k ends the robot decides on the
     fresh frame with k remembered, as with overlap off, and that decision is drafted from the
     first's tokens (``StatedLatency.hinted``; a first decision later than predicted is waited for,
@@ -397,7 +397,7 @@ class ConfirmingRun(LinkedRun):
     def moving(self, out, start_pose: Pose, start_s: float, motion_s: float) -> None:
         end = start_s + motion_s
         predicted = self.predictor.predict()
-        start = decision_start_s(start_s, end, predicted, start_s, self.acting.min_progress)
+        start = decision_start_s(start_s, end, predicted)  # the latest frame in time (no min_progress)
         if not hint_in_time(start, predicted, end):
             return  # it would land too late: decided where the motion ends, unhinted
         pose = primitive_pose_at(self.scenario, start_pose, out.action, start - start_s, self.limits, 0.0)

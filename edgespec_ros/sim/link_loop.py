@@ -89,6 +89,9 @@ DEGRADED = DegradedProfile()
 # measured H200 cloud (edgespec-profile) with the robot drafting at the Orin's 72 ms/token, mode
 # auto (which decides as cloud AR there): 27.3 ms per token.
 STATED_MS_PER_TOKEN = 27.3
+# And that cloud's prefill of a new frame and prompt, charged to a decision drafted from a hint
+# (StatedLatency.hinted): the measured H200 slots profile's (docs/profiles/h200-qwen2-vl-7b-bf16-slots.json).
+STATED_PREFILL_MS = 87.7
 
 DEFAULT_TIME_CAP_S = 600.0
 
