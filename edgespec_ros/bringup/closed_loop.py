@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what the robot does once the link is lost (default: the drafter's, stop); try it with a "
                          "link that fails, e.g. --link wifi-poor-cuts")
     ap.add_argument("--act-while-verifying", default=None, choices=ACT_WHILE_VERIFYING,
-                    help="when the robot moves while a decision is made: off, overlap, speculative (default: the "
+                    help="when the robot moves while a decision is made: off, overlap, speculative, confirm (default: the "
                          "drafter's; docs/robot.md, 'Acting while verifying')")
     ap.add_argument("--draft", default=None, help="draft model directory (default: the embedded model)")
     ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")

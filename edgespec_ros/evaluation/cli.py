@@ -6,7 +6,7 @@
     edgespec-sim heldout --out DIR [--n N] [--seed S]
     edgespec-sim eval    --model DIR --scenarios DIR [--json OUT]
                          [--link PROFILE --on-link-loss stop|retrace|draft_only --draft DIR --ms-per-token MS
-                          --act-while-verifying off|overlap|speculative]
+                          --act-while-verifying off|overlap|speculative|confirm]
     edgespec-sim link-fallbacks [--scenarios DIR] [--link PROFILE] [--ms-per-token MS] [--json OUT]
     edgespec-sim deadzones --out DIR [--n N] [--seed S]
     edgespec-sim expert-noise [--expert KEY=VALUE ...] [--json OUT]
