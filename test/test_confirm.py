@@ -62,7 +62,7 @@ def test_confirm_decides_as_the_blocking_loop_and_stands_still_a_pass_a_decision
     assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([0.5] + [0.05] * 4)
     assert ep.time_s == pytest.approx(0.5 + 4 * (MOVE_M + 0.05))
     assert ep.waiting_s == pytest.approx(0.5 + 4 * 0.05) and ep.pauses == 3
-    assert ep.hinted == {"mid": 4, "hinted": 4, "equal": 4, "tokens": 40, "from_hint": 40, "rounds": 4, "tail": 0,
+    assert ep.hinted == {"mid": 4, "hinted": 4, "equal": 4, "same_action": 4, "tokens": 40, "from_hint": 40, "rounds": 4, "tail": 0,
                          "saved_s": pytest.approx(4 * 0.45)}
     assert summarize([ep])["hinted"]["hinted"] == 4 and "hinted" not in summarize([off])
 
@@ -74,7 +74,7 @@ def test_a_hint_that_says_something_else_changes_the_time_never_the_decision():
     # no token of the hint is the decision's: one round that accepts nothing, then the rest as AR
     assert [r.latency_s for r in ep.records if r.kind == VERIFIED] == pytest.approx([0.5] + [0.05 + 0.45] * 4)
     assert ep.hinted["from_hint"] == 0 and ep.hinted["tail"] == 4 * 9 and ep.hinted["equal"] == 0
-    assert ep.hinted["rounds"] == 4
+    assert ep.hinted["rounds"] == 4 and ep.hinted["same_action"] == 0
 
 
 def test_the_decision_during_the_motion_sees_it_under_way_and_the_one_acted_on_the_motion_done():

@@ -323,7 +323,8 @@ class ActingRun(LinkedRun):
 @dataclass
 class HintCounters:
     """confirm's decisions in one episode: those made during a motion (``mid``), those drafted from
-    one's tokens (``hinted``; ``equal``: the hint was the decision), the hinted decisions' tokens and
+    one's tokens (``hinted``; ``equal``: the hint was the decision; ``same_action``: its action was the
+    decision's), the hinted decisions' tokens and
     how many of them came from the hint (``from_hint``), their rounds and the tokens decoded after the
     hint was spent (``tail``), and the seconds the hints saved at rest (``saved_s``: the decision's
     unhinted latency less its hinted one, summed; negative where a hint cost more)."""
@@ -331,6 +332,7 @@ class HintCounters:
     mid: int = 0
     hinted: int = 0
     equal: int = 0
+    same_action: int = 0
     tokens: int = 0
     from_hint: int = 0
     rounds: int = 0
@@ -368,6 +370,7 @@ class ConfirmingRun(LinkedRun):
         self.counters = HintCounters()
         self.hint: tuple[int, ...] | None = None  # the tokens of the decision made during the last motion
         self.hint_ready_s = 0.0  # and when it was made
+        self.hint_action: str | None = None  # and its action
 
     def hinted(self) -> dict:
         return self.counters.as_dict()
@@ -387,6 +390,7 @@ class ConfirmingRun(LinkedRun):
         c = self.counters
         c.hinted += 1
         c.equal += tuple(ids) == tuple(hint)
+        c.same_action += out.action is not None and self.hint_action == out.action.text
         c.tokens += len(ids)
         c.from_hint += r.from_hint
         c.rounds += r.rounds
@@ -410,3 +414,4 @@ class ConfirmingRun(LinkedRun):
         self.counters.mid += 1
         self.predictor.measured(latency)
         self.hint, self.hint_ready_s = tuple(getattr(mid, "ids", ())), start + latency
+        self.hint_action = mid.action.text if mid.action is not None else None
