@@ -9,7 +9,7 @@ from edgespec_ros.decoding.faults import FaultKind
 from edgespec_ros.wire.client import LinkLostError, VerifierTimeout
 from edgespec_ros.control.motion import BLOCKED_CONTACT, BLOCKED_NO_ODOMETRY, COMPLETED
 
-from drafting_helpers import TEXT, FakeDecoder, frame, make
+from drafting_helpers import TEXT, FakeDecoder, RememberingDecoder, frame, make
 
 
 def test_settings_validate():
@@ -329,20 +329,6 @@ def test_an_instruct_goal_counts_its_own_outcomes_and_ends_as_its_command_does()
     stop = core.set_command("something else")  # the replaced command's stop belongs to the goal
     assert stop.generation == goal.generation and goal.count(stop) and goal.faults == 1
     assert goal.ended(core.status(), clock())[0] == PREEMPTED
-
-
-class RememberingDecoder(FakeDecoder):
-    """A FakeDecoder whose draft model reads 2 earlier decisions (``LoadedModel.memory``)."""
-
-    def __init__(self, texts):
-        super().__init__()
-        self.texts, self.histories = list(texts), []
-        self.draft = type("Draft", (), {"memory": 2})()
-
-    def decide(self, instruction, image, cfg, on_tokens=None, history=()):
-        self.histories.append(history)
-        self.text = self.texts[len(self.histories) - 1]
-        return super().decide(instruction, image, cfg, on_tokens)
 
 
 def test_a_drafter_with_memory_prompts_with_the_commands_decisions_and_how_each_ended():
