@@ -237,3 +237,64 @@ def test_the_simulator_refuses_confirm_with_measured_latencies_before_loading_an
     rc = main(["eval", "--scenarios", str(scenarios), "--link", "ideal", "--act-while-verifying", "confirm",
                "--verifier-compute", "go2-paper", "--model", "/nonexistent"])
     assert rc != 0 and "--ms-per-token" in capsys.readouterr().err
+
+
+def test_a_hint_that_fails_or_outlasts_its_deadline_stops_nothing_and_is_not_tried_again():
+    from drafting_helpers import S, frame
+    from drafting_helpers import TEXTS, first_motion
+    core, clock, decoder, out, end_ns = first_motion("confirm")
+    decoder.error = TimeoutError("link gone")
+    clock.t = end_ns - int(0.49 * S)
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    assert ticket.hint_for == out.stamp_ns
+    assert core.run(ticket) is None and core.in_flight is None  # no fault stop: the motion runs on
+    assert core.hint == () and core.hint_stamp == out.stamp_ns and core.stats.faults == 0
+    clock.advance(2.0)  # past retry_interval_s: still one hint a motion
+    core.set_frame(frame(clock))
+    assert core.begin() is None
+    # a hint past its deadline is given up by the supervisor, with nothing to publish
+    core, clock, decoder, out, end_ns = first_motion("confirm")
+    clock.t = end_ns - int(0.49 * S)
+    core.set_frame(frame(clock))
+    ticket = core.begin()
+    clock.advance(core.settings.deadline_s + 0.1)
+    assert core.check_deadline() is None and ticket.abandoned and core.hint_stamp == out.stamp_ns
+    assert core.stats.faults == 0 and core.late_results == 0
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 0.5}, {"verify_mode": "wisv"}, {"codec": "split"}])
+def test_confirm_is_refused_where_no_hint_can_draft(settings):
+    from edgespec_ros.robot.settings import DrafterSettings
+    with pytest.raises(ValueError, match="confirm"):
+        DrafterSettings(act_while_verifying="confirm", **settings)
+
+
+def test_the_simulated_robot_keeps_no_hint_the_drafter_would_not_have():
+    # the first move runs 0.5-2.0 s and its hint 1.5-2.0 s: a cut at 1.7-1.8 s cuts the hint's replies
+    # (the drafter gives it up, no stop), and the next decision, at 2.0 s, is unhinted
+    ep = run_linked_episode(Speaker(SCRIPT), corridor(), link=CutLink(1.7, 1.8), on_link_loss="stop",
+                            health=HEALTH, decision_latency=StatedLatency(50.0, 0.0), deadline_s=8.0,
+                            acting=ActWhileVerifying("confirm", 5.0, 1.0))
+    lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]
+    assert lat[:2] == pytest.approx([0.5, 0.5]) and ep.hinted["mid"] >= 1
+    # a hint decision longer than the deadline: given up, the next decision unhinted
+    ep = run(LongMid(SCRIPT), "confirm", deadline_s=1.9)  # hint decisions of 40 tokens: 2.0 s
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][:2] == pytest.approx([0.5, 0.5])
+    # a link fault drops the hint the next ticket would have carried
+    from edgespec_ros.control.motion import MotionLimits
+    from edgespec_ros.control.actions import DEFAULT_ACTION_CONFIG
+    from edgespec_ros.sim.act_loop import ConfirmingRun
+    r = ConfirmingRun(Speaker(SCRIPT), corridor(), acting=ActWhileVerifying("confirm", 5.0, 1.0), link=CutLink(),
+                      on_link_loss="stop", health=HEALTH, decision_latency=StatedLatency(50.0, 0.0), deadline_s=1.0,
+                      draft_policy=None, draft_latency=None, time_cap_s=60.0, limits=MotionLimits(),
+                      action_config=DEFAULT_ACTION_CONFIG)
+    r.hint = (1, 2, 3)
+    r.link_fault("a cut")
+    assert r.hint is None
+
+
+def test_the_tail_after_a_spent_hint_is_priced_as_cloud_ar():
+    latency = StatedLatency(50.0, 0.1, pass_ms=30.0, prefill_ms=60.0, tail_ms_per_token=80.0)
+    s, r = latency.hinted(list(range(10)), [99])
+    assert r.rounds == 1 and r.tail == 9 and s == pytest.approx(0.06 + 0.13 + 0.1 + 9 * 0.08)

@@ -108,3 +108,23 @@ def test_a_sampled_decision_is_decided_without_its_hint(pair):
     want = pair.reference(INSTRUCTIONS[0], cfg)
     decision = decoder.decide(INSTRUCTIONS[0], pair.image, cfg, hint=want)
     assert decision.metrics.mode == "ar" and decision.tokens == want
+
+
+def test_a_hint_whose_tokens_recur_apart_from_the_decision_is_spent_at_once():
+    # the decision's tokens are each in the hint, never in its order: one round, then as AR
+    target = list(range(1, 9))
+    hint = [t for pair in zip([9] * 8, target) for t in pair] + [9]
+    r = hinted_rounds(target, hint)
+    assert r.rounds <= 2 and r.tail >= 6
+
+
+def test_what_a_hinted_decision_streams_is_what_it_commits(pair):
+    """Drafts are cut so that the verdict's own token never runs past max_new_tokens."""
+    decoder = EdgeDecoder(pair.draft, LocalVerifier(pair.target))
+    for limit in (1, 2, 5, 16):
+        cfg = DecodeConfig(mode="ar", max_new_tokens=limit)
+        want = pair.reference(INSTRUCTIONS[0], cfg)
+        streamed = []
+        decision = decoder.decide(INSTRUCTIONS[0], pair.image, cfg, on_tokens=streamed.extend,
+                                  hint=want + [7] * 10)
+        assert decision.tokens == want and streamed == want, limit

@@ -9,18 +9,20 @@ a 30-token decision takes two passes instead of thirty steps.
 
 Where a round is proposed from (:class:`HintCursor`), in this order:
 
-1. the hint's continuation after the longest suffix (``max_ngram`` tokens down to one) of the
-   committed tokens that the hint contains, the occurrence nearest the cursor (prompt lookup
-   decoding; vLLM's ``ngram`` speculation with the hint as the text looked up);
+1. the hint's continuation after the longest suffix (``max_ngram`` tokens down to one; down to two
+   after a round that accepted nothing) of the committed tokens that the hint contains, the
+   occurrence nearest the cursor (prompt lookup decoding; vLLM's ``ngram`` speculation with the
+   hint as the text looked up);
 2. else, after a round that accepted at least one draft (or at the start), the hint from the
    cursor on: the target replaced a token of the hint (e.g. "3 m" where the hint said "2 m"), so
    the hint goes on from the token after the replaced one.
 
 The cursor is where the hint is expected to continue: after the last round, the position after
 its accepted drafts and the one token the target put in their place. When neither gives a token
-(no suffix found after a round that accepted nothing, or the hint's end) the hint is spent and the
-rest of the decision is decoded without it (the caller's: cloud AR on the robot,
-``robot.rounds.HintedStrategy``): a hint that says something else costs one round, not one a token.
+(no suffix of two tokens found after a round that accepted nothing, or the hint's end) the hint is
+spent and the rest of the decision is decoded without it (the caller's: cloud AR on the robot,
+``robot.rounds.HintedStrategy``): a hint that says something else costs a round or two, not one a
+token (a lone common token, e.g. a space, never keeps a hint that parted from the decision).
 
 Lossless whatever the hint: every committed token is the target's greedy one (a proposal only
 decides how many of them one pass checks). :func:`hinted_rounds` counts the rounds a decision takes
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from .verify import carries_q
 
 DEFAULT_BLOCK = 16  # hint tokens per pass: the largest block edgespec-profile times (docs/profiles)
 MAX_NGRAM = 3
@@ -48,11 +52,12 @@ class HintCursor:
         self._start = 0  # where the last proposal began in the hint
         self._in_step = True  # the last round accepted a draft (or none was sent yet)
 
-    def _nearest_after(self, committed: Sequence[int]) -> int | None:
-        """The hint index after the longest committed suffix the hint contains (nearest the
-        cursor, the later one on a tie), with a token after it; None when there is none."""
+    def _nearest_after(self, committed: Sequence[int], shortest: int) -> int | None:
+        """The hint index after the longest committed suffix (of ``shortest`` tokens or more) the
+        hint contains (nearest the cursor, the later one on a tie), with a token after it; None
+        when there is none."""
         hint = self.hint
-        for n in range(min(self.max_ngram, len(committed)), 0, -1):
+        for n in range(min(self.max_ngram, len(committed)), shortest - 1, -1):
             tail = list(committed[-n:])
             ends = [i + n for i in range(len(hint) - n) if hint[i:i + n] == tail]
             if ends:
@@ -61,7 +66,7 @@ class HintCursor:
 
     def propose(self, committed: Sequence[int]) -> list[int]:
         """The next round's drafts after the ``committed`` tokens (empty: the hint is spent)."""
-        at = self._nearest_after(committed) if committed else 0
+        at = self._nearest_after(committed, 1 if self._in_step else 2) if committed else 0
         if at is None:
             if not self._in_step:
                 return []
@@ -110,3 +115,9 @@ def hinted_rounds(target: Sequence[int], hint: Sequence[int], block: int = DEFAU
         cursor.heard(n)
         i += n + 1
     return HintedRounds(tuple(accepted), 0)
+
+
+def hint_applies(settings, codec) -> bool:
+    """Whether a decision under ``settings`` (``decoding.verify.VerifySettings``) with ``codec`` can
+    be drafted from a hint: verified greedily, its blocks carrying no q (not the split codec)."""
+    return settings.verify_mode == "greedy" and not carries_q(settings, codec)

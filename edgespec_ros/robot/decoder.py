@@ -35,8 +35,8 @@ from ..decoding.verifier import Verifier
 from ..decoding.verify import carries_q
 from .draft_length import AutoGamma
 from .pipeline import PipeStrategy
-from .rounds import (ArStrategy, Drafted, HintedStrategy, PreDrafted, StopAndWait, Strategy, TreeDrafted, hint_applies,
-                     truncate_at_stop)
+from ..decoding.lookup import hint_applies
+from .rounds import ArStrategy, Drafted, HintedStrategy, PreDrafted, StopAndWait, Strategy, TreeDrafted, truncate_at_stop
 from .settings import DecodeConfig
 
 __all__ = ["DRAFT_ONLY", "Decision", "EdgeDecoder"]
@@ -148,13 +148,13 @@ class EdgeDecoder:
         ``on_draft(list[int])``: the decision's tokens as the draft guesses them, committed and
         drafted ahead, each time a chain block goes up (sd, pipe; never in ar). ``hint``: an earlier
         decision's tokens that draft this one (``rounds.HintedStrategy``, mode "hint" in its metrics),
-        where ``rounds.hint_applies`` (greedy); otherwise ignored."""
+        where ``decoding.lookup.hint_applies`` (greedy); otherwise ignored."""
         codec = self.verifier.codec
         if codec is not None and get_codec(cfg.codec).spec != codec.spec:
             raise ValueError(f"decision codec {cfg.codec!r} differs from the verifier session's {codec.spec!r}")
         self._connect(cfg)
         predicted, auto_decision = None, cfg.mode == "auto"
-        if hint and hint_applies(cfg, codec or get_codec(cfg.codec)):
+        if hint and hint_applies(cfg.verify_settings(), codec or get_codec(cfg.codec)):
             return self._decide_hinted(instruction, image, cfg, on_tokens, history, hint)
         if cfg.gamma == "auto":  # the link's cost per draft is that of this decision's kind of block
             self._auto(cfg).set_payload(carries_q(cfg.verify_settings(), codec or get_codec(cfg.codec)))

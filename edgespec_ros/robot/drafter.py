@@ -329,10 +329,10 @@ class DrafterCore:
             return "waiting for the navigator to finish the last motion"
         latency = self.timing.latency_s(self.decoder.auto_gamma)
         confirm = self.settings.act_while_verifying == CONFIRM
-        if confirm:  # as late a frame as lets the hint land by the motion's end, never after it
+        if confirm:  # as late a frame as lets the hint land as the motion ends (chaining.hint_in_time)
             start_s = self.timing.start_s(now_ns / NS, self.motion_running[1] / NS, self.decoder.auto_gamma)
             if not hint_in_time(start_s, latency, self.motion_running[1] / NS):
-                return "confirm: no decision predicted to land by the motion's end; the next begins when it ends"
+                return "confirm: no decision predicted to land in time for the motion's end; the next begins when it ends"
             return "" if now_ns >= start_s * NS else \
                 f"confirm: the next decision's hint begins in {start_s - now_ns / NS:.2f} s, timed to the motion's end"
         if latency is not None and latency > self.max_decision_age_s:  # it would be dropped when queued
@@ -454,6 +454,8 @@ class DrafterCore:
             return self._finish(ticket, None)
         except Exception as exc:  # noqa: BLE001 - any failure must become a stop, never silence
             self._drop_connection()
+            if ticket.hint_for is not None:  # only a hint failed: the verified motion runs on, no stop
+                return self._hinted(ticket, (), None)
             kind, fault = classify_error(exc)
             outcome = fault_outcome(fault, instruction=ticket.instruction, stamp_ns=self.clock_ns(),
                                     mode=s.mode, frame_id=ticket.frame.frame_id, kind=kind)
@@ -474,15 +476,18 @@ class DrafterCore:
         outcome.latency_s = (self.clock_ns() - ticket.frame.stamp_ns) / NS
         return self._finish(ticket, outcome)
 
-    def _hinted(self, ticket: Ticket, tokens, m: DecisionMetrics) -> None:
+    def _hinted(self, ticket: Ticket, tokens, m: DecisionMetrics | None) -> None:
         """confirm: a decision made during the motion is kept as the hint of the one made where the
-        motion ends (``EdgeDecoder.decide(hint=)``), never published; its latency times the next."""
+        motion ends (``EdgeDecoder.decide(hint=)``), never published; its latency times the next.
+        A failed one (``m`` None) leaves no hint and no stop: the verified motion runs on, and the
+        next decision, where it ends, finds the link as it is. One a motion either way."""
         with self._lock:
             if self.in_flight is ticket:
                 self.in_flight = None
             if not ticket.abandoned and ticket.generation == self.generation:
                 self.hint, self.hint_stamp = tuple(int(t) for t in tokens), ticket.hint_for
-                self.timing.observe(m.tokens, (self.clock_ns() - ticket.frame.stamp_ns) / NS)
+                if m is not None:
+                    self.timing.observe(m.tokens, (self.clock_ns() - ticket.frame.stamp_ns) / NS)
         return None
 
     def _provisional_watch(self, ticket: Ticket, on_provisional) -> Callable[[list[int]], None] | None:
@@ -528,7 +533,11 @@ class DrafterCore:
             ticket = self.in_flight
             if ticket is None or ticket.abandoned or self.steady_ns() < ticket.deadline_ns:
                 return None
-            outcome = self._deadline_stop(ticket, now)
+            if ticket.hint_for is not None:  # a hint past its deadline is given up: nothing to stop
+                ticket.abandoned = True
+                self.hint, self.hint_stamp, outcome = (), ticket.hint_for, None
+            else:
+                outcome = self._deadline_stop(ticket, now)
         # The decoding thread may be blocked in a send or a receive on a dead link: abort the
         # connection (never a close, which could wait on that send) after the stop is built.
         self._drop_connection()

@@ -14,7 +14,7 @@ from ..codecs import get_codec
 from ..decoding.compute import EdgeDevice
 from ..decoding.engines import LoadedModel
 from ..decoding.inputs import PromptInputs
-from ..decoding.lookup import DEFAULT_BLOCK, HintCursor
+from ..decoding.lookup import DEFAULT_BLOCK, HintCursor, hint_applies
 from ..decoding.metrics import CloudTimeline, DecisionMetrics
 from ..decoding.sequence import DraftSequence
 from ..decoding.verifier import Block, Condition, Verifier, VerifyReply
@@ -402,13 +402,14 @@ class HintedStrategy(Strategy):
 
     def decide(self, decoder, inputs: PromptInputs, cfg: DecodeConfig, m: DecisionMetrics, on_tokens,
                started_at: float, on_draft=None) -> list[int]:
-        if not hint_applies(cfg, decoder.verifier.codec or get_codec(cfg.codec)):
+        if not hint_applies(cfg.verify_settings(), decoder.verifier.codec or get_codec(cfg.codec)):
             raise ValueError("a hinted decision is greedy and its blocks carry no q (verify mode greedy, not "
                              f"the split codec): got {cfg.verify_mode} at temperature {cfg.params.temperature}")
         verifier, eos = decoder.verifier, decoder.eos_ids
         cursor, out, timeline = HintCursor(self.hint, self.block), [], CloudTimeline(m, started_at)
         while len(out) < cfg.max_new_tokens:
-            drafts = cursor.propose(out)[: cfg.max_new_tokens - len(out)]
+            # the verdict adds the target's own token after the drafts: never past max_new_tokens
+            drafts = cursor.propose(out)[: cfg.max_new_tokens - len(out) - 1]
             if not drafts:
                 break
             block = Block(m.rounds + 1, m.rounds, drafts, None)  # each verdict ends its epoch
@@ -428,8 +429,3 @@ class HintedStrategy(Strategy):
             out += ArStrategy().run_ar(verifier, replace(cfg, max_new_tokens=cfg.max_new_tokens - len(out)), m,
                                        eos, on_tokens)
         return out
-
-
-def hint_applies(cfg: DecodeConfig, codec) -> bool:
-    """Whether a decision can be drafted from a hint: greedy verification, blocks without q."""
-    return cfg.verify_settings().verify_mode == "greedy" and not carries_q(cfg.verify_settings(), codec)

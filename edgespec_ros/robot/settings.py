@@ -17,9 +17,10 @@ from types import SimpleNamespace
 
 from ..codecs import DEFAULT_CODEC, get_codec
 from ..control.actions import SIZES
+from ..decoding.lookup import hint_applies
 from ..decoding.sampling import SamplingParams
 from ..decoding.verify import WISV, VerifySettings
-from ..control.chaining import ACT_WHILE_VERIFYING  # when the robot moves while a decision is made
+from ..control.chaining import ACT_WHILE_VERIFYING, CONFIRM  # when the robot moves while a decision is made
 from ..control.link_fallback import LINK_LOSS_ACTIONS
 
 GAMMA_MAX = 64  # the protocol's longest draft
@@ -171,7 +172,12 @@ class DrafterSettings:
             if (lo is not None and value < lo) or (hi is not None and value > hi):
                 raise ValueError(f"{f.name} must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
                                  f"got {value!r}")
-        self.decode_config(0)  # validates codec, max_new_tokens, the verify mode and threshold
+        cfg = self.decode_config(0)  # validates codec, max_new_tokens, the verify mode and threshold
+        if self.act_while_verifying == CONFIRM:
+            if not hint_applies(cfg.verify_settings(), get_codec(cfg.codec)):
+                raise ValueError("act_while_verifying confirm drafts greedy decisions verified greedily: set "
+                                 "temperature 0 and a verify_mode other than wisv, with a codec other than split "
+                                 f"(got temperature {self.temperature:g}, {self.verify_mode}, {self.codec})")
 
     def verification(self) -> str:
         """How this drafter's decisions are verified, for logs and DecodingStats: "lossless", or

@@ -39,6 +39,7 @@ latency of the linked loop.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..control.actions import Action
@@ -353,7 +354,9 @@ class ConfirmingRun(LinkedRun):
     showing k ``executing``; that decision is never acted on. Where k ends the robot decides on the
     fresh frame with k remembered, as with overlap off, and that decision is drafted from the
     first's tokens (``StatedLatency.hinted``; a first decision later than predicted is waited for,
-    standing still, as the drafter node waits for it). The decisions, the
+    standing still, as the drafter node waits for it, even where it cannot be used). A first decision
+    that outlasts the deadline or meets a cut of the link (or a dead zone where the motion ends)
+    leaves no hint and no stop, as the drafter gives it up; a link fault drops the hint. The decisions, the
     trajectories and every stop are the blocking loop's (greedy: the target's tokens on the same
     frames); only the time standing still changes. A sampled decision (``resample_temperature``
     after a blocked move) is decided without its hint. EMULATED as every latency of the linked loop."""
@@ -375,18 +378,27 @@ class ConfirmingRun(LinkedRun):
     def hinted(self) -> dict:
         return self.counters.as_dict()
 
+    def _link_holds(self, start_s: float, end_s: float, step_s: float = 0.05) -> bool:
+        """The link's cut schedule is up over [start_s, end_s] (sampled every ``step_s``), and the
+        pose where the motion ends is covered (a dead zone ahead cuts the hint's replies)."""
+        pose = self.world.pose  # where the motion ends (the world has executed it)
+        n = max(1, math.ceil((end_s - start_s) / step_s))
+        return self.scenario.covered(pose.x, pose.y) and all(
+            self.link.up_at(start_s + (end_s - start_s) * i / n) for i in range(n + 1))
+
     def latency_of(self, out) -> float:
         full = self.decision_latency(out)
         hint, self.hint = self.hint, None
         if hint is None:
             self.predictor.measured(full)  # a decision from the start, as one made during a motion is
             return full
+        wait = max(self.hint_ready_s - self.t, 0.0)  # a hint later than predicted: waited for, used or not
         sampled = self.resample_next and self.resample_temperature > 0
         ids = getattr(out, "ids", ())
         if sampled or not ids or not hint:
-            return full
+            return wait + full
         latency, r = self.decision_latency.hinted(ids, hint)
-        latency += max(self.hint_ready_s - self.t, 0.0)  # a hint later than predicted: waited for
+        latency += wait
         c = self.counters
         c.hinted += 1
         c.equal += tuple(ids) == tuple(hint)
@@ -397,6 +409,10 @@ class ConfirmingRun(LinkedRun):
         c.tail += r.tail
         c.saved_s += full - latency
         return latency
+
+    def link_fault(self, *args, **kwargs) -> None:
+        self.hint = None  # the drafter's next ticket after a fault carries no hint
+        super().link_fault(*args, **kwargs)
 
     def moving(self, out, start_pose: Pose, start_s: float, motion_s: float) -> None:
         end = start_s + motion_s
@@ -412,6 +428,8 @@ class ConfirmingRun(LinkedRun):
         mid = _decide(self.policy, image, self.scenario, history)  # greedy: a hint is for a greedy decision
         latency = self.decision_latency(mid)
         self.counters.mid += 1
+        if latency > self.deadline_s or not self._link_holds(start, start + latency):
+            return  # the drafter gives it up (no stop: the motion runs on) and decides unhinted where it ends
         self.predictor.measured(latency)
         self.hint, self.hint_ready_s = tuple(getattr(mid, "ids", ())), start + latency
         self.hint_action = mid.action.text if mid.action is not None else None

@@ -113,19 +113,20 @@ class StatedLatency:
 
     A decision drafted from a hint (:meth:`hinted`, act_while_verifying confirm): its rounds
     (``decoding.lookup.hinted_rounds``) each cost a round trip and one verification pass, the first
-    also the cloud's prefill of the new frame; the tokens left after the hint is spent cost
-    ``ms_per_token`` each after one more round trip. ``pass_ms`` (default: ``ms_per_token``) and
+    also the cloud's prefill of the new frame; the tokens left after the hint is spent are cloud AR,
+    ``tail_ms_per_token`` each (default ``ms_per_token``) after one more round trip. ``pass_ms`` (default: ``ms_per_token``) and
     ``prefill_ms`` are the cloud's (a regime states them; the per-token figure already carries the
     prefill's share, so charging it again is conservative against the hint)."""
 
     def __init__(self, ms_per_token: float, rtt_s: float = 0.0, pass_ms: float | None = None,
-                 prefill_ms: float = 0.0):
+                 prefill_ms: float = 0.0, tail_ms_per_token: float | None = None):
         if not ms_per_token > 0 or not math.isfinite(ms_per_token) or rtt_s < 0:
             raise ValueError(f"stated latency: need ms_per_token > 0 and rtt_s >= 0, got {ms_per_token}, {rtt_s}")
         pass_ms = ms_per_token if pass_ms is None else pass_ms
         if not pass_ms > 0 or not prefill_ms >= 0:
             raise ValueError(f"stated latency: need pass_ms > 0 and prefill_ms >= 0, got {pass_ms}, {prefill_ms}")
         self.ms_per_token, self.rtt_s, self.pass_ms, self.prefill_ms = ms_per_token, rtt_s, pass_ms, prefill_ms
+        self.tail_ms_per_token = ms_per_token if tail_ms_per_token is None else tail_ms_per_token
 
     @property
     def label(self) -> str:
@@ -141,7 +142,7 @@ class StatedLatency:
         r = hinted_rounds(tokens, hint, block)
         s = self.prefill_ms / 1e3 + r.rounds * (self.rtt_s + self.pass_ms / 1e3)
         if r.tail:
-            s += self.rtt_s + r.tail * self.ms_per_token / 1e3
+            s += self.rtt_s + r.tail * self.tail_ms_per_token / 1e3
         return s, r
 
 
