@@ -135,6 +135,13 @@ def test_a_sampled_decision_is_decided_without_its_hint():
     lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]
     assert all(lat[i + 1] == pytest.approx(0.5) for i in blocked if i + 1 < len(lat))
     assert ep.hinted["hinted"] < ep.verified_decisions - 1
+    # a hint later than predicted is waited for even where the sampled decision cannot use it: the
+    # drafter begins nothing while it is in flight. Hint decisions of 40 tokens (2.0 s): the turn's is
+    # begun 0.5 s before its end (the first decision's latency), the blocked move's 1.25 s before (the
+    # median of 0.5 and 2.0), landing 0.75 s after it: the sampled decision waits that, then 0.5 s
+    ep = run(LongMid(script), "confirm", resample_temperature=0.7, scenario=corridor(x=1.0, y=1.0, yaw_deg=0.0))
+    lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]
+    assert blocked[0] == 1 and lat[2] == pytest.approx(0.75 + 0.5)
 
 
 def test_confirm_needs_a_latency_model_that_prices_a_hint():
