@@ -370,3 +370,39 @@ def test_a_steps_executed_outcome_counts_collisions_and_the_experts_decisions_to
     assert step_outcome(far.scenario, far.pose, "stop").decisions_to_goal == math.inf  # stopped short: fails
     short = step_outcome(far.scenario, far.pose, far.decision.action, horizon=1)
     assert short.decisions_to_goal == math.inf  # no successful stop within one decision
+
+
+def test_early_stops_are_told_apart_at_a_look_alike_and_by_the_range():
+    """The card's early-stop bar: stops next to a look-alike of the goal (the nearest object: its
+    colour or its type), and stops short of the goal beyond or within 1.5 m of it."""
+    from edgespec_ros.control.actions import parse_action
+    from edgespec_ros.evaluation.policy import PolicyOutput
+    from edgespec_ros.sim.evaluate import EARLY_STOP_KINDS, LOOK_ALIKE, early_stop_counts, run_episode
+    from edgespec_ros.sim.scenario import scenario_from_dict
+
+    def room(robot_x, robot_y=3.0):
+        return scenario_from_dict({
+            "name": "look-alikes", "room": {"width_m": 9.0, "depth_m": 6.0},
+            "objects": [{"id": "goal", "type": "chair", "color": "yellow", "x": 8.0, "y": 3.0},
+                        {"id": "twin", "type": "chair", "color": "orange", "x": 2.5, "y": 3.0},
+                        {"id": "other", "type": "cone", "color": "blue", "x": 5.0, "y": 5.5}],
+            "robot": {"x": robot_x, "y": robot_y, "yaw_deg": 0.0}, "instruction": "find the yellow chair",
+            "goal": {"object": "goal", "radius_m": 0.7}, "max_steps": 5})
+
+    class Stops:
+        memory, belief = 0, False
+
+        def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
+            return PolicyOutput("Action: stop.", parse_action("Action: stop."), None, 4)
+
+    at_twin = run_episode(Stops(), room(1.5))  # 1.0 m from the orange chair, 6.5 m from the goal
+    short = run_episode(Stops(), room(5.0, 4.0))  # nearest the blue cone (not alike), 3.2 m from the goal
+    close = run_episode(Stops(), room(6.9))  # 1.1 m from the goal: a stop a little early
+    assert at_twin.stop_near == LOOK_ALIKE and short.stop_near == "" and close.stop_near == ""
+    goal_reached = run_episode(Stops(), room(7.4))
+    assert goal_reached.success and goal_reached.stop_near == ""
+    from dataclasses import asdict
+    counts = early_stop_counts([asdict(e) for e in (at_twin, short, close, goal_reached)])
+    assert counts == dict(zip(EARLY_STOP_KINDS, (1, 1, 1)))
+    assert early_stop_counts([{k: v for k, v in asdict(at_twin).items() if k != "stop_near"}]) == \
+        dict(zip(EARLY_STOP_KINDS, (0, 1, 0)))  # an episode recorded before stop_near: by its range alone

@@ -338,6 +338,13 @@ def test_card_reports_the_pipeline_time_and_says_when_the_target_misses_a_bar(tm
     assert "| target | 95.0% ± 12.6 |" in text and "| 90.0% | 97.0% |" in text
     assert "from 20 jittered starts (up to 0.25 m and 15 degrees off): the target reaches the goal in 100.0%" in text
     assert "(target: 3 scenarios, 5 frames; draft: 2, 4)" in text
+    assert "failed episodes failed" not in text  # no failures recorded: no line
+    metrics["target"] = dict(role, failures={"cycle": 0, "push": 0, "early stop": 2, "ran out": 1},
+                             early_stops={"at a look-alike": 1, "beyond 1.5 m": 1, "within 1.5 m": 0})
+    text = open(write_card(str(tmp_path), metrics)).read()
+    assert ("2 early stops away from the goal (1 at a look-alike, 1 beyond 1.5 m, 0 within 1.5 m), 1 ran out"
+            in text)
+    metrics["target"] = role
     assert "pretrained alone" not in text and "DAgger" not in text  # training.json names neither
     assert "The draft is in its bands (per-token acceptance 0.5-0.9 and tau 2-4.6 at gamma 4) at T=0 and T=1." in text
     assert "The draft was not distilled towards the target" in text

@@ -54,7 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from ..decoding.engines import ModelLoadError, load_model
     from ..evaluation.policy import VLMPolicy
-    from ..sim.evaluate import classify_failure, evaluate_closed_loop, failure_counts
+    from ..sim.evaluate import classify_failure, early_stop_counts, evaluate_closed_loop, failure_counts
 
     scenarios = load_scenarios(args.scenarios)
     try:
@@ -65,15 +65,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                   bags_dir=args.bags)
     report["model"] = args.model
     report["failures"] = failure_counts(report["per_scenario"])
+    report["early_stops"] = early_stop_counts(report["per_scenario"])
     for ep in report["per_scenario"]:
         ep["failure"] = classify_failure(ep)
         print(f"  {ep['scenario']:<32} {'success' if ep['success'] else 'FAIL   '} steps {ep['steps']:>3} "
               f"collisions {ep['collisions']} unparseable {ep['unparseable']}"
-              + (f"  ({ep['failure']}, {ep['final_goal_distance_m']:.2f} m from the goal)" if ep["failure"] else ""))
+              + (f"  ({ep['failure']}, {ep['final_goal_distance_m']:.2f} m from the goal"
+                 f"{', at a look-alike' if ep.get('stop_near') else ''})" if ep["failure"] else ""))
     print(f"success rate {report['success_rate']:.1%} over {report['episodes']} episodes "
           f"(mean steps {report['mean_steps']:.1f}, collisions {report['collisions']}, "
           f"unparseable decisions {report['unparseable_decisions']}); failed: "
-          + ", ".join(f"{kind} {n}" for kind, n in report["failures"].items()))
+          + ", ".join(f"{kind} {n}" for kind, n in report["failures"].items())
+          + (f" (early stops: {', '.join(f'{n} {kind}' for kind, n in report['early_stops'].items())})"
+             if report["failures"].get("early stop") else ""))
     if args.explain:
         _explain_failures(report["per_scenario"])
     if args.json:

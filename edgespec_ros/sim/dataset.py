@@ -477,9 +477,7 @@ def _closeup(scenario: Scenario, rng: np.random.Generator, max_gap_m: float = 1.
              max_off_deg: float = 35.0) -> Pose | None:
     """A pose up to ``max_gap_m`` from touching an object, facing it within ``max_off_deg``; the
     object is a look-alike of the goal (same colour or type) twice as often as any other."""
-    goal = scenario.goal_object
-    weights = np.array([2.0 if i != scenario.goal_index and (o.color == goal.color or o.type == goal.type)
-                        else 1.0 for i, o in enumerate(scenario.objects)])
+    weights = np.array([2.0 if scenario.look_alike(o) else 1.0 for o in scenario.objects])
     for _ in range(10):
         obj = scenario.objects[int(rng.choice(len(weights), p=weights / weights.sum()))]
         distance = obj.footprint_radius_m + ROBOT_RADIUS_M + float(rng.uniform(0.03, max_gap_m))

@@ -11,6 +11,8 @@ view, or drive on into the obstacle); 0 is pure greedy decoding. A policy with m
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
@@ -34,6 +36,9 @@ class EpisodeResult:
     # one entry per decision, in order: the goal's distance before it, the belief line its prompt
     # showed ("" for none) and the model's whole answer (what ``edgespec-sim eval --explain`` prints)
     trace: list[dict] = field(default_factory=list)
+    # an episode that ended in a stop away from the goal: LOOK_ALIKE when the object nearest the robot
+    # there is a look-alike of the goal (Scenario.look_alike), else ""
+    stop_near: str = ""
 
 
 def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
@@ -73,7 +78,18 @@ def run_episode(policy, scenario: Scenario, resample_temperature: float = 0.0,
             recording.moved(world.pose, out.action.text, "blocked_contact" if resample
                             else "stopped" if out.action.kind == "stop" else "completed")
     return EpisodeResult(scenario.name, world.success, world.steps, world.collisions, unparseable,
-                         round(world.goal_distance(), 3), actions, trace)
+                         round(world.goal_distance(), 3), actions, trace,
+                         _stop_near(world) if actions and actions[-1] == "stop" and not world.success else "")
+
+
+LOOK_ALIKE = "look-alike"
+
+
+def _stop_near(world: SimWorld) -> str:
+    """LOOK_ALIKE when the object nearest the robot's centre is a look-alike of the goal."""
+    pose, objects = world.pose, world.scenario.objects
+    nearest = min(objects, key=lambda o: math.hypot(o.x - pose.x, o.y - pose.y))
+    return LOOK_ALIKE if world.scenario.look_alike(nearest) else ""
 
 
 def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes",
@@ -126,6 +142,24 @@ def classify_failure(episode: dict) -> str | None:
     if episode["actions"] and episode["actions"][-1] == "stop":
         return "early stop"
     return "ran out"
+
+
+# Where an early stop happened (early_stop_counts): at a look-alike, or short of the goal by more or
+# less than EARLY_STOP_FAR_M (the card's bar counts the first two).
+EARLY_STOP_FAR_M = 1.5
+EARLY_STOP_KINDS = ("at a look-alike", f"beyond {EARLY_STOP_FAR_M:g} m", f"within {EARLY_STOP_FAR_M:g} m")
+
+
+def early_stop_counts(episodes: list[dict]) -> dict:
+    """How many of ``episodes``' early stops (``classify_failure``) were at a look-alike of the goal
+    (the object nearest the robot), else beyond or within :data:`EARLY_STOP_FAR_M` of the goal."""
+    counts = dict.fromkeys(EARLY_STOP_KINDS, 0)
+    for ep in episodes:
+        if classify_failure(ep) != "early stop":
+            continue
+        far = ep["final_goal_distance_m"] > EARLY_STOP_FAR_M
+        counts[EARLY_STOP_KINDS[0 if ep.get("stop_near") == LOOK_ALIKE else 1 if far else 2]] += 1
+    return counts
 
 
 def failure_counts(episodes: list[dict]) -> dict:

@@ -173,6 +173,11 @@ class Scenario:
         """The goal object."""
         return self.objects[self.goal_index]
 
+    def look_alike(self, obj: SceneObject) -> bool:
+        """Whether ``obj`` is a look-alike of the goal: another object of its colour or its type."""
+        goal = self.goal_object
+        return obj.id != goal.id and (obj.color == goal.color or obj.type == goal.type)
+
     def object_by_id(self, object_id: str) -> SceneObject:
         """The object with ``object_id``; KeyError names the known ids if there is none."""
         for obj in self.objects:

@@ -13,7 +13,7 @@ import os
 from itertools import islice
 
 from ..sim.dataset import generate_examples, iter_scenarios
-from ..sim.evaluate import action_agreement, evaluate_closed_loop, failure_counts, run_episode
+from ..sim.evaluate import action_agreement, early_stop_counts, evaluate_closed_loop, failure_counts, run_episode
 from ..robot.decoder import EdgeDecoder
 from ..robot.settings import DEFAULTS, DecodeConfig
 from ..cloud.local import LocalVerifier
@@ -152,7 +152,7 @@ def _summarise(parts: list[dict]) -> dict:
             "resampled_episodes": sum(1 for ep in episodes if ep["unparseable"] or ep["collisions"]),
             "success_rate_resampled": sum(ok for ok, _ in resampled) / n,
             "collisions_resampled": sum(hits for _, hits in resampled),
-            "failures": failure_counts(episodes)}
+            "failures": failure_counts(episodes), "early_stops": early_stop_counts(episodes)}
 
 
 def measure(models_dir: str, n_scenarios: int = 120, n_frames: int = 600, draft_scenarios: int = 40,
@@ -231,7 +231,8 @@ def measure_targets(target_dirs: list[str], workers: int = 2, n_scenarios: int =
                   "action_agreement": sum(p.get("agree", 0) for p in mine) / frames,
                   "kind_direction_agreement": sum(p.get("coarse", 0) for p in mine) / frames,
                   "demo": next(p["demo"] for p in mine if "demo" in p),
-                  "failures": failure_counts(episodes), "per_scenario": episodes,
+                  "failures": failure_counts(episodes), "early_stops": early_stop_counts(episodes),
+                  "per_scenario": episodes,
                   "expert": expert_overrides(trained_expert(d))}
     return out
 
@@ -273,6 +274,12 @@ def before_figures(models_dir: str, committed_dir: str) -> dict | None:
              else "the target committed before this one")
     return {"label": label, "target": {k: target[k] for k in BEFORE_FIGURES if k in target},
             "expert": previous.get("expert", {})}
+
+
+def _where(early_stops: dict | None) -> str:
+    """Where the early stops happened (``sim.evaluate.early_stop_counts``), e.g. " (1 at a look-alike,
+    0 beyond 1.5 m, 1 within 1.5 m)"; "" where the card did not record it."""
+    return f" ({', '.join(f'{n} {kind}' for kind, n in early_stops.items())})" if early_stops else ""
 
 
 def before_after_lines(metrics: dict, expert: dict | None = None) -> list[str]:
@@ -363,7 +370,8 @@ def write_card(models_dir: str, metrics: dict) -> str:
         f = t["failures"]
         lines += ["", f"Why the target's failed episodes failed (`sim.evaluate.classify_failure`): "
                       f"{f['cycle']} left/right limit cycles, {f['push']} pushes into something (3+ collisions), "
-                      f"{f['early stop']} early stops away from the goal, {f['ran out']} ran out of decisions."]
+                      f"{f['early stop']} early stops away from the goal{_where(t.get('early_stops'))}, "
+                      f"{f['ran out']} ran out of decisions."]
     lines += before_after_lines(metrics, training.get("target", {}).get("expert"))
     if t.get("resampled_episodes"):
         n = t["resampled_episodes"]
