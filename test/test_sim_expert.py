@@ -399,6 +399,8 @@ def test_early_stops_are_told_apart_at_a_look_alike_and_by_the_range():
     short = run_episode(Stops(), room(5.0, 4.0))  # nearest the blue cone (not alike), 3.2 m from the goal
     close = run_episode(Stops(), room(6.9))  # 1.1 m from the goal: a stop a little early
     assert at_twin.stop_near == LOOK_ALIKE and short.stop_near == "" and close.stop_near == ""
+    beside = run_episode(Stops(), room(4.2))  # the orange chair nearest, but 1.7 m away: not at it
+    assert beside.stop_near == "" and beside.final_goal_distance_m > 1.5
     goal_reached = run_episode(Stops(), room(7.4))
     assert goal_reached.success and goal_reached.stop_near == ""
     from dataclasses import asdict

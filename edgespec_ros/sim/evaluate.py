@@ -37,7 +37,7 @@ class EpisodeResult:
     # showed ("" for none) and the model's whole answer (what ``edgespec-sim eval --explain`` prints)
     trace: list[dict] = field(default_factory=list)
     # an episode that ended in a stop away from the goal: LOOK_ALIKE when the object nearest the robot
-    # there is a look-alike of the goal (Scenario.look_alike), else ""
+    # there is a look-alike of the goal (Scenario.look_alike) within EARLY_STOP_FAR_M of it, else ""
     stop_near: str = ""
 
 
@@ -86,10 +86,12 @@ LOOK_ALIKE = "look-alike"
 
 
 def _stop_near(world: SimWorld) -> str:
-    """LOOK_ALIKE when the object nearest the robot's centre is a look-alike of the goal."""
+    """LOOK_ALIKE when the object nearest the robot's centre is a look-alike of the goal, within
+    EARLY_STOP_FAR_M of it."""
     pose, objects = world.pose, world.scenario.objects
     nearest = min(objects, key=lambda o: math.hypot(o.x - pose.x, o.y - pose.y))
-    return LOOK_ALIKE if world.scenario.look_alike(nearest) else ""
+    near = math.hypot(nearest.x - pose.x, nearest.y - pose.y) <= EARLY_STOP_FAR_M
+    return LOOK_ALIKE if near and world.scenario.look_alike(nearest) else ""
 
 
 def evaluate_closed_loop(policy, scenarios: list[Scenario], desc: str = "episodes",
@@ -152,7 +154,8 @@ EARLY_STOP_KINDS = ("at a look-alike", f"beyond {EARLY_STOP_FAR_M:g} m", f"withi
 
 def early_stop_counts(episodes: list[dict]) -> dict:
     """How many of ``episodes``' early stops (``classify_failure``) were at a look-alike of the goal
-    (the object nearest the robot), else beyond or within :data:`EARLY_STOP_FAR_M` of the goal."""
+    (the object nearest the robot, within :data:`EARLY_STOP_FAR_M` of it), else beyond or within
+    :data:`EARLY_STOP_FAR_M` of the goal."""
     counts = dict.fromkeys(EARLY_STOP_KINDS, 0)
     for ep in episodes:
         if classify_failure(ep) != "early stop":
