@@ -97,19 +97,29 @@ def test_a_decision_predicted_to_land_well_after_the_motion_is_not_begun_during_
     assert ep.hinted["mid"] == 0 and ep.hinted["hinted"] == 0
 
 
-def test_a_decision_during_the_motion_later_than_predicted_is_waited_for():
-    # decisions during the motion say 40 tokens (2.0 s), predicted at 0.5 s (the first decision's):
-    # begun 1.0 s into the move, done 1.5 s after it ends; the robot waits, then one pass
+def test_a_late_hint_is_waited_for_until_it_would_hold_the_next_decision_back():
+    # hint decisions of 14 tokens (0.7 s), predicted at 0.5 s (the first decision's): begun 0.5 s before
+    # the move ends, landing 0.2 s after it, before it is given up (0.25 s after): waited for, one pass
+    ep = run(LongMid(SCRIPT, n=14), "confirm")
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][:2] == pytest.approx([0.5, 0.2 + 0.05])
+    # 40 tokens (2.0 s) would land 1.5 s after it: given up 0.25 s after the end, the robot waits that
+    # (no reconnect cost on this link: no round trip), then decides unhinted
     ep = run(LongMid(SCRIPT), "confirm")
-    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][:2] == pytest.approx([0.5, 1.5 + 0.05])
+    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][:2] == pytest.approx([0.5, 0.25 + 0.5])
+    assert ep.hinted["hinted"] == 0 and ep.hinted["mid"] >= 1
 
 
 class LongMid(Speaker):
+    """A Speaker whose decisions during a motion say the same words and more: ``n`` tokens."""
+
+    def __init__(self, script, n=40, **kw):
+        super().__init__(script, **kw)
+        self.n = n
+
     def decide(self, image, instruction, temperature=0.0, seed=0, history=()):
         out = super().decide(image, instruction, temperature, seed, history)
-        if self.seen[-1][0]:  # during a motion: the same words, and 30 more
-            ids = self.ids(out.text, 40)
-            return PolicyOutput(out.text, out.action, out.error, 40, ids)
+        if self.seen[-1][0]:
+            return PolicyOutput(out.text, out.action, out.error, self.n, self.ids(out.text, self.n))
         return out
 
 
@@ -136,12 +146,13 @@ def test_a_sampled_decision_is_decided_without_its_hint():
     assert all(lat[i + 1] == pytest.approx(0.5) for i in blocked if i + 1 < len(lat))
     assert ep.hinted["hinted"] < ep.verified_decisions - 1
     # a hint later than predicted is waited for even where the sampled decision cannot use it: the
-    # drafter begins nothing while it is in flight. Hint decisions of 40 tokens (2.0 s): the turn's is
-    # begun 0.5 s before its end (the first decision's latency), the blocked move's 1.25 s before (the
-    # median of 0.5 and 2.0), landing 0.75 s after it: the sampled decision waits that, then 0.5 s
-    ep = run(LongMid(script), "confirm", resample_temperature=0.7, scenario=corridor(x=1.0, y=1.0, yaw_deg=0.0))
+    # drafter begins nothing while it is in flight. Hint decisions of 14 tokens (0.7 s): the turn's is
+    # kept (0.7 s measured), the blocked move's begun 0.6 s before its end (the median of 0.5 and 0.7)
+    # lands 0.1 s after it: the sampled decision waits 0.1 s, then 0.5 s unhinted
+    ep = run(LongMid(script, n=14), "confirm", resample_temperature=0.7,
+             scenario=corridor(x=1.0, y=1.0, yaw_deg=0.0))
     lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]
-    assert blocked[0] == 1 and lat[2] == pytest.approx(0.75 + 0.5)
+    assert blocked[0] == 1 and lat[2] == pytest.approx(0.1 + 0.5)
 
 
 def test_confirm_needs_a_latency_model_that_prices_a_hint():
@@ -185,6 +196,8 @@ def test_under_confirm_the_drafter_decides_during_the_motion_publishes_nothing_a
     core.set_frame(frame(clock))
     ticket = core.begin()
     assert ticket is not None and ticket.hint_for == out.stamp_ns and not ticket.chained
+    # given up half its predicted latency after the motion's end: 0.49 + 0.25 s from now
+    assert (ticket.deadline_ns - clock()) / S == pytest.approx(0.74, abs=1e-6)
     clock.advance(0.4)
     assert core.run(ticket) is None  # kept as a hint, never published
     assert decoder.histories[-1] == (Turn("move forward large", EXECUTING),)
@@ -283,11 +296,13 @@ def test_the_simulated_robot_keeps_no_hint_the_drafter_would_not_have():
     ep = run_linked_episode(Speaker(SCRIPT), corridor(), link=CutLink(1.7, 1.8), on_link_loss="stop",
                             health=HEALTH, decision_latency=StatedLatency(50.0, 0.0), deadline_s=8.0,
                             acting=ActWhileVerifying("confirm", 5.0, 1.0))
-    lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]
-    assert lat[:2] == pytest.approx([0.5, 0.5]) and ep.hinted["mid"] >= 1
-    # a hint decision longer than the deadline: given up, the next decision unhinted
-    ep = run(LongMid(SCRIPT), "confirm", deadline_s=1.9)  # hint decisions of 40 tokens: 2.0 s
-    assert [r.latency_s for r in ep.records if r.kind == VERIFIED][:2] == pytest.approx([0.5, 0.5])
+    lat = [r.latency_s for r in ep.records if r.kind == VERIFIED]  # given up 0.25 s after the move's end
+    assert lat[:2] == pytest.approx([0.5, 0.25 + 0.5]) and ep.hinted["hinted"] < ep.hinted["mid"]
+    # when a hint is given up: half its predicted latency after the motion's end, never past the deadline
+    from edgespec_ros.control.chaining import hint_given_up_s
+    assert hint_given_up_s(10.0, 0.5, 10.5, 8.0) == pytest.approx(10.75)
+    assert hint_given_up_s(10.0, 4.0, 11.5, 8.0) == pytest.approx(13.5)  # begun with the motion
+    assert hint_given_up_s(10.0, 4.0, 11.5, 2.0) == pytest.approx(12.0)  # the deadline first
     # a link fault drops the hint the next ticket would have carried
     from edgespec_ros.control.motion import MotionLimits
     from edgespec_ros.control.actions import DEFAULT_ACTION_CONFIG

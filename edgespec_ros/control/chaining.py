@@ -75,6 +75,13 @@ def hint_in_time(start_s: float, latency_s: float | None, motion_end_s: float) -
     return latency_s is not None and start_s + latency_s <= motion_end_s + HINT_LATE_SHARE * latency_s
 
 
+def hint_given_up_s(start_s: float, latency_s: float, motion_end_s: float, deadline_s: float) -> float:
+    """confirm: when a hint begun at ``start_s`` (predicted ``latency_s``) is given up if it has not
+    landed, so that the next decision is not held back by it: :data:`HINT_LATE_SHARE` of its
+    predicted latency after the motion's end, never later than the decision deadline."""
+    return start_s + min(deadline_s, max(motion_end_s - start_s, 0.0) + HINT_LATE_SHARE * latency_s)
+
+
 # How many of a command's last decisions the latency prediction reads, in the drafter and the
 # simulator alike.
 LATENCY_WINDOW = 5

@@ -49,7 +49,7 @@ from ..control.link_fallback import Fallback, LinkFallback, Step, remembered_act
 from ..control.link_health import LinkHealth
 from ..decoding.faults import FaultKind
 from .act_timing import DecisionTiming
-from ..control.chaining import CONFIRM, MAX_DECISION_AGE_S, hint_in_time
+from ..control.chaining import CONFIRM, MAX_DECISION_AGE_S, hint_given_up_s, hint_in_time
 from ..control.provisional import worth_acting_provisionally
 from .settings import DrafterSettings
 from ..decoding.metrics import DecisionMetrics
@@ -395,8 +395,12 @@ class DrafterCore:
             if self.settings.wait_for_motion and not chained:
                 self.memory.gave_up_waiting()  # the motion wait timed out (when one was awaited)
             hint_only = chained and self.settings.act_while_verifying == CONFIRM
+            within_s = self.settings.deadline_s
+            if hint_only:  # given up where it would hold the next decision back (chaining.hint_given_up_s)
+                within_s = hint_given_up_s(0.0, self.timing.latency_s(self.decoder.auto_gamma) or 0.0,
+                                           (self.motion_running[1] - now) / NS, self.settings.deadline_s)
             ticket = Ticket(self.generation, self.instruction, self.frame, self.decisions, now,
-                            self.steady_ns() + int(self.settings.deadline_s * NS), resample=self.resample_next,
+                            self.steady_ns() + int(within_s * NS), resample=self.resample_next,
                             history=self.memory.prompt_turns(chained),
                             fallback=fallback, chained=chained and not hint_only,
                             hint_for=self.memory.awaiting_stamp if hint_only else None,

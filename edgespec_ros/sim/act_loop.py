@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from ..control.actions import Action
 from ..control.chaining import (ACT_WHILE_VERIFYING, CONFIRM, DROP_BLOCKED, DROP_FRAME_AGE, LATENCY_WINDOW, OFF,
-                                SPECULATIVE, RecentLatency, decision_start_s, hint_in_time)
+                                SPECULATIVE, RecentLatency, decision_start_s, hint_given_up_s, hint_in_time)
 from ..control.motion import DegradedProfile, MotionLimits, Pose2D
 from ..control.profiles import extent, metric_like, primitive_profile
 from ..control.provisional import (CONFIRMED, PROVISIONAL_BOUNDS, ProvisionalCounters, provisional_action,
@@ -354,9 +354,10 @@ class ConfirmingRun(LinkedRun):
     showing k ``executing``; that decision is never acted on. Where k ends the robot decides on the
     fresh frame with k remembered, as with overlap off, and that decision is drafted from the
     first's tokens (``StatedLatency.hinted``; a first decision later than predicted is waited for,
-    standing still, as the drafter node waits for it, even where it cannot be used). A first decision
-    that outlasts the deadline or meets a cut of the link (or a dead zone where the motion ends)
-    leaves no hint and no stop, as the drafter gives it up; a link fault drops the hint. The decisions, the
+    standing still, as the drafter node waits for it, even where it cannot be used). One that has not
+    landed by ``control.chaining.hint_given_up_s``, or meets a cut of the link (or a dead zone where
+    the motion ends), is given up there with no stop, the robot waiting for that and a reconnect's
+    round trip, then deciding unhinted; a link fault drops the hint. The decisions, the
     trajectories and every stop are the blocking loop's (greedy: the target's tokens on the same
     frames); only the time standing still changes. A sampled decision (``resample_temperature``
     after a blocked move) is decided without its hint. EMULATED as every latency of the linked loop."""
@@ -372,7 +373,8 @@ class ConfirmingRun(LinkedRun):
         self.predictor = RecentLatency(acting.window)
         self.counters = HintCounters()
         self.hint: tuple[int, ...] | None = None  # the tokens of the decision made during the last motion
-        self.hint_ready_s = 0.0  # and when it was made
+        self.busy_until_s = 0.0  # when the drafter is free of it (it landed, or was given up)
+        self.reconnect_s = 0.0  # a given-up hint dropped the connection: the next decision reconnects
         self.hint_action: str | None = None  # and its action
 
     def hinted(self) -> dict:
@@ -389,13 +391,15 @@ class ConfirmingRun(LinkedRun):
     def latency_of(self, out) -> float:
         full = self.decision_latency(out)
         hint, self.hint = self.hint, None
-        if hint is None:
-            self.predictor.measured(full)  # a decision from the start, as one made during a motion is
-            return full
-        wait = max(self.hint_ready_s - self.t, 0.0)  # a hint later than predicted: waited for, used or not
+        # the hint's ticket still in flight holds the decision back (until it lands or is given up;
+        # one given up dropped the connection: a reconnect's round trip)
+        wait = max(self.busy_until_s - self.t, 0.0) + self.reconnect_s
+        self.busy_until_s, self.reconnect_s = 0.0, 0.0
         sampled = self.resample_next and self.resample_temperature > 0
         ids = getattr(out, "ids", ())
-        if sampled or not ids or not hint:
+        if hint is None or sampled or not ids or not hint:
+            if hint is None:
+                self.predictor.measured(full)  # a decision from the start, as one made during a motion is
             return wait + full
         latency, r = self.decision_latency.hinted(ids, hint)
         latency += wait
@@ -411,7 +415,7 @@ class ConfirmingRun(LinkedRun):
         return latency
 
     def link_fault(self, *args, **kwargs) -> None:
-        self.hint = None  # the drafter's next ticket after a fault carries no hint
+        self.hint, self.busy_until_s, self.reconnect_s = None, 0.0, 0.0  # the next ticket carries no hint
         super().link_fault(*args, **kwargs)
 
     def moving(self, out, start_pose: Pose, start_s: float, motion_s: float) -> None:
@@ -428,8 +432,12 @@ class ConfirmingRun(LinkedRun):
         mid = _decide(self.policy, image, self.scenario, history)  # greedy: a hint is for a greedy decision
         latency = self.decision_latency(mid)
         self.counters.mid += 1
-        if latency > self.deadline_s or not self._link_holds(start, start + latency):
-            return  # the drafter gives it up (no stop: the motion runs on) and decides unhinted where it ends
+        given_up = hint_given_up_s(start, predicted, end, self.deadline_s)
+        if start + latency > given_up or not self._link_holds(start, start + latency):
+            # the drafter gives it up then (no stop: the motion runs on), drops the connection and decides
+            # unhinted where the motion ends
+            self.busy_until_s, self.reconnect_s = given_up, self.link.rtt_s
+            return
         self.predictor.measured(latency)
-        self.hint, self.hint_ready_s = tuple(getattr(mid, "ids", ())), start + latency
+        self.hint, self.busy_until_s = tuple(getattr(mid, "ids", ())), start + latency
         self.hint_action = mid.action.text if mid.action is not None else None
