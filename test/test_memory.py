@@ -403,6 +403,45 @@ def test_an_expert_that_reads_blocked_turns_away_then_walks_past_and_never_pushe
     assert situations["unblock"] >= 2 and situations["sidestep"] >= 2, situations
 
 
+def test_an_expert_that_reads_a_reversal_settles_instead_of_swinging_back():
+    """``settle_turns`` over mistaken rollouts (reversed turns among the mistakes): a frame whose
+    memory ends with two opposite turns, where the expert would turn towards the target again,
+    is labelled a small turn towards it or, the target within ``slight_deg``, a forward move that
+    touches nothing; every other label, and every frame shown without memory, is the expert's
+    without the rule."""
+    import math
+    from edgespec_ros.sim.expert import ExpertConfig, ExpertPolicy, reversed_turns
+    from edgespec_ros.sim.world import forward_clearance
+    config = ExpertConfig(stop_gap_m=0.3, blocked_memory=True, settle_turns=True)
+    without = ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3, blocked_memory=True))
+    settled = 0
+    for frame in expert_frames("train", 40, 0, expert_config=config, **PUSHES):
+        plain = without.decide(frame.scenario, frame.pose, frame.view, None, frame.history)
+        decision = frame.decision
+        if decision.situation != "settle":
+            assert decision.action == plain.action, (decision.text, plain.text)
+            continue
+        settled += 1
+        assert frame.history and reversed_turns(frame.history), frame.history
+        assert plain.situation in ("turn", "inspect-turn") and decision.action != plain.action
+        target = next(s for s in decision.seen if s.object.id == frame.scenario.goal_object.id) \
+            if plain.situation == "turn" else None
+        if decision.action.kind == "move":
+            assert decision.action.distance_m < forward_clearance(frame.scenario, frame.pose)[0]
+            if target is not None:
+                assert abs(math.degrees(target.bearing_rad)) <= config.slight_deg
+        else:
+            assert decision.action.size == "small" and decision.action.direction == plain.action.direction
+        assert "Action:" not in decision.reasoning
+        assert "back and forth" in decision.reasoning or "one way and then the other" in decision.reasoning
+    assert settled >= 3, settled
+    assert reversed_turns((Turn("turn left medium", DONE), Turn("turn right medium", DONE)))
+    assert not reversed_turns((Turn("turn left medium", DONE), Turn("turn left small", DONE)))
+    assert not reversed_turns((Turn("turn left medium", BLOCKED), Turn("turn right medium", DONE)))
+    assert not reversed_turns((Turn("move forward small", DONE), Turn("turn right medium", DONE)))
+    assert not reversed_turns((Turn("turn right medium", DONE),))
+
+
 def test_pushes_repeat_a_blocked_move_and_leave_the_rollout_as_it_was_until_then():
     kwargs = dict(prompt=PromptFormat(2), memory_noise=0.15, perturbations_per_step=0)
     plain = [(f.pose, f.decision.text, f.history) for f in expert_frames("train", 30, **kwargs)]
@@ -427,9 +466,10 @@ def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp
     assert expert_config_from_pairs(["blocked_memory=true"]).blocked_memory is True
     with pytest.raises(ValueError, match="unblock_turn"):
         ExpertConfig(unblock_turn="huge")
-    with pytest.raises(SystemExit, match="only --memory >= 1 shows"):
-        train_cli.main(["data", "--expert", "blocked_memory=true", "--work", str(tmp_path),
-                        "--out", str(tmp_path / "m")])
+    for rule in ("blocked_memory", "settle_turns"):
+        with pytest.raises(SystemExit, match="only --memory >= 1 shows"):
+            train_cli.main(["data", "--expert", f"{rule}=true", "--work", str(tmp_path),
+                            "--out", str(tmp_path / "m")])
     with pytest.raises(SystemExit, match="--push-repeats must be in"):
         train_cli.main(["data", "--memory", "2", "--push-repeats", "1", "--work", str(tmp_path),
                         "--out", str(tmp_path / "m")])

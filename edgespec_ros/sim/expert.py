@@ -26,6 +26,8 @@ Policy, in order (all geometry from the seen objects and the walls only):
 4. With ``blocked_memory``, a forward move chosen above right after the prompt showed a forward
    move end ``blocked`` becomes a turn towards the more open side (``unblock_turn``); a turn back
    right after that turn away becomes a walk on past the obstacle where the floor is open.
+5. With ``settle_turns``, a turn towards the target right after the memory shows a left/right
+   reversal becomes a walk on (the target within ``slight_deg``) or a small turn.
 
 Obstacles: when a seen object blocks the straight line to the target, the robot goes around
 it on the target's side. A memoryless robot forgets whatever leaves the frame, so detours keep
@@ -113,6 +115,13 @@ class ExpertConfig:
     # labelled memoryless.
     blocked_memory: bool = False
     unblock_turn: str = "medium"
+    # An expert that reads a left/right reversal in the memory, for a model with memory: when the
+    # prompt shows the last two decisions as turns in opposite directions (both done) and the
+    # expert would turn towards the target again, it walks on when the target is within
+    # ``slight_deg`` (and a forward move is safe), else turns ``small`` towards it: a learner that
+    # misjudges a bearing swings by medium turns from side to side (a limit cycle) and needs the
+    # way out of one shown. A frame shown without its memory is labelled memoryless.
+    settle_turns: bool = False
 
     def __post_init__(self):
         if self.approach_turn is not None and self.approach_turn not in SIZES:
@@ -216,17 +225,45 @@ class ExpertPolicy:
         ``belief``: the command's search belief (a ``control.belief.SearchBelief``) as the frame's
         prompt shows it, or None for a frame shown without one; read only with ``search_belief``.
         ``history``: the earlier decisions the frame's prompt shows (``decoding.memory.Turn``s,
-        oldest first; empty when shown without memory); read only with ``blocked_memory``."""
+        oldest first; empty when shown without memory); read only with ``blocked_memory`` and
+        ``settle_turns``."""
         decision = self._decide(scenario, pose, view, belief)
-        if not self.config.blocked_memory or not history or decision.action.kind == "stop":
+        if not history or decision.action.kind == "stop":
             return decision
-        if decision.action.kind == "move" and _blocked_move(history[-1]):
-            return self._unblock(scenario, pose, decision)
-        if (decision.action.kind == "turn" and len(history) >= 2 and _blocked_move(history[-2])
-                and history[-1].outcome == DONE and history[-1].action.startswith("turn")
-                and decision.action.direction not in history[-1].action.split()):
-            return self._sidestep(scenario, pose, decision)
+        if self.config.blocked_memory:
+            if decision.action.kind == "move" and _blocked_move(history[-1]):
+                return self._unblock(scenario, pose, decision)
+            if (decision.action.kind == "turn" and len(history) >= 2 and _blocked_move(history[-2])
+                    and history[-1].outcome == DONE and history[-1].action.startswith("turn")
+                    and decision.action.direction not in history[-1].action.split()):
+                return self._sidestep(scenario, pose, decision)
+        if self.config.settle_turns and decision.situation in ("turn", "inspect-turn") and reversed_turns(history):
+            return self._settle(scenario, pose, decision)
         return decision
+
+    def _settle(self, scenario: Scenario, pose: Pose, decision: ExpertDecision) -> ExpertDecision:
+        """Instead of ``decision`` (a turn towards the target) right after the memory shows a
+        left/right reversal: walk on when the target is within ``slight_deg`` and a forward move is
+        safe, else turn ``small`` towards it; ``decision`` when that is what it already does."""
+        target, words = self._target_words(scenario, decision)
+        if target is None:
+            return decision
+        action = None
+        if abs(math.degrees(target.bearing_rad)) <= self.config.slight_deg:
+            action, _ = self._safe_move(scenario, pose, target, decision.seen, final=decision.situation == "turn")
+        if action is None:
+            action = Action.turn("left" if target.bearing_rad > 0 else "right", "small", self.action_config)
+        if action == decision.action:
+            return decision
+        if action.kind == "move":
+            plan = words.pick("I have just turned one way and then the other, and it is nearly straight ahead, "
+                              "so I will walk towards it instead of turning again.",
+                              "after turning back and forth I am close enough to facing it; moving forward.")
+        else:
+            plan = words.pick(f"I have just turned one way and then the other, so I will turn {action.direction} "
+                              "only a little.",
+                              f"after turning back and forth I will make a small turn {action.direction} this time.")
+        return self._decision(action, words.unblock(target, plan), "settle", decision.seen)
 
     def _unblock(self, scenario: Scenario, pose: Pose, decision: ExpertDecision) -> ExpertDecision:
         """Instead of ``decision`` (a forward move) right after a forward move that ended blocked:
@@ -477,6 +514,16 @@ class ExpertPolicy:
             return Action.turn(direction, size, self.action_config)
         degrees = max(5.0, 5.0 * math.floor(min(magnitude, math.degrees(max_turn_rad)) / 5.0))
         return Action.turn(direction, degrees, self.action_config)
+
+
+def reversed_turns(history: Sequence) -> bool:
+    """Does the memory (``decoding.memory.Turn``s, oldest first) end with two turns in opposite
+    directions, both done: one step of a left/right limit cycle?"""
+    if len(history) < 2:
+        return False
+    words = [t.action.split() for t in history[-2:]]
+    return (all(t.outcome == DONE for t in history[-2:]) and all(len(w) >= 2 and w[0] == "turn" for w in words)
+            and words[0][1] != words[1][1])
 
 
 def _blocked_move(turn) -> bool:

@@ -152,9 +152,11 @@ def main(argv=None) -> int:
     if cfg.mid_motion_from and not cfg.mid_motion:
         raise SystemExit("edgespec-train: --mid-motion-from says where the frames of --mid-motion are captured: "
                          "give --mid-motion too")
-    if pipeline_expert(cfg).blocked_memory and not cfg.memory:
-        raise SystemExit("edgespec-train: --expert blocked_memory=true labels frames from the memory's last outcome, "
-                         "which only --memory >= 1 shows")
+    expert = pipeline_expert(cfg)
+    for name, what in (("blocked_memory", "last outcome"), ("settle_turns", "last two turns")):
+        if getattr(expert, name) and not cfg.memory:
+            raise SystemExit(f"edgespec-train: --expert {name}=true labels frames from the memory's {what}, "
+                             "which only --memory >= 1 shows")
     t0 = time.monotonic()
     stages = ([s for s in ALL_STAGES if s != "vision" or (cfg.target_vision == "auto" and not cfg.target_init)]
               if args.stage == "all"
