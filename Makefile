@@ -10,7 +10,7 @@ SRC    := $(shell find edgespec_ros -name '*.py' -o -name '*.json' 2>/dev/null) 
 # scripts/nodes/* is globbed when cmake configures: a new launcher needs the full msgs build.
 MSGS   := $(wildcard msg/*.msg action/*.action) CMakeLists.txt package.xml scripts/build_msgs.sh $(wildcard scripts/nodes/*)
 
-.PHONY: demo test test-fast install msgs models models-memory models-belief models-long models-quick models-install clean help
+.PHONY: demo test test-fast install msgs models models-memory models-belief models-settle models-long models-quick models-install clean help
 
 help:
 	@echo "make demo  [ARGS='...']  the closed loop on the embedded default models, e.g."
@@ -21,6 +21,8 @@ help:
 	@echo "Training writes under build/ and never touches the committed pair (MODELS_OUT=DIR to choose):"
 	@echo "make models-belief      the committed pair's recipe: memory 2, the search belief, the blocked-move expert,"
 	@echo "                        19,014 target steps (~3 h; resumable, run it again to carry on): build/train-belief/models"
+	@echo "make models-settle      the committed target (BASE=...) continued 3,600 steps with settling, close-ups and"
+	@echo "                        frames in motion, its draft and heads again (~1 h, resumable): build/train-settle/models"
 	@echo "make models-memory      the memory pair's recipe (~2 h, resumable): build/train-memory/models"
 	@echo "make models             the memoryless recipe (~89 min on 2 CPU cores): build/train/models"
 	@echo "make models-long        the memoryless recipe at ~4x the target's steps (hours, resumable): build/train-long/models"
@@ -81,6 +83,20 @@ models-belief: install
 		--spin-starts 0.5 --push-repeats 0.5 --expert "stop_gap_m=0.3;search_belief=true;blocked_memory=true" \
 		--target-steps 19014 --target-budget-s 0 --exit-steps 2000 --work build/train-belief --resume \
 		--out $(or $(MODELS_OUT),build/train-belief/models) $(ARGS)
+
+# A continuation of a belief pair's target (BASE, default the committed one, which `make models-belief`
+# reproduces; docs/models.md: "Settling, close-ups and frames in motion"): 3,600 steps at lr 1e-3 on the
+# belief recipe's data with frames captured late in a motion (--mid-motion 1 --mid-motion-from 0.5), two
+# close-ups a scenario (look-alikes of the goal first) and an expert that settles after a left/right
+# reversal (settle_turns); the draft, distillation and heads trained again. Writes build/train-settle/models
+BASE ?= edgespec_ros/models/target
+models-settle: install
+	$(VENV)/bin/edgespec-train all --memory 2 --memory-noise 0.15 --memory-dropout 0.5 --belief true \
+		--spin-starts 0.5 --push-repeats 0.5 \
+		--expert "stop_gap_m=0.3;search_belief=true;blocked_memory=true;settle_turns=true" \
+		--mid-motion 1 --mid-motion-from 0.5 --closeups-per-scenario 2 --target-init $(BASE) --target-lr 0.001 \
+		--target-steps 3600 --target-budget-s 0 --exit-steps 2000 --work build/train-settle --resume \
+		--out $(or $(MODELS_OUT),build/train-settle/models) $(ARGS)
 
 models-long: install
 	$(VENV)/bin/edgespec-train all --long --resume --work build/train-long \

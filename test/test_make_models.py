@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINING = ["models", "models-long", "models-memory", "models-belief", "models-quick"]
+TRAINING = ["models", "models-long", "models-memory", "models-belief", "models-settle", "models-quick"]
 
 
 def _train_commands(target: str, env_extra: dict | None = None) -> list[list[str]]:
