@@ -461,8 +461,9 @@ def test_the_blocked_expert_reaches_every_goal_and_is_refused_without_memory(tmp
     from edgespec_ros.train import cli as train_cli
     for scenario in iter_scenarios("heldout", 12, max_steps=40):
         plain = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3)))
-        reading = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3, blocked_memory=True)))
-        assert reading.success or not plain.success, scenario.name
+        for rules in (dict(blocked_memory=True), dict(blocked_memory=True, settle_turns=True)):
+            reading = run_expert_episode(scenario, ExpertPolicy(config=ExpertConfig(stop_gap_m=0.3, **rules)))
+            assert reading.success or not plain.success, (scenario.name, rules)
     assert expert_config_from_pairs(["blocked_memory=true"]).blocked_memory is True
     with pytest.raises(ValueError, match="unblock_turn"):
         ExpertConfig(unblock_turn="huge")
