@@ -301,14 +301,6 @@ def test_heldout_scenarios_are_written_as_json(tmp_path):
         assert json.loads(path.read_text())["name"] == f"heldout-{seed}"
 
 
-def test_the_look_alike_subset_is_the_held_out_scenarios_with_a_look_alike_in_order(tmp_path):
-    paths = write_heldout_scenarios(tmp_path, 7, seed=40, look_alikes=True)
-    expected = [s.name for s in iter_scenarios("heldout", 60, 40) if any(s.look_alike(o) for o in s.objects)][:7]
-    assert len(paths) == 7 and [p.stem for p in paths] == expected
-    skipped = [s for s in iter_scenarios("heldout", 60, 40) if not any(s.look_alike(o) for o in s.objects)]
-    assert skipped and all(not (tmp_path / f"{s.name}.json").exists() for s in skipped)
-
-
 def test_heldout_prompts_are_first_frames_of_heldout_scenarios():
     from edgespec_ros.sim.dataset import heldout_prompts
     from edgespec_ros.sim.render import render_camera

@@ -69,9 +69,8 @@ def cmd_heldout(args: argparse.Namespace) -> int:
     """Write held-out scenarios as JSON files."""
     from .dataset import write_heldout_scenarios
 
-    paths = write_heldout_scenarios(args.out, args.n, args.seed, look_alikes=args.look_alikes)
-    kind = " with a look-alike of the goal" if args.look_alikes else ""
-    print(f"wrote {len(paths)} held-out scenarios{kind} to {args.out}")
+    paths = write_heldout_scenarios(args.out, args.n, args.seed)
+    print(f"wrote {len(paths)} held-out scenarios to {args.out}")
     return 0
 
 
@@ -107,9 +106,6 @@ def setup_heldout(sub) -> None:
     parser.add_argument("--out", required=True, help="directory to write into")
     parser.add_argument("--n", type=int, default=50, help="how many scenarios")
     parser.add_argument("--seed", type=int, default=0, help="first held-out index")
-    parser.add_argument("--look-alikes", action="store_true",
-                        help="only scenarios whose room holds a look-alike of the goal (its colour or its type), "
-                             "the first N from --seed on")
     parser.set_defaults(func=cmd_heldout)
 
 

@@ -149,23 +149,13 @@ def iter_scenarios(split: str, n: int, start: int = 0, **kwargs) -> Iterator[Sce
         yield scenario_for_seed(seed, **kwargs)
 
 
-def write_heldout_scenarios(directory: str | Path, n: int, seed: int = 0, look_alikes: bool = False) -> list[Path]:
+def write_heldout_scenarios(directory: str | Path, n: int, seed: int = 0) -> list[Path]:
     """Write held-out scenarios ``seed .. seed + n - 1`` (indices into the held-out seed range)
-    as JSON files ``<directory>/heldout-<seed>.json``; returns their paths. ``look_alikes``: the
-    first ``n`` from ``seed`` on whose rooms hold a look-alike of the goal (an object of its colour
-    or its type: ``Scenario.look_alike``), the subset where the right object must be told apart."""
+    as JSON files ``<directory>/heldout-<seed>.json``; returns their paths."""
     directory = Path(directory)
     paths = []
-    index = seed
-    while len(paths) < n:
-        chunk = n if not look_alikes else max(4 * (n - len(paths)), 16)
-        for scenario in iter_scenarios("heldout", chunk, index):
-            if look_alikes and not any(scenario.look_alike(o) for o in scenario.objects):
-                continue
-            paths.append(write_scenario(scenario, directory / f"{scenario.name}.json"))
-            if len(paths) == n:
-                break
-        index += chunk
+    for scenario in iter_scenarios("heldout", n, seed):
+        paths.append(write_scenario(scenario, directory / f"{scenario.name}.json"))
     return paths
 
 
