@@ -263,7 +263,7 @@ class ExpertPolicy:
             plan = words.pick(f"I have just turned one way and then the other, so I will turn {action.direction} "
                               "only a little.",
                               f"after turning back and forth I will make a small turn {action.direction} this time.")
-        return self._decision(action, words.unblock(target, plan), "settle", decision.seen)
+        return self._decision(action, words.with_plan(target, plan), "settle", decision.seen)
 
     def _unblock(self, scenario: Scenario, pose: Pose, decision: ExpertDecision) -> ExpertDecision:
         """Instead of ``decision`` (a forward move) right after a forward move that ended blocked:
@@ -282,7 +282,7 @@ class ExpertPolicy:
         action = Action.turn(direction, self.config.unblock_turn, self.action_config)
         plan = words.pick(f"my last move was blocked, so I will turn {direction} to get around what is in the way.",
                           f"something stopped my last move, so I am turning {direction} to find a way past it.")
-        return self._decision(action, words.unblock(target, plan), "unblock", decision.seen)
+        return self._decision(action, words.with_plan(target, plan), "unblock", decision.seen)
 
     def _sidestep(self, scenario: Scenario, pose: Pose, decision: ExpertDecision) -> ExpertDecision:
         """Instead of ``decision`` (a turn back) right after turning away from a blocked forward
@@ -300,7 +300,7 @@ class ExpertPolicy:
                           "the way ahead is clear now that I have turned away from the obstacle; walking on to get "
                           "around it.")
         action = Action.move_forward(fits[0], self.action_config)
-        return self._decision(action, words.unblock(target, plan), "sidestep", decision.seen)
+        return self._decision(action, words.with_plan(target, plan), "sidestep", decision.seen)
 
     def _target_words(self, scenario: Scenario, decision: ExpertDecision) -> tuple[SeenObject | None, ExpertWords]:
         """What ``decision``'s frame shows of interest (the identified goal, else the nearest

@@ -163,8 +163,9 @@ class ExpertWords:
             f"I no longer see {self.target}. It was {where} before; turning {direction} back towards it.")
         return self.join(self.distractor(), main)
 
-    def unblock(self, target: SeenObject | None, plan: str) -> str:
-        """Getting past what blocked a forward move (``plan``: a clause in lower case); ``target``:
+    def with_plan(self, target: SeenObject | None, plan: str) -> str:
+        """Where the target is, then what the memory makes the robot do (``plan``: a clause in lower
+        case: getting past a blocked move, settling after a reversal); ``target``:
         the goal (identified) or the look-alike being approached, said where it is as the approach
         says it."""
         if target is None:
